@@ -1,0 +1,166 @@
+"""The one config system: validated dataclasses loaded from YAML, with ``key=value`` overrides.
+
+A config class is a (frozen) dataclass whose fields may be scalars, tuples/lists, optional values or
+nested config dataclasses. ``load_config(cls, path, overrides)`` reads YAML, applies dotted
+overrides (``optim.lr=3e-4``), rejects unknown keys naming the file and the key, converts and checks
+types, then calls the class's ``validate()`` if it has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+C = TypeVar("C")
+
+
+class ConfigError(ValueError):
+    """A config file or override is malformed: the message names the file and the field."""
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    tp, optional = _strip_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where}: must not be null")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {value!r}")
+        return _build(tp, value, where)
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: must be one of {list(typing.get_args(tp))}, got {value!r}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        item_tp = args[0] if args else Any
+        items = [_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type[C], data: dict[str, Any], where: str) -> C:
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(fields)}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(value, hints[name], f"{where}.{name}" if where else name)
+    try:
+        obj = cls(**kwargs)
+    except TypeError as err:  # a required field is missing
+        raise ConfigError(f"{where or cls.__name__}: {err}") from None
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError:
+            raise
+        except ValueError as err:
+            raise ConfigError(f"{where or cls.__name__}: {err}") from None
+    return obj
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected key=value")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def config_from_dict(cls: type[C], data: dict[str, Any], *, source: str = "") -> C:
+    """Builds and validates ``cls`` from a plain mapping; errors name ``source`` and the field."""
+    return _build(cls, data, source)
+
+
+def load_config(cls: type[C], path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> C:
+    """Loads ``cls`` from the YAML file ``path`` (or defaults when None) plus ``key=value`` overrides."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: invalid YAML: {err}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        data = loaded
+    for override in overrides:
+        _apply_override(data, override)
+    return _build(cls, data, source)
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """The plain-YAML form of a config (tuples as lists), for saving the resolved config."""
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (tuple, list)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(config)
+
+
+def save_config(config: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))

@@ -1,0 +1,186 @@
+"""Pure, jittable pieces of batched greedy speculative decoding (one fused function per phase).
+
+Per-row semantics follow ``dflash.model.dflash_generate`` exactly: a row of prompt length ``n`` and
+``max_new_tokens`` m has ``max_len = n + m``; its anchor sits at ``start`` (tokens ``0..start-1``
+are in both caches); each step drafts a block of ``valid = min(B, max_len - start)`` slots, verifies
+it, accepts ``acc`` drafts plus the bonus, and commits ``produced = min(acc + 1, max_len - start - 1)``
+tokens, cut after the first stop token. A row is done once a stop token is committed or
+``start + 1 >= max_len``; done rows stop changing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.attention import AttentionImpl
+from dflash_jax.cache import KVCache, write_all_layers, write_rows
+from dflash_jax.drafter import Drafter
+from dflash_jax.target import Target
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Everything a batch carries between steps; all per-row arrays lead with ``batch``."""
+
+    tokens: jax.Array           # [batch, token_capacity] int32: prompt + committed tokens
+    starts: jax.Array           # [batch] int32: the anchor position (= tokens in the caches)
+    max_lens: jax.Array         # [batch] int32: prompt length + max_new_tokens
+    done: jax.Array             # [batch] bool
+    num_steps: jax.Array        # [batch] int32: decode steps taken by each row
+    accepted: jax.Array         # [batch, max_steps] int32: tokens committed per step (acc + 1, cut)
+    target_cache: KVCache
+    draft_cache: KVCache | None
+
+
+def greedy_accept(draft: jax.Array, posterior: jax.Array, valid: jax.Array) -> jax.Array:
+    """Number of leading drafts equal to the target's argmax at the previous slot.
+
+    ``draft [batch, B-1]`` (slots 1..B-1), ``posterior [batch, B]`` (target argmax per slot),
+    ``valid [batch]`` (slots of the block that exist) -> ``acc [batch]`` int32 in ``[0, valid - 1]``.
+    """
+    slots = jnp.arange(1, draft.shape[1] + 1)
+    match = (draft == posterior[:, :-1]) & (slots[None, :] < valid[:, None])
+    return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+
+
+def commit(
+    state: DecodeState, block_ids: jax.Array, posterior: jax.Array, acc: jax.Array, stop_ids: jax.Array
+) -> tuple[DecodeState, jax.Array]:
+    """Writes the accepted drafts and the bonus token, advances rows, records the step.
+
+    ``block_ids [batch, B]`` (anchor then drafts), ``posterior [batch, B]``, ``acc [batch]``,
+    ``stop_ids [n_stop]`` (-1 pads). Returns the new state (caches untouched) and ``produced``.
+    """
+    batch, block = block_ids.shape
+    active = ~state.done
+    bonus = jnp.take_along_axis(posterior, acc[:, None], axis=1)[:, 0]
+    slot = jnp.arange(block + 1)[None, :]
+    window = jnp.concatenate([block_ids, jnp.zeros((batch, 1), block_ids.dtype)], axis=1)
+    window = jnp.where(slot == acc[:, None] + 1, bonus[:, None], window)
+    old = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (block + 1,)))(state.tokens, state.starts)
+    window = jnp.where(active[:, None] & (slot <= acc[:, None] + 1), window, old)
+    tokens = write_rows(state.tokens, window, state.starts)
+
+    produced = jnp.minimum(acc + 1, state.max_lens - state.starts - 1)
+    new = window[:, 1:]  # the tokens at start + 1 ..
+    is_stop = jnp.isin(new, stop_ids) & (jnp.arange(block)[None, :] < produced[:, None])
+    has_stop = jnp.any(is_stop, axis=1)
+    produced = jnp.where(has_stop, jnp.argmax(is_stop, axis=1) + 1, produced)
+    produced = jnp.where(active, produced, 0).astype(jnp.int32)
+    starts = state.starts + produced
+    done = state.done | has_stop | (starts + 1 >= state.max_lens)
+
+    step_col = jnp.minimum(state.num_steps, state.accepted.shape[1] - 1)
+    rows = jnp.arange(batch)
+    accepted = state.accepted.at[rows, step_col].set(
+        jnp.where(active, produced, state.accepted[rows, step_col])
+    )
+    new_state = dataclasses.replace(
+        state, tokens=tokens, starts=starts, done=done, accepted=accepted,
+        num_steps=state.num_steps + active.astype(jnp.int32),
+    )
+    return new_state, produced
+
+
+def prefill(
+    target: Target,
+    drafter: Drafter | None,
+    ids: jax.Array,
+    lens: jax.Array,
+    max_lens: jax.Array,
+    stop_ids: jax.Array,
+    *,
+    capacity: int,
+    max_steps: int,
+    mask_token_id: int,
+    attention_impl: AttentionImpl = "xla",
+) -> DecodeState:
+    """Runs the padded prompts ``ids [batch, P]`` (lengths ``lens``) and samples the first token.
+
+    Fills the target cache with the prompt, the drafter's context cache with the prompt's taps, and
+    commits the target's argmax after each row's last prompt token.
+    """
+    tc = target.config
+    batch, plen = ids.shape
+    tap_layers = drafter.config.target_layer_ids if drafter is not None else ()
+    target_cache = KVCache.zeros(tc.num_layers, batch, capacity, tc.num_kv_heads, tc.head_dim,
+                                 target.embed_tokens.dtype)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    hidden, taps, target_cache = target.step(ids, zeros, target_cache, blk_lens=lens, tap_layers=tap_layers,
+                                             attention_impl=attention_impl)
+    last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
+    first = jnp.argmax(target.head(last), axis=-1).astype(jnp.int32)
+
+    positions = jnp.arange(capacity + 1)[None, :]
+    tokens = jnp.full((batch, capacity + 1), mask_token_id, jnp.int32)
+    tokens = jnp.where(positions < lens[:, None], jnp.pad(ids, ((0, 0), (0, capacity + 1 - plen))), tokens)
+    tokens = jnp.where(positions == lens[:, None], first[:, None], tokens)
+    done = jnp.isin(first, stop_ids) | (lens + 1 >= max_lens)
+
+    draft_cache = None
+    if drafter is not None:
+        dc = drafter.config
+        draft_cache = KVCache.zeros(dc.num_layers, batch, capacity, dc.num_kv_heads, dc.head_dim,
+                                    drafter.fc.dtype)
+        k, v = drafter.context_kv(taps, jnp.broadcast_to(jnp.arange(plen, dtype=jnp.int32), (batch, plen)))
+        draft_cache = write_all_layers(draft_cache, k, v, zeros)
+    return DecodeState(
+        tokens=tokens, starts=lens.astype(jnp.int32), max_lens=max_lens.astype(jnp.int32), done=done,
+        num_steps=zeros, accepted=jnp.zeros((batch, max_steps), jnp.int32),
+        target_cache=target_cache, draft_cache=draft_cache,
+    )
+
+
+def speculative_step(
+    target: Target,
+    drafter: Drafter,
+    state: DecodeState,
+    stop_ids: jax.Array,
+    *,
+    block_size: int,
+    attention_impl: AttentionImpl = "xla",
+) -> DecodeState:
+    """Draft a block, verify it, commit, and extend the drafter's context: one step for every row."""
+    batch = state.starts.shape[0]
+    starts = state.starts
+    anchor = jnp.take_along_axis(state.tokens, starts[:, None], axis=1)[:, 0]
+    valid = jnp.clip(state.max_lens - starts, 1, block_size).astype(jnp.int32)
+    mask = jnp.full((batch, block_size - 1), drafter.config.mask_token_id, jnp.int32)
+    block_ids = jnp.concatenate([anchor[:, None], mask], axis=1)
+    positions = starts[:, None] + jnp.arange(block_size, dtype=jnp.int32)[None, :]
+
+    draft_cache = state.draft_cache
+    hidden = drafter(target.embed(block_ids)[:, None], positions[:, None], draft_cache.k, draft_cache.v,
+                     starts[:, None], valid[:, None], attention_impl=attention_impl)
+    draft = jnp.argmax(drafter.logits(target, hidden[:, 0, 1:]), axis=-1).astype(jnp.int32)
+    block_ids = block_ids.at[:, 1:].set(draft)
+
+    verified, taps, target_cache = target.step(
+        block_ids, starts, state.target_cache, blk_lens=valid,
+        tap_layers=drafter.config.target_layer_ids, attention_impl=attention_impl,
+    )
+    posterior = jnp.argmax(target.head(verified), axis=-1).astype(jnp.int32)
+    acc = greedy_accept(draft, posterior, valid)
+    new_state, _ = commit(state, block_ids, posterior, acc, stop_ids)
+
+    # The verify pass produced the taps of the committed tokens: project them once for all layers.
+    k, v = drafter.context_kv(taps, positions)
+    draft_cache = write_all_layers(draft_cache, k, v, starts)
+    return dataclasses.replace(new_state, target_cache=target_cache, draft_cache=draft_cache)
+
+
+def target_only_step(
+    target: Target, state: DecodeState, stop_ids: jax.Array, *, attention_impl: AttentionImpl = "xla"
+) -> DecodeState:
+    """Plain greedy decoding of one token per row through the same caches (the speedup baseline)."""
+    starts = state.starts
+    anchor = jnp.take_along_axis(state.tokens, starts[:, None], axis=1)
+    hidden, _, target_cache = target.step(anchor, starts, state.target_cache, attention_impl=attention_impl)
+    posterior = jnp.argmax(target.head(hidden), axis=-1).astype(jnp.int32)
+    acc = jnp.zeros_like(starts)
+    new_state, _ = commit(state, anchor, posterior, acc, stop_ids)
+    return dataclasses.replace(new_state, target_cache=target_cache)

@@ -1,0 +1,119 @@
+"""Logical axis names -> a (``data``, ``fsdp``, ``tensor``) mesh; physical mapping only in config.
+
+Every parameter carries ``axes`` metadata (see ``layers.py``); caches and per-row engine state use
+``CACHE_AXES`` and ``("batch", ...)``. A logical axis maps to its mesh axes only where the dimension
+divides evenly, so KV heads are replicated when there are fewer of them than the TP degree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "taps": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "head_dim": (),
+    "norm": (),
+    "layers": (),
+    "length": (),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape and logical-axis rules; ``-1`` in one axis takes the remaining devices."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = -1
+    rules: dict = dataclasses.field(default_factory=dict)
+
+    def validate(self) -> None:
+        sizes = [self.data, self.fsdp, self.tensor]
+        if sum(s == -1 for s in sizes) > 1:
+            raise ValueError("at most one of data/fsdp/tensor may be -1")
+        if any(s == 0 or s < -1 for s in sizes):
+            raise ValueError(f"mesh sizes must be positive or -1, got {sizes}")
+        unknown = set(self.rules) - set(DEFAULT_RULES)
+        if unknown:
+            raise ValueError(f"rules: unknown logical axes {sorted(unknown)}; known: {sorted(DEFAULT_RULES)}")
+        for name, axes in self.rules.items():
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            bad = [a for a in axes if a not in MESH_AXES]
+            if bad:
+                raise ValueError(f"rules.{name}: unknown mesh axes {bad}; mesh axes are {MESH_AXES}")
+
+    def resolved_rules(self) -> dict[str, tuple[str, ...]]:
+        rules = dict(DEFAULT_RULES)
+        for name, axes in self.rules.items():
+            rules[name] = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        return rules
+
+
+def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> Mesh:
+    """A ``(data, fsdp, tensor)`` mesh with Auto axes (GSPMD propagation inside jit)."""
+    config.validate()
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = [config.data, config.fsdp, config.tensor]
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not divide by mesh sizes {sizes}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    total = int(np.prod(sizes))
+    if total > len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {total} devices, only {len(devices)} present")
+    grid = np.asarray(devices[:total]).reshape(sizes)
+    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def logical_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
+                 rules: dict[str, tuple[str, ...]] | None = None) -> PartitionSpec:
+    """The PartitionSpec for a value with logical ``axes``; uneven dimensions stay replicated."""
+    rules = rules or DEFAULT_RULES
+    used: set[str] = set()
+    spec: list[Any] = []
+    for name, dim in zip(axes, shape):
+        mesh_axes = [a for a in rules.get(name, ()) if a not in used and mesh.shape[a] > 1] if name else []
+        size = int(np.prod([mesh.shape[a] for a in mesh_axes])) if mesh_axes else 1
+        if not mesh_axes or dim % size:
+            spec.append(None)
+            continue
+        used.update(mesh_axes)
+        spec.append(tuple(mesh_axes) if len(mesh_axes) > 1 else mesh_axes[0])
+    return PartitionSpec(*spec)
+
+
+def named_sharding(axes, shape, mesh: Mesh, rules=None) -> NamedSharding:
+    return NamedSharding(mesh, logical_spec(tuple(axes), tuple(shape), mesh, rules))
+
+
+def shard_module(module: nnx.Module, mesh: Mesh, rules=None) -> None:
+    """Places every parameter of ``module`` on ``mesh`` by its ``axes`` metadata (in place)."""
+    state = nnx.state(module, nnx.Param)
+    placed = []
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        axes = var.get_metadata().get("axes")
+        if axes is None:
+            raise ValueError(f"parameter {'.'.join(map(str, path))} has no logical axes")
+        placed.append((path, var.replace(jax.device_put(value, named_sharding(axes, value.shape, mesh, rules)))))
+    nnx.update(module, nnx.from_flat_state(placed))
+
+
+def shard_tree(tree, axes_of, mesh: Mesh, rules=None):
+    """Places each array leaf of ``tree`` with the logical axes ``axes_of(leaf)`` returns."""
+    return jax.tree.map(lambda x: jax.device_put(x, named_sharding(axes_of(x), x.shape, mesh, rules)), tree)

@@ -1,0 +1,143 @@
+"""Tiny random targets and drafters for tests, self-checks and cost benchmarks.
+
+Models are built by our own modules with random weights and written in HF / z-lab format, so every
+test goes through the real loaders and the references read exactly the same files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.checkpoint import save_drafter, save_target
+from dflash_jax.drafter import Drafter
+from dflash_jax.model_config import DrafterConfig, TargetConfig, default_target_layer_ids, freeze_rope_scaling
+from dflash_jax.target import Target
+
+
+def tiny_target_config(model_type: str = "qwen3", **overrides) -> TargetConfig:
+    base = dict(
+        model_type=model_type, vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+        qk_norm=model_type == "qwen3", tie_word_embeddings=False, max_position_embeddings=2048,
+    )
+    if model_type == "llama":
+        base["rope_scaling"] = freeze_rope_scaling({
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        })
+        base["rope_theta"] = 500000.0
+    base.update(overrides)
+    return TargetConfig(**base)
+
+
+def tiny_drafter_config(target: TargetConfig, *, num_layers: int = 2, block_size: int = 8,
+                        mask_token_id: int | None = None, target_layer_ids=None, **overrides) -> DrafterConfig:
+    ids = tuple(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
+        target.num_layers, num_layers)
+    base = dict(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+        num_layers=num_layers, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+        rope_scaling=target.rope_scaling, qk_norm=True, block_size=block_size,
+        mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        target_layer_ids=ids, num_target_layers=target.num_layers,
+        max_position_embeddings=target.max_position_embeddings,
+    )
+    base.update(overrides)
+    return DrafterConfig(**base)
+
+
+def _scale_params(module: nnx.Module, std: float, seed: int) -> None:
+    """Re-draws every matrix with ``std`` (norm weights around 1) so logits are far from uniform."""
+    key = jax.random.key(seed)
+    state = nnx.state(module, nnx.Param)
+    flat = nnx.to_flat_state(state)
+    new = []
+    for i, (path, var) in enumerate(flat):
+        value = var.get_value()
+        k = jax.random.fold_in(key, i)
+        if "weight" == str(path[-1]):  # RMSNorm
+            fresh = 1.0 + 0.1 * jax.random.normal(k, value.shape)
+        elif str(path[-1]).endswith("bias"):
+            fresh = 0.1 * jax.random.normal(k, value.shape)
+        else:
+            fresh = std * jax.random.normal(k, value.shape)
+        new.append((path, var.replace(fresh.astype(value.dtype))))
+    nnx.update(module, nnx.from_flat_state(new))
+
+
+def random_target(config: TargetConfig, *, seed: int = 0, std: float = 0.2, dtype=jnp.float32) -> Target:
+    target = Target(config, dtype=dtype, rngs=nnx.Rngs(seed))
+    _scale_params(target, std, seed)
+    return target
+
+
+def random_drafter(config: DrafterConfig, *, seed: int = 1, std: float = 0.2, dtype=jnp.float32) -> Drafter:
+    drafter = Drafter(config, dtype=dtype, rngs=nnx.Rngs(seed))
+    _scale_params(drafter, std, seed)
+    return drafter
+
+
+def write_tiny_pair(
+    directory: str | Path,
+    *,
+    model_type: str = "qwen3",
+    target_overrides: dict | None = None,
+    drafter_overrides: dict | None = None,
+    seed: int = 0,
+) -> tuple[Path, Path]:
+    """Writes a tiny random target (``directory/target``) and drafter (``directory/drafter``)."""
+    directory = Path(directory)
+    tcfg = tiny_target_config(model_type, **(target_overrides or {}))
+    dcfg = tiny_drafter_config(tcfg, **(drafter_overrides or {}))
+    target_dir, drafter_dir = directory / "target", directory / "drafter"
+    save_target(random_target(tcfg, seed=seed), target_dir)
+    save_drafter(random_drafter(dcfg, seed=seed + 1), drafter_dir)
+    return target_dir, drafter_dir
+
+
+def with_fields(config, **changes):
+    return dataclasses.replace(config, **changes)
+
+
+def write_copycat_pair(directory: str | Path, *, noise: float = 0.35, block_size: int = 8,
+                       model_type: str = "qwen3", seed: int = 0) -> tuple[Path, Path]:
+    """A tiny pair with real, varied acceptance lengths and no training.
+
+    The target's layers are small noise around the identity and its LM head is its embedding table,
+    so it mostly repeats the last token and sometimes moves on. The mask token's embedding is zero
+    and the drafter's fc is zero, so every mask slot attends uniformly and, through identity V/O
+    projections, carries only the anchor: the drafter proposes "repeat the anchor" for the whole
+    block. Acceptance then measures how long the target keeps repeating.
+    """
+    directory = Path(directory)
+    tcfg = tiny_target_config(model_type, num_heads=4, num_kv_heads=4, head_dim=16, num_layers=4)
+    dcfg = tiny_drafter_config(tcfg, num_layers=2, block_size=block_size, mask_token_id=tcfg.vocab_size - 1)
+    target = random_target(tcfg, seed=seed, std=noise)
+    key = jax.random.key(seed + 100)
+    table = jax.random.normal(key, (tcfg.vocab_size, tcfg.hidden_size)).at[dcfg.mask_token_id].set(0.0)
+    target.embed_tokens[...] = table
+    target.lm_head[...] = table.T
+    for layer in target.layers:
+        layer.input_layernorm.weight[...] = jnp.ones_like(layer.input_layernorm.weight[...])
+        layer.post_attention_layernorm.weight[...] = jnp.ones_like(layer.post_attention_layernorm.weight[...])
+    target.norm.weight[...] = jnp.ones_like(target.norm.weight[...])
+
+    drafter = random_drafter(dcfg, seed=seed + 1, std=0.2)
+    drafter.fc[...] = jnp.zeros_like(drafter.fc[...])
+    eye = jnp.eye(dcfg.hidden_size)
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        attn.v_proj[...] = eye.reshape(dcfg.hidden_size, dcfg.num_kv_heads, dcfg.head_dim)
+        attn.o_proj[...] = eye.reshape(dcfg.num_heads, dcfg.head_dim, dcfg.hidden_size)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.mlp, name)[...] = jnp.zeros_like(getattr(layer.mlp, name)[...])
+    target_dir, drafter_dir = directory / "target", directory / "drafter"
+    save_target(target, target_dir)
+    save_drafter(drafter, drafter_dir)
+    return target_dir, drafter_dir

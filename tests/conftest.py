@@ -1,0 +1,52 @@
+"""Shared fixtures: 8 fake CPU devices for sharding tests, tiny random model directories, oracles."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from dflash_jax.tiny import write_tiny_pair  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen3_pair(tmp_path_factory):
+    """A tiny Qwen3 target (6 layers, GQA 4/2) and a 2-layer block-8 drafter tapping layers (1, 3)."""
+    return write_tiny_pair(tmp_path_factory.mktemp("qwen3"), model_type="qwen3",
+                           target_overrides=dict(num_layers=6), drafter_overrides=dict(block_size=8))
+
+
+@pytest.fixture(scope="session")
+def llama_pair(tmp_path_factory):
+    """A tiny Llama-3 target (llama3 RoPE scaling, tied embeddings) and its drafter."""
+    return write_tiny_pair(tmp_path_factory.mktemp("llama"), model_type="llama",
+                           target_overrides=dict(num_layers=5, tie_word_embeddings=True),
+                           drafter_overrides=dict(block_size=8, num_layers=3))
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """The oracles: transformers and the authors' `dflash` package, with CPU timing."""
+    torch = pytest.importorskip("torch")
+    import dflash.model as dm
+    from transformers import AutoModelForCausalLM
+
+    dm._cuda_time = time.perf_counter  # dflash_generate(return_stats=True) syncs CUDA otherwise
+    torch.manual_seed(0)
+
+    class Oracles:
+        model = dm
+
+        @staticmethod
+        def target(path):
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+        @staticmethod
+        def drafter(path):
+            return dm.DFlashDraftModel.from_pretrained(path, dtype=torch.float32).eval()
+
+    return Oracles

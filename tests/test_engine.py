@@ -1,0 +1,145 @@
+"""The batched engine against `dflash.model.dflash_generate` and against target-only greedy decoding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from dflash_jax import Engine, EngineConfig, load_drafter, load_target
+from dflash_jax.decoding import greedy_accept
+from dflash_jax.sharding import MeshConfig
+from dflash_jax.tiny import write_copycat_pair
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A pair with varied acceptance lengths (1..B) without training; see write_copycat_pair."""
+    return write_copycat_pair(tmp_path_factory.mktemp("copycat"), block_size=8)
+
+
+@pytest.fixture(scope="module")
+def models(pair):
+    return load_target(pair[0]), load_drafter(pair[1])
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rs = np.random.RandomState(0)
+    return [rs.randint(0, 95, n).tolist() for n in (5, 17, 9, 30, 2)]
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    target, drafter = models
+    config = EngineConfig(max_batch_size=8, max_length=80, steps_per_sync=4)
+    return Engine(target, drafter, config), Engine(target, None, config)
+
+
+def _reference_generate(reference, pair, prompt, max_new, stop):
+    ref_target, ref_drafter = reference.target(pair[0]), reference.drafter(pair[1])
+    out = reference.model.dflash_generate(ref_drafter, ref_target, torch.tensor([prompt]), max_new_tokens=max_new,
+                                          stop_token_ids=stop, return_stats=True)
+    return out.output_ids[0, len(prompt):].tolist(), list(out.acceptance_lengths)
+
+
+@pytest.fixture(scope="module")
+def reference_runs(reference, pair, prompts):
+    """dflash_generate (batch size 1) on every prompt, without and with stop tokens."""
+    stops = [11, 67]
+    return {
+        (i, stop is not None): _reference_generate(reference, pair, p, MAX_NEW, stop)
+        for i, p in enumerate(prompts) for stop in (None, stops)
+    }, stops
+
+
+def test_batch_of_one_equals_dflash_generate(engines, prompts, reference_runs):
+    spec, _ = engines
+    runs, stops = reference_runs
+    all_lengths = []
+    for i, p in enumerate(prompts):
+        for with_stop in (False, True):
+            want_ids, want_acc = runs[(i, with_stop)]
+            (got,) = spec.generate([p], MAX_NEW, stop_token_ids=stops if with_stop else None)
+            assert got.output_ids == want_ids, (i, with_stop)
+            assert got.acceptance_lengths == want_acc, (i, with_stop)
+            all_lengths += want_acc
+    # The pair really exercises partial and full acceptance.
+    assert max(all_lengths) == 8 and 1 in all_lengths and len(set(all_lengths)) >= 4
+
+
+def test_batched_rows_equal_rows_alone_and_reference(engines, prompts, reference_runs):
+    spec, _ = engines
+    runs, stops = reference_runs
+    batch = spec.generate(prompts, MAX_NEW, stop_token_ids=stops)
+    for i, got in enumerate(batch):
+        want_ids, want_acc = runs[(i, True)]
+        assert got.output_ids == want_ids
+        assert got.acceptance_lengths == want_acc
+        assert got.finish_reason == ("stop" if want_ids[-1] in stops else "length")
+        assert got.tau == pytest.approx(np.mean(want_acc))
+
+
+def test_speculative_equals_target_only_greedy(engines, prompts):
+    spec, plain = engines
+    stops = [11, 67]
+    max_new = [40, 7, 23, 1, 33]  # per-row limits
+    got = spec.generate(prompts, max_new, stop_token_ids=stops)
+    want = plain.generate(prompts, max_new, stop_token_ids=stops)
+    for g, w, m in zip(got, want, max_new):
+        assert g.output_ids == w.output_ids
+        assert len(g.output_ids) <= m
+        assert w.acceptance_lengths == []
+        assert sum(g.acceptance_lengths) + 1 == len(g.output_ids)
+
+
+def test_target_only_equals_transformers_greedy(engines, prompts, pair, reference):
+    _, plain = engines
+    ref = reference.target(pair[0])
+    for p in prompts[:2]:
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist()
+        (got,) = plain.generate([p], 20)
+        assert got.output_ids == want
+
+
+def test_streaming_callback_yields_exactly_the_output(engines, prompts):
+    spec, _ = engines
+    streamed = {i: [] for i in range(len(prompts))}
+    results = spec.generate(prompts, MAX_NEW, on_tokens=lambda i, ids: streamed[i].extend(ids))
+    for i, r in enumerate(results):
+        assert streamed[i] == r.output_ids
+
+
+def test_greedy_accept_counts_leading_matches_within_the_valid_block():
+    draft = jnp.array([[5, 6, 7], [5, 9, 7], [1, 2, 3], [5, 6, 7]])
+    posterior = jnp.array([[5, 6, 7, 8], [5, 6, 7, 8], [0, 2, 3, 4], [5, 6, 7, 8]])
+    valid = jnp.array([4, 4, 4, 3])
+    np.testing.assert_array_equal(greedy_accept(draft, posterior, valid), [3, 1, 0, 2])
+
+
+def test_bad_requests_are_clear_errors(engines):
+    spec, _ = engines
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        spec.generate([[1], []], 4)
+    with pytest.raises(ValueError, match="max_length is 80"):
+        spec.generate([[1] * 90], 4)
+    with pytest.raises(ValueError, match="outside"):
+        spec.generate([[1, 500]], 4)
+
+
+@pytest.mark.parametrize("mesh", [dict(data=1, tensor=8), dict(data=2, tensor=4)])
+def test_sharded_engine_equals_single_device(mesh, pair, prompts, engines):
+    spec, _ = engines
+    want = spec.generate(prompts[:4], 24)
+    target, drafter = load_target(pair[0]), load_drafter(pair[1])
+    config = EngineConfig(max_batch_size=4, max_length=80, steps_per_sync=4, mesh=MeshConfig(fsdp=1, **mesh))
+    sharded = Engine(target, drafter, config)
+    assert len(jax.devices()) == 8 and sharded.mesh.shape["tensor"] == mesh["tensor"]
+    got = sharded.generate(prompts[:4], 24)
+    for g, w in zip(got, want):
+        assert g.output_ids == w.output_ids
+        assert g.acceptance_lengths == w.acceptance_lengths
