@@ -1,0 +1,7 @@
+"""The OpenAI-compatible server: request protocol, batching scheduler, Starlette app, uvicorn runner."""
+
+from dflash_jax.server.app import create_app
+from dflash_jax.server.runner import ServerThread, run_server
+from dflash_jax.server.scheduler import Metrics, Scheduler
+
+__all__ = ["create_app", "Scheduler", "Metrics", "ServerThread", "run_server"]

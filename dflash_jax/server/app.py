@@ -1,0 +1,407 @@
+"""The OpenAI-compatible HTTP server (a Starlette ASGI app).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as
+server-sent events in OpenAI's chunk format ending with ``data: [DONE]``), ``GET /v1/models``,
+``GET /health`` and ``GET /metrics`` (Prometheus text format).
+
+Bad input is answered 400 with an OpenAI error body naming the problem, and the server keeps serving.
+With an API key, the ``/v1`` endpoints need ``Authorization: Bearer <key>``. Decoding is greedy.
+
+Extensions (as in vLLM): ``ignore_eos``, ``return_token_ids`` (adds ``token_ids`` to each choice and
+``prompt_token_ids`` to the response), ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``)
+and ``add_generation_prompt`` for chat. Non-streamed responses carry a ``dflash`` list with each choice's
+acceptance statistics (tau, steps, time to first token, time per output token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+from typing import Any, AsyncIterator, Sequence
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from dflash_jax.server import protocol as P
+from dflash_jax.server.scheduler import Metrics, QueueFull, Scheduler, SchedulerClosed, asyncio_sink
+from dflash_jax.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError
+
+log = logging.getLogger("dflash_jax.server")
+
+
+@dataclasses.dataclass
+class ServerContext:
+    """Everything the handlers need; kept on ``app.state.ctx``."""
+
+    engine: Any
+    tokenizer: Tokenizer
+    scheduler: Scheduler
+    metrics: Metrics
+    model_name: str
+    max_length: int  # prompt + generated tokens
+    vocab_size: int
+    default_max_tokens: int
+    api_key: str | None
+    stop_token_ids: tuple[int, ...]
+    info: dict[str, Any]
+
+
+def create_app(
+    engine: Any,
+    tokenizer: Tokenizer,
+    *,
+    model_name: str = "dflash",
+    max_length: int = 2048,
+    max_batch_size: int = 8,
+    vocab_size: int | None = None,
+    default_max_tokens: int = 256,
+    api_key: str | None = None,
+    max_waiting: int = 1024,
+    batch_wait_s: float = 0.0,
+    stop_token_ids: Sequence[int] | None = None,
+    info: dict[str, Any] | None = None,
+) -> Starlette:
+    """The ASGI app serving ``engine`` (anything with ``Engine.generate``'s interface).
+
+    The batching scheduler starts with the app's lifespan and is drained on shutdown (uvicorn first
+    finishes the open HTTP requests, then runs the lifespan shutdown).
+    """
+    metrics = Metrics()
+    scheduler = Scheduler(engine, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s, max_waiting=max_waiting,
+                          metrics=metrics)
+    ctx = ServerContext(
+        engine=engine,
+        tokenizer=tokenizer,
+        scheduler=scheduler,
+        metrics=metrics,
+        model_name=model_name,
+        max_length=max_length,
+        vocab_size=vocab_size if vocab_size is not None else tokenizer.vocab_size,
+        default_max_tokens=default_max_tokens,
+        api_key=api_key or None,
+        stop_token_ids=tuple(tokenizer.stop_token_ids if stop_token_ids is None else stop_token_ids),
+        info=dict(info or {}),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        scheduler.start()
+        log.info("serving %s (max_length %d, max_batch_size %d)", model_name, max_length, max_batch_size)
+        try:
+            yield
+        finally:
+            log.info("draining the scheduler")
+            await asyncio.to_thread(scheduler.close, True)
+            log.info("scheduler drained")
+
+    routes = [
+        Route("/v1/completions", _endpoint(ctx, "/v1/completions", _completions, auth=True), methods=["POST"]),
+        Route("/v1/chat/completions", _endpoint(ctx, "/v1/chat/completions", _chat, auth=True), methods=["POST"]),
+        Route("/v1/models", _endpoint(ctx, "/v1/models", _models, auth=True), methods=["GET"]),
+        Route("/health", _endpoint(ctx, "/health", _health), methods=["GET"]),
+        Route("/metrics", _endpoint(ctx, "/metrics", _metrics), methods=["GET"]),
+    ]
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
+                   f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return JSONResponse(P.error_body(message, type="invalid_request_error", code=code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(P.error_body(f"internal server error: {type(exc).__name__}: {exc}", type="server_error",
+                                         code="internal_error"), status_code=500)
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error, Exception: server_error})
+    app.state.ctx = ctx
+    return app
+
+
+# ---------------------------------------------------------------------------------------- plumbing
+
+
+def _json(data: Any, status: int = 200) -> JSONResponse:
+    return JSONResponse(data, status_code=status)
+
+
+def _endpoint(ctx: ServerContext, name: str, handler, *, auth: bool = False):
+    async def endpoint(request: Request) -> Response:
+        try:
+            if auth and ctx.api_key is not None:
+                _check_auth(ctx, request)
+            response = await handler(ctx, request)
+        except P.APIError as err:
+            response = _json(err.body(), err.status)
+        ctx.metrics.http(name, response.status_code)
+        return response
+
+    return endpoint
+
+
+def _check_auth(ctx: ServerContext, request: Request) -> None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), ctx.api_key.encode()):
+        raise P.APIError(
+            "missing or invalid API key: send 'Authorization: Bearer <key>'" if header else
+            "missing API key: send 'Authorization: Bearer <key>'",
+            status=401, type="authentication_error", code="invalid_api_key",
+        )
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    return P.parse_json_body(await request.body())
+
+
+def _check_model(ctx: ServerContext, model: str | None) -> None:
+    if model is not None and model != ctx.model_name:
+        raise P.APIError(f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
+                         status=404, param="model", code="model_not_found")
+
+
+def _check_prompt(ctx: ServerContext, ids: list[int], max_tokens: int | None, where: str = "the prompt",
+                  param: str = "prompt") -> int:
+    """Checks token ids and lengths; returns the number of tokens to generate."""
+    bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise P.invalid(f"{where} has token ids outside the vocabulary [0, {ctx.vocab_size}): {bad[:5]}",
+                        param=param, code="invalid_token_id")
+    n = len(ids)
+    if n >= ctx.max_length:
+        raise P.invalid(
+            f"{where} has {n} tokens, but the maximum length is {ctx.max_length} tokens (prompt plus output), "
+            "which leaves no room to generate", param=param, code="context_length_exceeded")
+    if max_tokens is None:
+        return min(ctx.default_max_tokens, ctx.max_length - n)
+    if n + max_tokens > ctx.max_length:
+        raise P.invalid(
+            f"{where} has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} tokens exceed the maximum "
+            f"length of {ctx.max_length}; lower max_tokens to at most {ctx.max_length - n}",
+            param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+@dataclasses.dataclass
+class _Job:
+    """One request's rows on the scheduler and the queue their events arrive on."""
+
+    queue: asyncio.Queue
+    requests: list
+    prompt_ids: list[list[int]]
+
+    def cancel(self) -> None:
+        for r in self.requests:
+            r.cancel()
+
+
+def _submit(ctx: ServerContext, prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool) -> _Job:
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    stop = () if ignore_eos else ctx.stop_token_ids
+    reqs = []
+    try:
+        for i, (ids, m) in enumerate(zip(prompts, max_tokens)):
+            reqs.append(ctx.scheduler.submit(ids, m, asyncio_sink(loop, queue, i), stop_token_ids=stop))
+    except (QueueFull, SchedulerClosed) as err:
+        for r in reqs:
+            r.cancel()
+        raise P.APIError(f"the server cannot take the request now: {err}", status=503, type="server_error",
+                         code="server_overloaded" if isinstance(err, QueueFull) else "shutting_down") from None
+    return _Job(queue=queue, requests=reqs, prompt_ids=prompts)
+
+
+def _engine_error(err: Exception) -> P.APIError:
+    if isinstance(err, SchedulerClosed):
+        return P.APIError(str(err), status=503, type="server_error", code="shutting_down")
+    return P.APIError(f"generation failed: {type(err).__name__}: {err}", status=500, type="server_error",
+                      code="engine_error")
+
+
+async def _collect(job: _Job) -> list[Any]:
+    results: list[Any] = [None] * len(job.requests)
+    pending = len(job.requests)
+    try:
+        while pending:
+            tag, kind, payload = await job.queue.get()
+            if kind == "done":
+                results[tag] = payload
+                pending -= 1
+            elif kind == "error":
+                raise _engine_error(payload)
+    finally:
+        job.cancel()
+    return results
+
+
+def _stats(index: int, res: Any) -> dict[str, Any]:
+    acc = list(res.acceptance_lengths)
+    return {
+        "index": index,
+        "tau": (sum(acc) / len(acc)) if acc else 1.0,  # 1.0 for target-only decoding, as in the engine
+        "num_steps": len(acc),
+        "acceptance_lengths": acc,
+        "time_to_first_token": float(res.time_to_first_token),
+        "time_per_output_token": float(res.time_per_output_token),
+    }
+
+
+# ---------------------------------------------------------------------------------------- completions
+
+
+async def _completions(ctx: ServerContext, request: Request) -> Response:
+    req = P.parse_completion_request(await _body(request))
+    params = req.params
+    _check_model(ctx, params.model)
+    prompts: list[list[int]] = []
+    for i, p in enumerate(req.prompts):
+        ids = ctx.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+        if not ids:
+            raise P.invalid("'prompt' encodes to no tokens", param="prompt", code="empty_prompt")
+        prompts.append(ids)
+    where = (lambda i: "the prompt") if len(prompts) == 1 else (lambda i: f"prompt[{i}]")
+    max_tokens = [_check_prompt(ctx, ids, params.max_tokens, where(i)) for i, ids in enumerate(prompts)]
+    job = _submit(ctx, prompts, max_tokens, params.ignore_eos)
+    rid, created = P.new_id("cmpl"), P.now()
+    if params.stream:
+        return _stream(ctx, job, params, rid, created, chat=False)
+    results = await _collect(job)
+    choices = []
+    for i, res in enumerate(results):
+        choice = {"index": i, "text": ctx.tokenizer.decode(res.output_ids), "logprobs": None,
+                  "finish_reason": res.finish_reason}
+        if params.return_token_ids:
+            choice["token_ids"] = list(res.output_ids)
+            choice["prompt_token_ids"] = prompts[i]
+        choices.append(choice)
+    body = {
+        "id": rid, "object": "text_completion", "created": created, "model": ctx.model_name, "choices": choices,
+        "usage": P.usage(sum(len(p) for p in prompts), sum(len(r.output_ids) for r in results)),
+        "dflash": [_stats(i, r) for i, r in enumerate(results)],
+    }
+    return _json(body)
+
+
+async def _chat(ctx: ServerContext, request: Request) -> Response:
+    req = P.parse_chat_request(await _body(request))
+    params = req.params
+    _check_model(ctx, params.model)
+    try:
+        ids = ctx.tokenizer.apply_chat_template(
+            req.messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, **req.chat_template_kwargs)
+    except ChatTemplateError as err:
+        raise P.invalid(f"the chat template rejected the messages: {err}", param="messages",
+                        code="chat_template_error") from None
+    except TokenizerError as err:
+        raise P.invalid(f"cannot apply the chat template: {err}", param="messages",
+                        code="chat_template_error") from None
+    if not ids:
+        raise P.invalid("the messages render to an empty prompt", param="messages", code="empty_prompt")
+    max_tokens = _check_prompt(ctx, ids, params.max_tokens, "the chat prompt", param="messages")
+    job = _submit(ctx, [ids], [max_tokens], params.ignore_eos)
+    rid, created = P.new_id("chatcmpl"), P.now()
+    if params.stream:
+        return _stream(ctx, job, params, rid, created, chat=True)
+    (res,) = await _collect(job)
+    choice = {"index": 0, "message": {"role": "assistant", "content": ctx.tokenizer.decode(res.output_ids)},
+              "logprobs": None, "finish_reason": res.finish_reason}
+    if params.return_token_ids:
+        choice["token_ids"] = list(res.output_ids)
+    body = {
+        "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name, "choices": [choice],
+        "usage": P.usage(len(ids), len(res.output_ids)),
+        "dflash": [_stats(0, res)],
+    }
+    if params.return_token_ids:
+        body["prompt_token_ids"] = ids
+    return _json(body)
+
+
+def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, created: int, *, chat: bool
+            ) -> StreamingResponse:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    n = len(job.requests)
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return P.sse({"id": rid, "object": obj, "created": created, "model": ctx.model_name, "choices": choices,
+                      **extra})
+
+    def piece(i: int, text: str | None, ids: list[int] | None, finish: str | None) -> dict[str, Any]:
+        if chat:
+            c: dict[str, Any] = {"index": i, "delta": {} if text is None else {"content": text}, "logprobs": None,
+                                 "finish_reason": finish}
+        else:
+            c = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if params.return_token_ids and ids is not None:
+            c["token_ids"] = ids
+        return c
+
+    async def events() -> AsyncIterator[bytes]:
+        detoks = [IncrementalDetokenizer(ctx.tokenizer) for _ in range(n)]
+        sent: list[list[int]] = [[] for _ in range(n)]
+        completion_tokens = 0
+        pending = n
+        try:
+            if chat:
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            while pending:
+                i, kind, payload = await job.queue.get()
+                if kind == "tokens":
+                    sent[i].extend(payload)
+                    text = detoks[i].add(payload)
+                    if text or params.return_token_ids:
+                        yield chunk([piece(i, text, list(payload), None)])
+                elif kind == "done":
+                    pending -= 1
+                    out = list(payload.output_ids)
+                    # The result is authoritative: send what on_tokens did not (all of it for engines
+                    # that do not stream).
+                    rest = out[len(sent[i]):] if out[: len(sent[i])] == sent[i] else []
+                    text = detoks[i].add(rest) + detoks[i].finish()
+                    if text or rest:
+                        yield chunk([piece(i, text, rest, None)])
+                    completion_tokens += len(out)
+                    yield chunk([piece(i, None, None, payload.finish_reason)])
+                elif kind == "error":
+                    err = _engine_error(payload)
+                    yield P.sse(err.body())
+                    break
+            if params.include_usage:
+                prompt_tokens = sum(len(p) for p in job.prompt_ids)
+                yield chunk([], usage=P.usage(prompt_tokens, completion_tokens))
+            yield P.SSE_DONE
+        finally:
+            job.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ---------------------------------------------------------------------------------------- info endpoints
+
+
+async def _models(ctx: ServerContext, request: Request) -> Response:
+    card = {"id": ctx.model_name, "object": "model", "created": P.now(), "owned_by": "dflash-jax",
+            "max_model_len": ctx.max_length, **ctx.info}
+    return _json({"object": "list", "data": [card]})
+
+
+async def _health(ctx: ServerContext, request: Request) -> Response:
+    if ctx.scheduler.closing:
+        return _json({"status": "shutting_down"}, 503)
+    if not ctx.scheduler.alive:
+        return _json({"status": "scheduler_not_running"}, 503)
+    return _json({"status": "ok", "model": ctx.model_name})
+
+
+async def _metrics(ctx: ServerContext, request: Request) -> Response:
+    return PlainTextResponse(ctx.metrics.render(ctx.model_name), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,93 @@
+"""``ServeConfig``: the settings of ``serve.py`` (server and batch mode), loaded through ``dflash_jax.config``.
+
+The YAML file (``configs/serve.yaml``) has four sections; command-line flags override it::
+
+    model:    target, draft, no_draft, tokenizer, dtype, name, stop_token_ids
+    engine:   dflash_jax.engine.EngineConfig (max_batch_size, max_length, prompt_buckets, block_size, ...)
+    server:   host, port, api_key, default_max_tokens, max_waiting_requests, batch_wait_ms, ...
+    generate: max_new_tokens, chat_template_kwargs, ignore_eos (batch mode)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+from dflash_jax.config import ConfigError, config_from_dict, config_to_dict, load_config
+from dflash_jax.engine import EngineConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    target: str | None = None        # HF directory of the target (config.json + safetensors)
+    draft: str | None = None         # z-lab directory of the DFlash drafter (or an Orbax training checkpoint)
+    no_draft: bool = False           # target-only greedy decoding (the baseline)
+    tokenizer: str | None = None     # directory with tokenizer.json; None: the target's
+    dtype: str = "bfloat16"          # float32 | bfloat16 | float16
+    name: str | None = None          # the served model id; None: the target directory's name
+    stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's (generation_config eos ids)
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"          # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None       # Bearer key for /v1/*; the DFLASH_API_KEY variable when null
+    default_max_tokens: int = 256    # for requests without max_tokens (capped by the maximum length)
+    max_waiting_requests: int = 1024  # beyond this, requests are answered 503
+    batch_wait_ms: float = 0.0       # wait this long for a fuller batch when the engine is idle
+    graceful_shutdown_timeout_s: float | None = None  # None: wait for every request in flight
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.batch_wait_ms < 0:
+            raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateSettings:
+    max_new_tokens: int = 256        # default for input lines without max_new_tokens
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {enable_thinking: false}
+    ignore_eos: bool = False         # generate exactly max_new_tokens (benchmarks)
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    model: ModelSettings = ModelSettings()
+    engine: EngineConfig = EngineConfig()
+    server: ServerSettings = ServerSettings()
+    generate: GenerateSettings = GenerateSettings()
+
+
+def load_serve_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+                      flags: dict[str, dict[str, Any]] | None = None) -> ServeConfig:
+    """The YAML file, then ``key=value`` overrides, then flags (``{section: {field: value}}``, None skipped)."""
+    config = load_config(ServeConfig, path, overrides)
+    if not flags:
+        return config
+    data = config_to_dict(config)
+    for section, values in flags.items():
+        for key, value in values.items():
+            if value is not None:
+                data[section][key] = value
+    return config_from_dict(ServeConfig, data, source=f"{path or '<defaults>'} + flags")
+
+
+__all__ = ["ServeConfig", "ModelSettings", "ServerSettings", "GenerateSettings", "load_serve_config", "ConfigError"]

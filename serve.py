@@ -1,0 +1,350 @@
+#!/usr/bin/env python
+"""Serve a target with its DFlash drafter, or run batch generation over a JSONL file.
+
+    python serve.py [serve] --target DIR --draft DIR [--host 127.0.0.1 --port 8000 --api-key K]
+    python serve.py generate --target DIR --draft DIR --input prompts.jsonl --output out.jsonl \\
+        [--no-draft] [--block-size N] [--max-new-tokens N] [--batch-size N]
+
+Settings come from ``--config`` (default ``configs/serve.yaml`` beside this file, see
+``dflash_jax/server/settings.py``), then ``--set section.key=value``, then the flags.
+
+Batch mode: each input line is a JSON object with one of ``prompt_ids`` (token ids), ``prompt`` (text,
+encoded with the tokenizer's special tokens) or ``messages`` (the chat template is applied), and an
+optional ``max_new_tokens``; other fields are copied to the output. Each output line adds
+``output_ids``, ``text``, ``finish_reason``, ``num_prompt_tokens``, ``num_output_tokens``,
+``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = HERE / "configs" / "serve.yaml"
+
+log = logging.getLogger("dflash_jax.serve")
+
+
+class CLIError(Exception):
+    """A usage or input error: printed as ``serve.py: error: ...`` with exit status 2."""
+
+
+# ----------------------------------------------------------------------------------------- arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("model and engine")
+    g.add_argument("--config", default=None, help=f"YAML settings (default: {DEFAULT_CONFIG.relative_to(HERE)})")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set engine.steps_per_sync=4 (repeatable)")
+    g.add_argument("--target", help="HF target model directory")
+    g.add_argument("--draft", help="DFlash drafter directory")
+    g.add_argument("--no-draft", action="store_true", default=None, help="target-only greedy decoding")
+    g.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype")
+    g.add_argument("--block-size", type=int, help="draft block size (at most the drafter's)")
+    g.add_argument("--batch-size", type=int, help="requests per engine batch (engine.max_batch_size)")
+    g.add_argument("--max-length", type=int, help="prompt plus generated tokens per request")
+    g.add_argument("--max-new-tokens", type=int,
+                   help="default number of tokens to generate (batch mode: for lines without max_new_tokens; "
+                        "server: for requests without max_tokens)")
+
+    parser = argparse.ArgumentParser(
+        prog="serve.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run `serve.py serve -h` or `serve.py generate -h` for the flags.",
+    )
+    sub = parser.add_subparsers(dest="command")
+    s = sub.add_parser("serve", parents=[common], help="the OpenAI-compatible HTTP server (default)")
+    s.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (default 8000)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY)")
+    s.add_argument("--model-name", help="the served model id (default: the target directory's name)")
+    s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    gen = sub.add_parser("generate", parents=[common], help="batch generation over a JSONL file")
+    gen.add_argument("--input", required=True, help="JSONL prompts")
+    gen.add_argument("--output", required=True, help="JSONL results (written when all prompts are done)")
+    gen.add_argument("--ignore-eos", action="store_true", default=None,
+                     help="generate exactly max_new_tokens per prompt")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("serve", "generate", "-h", "--help"):
+        argv.insert(0, "serve")
+    return build_parser().parse_args(argv)
+
+
+def load_settings(args: argparse.Namespace):
+    from dflash_jax.server.settings import load_serve_config
+
+    flags: dict[str, dict[str, Any]] = {
+        "model": {"target": args.target, "draft": args.draft, "no_draft": args.no_draft,
+                  "tokenizer": args.tokenizer, "dtype": args.dtype},
+        "engine": {"block_size": args.block_size, "max_batch_size": args.batch_size, "max_length": args.max_length},
+    }
+    if args.command == "generate":
+        flags["generate"] = {"max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos}
+    else:
+        flags["server"] = {"host": args.host, "port": args.port, "api_key": args.api_key,
+                           "default_max_tokens": args.max_new_tokens, "log_level": args.log_level}
+        flags["model"]["name"] = args.model_name
+    path = args.config if args.config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    cfg = load_serve_config(path, args.overrides, flags)
+    m = cfg.model
+    if not m.target:
+        raise CLIError("no target model: pass --target DIR (or set model.target in the config); "
+                       "embedded default models are not shipped yet")
+    if not m.no_draft and not m.draft:
+        raise CLIError("no drafter: pass --draft DIR (or set model.draft in the config), "
+                       "or --no-draft for target-only decoding")
+    for name, value in (("--target", m.target), ("--draft", None if m.no_draft else m.draft),
+                        ("--tokenizer", m.tokenizer)):
+        if value is not None and not Path(value).is_dir():
+            raise CLIError(f"{name} {value}: not a directory")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------- models
+
+
+def load_engine(cfg):
+    """(engine, target) from the settings."""
+    from dflash_jax.checkpoint import load_drafter, load_target
+    from dflash_jax.engine import Engine
+
+    t0 = time.perf_counter()
+    try:
+        target = load_target(cfg.model.target, dtype=cfg.model.dtype)
+        drafter = None if cfg.model.no_draft else load_drafter(cfg.model.draft, dtype=cfg.model.dtype)
+        engine = Engine(target, drafter, cfg.engine)
+    except (ValueError, FileNotFoundError) as err:  # CheckpointError, ModelConfigError, engine settings
+        raise CLIError(f"cannot load the models: {err}") from None
+    log.info("loaded %s%s in %.1f s", cfg.model.target,
+             "" if drafter is None else f" with drafter {cfg.model.draft} (block size {engine.block_size})",
+             time.perf_counter() - t0)
+    return engine, target
+
+
+def load_tokenizer(cfg, required: bool):
+    from dflash_jax.tokenizer import Tokenizer, TokenizerError
+
+    directory = cfg.model.tokenizer or cfg.model.target
+    try:
+        return Tokenizer(directory)
+    except TokenizerError as err:
+        if required:
+            raise CLIError(f"cannot load the tokenizer: {err}") from None
+        log.warning("no tokenizer (%s): outputs will have token ids only", err)
+        return None
+
+
+def stop_ids(cfg, tokenizer, target) -> list[int]:
+    if cfg.model.stop_token_ids is not None:
+        return list(cfg.model.stop_token_ids)
+    if tokenizer is not None:
+        return list(tokenizer.stop_token_ids)
+    return list(getattr(target.config, "eos_token_ids", ()) or ())
+
+
+# ----------------------------------------------------------------------------------------- batch mode
+
+
+def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    if not path.exists():
+        raise CLIError(f"{path}: file not found")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise CLIError(f"{path}:{lineno}: invalid JSON: {err}") from None
+            if not isinstance(row, dict):
+                raise CLIError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append((lineno, row))
+    if not rows:
+        raise CLIError(f"{path}: no prompts")
+    return rows
+
+
+def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int], int]:
+    """(prompt token ids, max_new_tokens) of one input line."""
+    from dflash_jax.tokenizer import ChatTemplateError, TokenizerError
+
+    given = [k for k in ("prompt_ids", "prompt", "messages") if k in row]
+    if len(given) != 1:
+        raise CLIError(f"{where}: needs exactly one of 'prompt_ids', 'prompt' or 'messages'"
+                       + (f", got {given}" if given else ""))
+    key = given[0]
+    value = row[key]
+    if key == "prompt_ids":
+        if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in value):
+            raise CLIError(f"{where}: 'prompt_ids' must be a non-empty list of integers")
+        ids = list(value)
+    else:
+        if tokenizer is None:
+            raise CLIError(f"{where}: '{key}' needs a tokenizer (tokenizer.json in the target or --tokenizer)")
+        if key == "prompt":
+            if not isinstance(value, str) or not value:
+                raise CLIError(f"{where}: 'prompt' must be a non-empty string")
+            ids = tokenizer.encode(value, add_special_tokens=True)
+        else:
+            if not isinstance(value, list) or not value or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
+                raise CLIError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+            try:
+                ids = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
+                                                    **cfg.generate.chat_template_kwargs)
+            except (ChatTemplateError, TokenizerError) as err:
+                raise CLIError(f"{where}: {err}") from None
+        if not ids:
+            raise CLIError(f"{where}: the prompt encodes to no tokens")
+    max_new = row.get("max_new_tokens", cfg.generate.max_new_tokens)
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+        raise CLIError(f"{where}: 'max_new_tokens' must be a positive integer, got {max_new!r}")
+    return ids, max_new
+
+
+def run_generate(cfg, input_path: Path, output_path: Path, progress: bool = True) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    rows = read_jsonl(input_path)
+    needs_tokenizer = any("prompt" in r or "messages" in r for _, r in rows)
+    tokenizer = load_tokenizer(cfg, required=needs_tokenizer)
+    max_length = cfg.engine.max_length
+    prompts, max_new = [], []
+    for lineno, row in rows:
+        where = f"{input_path}:{lineno}"
+        ids, m = prompt_of(row, where, tokenizer, cfg)
+        if len(ids) >= max_length:
+            raise CLIError(f"{where}: the prompt has {len(ids)} tokens; the maximum length is {max_length} "
+                           "(prompt plus output): raise --max-length")
+        prompts.append(ids)
+        max_new.append(min(m, max_length - len(ids)))
+
+    engine, target = load_engine(cfg)
+    vocab = target.config.vocab_size
+    for (lineno, _), ids in zip(rows, prompts):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise CLIError(f"{input_path}:{lineno}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    stops = [] if cfg.generate.ignore_eos else stop_ids(cfg, tokenizer, target)
+
+    # Similar lengths share a batch (less padding); outputs keep the input order.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    size = cfg.engine.max_batch_size
+    results: list[Any] = [None] * len(prompts)
+    t0 = time.perf_counter()
+    with tqdm(total=len(prompts), unit="prompt", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+        for lo in range(0, len(order), size):
+            chunk = order[lo: lo + size]
+            out = engine.generate([prompts[i] for i in chunk], [max_new[i] for i in chunk], stop_token_ids=stops)
+            for i, res in zip(chunk, out):
+                results[i] = res
+            bar.update(len(chunk))
+            steps = sum(len(r.acceptance_lengths) for r in results if r is not None)
+            if steps:
+                acc = sum(sum(r.acceptance_lengths) for r in results if r is not None)
+                bar.set_postfix(tau=f"{acc / steps:.2f}")
+    wall = time.perf_counter() - t0
+
+    tmp = output_path.with_name(output_path.name + ".tmp")
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    with tmp.open("w", encoding="utf-8") as f:
+        for (_, row), ids, res in zip(rows, prompts, results):
+            acc = list(res.acceptance_lengths)
+            out = dict(row)
+            out.update(
+                output_ids=list(res.output_ids),
+                text=tokenizer.decode(res.output_ids) if tokenizer is not None else None,
+                finish_reason=res.finish_reason,
+                num_prompt_tokens=len(ids),
+                num_output_tokens=len(res.output_ids),
+                acceptance_lengths=acc,
+                tau=(sum(acc) / len(acc)) if acc else 1.0,
+                time_to_first_token=float(res.time_to_first_token),
+                time_per_output_token=float(res.time_per_output_token),
+            )
+            f.write(json.dumps(out, ensure_ascii=False) + "\n")
+    tmp.replace(output_path)
+
+    n_out = sum(len(r.output_ids) for r in results)
+    steps = sum(len(r.acceptance_lengths) for r in results)
+    summary = {
+        "prompts": len(prompts),
+        "output_tokens": n_out,
+        "wall_seconds": round(wall, 3),
+        "tokens_per_second": round(n_out / wall, 2) if wall > 0 else None,
+        "tau": round(sum(sum(r.acceptance_lengths) for r in results) / steps, 4) if steps else 1.0,
+        "drafter": None if cfg.model.no_draft else cfg.model.draft,
+        "block_size": engine.block_size,
+        "output": str(output_path),
+    }
+    print(json.dumps(summary), file=sys.stderr)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------- server
+
+
+def run_serve(cfg) -> None:
+    from dflash_jax.server import create_app, run_server
+
+    s = cfg.server
+    api_key = s.api_key or os.environ.get("DFLASH_API_KEY") or None
+    tokenizer = load_tokenizer(cfg, required=True)
+    engine, target = load_engine(cfg)
+    name = cfg.model.name or Path(cfg.model.target).resolve().name
+    app = create_app(
+        engine, tokenizer,
+        model_name=name,
+        max_length=cfg.engine.max_length,
+        max_batch_size=cfg.engine.max_batch_size,
+        vocab_size=target.config.vocab_size,
+        default_max_tokens=s.default_max_tokens,
+        api_key=api_key,
+        max_waiting=s.max_waiting_requests,
+        batch_wait_s=s.batch_wait_ms / 1000.0,
+        stop_token_ids=stop_ids(cfg, tokenizer, target),
+        info={"drafter": None if cfg.model.no_draft else str(cfg.model.draft), "block_size": engine.block_size,
+              "max_batch_size": cfg.engine.max_batch_size},
+    )
+    if s.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        log.warning("binding %s without an API key: anyone who can reach it can use it", s.host)
+    log.info("serving %r on http://%s:%d", name, s.host, s.port)
+    run_server(app, host=s.host, port=s.port, log_level=s.log_level,
+               timeout_graceful_shutdown=s.graceful_shutdown_timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dflash_jax.config import ConfigError
+
+    try:
+        cfg = load_settings(args)
+        if args.command == "generate":
+            run_generate(cfg, Path(args.input), Path(args.output), progress=not args.no_progress)
+        else:
+            run_serve(cfg)
+    except (CLIError, ConfigError) as err:
+        print(f"serve.py: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

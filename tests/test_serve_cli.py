@@ -1,0 +1,237 @@
+"""serve.py end to end: batch mode on JSONL with tiny random models, input errors, settings, and the
+server's graceful SIGTERM shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import tokenizer_fixtures as tf
+
+import serve
+from dflash_jax.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_VOCAB = 512
+MODEL_VOCAB = 520
+ENGINE_FLAGS = ["--dtype", "float32", "--max-length", "64", "--set", "engine.prompt_buckets=[32]"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tf.write_tiny_models_with_tokenizer(tmp_path_factory.mktemp("tiny"), model_vocab_size=MODEL_VOCAB,
+                                               tokenizer_vocab_size=TOKENIZER_VOCAB)
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, str(REPO / "serve.py"), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+LINES = [
+    {"id": "text", "prompt": "Hello, world"},
+    {"id": "chat", "messages": [{"role": "user", "content": "What is 2+2?"}], "max_new_tokens": 6},
+    "",
+    {"id": "ids", "prompt_ids": [10, 11, 12, 13], "category": "kept"},
+    {"id": "long", "prompt": "The quick brown fox", "max_new_tokens": 10},
+]
+
+
+def test_generate_end_to_end(models, tmp_path):
+    target_dir, drafter_dir = models
+    tok = Tokenizer(target_dir)
+    src = write_jsonl(tmp_path / "prompts.jsonl", LINES)
+    out_draft, out_plain = tmp_path / "dflash.jsonl", tmp_path / "target_only.jsonl"
+    common = ["--target", str(target_dir), "--input", str(src), "--max-new-tokens", "8", "--batch-size", "4",
+              *ENGINE_FLAGS]
+
+    r = run_cli("generate", *common, "--draft", str(drafter_dir), "--output", str(out_draft))
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stderr.strip().splitlines()[-1])
+    assert summary["prompts"] == 4 and summary["block_size"] == 8 and summary["tau"] >= 1.0
+    assert "prompt/s" in r.stderr  # the tqdm bar
+
+    rows = read_jsonl(out_draft)
+    assert [row["id"] for row in rows] == ["text", "chat", "ids", "long"]  # input order
+    assert rows[2]["category"] == "kept"  # other fields are copied
+    want_prompt = [
+        tok.encode("Hello, world"),
+        tok.apply_chat_template(LINES[1]["messages"]),
+        [10, 11, 12, 13],
+        tok.encode("The quick brown fox"),
+    ]
+    for row, ids, limit in zip(rows, want_prompt, (8, 6, 8, 10)):
+        assert row["num_prompt_tokens"] == len(ids)
+        assert 1 <= row["num_output_tokens"] == len(row["output_ids"]) <= limit
+        assert row["finish_reason"] in ("stop", "length")
+        if row["finish_reason"] == "length":
+            assert row["num_output_tokens"] == limit
+        assert row["text"] == tok.decode(row["output_ids"])
+        acc = row["acceptance_lengths"]
+        assert acc and all(1 <= a <= 8 for a in acc) and sum(acc) <= row["num_output_tokens"]
+        assert row["tau"] == pytest.approx(sum(acc) / len(acc))
+        assert row["time_to_first_token"] > 0 and row["time_per_output_token"] > 0
+
+    # Target-only: the same tokens (greedy speculative decoding is lossless), no acceptance lengths.
+    r = run_cli("generate", *common, "--no-draft", "--output", str(out_plain))
+    assert r.returncode == 0, r.stderr
+    plain = read_jsonl(out_plain)
+    assert [p["output_ids"] for p in plain] == [row["output_ids"] for row in rows]
+    assert all(p["acceptance_lengths"] == [] and p["tau"] == 1.0 for p in plain)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("{not json", "invalid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ({"id": 1}, "needs exactly one of 'prompt_ids', 'prompt' or 'messages'"),
+        ({"prompt": "a", "prompt_ids": [1]}, "needs exactly one of"),
+        ({"prompt_ids": []}, "'prompt_ids' must be a non-empty list of integers"),
+        ({"prompt_ids": [1, "x"]}, "'prompt_ids' must be a non-empty list of integers"),
+        ({"prompt": ""}, "'prompt' must be a non-empty string"),
+        ({"messages": "hi"}, "'messages' must be a non-empty list"),
+        ({"prompt": "hi", "max_new_tokens": 0}, "'max_new_tokens' must be a positive integer"),
+        ({"prompt": "word " * 100}, "the maximum length is 64"),
+    ],
+)
+def test_bad_line_names_file_and_line(models, tmp_path, capsys, bad, message):
+    target_dir, drafter_dir = models
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "fine"}, "", bad])
+    rc = serve.main(["generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--input", str(src),
+                     "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"{src}:3: " in err and message in err, err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_token_ids_outside_vocabulary(models, tmp_path, capsys):
+    target_dir, drafter_dir = models
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [1, 2]}, {"prompt_ids": [MODEL_VOCAB]}])
+    rc = serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(src),
+                     "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
+    assert rc == 2 and f"{src}:2: token ids outside the vocabulary" in capsys.readouterr().err
+
+
+def test_missing_models_and_files(models, tmp_path, capsys):
+    target_dir, drafter_dir = models
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    out = str(tmp_path / "o.jsonl")
+    assert serve.main(["generate", "--input", str(src), "--output", out]) == 2
+    assert "no target model: pass --target DIR" in capsys.readouterr().err
+    assert serve.main(["generate", "--target", str(target_dir), "--input", str(src), "--output", out]) == 2
+    assert "no drafter: pass --draft DIR" in capsys.readouterr().err
+    assert serve.main(["--target", str(tmp_path / "nope"), "--no-draft"]) == 2
+    assert "nope: not a directory" in capsys.readouterr().err
+    assert serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(tmp_path / "x.jsonl"),
+                       "--output", out]) == 2
+    assert "x.jsonl: file not found" in capsys.readouterr().err
+    assert serve.main(["generate", "--target", str(target_dir), "--draft", str(target_dir), "--input", str(src),
+                       "--output", out, *ENGINE_FLAGS]) == 2  # a target is not a drafter
+    assert "cannot load the models" in capsys.readouterr().err
+
+
+def test_settings_file_set_and_flags(tmp_path, capsys):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model: {target: /t, draft: /d}\nserver: {port: 9000, batch_wait_ms: 1.0}\n"
+                   "engine: {max_batch_size: 4, steps_per_sync: 2}\n")
+    args = serve.parse_args(["--config", str(cfg), "--port", "9100", "--set", "server.batch_wait_ms=5",
+                             "--set", "engine.prompt_buckets=[16, 64]", "--batch-size", "2"])
+    assert args.command == "serve"  # the default subcommand
+    from dflash_jax.server.settings import load_serve_config
+
+    flags = {"server": {"port": args.port, "host": None}, "engine": {"max_batch_size": args.batch_size}}
+    c = load_serve_config(args.config, args.overrides, flags)
+    assert c.server.port == 9100 and c.server.host == "127.0.0.1" and c.server.batch_wait_ms == 5.0
+    assert c.engine.max_batch_size == 2 and c.engine.steps_per_sync == 2 and c.engine.prompt_buckets == (16, 64)
+    assert c.model.target == "/t"
+    # The shipped config loads and binds loopback.
+    shipped = load_serve_config(REPO / "configs" / "serve.yaml")
+    assert shipped.server.host == "127.0.0.1" and shipped.model.target is None
+    # Unknown keys and bad values are errors naming the file and the key.
+    cfg.write_text("server: {prot: 9000}\n")
+    assert serve.main(["--config", str(cfg), "--target", "/t", "--no-draft"]) == 2
+    err = capsys.readouterr().err
+    assert str(cfg) in err and "prot" in err
+    cfg.write_text("engine: {max_batch_size: 0}\n")
+    assert serve.main(["--config", str(cfg), "--target", "/t", "--no-draft"]) == 2
+    assert "max_batch_size must be >= 1" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_sigterm_finishes_requests_in_flight(models, tmp_path):
+    target_dir, drafter_dir = models
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "serve.py"), "--target", str(target_dir), "--draft", str(drafter_dir),
+             "--port", str(port), "--api-key", "k", *ENGINE_FLAGS],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+
+        headers = {"Authorization": "Bearer k"}
+        first_chunk = threading.Event()
+        events: list = []
+
+        def client():
+            body = {"prompt": [10, 11, 12], "max_tokens": 12, "stream": True, "ignore_eos": True,
+                    "return_token_ids": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        payload = line[6:]
+                        events.append(payload if payload == "[DONE]" else json.loads(payload))
+                        first_chunk.set()
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        assert first_chunk.wait(120), log_path.read_text()
+        proc.send_signal(signal.SIGTERM)  # mid-request: the decode program is still compiling
+        thread.join(300)
+        assert proc.wait(120) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert events[-1] == "[DONE]"
+    ids = [t for e in events[:-1] for c in e["choices"] for t in (c.get("token_ids") or [])]
+    assert len(ids) == 12 and events[-2]["choices"][0]["finish_reason"] == "length"
+    text = log_path.read_text()
+    assert "scheduler drained" in text

@@ -1,0 +1,565 @@
+"""The HTTP server: real HTTP through uvicorn on 127.0.0.1 (a free port, a background thread), hit by httpx.
+
+The first part runs against ``FakeEngine`` (fast: protocol, streaming, batching, errors, auth, shutdown);
+the second against the real ``Engine`` with a tiny random Qwen3 target and DFlash drafter.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import tokenizer_fixtures as tf
+
+from dflash_jax.server import ServerThread, create_app
+from dflash_jax.server.testing import FakeEngine, GatedEngine
+from dflash_jax.tokenizer import Tokenizer
+
+TOKENIZER_VOCAB = 512
+MODEL_VOCAB = 520  # the model's embedding table is larger than the tokenizer, as in Qwen checkpoints
+MAX_LENGTH = 64
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The ``data:`` payloads of an SSE response (JSON-decoded, ``[DONE]`` kept as a string)."""
+    events = []
+    for line in response.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        payload = line[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def stream(client: httpx.Client, path: str, body: dict) -> list:
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(r)
+
+
+def join_stream(events: list, chat: bool) -> tuple[dict[int, str], dict[int, list[int]], dict[int, str]]:
+    """(text, token ids, finish reason) per choice index from OpenAI chunks."""
+    assert events[-1] == "[DONE]"
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    finish: dict[int, str] = {}
+    for ev in events[:-1]:
+        assert "error" not in ev, ev
+        assert ev["object"] == ("chat.completion.chunk" if chat else "text_completion")
+        for c in ev["choices"]:
+            i = c["index"]
+            piece = c["delta"].get("content", "") if chat else c["text"]
+            texts[i] = texts.get(i, "") + (piece or "")
+            ids.setdefault(i, []).extend(c.get("token_ids") or [])
+            if c["finish_reason"] is not None:
+                assert i not in finish, "two finish chunks"
+                finish[i] = c["finish_reason"]
+    return texts, ids, finish
+
+
+def assert_error(r: httpx.Response, status: int, code: str | None = None, param: str | None = "<any>",
+                 contains: str | None = None) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    if param != "<any>":
+        assert err["param"] == param, err
+    if contains is not None:
+        assert contains in err["message"], err
+    return err
+
+
+# ----------------------------------------------------------------------------------------- fake engine
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return Tokenizer(tf.write_qwen_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=TOKENIZER_VOCAB))
+
+
+@pytest.fixture(scope="module")
+def fake(tokenizer):
+    engine = FakeEngine(MODEL_VOCAB, block_size=4, steps_per_sync=2, step_time_s=0.002,
+                        token_range=(0, TOKENIZER_VOCAB), fail_on_token=3)
+    gated = GatedEngine(engine)
+    app = create_app(gated, tokenizer, model_name="tiny", max_length=MAX_LENGTH, max_batch_size=4,
+                     vocab_size=MODEL_VOCAB, default_max_tokens=16, batch_wait_s=0.0)
+    app.state.gated = gated
+    with ServerThread(app) as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            yield engine, client, srv
+
+
+def expected(engine: FakeEngine, tokenizer: Tokenizer, ids: list[int], max_tokens: int) -> tuple[list[int], str, str]:
+    out = engine.reference(ids, max_tokens, tokenizer.stop_token_ids)
+    reason = "stop" if out and out[-1] in tokenizer.stop_token_ids else "length"
+    return out, tokenizer.decode(out), reason
+
+
+def test_health_models_and_bind(fake):
+    engine, client, srv = fake
+    assert srv.host == "127.0.0.1"
+    assert client.get("/health").json()["status"] == "ok"
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    assert models["data"][0]["max_model_len"] == MAX_LENGTH
+
+
+def test_completion(fake, tokenizer):
+    engine, client, _ = fake
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hello, world", "max_tokens": 12,
+                                             "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = tokenizer.encode("Hello, world")
+    out, text, reason = expected(engine, tokenizer, ids, 12)
+    assert body["object"] == "text_completion" and body["model"] == "tiny" and body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice["token_ids"] == out and choice["prompt_token_ids"] == ids
+    assert choice["text"] == text and choice["finish_reason"] == reason
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(out),
+                             "total_tokens": len(ids) + len(out)}
+    stats = body["dflash"][0]
+    assert stats["num_steps"] == len(stats["acceptance_lengths"]) and sum(stats["acceptance_lengths"]) == len(out)
+
+
+def test_completion_token_ids_and_several_prompts(fake, tokenizer):
+    engine, client, _ = fake
+    prompts = [[10, 11, 12], "The quick brown fox", [200, 201]]
+    r = client.post("/v1/completions", json={"prompt": [10, 11, 12], "max_tokens": 5})
+    assert r.json()["choices"][0]["text"] == expected(engine, tokenizer, [10, 11, 12], 5)[1]
+    r = client.post("/v1/completions", json={"prompt": ["The quick brown fox", "Hello"], "max_tokens": 6})
+    texts = [c["text"] for c in r.json()["choices"]]
+    assert texts == [expected(engine, tokenizer, tokenizer.encode(p), 6)[1] for p in ("The quick brown fox", "Hello")]
+    r = client.post("/v1/completions", json={"prompt": [[10, 11, 12], [200, 201]], "max_tokens": 7,
+                                             "return_token_ids": True})
+    got = [c["token_ids"] for c in r.json()["choices"]]
+    assert got == [expected(engine, tokenizer, p, 7)[0] for p in (prompts[0], prompts[2])]
+    # Without max_tokens: the server default (16), capped by the maximum length.
+    r = client.post("/v1/completions", json={"prompt": [10, 11, 12], "return_token_ids": True, "ignore_eos": True})
+    assert len(r.json()["choices"][0]["token_ids"]) == 16
+
+
+def test_chat_completion(fake, tokenizer):
+    engine, client, _ = fake
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 10, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = tokenizer.apply_chat_template(messages)
+    out, text, reason = expected(engine, tokenizer, ids, 10)
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["prompt_token_ids"] == ids
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": text}
+    assert choice["token_ids"] == out and choice["finish_reason"] == reason
+    # Content parts, chat_template_kwargs (Qwen3's enable_thinking) and max_completion_tokens.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "2+2?"}]}]
+    r = client.post("/v1/chat/completions", json={"messages": parts, "max_completion_tokens": 4,
+                                                  "chat_template_kwargs": {"enable_thinking": False},
+                                                  "return_token_ids": True})
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is\n2+2?"}], enable_thinking=False)
+    assert r.json()["prompt_token_ids"] == ids
+    assert r.json()["choices"][0]["token_ids"] == expected(engine, tokenizer, ids, 4)[0]
+
+
+def test_streaming_equals_non_streamed(fake, tokenizer):
+    engine, client, _ = fake
+    body = {"prompt": ["Hello, world", "café 東京"], "max_tokens": 24, "return_token_ids": True}
+    plain = client.post("/v1/completions", json=body).json()
+    events = stream(client, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    texts, ids, finish = join_stream(events, chat=False)
+    for c in plain["choices"]:
+        assert texts[c["index"]] == c["text"]
+        assert ids[c["index"]] == c["token_ids"]
+        assert finish[c["index"]] == c["finish_reason"]
+    assert len(events) > 6  # tokens arrive in several chunks
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == plain["usage"]
+
+    messages = [{"role": "user", "content": "Tell me a story 🙂"}]
+    chat = {"messages": messages, "max_tokens": 30, "return_token_ids": True}
+    plain = client.post("/v1/chat/completions", json=chat).json()
+    events = stream(client, "/v1/chat/completions", chat)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    texts, ids, finish = join_stream(events, chat=True)
+    assert texts[0] == plain["choices"][0]["message"]["content"]
+    assert ids[0] == plain["choices"][0]["token_ids"]
+    assert finish[0] == plain["choices"][0]["finish_reason"]
+    assert all("usage" not in e for e in events[:-1])  # no include_usage
+
+
+def run_concurrently(srv: ServerThread, bodies: list[dict]) -> list[dict]:
+    """Posts every body at once; the engine is held at its gate until all are queued, so the batches
+    are deterministic: the first request alone, then the rest in arrival order."""
+    gated, scheduler = srv.app.state.gated, srv.app.state.ctx.scheduler
+    start = scheduler.submitted
+    gated.gate.clear()
+    gated.entered.clear()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            futures = []
+            for i, body in enumerate(bodies):
+                futures.append(pool.submit(_one, srv.url, body))
+                if i == 0:  # the first request reaches the engine alone
+                    assert gated.entered.wait(30)
+            deadline = time.monotonic() + 30
+            while scheduler.submitted < start + len(bodies):
+                assert time.monotonic() < deadline, "requests did not arrive"
+                time.sleep(0.005)
+            gated.gate.set()
+            return [f.result() for f in futures]
+    finally:
+        gated.gate.set()
+
+
+def _one(url: str, body: dict) -> dict:
+    with httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def test_concurrent_requests_are_batched_and_correct(fake, tokenizer):
+    engine, client, srv = fake
+    prompts = [[i + 20, i + 21, i + 22] for i in range(10)]
+    before = len(engine.calls)
+    answers = run_concurrently(srv, [{"prompt": p, "max_tokens": 8 + i, "return_token_ids": True}
+                                     for i, p in enumerate(prompts)])
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        assert a["choices"][0]["token_ids"] == expected(engine, tokenizer, p, 8 + i)[0]
+    batches = engine.calls[before:]
+    # The first request runs alone; the other nine queue behind it and go in batches of max_batch_size.
+    assert [len(b) for b in batches] == [1, 4, 4, 1]
+    assert engine.max_concurrent == 1  # one batch at a time on the engine
+
+
+BAD_COMPLETIONS = [
+    (b"{bad json", "invalid_json", None),
+    (b"[1, 2]", "invalid_json", None),
+    (b"", "invalid_json", None),
+    ({"prompt": "hi", "foo": 1}, "unknown_field", "foo"),
+    ({}, "missing_field", "prompt"),
+    ({"prompt": 5}, "invalid_type", "prompt"),
+    ({"prompt": [1, "a"]}, "invalid_type", "prompt"),
+    ({"prompt": ""}, "empty_prompt", "prompt"),
+    ({"prompt": []}, "empty_prompt", "prompt"),
+    ({"prompt": ["ok", ""]}, "empty_prompt", "prompt"),
+    ({"prompt": "hi", "max_tokens": "5"}, "invalid_type", "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, "invalid_value", "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 2.5}, "invalid_type", "max_tokens"),
+    ({"prompt": "hi", "stream": "yes"}, "invalid_type", "stream"),
+    ({"prompt": "hi", "stream_options": {"foo": True}}, "unknown_field", "stream_options"),
+    ({"prompt": "hi", "temperature": 0.7}, "unsupported_parameter", "temperature"),
+    ({"prompt": "hi", "temperature": -1}, "invalid_value", "temperature"),
+    ({"prompt": "hi", "top_p": 0.9}, "unsupported_parameter", "top_p"),
+    ({"prompt": "hi", "top_k": 40}, "unsupported_parameter", "top_k"),
+    ({"prompt": "hi", "n": 2}, "unsupported_parameter", "n"),
+    ({"prompt": "hi", "best_of": 3}, "unsupported_parameter", "best_of"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, "unsupported_parameter", "presence_penalty"),
+    ({"prompt": "hi", "frequency_penalty": 1}, "unsupported_parameter", "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 1.1}, "unsupported_parameter", "repetition_penalty"),
+    ({"prompt": "hi", "stop": ["\n"]}, "unsupported_parameter", "stop"),
+    ({"prompt": "hi", "logprobs": 1}, "unsupported_parameter", "logprobs"),
+    ({"prompt": "hi", "echo": True}, "unsupported_parameter", "echo"),
+    ({"prompt": "hi", "logit_bias": {"1": 5}}, "unsupported_parameter", "logit_bias"),
+    ({"prompt": "hi", "suffix": "x"}, "unsupported_parameter", "suffix"),
+    ({"prompt": [1, 2, MODEL_VOCAB]}, "invalid_token_id", "prompt"),
+    ({"prompt": [-1]}, "invalid_token_id", "prompt"),
+    ({"prompt": list(range(10, 10 + MAX_LENGTH))}, "context_length_exceeded", "prompt"),
+    ({"prompt": "word " * 200}, "context_length_exceeded", "prompt"),
+    ({"prompt": [10, 11], "max_tokens": MAX_LENGTH}, "context_length_exceeded", "max_tokens"),
+]
+
+GOOD_MSG = [{"role": "user", "content": "hi"}]
+BAD_CHATS = [
+    ({"messages": []}, "empty_prompt", "messages"),
+    ({}, "missing_field", "messages"),
+    ({"messages": "hi"}, "invalid_type", "messages"),
+    ({"messages": ["hi"]}, "invalid_type", "messages"),
+    ({"messages": [{"role": "user"}]}, "missing_field", "messages"),
+    ({"messages": [{"content": "x"}]}, "invalid_type", "messages"),
+    ({"messages": [{"role": "user", "content": 3}]}, "invalid_type", "messages"),
+    ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "unknown_field", "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "unsupported_content", "messages"),
+    ({"messages": GOOD_MSG, "prompt": "x"}, "unknown_field", "prompt"),
+    ({"messages": GOOD_MSG, "temperature": 1.0}, "unsupported_parameter", "temperature"),
+    ({"messages": GOOD_MSG, "n": 3}, "unsupported_parameter", "n"),
+    ({"messages": GOOD_MSG, "logprobs": True}, "unsupported_parameter", "logprobs"),
+    ({"messages": GOOD_MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "unsupported_parameter", "tools"),
+    ({"messages": GOOD_MSG, "response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
+    ({"messages": GOOD_MSG, "chat_template_kwargs": "x"}, "invalid_type", "chat_template_kwargs"),
+    ({"messages": GOOD_MSG, "chat_template_kwargs": {"messages": []}}, "invalid_value", "chat_template_kwargs"),
+    ({"messages": GOOD_MSG, "max_completion_tokens": -1}, "invalid_value", "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "word " * 200}]}, "context_length_exceeded", "messages"),
+]
+
+
+def _post(client, path, payload):
+    if isinstance(payload, bytes):
+        return client.post(path, content=payload, headers={"content-type": "application/json"})
+    return client.post(path, json=payload)
+
+
+def test_bad_input_is_400_and_the_server_keeps_serving(fake, tokenizer):
+    engine, client, _ = fake
+    calls = len(engine.calls)
+    for payload, code, param in BAD_COMPLETIONS:
+        for streaming in (False, True):
+            if streaming and isinstance(payload, dict) and payload:
+                payload = {**payload, "stream": True} if "stream" not in payload else payload
+            assert_error(_post(client, "/v1/completions", payload), 400, code, param)
+    for payload, code, param in BAD_CHATS:
+        assert_error(_post(client, "/v1/chat/completions", payload), 400, code, param)
+    assert len(engine.calls) == calls  # nothing reached the engine
+    # Errors name the problem.
+    err = assert_error(_post(client, "/v1/completions", {"prompt": "hi", "temperature": 0.7}), 400)
+    assert "temperature" in err["message"] and "greed" in err["message"]
+    err = assert_error(_post(client, "/v1/completions", {"prompt": "hi", "foo": 1, "bar": 2}), 400)
+    assert "'bar'" in err["message"] and "'foo'" in err["message"]
+    # Other statuses keep the OpenAI error body.
+    assert_error(_post(client, "/v1/completions", {"prompt": "hi", "model": "gpt-4"}), 404, "model_not_found", "model")
+    assert_error(client.get("/v1/completions"), 405, "method_not_allowed")
+    assert_error(client.get("/v2/nothing"), 404, "not_found")
+    # The next good request is served.
+    r = client.post("/v1/completions", json={"prompt": [10, 11, 12], "max_tokens": 5, "return_token_ids": True})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["token_ids"] == expected(engine, tokenizer, [10, 11, 12], 5)[0]
+    metrics = client.get("/metrics").text
+    assert 'dflash_http_requests_total{model="tiny",endpoint="/v1/completions",status="400"}' in metrics
+
+
+def test_engine_error_is_500_and_the_server_keeps_serving(fake, tokenizer):
+    engine, client, _ = fake
+    err = assert_error(client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}), 500,
+                       "engine_error")
+    assert "failing token" in err["message"] and err["type"] == "server_error"
+    events = stream(client, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4})
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error"
+    r = client.post("/v1/completions", json={"prompt": [10, 11, 12], "max_tokens": 5})
+    assert r.status_code == 200
+    assert client.get("/health").json()["status"] == "ok"
+
+
+def test_metrics(fake):
+    engine, client, _ = fake
+    client.post("/v1/completions", json={"prompt": [10, 11, 12], "max_tokens": 5})
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    values = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values['dflash_generation_tokens_total{model="tiny"}'] > 0
+    assert values['dflash_prompt_tokens_total{model="tiny"}'] > 0
+    assert values['dflash_requests_failed_total{model="tiny"}'] >= 1
+    tau = values['dflash_acceptance_length_mean{model="tiny"}']
+    assert 1.0 <= tau <= 4.0  # FakeEngine commits 1..block_size (4) tokens per step
+    assert values['dflash_generation_tokens_per_second{model="tiny"}'] > 0
+    assert values['dflash_http_requests_total{model="tiny",endpoint="/v1/completions",status="200"}'] >= 1
+    assert "# TYPE dflash_generation_tokens_total counter" in r.text
+
+
+def test_api_key(tokenizer):
+    engine = FakeEngine(MODEL_VOCAB, token_range=(0, TOKENIZER_VOCAB))
+    app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH, api_key="s3cret")
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+        body = {"prompt": [10, 11], "max_tokens": 3}
+        assert_error(client.post("/v1/completions", json=body), 401, "invalid_api_key")
+        assert_error(client.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
+        assert_error(client.get("/v1/models"), 401)
+        ok = {"Authorization": "Bearer s3cret"}
+        assert client.post("/v1/completions", json=body, headers=ok).status_code == 200
+        assert client.get("/v1/models", headers=ok).status_code == 200
+        assert client.get("/health").status_code == 200  # probes need no key
+
+
+def test_scheduler_batches_what_is_queued_and_drains():
+    from dflash_jax.server.scheduler import Scheduler, SchedulerClosed
+
+    engine = FakeEngine(100, step_time_s=0.01)
+    events: dict[int, list] = {}
+
+    def sink_for(i):
+        return lambda kind, payload: events.setdefault(i, []).append((kind, payload))
+
+    sched = Scheduler(engine, max_batch_size=3).start()
+    # A lone request is run at once (it never waits for a batch that will not come).
+    t0 = time.monotonic()
+    sched.submit([1, 2], 3, sink_for(0))
+    while not events.get(0) or events[0][-1][0] != "done":
+        time.sleep(0.005)
+        assert time.monotonic() - t0 < 10
+    # While the engine is busy, requests queue up and go together in the next batch (up to 3);
+    # requests with other stop tokens go in a batch of their own.
+    for i in range(1, 6):
+        sched.submit([i, i + 1], 20, sink_for(i), stop_token_ids=[7] if i == 5 else None)
+    sched.close(drain=True)  # finishes everything queued
+    assert not sched.alive
+    with pytest.raises(SchedulerClosed):
+        sched.submit([1], 1, sink_for(9))
+    for i in range(6):
+        kinds = [k for k, _ in events[i]]
+        assert kinds[-1] == "done" and set(kinds[:-1]) <= {"tokens"}
+        streamed = [t for k, p in events[i] if k == "tokens" for t in p]
+        assert streamed == events[i][-1][1].output_ids
+    assert events[5][-1][1].output_ids == engine.reference([5, 6], 20, [7])
+    assert sched.batch_sizes[0] == 1 and max(sched.batch_sizes) <= 3 and sum(sched.batch_sizes) == 6
+    assert any(len(c) > 1 for c in engine.calls)
+    # batch_wait_s: an idle engine waits a little for a fuller batch.
+    engine2 = FakeEngine(100)
+    sched2 = Scheduler(engine2, max_batch_size=4, batch_wait_s=0.3).start()
+    for i in range(3):
+        sched2.submit([i + 1], 2, lambda kind, payload: None)
+    sched2.close()
+    assert sched2.batch_sizes == [3]
+
+
+def test_graceful_shutdown_finishes_requests_in_flight(tokenizer):
+    engine = FakeEngine(MODEL_VOCAB, block_size=2, steps_per_sync=1, step_time_s=0.02,
+                        token_range=(0, TOKENIZER_VOCAB))
+    app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH, max_batch_size=2)
+    srv = ServerThread(app).start()
+    scheduler = app.state.ctx.scheduler
+    results: dict[str, object] = {}
+    started = threading.Event()
+
+    def streaming():
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": [10, 11], "max_tokens": 40, "stream": True,
+                                                           "ignore_eos": True, "return_token_ids": True}) as r:
+                started.set()
+                results["stream"] = sse_events(r)
+
+    def plain():
+        started.wait(30)
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            results["plain"] = c.post("/v1/completions", json={"prompt": [20, 21], "max_tokens": 30,
+                                                               "ignore_eos": True}).json()
+
+    threads = [threading.Thread(target=streaming), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    assert started.wait(30)
+    deadline = time.monotonic() + 30
+    while scheduler.submitted < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.submitted == 2
+    srv.stop()  # what SIGTERM does: stop accepting, finish requests in flight, then drain the scheduler
+    for t in threads:
+        t.join(60)
+    texts, ids, finish = join_stream(results["stream"], chat=False)
+    assert ids[0] == engine.reference([10, 11], 40) and finish[0] == "length"
+    assert results["plain"]["usage"]["completion_tokens"] == 30
+    assert scheduler.closing and not scheduler.alive
+    with pytest.raises(httpx.TransportError):
+        httpx.get(srv.url + "/health", timeout=2)
+
+
+# ----------------------------------------------------------------------------------------- real engine
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    from dflash_jax.checkpoint import load_drafter, load_target
+    from dflash_jax.engine import Engine, EngineConfig
+
+    target_dir, drafter_dir = tf.write_tiny_models_with_tokenizer(
+        tmp_path_factory.mktemp("tiny"), model_vocab_size=MODEL_VOCAB, tokenizer_vocab_size=TOKENIZER_VOCAB)
+    tok = Tokenizer(target_dir)
+    target = load_target(target_dir)
+    engine = Engine(target, load_drafter(drafter_dir),
+                    EngineConfig(max_batch_size=2, max_length=MAX_LENGTH, prompt_buckets=(32,), steps_per_sync=2))
+    prompts = {
+        "hello": tok.encode("Hello, world"),
+        "fox": tok.encode("The quick brown fox"),
+        "ids": [10, 11, 12, 13],
+        "chat": tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}]),
+        "chat2": tok.apply_chat_template([{"role": "user", "content": "Hi!"}]),
+    }
+    # Each prompt alone, before the server shares the engine (the same shapes as batch-1 requests).
+    alone = {k: engine.generate([p], MAX_TOKENS, tok.stop_token_ids)[0] for k, p in prompts.items()}
+    gated = GatedEngine(engine)
+    app = create_app(gated, tok, model_name="tiny-qwen3", max_length=MAX_LENGTH, max_batch_size=2,
+                     vocab_size=target.config.vocab_size)
+    app.state.gated = gated
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=300) as client:
+        yield tok, prompts, alone, client, srv, app
+
+
+MAX_TOKENS = 12  # one max_tokens everywhere: one compiled program per batch size
+
+
+def test_real_engine_completion_and_chat(real):
+    tok, prompts, alone, client, _, _ = real
+    r = client.post("/v1/completions", json={"prompt": "Hello, world", "max_tokens": MAX_TOKENS,
+                                             "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["token_ids"] == alone["hello"].output_ids
+    assert body["choices"][0]["text"] == tok.decode(alone["hello"].output_ids)
+    assert body["choices"][0]["finish_reason"] == alone["hello"].finish_reason
+    assert body["usage"]["prompt_tokens"] == len(prompts["hello"])
+    assert body["dflash"][0]["acceptance_lengths"] == alone["hello"].acceptance_lengths
+    assert 1 <= body["dflash"][0]["tau"] <= 8
+
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "What is 2+2?"}],
+                                                  "max_tokens": MAX_TOKENS, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_token_ids"] == prompts["chat"]
+    assert r.json()["choices"][0]["token_ids"] == alone["chat"].output_ids
+    assert r.json()["choices"][0]["message"]["content"] == tok.decode(alone["chat"].output_ids)
+
+
+def test_real_engine_streaming(real):
+    tok, prompts, alone, client, _, _ = real
+    events = stream(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi!"}],
+                                                     "max_tokens": MAX_TOKENS, "return_token_ids": True})
+    texts, ids, finish = join_stream(events, chat=True)
+    assert ids[0] == alone["chat2"].output_ids
+    assert texts[0] == tok.decode(alone["chat2"].output_ids)
+    assert finish[0] == alone["chat2"].finish_reason
+    assert sum(1 for e in events[1:-1] if e["choices"] and e["choices"][0].get("token_ids")) >= 2  # streamed
+    events = stream(client, "/v1/completions", {"prompt": prompts["ids"], "max_tokens": MAX_TOKENS,
+                                                "return_token_ids": True})
+    texts, ids, _ = join_stream(events, chat=False)
+    assert ids[0] == alone["ids"].output_ids and texts[0] == tok.decode(alone["ids"].output_ids)
+
+
+def test_real_engine_concurrent_requests(real):
+    tok, prompts, alone, client, srv, app = real
+    order = ["hello", "fox", "ids", "hello", "fox", "ids"]
+    before = len(app.state.ctx.scheduler.batch_sizes)
+    answers = run_concurrently(srv, [{"prompt": prompts[k], "max_tokens": MAX_TOKENS, "return_token_ids": True}
+                                     for k in order])
+    for k, a in zip(order, answers):
+        assert a["choices"][0]["token_ids"] == alone[k].output_ids, k
+    assert app.state.ctx.scheduler.batch_sizes[before:] == [1, 2, 2, 1]  # batched, at most max_batch_size
+
+
+def test_real_engine_bad_input_then_good(real):
+    tok, prompts, alone, client, _, _ = real
+    assert_error(client.post("/v1/completions", json={"prompt": "word " * 100}), 400, "context_length_exceeded")
+    assert_error(client.post("/v1/completions", json={"prompt": [MODEL_VOCAB + 5]}), 400, "invalid_token_id")
+    assert_error(client.post("/v1/chat/completions", json={"messages": GOOD_MSG, "temperature": 0.5}), 400,
+                 "unsupported_parameter", "temperature")
+    r = client.post("/v1/completions", json={"prompt": prompts["ids"], "max_tokens": MAX_TOKENS,
+                                             "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == alone["ids"].output_ids
+    assert "dflash_draft_steps_total" in client.get("/metrics").text
