@@ -74,12 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", default=None,
                      help="generate exactly max_new_tokens per prompt")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo = sub.add_parser("demo", help="self-check: DFlash vs target-only on the embedded default pair")
+    demo.add_argument("--prompts", type=int, default=4)
+    demo.add_argument("--max-new-tokens", type=int, default=96)
     return parser
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("serve", "generate", "-h", "--help"):
+    if not argv or argv[0] not in ("serve", "generate", "demo", "-h", "--help"):
         argv.insert(0, "serve")
     return build_parser().parse_args(argv)
 
@@ -332,6 +335,12 @@ def run_serve(cfg) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "demo":
+        from dflash_jax.demo import print_demo, run_demo
+
+        report = run_demo(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+        print_demo(report)
+        return 0 if report["identical"] else 1
     from dflash_jax.config import ConfigError
 
     try:

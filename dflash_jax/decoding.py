@@ -111,7 +111,7 @@ def prefill(
                                  target.embed_tokens.dtype)
     zeros = jnp.zeros((batch,), jnp.int32)
     hidden, taps, target_cache = target.step(ids, zeros, target_cache, blk_lens=lens, tap_layers=tap_layers,
-                                             attention_impl=attention_impl)
+                                             attention_impl=attention_impl, prefill=True)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
     first = jnp.argmax(target.head(last), axis=-1).astype(jnp.int32)
 
@@ -135,6 +135,48 @@ def prefill(
     )
 
 
+def draft_block(
+    target: Target, drafter: Drafter, state: DecodeState, *, block_size: int,
+    attention_impl: AttentionImpl = "xla",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Drafts ``[anchor, d1 .. d_{B-1}]`` for every row in one drafter pass.
+
+    Returns ``block_ids [batch, B]``, ``valid [batch]`` (slots that exist: the reference's shorter
+    last block) and ``positions [batch, B]``.
+    """
+    batch = state.starts.shape[0]
+    starts = state.starts
+    anchor = jnp.take_along_axis(state.tokens, starts[:, None], axis=1)[:, 0]
+    valid = jnp.clip(state.max_lens - starts, 1, block_size).astype(jnp.int32)
+    mask = jnp.full((batch, block_size - 1), drafter.config.mask_token_id, jnp.int32)
+    block_ids = jnp.concatenate([anchor[:, None], mask], axis=1)
+    positions = starts[:, None] + jnp.arange(block_size, dtype=jnp.int32)[None, :]
+    cache = state.draft_cache
+    hidden = drafter(target.embed(block_ids)[:, None], positions[:, None], cache.k, cache.v,
+                     starts[:, None], valid[:, None], attention_impl=attention_impl)
+    draft = jnp.argmax(drafter.logits(target, hidden[:, 0, 1:]), axis=-1).astype(jnp.int32)
+    return block_ids.at[:, 1:].set(draft), valid, positions
+
+
+def verify_block(
+    target: Target, drafter: Drafter, state: DecodeState, block_ids: jax.Array, valid: jax.Array,
+    positions: jax.Array, stop_ids: jax.Array, *, attention_impl: AttentionImpl = "xla",
+) -> DecodeState:
+    """Verifies a drafted block in one target pass, commits, and extends the drafter's context."""
+    starts = state.starts
+    verified, taps, target_cache = target.step(
+        block_ids, starts, state.target_cache, blk_lens=valid,
+        tap_layers=drafter.config.target_layer_ids, attention_impl=attention_impl,
+    )
+    posterior = jnp.argmax(target.head(verified), axis=-1).astype(jnp.int32)
+    acc = greedy_accept(block_ids[:, 1:], posterior, valid)
+    new_state, _ = commit(state, block_ids, posterior, acc, stop_ids)
+    # The verify pass produced the taps of the committed tokens: project them once for all layers.
+    k, v = drafter.context_kv(taps, positions)
+    draft_cache = write_all_layers(state.draft_cache, k, v, starts)
+    return dataclasses.replace(new_state, target_cache=target_cache, draft_cache=draft_cache)
+
+
 def speculative_step(
     target: Target,
     drafter: Drafter,
@@ -145,32 +187,10 @@ def speculative_step(
     attention_impl: AttentionImpl = "xla",
 ) -> DecodeState:
     """Draft a block, verify it, commit, and extend the drafter's context: one step for every row."""
-    batch = state.starts.shape[0]
-    starts = state.starts
-    anchor = jnp.take_along_axis(state.tokens, starts[:, None], axis=1)[:, 0]
-    valid = jnp.clip(state.max_lens - starts, 1, block_size).astype(jnp.int32)
-    mask = jnp.full((batch, block_size - 1), drafter.config.mask_token_id, jnp.int32)
-    block_ids = jnp.concatenate([anchor[:, None], mask], axis=1)
-    positions = starts[:, None] + jnp.arange(block_size, dtype=jnp.int32)[None, :]
-
-    draft_cache = state.draft_cache
-    hidden = drafter(target.embed(block_ids)[:, None], positions[:, None], draft_cache.k, draft_cache.v,
-                     starts[:, None], valid[:, None], attention_impl=attention_impl)
-    draft = jnp.argmax(drafter.logits(target, hidden[:, 0, 1:]), axis=-1).astype(jnp.int32)
-    block_ids = block_ids.at[:, 1:].set(draft)
-
-    verified, taps, target_cache = target.step(
-        block_ids, starts, state.target_cache, blk_lens=valid,
-        tap_layers=drafter.config.target_layer_ids, attention_impl=attention_impl,
-    )
-    posterior = jnp.argmax(target.head(verified), axis=-1).astype(jnp.int32)
-    acc = greedy_accept(draft, posterior, valid)
-    new_state, _ = commit(state, block_ids, posterior, acc, stop_ids)
-
-    # The verify pass produced the taps of the committed tokens: project them once for all layers.
-    k, v = drafter.context_kv(taps, positions)
-    draft_cache = write_all_layers(draft_cache, k, v, starts)
-    return dataclasses.replace(new_state, target_cache=target_cache, draft_cache=draft_cache)
+    block_ids, valid, positions = draft_block(target, drafter, state, block_size=block_size,
+                                              attention_impl=attention_impl)
+    return verify_block(target, drafter, state, block_ids, valid, positions, stop_ids,
+                        attention_impl=attention_impl)
 
 
 def target_only_step(

@@ -127,7 +127,7 @@ class Engine:
                                  attention_impl=self.config.attention_impl)
         return self._constrain(state)
 
-    def _decode_fn(self, target_state, drafter_state, state, stop_ids):
+    def _decode_fn(self, target_state, drafter_state, state, stop_ids, n_steps):
         target, drafter = self._models(target_state, drafter_state)
         impl = self.config.attention_impl
 
@@ -139,7 +139,7 @@ class Engine:
 
         def cond(carry):
             i, s = carry
-            return (i < self.config.steps_per_sync) & ~jnp.all(s.done)
+            return (i < n_steps) & ~jnp.all(s.done)
 
         def body(carry):
             i, s = carry
@@ -159,7 +159,9 @@ class Engine:
             return jax.lax.with_sharding_constraint(x, named_sharding(axes, x.shape, self.mesh, self._rules))
 
         def pin_cache(c):
-            return None if c is None else type(c)(pin(c.k, CACHE_AXES), pin(c.v, CACHE_AXES))
+            if c is None:
+                return None
+            return type(c)(tuple(pin(x, CACHE_AXES) for x in c.k), tuple(pin(x, CACHE_AXES) for x in c.v))
 
         return dataclasses.replace(
             state,
@@ -168,6 +170,36 @@ class Engine:
             num_steps=pin(state.num_steps, ("batch",)), accepted=pin(state.accepted, ("batch", "length")),
             target_cache=pin_cache(state.target_cache), draft_cache=pin_cache(state.draft_cache),
         )
+
+    def decode(self, state: decoding.DecodeState, stop_ids: jax.Array, n_steps: int | None = None):
+        """Up to ``n_steps`` (default ``steps_per_sync``) decode steps on device; donates ``state``.
+
+        Returns the new state and a ``(tokens, starts, done)`` snapshot that stays readable after the
+        state is donated to the next call.
+        """
+        steps = jnp.int32(self.config.steps_per_sync if n_steps is None else n_steps)
+        return self._decode(self._target_state, self._drafter_state, state, stop_ids, steps)
+
+    def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                stop_ids: np.ndarray) -> tuple[decoding.DecodeState, int]:
+        """Buckets and runs the prompts of one batch; returns the state and the real row count."""
+        n = len(prompts)
+        if n > self.config.max_batch_size:
+            raise ValueError(f"{n} prompts exceed max_batch_size={self.config.max_batch_size}")
+        batch = min(_next_pow2(n), _next_pow2(self.config.max_batch_size))
+        lens = [len(p) for p in prompts]
+        plen = self._prompt_bucket(max(lens))
+        ids = np.zeros((batch, plen), np.int32)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = p
+        row_lens = np.ones((batch,), np.int32)
+        row_lens[:n] = lens
+        max_lens = np.ones((batch,), np.int32)  # padding rows: done at once
+        max_lens[:n] = [min(l + m, self.config.max_length) for l, m in zip(lens, max_new_tokens)]
+        put = self._put_batch
+        state = self._prefill(self._target_state, self._drafter_state, put(ids), put(row_lens), put(max_lens),
+                              jnp.asarray(stop_ids))
+        return state, n
 
     # -- host side -----------------------------------------------------------------------------
 
@@ -224,25 +256,14 @@ class Engine:
         return results
 
     def _generate_batch(self, prompts, max_new, stop_token_ids, on_tokens) -> list[GenerationResult]:
-        n = len(prompts)
-        batch = min(_next_pow2(n), _next_pow2(self.config.max_batch_size))
         lens = [len(p) for p in prompts]
-        plen = self._prompt_bucket(max(lens))
-        ids = np.zeros((batch, plen), np.int32)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = p
-        row_lens = np.ones((batch,), np.int32)
-        row_lens[:n] = lens
-        max_lens = np.ones((batch,), np.int32)  # padding rows: done at once
-        max_lens[:n] = [min(l + m, self.config.max_length) for l, m in zip(lens, max_new)]
+        max_lens = [min(l + m, self.config.max_length) for l, m in zip(lens, max_new)]
         stops = sorted(set(int(s) for s in (stop_token_ids or ())))
         stop_ids = np.full((max(8, _next_pow2(len(stops))),), -1, np.int32)  # fixed size: no recompiles
         stop_ids[: len(stops)] = stops
 
-        put = self._put_batch
         t0 = time.perf_counter()
-        state = self._prefill(self._target_state, self._drafter_state, put(ids), put(row_lens), put(max_lens),
-                              jnp.asarray(stop_ids))
+        state, n = self.prefill(prompts, max_new, stop_ids)
         jax.block_until_ready(state.starts)
         t_first = time.perf_counter()
         ttft = t_first - t0
@@ -260,9 +281,9 @@ class Engine:
             if initial[i]:
                 finish_time[i] = t_first
 
-        state, snap = self._decode(self._target_state, self._drafter_state, state, stop_arr)
+        state, snap = self.decode(state, stop_arr)
         while True:
-            state, next_snap = self._decode(self._target_state, self._drafter_state, state, stop_arr)
+            state, next_snap = self.decode(state, stop_arr)
             tokens, starts, done = (np.asarray(x) for x in snap)
             now = time.perf_counter()
             if on_tokens is not None:

@@ -52,12 +52,15 @@ class Target(nnx.Module):
 
     # -- forward passes ------------------------------------------------------------------------
 
-    def _run(self, h, positions, ctx_lens, blk_lens, cache, starts, tap_layers, attention_impl):
-        """Shared layer loop over one causal block per row: ``h [batch, 1, seq, hidden]``."""
+    def _run(self, h, positions, ctx_lens, blk_lens, cache, starts, tap_layers, attention_impl, fresh=False):
+        """Shared layer loop over one causal block per row: ``h [batch, 1, seq, hidden]``.
+
+        ``fresh``: the cache holds nothing yet (prefill), so only the block is attended to.
+        """
         n = len(self.layers)
         taps = {}
         for i, layer in enumerate(self.layers):
-            if cache is None:
+            if cache is None or fresh:
                 empty = jnp.zeros((h.shape[0], 0, self.config.num_kv_heads, self.config.head_dim), h.dtype)
                 k_ctx = v_ctx = empty
             else:
@@ -84,6 +87,7 @@ class Target(nnx.Module):
         blk_lens: jax.Array | None = None,
         tap_layers: tuple[int, ...] = (),
         attention_impl: AttentionImpl = "xla",
+        prefill: bool = False,
     ) -> tuple[jax.Array, jax.Array | None, KVCache]:
         """Extends every row by a block of tokens at its own position, through the KV cache.
 
@@ -94,6 +98,7 @@ class Target(nnx.Module):
             ``starts``.
           blk_lens: ``[batch]`` valid tokens of the block (padding beyond is never attended to).
           tap_layers: decoder layers whose outputs are returned as taps.
+          prefill: the cache is empty (``starts == 0``): attend within the block only.
 
         Returns:
           final-normed hidden ``[batch, seq, hidden]``, taps ``[batch, seq, len(tap_layers) * hidden]``
@@ -105,7 +110,7 @@ class Target(nnx.Module):
         positions = (starts[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :])[:, None, :]
         h = self.embed(ids)[:, None]
         return self._run(h, positions, starts[:, None], blk_lens[:, None], cache, starts, tuple(tap_layers),
-                         attention_impl)
+                         attention_impl, fresh=prefill)
 
     def forward(
         self,

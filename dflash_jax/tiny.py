@@ -106,7 +106,8 @@ def with_fields(config, **changes):
 
 
 def write_copycat_pair(directory: str | Path, *, noise: float = 0.35, block_size: int = 8,
-                       model_type: str = "qwen3", seed: int = 0) -> tuple[Path, Path]:
+                       model_type: str = "qwen3", seed: int = 0, shape: dict | None = None,
+                       drafter_layers: int = 2) -> tuple[Path, Path]:
     """A tiny pair with real, varied acceptance lengths and no training.
 
     The target's layers are small noise around the identity and its LM head is its embedding table,
@@ -116,9 +117,14 @@ def write_copycat_pair(directory: str | Path, *, noise: float = 0.35, block_size
     block. Acceptance then measures how long the target keeps repeating.
     """
     directory = Path(directory)
-    tcfg = tiny_target_config(model_type, num_heads=4, num_kv_heads=4, head_dim=16, num_layers=4)
-    dcfg = tiny_drafter_config(tcfg, num_layers=2, block_size=block_size, mask_token_id=tcfg.vocab_size - 1)
-    target = random_target(tcfg, seed=seed, std=noise)
+    dims = dict(num_heads=4, num_kv_heads=4, head_dim=16, num_layers=4)
+    dims.update(shape or {})
+    tcfg = tiny_target_config(model_type, **dims)
+    if tcfg.num_kv_heads * tcfg.head_dim != tcfg.hidden_size or tcfg.num_heads != tcfg.num_kv_heads:
+        raise ValueError("the copycat drafter needs num_heads == num_kv_heads and heads * head_dim == hidden")
+    dcfg = tiny_drafter_config(tcfg, num_layers=drafter_layers, block_size=block_size,
+                               mask_token_id=tcfg.vocab_size - 1)
+    target = random_target(tcfg, seed=seed, std=noise * (64 / tcfg.hidden_size) ** 0.5)
     key = jax.random.key(seed + 100)
     table = jax.random.normal(key, (tcfg.vocab_size, tcfg.hidden_size)).at[dcfg.mask_token_id].set(0.0)
     target.embed_tokens[...] = table

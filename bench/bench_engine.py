@@ -1,0 +1,260 @@
+"""Engine cost benchmark: Qwen3-8B-shaped target + 5-layer B=16 drafter, random bf16 weights.
+
+Times, per batch size, one target-only greedy step, one DFlash draft+verify+commit step and the
+draft pass alone (all inside the engine's jitted on-device loop, state donated), then the host
+overhead of ``Engine.generate`` at batch 1 and, optionally, the authors' PyTorch code on the same
+shapes. Random weights accept ~1 token per step, so DFlash tokens/s are also projected at the
+published tau (6.5 on GSM8K) from the measured step cost.
+
+    python bench/bench_engine.py --batches 1,4,16,32 --out $OUT/engine.json [--reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from dflash_jax import decoding  # noqa: E402
+from dflash_jax.cache import KVCache  # noqa: E402
+from dflash_jax.drafter import Drafter  # noqa: E402
+from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
+from dflash_jax.model_config import TargetConfig  # noqa: E402
+from dflash_jax.target import Target  # noqa: E402
+from dflash_jax.tiny import tiny_drafter_config  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on this card (docs/benchmarks.md)
+
+
+def qwen3_8b(layers: int) -> TargetConfig:
+    return TargetConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                        num_layers=layers, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                        rope_theta=1e6, tie_word_embeddings=False)
+
+
+def param_bytes(module) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def synthetic_state(engine: Engine, batch: int, context: int, seed: int) -> decoding.DecodeState:
+    """A decode state as after a prefill of ``context`` random tokens, caches full of random data."""
+    tc, cap = engine.target.config, engine.capacity
+    key = jax.random.key(seed)
+    k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+
+    def cache(k, layers, kv, dim):
+        shape = (batch, cap, kv, dim)
+        keys = jax.random.split(k, 2 * layers)
+        return KVCache(tuple(jax.random.normal(keys[i], shape, jnp.bfloat16) for i in range(layers)),
+                       tuple(jax.random.normal(keys[layers + i], shape, jnp.bfloat16) for i in range(layers)))
+
+    draft_cache = None
+    if engine.drafter is not None:
+        dc = engine.drafter.config
+        draft_cache = cache(k2, dc.num_layers, dc.num_kv_heads, dc.head_dim)
+    return decoding.DecodeState(
+        tokens=jax.random.randint(k3, (batch, cap + 1), 0, tc.vocab_size - 1, jnp.int32),
+        starts=jnp.full((batch,), context, jnp.int32),
+        max_lens=jnp.full((batch,), engine.config.max_length, jnp.int32),
+        done=jnp.zeros((batch,), bool),
+        num_steps=jnp.zeros((batch,), jnp.int32),
+        accepted=jnp.zeros((batch, engine.config.max_length), jnp.int32),
+        target_cache=cache(k1, tc.num_layers, tc.num_kv_heads, tc.head_dim),
+        draft_cache=draft_cache,
+    )
+
+
+def time_decode(engine: Engine, batch: int, context: int, steps: int, repeats: int) -> tuple[float, float]:
+    """Median seconds per decode step over ``repeats`` calls of ``steps`` on-device steps; and tau."""
+    stop = jnp.full((8,), -1, jnp.int32)
+    state = synthetic_state(engine, batch, context, seed=batch)
+    state, _ = engine.decode(state, stop, n_steps=2)  # compile + warm-up
+    jax.block_until_ready(state.starts)
+    times = []
+    for _ in range(repeats):
+        before = np.asarray(state.starts)
+        t0 = time.perf_counter()
+        state, _ = engine.decode(state, stop, n_steps=steps)
+        jax.block_until_ready(state.starts)
+        times.append((time.perf_counter() - t0) / steps)
+    tau = float((np.asarray(state.starts) - before).mean() / steps)
+    return statistics.median(times), tau
+
+
+def time_draft(engine: Engine, batch: int, context: int, steps: int, repeats: int) -> float:
+    """Median seconds of the drafter pass alone (embed, 5 layers, head, argmax)."""
+    target, drafter = engine.target, engine.drafter
+    tdef, tstate = nnx.split(target)
+    ddef, dstate = nnx.split(drafter)
+    block = engine.block_size
+
+    @jax.jit
+    def loop(ts, ds, state):
+        t, d = nnx.merge(tdef, ts), nnx.merge(ddef, ds)
+
+        def body(i, acc):
+            s = dataclasses.replace(state, starts=state.starts + (acc % 2))  # defeats loop hoisting
+            ids, _, _ = decoding.draft_block(t, d, s, block_size=block, attention_impl=engine.config.attention_impl)
+            return acc + ids.sum() % 7
+
+        return jax.lax.fori_loop(0, steps, body, jnp.int32(0))
+
+    state = synthetic_state(engine, batch, context, seed=batch + 1)
+    jax.block_until_ready(loop(tstate, dstate, state))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(tstate, dstate, state))
+        times.append((time.perf_counter() - t0) / steps)
+    return statistics.median(times)
+
+
+def host_overhead(engine: Engine, context: int, new_tokens: int, device_step: float) -> dict:
+    """Wall time per step of Engine.generate vs the on-device loop's time per step."""
+    rng = np.random.RandomState(0)
+    prompt = rng.randint(0, engine.target.config.vocab_size - 1, context).tolist()
+    engine.generate([prompt], 8)  # compile prefill + warm-up
+    t0 = time.perf_counter()
+    (res,) = engine.generate([prompt], new_tokens)
+    wall = time.perf_counter() - t0
+    steps = max(1, res.num_steps if engine.drafter is not None else res.num_output_tokens - 1)
+    decode = res.time_per_output_token * res.num_output_tokens
+    return dict(ttft_s=res.time_to_first_token, wall_s=wall, steps=steps, wall_per_step_s=decode / steps,
+                device_per_step_s=device_step, host_overhead_per_step_s=decode / steps - device_step)
+
+
+def reference_torch(cfg: TargetConfig, drafter_layers: int, block: int, context: int, new_tokens: int) -> dict:
+    """The authors' PyTorch code (transformers backend) on the same shapes, random weights."""
+    import torch
+    import dflash.model as dm
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.set_default_dtype(torch.bfloat16)
+    tconf = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim, tie_word_embeddings=False)
+    base = {k: v for k, v in tconf.to_dict().items() if k != "layer_types"}
+    dconf = Qwen3Config(**{**base, "num_hidden_layers": drafter_layers, "block_size": block,
+                           "num_target_layers": cfg.num_layers,
+                           "dflash_config": {"mask_token_id": cfg.vocab_size - 1}})
+    with torch.device("cuda"):
+        target = Qwen3ForCausalLM(tconf).eval()
+        drafter = dm.DFlashDraftModel(dconf).eval()
+    prompt = torch.randint(0, cfg.vocab_size - 1, (1, context), device="cuda")
+    out = {}
+    for name, b in (("target_only", 1), ("dflash", block)):
+        dm.dflash_generate(drafter, target, prompt, 8, None, block_size=b)
+        stats = dm.dflash_generate(drafter, target, prompt, new_tokens, None, block_size=b, return_stats=True)
+        steps = max(1, len(stats.acceptance_lengths))
+        decode = stats.time_per_output_token * stats.num_output_tokens
+        out[name] = dict(tok_s=1.0 / stats.time_per_output_token, step_s=decode / steps)
+    del target, drafter
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--batches", default="1,4,16,32")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--draft-batches", default="1,16", help="batch sizes for the draft-only breakdown")
+    ap.add_argument("--attention", default="xla", choices=["xla", "pallas"])
+    ap.add_argument("--reference", action="store_true", help="also time the authors' PyTorch code")
+    ap.add_argument("--tau", type=float, default=6.5, help="acceptance length for projected tokens/s")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
+    args = ap.parse_args()
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    tcfg = qwen3_8b(args.layers)
+    if args.tiny:
+        from dflash_jax.tiny import tiny_target_config
+
+        tcfg = tiny_target_config(num_layers=args.layers)
+    dcfg = tiny_drafter_config(tcfg, num_layers=5, block_size=16, mask_token_id=tcfg.vocab_size - 1)
+    t0 = time.perf_counter()
+    target = Target(tcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    drafter = Drafter(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    tbytes = param_bytes(target) - tcfg.vocab_size * tcfg.hidden_size * 2  # one embedding row is read
+    dbytes = param_bytes(drafter)
+    print(f"init {time.perf_counter() - t0:.1f}s; target streams {tbytes / 1e9:.2f} GB/token-step, "
+          f"drafter {dbytes / 1e9:.2f} GB", flush=True)
+
+    rows, report = [], dict(config=vars(args), target_gb=tbytes / 1e9, drafter_gb=dbytes / 1e9, batches={})
+    draft_batches = {int(b) for b in args.draft_batches.split(",") if b}
+    for batch in (int(b) for b in args.batches.split(",")):
+        cfg = EngineConfig(max_batch_size=batch, max_length=args.context + 512, prompt_buckets=(args.context,),
+                           steps_per_sync=8, attention_impl=args.attention)
+        spec, plain = Engine(target, drafter, cfg), Engine(target, None, cfg)
+        t0 = time.perf_counter()
+        t_plain, _ = time_decode(plain, batch, args.context, args.steps, args.repeats)
+        t_spec, tau = time_decode(spec, batch, args.context, args.steps, args.repeats)
+        t_draft = time_draft(spec, batch, args.context, args.steps, args.repeats) if batch in draft_batches else None
+        kv_bytes = 2 * tcfg.num_layers * batch * args.context * tcfg.num_kv_heads * tcfg.head_dim * 2
+        roofline = (tbytes + kv_bytes) / HBM_BYTES_PER_S
+        entry = dict(target_step_s=t_plain, spec_step_s=t_spec, draft_s=t_draft, tau_random=tau,
+                     target_tok_s=batch / t_plain, spec_tok_s_random=batch * tau / t_spec,
+                     spec_tok_s_projected=batch * args.tau / t_spec, step_ratio=t_spec / t_plain,
+                     draft_ratio=(t_draft / t_plain) if t_draft else None,
+                     hbm_roofline_step_s=roofline, target_hbm_fraction=roofline / t_plain,
+                     wall_s=time.perf_counter() - t0)
+        if batch == 1:
+            entry["host"] = host_overhead(spec, args.context, 128, t_spec)
+            entry["host_target_only"] = host_overhead(plain, args.context, 64, t_plain)
+        report["batches"][batch] = entry
+        print(json.dumps({batch: entry}), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2))
+        rows.append((batch, entry))
+        del spec, plain
+
+    if args.reference:
+        try:
+            report["reference_torch"] = reference_torch(tcfg, 5, 16, args.context, 64)
+            print(json.dumps(report["reference_torch"]), flush=True)
+        except Exception as err:  # the table below still prints
+            report["reference_torch"] = dict(error=repr(err))
+            print(f"reference failed: {err!r}", flush=True)
+
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"\nQwen3-8B shapes, bf16, context {args.context}, attention={args.attention}, "
+          f"HBM roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s")
+    print("batch | target step ms | tok/s | % HBM roofline | DFlash step ms | step ratio | draft ratio | "
+          f"DFlash tok/s @tau={args.tau}")
+    for batch, e in rows:
+        draft = f"{e['draft_ratio']:.2f}" if e["draft_ratio"] else "-"
+        print(f"{batch:5d} | {e['target_step_s'] * 1e3:14.2f} | {e['target_tok_s']:5.0f} | "
+              f"{100 * e['target_hbm_fraction']:13.0f}% | {e['spec_step_s'] * 1e3:14.2f} | {e['step_ratio']:10.2f} | "
+              f"{draft:>11} | {e['spec_tok_s_projected']:8.0f}")
+    if 1 in report["batches"]:
+        h = report["batches"][1]["host"]
+        print(f"host overhead at batch 1: {h['host_overhead_per_step_s'] * 1e3:.2f} ms/step "
+              f"(wall {h['wall_per_step_s'] * 1e3:.2f} vs device {h['device_per_step_s'] * 1e3:.2f}); "
+              f"TTFT {h['ttft_s'] * 1e3:.1f} ms")
+    if "reference_torch" in report and "error" not in report["reference_torch"]:
+        r = report["reference_torch"]
+        b1 = report["batches"].get(1)
+        print(f"authors' PyTorch: target-only {r['target_only']['tok_s']:.1f} tok/s, block-16 step "
+              f"{r['dflash']['step_s'] / r['target_only']['step_s']:.2f} target steps"
+              + (f"; ours target-only {b1['target_tok_s']:.0f} tok/s "
+                 f"({b1['target_tok_s'] / r['target_only']['tok_s']:.1f}x)" if b1 else ""))
+
+
+if __name__ == "__main__":
+    main()
