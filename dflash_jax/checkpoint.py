@@ -19,11 +19,10 @@ from safetensors.flax import save_file
 
 from dflash_jax.drafter import Drafter
 from dflash_jax.model_config import (
-    DrafterConfig,
-    TargetConfig,
     drafter_config_to_dict,
     load_drafter_config,
     load_target_config,
+    target_config_to_dict,
 )
 from dflash_jax.target import Target
 
@@ -173,52 +172,22 @@ def _tensors(module: nnx.Module, prefix: str, dtype) -> dict[str, jax.Array]:
     return out
 
 
-def save_drafter(drafter: Drafter, path: str | Path, dtype=None) -> None:
-    """Writes the z-lab format (config.json + model.safetensors), readable by the reference,
-    vLLM and SGLang."""
+def _save(module: nnx.Module, config: dict, path: str | Path, prefix: str, dtype) -> None:
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     dt = None if dtype is None else _dtype(dtype)
-    tensors = _tensors(drafter, "", dt)
-    config = drafter_config_to_dict(drafter.config)
-    config["torch_dtype"] = str(jnp.dtype(dt or drafter.fc.dtype))
+    tensors = _tensors(module, prefix, dt)
+    config["torch_dtype"] = str(next(iter(tensors.values())).dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def target_config_to_dict(cfg: TargetConfig) -> dict:
-    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[cfg.model_type]
-    out = {
-        "architectures": [arch],
-        "model_type": cfg.model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "hidden_act": "silu",
-        "attention_bias": cfg.attention_bias,
-        "mlp_bias": cfg.mlp_bias,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling_dict,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-    }
-    if cfg.eos_token_ids:
-        out["eos_token_id"] = list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_ids[0]
-    return out
+def save_drafter(drafter: Drafter, path: str | Path, dtype=None) -> None:
+    """Writes the z-lab format (config.json + model.safetensors), readable by the reference,
+    vLLM and SGLang."""
+    _save(drafter, drafter_config_to_dict(drafter.config), path, "", dtype)
 
 
 def save_target(target: Target, path: str | Path, dtype=None) -> None:
     """Writes an HF directory for a target (used for the shipped demo model and tests)."""
-    directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    dt = None if dtype is None else _dtype(dtype)
-    tensors = _tensors(target, "model.", dt)
-    config = target_config_to_dict(target.config)
-    config["torch_dtype"] = str(jnp.dtype(dt or target.embed_tokens.dtype))
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    _save(target, target_config_to_dict(target.config), path, "model.", dtype)

@@ -260,11 +260,9 @@ def load_drafter_config(directory: str | Path) -> DrafterConfig:
     return drafter_config_from_dict(_read_json(path), str(path))
 
 
-def drafter_config_to_dict(cfg: DrafterConfig) -> dict[str, Any]:
-    """The z-lab ``config.json`` of a drafter (Qwen3 fields + block_size + dflash_config)."""
-    out: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
+def _shape_to_dict(cfg: TransformerShape) -> dict[str, Any]:
+    """The HF ``config.json`` fields of a decoder stack."""
+    return {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -275,10 +273,31 @@ def drafter_config_to_dict(cfg: DrafterConfig) -> dict[str, Any]:
         "rms_norm_eps": cfg.rms_norm_eps,
         "hidden_act": "silu",
         "attention_bias": cfg.attention_bias,
-        "attention_dropout": 0.0,
-        "max_position_embeddings": cfg.max_position_embeddings,
+        "mlp_bias": cfg.mlp_bias,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling_dict,
+    }
+
+
+def target_config_to_dict(cfg: TargetConfig) -> dict[str, Any]:
+    """The HF ``config.json`` of a target."""
+    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[cfg.model_type]
+    out = {"architectures": [arch], "model_type": cfg.model_type, **_shape_to_dict(cfg),
+           "max_position_embeddings": cfg.max_position_embeddings,
+           "tie_word_embeddings": cfg.tie_word_embeddings}
+    if cfg.eos_token_ids:
+        out["eos_token_id"] = list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_ids[0]
+    return out
+
+
+def drafter_config_to_dict(cfg: DrafterConfig) -> dict[str, Any]:
+    """The z-lab ``config.json`` of a drafter (Qwen3 fields + block_size + dflash_config)."""
+    out: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        **_shape_to_dict(cfg),
+        "attention_dropout": 0.0,
+        "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": False,
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
@@ -286,7 +305,6 @@ def drafter_config_to_dict(cfg: DrafterConfig) -> dict[str, Any]:
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids),
         },
-        "torch_dtype": "bfloat16",
     }
     if cfg.input_embedding_scale != 1.0:
         out["dflash_config"]["input_embedding_scale"] = cfg.input_embedding_scale
