@@ -1,0 +1,224 @@
+"""The Pallas block-attention kernels against ``block_attention_reference`` (CPU, interpret mode).
+
+Random inputs, odd lengths, empty contexts, blk_len 0 / 1, GQA ratios 1 / 2 / 4, causal and not,
+several blocks with different context lengths; forward of both kernels (the GPU kernel in Pallas
+interpret mode, the TPU kernel in TPU interpret mode), split-K, and gradients of the training
+pattern through the custom VJP (the blockwise jnp backward and the Pallas backward kernels). Plus:
+the kernels lower to Triton IR (cuda) and Mosaic (tpu) on this CPU machine, so a change that
+cannot be lowered for the accelerators fails here (Triton's and Mosaic's own compilers to machine
+code only run on the accelerators).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.attention import block_attention as dispatch
+from dflash_jax.attention import block_attention_reference as reference
+from kernels_pallas import block_attention, block_attention_fwd
+from kernels_pallas.block_attention_gpu import GpuConfig, plan
+from kernels_pallas.block_attention_tpu import TpuConfig
+
+F32_TOL = dict(rtol=1e-5, atol=2e-5)
+
+
+def run_kernel(*args, causal, **kw):
+    """The kernel under jit (eager op-by-op dispatch would dominate the test time)."""
+    return jax.jit(lambda *a: block_attention(*a, causal=causal, **kw))(*args)
+
+
+def run_reference(*args, causal):
+    return jax.jit(lambda *a: reference(*a, causal=causal))(*args)
+BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+
+
+def make_inputs(seed, *, batch=2, blocks=3, block=5, q_heads=4, kv_heads=2, head_dim=16, ctx=37,
+                dtype=jnp.float32):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    q = jax.random.normal(ks[0], (batch, blocks, block, q_heads, head_dim), jnp.float32)
+    k_ctx = jax.random.normal(ks[1], (batch, ctx, kv_heads, head_dim), jnp.float32)
+    v_ctx = jax.random.normal(ks[2], (batch, ctx, kv_heads, head_dim), jnp.float32)
+    k_blk = jax.random.normal(ks[3], (batch, blocks, block, kv_heads, head_dim), jnp.float32)
+    v_blk = jax.random.normal(ks[4], (batch, blocks, block, kv_heads, head_dim), jnp.float32)
+    ctx_lens = np.array(jax.random.randint(ks[5], (batch, blocks), 0, ctx + 1), np.int32)
+    blk_lens = np.array(jax.random.randint(ks[6], (batch, blocks), 0, block + 1), np.int32)
+    # the edge cases, always present: empty context, blk_len 0 and 1, both empty, full lengths
+    ctx_lens[0, 0] = 0
+    blk_lens[0, 0] = 0  # this block's rows see nothing: zeros
+    blk_lens[-1, -1] = 1
+    ctx_lens[-1, 0] = ctx
+    if blocks > 1:
+        ctx_lens[0, 1] = 0
+        blk_lens[0, 1] = block
+    cast = lambda x: x.astype(dtype)  # noqa: E731
+    return (cast(q), cast(k_ctx), cast(v_ctx), jnp.asarray(ctx_lens), cast(k_blk), cast(v_blk),
+            jnp.asarray(blk_lens))
+
+
+def assert_close(got, want, dtype):
+    got = np.asarray(got, np.float32)
+    want = np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, **(F32_TOL if dtype == jnp.float32 else BF16_TOL))
+    if dtype != jnp.float32:  # bf16: the error must also be small on average
+        assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want) + 1e-6
+
+
+# (seed, q_heads, kv_heads, block, head_dim, ctx, blocks, causal, dtype)
+FWD_CASES = [
+    (0, 2, 2, 5, 16, 37, 3, False, jnp.float32),  # GQA 1
+    (1, 2, 2, 5, 16, 37, 3, True, jnp.float32),
+    (2, 4, 2, 3, 32, 50, 2, False, jnp.float32),  # GQA 2
+    (3, 8, 2, 5, 16, 33, 2, True, jnp.float32),  # GQA 4
+    (4, 8, 2, 16, 32, 80, 2, True, jnp.bfloat16),
+    (5, 4, 1, 5, 16, 45, 3, False, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", FWD_CASES, ids=lambda c: f"s{c[0]}-g{c[1] // c[2]}-c{int(c[7])}-{jnp.dtype(c[8]).name}")
+def test_forward_gpu_kernel(case):
+    seed, hq, hkv, block, d, ctx, blocks, causal, dtype = case
+    args = make_inputs(seed, blocks=blocks, block=block, q_heads=hq, kv_heads=hkv, head_dim=d,
+                       ctx=ctx, dtype=dtype)
+    got = run_kernel(*args, causal=causal, backend="gpu", interpret=True)
+    want = run_reference(*args, causal=causal)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype)
+    # the block with no key at all gives exact zeros
+    np.testing.assert_array_equal(np.asarray(got[0, 0], np.float32), 0.0)
+    # negative control: the comparison can fail (the other mask is visibly different)
+    other = np.asarray(run_reference(*args, causal=not causal), np.float32)
+    assert np.max(np.abs(np.asarray(got, np.float32) - other)) > 5e-2
+
+
+@pytest.mark.parametrize("splits,causal", [(3, False), (4, True)])
+def test_forward_gpu_split_k(splits, causal):
+    """Split-K: several programs per (row, block, head), merged by log-sum-exp."""
+    args = make_inputs(10 + splits, blocks=2, block=5, q_heads=8, kv_heads=2, ctx=70)
+    cfg = GpuConfig(block_k=16, num_splits=splits)
+    out, lse = jax.jit(lambda *a: block_attention_fwd(
+        *a, causal=causal, backend="gpu", interpret=True, config=cfg))(*args)
+    assert_close(out, run_reference(*args, causal=causal), jnp.float32)
+    assert lse.shape == (2, 2, 2, 5 * 4)
+    # the automatic plan splits a long context at small batch and not the training pattern
+    assert plan(1, 1, 8, 32768, GpuConfig())[2] > 8
+    assert plan(1, 512, 8, 4096, GpuConfig())[2] == 1
+
+
+def test_forward_empty_context_array_via_dflash_jax():
+    """ctx = 0 (prefill: a causal block with no context at all), through attention.py's dispatch."""
+    args = make_inputs(20, blocks=1, block=6, q_heads=4, kv_heads=2, ctx=1)
+    q, _, _, _, kb, vb, _ = args
+    empty = jnp.zeros((2, 0, 2, 16), jnp.float32)
+    cl = jnp.zeros((2, 1), jnp.int32)
+    bl = jnp.array([[6], [3]], jnp.int32)
+    got = jax.jit(lambda *a: dispatch(*a, causal=True, impl="pallas"))(q, empty, empty, cl, kb, vb, bl)
+    assert_close(got, run_reference(q, empty, empty, cl, kb, vb, bl, causal=True), jnp.float32)
+
+
+@pytest.mark.parametrize("case", [FWD_CASES[1], FWD_CASES[2], FWD_CASES[5]],
+                         ids=["g1-causal", "g2", "g4-bf16"])
+def test_forward_tpu_kernel(case):
+    seed, hq, hkv, block, d, ctx, blocks, causal, dtype = case
+    args = make_inputs(seed, blocks=blocks, block=block, q_heads=hq, kv_heads=hkv, head_dim=d,
+                       ctx=ctx, dtype=dtype)
+    got = run_kernel(*args, causal=causal, backend="tpu", interpret=True,
+                     config=TpuConfig(block_k=16))
+    assert_close(got, run_reference(*args, causal=causal), dtype)
+    np.testing.assert_array_equal(np.asarray(got[0, 0], np.float32), 0.0)
+
+
+def _grads(fn, args, causal, cotangent, **kw):
+    q, kc, vc, cl, kb, vb, bl = args
+
+    def loss(q, kc, vc, kb, vb):
+        out = fn(q, kc, vc, cl, kb, vb, bl, causal=causal, **kw)
+        return jnp.sum(out.astype(jnp.float32) * cotangent)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, kc, vc, kb, vb)
+
+
+def _training_inputs(seed, dtype, *, blocks=6, block=4, seq=40):
+    """The training pattern: ctx = the whole sequence, ctx_len = each block's anchor."""
+    args = make_inputs(seed, batch=2, blocks=blocks, block=block, q_heads=8, kv_heads=2,
+                       head_dim=16, ctx=seq, dtype=dtype)
+    anchors = jax.random.randint(jax.random.PRNGKey(seed + 100), (2, blocks), 0, seq - block + 1)
+    anchors = anchors.at[0, 0].set(0)  # a block with an empty context (but a full block)
+    bl = jnp.full((2, blocks), block, jnp.int32).at[1, 2].set(1)
+    return args[:3] + (anchors.astype(jnp.int32),) + args[4:6] + (bl,)
+
+
+@pytest.mark.parametrize(
+    "backend,causal,dtype",
+    [("gpu", False, jnp.float32), ("gpu", True, jnp.bfloat16), ("tpu", True, jnp.float32),
+     ("gpu-pallas-bwd", True, jnp.float32)],
+)
+def test_gradients_training_pattern(backend, causal, dtype):
+    args = _training_inputs(30, dtype)
+    cot = jax.random.normal(jax.random.PRNGKey(31), args[0].shape, jnp.float32)
+    kw = dict(backend=backend, interpret=True)
+    if backend == "gpu-pallas-bwd":  # the opt-in Pallas backward kernels (Triton lowering)
+        kw = dict(backend="gpu", interpret=True, bwd="pallas")
+    if backend == "tpu":
+        kw["config"] = TpuConfig(block_k=8)
+    got_out = run_kernel(*args, causal=causal, **kw)
+    assert_close(got_out, run_reference(*args, causal=causal), dtype)
+    got = _grads(block_attention, args, causal, cot, **kw)
+    want = _grads(reference, args, causal, cot)
+    for name, g, w in zip(["dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"], got, want):
+        assert g.dtype == w.dtype, name
+        if dtype == jnp.float32:
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=5e-5,
+                                       err_msg=name)
+        else:
+            g = np.asarray(g, np.float32)
+            w = np.asarray(w, np.float32)
+            assert np.linalg.norm(g - w) <= 2e-2 * np.linalg.norm(w), name
+
+
+def test_gradients_small_backward_chunks():
+    """The backward's scan over block chunks (a tiny memory budget forces one block per step)."""
+    from kernels_pallas.block_attention_bwd import block_attention_bwd
+
+    args = _training_inputs(40, jnp.float32)
+    out, lse = jax.jit(lambda *a: block_attention_fwd(*a, causal=False, interpret=True))(*args)
+    dout = jax.random.normal(jax.random.PRNGKey(41), out.shape)
+    bwd = jax.jit(block_attention_bwd, static_argnames=("causal", "scale", "budget_bytes"))
+    one = bwd(*args, out, lse, dout, causal=False, scale=0.25, budget_bytes=1)
+    many = bwd(*args, out, lse, dout, causal=False, scale=0.25)
+    for a, b in zip(one, many):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def _qwen3_shapes(batch, blocks, ctx):
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    return (sd((batch, blocks, 16, 32, 128), bf), sd((batch, ctx, 8, 128), bf),
+            sd((batch, ctx, 8, 128), bf), sd((batch, blocks), jnp.int32),
+            sd((batch, blocks, 16, 8, 128), bf), sd((batch, blocks, 16, 8, 128), bf),
+            sd((batch, blocks), jnp.int32))
+
+
+@pytest.mark.parametrize("batch,blocks,ctx", [(1, 1, 32768), (1, 512, 4096)])
+def test_lowers_for_accelerators(batch, blocks, ctx):
+    """Triton IR for cuda and Mosaic for tpu, built on this CPU (Qwen3-8B heads, bf16)."""
+    shapes = _qwen3_shapes(batch, blocks, ctx)
+    for backend, platform, marker in (("gpu", "cuda", "triton"), ("tpu", "tpu", "tpu_custom_call")):
+        fn = jax.jit(lambda *a, backend=backend: block_attention_fwd(
+            *a, causal=True, interpret=False, backend=backend))
+        text = fn.trace(*shapes).lower(lowering_platforms=(platform,)).as_text()
+        assert marker in text, (backend, platform)
+    if blocks > 1:  # the training pattern's gradient with the Pallas backward kernels
+        def loss(q, kc, vc, cl, kb, vb, bl):
+            out = block_attention(q, kc, vc, cl, kb, vb, bl, causal=False, interpret=False,
+                                  backend="gpu", bwd="pallas")
+            return jnp.sum(out.astype(jnp.float32))
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5)))
+        text = grad.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("triton") >= 3  # forward, dq, dk/dv
