@@ -97,7 +97,6 @@ def prefill(
     capacity: int,
     max_steps: int,
     mask_token_id: int,
-    attention_impl: AttentionImpl = "xla",
 ) -> DecodeState:
     """Runs the padded prompts ``ids [batch, P]`` (lengths ``lens``) and samples the first token.
 
@@ -110,8 +109,10 @@ def prefill(
     target_cache = KVCache.zeros(tc.num_layers, batch, capacity, tc.num_kv_heads, tc.head_dim,
                                  target.embed_tokens.dtype)
     zeros = jnp.zeros((batch,), jnp.int32)
+    # The prompt is one causal block of up to thousands of tokens: the Pallas kernel is tiled for
+    # draft/verify blocks of B <= 16 rows, so prefill attention stays on the XLA path.
     hidden, taps, target_cache = target.step(ids, zeros, target_cache, blk_lens=lens, tap_layers=tap_layers,
-                                             attention_impl=attention_impl, prefill=True)
+                                             attention_impl="xla", prefill=True)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
     first = jnp.argmax(target.head(last), axis=-1).astype(jnp.int32)
 

@@ -100,6 +100,9 @@ class Engine:
         self.block_size = (config.block_size or drafter.config.block_size) if drafter is not None else 1
         self.capacity = config.max_length + self.block_size
         self.mesh = mesh if mesh is not None else (make_mesh(config.mesh) if config.mesh is not None else None)
+        if self.mesh is not None and self.mesh.size > 1 and config.attention_impl == "pallas":
+            raise ValueError("attention_impl='pallas' runs on one device only for now (the kernel is not "
+                             "wrapped in shard_map yet); use attention_impl='xla' with a mesh")
         self._rules = config.mesh.resolved_rules() if config.mesh is not None else None
         if self.mesh is not None:
             shard_module(target, self.mesh, self._rules)
@@ -123,8 +126,7 @@ class Engine:
         target, drafter = self._models(target_state, drafter_state)
         # Every step commits >= 1 token, so max_length bounds the steps of any row.
         state = decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, capacity=self.capacity,
-                                 max_steps=self.config.max_length, mask_token_id=self._mask_id,
-                                 attention_impl=self.config.attention_impl)
+                                 max_steps=self.config.max_length, mask_token_id=self._mask_id)
         return self._constrain(state)
 
     def _decode_fn(self, target_state, drafter_state, state, stop_ids, n_steps):

@@ -143,3 +143,16 @@ def test_sharded_engine_equals_single_device(mesh, pair, prompts, engines):
     for g, w in zip(got, want):
         assert g.output_ids == w.output_ids
         assert g.acceptance_lengths == w.acceptance_lengths
+
+
+def test_pallas_attention_engine_equals_xla(models, prompts, engines):
+    """The engine with the Pallas kernels (interpret mode on the CPU) gives the same tokens."""
+    spec, _ = engines
+    target, drafter = models
+    pallas = Engine(target, drafter, EngineConfig(max_batch_size=2, max_length=80, steps_per_sync=4,
+                                                  attention_impl="pallas"))
+    got = pallas.generate(prompts[:2], 12)
+    want = spec.generate(prompts[:2], 12)
+    for g, w in zip(got, want):
+        assert g.output_ids == w.output_ids
+        assert g.acceptance_lengths == w.acceptance_lengths
