@@ -1,0 +1,138 @@
+"""Observability of a training run: tqdm bar, JSONL metrics, TensorBoard events, throughput and MFU."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+# Dense bf16 peak FLOP/s per chip, by ``device_kind`` substring (vendor datasheets).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "TPU v6": 918e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v4": 275e12,
+}
+
+
+def peak_flops_per_device() -> float | None:
+    kind = jax.devices()[0].device_kind
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key.lower() in kind.lower():
+            return flops
+    return None
+
+
+def train_flops_per_sequence(target_cfg, drafter_cfg, seq_len: int, num_anchors: int, *, distill: bool) -> float:
+    """Matmul FLOPs of one training sequence: the target's forward, the drafter's forward and
+    backward (3x) over ``num_anchors`` blocks, the shared LM head (forward + input gradient)."""
+    t, d = target_cfg, drafter_cfg
+    H = t.hidden_size
+
+    def layer_params(c):
+        attn = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+        return attn + 3 * c.hidden_size * c.intermediate_size
+
+    S = seq_len
+    target = 2 * t.num_layers * layer_params(t) * S + 2 * t.num_layers * S * S * t.num_heads * t.head_dim
+    if distill:
+        target += 2 * S * H * t.vocab_size
+    tokens = num_anchors * d.block_size
+    n_taps = len(d.target_layer_ids)
+    ctx_proj = 2 * S * (n_taps * H * d.hidden_size + d.num_layers * d.hidden_size * 2 * d.num_kv_heads * d.head_dim)
+    layers = 2 * d.num_layers * layer_params(d) * tokens
+    attn = 4 * tokens * (S / 2 + d.block_size) * d.num_heads * d.head_dim * d.num_layers
+    head = 2 * tokens * d.hidden_size * t.vocab_size
+    return float(target + 3 * (ctx_proj + layers + attn) + 2 * head)
+
+
+class Monitor:
+    """Writes metric lines (host 0 only) and drives the progress bar."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int, start_step: int, *, progress: bool, tensorboard: bool,
+                 flops_per_step: float | None = None):
+        self.enabled = jax.process_index() == 0
+        self.run_dir = Path(run_dir)
+        self.flops_per_step = flops_per_step
+        self.peak = peak_flops_per_device()
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if self.enabled else None
+        self._tb = None
+        if self.enabled and tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            except ImportError:  # pragma: no cover - tensorboardX is a dependency
+                self._tb = None
+        self._bar = None
+        if self.enabled and progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+        self._t0 = time.perf_counter()
+        self._last_step = start_step
+
+    def log(self, step: int, metrics: dict[str, Any], *, tokens: int, prefix: str = "train") -> dict[str, Any]:
+        """Logs host-side ``metrics`` at optimizer ``step``; ``tokens`` processed since the last call."""
+        now = time.perf_counter()
+        dt = max(now - self._t0, 1e-9)
+        steps = max(step - self._last_step, 1)
+        self._t0, self._last_step = now, step
+        row: dict[str, Any] = {"step": step}
+        for k, v in metrics.items():
+            a = np.asarray(v)
+            row[k] = a.tolist() if a.ndim else float(a)
+        if prefix == "train":
+            row["tokens_per_s"] = tokens / dt
+            row["step_time_s"] = dt / steps
+            if self.flops_per_step and self.peak:
+                row["mfu"] = self.flops_per_step * steps / dt / (self.peak * jax.device_count())
+        if not self.enabled:
+            return row
+        self._jsonl.write(json.dumps({"kind": prefix, **row}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k == "step":
+                    continue
+                if isinstance(v, list):
+                    for i, x in enumerate(v):
+                        self._tb.add_scalar(f"{prefix}/{k}/{i}", x, step)
+                else:
+                    self._tb.add_scalar(f"{prefix}/{k}", v, step)
+            self._tb.flush()
+        if self._bar is not None and prefix == "train":
+            post = {"loss": f"{row.get('loss', float('nan')):.3f}", "acc1": f"{row.get('acc1', float('nan')):.3f}",
+                    "tok/s": f"{row['tokens_per_s']:.0f}"}
+            if "mfu" in row:
+                post["mfu"] = f"{row['mfu']:.1%}"
+            self._bar.set_postfix(post, refresh=False)
+        return row
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def note(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()

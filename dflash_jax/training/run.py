@@ -1,0 +1,309 @@
+"""A whole training run from a ``TrainConfig``: load, shard, resume, loop, log, evaluate, save."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.model_config import DrafterConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.training import parallel
+from dflash_jax.training.checkpointing import Checkpointer, save_drafter_config
+from dflash_jax.training.config import TrainConfig, save_train_config
+from dflash_jax.training.data import build_dataset, read_prompts
+from dflash_jax.training.monitor import Monitor, train_flops_per_sequence
+from dflash_jax.training.optim import make_optimizer
+from dflash_jax.training.trainer import StepSpec, TrainState, make_train_step, merge_drafter, split_drafter
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+def fresh_drafter_config(target: TargetConfig, config: TrainConfig) -> DrafterConfig:
+    """A drafter shaped like one target layer, with the run's depth, block size, mask id and taps."""
+    shape = config.drafter
+    if shape.mask_token_id is None:
+        raise ValueError("drafter.mask_token_id is required to train a fresh drafter")
+    ids = shape.target_layer_ids or default_target_layer_ids(target.num_layers, shape.num_layers)
+    cfg = DrafterConfig(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size, num_layers=shape.num_layers,
+        num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
+        attention_bias=False, mlp_bias=False, qk_norm=True, block_size=shape.block_size,
+        mask_token_id=shape.mask_token_id, target_layer_ids=tuple(ids), num_target_layers=target.num_layers,
+        max_position_embeddings=target.max_position_embeddings,
+    )
+    cfg.validate("drafter")
+    return cfg
+
+
+def step_spec(config: TrainConfig, dcfg: DrafterConfig) -> StepSpec:
+    return StepSpec(
+        block_size=dcfg.block_size,
+        mask_token_id=dcfg.mask_token_id,
+        target_layer_ids=tuple(dcfg.target_layer_ids),
+        num_anchors=config.loss.num_anchors,
+        kind=config.loss.kind,
+        weighting=config.loss.weighting,
+        gamma=config.gamma(dcfg.block_size),
+        dpace_alpha=config.loss.dpace_alpha,
+        loss_chunk=config.loss.loss_chunk,
+        compute_dtype=_DTYPES[config.model.compute_dtype],
+        attention_impl=config.model.attention_impl,
+        seed=config.seed,
+    )
+
+
+@dataclasses.dataclass
+class Session:
+    """Everything a run holds; also handy in notebooks and tests (``setup`` then ``train_steps``)."""
+
+    config: TrainConfig
+    mesh: Any
+    target: Any
+    target_graphdef: Any
+    target_state: Any
+    drafter_config: DrafterConfig
+    drafter_graphdef: Any
+    drafter_rest: Any
+    tx: Any
+    state: TrainState
+    step_fn: Any
+    data: Any  # grain IterDataset
+    data_iter: Any
+    checkpointer: Checkpointer | None
+    tokenizer: Any
+    spec: StepSpec
+    meta: dict
+    eval_prompts: list | None = None
+
+    def drafter(self, dtype=None) -> nnx.Module:
+        """The drafter with the current weights (float32 master weights cast to ``dtype``)."""
+        return merge_drafter(self.drafter_graphdef, self.state.params, self.drafter_rest, dtype)
+
+    @property
+    def opt_step(self) -> int:
+        return int(self.state.step) // self.config.optim.grad_accum
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        close = getattr(self.data_iter, "close", None)
+        if close is not None:
+            close()
+        # Drop the iterator now: grain's prefetch iterator also closes itself in __del__, which
+        # fails noisily when it only runs at interpreter shutdown.
+        self.data_iter = None
+        import gc
+
+        gc.collect()
+
+
+def _load_tokenizer(config: TrainConfig):
+    if config.model.target.startswith(("tiny:", "pattern:")) and not config.model.tokenizer:
+        return None  # tiny random targets have no tokenizer: pre-tokenized / self-generated data only
+    from dflash_jax.tokenizer import Tokenizer
+
+    return Tokenizer(config.model.tokenizer or config.model.target)
+
+
+def load_target_any(spec: str, dtype: str):
+    """An HF target directory; ``tiny:<qwen3|llama>[:seed]``: a tiny random target; or
+    ``pattern:<period>[:seed]``: a tiny target whose greedy output follows a cyclic permutation
+    (``synthetic.pattern_target``, a learnable task for demos and tests)."""
+    if spec.startswith("pattern:"):
+        from dflash_jax.training.synthetic import pattern_target
+
+        parts = spec.split(":")
+        seed = int(parts[2]) if len(parts) > 2 else 0
+        target, perm = pattern_target(int(parts[1]), seed=seed, dtype=_DTYPES[dtype])
+        target.pattern_perm = tuple(int(x) for x in perm)  # static metadata for the data generator
+        return target
+    if spec.startswith("tiny:"):
+        from dflash_jax.tiny import random_target, tiny_target_config
+
+        parts = spec.split(":")
+        kind = parts[1] or "qwen3"
+        seed = int(parts[2]) if len(parts) > 2 else 0
+        return random_target(tiny_target_config(kind), seed=seed, dtype=_DTYPES[dtype])
+    from dflash_jax.checkpoint import load_target
+
+    return load_target(spec, dtype=dtype)
+
+
+def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | None = None,
+          checkpoint: bool = True, devices=None) -> Session:
+    """Builds a session; resumes from the latest checkpoint of ``output_dir`` when there is one
+    (``resume=True`` requires one, ``resume=False`` refuses to reuse a directory with checkpoints)."""
+    from dflash_jax.checkpoint import load_drafter
+
+    parallel.maybe_initialize_distributed(config.mesh)
+    mesh = parallel.make_mesh(config.mesh, devices)
+    run_dir = Path(config.output_dir)
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
+
+    target = load_target_any(config.model.target, config.model.target_dtype)
+    if config.model.drafter:
+        drafter = load_drafter(config.model.drafter, dtype="float32")
+    else:
+        dcfg = fresh_drafter_config(target.config, config)
+        from dflash_jax.drafter import Drafter
+
+        drafter = Drafter(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(config.drafter.init_seed))
+    dcfg = drafter.config
+    if dcfg.num_target_layers != target.config.num_layers or dcfg.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"drafter (num_target_layers={dcfg.num_target_layers}, vocab={dcfg.vocab_size}) does not fit the "
+            f"target ({target.config.num_layers} layers, vocab {target.config.vocab_size})"
+        )
+    if config.data.seq_len < dcfg.block_size + 1:
+        raise ValueError(f"data.seq_len={config.data.seq_len} must exceed the block size {dcfg.block_size}")
+
+    target_graphdef, target_state = nnx.split(target)
+    target_state = jax.device_put(target_state, parallel.state_shardings(target_state, mesh, "target"))
+    drafter_graphdef, params, drafter_rest = split_drafter(drafter)
+    params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    params = jax.device_put(params, parallel.state_shardings(params, mesh, "drafter"))
+
+    tx = make_optimizer(config.optim, config.steps)
+    p_sh = parallel.tree_shardings(params)
+    o_sh = parallel.opt_state_shardings(jax.eval_shape(tx.init, params), p_sh, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+    state = TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), parallel.replicated(mesh)))
+    state_sh = TrainState(p_sh, o_sh, parallel.replicated(mesh))
+
+    eval_prompts = None
+    if records is None and config.data.self_generated.num_examples:
+        from dflash_jax.training.synthetic import pattern_records, self_generated
+
+        sg = config.data.self_generated
+        perm = getattr(target, "pattern_perm", None)
+        if perm is not None:  # the target's greedy output is known in closed form: no decoding needed
+            records, prompts = pattern_records(np.asarray(perm), sg.num_examples + sg.eval_prompts, sg.prompt_len,
+                                               sg.new_tokens, sg.seed, exclude=(dcfg.mask_token_id,))
+            records, eval_prompts = records[: sg.num_examples], prompts[sg.num_examples:]
+        else:
+            records, eval_prompts = self_generated(target, sg, exclude=(dcfg.mask_token_id,))
+    if config.data.eval_prompts:
+        eval_prompts = read_prompts(config.data.eval_prompts, tokenizer, config.eval.num_prompts)
+    elif eval_prompts is not None:
+        eval_prompts = eval_prompts[: config.eval.num_prompts]
+    data = build_dataset(config.data, tokenizer, records=records, process_index=jax.process_index(),
+                         process_count=jax.process_count())
+    data_iter = iter(data)
+
+    checkpointer = None
+    meta: dict[str, Any] = {"micro_step": 0, "opt_step": 0}
+    if checkpoint:
+        checkpointer = Checkpointer(run_dir, keep=config.keep)
+        latest = checkpointer.latest_step()
+        if latest is not None:
+            if resume is False:
+                raise FileExistsError(f"{run_dir} already has checkpoints (latest step {latest}); "
+                                      "pick another output_dir or resume")
+            state, meta = checkpointer.restore(latest, state, data_iter)
+            state = jax.device_put(state, state_sh)
+        elif resume:
+            raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+        if jax.process_index() == 0:
+            save_train_config(config, run_dir)
+            save_drafter_config(run_dir, dcfg)
+
+    spec = step_spec(config, dcfg)
+    step = make_train_step(drafter_graphdef, drafter_rest, target_graphdef, tx, spec)
+    batch_sh = parallel.batch_sharding(mesh)
+    step_fn = jax.jit(
+        step,
+        in_shardings=(state_sh, parallel.tree_shardings(target_state), batch_sh),
+        out_shardings=(state_sh, parallel.replicated(mesh)),
+        donate_argnums=(0,),
+    )
+    return Session(
+        config=config, mesh=mesh, target=target, target_graphdef=target_graphdef, target_state=target_state,
+        drafter_config=dcfg, drafter_graphdef=drafter_graphdef, drafter_rest=drafter_rest, tx=tx, state=state,
+        step_fn=step_fn, data=data, data_iter=data_iter, checkpointer=checkpointer, tokenizer=tokenizer,
+        spec=spec, meta=meta, eval_prompts=eval_prompts,
+    )
+
+
+def next_batch(session: Session) -> dict[str, jax.Array]:
+    local = next(session.data_iter)
+    return parallel.global_batch({k: np.asarray(v) for k, v in local.items()}, session.mesh)
+
+
+def save(session: Session) -> None:
+    if session.checkpointer is None:
+        return
+    micro = int(session.state.step)
+    meta = {"micro_step": micro, "opt_step": micro // session.config.optim.grad_accum,
+            "time": time.time()}
+    session.checkpointer.save(meta["opt_step"], session.state, session.data_iter, meta)
+
+
+def evaluate(session: Session, prompts) -> dict[str, float]:
+    from dflash_jax.training.evaluation import speculative_tau
+
+    target = nnx.merge(session.target_graphdef, session.target_state)
+    drafter = session.drafter(dtype=jnp.dtype(session.config.model.target_dtype))
+    stop = list(session.target.config.eos_token_ids) or None
+    return speculative_tau(target, drafter, prompts, session.config.eval.max_new_tokens, stop_token_ids=stop)
+
+
+def train(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | None = None,
+          max_steps: int | None = None) -> dict[str, Any]:
+    """Trains to ``config.steps`` optimizer steps (or stops after ``max_steps`` more, for tests:
+    the run is then left resumable). Returns the last logged train and eval metrics."""
+    session = setup(config, tokenizer=tokenizer, records=records, resume=resume)
+    cfg = config
+    accum = cfg.optim.grad_accum
+    start_opt = session.opt_step
+    end_opt = cfg.steps if max_steps is None else min(cfg.steps, start_opt + max_steps)
+    flops = train_flops_per_sequence(session.target.config, session.drafter_config, cfg.data.seq_len,
+                                      cfg.loss.num_anchors, distill=cfg.loss.kind != "ce") * cfg.data.batch_size * accum
+    monitor = Monitor(cfg.output_dir, cfg.steps, start_opt, progress=cfg.progress, tensorboard=cfg.tensorboard,
+                      flops_per_step=flops)
+    prompts = session.eval_prompts
+    last: dict[str, Any] = {}
+    last_eval: dict[str, Any] = {}
+
+    def run_eval(step: int) -> None:
+        nonlocal last_eval
+        if prompts:
+            row = evaluate(session, prompts)
+            last_eval = monitor.log(step, row, tokens=0, prefix="eval")
+            monitor.note(f"step {step}: eval tau {row['tau']:.3f}")
+
+    try:
+        if cfg.eval.at_start and start_opt == 0:
+            run_eval(0)
+        acc_metrics: list[dict] = []
+        tokens = 0
+        for opt_step in range(start_opt + 1, end_opt + 1):
+            for _ in range(accum):
+                batch = next_batch(session)
+                session.state, metrics = session.step_fn(session.state, session.target_state, batch)
+                acc_metrics.append(metrics)
+                tokens += int(np.prod(batch["input_ids"].shape))
+            monitor.advance()
+            if opt_step % cfg.log_every == 0 or opt_step == end_opt:
+                host = jax.device_get(acc_metrics)
+                mean = {k: np.mean([m[k] for m in host], axis=0) for k in host[0]}
+                last = monitor.log(opt_step, mean, tokens=tokens)
+                acc_metrics, tokens = [], 0
+            if opt_step % cfg.save_every == 0 or opt_step == end_opt:
+                save(session)
+            if cfg.eval.every and opt_step % cfg.eval.every == 0 and opt_step != cfg.steps:
+                run_eval(opt_step)
+        if end_opt == cfg.steps and (cfg.eval.every or prompts):
+            if session.opt_step == cfg.steps and prompts:
+                run_eval(cfg.steps)
+    finally:
+        monitor.close()
+        session.close()
+    return {"train": last, "eval": last_eval, "steps": end_opt}

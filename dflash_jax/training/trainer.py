@@ -1,0 +1,198 @@
+"""The jitted DFlash training step.
+
+One micro-step:
+
+1. the frozen target runs causally over the batch (no gradient): taps at the drafter's
+   ``target_layer_ids`` (+ its logits when distilling);
+2. anchors are re-sampled (``fold_in(seed, micro_step)``: identical after a resume);
+3. the drafter projects the taps of the whole sequence into context K/V once, then drafts every
+   anchor block at once (each block sees context strictly before its anchor plus itself);
+4. draft logits come from the TARGET's LM head (shared, frozen: not copied into the drafter),
+   optionally in chunks of anchor blocks under ``jax.checkpoint`` so that only one chunk of
+   ``[blocks, B, vocab]`` logits is alive at a time;
+5. the loss's gradient w.r.t. the drafter's float32 master weights (compute in ``compute_dtype``)
+   goes through optax (AdamW + warmup/cosine + clipping, ``MultiSteps`` accumulation).
+
+Everything is a pure function of ``(TrainState, target_params, batch)``; the NNX modules are
+``nnx.merge``d inside from their graph definitions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dflash_jax.training import anchors as anc
+from dflash_jax.training.losses import LossSums, finalize, loss_sums
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+class TrainState(NamedTuple):
+    params: Any  # nnx.State of the drafter's nnx.Param leaves, float32
+    opt_state: Any
+    step: jax.Array  # int32 micro-steps taken (optimizer steps = step // grad_accum)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """The static settings of a train step."""
+
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_anchors: int
+    kind: str = "ce"
+    weighting: str = "decay"
+    gamma: float = 7.0
+    dpace_alpha: float = 0.5
+    loss_chunk: int = 0
+    compute_dtype: Any = jnp.bfloat16
+    attention_impl: str = "xla"
+    seed: int = 0
+
+
+def split_drafter(drafter: nnx.Module):
+    """``(graphdef, params, rest)``: trainable ``nnx.Param`` leaves and the static remainder."""
+    return nnx.split(drafter, nnx.Param, ...)
+
+
+def merge_drafter(graphdef, params, rest, dtype=None) -> nnx.Module:
+    if dtype is not None:
+        params = jax.tree.map(lambda p: p.astype(dtype), params)
+    return nnx.merge(graphdef, params, rest)
+
+
+def init_state(params, tx: optax.GradientTransformation) -> TrainState:
+    params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32))
+
+
+def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """``[batch, blocks, ...]`` -> ``[blocks // chunk, batch, chunk, ...]``."""
+    b, n = x.shape[:2]
+    return jnp.moveaxis(x.reshape((b, n // chunk, chunk) + x.shape[2:]), 1, 0)
+
+
+class _Forward(NamedTuple):
+    taps: jax.Array
+    teacher_logits: jax.Array | None
+
+
+def target_forward(target: nnx.Module, ids: jax.Array, spec: StepSpec) -> _Forward:
+    logits, taps = target.forward(ids, tap_layers=spec.target_layer_ids, attention_impl=spec.attention_impl)
+    teacher = jax.lax.stop_gradient(logits) if spec.kind != "ce" else None
+    return _Forward(jax.lax.stop_gradient(taps), teacher)
+
+
+def anchor_block_hidden(drafter, target, block_ids, positions, ctx_lens, blk_lens, taps, spec: StepSpec) -> jax.Array:
+    """The drafter's final hidden ``[batch, blocks, B, hidden]`` for all anchor blocks at once: the
+    taps of the whole sequence projected to context K/V once, each block seeing ``ctx_lens``."""
+    b, seq = taps.shape[:2]
+    embeds = jax.lax.stop_gradient(target.embed(block_ids)).astype(spec.compute_dtype)
+    ctx_pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
+    k_ctx, v_ctx = drafter.context_kv(taps.astype(spec.compute_dtype), ctx_pos)
+    return drafter(embeds, positions, k_ctx, v_ctx, ctx_lens, blk_lens, attention_impl=spec.attention_impl)
+
+
+def drafter_loss(
+    params,
+    drafter_graphdef,
+    drafter_rest,
+    target: nnx.Module,
+    batch: dict[str, jax.Array],
+    fwd: _Forward,
+    key: jax.Array,
+    spec: StepSpec,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The loss of the drafter ``params`` on one batch (the target's outputs already computed)."""
+    ids = batch["input_ids"]
+    loss_mask = batch["loss_mask"]
+    segment_ids = batch.get("segment_ids")
+    b, seq = ids.shape
+    B = spec.block_size
+    anchors, valid = anc.sample_anchors(key, loss_mask, B, spec.num_anchors)
+    labels, lmask = anc.block_labels(ids, loss_mask, segment_ids, anchors, valid, B)
+    block_ids = anc.block_token_ids(ids, anchors, valid, B, spec.mask_token_id)
+    positions = anc.block_positions(anchors, B)
+    ctx_lens, blk_lens = anc.attention_lengths(anchors, valid, B)
+
+    drafter = merge_drafter(drafter_graphdef, params, drafter_rest, spec.compute_dtype)
+    hidden = anchor_block_hidden(drafter, target, block_ids, positions, ctx_lens, blk_lens, fwd.taps, spec)
+
+    teacher_pos = anc.teacher_positions(anchors, B) if fwd.teacher_logits is not None else None
+
+    def chunk_sums(h, lab, m, tpos):
+        logits = drafter.logits(target, h)
+        teacher = None
+        if tpos is not None:
+            bb, nn_, BB = tpos.shape
+            flat = tpos.reshape(bb, nn_ * BB)
+            teacher = jnp.take_along_axis(fwd.teacher_logits, flat[..., None], axis=1)
+            teacher = teacher.reshape(bb, nn_, BB, -1)
+        return loss_sums(
+            logits, lab, m, kind=spec.kind, weighting=spec.weighting, gamma=spec.gamma,
+            dpace_alpha=spec.dpace_alpha, teacher_logits=teacher,
+        )
+
+    n = anchors.shape[1]
+    if spec.loss_chunk and spec.loss_chunk < n:
+        c = spec.loss_chunk
+        if n % c:
+            raise ValueError(f"loss.loss_chunk={c} must divide loss.num_anchors={n}")
+        xs = (_chunks(hidden, c), _chunks(labels, c), _chunks(lmask, c),
+              _chunks(teacher_pos, c) if teacher_pos is not None else None)
+
+        @jax.checkpoint
+        def body(carry, x):
+            h, lab, m, tpos = x
+            return carry + chunk_sums(h, lab, m, tpos), None
+
+        zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(chunk_sums, *(a[0] if a is not None else None for a in xs)))
+        sums, _ = jax.lax.scan(body, LossSums(*zero), xs)
+    else:
+        sums = chunk_sums(hidden, labels, lmask, teacher_pos)
+    loss, metrics = finalize(sums)
+    metrics["valid_anchors"] = jnp.sum(valid.astype(jnp.float32)) / b
+    return loss, metrics
+
+
+def _global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def make_train_step(drafter_graphdef, drafter_rest, target_graphdef, tx: optax.GradientTransformation, spec: StepSpec):
+    """``step(state, target_params, batch) -> (state, metrics)``, not yet jitted."""
+
+    def step(state: TrainState, target_params, batch):
+        target = nnx.merge(target_graphdef, target_params)
+        fwd = target_forward(target, batch["input_ids"], spec)
+        key = jax.random.fold_in(jax.random.key(spec.seed), state.step)
+        grad_fn = jax.value_and_grad(drafter_loss, has_aux=True)
+        (loss, metrics), grads = grad_fn(
+            state.params, drafter_graphdef, drafter_rest, target, batch, fwd, key, spec
+        )
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics["grad_norm"] = _global_norm(grads)
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    return step
+
+
+def make_eval_loss(drafter_graphdef, drafter_rest, target_graphdef, spec: StepSpec):
+    """``loss(params, target_params, batch, step) -> metrics`` without an update (for checks/notebooks)."""
+
+    def fn(params, target_params, batch, step):
+        target = nnx.merge(target_graphdef, target_params)
+        fwd = target_forward(target, batch["input_ids"], spec)
+        key = jax.random.fold_in(jax.random.key(spec.seed), step)
+        _, metrics = drafter_loss(params, drafter_graphdef, drafter_rest, target, batch, fwd, key, spec)
+        return metrics
+
+    return fn

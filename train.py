@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""Train a DFlash drafter, or export a training checkpoint to the z-lab format.
+
+    python train.py --config configs/train_tiny.yaml [key=value ...] [--resume]
+    python train.py export --checkpoint runs/tiny --output out/tiny-drafter [--step N] [--dtype bfloat16]
+
+A run resumes automatically when its output_dir already has checkpoints; ``--resume`` makes that
+a requirement. See docs/training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="train.py", description="Train a DFlash drafter.")
+    parser.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
+    parser.add_argument("--resume", action="store_true", help="require resuming from output_dir's latest checkpoint")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many more optimizer steps")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=0.0003 steps=100")
+    args = parser.parse_args(argv)
+
+    from dflash_jax.training.config import ConfigError, load_train_config
+
+    try:
+        config = load_train_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    from dflash_jax.training.run import train
+
+    try:
+        result = train(config, resume=True if args.resume else None, max_steps=args.max_steps)
+    except (FileNotFoundError, FileExistsError) as err:  # --resume without a checkpoint, missing files
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"steps": result["steps"], "train": result["train"], "eval": result["eval"]}, default=float))
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="train.py export", description="Export a training checkpoint (z-lab format).")
+    parser.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/ or checkpoints/<step>")
+    parser.add_argument("--output", required=True, help="directory for config.json + model.safetensors")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    args = parser.parse_args(argv)
+    from dflash_jax.training.checkpointing import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.output, step=args.step, dtype=args.dtype)
+    print(f"wrote {out}/config.json and {out}/model.safetensors")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "export":
+        return _export(argv[1:])
+    if argv and argv[0] == "train":
+        argv = argv[1:]
+    return _train(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
