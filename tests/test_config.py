@@ -1,0 +1,56 @@
+"""The one config system: validated dataclasses from YAML, overrides, clear errors."""
+
+import dataclasses
+
+import pytest
+
+from dflash_jax.config import ConfigError, load_config, save_config
+from dflash_jax.engine import EngineConfig
+from dflash_jax.sharding import MeshConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Optim:
+    lr: float = 1e-3
+    steps: int = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    name: str = "x"
+    optim: Optim = dataclasses.field(default_factory=Optim)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    layers: tuple[int, ...] = (1, 2)
+
+
+def test_yaml_overrides_and_roundtrip(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("name: run\noptim:\n  lr: 3e-4\nengine:\n  block_size: 8\n  mesh: {tensor: 4}\nlayers: [3, 5]\n")
+    cfg = load_config(Recipe, path, ["optim.steps=20", "engine.max_length=512"])
+    assert cfg.optim == Optim(lr=3e-4, steps=20)
+    assert cfg.engine.block_size == 8 and cfg.engine.max_length == 512
+    assert cfg.engine.mesh == MeshConfig(tensor=4)
+    assert cfg.layers == (3, 5)
+    save_config(cfg, tmp_path / "saved.yaml")
+    assert load_config(Recipe, tmp_path / "saved.yaml") == cfg
+
+
+@pytest.mark.parametrize("text, message", [
+    ("optim:\n  lrr: 1\n", r"r.yaml.optim: unknown key\(s\) \['lrr'\]"),
+    ("optim:\n  steps: many\n", r"optim.steps: expected an integer, got 'many'"),
+    ("engine:\n  attention_impl: cuda\n", "attention_impl must be 'xla' or 'pallas'"),
+    ("engine:\n  mesh: {tensor: 2, fsdp: -1, data: -1}\n", "at most one of data/fsdp/tensor may be -1"),
+    ("- a\n", "the top level must be a mapping"),
+])
+def test_bad_configs_name_the_file_and_field(tmp_path, text, message):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(Recipe, path)
+
+
+def test_bad_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(Recipe, None, ["optim.lr"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(Recipe, tmp_path / "missing.yaml")
