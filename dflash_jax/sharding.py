@@ -36,10 +36,11 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 class MeshConfig:
     """Mesh shape and logical-axis rules; ``-1`` in one axis takes the remaining devices."""
 
-    data: int = 1
+    data: int = -1
     fsdp: int = 1
-    tensor: int = -1
+    tensor: int = 1
     rules: dict = dataclasses.field(default_factory=dict)
+    distributed: bool = False  # call jax.distributed.initialize() first (multi-host)
 
     def validate(self) -> None:
         sizes = [self.data, self.fsdp, self.tensor]

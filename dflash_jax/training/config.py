@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from dflash_jax.config import ConfigError, load_config, save_config
+from dflash_jax.sharding import MeshConfig
 
 # Slot-weight decay gamma of the published recipe, by block size.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -119,19 +120,6 @@ class OptimConfig:
     def validate(self) -> None:
         if self.lr <= 0 or not 0 <= self.warmup_ratio < 1 or self.grad_accum < 1:
             raise ValueError("optim: lr > 0, 0 <= warmup_ratio < 1, grad_accum >= 1")
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    data: int = -1  # -1: whatever devices are left
-    fsdp: int = 1
-    tensor: int = 1
-    distributed: bool = False  # call jax.distributed.initialize() (multi-host)
-
-    def validate(self) -> None:
-        sizes = (self.data, self.fsdp, self.tensor)
-        if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
-            raise ValueError("mesh sizes must be positive, at most one of them -1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,9 +42,7 @@ def maybe_initialize_distributed(config: MeshConfig) -> None:
 
 def make_mesh(config: MeshConfig, devices=None) -> Mesh:
     """The (data, fsdp, tensor) mesh of ``config`` (``-1``: the remaining devices), Auto axes."""
-    return project_sharding.make_mesh(
-        project_sharding.MeshConfig(data=config.data, fsdp=config.fsdp, tensor=config.tensor), devices
-    )
+    return project_sharding.make_mesh(config, devices)
 
 
 def state_shardings(state: nnx.State, mesh: Mesh, kind: str) -> Any:
