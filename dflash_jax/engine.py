@@ -34,7 +34,7 @@ class EngineConfig:
     max_length: int = 2048           # prompt + generated tokens, per row
     prompt_buckets: tuple[int, ...] | None = None  # None: powers of two from 16
     block_size: int | None = None    # None: the drafter's; may only lower it
-    attention_impl: str = "xla"      # "xla" | "pallas"
+    attention_impl: str = "auto"     # "xla" | "pallas" | "auto": pallas on one GPU/TPU, else xla
     steps_per_sync: int = 8          # decode steps per device call between host syncs
     mesh: MeshConfig | None = None   # None: a single device
 
@@ -45,8 +45,8 @@ class EngineConfig:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.attention_impl not in ("xla", "pallas"):
-            raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {self.attention_impl!r}")
+        if self.attention_impl not in ("xla", "pallas", "auto"):
+            raise ValueError(f"attention_impl must be 'xla', 'pallas' or 'auto', got {self.attention_impl!r}")
         if self.steps_per_sync < 1:
             raise ValueError(f"steps_per_sync must be >= 1, got {self.steps_per_sync}")
         if self.prompt_buckets is not None and (not self.prompt_buckets or min(self.prompt_buckets) < 1):
@@ -100,9 +100,14 @@ class Engine:
         self.block_size = (config.block_size or drafter.config.block_size) if drafter is not None else 1
         self.capacity = config.max_length + self.block_size
         self.mesh = mesh if mesh is not None else (make_mesh(config.mesh) if config.mesh is not None else None)
-        if self.mesh is not None and self.mesh.size > 1 and config.attention_impl == "pallas":
+        sharded = self.mesh is not None and self.mesh.size > 1
+        if sharded and config.attention_impl == "pallas":
             raise ValueError("attention_impl='pallas' runs on one device only for now (the kernel is not "
                              "wrapped in shard_map yet); use attention_impl='xla' with a mesh")
+        self.attention_impl = config.attention_impl
+        if self.attention_impl == "auto":
+            on_accelerator = jax.default_backend() in ("gpu", "tpu")
+            self.attention_impl = "pallas" if on_accelerator and not sharded else "xla"
         self._rules = config.mesh.resolved_rules() if config.mesh is not None else None
         if self.mesh is not None:
             shard_module(target, self.mesh, self._rules)
@@ -131,7 +136,7 @@ class Engine:
 
     def _decode_fn(self, target_state, drafter_state, state, stop_ids, n_steps):
         target, drafter = self._models(target_state, drafter_state)
-        impl = self.config.attention_impl
+        impl = self.attention_impl
 
         def step(s):
             if drafter is None:

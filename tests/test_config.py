@@ -38,7 +38,7 @@ def test_yaml_overrides_and_roundtrip(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("optim:\n  lrr: 1\n", r"r.yaml.optim: unknown key\(s\) \['lrr'\]"),
     ("optim:\n  steps: many\n", r"optim.steps: expected an integer, got 'many'"),
-    ("engine:\n  attention_impl: cuda\n", "attention_impl must be 'xla' or 'pallas'"),
+    ("engine:\n  attention_impl: cuda\n", "attention_impl must be 'xla', 'pallas' or 'auto'"),
     ("engine:\n  mesh: {tensor: 2, fsdp: -1, data: -1}\n", "at most one of data/fsdp/tensor may be -1"),
     ("- a\n", "the top level must be a mapping"),
 ])
