@@ -163,20 +163,12 @@ def stop_ids(cfg, tokenizer, target) -> list[int]:
 
 
 def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    if not path.exists():
-        raise CLIError(f"{path}: file not found")
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CLIError(f"{path}:{lineno}: invalid JSON: {err}") from None
-            if not isinstance(row, dict):
-                raise CLIError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append((lineno, row))
+    from dflash_jax.jsonl import iter_jsonl
+
+    try:
+        rows = list(iter_jsonl(path))
+    except (FileNotFoundError, ValueError) as err:
+        raise CLIError(str(err)) from None
     if not rows:
         raise CLIError(f"{path}: no prompts")
     return rows

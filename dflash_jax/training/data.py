@@ -30,7 +30,6 @@ The tokenizer is duck-typed: anything with ``encode(text, add_special_tokens=...
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -38,6 +37,7 @@ import grain
 import grain.experimental as grain_exp
 import numpy as np
 
+from dflash_jax.jsonl import iter_jsonl
 from dflash_jax.training.config import DataConfig
 
 _ANSWER_KEYS = ("response", "completion", "output", "answer")
@@ -55,19 +55,10 @@ def read_jsonl(paths: Sequence[str | Path], max_examples: int | None = None) -> 
     """All records of the JSONL files (blank lines skipped); errors name the file and line."""
     records: list[dict] = []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON: {err}") from None
-                if not isinstance(record, dict):
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object")
-                records.append(record)
-                if max_examples is not None and len(records) >= max_examples:
-                    return records
+        for _, record in iter_jsonl(path):
+            records.append(record)
+            if max_examples is not None and len(records) >= max_examples:
+                return records
     return records
 
 
