@@ -18,6 +18,7 @@ optional ``max_new_tokens``; other fields are copied to the output. Each output 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="generate exactly max_new_tokens per prompt")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo = sub.add_parser("demo", help="self-check: DFlash vs target-only on the embedded default pair")
-    demo.add_argument("--prompts", type=int, default=4)
+    demo.add_argument("--prompts", type=int, default=8)
     demo.add_argument("--max-new-tokens", type=int, default=96)
     return parser
 
@@ -104,9 +105,16 @@ def load_settings(args: argparse.Namespace):
     path = args.config if args.config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     cfg = load_serve_config(path, args.overrides, flags)
     m = cfg.model
-    if not m.target:
-        raise CLIError("no target model: pass --target DIR (or set model.target in the config); "
-                       "embedded default models are not shipped yet")
+    if not m.target:  # the embedded default pair shipped in models/embedded
+        from dflash_jax import embedded
+
+        if not embedded.available():
+            raise CLIError(f"no target model: pass --target DIR (or set model.target in the config); the "
+                           f"embedded default pair is missing from {embedded.EMBEDDED_DIR}")
+        m = dataclasses.replace(m, target=str(embedded.DEFAULT_TARGET),
+                                draft=m.draft or str(embedded.DEFAULT_DRAFTER))
+        cfg = dataclasses.replace(cfg, model=m)
+        log.info("using the embedded default pair in %s", embedded.EMBEDDED_DIR)
     if not m.no_draft and not m.draft:
         raise CLIError("no drafter: pass --draft DIR (or set model.draft in the config), "
                        "or --no-draft for target-only decoding")

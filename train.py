@@ -3,6 +3,7 @@
 
     python train.py --config configs/train_tiny.yaml [key=value ...] [--resume]
     python train.py export --checkpoint runs/tiny --output out/tiny-drafter [--step N] [--dtype bfloat16]
+    python train.py pretrain --config configs/embedded_target.yaml [key=value ...]   # a small target LM
 
 A run resumes automatically when its output_dir already has checkpoints; ``--resume`` makes that
 a requirement. See docs/training.md.
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "export":
         return _export(argv[1:])
+    if argv and argv[0] == "pretrain":  # next-token pretraining of a small target (the embedded default)
+        from dflash_jax.training.pretrain import main as pretrain_main
+
+        return pretrain_main(argv[1:])
     if argv and argv[0] == "train":
         argv = argv[1:]
     return _train(argv)
