@@ -133,11 +133,15 @@ def test_token_ids_outside_vocabulary(models, tmp_path, capsys):
     assert rc == 2 and f"{src}:2: token ids outside the vocabulary" in capsys.readouterr().err
 
 
-def test_missing_models_and_files(models, tmp_path, capsys):
+def test_missing_models_and_files(models, tmp_path, capsys, monkeypatch):
+    import dflash_jax.embedded
+
     target_dir, drafter_dir = models
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
     out = str(tmp_path / "o.jsonl")
-    assert serve.main(["generate", "--input", str(src), "--output", out]) == 2
+    with monkeypatch.context() as m:  # without the shipped pair, no target is an error
+        m.setattr(dflash_jax.embedded, "available", lambda: False)
+        assert serve.main(["generate", "--input", str(src), "--output", out]) == 2
     assert "no target model: pass --target DIR" in capsys.readouterr().err
     assert serve.main(["generate", "--target", str(target_dir), "--input", str(src), "--output", out]) == 2
     assert "no drafter: pass --draft DIR" in capsys.readouterr().err
