@@ -1,0 +1,94 @@
+"""The shipped embedded default pair (models/embedded/, built by scripts/build_embedded_default.sh):
+the tokenizer loads with its EOS and mask tokens, the Orbax checkpoint holds the same drafter as the
+z-lab export, speculative decoding with the drafter gives the target's exact greedy output with
+tau well above 1 on held-out prompts, and the notebook runs."""
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_jax.embedded import DEFAULT_DRAFTER, DEFAULT_DRAFTER_ORBAX, DEFAULT_TARGET, available, heldout_prompts
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOK = REPO / "notebooks" / "embedded_default.ipynb"
+
+pytestmark = pytest.mark.skipif(not available(), reason="models/embedded is not built")
+
+MIN_TAU = 3.0  # the shipped pair measures ~5.5 on 24 held-out prompts (docs/embedded_default.md)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    import dflash_jax as dj
+    from dflash_jax.tokenizer import Tokenizer
+
+    return dj.load_target(DEFAULT_TARGET), dj.load_drafter(DEFAULT_DRAFTER), Tokenizer(DEFAULT_TARGET)
+
+
+def test_tokenizer_and_configs(pair):
+    target, drafter, tok = pair
+    assert tok.stop_token_ids == [0] == list(target.config.eos_token_ids)
+    assert tok.decode([drafter.config.mask_token_id], False) == "<|mask|>"
+    assert tok.vocab_size == target.config.vocab_size
+    text = "def f(x):\n    return x\n"
+    assert tok.decode(tok.encode(text, add_special_tokens=True)) == text
+
+
+def test_orbax_checkpoint_is_the_exported_drafter(pair):
+    import jax
+    from flax import nnx
+
+    import dflash_jax as dj
+
+    _, drafter, _ = pair
+    from_orbax = dj.load_drafter(DEFAULT_DRAFTER_ORBAX)
+    assert from_orbax.config == drafter.config
+    a = jax.tree.leaves(nnx.state(drafter, nnx.Param))
+    b = jax.tree.leaves(nnx.state(from_orbax, nnx.Param))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-2, atol=1e-3)
+
+
+def test_speculative_decoding_is_exact_and_fast(pair):
+    import dflash_jax as dj
+
+    target, drafter, tok = pair
+    prompts = [tok.encode(p, add_special_tokens=False) for p in heldout_prompts(4)]
+    stop = list(target.config.eos_token_ids)
+    spec = [dj.generate(target, drafter, [p], max_new_tokens=64, stop_token_ids=stop)[0] for p in prompts]
+    plain = [dj.generate(target, None, [p], max_new_tokens=64, stop_token_ids=stop)[0] for p in prompts]
+    for a, b in zip(spec, plain):
+        assert a.output_ids == b.output_ids
+        assert len(a.output_ids) > 0
+    lengths = [n for r in spec for n in r.acceptance_lengths]
+    tau = float(np.mean(lengths))
+    assert tau >= MIN_TAU, f"tau {tau:.2f} on held-out prompts (lengths {lengths})"
+
+
+def test_notebook_executes(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    pytest.importorskip("matplotlib")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    figure = tmp_path / "hist.png"
+    old = os.environ.get("DFLASH_NB_FIGURE")
+    os.environ["DFLASH_NB_FIGURE"] = str(figure)
+    try:
+        t0 = time.perf_counter()
+        nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                resources={"metadata": {"path": str(REPO)}}).execute()
+        wall = time.perf_counter() - t0
+    finally:
+        if old is None:
+            os.environ.pop("DFLASH_NB_FIGURE", None)
+        else:
+            os.environ["DFLASH_NB_FIGURE"] = old
+    assert figure.exists() and figure.stat().st_size > 0
+    out = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "identical greedy output with and without the drafter: True" in out
+    assert wall < 240, f"the notebook took {wall:.0f}s"
