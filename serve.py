@@ -310,6 +310,8 @@ def run_serve(cfg) -> None:
     api_key = s.api_key or os.environ.get("DFLASH_API_KEY") or None
     tokenizer = load_tokenizer(cfg, required=True)
     engine, target = load_engine(cfg)
+    if s.warmup:
+        log.info("compiled the engine for batch 1 and %d in %.1f s", cfg.engine.max_batch_size, engine.warmup())
     name = cfg.model.name or Path(cfg.model.target).resolve().name
     app = create_app(
         engine, tokenizer,

@@ -208,6 +208,19 @@ class Engine:
                               jnp.asarray(stop_ids))
         return state, n
 
+    def warmup(self, batch_sizes: Sequence[int] | None = None) -> float:
+        """Compiles prefill (smallest prompt bucket) and decode for ``batch_sizes`` (default: 1 and
+        ``max_batch_size``) so the first requests do not wait for XLA; returns the seconds spent.
+
+        Decode shapes do not depend on the prompt, so one call per batch bucket covers every decode;
+        prefill compiles once more per new prompt bucket.
+        """
+        t0 = time.perf_counter()
+        sizes = sorted({1, self.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
+        for size in sizes:
+            self.generate([[0]] * size, 2)
+        return time.perf_counter() - t0
+
     # -- host side -----------------------------------------------------------------------------
 
     def _prompt_bucket(self, n: int) -> int:

@@ -156,3 +156,13 @@ def test_pallas_attention_engine_equals_xla(models, prompts, engines):
     for g, w in zip(got, want):
         assert g.output_ids == w.output_ids
         assert g.acceptance_lengths == w.acceptance_lengths
+
+
+def test_warmup_compiles_every_decode_batch_bucket(models, prompts):
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(max_batch_size=4, max_length=80, steps_per_sync=4))
+    assert engine.warmup() > 0
+    compiled = engine._decode._cache_size()
+    engine.generate(prompts[:1], 6)   # batch bucket 1
+    engine.generate(prompts[:4], 6)   # batch bucket 4
+    assert engine._decode._cache_size() == compiled == 2  # no new decode compile after warm-up

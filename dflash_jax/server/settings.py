@@ -45,6 +45,7 @@ class ServerSettings:
     batch_wait_ms: float = 0.0       # wait this long for a fuller batch when the engine is idle
     graceful_shutdown_timeout_s: float | None = None  # None: wait for every request in flight
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    warmup: bool = True              # compile batch 1 and the full batch before accepting requests
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
