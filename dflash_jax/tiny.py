@@ -6,7 +6,6 @@ test goes through the real loaders and the references read exactly the same file
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -99,10 +98,6 @@ def write_tiny_pair(
     save_target(random_target(tcfg, seed=seed), target_dir)
     save_drafter(random_drafter(dcfg, seed=seed + 1), drafter_dir)
     return target_dir, drafter_dir
-
-
-def with_fields(config, **changes):
-    return dataclasses.replace(config, **changes)
 
 
 def write_copycat_pair(directory: str | Path, *, noise: float = 0.35, block_size: int = 8,
