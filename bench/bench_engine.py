@@ -120,6 +120,46 @@ def time_draft(engine: Engine, batch: int, context: int, steps: int, repeats: in
     return statistics.median(times)
 
 
+def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir: str, top: int = 30) -> None:
+    """Traces ``steps`` decode steps (jax.profiler, Perfetto JSON) and prints the GPU time per kernel
+    name per step: where a step's time goes."""
+    import gzip
+
+    stop = jnp.full((8,), -1, jnp.int32)
+    state = synthetic_state(engine, batch, context, seed=batch + 7)
+    state, _ = engine.decode(state, stop, n_steps=steps)
+    jax.block_until_ready(state.starts)
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        state, _ = engine.decode(state, stop, n_steps=steps)
+        jax.block_until_ready(state.starts)
+    paths = sorted(Path(out_dir).rglob("perfetto_trace.json.gz"))
+    if not paths:
+        print(f"profile: no perfetto trace under {out_dir}", flush=True)
+        return
+    events = json.loads(gzip.open(paths[-1]).read())["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    lines: dict = {}
+    for e in events:
+        if e.get("ph") == "X" and "GPU" in procs.get(e.get("pid"), ""):
+            lines.setdefault((e["pid"], e["tid"]), []).append(e)
+    for key, evs in lines.items():
+        total = sum(e["dur"] for e in evs)
+        print(f"profile line {procs[key[0]]!r} / {threads.get(key, key[1])!r}: {len(evs)} events, "
+              f"{total / steps / 1e3:.3f} ms per step", flush=True)
+    if not lines:
+        return
+    key = max(lines, key=lambda k: len(lines[k]))  # the kernel line
+    by_name: dict = {}
+    for e in lines[key]:
+        n, t = by_name.get(e["name"], (0, 0.0))
+        by_name[e["name"]] = (n + 1, t + e["dur"])
+    print(f"top kernels of {threads.get(key, key[1])!r} (us per step, launches per step):", flush=True)
+    for name, (n, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {t / steps:9.1f} us  {n / steps:6.1f}x  {name[:110]}", flush=True)
+
+
 def host_overhead(engine: Engine, context: int, new_tokens: int, device_step: float) -> dict:
     """Wall time per step of Engine.generate vs the on-device loop's time per step."""
     rng = np.random.RandomState(0)
@@ -178,6 +218,7 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=6.5, help="acceptance length for projected tokens/s")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
+    ap.add_argument("--profile", default=None, help="trace batch-1 steps (target-only and DFlash) into this dir")
     args = ap.parse_args()
 
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
@@ -213,6 +254,13 @@ def main() -> None:
                      draft_ratio=(t_draft / t_plain) if t_draft else None,
                      hbm_roofline_step_s=roofline, target_hbm_fraction=roofline / t_plain,
                      wall_s=time.perf_counter() - t0)
+        if batch == 1 and args.profile:
+            for name, engine in (("target-only", plain), ("dflash", spec)):
+                print(f"== profile: {name}, batch 1", flush=True)
+                try:
+                    profile_decode(engine, 1, args.context, 8, str(Path(args.profile) / name))
+                except Exception as err:  # noqa: BLE001  (profiling is a diagnostic: keep the timings)
+                    print(f"profile failed: {err!r}", flush=True)
         if batch == 1:
             try:
                 entry["host"] = host_overhead(spec, args.context, 128, t_spec)

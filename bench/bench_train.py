@@ -1,33 +1,64 @@
 #!/usr/bin/env python
-"""Training throughput of the DFlash train step: tokens/s and MFU, random weights.
+"""Training throughput of the DFlash train step: compile time, step time, tokens/s and MFU.
 
-Default: a Qwen3-8B-shaped target (36 layers, hidden 4096, GQA 32/8, vocab 151936, bf16) and a
-5-layer B=16 drafter, seq_len 4096, 512 anchors, one jitted step (target forward + drafter forward
-and backward + AdamW) per micro-batch. Prints a short table; ``--tiny`` runs a CPU-sized smoke test.
+Default: a Qwen3-8B-shaped target (36 layers, hidden 4096, GQA 32/8, vocab 151936, bf16, random
+weights) and a 5-layer B=16 drafter, seq_len 4096, 512 anchors, loss_chunk 64: one jitted step
+(frozen target forward + drafter forward/backward + AdamW) per micro-batch, the target's layers
+stacked and run under ``lax.scan`` as in ``train.py`` (``--unrolled-target``: the 36 layers unrolled,
+for comparison). Variants = every ``--batch`` x ``--attention-impl`` (the drafter's attention; the
+target's full-sequence attention is always XLA's). Each row is printed when it finishes and written
+to ``--out/<variant>.json``; a variant that fails (e.g. out of memory) writes its error and the
+next one runs.
 
-    python bench/bench_train.py                      # on the accelerator
-    python bench/bench_train.py --tiny               # anywhere
-    python bench/bench_train.py --batch 1 2 --loss-chunk 64 --attention-impl pallas
+    python bench/bench_train.py --out runs/bench_train            # on the accelerator
+    python bench/bench_train.py --tiny --out /tmp/bench_train     # CPU smoke test
+    python bench/bench_train.py --compile-only --batch 1          # compile time only, no memory
+
+``--compile-only`` compiles the step for the local backend from abstract arguments
+(``jax.ShapeDtypeStruct``): on a CPU it measures the compile time and XLA's buffer assignment of
+the 8B step without allocating it.
+
+MFU = model FLOPs per step / step time / peak bf16 FLOP/s of the device. Model FLOPs per sequence
+(``dflash_jax.training.monitor.train_flops_per_sequence``; recomputation not counted):
+
+    target forward, D = deepest tap + 1 layers:   2 D P_t S + 2 D S^2 h d   (causal attention)
+    drafter fc over S tokens, fwd + weight grad:  2 x 2 S n_taps H H
+    drafter context K/V over S tokens, fwd+bwd:   3 x 2 S L H 2 kv d
+    drafter layers over T = anchors x B tokens:   3 x 2 L P_d T
+    drafter attention:                            3 x 4 T (S/2 + B) h d L
+    LM head over T tokens, fwd + input grad:      2 x 2 T H V
+
+with ``P`` a layer's matmul parameters (Q, K, V, O, gate, up, down), ``h, kv, d`` heads, KV heads,
+head dim, ``H`` hidden, ``V`` vocabulary, ``L`` drafter layers (plus the head ``2 S H V`` and all
+target layers when distilling, which this benchmark does not).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
+import platform
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.drafter import Drafter
-from dflash_jax.model_config import DrafterConfig, TargetConfig, default_target_layer_ids
-from dflash_jax.target import Target
-from dflash_jax.training.config import OptimConfig
-from dflash_jax.training.monitor import peak_flops_per_device, train_flops_per_sequence
-from dflash_jax.training.optim import make_optimizer
-from dflash_jax.training.trainer import StepSpec, init_state, make_train_step
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_jax.drafter import Drafter  # noqa: E402
+from dflash_jax.model_config import DrafterConfig, TargetConfig, default_target_layer_ids  # noqa: E402
+from dflash_jax.target import Target, init_stacked, stack_layers, unstack_layers  # noqa: E402
+from dflash_jax.training.config import OptimConfig  # noqa: E402
+from dflash_jax.training.monitor import peak_flops_per_device, train_flops_per_sequence  # noqa: E402
+from dflash_jax.training.optim import make_optimizer  # noqa: E402
+from dflash_jax.training.trainer import StepSpec, init_state, make_train_step, split_drafter  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                 num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
@@ -35,96 +66,193 @@ TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=6
             num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0)
 
 
-def build(shape: dict, layers: int, block: int, dtype):
+@dataclasses.dataclass(frozen=True)
+class Models:
+    tcfg: TargetConfig
+    dcfg: DrafterConfig
+    target_graph: object  # ScanGraph, or the Target's GraphDef with --unrolled-target
+    target_params: object
+    drafter_graph: nnx.GraphDef
+    drafter_params: object  # nnx.State, float32
+    drafter_rest: object
+
+
+def configs(shape: dict, draft_layers: int, block: int) -> tuple[TargetConfig, DrafterConfig]:
     tcfg = TargetConfig(**shape, model_type="qwen3")
-    dcfg = DrafterConfig(**dict(shape, num_layers=layers), block_size=block, mask_token_id=shape["vocab_size"] - 1,
-                         target_layer_ids=default_target_layer_ids(shape["num_layers"], layers),
+    dcfg = DrafterConfig(**dict(shape, num_layers=draft_layers), block_size=block,
+                         mask_token_id=shape["vocab_size"] - 1,
+                         target_layer_ids=default_target_layer_ids(shape["num_layers"], draft_layers),
                          num_target_layers=shape["num_layers"])
-    # Random weights, built directly on the device (jit) so an 8B target never sits on the host.
-    target_gd, target_state = nnx.split(nnx.eval_shape(lambda: Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0))))
-    target_state = jax.jit(lambda: nnx.split(Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0)))[1])()
-    drafter = jax.jit(lambda: nnx.split(Drafter(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(1)), nnx.Param, ...)[1:])()
-    d_gd = nnx.split(nnx.eval_shape(lambda: Drafter(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(1))), nnx.Param, ...)[0]
-    return tcfg, dcfg, target_gd, target_state, d_gd, drafter
+    return tcfg, dcfg
 
 
-def bench_one(tcfg, dcfg, target_gd, target_state, d_gd, drafter, *, batch, seq, anchors, chunk, impl, steps):
-    params, rest = drafter
-    tx = make_optimizer(OptimConfig(lr=6e-4), 1000)
-    spec = StepSpec(block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
-                    target_layer_ids=tuple(dcfg.target_layer_ids), num_anchors=anchors, loss_chunk=chunk,
-                    compute_dtype=jnp.bfloat16, attention_impl=impl)
-    step = jax.jit(make_train_step(d_gd, rest, target_gd, tx, spec), donate_argnums=(0,))
-    state = init_state(jax.tree.map(jnp.copy, params), tx)  # the step donates its state
+def build(tcfg: TargetConfig, dcfg: DrafterConfig, *, unrolled: bool, abstract: bool) -> Models:
+    """Random models on the default device (or their ``ShapeDtypeStruct``s when ``abstract``)."""
+    box = {}
+
+    def drafter():
+        graph, params, rest = split_drafter(Drafter(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(1)))
+        box["drafter"] = graph
+        return params, rest
+
+    def target():
+        t = Target(tcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        box["target"], params = nnx.split(t) if unrolled else stack_layers(t)
+        return params
+
+    if abstract:
+        d_params, d_rest = jax.eval_shape(drafter)
+        t_params = jax.eval_shape(target)
+        t_graph = box["target"]
+    else:
+        d_params, d_rest = jax.jit(drafter)()
+        # The layers from one vmapped initialisation: an 8B target never sits on the device twice.
+        t_graph, t_params = init_stacked(tcfg, dtype=jnp.bfloat16, seed=0)
+        if unrolled:
+            t_graph, t_params = nnx.split(unstack_layers(t_graph, t_params))
+    d_rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, d_rest)
+    return Models(tcfg, dcfg, t_graph, t_params, box["drafter"], d_params, d_rest)
+
+
+def make_batch(batch: int, seq: int, vocab: int, abstract: bool) -> dict:
+    if abstract:
+        s = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+        return {"input_ids": s, "loss_mask": s, "segment_ids": s}
     rng = np.random.default_rng(0)
-    ids = jnp.asarray(rng.integers(0, tcfg.vocab_size - 1, (batch, seq)), jnp.int32)
+    ids = rng.integers(0, vocab - 1, (batch, seq))
     mask = np.ones((batch, seq), np.int32)
     mask[:, : seq // 8] = 0  # a prompt part
-    data = {"input_ids": ids, "loss_mask": jnp.asarray(mask), "segment_ids": jnp.ones_like(ids)}
+    return {"input_ids": jnp.asarray(ids, jnp.int32), "loss_mask": jnp.asarray(mask),
+            "segment_ids": jnp.ones((batch, seq), jnp.int32)}
+
+
+def bench_one(m: Models, *, batch: int, seq: int, anchors: int, chunk: int, impl: str, steps: int, warmup: int,
+              abstract: bool) -> dict:
+    tx = make_optimizer(OptimConfig(lr=6e-4), 1000)
+    spec = StepSpec(block_size=m.dcfg.block_size, mask_token_id=m.dcfg.mask_token_id,
+                    target_layer_ids=tuple(m.dcfg.target_layer_ids), num_anchors=anchors, loss_chunk=chunk,
+                    compute_dtype=jnp.bfloat16, attention_impl=impl)
+    step = jax.jit(make_train_step(m.drafter_graph, m.drafter_rest, m.target_graph, tx, spec), donate_argnums=(0,))
+    if abstract:
+        state = jax.eval_shape(lambda p: init_state(p, tx), m.drafter_params)
+    else:
+        state = init_state(jax.tree.map(jnp.copy, m.drafter_params), tx)  # the step donates its state
+    data = make_batch(batch, seq, m.tcfg.vocab_size, abstract)
     t0 = time.perf_counter()
-    state, m = step(state, target_state, data)
-    jax.block_until_ready(m["loss"])
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state, m = step(state, target_state, data)
-    jax.block_until_ready(m["loss"])
-    dt = (time.perf_counter() - t0) / steps
-    flops = train_flops_per_sequence(tcfg, dcfg, seq, anchors, distill=False) * batch
-    peak = peak_flops_per_device()
+    lowered = step.lower(state, m.target_params, data)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    flops = train_flops_per_sequence(m.tcfg, m.dcfg, seq, anchors, distill=False) * batch
+    row = {"batch": batch, "seq_len": seq, "anchors": anchors, "loss_chunk": chunk, "attention": impl,
+           "lower_s": t1 - t0, "compile_s": t2 - t1, "model_tflop_per_step": flops / 1e12}
     try:
-        mem = jax.devices()[0].memory_stats() or {}
-        peak_mem = mem.get("peak_bytes_in_use", 0) / 2**30
-    except Exception:  # noqa: BLE001
-        peak_mem = 0.0
-    return {
-        "batch": batch, "seq_len": seq, "anchors": anchors, "loss_chunk": chunk, "attention": impl,
-        "step_s": dt, "compile_s": compile_s, "tokens_per_s": batch * seq / dt,
-        "draft_tokens_per_s": batch * anchors * dcfg.block_size / dt,
-        "tflops": flops / dt / 1e12, "mfu": (flops / dt / peak) if peak else None,
-        "peak_mem_gib": peak_mem, "loss": float(m["loss"]),
-    }
+        mem = compiled.memory_analysis()
+        row["xla_temp_gib"] = mem.temp_size_in_bytes / 2**30
+        row["xla_args_gib"] = mem.argument_size_in_bytes / 2**30
+    except Exception:  # noqa: BLE001  (not every backend reports it)
+        pass
+    if abstract:
+        return row
+    for _ in range(warmup):
+        state, metrics = compiled(state, m.target_params, data)
+        jax.block_until_ready(metrics["loss"])
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, m.target_params, data)
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - t0)
+    dt = statistics.median(times)
+    peak = peak_flops_per_device()
+    row.update({
+        "step_s": dt, "step_s_all": times, "tokens_per_s": batch * seq / dt,
+        "draft_tokens_per_s": batch * anchors * m.dcfg.block_size / dt, "tflops": flops / dt / 1e12,
+        "mfu": flops / dt / peak if peak else None, "loss": float(metrics["loss"]),
+    })
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        row["process_peak_gib"] = stats["peak_bytes_in_use"] / 2**30  # since the process started
+    return row
 
 
-def main() -> None:
+def fmt(name: str, r: dict) -> str:
+    if "error" in r:
+        return f"{name:<14} failed: {r['error'][:160]}"
+    s = f"{name:<14} compile {r['compile_s']:6.1f} s"
+    if "xla_temp_gib" in r:
+        s += f"  temp {r['xla_temp_gib']:6.1f} GiB"
+    if "step_s" in r:
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        s += (f"  step {r['step_s']:.3f} s  {r['tokens_per_s']:8.0f} tok/s  {r['draft_tokens_per_s']:8.0f} draft tok/s"
+              f"  {r['tflops']:6.1f} TFLOP/s  MFU {mfu}  loss {r['loss']:.3f}")
+    return s
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="CPU-sized shapes")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized shapes (smoke test)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--attention-impl", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"])
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--anchors", type=int, default=None)
-    ap.add_argument("--loss-chunk", type=int, nargs="+", default=None)
-    ap.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"])
+    ap.add_argument("--loss-chunk", type=int, default=None)
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--json", default=None, help="also write the rows here")
-    args = ap.parse_args()
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--unrolled-target", action="store_true", help="the target's layers unrolled (no scan)")
+    ap.add_argument("--compile-only", action="store_true", help="abstract arguments; compile, do not run")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds; variants not started by then are skipped")
+    ap.add_argument("--out", default=None, help="directory for one JSON per variant")
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
     shape = TINY if args.tiny else QWEN3_8B
     seq = args.seq_len or (128 if args.tiny else 4096)
     anchors = args.anchors or (16 if args.tiny else 512)
-    chunks = args.loss_chunk or ([0, 4] if args.tiny else [64])
-    print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; peak bf16 "
-          f"{(peak_flops_per_device() or 0) / 1e12:.0f} TFLOP/s per device")
-    built = build(shape, args.draft_layers, args.block, jnp.bfloat16)
-    rows = []
-    header = f"{'batch':>5} {'chunk':>5} {'step s':>8} {'compile s':>9} {'tok/s':>9} {'draft tok/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'GiB':>6}"
-    print(header)
+    chunk = args.loss_chunk if args.loss_chunk is not None else (4 if args.tiny else 64)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    dev = jax.devices()[0]
+    peak = peak_flops_per_device()
+    peak_s = f"{peak / 1e12:.0f} TFLOP/s" if peak else "unknown"
+    print(f"jax {jax.__version__}, {jax.device_count()} x {dev.device_kind}; peak bf16 {peak_s}; "
+          f"target layers {'unrolled' if args.unrolled_target else 'scanned'}", flush=True)
+    tcfg, dcfg = configs(shape, args.draft_layers, args.block)
+    t0 = time.perf_counter()
+    models = build(tcfg, dcfg, unrolled=args.unrolled_target, abstract=args.compile_only)
+    if not args.compile_only:
+        jax.block_until_ready(jax.tree.leaves(models.target_params))
+    print(f"built the models in {time.perf_counter() - t0:.1f} s", flush=True)
+    meta = {"jax": jax.__version__, "device": dev.device_kind, "devices": jax.device_count(),
+            "python": platform.python_version(), "target": "tiny" if args.tiny else "qwen3-8b-shaped",
+            "draft_layers": args.draft_layers, "block_size": args.block,
+            "target_layers": "unrolled" if args.unrolled_target else "scanned",
+            "compile_only": args.compile_only, "steps": args.steps, "warmup": args.warmup}
+    rows = 0
+    failures = 0
     for batch in args.batch:
-        for chunk in chunks:
-            try:
-                r = bench_one(*built, batch=batch, seq=seq, anchors=anchors, chunk=chunk, impl=args.attention_impl,
-                              steps=args.steps)
-            except Exception as err:  # noqa: BLE001  (e.g. out of memory: report and go on)
-                print(f"{batch:>5} {chunk:>5} failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+        for impl in args.attention_impl:
+            name = f"b{batch}_{impl}" + ("_unrolled" if args.unrolled_target else "")
+            if args.time_limit is not None and time.perf_counter() - start > args.time_limit:
+                print(f"{name:<14} skipped: --time-limit {args.time_limit:.0f} s reached", flush=True)
                 continue
-            rows.append(r)
-            mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-            print(f"{batch:>5} {chunk:>5} {r['step_s']:>8.3f} {r['compile_s']:>9.1f} {r['tokens_per_s']:>9.0f} "
-                  f"{r['draft_tokens_per_s']:>11.0f} {r['tflops']:>8.1f} {mfu:>6} {r['peak_mem_gib']:>6.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            print(f"{name:<14} compiling ...", flush=True)  # so that a run cut short shows where
+            try:
+                row = bench_one(models, batch=batch, seq=seq, anchors=anchors, chunk=chunk, impl=impl,
+                                steps=args.steps, warmup=args.warmup, abstract=args.compile_only)
+            except Exception as err:  # noqa: BLE001  (e.g. out of memory: record it, run the next variant)
+                failures += 1
+                row = {"batch": batch, "attention": impl, "error": f"{type(err).__name__}: {err}"[:2000]}
+            rows += 1
+            gc.collect()  # free a failed variant's buffers before the next one
+            print(fmt(name, row), flush=True)
+            if out:
+                (out / f"{name}.json").write_text(json.dumps(dict(meta, **row), indent=2))
+    return 1 if rows and failures == rows else 0  # expected OOMs of some variants are results too
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,6 +5,10 @@ A cache is a registered dataclass of per-layer, zero-initialised arrays
 in place (a stacked ``[layers, ...]`` array would be sliced and copied per layer). Lengths live with
 the engine's per-row state: rollback is bookkeeping (a shorter length), and entries past a row's
 length are never read, so the block written by a verify pass is simply overwritten by the next one.
+
+A decode step may attend to a static prefix ``window`` of the buffers instead of their whole capacity
+(``read_window`` / ``write_back``): the XLA attention computes over every context position it is given,
+so reading only the positions a row can have filled makes its cost follow the live length.
 """
 
 from __future__ import annotations
@@ -62,3 +66,24 @@ def write_all_layers(cache: KVCache, k: jax.Array, v: jax.Array, starts: jax.Arr
     """Writes ``k, v [layers, batch, n, kv_heads, head_dim]`` for all layers at per-row ``starts``."""
     return KVCache(tuple(write_rows(c, u, starts) for c, u in zip(cache.k, k)),
                    tuple(write_rows(c, u, starts) for c, u in zip(cache.v, v)))
+
+
+def read_window(cache: KVCache, window: int) -> KVCache:
+    """The first ``window`` positions of every layer: ``[batch, window, kv_heads, head_dim]`` each."""
+    return KVCache(tuple(x[:, :window] for x in cache.k), tuple(x[:, :window] for x in cache.v))
+
+
+def write_back(cache: KVCache, window: KVCache, starts: jax.Array, n: int) -> KVCache:
+    """Copies positions ``[starts, starts + n)`` of ``window`` (a ``read_window`` of ``cache`` that a
+    step has written its block into) back into ``cache``, per row.
+
+    Only the block moves: the rest of the window is unchanged. The write depends on the window read,
+    so XLA updates ``cache`` in place after the read instead of copying it. Rows need
+    ``starts + n <= window capacity``; others (done rows) get stale values past ``starts``, which are
+    never read.
+    """
+    def block(x: jax.Array) -> jax.Array:
+        return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, n, axis=0))(x, starts)
+
+    return KVCache(tuple(write_rows(c, block(w), starts) for c, w in zip(cache.k, window.k)),
+                   tuple(write_rows(c, block(w), starts) for c, w in zip(cache.v, window.v)))

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.attention import AttentionImpl
-from dflash_jax.cache import KVCache, write_all_layers, write_rows
+from dflash_jax.cache import KVCache, read_window, write_all_layers, write_back, write_rows
 from dflash_jax.drafter import Drafter
 from dflash_jax.target import Target
 
@@ -34,6 +34,25 @@ class DecodeState:
     accepted: jax.Array         # [batch, max_steps] int32: tokens committed per step (acc + 1, cut)
     target_cache: KVCache
     draft_cache: KVCache | None
+
+
+def greedy_argmax(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` as int32: the first index of the maximum (a NaN counts as the
+    maximum, as in ``jnp.argmax``), over ``logits [..., vocab]``.
+
+    Reduced in two stages when the vocabulary splits into power-of-two slices (128 .. 16 wide): the
+    maximum of each slice, the first slice holding the overall maximum, the first maximum inside
+    it. Same result; XLA:CPU runs a (value, index) reduce over a long row as scalar code, several
+    times slower than the plain max-reduce that now does most of the work.
+    """
+    vocab = logits.shape[-1]
+    width = next((w for w in (128, 64, 32, 16) if vocab % w == 0 and vocab > w), None)
+    if width is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    parts = logits.reshape(logits.shape[:-1] + (vocab // width, width))
+    part = jnp.argmax(jnp.max(parts, axis=-1), axis=-1)
+    row = jnp.take_along_axis(parts, part[..., None, None], axis=-2)[..., 0, :]
+    return (part * width + jnp.argmax(row, axis=-1)).astype(jnp.int32)
 
 
 def greedy_accept(draft: jax.Array, posterior: jax.Array, valid: jax.Array) -> jax.Array:
@@ -114,7 +133,7 @@ def prefill(
     hidden, taps, target_cache = target.step(ids, zeros, target_cache, blk_lens=lens, tap_layers=tap_layers,
                                              attention_impl="xla", prefill=True)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
-    first = jnp.argmax(target.head(last), axis=-1).astype(jnp.int32)
+    first = greedy_argmax(target.head(last))
 
     positions = jnp.arange(capacity + 1)[None, :]
     tokens = jnp.full((batch, capacity + 1), mask_token_id, jnp.int32)
@@ -136,11 +155,26 @@ def prefill(
     )
 
 
+def _target_block(
+    target: Target, ids: jax.Array, starts: jax.Array, cache: KVCache, window: int | None, **step_kwargs
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """``target.step`` of ``ids [batch, n]`` at ``starts``, attending to the first ``window`` cache
+    positions only (None: the whole cache); returns the whole updated cache either way."""
+    if window is None or window >= cache.capacity:
+        return target.step(ids, starts, cache, **step_kwargs)
+    view = read_window(cache, window)
+    hidden, taps, view = target.step(ids, starts, view, **step_kwargs)
+    return hidden, taps, write_back(cache, view, starts, ids.shape[1])
+
+
 def draft_block(
     target: Target, drafter: Drafter, state: DecodeState, *, block_size: int,
-    attention_impl: AttentionImpl = "xla",
+    attention_impl: AttentionImpl = "xla", window: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Drafts ``[anchor, d1 .. d_{B-1}]`` for every row in one drafter pass.
+
+    ``window``: attend to the first ``window`` cache positions only (every row needs
+    ``starts + B <= window``); None: the whole capacity.
 
     Returns ``block_ids [batch, B]``, ``valid [batch]`` (slots that exist: the reference's shorter
     last block) and ``positions [batch, B]``.
@@ -153,23 +187,29 @@ def draft_block(
     block_ids = jnp.concatenate([anchor[:, None], mask], axis=1)
     positions = starts[:, None] + jnp.arange(block_size, dtype=jnp.int32)[None, :]
     cache = state.draft_cache
+    if window is not None and window < cache.capacity:
+        cache = read_window(cache, window)
     hidden = drafter(target.embed(block_ids)[:, None], positions[:, None], cache.k, cache.v,
                      starts[:, None], valid[:, None], attention_impl=attention_impl)
-    draft = jnp.argmax(drafter.logits(target, hidden[:, 0, 1:]), axis=-1).astype(jnp.int32)
+    draft = greedy_argmax(drafter.logits(target, hidden[:, 0, 1:]))
     return block_ids.at[:, 1:].set(draft), valid, positions
 
 
 def verify_block(
     target: Target, drafter: Drafter, state: DecodeState, block_ids: jax.Array, valid: jax.Array,
     positions: jax.Array, stop_ids: jax.Array, *, attention_impl: AttentionImpl = "xla",
+    window: int | None = None,
 ) -> DecodeState:
-    """Verifies a drafted block in one target pass, commits, and extends the drafter's context."""
+    """Verifies a drafted block in one target pass, commits, and extends the drafter's context.
+
+    ``window`` as in ``draft_block``.
+    """
     starts = state.starts
-    verified, taps, target_cache = target.step(
-        block_ids, starts, state.target_cache, blk_lens=valid,
+    verified, taps, target_cache = _target_block(
+        target, block_ids, starts, state.target_cache, window, blk_lens=valid,
         tap_layers=drafter.config.target_layer_ids, attention_impl=attention_impl,
     )
-    posterior = jnp.argmax(target.head(verified), axis=-1).astype(jnp.int32)
+    posterior = greedy_argmax(target.head(verified))
     acc = greedy_accept(block_ids[:, 1:], posterior, valid)
     new_state, _ = commit(state, block_ids, posterior, acc, stop_ids)
     # The verify pass produced the taps of the committed tokens: project them once for all layers.
@@ -186,22 +226,32 @@ def speculative_step(
     *,
     block_size: int,
     attention_impl: AttentionImpl = "xla",
+    window: int | None = None,
 ) -> DecodeState:
-    """Draft a block, verify it, commit, and extend the drafter's context: one step for every row."""
+    """Draft a block, verify it, commit, and extend the drafter's context: one step for every row.
+
+    ``window``: attend to the first ``window`` cache positions only (rows that are not done need
+    ``starts + block_size <= window``); None: the whole capacity.
+    """
     block_ids, valid, positions = draft_block(target, drafter, state, block_size=block_size,
-                                              attention_impl=attention_impl)
+                                              attention_impl=attention_impl, window=window)
     return verify_block(target, drafter, state, block_ids, valid, positions, stop_ids,
-                        attention_impl=attention_impl)
+                        attention_impl=attention_impl, window=window)
 
 
 def target_only_step(
-    target: Target, state: DecodeState, stop_ids: jax.Array, *, attention_impl: AttentionImpl = "xla"
+    target: Target, state: DecodeState, stop_ids: jax.Array, *, attention_impl: AttentionImpl = "xla",
+    window: int | None = None,
 ) -> DecodeState:
-    """Plain greedy decoding of one token per row through the same caches (the speedup baseline)."""
+    """Plain greedy decoding of one token per row through the same caches (the speedup baseline).
+
+    ``window`` as in ``speculative_step`` (with a block of one).
+    """
     starts = state.starts
     anchor = jnp.take_along_axis(state.tokens, starts[:, None], axis=1)
-    hidden, _, target_cache = target.step(anchor, starts, state.target_cache, attention_impl=attention_impl)
-    posterior = jnp.argmax(target.head(hidden), axis=-1).astype(jnp.int32)
+    hidden, _, target_cache = _target_block(target, anchor, starts, state.target_cache, window,
+                                            attention_impl=attention_impl)
+    posterior = greedy_argmax(target.head(hidden))
     acc = jnp.zeros_like(starts)
     new_state, _ = commit(state, anchor, posterior, acc, stop_ids)
     return dataclasses.replace(new_state, target_cache=target_cache)

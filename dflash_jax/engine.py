@@ -3,7 +3,8 @@
 Two jitted functions per engine: ``prefill`` and ``decode`` (a ``lax.while_loop`` of up to
 ``steps_per_sync`` draft-verify-commit steps). The state is donated to every call. The host keeps
 one call in flight ahead of the one it reads, so the device never waits for Python between syncs.
-Shapes are static: batch and prompt length are bucketed; block size and capacity are fixed per engine.
+Shapes are static: batch and prompt length are bucketed; block size and capacity are fixed per engine;
+with the XLA attention each decode call reads a power-of-two window of the caches that covers its rows.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jax.sharding import Mesh
 from dflash_jax import decoding
 from dflash_jax.cache import CACHE_AXES
 from dflash_jax.drafter import Drafter
+from dflash_jax.layers import fuse_projections
 from dflash_jax.sharding import MeshConfig, make_mesh, named_sharding, shard_module
 from dflash_jax.target import Target
 
@@ -37,6 +39,10 @@ class EngineConfig:
     attention_impl: str = "auto"     # "xla" | "pallas" | "auto": pallas on one GPU/TPU, else xla
     steps_per_sync: int = 8          # decode steps per device call between host syncs
     mesh: MeshConfig | None = None   # None: a single device
+    # "auto": "highest" for float32 weights, else "default". GPUs and TPUs run default-precision
+    # float32 matmuls through TF32 / bf16 passes, whose rounding differs between a 1-token and a
+    # 16-token pass enough to flip near-tied greedy choices; "highest" keeps float32 models exact.
+    matmul_precision: str = "auto"
 
     def validate(self) -> None:
         if self.max_batch_size < 1:
@@ -47,6 +53,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.attention_impl not in ("xla", "pallas", "auto"):
             raise ValueError(f"attention_impl must be 'xla', 'pallas' or 'auto', got {self.attention_impl!r}")
+        if self.matmul_precision not in ("auto", "default", "high", "highest"):
+            raise ValueError("matmul_precision must be 'auto', 'default', 'high' or 'highest', "
+                             f"got {self.matmul_precision!r}")
         if self.steps_per_sync < 1:
             raise ValueError(f"steps_per_sync must be >= 1, got {self.steps_per_sync}")
         if self.prompt_buckets is not None and (not self.prompt_buckets or min(self.prompt_buckets) < 1):
@@ -80,6 +89,34 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _decode_compiler_options() -> dict | None:
+    """XLA options for the decode loop on this backend.
+
+    XLA:CPU's default copy insertion copies every target-cache buffer twice per decode step (the
+    while-loop carry is read by attention and updated in place within one step), which costs more
+    than a small model's attention itself; its region analysis proves the in-place update safe and
+    removes the copies. Other backends keep their defaults.
+    """
+    if jax.default_backend() == "cpu":
+        return {"xla_cpu_copy_insertion_use_region_analysis": True}
+    return None
+
+
+MIN_WINDOW = 64  # the smallest attention window a decode call compiles for
+
+
+def window_buckets(capacity: int) -> tuple[int, ...]:
+    """The attention windows of an engine with ``capacity`` cache positions: powers of two from
+    ``MIN_WINDOW`` up to half the capacity, then the capacity itself (at most log2(capacity / 64) + 1
+    compiled decode variants per batch size).
+
+    A window is a copy of that prefix of the caches (the step writes its block into it, then back),
+    so it pays where it skips at least half the capacity, on a memory-bound accelerator too.
+    """
+    small = [w for w in (MIN_WINDOW << i for i in range(capacity.bit_length())) if 2 * w <= capacity]
+    return tuple(small) + (capacity,)
+
+
 class Engine:
     """Batched greedy generation with an optional DFlash drafter (``drafter=None``: target-only)."""
 
@@ -109,22 +146,53 @@ class Engine:
             on_accelerator = jax.default_backend() in ("gpu", "tpu")
             self.attention_impl = "pallas" if on_accelerator and not sharded else "xla"
         self._rules = config.mesh.resolved_rules() if config.mesh is not None else None
+        # The serving layout: one QKV and one gate-up matmul per target layer (in place; see
+        # ``layers.fuse_projections``). The drafter keeps its separate projections: its context
+        # K/V are projected apart from its queries, so a fused weight would be read twice.
+        fuse_projections(target)
+        self._matmul_precision = config.matmul_precision
+        if self._matmul_precision == "auto":
+            self._matmul_precision = "highest" if target.embed_tokens.dtype == jnp.float32 else "default"
         if self.mesh is not None:
             shard_module(target, self.mesh, self._rules)
             if drafter is not None:
                 shard_module(drafter, self.mesh, self._rules)
-        # Model state is split once; jitted phases take the state leaves and merge inside.
-        self._target_def, self._target_state = nnx.split(target)
-        self._drafter_def, self._drafter_state = (nnx.split(drafter) if drafter is not None else (None, None))
-        self._prefill = jax.jit(self._prefill_fn)
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(2,))
+        # Model state is split and flattened once: the jitted phases take plain tuples of arrays
+        # (flattening NNX variables on every call costs more host time than a small model's step)
+        # and rebuild the modules inside.
+        self._target_def, target_state = nnx.split(target)
+        self._target_state, self._target_tree = jax.tree.flatten(target_state)
+        self._drafter_def, self._drafter_state, self._drafter_tree = None, [], None
+        if drafter is not None:
+            self._drafter_def, drafter_state = nnx.split(drafter)
+            self._drafter_state, self._drafter_tree = jax.tree.flatten(drafter_state)
+        self._prefill = jax.jit(self._precise(self._prefill_fn))
+        self._decode = jax.jit(self._precise(self._decode_fn), donate_argnums=(2,), static_argnames=("window",),
+                               compiler_options=_decode_compiler_options())
         self._mask_id = drafter.config.mask_token_id if drafter is not None else 0
+        # The XLA attention computes over every cache position it is given, so decode calls read a
+        # bucketed prefix of the caches that covers the live rows; the Pallas kernels skip positions
+        # past each row's length themselves and always get the whole cache (one compiled variant).
+        self.windows = (window_buckets(self.capacity) if self.attention_impl == "xla" else (self.capacity,))
+        self._n_steps: dict[int, jax.Array] = {}
 
     # -- jitted phases -------------------------------------------------------------------------
 
-    def _models(self, target_state, drafter_state):
-        target = nnx.merge(self._target_def, target_state)
-        drafter = nnx.merge(self._drafter_def, drafter_state) if self._drafter_def is not None else None
+    def _precise(self, fn: Callable) -> Callable:
+        """``fn`` traced under the engine's matmul precision (it is baked into the compiled ops)."""
+
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            with jax.default_matmul_precision(self._matmul_precision):
+                return fn(*args, **kwargs)
+
+        return traced
+
+    def _models(self, target_leaves, drafter_leaves):
+        target = nnx.merge(self._target_def, jax.tree.unflatten(self._target_tree, target_leaves))
+        drafter = None
+        if self._drafter_def is not None:
+            drafter = nnx.merge(self._drafter_def, jax.tree.unflatten(self._drafter_tree, drafter_leaves))
         return target, drafter
 
     def _prefill_fn(self, target_state, drafter_state, ids, lens, max_lens, stop_ids):
@@ -134,19 +202,23 @@ class Engine:
                                  max_steps=self.config.max_length, mask_token_id=self._mask_id)
         return self._constrain(state)
 
-    def _decode_fn(self, target_state, drafter_state, state, stop_ids, n_steps):
+    def _decode_fn(self, target_state, drafter_state, state, stop_ids, n_steps, *, window: int):
         target, drafter = self._models(target_state, drafter_state)
         impl = self.attention_impl
+        view = None if window >= self.capacity else window
 
         def step(s):
             if drafter is None:
-                return decoding.target_only_step(target, s, stop_ids, attention_impl=impl)
+                return decoding.target_only_step(target, s, stop_ids, attention_impl=impl, window=view)
             return decoding.speculative_step(target, drafter, s, stop_ids, block_size=self.block_size,
-                                             attention_impl=impl)
+                                             attention_impl=impl, window=view)
 
         def cond(carry):
             i, s = carry
-            return (i < n_steps) & ~jnp.all(s.done)
+            # A row whose next block would not fit the window ends the call early (the host then
+            # picks a larger window); the host's choice makes this a safety net, not the rule.
+            fits = jnp.all(s.done | (s.starts + self.block_size <= window))
+            return (i < n_steps) & ~jnp.all(s.done) & fits
 
         def body(carry):
             i, s = carry
@@ -178,14 +250,28 @@ class Engine:
             target_cache=pin_cache(state.target_cache), draft_cache=pin_cache(state.draft_cache),
         )
 
-    def decode(self, state: decoding.DecodeState, stop_ids: jax.Array, n_steps: int | None = None):
+    def decode(self, state: decoding.DecodeState, stop_ids: jax.Array, n_steps: int | None = None, *,
+               window: int | None = None):
         """Up to ``n_steps`` (default ``steps_per_sync``) decode steps on device; donates ``state``.
+
+        ``window``: the steps attend to the first ``window`` cache positions only, rounded up to
+        ``self.windows``; the call stops early when a row that is not done would outgrow it. None:
+        the whole cache.
 
         Returns the new state and a ``(tokens, starts, done)`` snapshot that stays readable after the
         state is donated to the next call.
         """
-        steps = jnp.int32(self.config.steps_per_sync if n_steps is None else n_steps)
-        return self._decode(self._target_state, self._drafter_state, state, stop_ids, steps)
+        n = self.config.steps_per_sync if n_steps is None else int(n_steps)
+        if n not in self._n_steps:  # a cached device scalar: building one costs a dispatch per call
+            self._n_steps[n] = jnp.int32(n)
+        return self._decode(self._target_state, self._drafter_state, state, stop_ids, self._n_steps[n],
+                            window=self._window(window))
+
+    def _window(self, needed: int | None) -> int:
+        """The smallest window bucket covering ``needed`` cache positions (None: the whole cache)."""
+        if needed is None:
+            return self.capacity
+        return next((w for w in self.windows if w >= needed), self.capacity)
 
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                 stop_ids: np.ndarray) -> tuple[decoding.DecodeState, int]:
@@ -212,13 +298,18 @@ class Engine:
         """Compiles prefill (smallest prompt bucket) and decode for ``batch_sizes`` (default: 1 and
         ``max_batch_size``) so the first requests do not wait for XLA; returns the seconds spent.
 
-        Decode shapes do not depend on the prompt, so one call per batch bucket covers every decode;
-        prefill compiles once more per new prompt bucket.
+        Decode shapes do not depend on the prompt: one variant per batch bucket and attention window
+        covers every decode; prefill compiles once more per new prompt bucket.
         """
         t0 = time.perf_counter()
         sizes = sorted({1, self.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
+        stop_ids = np.full((8,), -1, np.int32)  # the size generate() uses for up to 8 stop ids
         for size in sizes:
             self.generate([[0]] * size, 2)
+            state, _ = self.prefill([[0]] * size, [2] * size, stop_ids)
+            for window in self.windows:
+                state, _ = self.decode(state, jnp.asarray(stop_ids), n_steps=0, window=window)
+            jax.block_until_ready(state.starts)
         return time.perf_counter() - t0
 
     # -- host side -----------------------------------------------------------------------------
@@ -291,6 +382,15 @@ class Engine:
         emitted = list(lens)  # tokens of each row already reported to on_tokens
         finish_time = [None] * n
         stop_arr = jnp.asarray(stop_ids)
+        per_call = self.config.steps_per_sync
+        # Cache positions a call may touch: live rows start <= ``live`` (as of the last state read)
+        # and advance <= B per step; a row is live only while start + 2 <= its max length.
+        end = max(max_lens) - 2 + self.block_size
+
+        def reach(live: int, steps: int) -> int:
+            return min(live + steps * self.block_size, end)
+
+        live = max(lens)
         initial = np.asarray(state.done)
         first_tokens = np.asarray(state.tokens[:n]) if on_tokens is not None else None
         if on_tokens is not None:
@@ -301,9 +401,10 @@ class Engine:
             if initial[i]:
                 finish_time[i] = t_first
 
-        state, snap = self.decode(state, stop_arr)
+        state, snap = self.decode(state, stop_arr, window=reach(live, per_call))
         while True:
-            state, next_snap = self.decode(state, stop_arr)
+            # Dispatched before reading ``snap``: the call that produced it may still be running.
+            state, next_snap = self.decode(state, stop_arr, window=reach(live, 2 * per_call))
             tokens, starts, done = (np.asarray(x) for x in snap)
             now = time.perf_counter()
             if on_tokens is not None:
@@ -317,6 +418,7 @@ class Engine:
                     finish_time[i] = now
             if done[:n].all():
                 break
+            live = max(int(starts[i]) for i in range(n) if not done[i])
             snap = next_snap
         jax.block_until_ready(state.starts)
 

@@ -119,26 +119,79 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(head_dim, eps, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_proj = self.qkv_bias = None  # the fused serving layout (``fuse``)
+
+    def fuse(self) -> None:
+        """Switches (in place) to one QKV weight ``[in, kv_heads, groups + 2, head_dim]``: per KV
+        head, its ``groups`` query heads, then its key, then its value.
+
+        The serving layout: one matmul streams all three projections (at batch 1 a decode step is
+        weight streaming, and one wide GEMV reaches more of the bandwidth than three narrow ones;
+        docs/benchmarks.md). Grouping by KV head keeps a tensor-parallel shard's Q, K and V together.
+        Checkpoints and training keep the separate layout.
+        """
+        if self.qkv_proj is not None:
+            return
+        groups = self.num_heads // self.num_kv_heads
+        hidden = self.q_proj.shape[0]
+        q = self.q_proj[...].reshape(hidden, self.num_kv_heads, groups, self.head_dim)
+        w = jnp.concatenate([q, self.k_proj[...][:, :, None], self.v_proj[...][:, :, None]], axis=2)
+        self.qkv_proj = nnx.data(nnx.Param(w, axes=("embed", "kv_heads", None, "head_dim")))
+        if self.q_bias is not None:
+            qb = self.q_bias[...].reshape(self.num_kv_heads, groups, self.head_dim)
+            b = jnp.concatenate([qb, self.k_bias[...][:, None], self.v_bias[...][:, None]], axis=1)
+            self.qkv_bias = nnx.data(nnx.Param(b, axes=("kv_heads", None, "head_dim")))
+        self.q_proj = self.k_proj = self.v_proj = None
+        self.q_bias = self.k_bias = self.v_bias = None
 
     @staticmethod
     def _project(x, w, b):
         y = jnp.einsum("...h,hkd->...kd", x, w[...])
         return y if b is None else y + b[...]
 
-    def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """``x [..., seq, hidden]``, ``positions [..., seq]`` -> ``[..., seq, heads, head_dim]``."""
-        q = self._project(x, self.q_proj, self.q_bias)
+    def _fused(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Raw q ``[..., heads, head_dim]``, k and v ``[..., kv_heads, head_dim]`` in one matmul."""
+        w = self.qkv_proj[...]
+        groups = w.shape[2] - 2
+        # A 2-D dot on the bitcast weight: the same GEMM XLA picks for a plain [in, out] matrix.
+        y = (x @ w.reshape(w.shape[0], -1)).reshape(x.shape[:-1] + w.shape[1:])
+        if self.qkv_bias is not None:
+            y = y + self.qkv_bias[...]
+        q = y[..., :groups, :].reshape(x.shape[:-1] + (self.num_heads, self.head_dim))
+        return q, y[..., groups, :], y[..., groups + 1, :]
+
+    def _finish_q(self, q: jax.Array, positions: jax.Array) -> jax.Array:
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q, positions, self.inv_freq)
 
-    def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``x [..., seq, hidden]`` -> K (normed, RoPE'd) and V, each ``[..., seq, kv_heads, head_dim]``."""
-        k = self._project(x, self.k_proj, self.k_bias)
+    def _finish_k(self, k: jax.Array, positions: jax.Array) -> jax.Array:
         if self.k_norm is not None:
             k = self.k_norm(k)
-        v = self._project(x, self.v_proj, self.v_bias)
-        return apply_rope(k, positions, self.inv_freq), v
+        return apply_rope(k, positions, self.inv_freq)
+
+    def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """``x [..., seq, hidden]``, ``positions [..., seq]`` -> ``[..., seq, heads, head_dim]``."""
+        if self.qkv_proj is not None:
+            return self._finish_q(self._fused(x)[0], positions)
+        return self._finish_q(self._project(x, self.q_proj, self.q_bias), positions)
+
+    def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``x [..., seq, hidden]`` -> K (normed, RoPE'd) and V, each ``[..., seq, kv_heads, head_dim]``."""
+        if self.qkv_proj is not None:
+            _, k, v = self._fused(x)
+        else:
+            k = self._project(x, self.k_proj, self.k_bias)
+            v = self._project(x, self.v_proj, self.v_bias)
+        return self._finish_k(k, positions), v
+
+    def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``x [..., seq, hidden]`` -> q ``[..., seq, heads, head_dim]`` and k, v
+        ``[..., seq, kv_heads, head_dim]`` (q and k normed and RoPE'd)."""
+        if self.qkv_proj is None:
+            return (self.queries(x, positions),) + self.keys_values(x, positions)
+        q, k, v = self._fused(x)
+        return self._finish_q(q, positions), self._finish_k(k, positions), v
 
     def output(self, attn: jax.Array) -> jax.Array:
         """``[..., seq, heads, head_dim]`` -> ``[..., seq, hidden]``."""
@@ -159,13 +212,33 @@ class MLP(nnx.Module):
             self.down_bias = nnx.Param(jnp.zeros((hidden,), dtype), axes=("embed",))
         else:
             self.gate_bias = self.up_bias = self.down_bias = None
+        self.gate_up_proj = self.gate_up_bias = None  # the fused serving layout (``fuse``)
+
+    def fuse(self) -> None:
+        """Switches (in place) to one gate-up weight ``[in, intermediate, 2]`` (gate, up per unit):
+        one matmul instead of two, and a tensor-parallel shard of ``intermediate`` holds both."""
+        if self.gate_up_proj is not None:
+            return
+        w = jnp.stack([self.gate_proj[...], self.up_proj[...]], axis=-1)
+        self.gate_up_proj = nnx.data(nnx.Param(w, axes=("embed", "mlp", None)))
+        if self.gate_bias is not None:
+            b = jnp.stack([self.gate_bias[...], self.up_bias[...]], axis=-1)
+            self.gate_up_bias = nnx.data(nnx.Param(b, axes=("mlp", None)))
+        self.gate_proj = self.up_proj = self.gate_bias = self.up_bias = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         def dense(v, w, b):
             y = v @ w[...]
             return y if b is None else y + b[...]
 
-        h = jax.nn.silu(dense(x, self.gate_proj, self.gate_bias)) * dense(x, self.up_proj, self.up_bias)
+        if self.gate_up_proj is not None:
+            w = self.gate_up_proj[...]
+            gu = (x @ w.reshape(w.shape[0], -1)).reshape(x.shape[:-1] + w.shape[1:])
+            if self.gate_up_bias is not None:
+                gu = gu + self.gate_up_bias[...]
+            h = jax.nn.silu(gu[..., 0]) * gu[..., 1]
+        else:
+            h = jax.nn.silu(dense(x, self.gate_proj, self.gate_bias)) * dense(x, self.up_proj, self.up_bias)
         return dense(h, self.down_proj, self.down_bias)
 
 
@@ -219,11 +292,17 @@ class DecoderLayer(nnx.Module):
         Returns the new ``h`` and the block's ``k, v [batch, blocks, block, kv_heads, head_dim]``.
         """
         x = self.input_layernorm(h)
-        q = self.self_attn.queries(x, positions)
-        k_blk, v_blk = self.self_attn.keys_values(x, positions)
+        q, k_blk, v_blk = self.self_attn.project(x, positions)
         attn = block_attention(
             q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, impl=attention_impl
         )
         h = h + self.self_attn.output(attn)
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, k_blk, v_blk
+
+
+def fuse_projections(module: nnx.Module) -> nnx.Module:
+    """Puts every decoder layer of ``module`` in the fused serving layout (in place; idempotent)."""
+    for node in [n for _, n in nnx.iter_graph(module) if isinstance(n, (Attention, MLP))]:
+        node.fuse()
+    return module

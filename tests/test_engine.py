@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dflash_jax import Engine, EngineConfig, load_drafter, load_target
-from dflash_jax.decoding import greedy_accept
+from dflash_jax.decoding import greedy_accept, greedy_argmax
+from dflash_jax.engine import window_buckets
 from dflash_jax.sharding import MeshConfig
 from dflash_jax.tiny import write_copycat_pair
 
@@ -158,11 +159,125 @@ def test_pallas_attention_engine_equals_xla(models, prompts, engines):
         assert g.acceptance_lengths == w.acceptance_lengths
 
 
-def test_warmup_compiles_every_decode_batch_bucket(models, prompts):
+def test_warmup_compiles_every_decode_batch_bucket_and_window(models, prompts):
     target, drafter = models
-    engine = Engine(target, drafter, EngineConfig(max_batch_size=4, max_length=80, steps_per_sync=4))
+    engine = Engine(target, drafter, EngineConfig(max_batch_size=4, max_length=200, steps_per_sync=4))
+    assert engine.windows == (64, 208)
     assert engine.warmup() > 0
     compiled = engine._decode._cache_size()
-    engine.generate(prompts[:1], 6)   # batch bucket 1
-    engine.generate(prompts[:4], 6)   # batch bucket 4
-    assert engine._decode._cache_size() == compiled == 2  # no new decode compile after warm-up
+    engine.generate(prompts[:1], 6)    # batch bucket 1, the 64-position window
+    engine.generate(prompts[:4], 6)    # batch bucket 4
+    engine.generate(prompts[:1], 150)  # rows that need the whole capacity
+    # One decode variant per batch bucket and attention window; none compiled after warm-up.
+    assert engine._decode._cache_size() == compiled == 2 * len(engine.windows)
+
+
+def test_greedy_argmax_is_argmax_with_ties_nans_and_infinities():
+    rs = np.random.RandomState(1)
+    for vocab in (4096, 96, 100, 17):  # two-stage (128- and 32-wide slices) and plain argmax
+        logits = rs.randint(-2, 3, (40, vocab)).astype(np.float32)  # many ties for the maximum
+        logits[0, 5] = logits[0, vocab - 1] = np.nan
+        logits[1, :] = -np.inf
+        logits[2, vocab // 2] = np.inf
+        logits[3, :] = 0.0
+        got = np.asarray(jax.jit(greedy_argmax)(jnp.asarray(logits)))
+        want = np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1))
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == np.int32 and got[0] == 5 and got[3] == 0
+
+
+def test_window_buckets_are_powers_of_two_then_the_capacity():
+    assert window_buckets(88) == (88,)  # a 64-position window would save too little to pay for a variant
+    assert window_buckets(246) == (64, 246)
+    assert window_buckets(2064) == (64, 128, 256, 512, 1024, 2064)
+
+
+@pytest.fixture(scope="module")
+def long_engines(models):
+    """Engines whose capacity (520) is far beyond what the prompts reach: decode calls get windows."""
+    target, drafter = models
+    config = EngineConfig(max_batch_size=8, max_length=512, steps_per_sync=4)
+    return Engine(target, drafter, config), Engine(target, None, config)
+
+
+def _record_windows(engine, monkeypatch) -> list[int]:
+    used = []
+    decode = engine.decode
+
+    def spy(state, stop_ids, n_steps=None, *, window=None):
+        used.append(engine._window(window))
+        return decode(state, stop_ids, n_steps, window=window)
+
+    monkeypatch.setattr(engine, "decode", spy)
+    return used
+
+
+def test_windowed_decode_equals_dflash_generate_and_greedy(long_engines, prompts, reference_runs, monkeypatch):
+    spec, plain = long_engines
+    assert spec.windows == (64, 128, 256, 520)
+    runs, stops = reference_runs
+    spec_windows, plain_windows = _record_windows(spec, monkeypatch), _record_windows(plain, monkeypatch)
+    for i, p in enumerate(prompts):
+        want_ids, want_acc = runs[(i, True)]
+        (got,) = spec.generate([p], MAX_NEW, stop_token_ids=stops)
+        assert got.output_ids == want_ids and got.acceptance_lengths == want_acc
+        (alone,) = plain.generate([p], MAX_NEW, stop_token_ids=stops)
+        assert alone.output_ids == want_ids
+    batch = spec.generate(prompts, MAX_NEW, stop_token_ids=stops)
+    for i, got in enumerate(batch):
+        assert (got.output_ids, got.acceptance_lengths) == runs[(i, True)]
+    # The rows never needed the whole capacity: every call read a prefix of the caches, growing
+    # with the rows (plain rows advance one position per step and stay within 64 here).
+    assert set(spec_windows) == {64, 128} and set(plain_windows) == {64}
+
+
+def test_decode_stops_at_the_edge_of_its_window(long_engines, prompts, reference_runs):
+    """A call whose window is too small for the rows stops before outgrowing it; a call with a larger
+    window continues to the same tokens as uninterrupted generation."""
+    spec, _ = long_engines
+    runs, _ = reference_runs
+    p = prompts[3]  # 30 tokens: a block of 8 at start >= 57 no longer fits a 64-position window
+    stop_ids = np.full((8,), -1, np.int32)
+    state, _ = spec.prefill([p], [MAX_NEW], stop_ids)
+    state, _ = spec.decode(state, jnp.asarray(stop_ids), n_steps=100, window=64)
+    start = int(np.asarray(state.starts)[0])
+    assert not bool(np.asarray(state.done)[0])
+    assert start + spec.block_size > 64 >= start  # stopped at the edge, not at the step limit
+    state, _ = spec.decode(state, jnp.asarray(stop_ids), n_steps=100, window=128)
+    end = min(int(np.asarray(state.starts)[0]) + 1, len(p) + MAX_NEW)
+    assert np.asarray(state.tokens)[0, len(p):end].tolist() == runs[(3, False)][0]
+    assert np.asarray(state.accepted)[0, : int(np.asarray(state.num_steps)[0])].tolist() == runs[(3, False)][1]
+
+
+def test_decode_loop_does_not_copy_the_caches(long_engines):
+    """The compiled decode step updates the KV caches in place (on the CPU, XLA's default copy
+    insertion would copy every target-cache buffer twice per step)."""
+    for engine in long_engines:
+        stop_ids = np.full((8,), -1, np.int32)
+        state, _ = engine.prefill([[1, 2, 3]], [4], stop_ids)
+        for window in (64, engine.capacity):
+            hlo = engine._decode.lower(engine._target_state, engine._drafter_state, state, jnp.asarray(stop_ids),
+                                       jnp.int32(4), window=window).compile().as_text()
+            tc = engine.target.config
+            cache_shape = f"f32[1,{engine.capacity},{tc.num_kv_heads},{tc.head_dim}]"
+            copies = [line for line in hlo.splitlines() if f"= {cache_shape}" in line and " copy(" in line]
+            assert copies == [], copies[:3]
+
+
+def test_engine_serves_fused_target_at_the_configured_precision(qwen3_pair):
+    """The engine puts the target in the fused serving layout (in place, idempotently, the
+    drafter untouched) and traces float32 models at ``highest`` matmul precision ("auto")."""
+    target_dir, drafter_dir = qwen3_pair
+    target, drafter = load_target(target_dir), load_drafter(drafter_dir)
+    engine = Engine(target, drafter, EngineConfig(max_batch_size=1, max_length=64))
+    assert target.layers[0].self_attn.qkv_proj is not None and target.layers[0].mlp.gate_up_proj is not None
+    assert drafter.layers[0].self_attn.q_proj is not None
+    assert engine._matmul_precision == "highest"
+    hlo = engine._prefill.lower(engine._target_state, engine._drafter_state, *(
+        jnp.zeros((1, 16), jnp.int32), jnp.ones((1,), jnp.int32), jnp.full((1,), 8, jnp.int32),
+        jnp.full((8,), -1, jnp.int32))).as_text()
+    assert "HIGHEST" in hlo
+    again = Engine(target, None, EngineConfig(max_batch_size=1, max_length=64, matmul_precision="default"))
+    assert again._matmul_precision == "default"
+    with pytest.raises(ValueError, match="matmul_precision"):
+        EngineConfig(matmul_precision="fast").validate()

@@ -21,20 +21,25 @@ def _ids(seed, batch, seq, vocab=95):
     return np.random.RandomState(seed).randint(0, vocab, (batch, seq))
 
 
-@pytest.mark.parametrize("pair", ["qwen3_pair", "llama_pair"])
-def test_target_logits_and_taps_match_transformers(pair, request, reference):
-    target_dir, _ = request.getfixturevalue(pair)
-    ours = load_target(target_dir)
-    ref = reference.target(target_dir)
-    ids = _ids(0, 2, 33)
-    layers = tuple(range(ours.config.num_layers))  # includes the last layer (HF: final-normed)
+def _assert_matches_transformers(ours, ref, ids, layers) -> np.ndarray:
+    """Our logits and taps at ``layers`` equal transformers' ``ref`` on ``ids``; returns the logits."""
     logits, taps = target_forward(ours, ids, layer_ids=layers)
     with torch.no_grad():
         out = ref(torch.tensor(ids), output_hidden_states=True)
     np.testing.assert_allclose(np.asarray(logits), out.logits.numpy(), atol=ATOL, rtol=0)
     want = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1).numpy()
     np.testing.assert_allclose(np.asarray(taps), want, atol=ATOL, rtol=1e-5)
-    assert np.abs(out.logits.numpy()).max() > 1.0  # not a near-zero model
+    return out.logits.numpy()
+
+
+@pytest.mark.parametrize("pair", ["qwen3_pair", "llama_pair"])
+def test_target_logits_and_taps_match_transformers(pair, request, reference):
+    target_dir, _ = request.getfixturevalue(pair)
+    ours = load_target(target_dir)
+    ref = reference.target(target_dir)
+    layers = tuple(range(ours.config.num_layers))  # includes the last layer (HF: final-normed)
+    logits = _assert_matches_transformers(ours, ref, _ids(0, 2, 33), layers)
+    assert np.abs(logits).max() > 1.0  # not a near-zero model
 
 
 def test_gqa_ratios_and_untied_llama_match(tmp_path, reference):
@@ -230,3 +235,29 @@ def test_sharded_forward_equals_unsharded(mesh_shape, tp8_pair):
     got, got_taps = jax.jit(lambda t, x: t.forward(x, tap_layers=(1, 3)))(target, ids)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got_taps), np.asarray(want_taps), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_serving_layout_matches_transformers(bias, tmp_path, reference):
+    """The engine's fused QKV / gate-up layout (``fuse_projections``) gives the same logits and taps
+    as transformers, with GQA and with attention and MLP biases; a fused module refuses to be saved
+    as a checkpoint."""
+    from flax import nnx
+
+    from dflash_jax.checkpoint import save_target
+    from dflash_jax.layers import fuse_projections
+    from dflash_jax.target import Target
+    from dflash_jax.tiny import tiny_target_config
+
+    cfg = tiny_target_config("llama", num_heads=8, num_kv_heads=2, head_dim=8, attention_bias=bias, mlp_bias=bias)
+    target = Target(cfg, rngs=nnx.Rngs(3))
+    for path, var in nnx.to_flat_state(nnx.state(target, nnx.Param)):
+        if "bias" in str(path[-1]):  # zero-initialised: make them matter
+            var.set_value(0.1 * jax.random.normal(jax.random.key(len(path)), var.get_value().shape))
+    save_target(target, tmp_path / "t")
+    ref = reference.target(tmp_path / "t")
+    fused = fuse_projections(load_target(tmp_path / "t"))
+    assert fused.layers[0].self_attn.q_proj is None and fused.layers[0].mlp.gate_up_proj.shape == (64, 128, 2)
+    _assert_matches_transformers(fused, ref, _ids(4, 2, 17), (0, cfg.num_layers - 1))
+    with pytest.raises(ValueError, match="fused serving layout"):
+        save_target(fused, tmp_path / "again")

@@ -311,12 +311,13 @@ def test_chunked_loss_equals_unchunked(kind, weighting):
     from flax import nnx
 
     from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, tiny_target_config
-    from dflash_jax.training.trainer import StepSpec, drafter_loss, split_drafter, target_forward
+    from dflash_jax.training.trainer import StepSpec, drafter_loss, split_drafter, split_target, target_forward
 
     tcfg = tiny_target_config(num_layers=4)
     dcfg = tiny_drafter_config(tcfg, block_size=4, num_layers=1)
     target, drafter = random_target(tcfg, seed=0), random_drafter(dcfg, seed=1)
     gd, params, rest = split_drafter(drafter)
+    target_graph, target_params = split_target(target)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 90, (2, 24)), jnp.int32)
     batch = {"input_ids": ids, "loss_mask": jnp.ones_like(ids).at[:, :5].set(0), "segment_ids": jnp.ones_like(ids)}
     out = []
@@ -326,7 +327,7 @@ def test_chunked_loss_equals_unchunked(kind, weighting):
 
         @jax.jit
         def f(params):
-            fwd = target_forward(target, ids, spec)
+            fwd = target_forward(target_graph, target_params, ids, spec)
             return jax.value_and_grad(drafter_loss, has_aux=True)(params, gd, rest, target, batch, fwd,
                                                                   jax.random.key(0), spec)
 

@@ -32,8 +32,22 @@ def peak_flops_per_device() -> float | None:
 
 
 def train_flops_per_sequence(target_cfg, drafter_cfg, seq_len: int, num_anchors: int, *, distill: bool) -> float:
-    """Matmul FLOPs of one training sequence: the target's forward, the drafter's forward and
-    backward (3x) over ``num_anchors`` blocks, the shared LM head (forward + input gradient)."""
+    """Model FLOPs of one training sequence (matmuls and attention; no recomputation counted):
+
+    - target forward, no backward: ``D`` layers, ``D`` = deepest tap + 1 (all layers when distilling,
+      the later ones are skipped otherwise): ``2 D P_t S + 2 D S^2 h d`` (causal attention: half
+      of the ``4 S^2 h d`` of the dense scores), plus the head ``2 S H V`` when distilling;
+    - drafter context over all ``S`` tokens: ``fc`` (``n_taps H -> H``) forward + weight gradient
+      (its input, the taps, is frozen): ``2 x 2 S n_taps H H``; every layer's context K/V projection
+      forward + both gradients: ``3 x 2 S L H 2 kv d``;
+    - drafter layers over ``T = anchors * B`` block tokens, forward + backward: ``3 x 2 L P_d T``;
+      attention ``3 x 4 T (S/2 + B) h d L`` (a block sees on average half the sequence plus itself);
+    - the shared LM head over ``T`` tokens, forward + gradient w.r.t. its input only (it is
+      frozen): ``2 x 2 T H V``.
+
+    ``P`` = a layer's matmul parameters (Q, K, V, O, gate, up, down); ``h, kv, d`` heads, KV heads
+    and head dim; ``H`` hidden; ``V`` vocabulary.
+    """
     t, d = target_cfg, drafter_cfg
     H = t.hidden_size
 
@@ -42,16 +56,18 @@ def train_flops_per_sequence(target_cfg, drafter_cfg, seq_len: int, num_anchors:
         return attn + 3 * c.hidden_size * c.intermediate_size
 
     S = seq_len
-    target = 2 * t.num_layers * layer_params(t) * S + 2 * t.num_layers * S * S * t.num_heads * t.head_dim
+    depth = t.num_layers if distill else max(d.target_layer_ids) + 1
+    target = 2 * depth * layer_params(t) * S + 2 * depth * S * S * t.num_heads * t.head_dim
     if distill:
         target += 2 * S * H * t.vocab_size
     tokens = num_anchors * d.block_size
     n_taps = len(d.target_layer_ids)
-    ctx_proj = 2 * S * (n_taps * H * d.hidden_size + d.num_layers * d.hidden_size * 2 * d.num_kv_heads * d.head_dim)
+    fc = 2 * S * n_taps * H * d.hidden_size
+    ctx_kv = 2 * S * d.num_layers * d.hidden_size * 2 * d.num_kv_heads * d.head_dim
     layers = 2 * d.num_layers * layer_params(d) * tokens
     attn = 4 * tokens * (S / 2 + d.block_size) * d.num_heads * d.head_dim * d.num_layers
     head = 2 * tokens * d.hidden_size * t.vocab_size
-    return float(target + 3 * (ctx_proj + layers + attn) + 2 * head)
+    return float(target + 2 * fc + 3 * (ctx_kv + layers + attn) + 2 * head)
 
 
 class Monitor:

@@ -13,13 +13,16 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.model_config import DrafterConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.target import Target, unstack_layers
 from dflash_jax.training import parallel
 from dflash_jax.training.checkpointing import Checkpointer, save_drafter_config
 from dflash_jax.training.config import TrainConfig, save_train_config
 from dflash_jax.training.data import build_dataset, read_prompts
 from dflash_jax.training.monitor import Monitor, train_flops_per_sequence
 from dflash_jax.training.optim import make_optimizer
-from dflash_jax.training.trainer import StepSpec, TrainState, make_train_step, merge_drafter, split_drafter
+from dflash_jax.training.trainer import (
+    StepSpec, TargetGraph, TargetParams, TrainState, make_train_step, merge_drafter, split_drafter, split_target,
+)
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -66,9 +69,9 @@ class Session:
 
     config: TrainConfig
     mesh: Any
-    target: Any
-    target_graphdef: Any
-    target_state: Any
+    target_config: TargetConfig
+    target_graph: TargetGraph  # the frozen target, split by ``split_target`` (layers stacked once)
+    target_state: TargetParams  # (no per-layer copy is kept: ``target()`` rebuilds one on demand)
     drafter_config: DrafterConfig
     drafter_graphdef: Any
     drafter_rest: Any
@@ -82,6 +85,13 @@ class Session:
     spec: StepSpec
     meta: dict
     eval_prompts: list | None = None
+
+    def target(self) -> Target:
+        """The target as a ``Target`` module (for the engine): per-layer copies of the stacked
+        weights, alive only as long as the caller keeps the module."""
+        if isinstance(self.target_graph, nnx.GraphDef):
+            return nnx.merge(self.target_graph, self.target_state)
+        return unstack_layers(self.target_graph, self.target_state)
 
     def drafter(self, dtype=None) -> nnx.Module:
         """The drafter with the current weights (float32 master weights cast to ``dtype``)."""
@@ -165,8 +175,6 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
     if config.data.seq_len < dcfg.block_size + 1:
         raise ValueError(f"data.seq_len={config.data.seq_len} must exceed the block size {dcfg.block_size}")
 
-    target_graphdef, target_state = nnx.split(target)
-    target_state = jax.device_put(target_state, parallel.state_shardings(target_state, mesh, "target"))
     drafter_graphdef, params, drafter_rest = split_drafter(drafter)
     params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
     params = jax.device_put(params, parallel.state_shardings(params, mesh, "drafter"))
@@ -196,6 +204,13 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
         eval_prompts = eval_prompts[: config.eval.num_prompts]
     data = build_dataset(config.data, tokenizer, records=records, process_index=jax.process_index(),
                          process_count=jax.process_count())
+
+    # The target's layers are stacked once here (after the data generation above, which runs the
+    # engine on the unstacked module); dropping the module then frees its per-layer arrays.
+    target_config = target.config
+    target_graph, target_state = split_target(target)
+    del target
+    target_state = jax.device_put(target_state, parallel.state_shardings(target_state, mesh, "target"))
     data_iter = iter(data)
 
     checkpointer = None
@@ -216,7 +231,7 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
             save_drafter_config(run_dir, dcfg)
 
     spec = step_spec(config, dcfg)
-    step = make_train_step(drafter_graphdef, drafter_rest, target_graphdef, tx, spec)
+    step = make_train_step(drafter_graphdef, drafter_rest, target_graph, tx, spec)
     batch_sh = parallel.batch_sharding(mesh)
     step_fn = jax.jit(
         step,
@@ -225,7 +240,7 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
         donate_argnums=(0,),
     )
     return Session(
-        config=config, mesh=mesh, target=target, target_graphdef=target_graphdef, target_state=target_state,
+        config=config, mesh=mesh, target_config=target_config, target_graph=target_graph, target_state=target_state,
         drafter_config=dcfg, drafter_graphdef=drafter_graphdef, drafter_rest=drafter_rest, tx=tx, state=state,
         step_fn=step_fn, data=data, data_iter=data_iter, checkpointer=checkpointer, tokenizer=tokenizer,
         spec=spec, meta=meta, eval_prompts=eval_prompts,
@@ -249,9 +264,9 @@ def save(session: Session) -> None:
 def evaluate(session: Session, prompts) -> dict[str, float]:
     from dflash_jax.training.evaluation import speculative_tau
 
-    target = nnx.merge(session.target_graphdef, session.target_state)
+    target = session.target()  # per-layer copies for the engine, freed after the evaluation
     drafter = session.drafter(dtype=jnp.dtype(session.config.model.target_dtype))
-    stop = list(session.target.config.eos_token_ids) or None
+    stop = list(session.target_config.eos_token_ids) or None
     return speculative_tau(target, drafter, prompts, session.config.eval.max_new_tokens, stop_token_ids=stop)
 
 
@@ -264,7 +279,7 @@ def train(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
     accum = cfg.optim.grad_accum
     start_opt = session.opt_step
     end_opt = cfg.steps if max_steps is None else min(cfg.steps, start_opt + max_steps)
-    flops = train_flops_per_sequence(session.target.config, session.drafter_config, cfg.data.seq_len,
+    flops = train_flops_per_sequence(session.target_config, session.drafter_config, cfg.data.seq_len,
                                       cfg.loss.num_anchors, distill=cfg.loss.kind != "ce") * cfg.data.batch_size * accum
     monitor = Monitor(cfg.output_dir, cfg.steps, start_opt, progress=cfg.progress, tensorboard=cfg.tensorboard,
                       flops_per_step=flops)

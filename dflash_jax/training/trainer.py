@@ -3,7 +3,9 @@
 One micro-step:
 
 1. the frozen target runs causally over the batch (no gradient): taps at the drafter's
-   ``target_layer_ids`` (+ its logits when distilling);
+   ``target_layer_ids`` (+ its logits when distilling). By default its decoder layers are stacked
+   once (``split_target``) and run under ``lax.scan`` up to the deepest tap (all of them, and the
+   head, only when distilling): one compiled layer body instead of 36 unrolled ones;
 2. anchors are re-sampled (``fold_in(seed, micro_step)``: identical after a resume);
 3. the drafter projects the taps of the whole sequence into context K/V once, then drafts every
    anchor block at once (each block sees context strictly before its anchor plus itself);
@@ -14,7 +16,8 @@ One micro-step:
    goes through optax (AdamW + warmup/cosine + clipping, ``MultiSteps`` accumulation).
 
 Everything is a pure function of ``(TrainState, target_params, batch)``; the NNX modules are
-``nnx.merge``d inside from their graph definitions.
+``nnx.merge``d inside from their graph definitions (``target_params`` and its graph come from
+``split_target``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dflash_jax.target import ScanGraph, ScanParams, Target, scanned_forward, stack_layers
 from dflash_jax.training import anchors as anc
 from dflash_jax.training.losses import LossSums, finalize, loss_sums
 
@@ -84,9 +88,39 @@ class _Forward(NamedTuple):
     teacher_logits: jax.Array | None
 
 
-def target_forward(target: nnx.Module, ids: jax.Array, spec: StepSpec) -> _Forward:
-    logits, taps = target.forward(ids, tap_layers=spec.target_layer_ids, attention_impl=spec.attention_impl)
-    teacher = jax.lax.stop_gradient(logits) if spec.kind != "ce" else None
+TargetGraph = ScanGraph | nnx.GraphDef
+TargetParams = ScanParams | nnx.State
+
+
+def split_target(target: Target, *, scan: bool = True) -> tuple[TargetGraph, TargetParams]:
+    """The frozen target as ``(graph, params)`` for ``make_train_step``.
+
+    ``scan=True``: the decoder layers stacked once (``target.stack_layers``; a copy, so drop
+    ``target`` afterwards) and run under ``lax.scan``; ``scan=False``: the plain ``nnx.split``,
+    layers unrolled in the step (kept for comparisons: it compiles far more slowly at 36 layers).
+    """
+    return stack_layers(target) if scan else nnx.split(target)
+
+
+def target_shell(graph: TargetGraph, params: TargetParams) -> Target:
+    """The target module whose embedding and LM head the drafter shares (inside the step)."""
+    if isinstance(graph, ScanGraph):
+        return nnx.merge(graph.shell, params.shell)
+    return nnx.merge(graph, params)
+
+
+def target_forward(graph: TargetGraph, params: TargetParams, ids: jax.Array, spec: StepSpec) -> _Forward:
+    """Taps ``[batch, seq, n_taps * hidden]`` (and the logits when distilling), no gradient."""
+    distill = spec.kind != "ce"
+    # The target's attention is always the XLA reference: its block is the whole sequence (as in
+    # prefill), and the Pallas kernel is tiled for blocks of <= 16 rows. ``spec.attention_impl``
+    # is the drafter's.
+    if isinstance(graph, ScanGraph):
+        logits, taps = scanned_forward(graph, params, ids, tap_layers=spec.target_layer_ids, logits=distill,
+                                       attention_impl="xla")
+    else:
+        logits, taps = nnx.merge(graph, params).forward(ids, tap_layers=spec.target_layer_ids, attention_impl="xla")
+    teacher = jax.lax.stop_gradient(logits) if distill else None
     return _Forward(jax.lax.stop_gradient(taps), teacher)
 
 
@@ -166,12 +200,14 @@ def _global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def make_train_step(drafter_graphdef, drafter_rest, target_graphdef, tx: optax.GradientTransformation, spec: StepSpec):
-    """``step(state, target_params, batch) -> (state, metrics)``, not yet jitted."""
+def make_train_step(drafter_graphdef, drafter_rest, target_graph: TargetGraph, tx: optax.GradientTransformation,
+                    spec: StepSpec):
+    """``step(state, target_params, batch) -> (state, metrics)``, not yet jitted; ``target_graph``
+    and ``target_params`` from ``split_target``."""
 
-    def step(state: TrainState, target_params, batch):
-        target = nnx.merge(target_graphdef, target_params)
-        fwd = target_forward(target, batch["input_ids"], spec)
+    def step(state: TrainState, target_params: TargetParams, batch):
+        target = target_shell(target_graph, target_params)
+        fwd = target_forward(target_graph, target_params, batch["input_ids"], spec)
         key = jax.random.fold_in(jax.random.key(spec.seed), state.step)
         grad_fn = jax.value_and_grad(drafter_loss, has_aux=True)
         (loss, metrics), grads = grad_fn(
@@ -185,12 +221,12 @@ def make_train_step(drafter_graphdef, drafter_rest, target_graphdef, tx: optax.G
     return step
 
 
-def make_eval_loss(drafter_graphdef, drafter_rest, target_graphdef, spec: StepSpec):
+def make_eval_loss(drafter_graphdef, drafter_rest, target_graph: TargetGraph, spec: StepSpec):
     """``loss(params, target_params, batch, step) -> metrics`` without an update (for checks/notebooks)."""
 
-    def fn(params, target_params, batch, step):
-        target = nnx.merge(target_graphdef, target_params)
-        fwd = target_forward(target, batch["input_ids"], spec)
+    def fn(params, target_params: TargetParams, batch, step):
+        target = target_shell(target_graph, target_params)
+        fwd = target_forward(target_graph, target_params, batch["input_ids"], spec)
         key = jax.random.fold_in(jax.random.key(spec.seed), step)
         _, metrics = drafter_loss(params, drafter_graphdef, drafter_rest, target, batch, fwd, key, spec)
         return metrics
