@@ -174,7 +174,7 @@ def draft_block(
     """Drafts ``[anchor, d1 .. d_{B-1}]`` for every row in one drafter pass.
 
     ``window``: attend to the first ``window`` cache positions only (every row needs
-    ``starts + B <= window``); None: the whole capacity.
+    ``starts + B <= window``); None or a window of the whole capacity: the whole cache.
 
     Returns ``block_ids [batch, B]``, ``valid [batch]`` (slots that exist: the reference's shorter
     last block) and ``positions [batch, B]``.

@@ -205,13 +205,12 @@ class Engine:
     def _decode_fn(self, target_state, drafter_state, state, stop_ids, n_steps, *, window: int):
         target, drafter = self._models(target_state, drafter_state)
         impl = self.attention_impl
-        view = None if window >= self.capacity else window
 
         def step(s):
             if drafter is None:
-                return decoding.target_only_step(target, s, stop_ids, attention_impl=impl, window=view)
+                return decoding.target_only_step(target, s, stop_ids, attention_impl=impl, window=window)
             return decoding.speculative_step(target, drafter, s, stop_ids, block_size=self.block_size,
-                                             attention_impl=impl, window=view)
+                                             attention_impl=impl, window=window)
 
         def cond(carry):
             i, s = carry

@@ -75,22 +75,13 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------- type checks
 
 
+# JSON type names for error messages; bool before int (a bool is an int in Python).
+_JSON_TYPE_NAMES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+                    (list, "array"), (dict, "object"))
+
+
 def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    return next((name for kind, name in _JSON_TYPE_NAMES if isinstance(value, kind)), type(value).__name__)
 
 
 def _is_int(v: Any) -> bool:
