@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype")
     g.add_argument("--block-size", type=int, help="draft block size (at most the drafter's)")
-    g.add_argument("--batch-size", type=int, help="requests per engine batch (engine.max_batch_size)")
+    g.add_argument("--batch-size", type=int, help="requests decoding at once (engine.max_batch_size)")
     g.add_argument("--max-length", type=int, help="prompt plus generated tokens per request")
     g.add_argument("--max-new-tokens", type=int,
                    help="default number of tokens to generate (batch mode: for lines without max_new_tokens; "
@@ -246,22 +246,26 @@ def run_generate(cfg, input_path: Path, output_path: Path, progress: bool = True
             raise CLIError(f"{input_path}:{lineno}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     stops = [] if cfg.generate.ignore_eos else stop_ids(cfg, tokenizer, target)
 
-    # Similar lengths share a batch (less padding); outputs keep the input order.
+    # Shortest first: prompts admitted together have similar lengths (less prefill padding). Rows
+    # are reused as soon as they free; outputs keep the input order.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    size = cfg.engine.max_batch_size
-    results: list[Any] = [None] * len(prompts)
+    draft_steps = committed = 0  # over the finished prompts, for the progress bar
     t0 = time.perf_counter()
     with tqdm(total=len(prompts), unit="prompt", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
-        for lo in range(0, len(order), size):
-            chunk = order[lo: lo + size]
-            out = engine.generate([prompts[i] for i in chunk], [max_new[i] for i in chunk], stop_token_ids=stops)
-            for i, res in zip(chunk, out):
-                results[i] = res
-            bar.update(len(chunk))
-            steps = sum(len(r.acceptance_lengths) for r in results if r is not None)
-            if steps:
-                acc = sum(sum(r.acceptance_lengths) for r in results if r is not None)
-                bar.set_postfix(tau=f"{acc / steps:.2f}")
+
+        def finished(_: int, res: Any) -> None:
+            nonlocal draft_steps, committed
+            bar.update(1)
+            draft_steps += len(res.acceptance_lengths)
+            committed += sum(res.acceptance_lengths)
+            if draft_steps:
+                bar.set_postfix(tau=f"{committed / draft_steps:.2f}")
+
+        out = engine.generate([prompts[i] for i in order], [max_new[i] for i in order], stop_token_ids=stops,
+                              on_done=finished)
+    results: list[Any] = [None] * len(prompts)
+    for i, res in zip(order, out):
+        results[i] = res
     wall = time.perf_counter() - t0
 
     tmp = output_path.with_name(output_path.name + ".tmp")
@@ -317,7 +321,6 @@ def run_serve(cfg) -> None:
         engine, tokenizer,
         model_name=name,
         max_length=cfg.engine.max_length,
-        max_batch_size=cfg.engine.max_batch_size,
         vocab_size=target.config.vocab_size,
         default_max_tokens=s.default_max_tokens,
         api_key=api_key,

@@ -70,6 +70,7 @@ def synthetic_state(engine: Engine, batch: int, context: int, seed: int) -> deco
         done=jnp.zeros((batch,), bool),
         num_steps=jnp.zeros((batch,), jnp.int32),
         accepted=jnp.zeros((batch, engine.config.max_length), jnp.int32),
+        stop_ids=jnp.full((batch, engine.max_stop_ids), -1, jnp.int32),
         target_cache=cache(k1, tc.num_layers, tc.num_kv_heads, tc.head_dim),
         draft_cache=draft_cache,
     )
@@ -77,15 +78,14 @@ def synthetic_state(engine: Engine, batch: int, context: int, seed: int) -> deco
 
 def time_decode(engine: Engine, batch: int, context: int, steps: int, repeats: int) -> tuple[float, float]:
     """Median seconds per decode step over ``repeats`` calls of ``steps`` on-device steps; and tau."""
-    stop = jnp.full((8,), -1, jnp.int32)
     state = synthetic_state(engine, batch, context, seed=batch)
-    state, _ = engine.decode(state, stop, n_steps=2)  # compile + warm-up
+    state, _ = engine.decode(state, n_steps=2)  # compile + warm-up
     jax.block_until_ready(state.starts)
     times = []
     for _ in range(repeats):
         before = np.asarray(state.starts)
         t0 = time.perf_counter()
-        state, _ = engine.decode(state, stop, n_steps=steps)
+        state, _ = engine.decode(state, n_steps=steps)
         jax.block_until_ready(state.starts)
         times.append((time.perf_counter() - t0) / steps)
     tau = float((np.asarray(state.starts) - before).mean() / steps)
@@ -125,12 +125,11 @@ def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir
     name per step: where a step's time goes."""
     import gzip
 
-    stop = jnp.full((8,), -1, jnp.int32)
     state = synthetic_state(engine, batch, context, seed=batch + 7)
-    state, _ = engine.decode(state, stop, n_steps=steps)
+    state, _ = engine.decode(state, n_steps=steps)
     jax.block_until_ready(state.starts)
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
-        state, _ = engine.decode(state, stop, n_steps=steps)
+        state, _ = engine.decode(state, n_steps=steps)
         jax.block_until_ready(state.starts)
     paths = sorted(Path(out_dir).rglob("perfetto_trace.json.gz"))
     if not paths:
@@ -158,6 +157,13 @@ def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir
     print(f"top kernels of {threads.get(key, key[1])!r} (us per step, launches per step):", flush=True)
     for name, (n, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"  {t / steps:9.1f} us  {n / steps:6.1f}x  {name[:110]}", flush=True)
+    # One middle layer's kernels in launch order: from one attention kernel to the next.
+    ordered = sorted(lines[key], key=lambda e: e["ts"])
+    marks = [i for i, e in enumerate(ordered) if "attention" in e["name"]]
+    if len(marks) > 11:
+        print("one layer, in launch order (us):", flush=True)
+        for e in ordered[marks[10]:marks[11]]:
+            print(f"  {e['dur']:7.2f}  {e['name'][:110]}", flush=True)
 
 
 def host_overhead(engine: Engine, context: int, new_tokens: int, device_step: float) -> dict:
@@ -219,7 +225,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
     ap.add_argument("--profile", default=None, help="trace batch-1 steps (target-only and DFlash) into this dir")
+    ap.add_argument("--unfused", action="store_true",
+                    help="the target's attention without the fused cached-attention kernel (the earlier path)")
     args = ap.parse_args()
+    if args.unfused:
+        import kernels_pallas
+
+        kernels_pallas.cached_block_attention_supported = lambda *a, **k: False
 
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     tcfg = qwen3_8b(args.layers)
@@ -284,7 +296,8 @@ def main() -> None:
 
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"\nQwen3-8B shapes, bf16, context {args.context}, attention={args.attention}, "
+    print(f"\nQwen3-8B shapes, bf16, context {args.context}, attention={args.attention}"
+          f"{' (unfused)' if args.unfused else ''}, "
           f"HBM roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s")
     print("batch | target step ms | tok/s | % HBM roofline | DFlash step ms | step ratio | draft ratio | "
           f"DFlash tok/s @tau={args.tau}")

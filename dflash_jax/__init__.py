@@ -1,13 +1,15 @@
 """dflash-jax: train and serve DFlash block-diffusion speculative-decoding drafters in JAX/Flax."""
 
 from dflash_jax.api import draft_logits, target_forward
+from dflash_jax.batcher import ContinuousBatcher, GenerationResult
 from dflash_jax.checkpoint import load_drafter, load_target, save_drafter, save_target
 from dflash_jax.drafter import Drafter
-from dflash_jax.engine import Engine, EngineConfig, GenerationResult, generate
+from dflash_jax.engine import Engine, EngineConfig, generate
 from dflash_jax.model_config import DrafterConfig, TargetConfig
 from dflash_jax.target import Target
 
 __all__ = [
-    "Drafter", "DrafterConfig", "Engine", "EngineConfig", "GenerationResult", "Target", "TargetConfig",
-    "draft_logits", "generate", "load_drafter", "load_target", "save_drafter", "save_target", "target_forward",
+    "ContinuousBatcher", "Drafter", "DrafterConfig", "Engine", "EngineConfig", "GenerationResult", "Target",
+    "TargetConfig", "draft_logits", "generate", "load_drafter", "load_target", "save_drafter", "save_target",
+    "target_forward",
 ]

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
+CACHE_ALIGNMENT = 128  # engine cache capacities are multiples of this many positions (whole kernel tiles)
 
 
 @jax.tree_util.register_dataclass
@@ -52,14 +53,6 @@ def write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array) -> jax.A
         return jax.lax.dynamic_update_slice(row, upd.astype(row.dtype), idx)
 
     return jax.vmap(one)(buffer, update, starts)
-
-
-def write_layer(cache: KVCache, layer: int, k: jax.Array, v: jax.Array, starts: jax.Array) -> KVCache:
-    """Writes one layer's ``k, v [batch, n, kv_heads, head_dim]`` at per-row ``starts``."""
-    ks, vs = list(cache.k), list(cache.v)
-    ks[layer] = write_rows(ks[layer], k, starts)
-    vs[layer] = write_rows(vs[layer], v, starts)
-    return KVCache(tuple(ks), tuple(vs))
 
 
 def write_all_layers(cache: KVCache, k: jax.Array, v: jax.Array, starts: jax.Array) -> KVCache:

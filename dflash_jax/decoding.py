@@ -6,6 +6,10 @@ are in both caches); each step drafts a block of ``valid = min(B, max_len - star
 it, accepts ``acc`` drafts plus the bonus, and commits ``produced = min(acc + 1, max_len - start - 1)``
 tokens, cut after the first stop token. A row is done once a stop token is committed or
 ``start + 1 >= max_len``; done rows stop changing.
+
+A running batch is a fixed number of row slots: ``empty_state`` makes them (every row done),
+``scatter_rows`` writes freshly prefilled rows into free slots (or moves rows into a state of another
+size) and ``release_rows`` ends rows early. Each row carries its own stop ids.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from dflash_jax.target import Target
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    """Everything a batch carries between steps; all per-row arrays lead with ``batch``."""
+    """Everything a batch carries between steps; all per-row arrays lead with ``batch``.
+
+    An empty row (a free slot) is done, has stop ids -1 and zeros everywhere else.
+    """
 
     tokens: jax.Array           # [batch, token_capacity] int32: prompt + committed tokens
     starts: jax.Array           # [batch] int32: the anchor position (= tokens in the caches)
@@ -32,6 +39,7 @@ class DecodeState:
     done: jax.Array             # [batch] bool
     num_steps: jax.Array        # [batch] int32: decode steps taken by each row
     accepted: jax.Array         # [batch, max_steps] int32: tokens committed per step (acc + 1, cut)
+    stop_ids: jax.Array         # [batch, n_stop] int32: the row's stop token ids, -1 pads
     target_cache: KVCache
     draft_cache: KVCache | None
 
@@ -66,13 +74,19 @@ def greedy_accept(draft: jax.Array, posterior: jax.Array, valid: jax.Array) -> j
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
 
 
+def is_stop(ids: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """Whether each of ``ids [batch, n]`` is one of its row's ``stop_ids [batch, n_stop]`` -> ``[batch, n]``."""
+    return jnp.any(ids[:, :, None] == stop_ids[:, None, :], axis=-1)
+
+
 def commit(
-    state: DecodeState, block_ids: jax.Array, posterior: jax.Array, acc: jax.Array, stop_ids: jax.Array
+    state: DecodeState, block_ids: jax.Array, posterior: jax.Array, acc: jax.Array
 ) -> tuple[DecodeState, jax.Array]:
     """Writes the accepted drafts and the bonus token, advances rows, records the step.
 
-    ``block_ids [batch, B]`` (anchor then drafts), ``posterior [batch, B]``, ``acc [batch]``,
-    ``stop_ids [n_stop]`` (-1 pads). Returns the new state (caches untouched) and ``produced``.
+    ``block_ids [batch, B]`` (anchor then drafts), ``posterior [batch, B]``, ``acc [batch]``; a row
+    stops at the first of its own ``state.stop_ids``. Returns the new state (caches untouched) and
+    ``produced``.
     """
     batch, block = block_ids.shape
     active = ~state.done
@@ -86,9 +100,9 @@ def commit(
 
     produced = jnp.minimum(acc + 1, state.max_lens - state.starts - 1)
     new = window[:, 1:]  # the tokens at start + 1 ..
-    is_stop = jnp.isin(new, stop_ids) & (jnp.arange(block)[None, :] < produced[:, None])
-    has_stop = jnp.any(is_stop, axis=1)
-    produced = jnp.where(has_stop, jnp.argmax(is_stop, axis=1) + 1, produced)
+    stops = is_stop(new, state.stop_ids) & (jnp.arange(block)[None, :] < produced[:, None])
+    has_stop = jnp.any(stops, axis=1)
+    produced = jnp.where(has_stop, jnp.argmax(stops, axis=1) + 1, produced)
     produced = jnp.where(active, produced, 0).astype(jnp.int32)
     starts = state.starts + produced
     done = state.done | has_stop | (starts + 1 >= state.max_lens)
@@ -105,6 +119,28 @@ def commit(
     return new_state, produced
 
 
+def new_caches(target: Target, drafter: Drafter | None, batch: int, length: int) -> tuple[KVCache, KVCache | None]:
+    """Zeroed target and drafter-context caches of ``length`` positions (no drafter: no context cache)."""
+    tc = target.config
+    target_cache = KVCache.zeros(tc.num_layers, batch, length, tc.num_kv_heads, tc.head_dim, target.embed_tokens.dtype)
+    if drafter is None:
+        return target_cache, None
+    dc = drafter.config
+    return target_cache, KVCache.zeros(dc.num_layers, batch, length, dc.num_kv_heads, dc.head_dim, drafter.fc.dtype)
+
+
+def empty_state(target: Target, drafter: Drafter | None, batch: int, *, capacity: int, max_steps: int,
+                n_stop: int) -> DecodeState:
+    """``batch`` empty row slots (all done) with ``capacity``-position caches, to admit rows into."""
+    target_cache, draft_cache = new_caches(target, drafter, batch, capacity)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    return DecodeState(
+        tokens=jnp.zeros((batch, capacity + 1), jnp.int32), starts=zeros, max_lens=zeros,
+        done=jnp.ones((batch,), bool), num_steps=zeros, accepted=jnp.zeros((batch, max_steps), jnp.int32),
+        stop_ids=jnp.full((batch, n_stop), -1, jnp.int32), target_cache=target_cache, draft_cache=draft_cache,
+    )
+
+
 def prefill(
     target: Target,
     drafter: Drafter | None,
@@ -117,16 +153,17 @@ def prefill(
     max_steps: int,
     mask_token_id: int,
 ) -> DecodeState:
-    """Runs the padded prompts ``ids [batch, P]`` (lengths ``lens``) and samples the first token.
+    """Runs the padded prompts ``ids [batch, P]`` (lengths ``lens``, stop ids ``stop_ids [batch, n_stop]``)
+    and samples the first token.
 
     Fills the target cache with the prompt, the drafter's context cache with the prompt's taps, and
-    commits the target's argmax after each row's last prompt token.
+    commits the target's argmax after each row's last prompt token. Rows hold ``capacity + 1``
+    tokens, as in a running state of ``capacity`` cache positions, but the caches hold just the P
+    prompt positions: ``scatter_rows`` writes them over the first positions of free slots.
     """
-    tc = target.config
     batch, plen = ids.shape
     tap_layers = drafter.config.target_layer_ids if drafter is not None else ()
-    target_cache = KVCache.zeros(tc.num_layers, batch, capacity, tc.num_kv_heads, tc.head_dim,
-                                 target.embed_tokens.dtype)
+    target_cache, draft_cache = new_caches(target, drafter, batch, plen)
     zeros = jnp.zeros((batch,), jnp.int32)
     # The prompt is one causal block of up to thousands of tokens: the Pallas kernel is tiled for
     # draft/verify blocks of B <= 16 rows, so prefill attention stays on the XLA path.
@@ -139,20 +176,35 @@ def prefill(
     tokens = jnp.full((batch, capacity + 1), mask_token_id, jnp.int32)
     tokens = jnp.where(positions < lens[:, None], jnp.pad(ids, ((0, 0), (0, capacity + 1 - plen))), tokens)
     tokens = jnp.where(positions == lens[:, None], first[:, None], tokens)
-    done = jnp.isin(first, stop_ids) | (lens + 1 >= max_lens)
+    done = is_stop(first[:, None], stop_ids)[:, 0] | (lens + 1 >= max_lens)
 
-    draft_cache = None
     if drafter is not None:
-        dc = drafter.config
-        draft_cache = KVCache.zeros(dc.num_layers, batch, capacity, dc.num_kv_heads, dc.head_dim,
-                                    drafter.fc.dtype)
         k, v = drafter.context_kv(taps, jnp.broadcast_to(jnp.arange(plen, dtype=jnp.int32), (batch, plen)))
         draft_cache = write_all_layers(draft_cache, k, v, zeros)
     return DecodeState(
         tokens=tokens, starts=lens.astype(jnp.int32), max_lens=max_lens.astype(jnp.int32), done=done,
-        num_steps=zeros, accepted=jnp.zeros((batch, max_steps), jnp.int32),
+        num_steps=zeros, accepted=jnp.zeros((batch, max_steps), jnp.int32), stop_ids=stop_ids.astype(jnp.int32),
         target_cache=target_cache, draft_cache=draft_cache,
     )
+
+
+def scatter_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> DecodeState:
+    """Writes row i of ``rows`` into row ``slots[i]`` of ``state``; ``slots [n]`` outside
+    ``[0, batch)`` drop their row (the padding rows of a prefill).
+
+    Every array of a row is written over the first positions of its slot: a prefill's short caches
+    fill the prompt positions and leave the rest stale, past the row's length, where it is never read.
+    """
+    def put(dst: jax.Array, src: jax.Array) -> jax.Array:
+        index = (slots,) + tuple(slice(0, n) for n in src.shape[1:])
+        return dst.at[index].set(src, mode="drop")
+
+    return jax.tree.map(put, state, rows)
+
+
+def release_rows(state: DecodeState, release: jax.Array) -> DecodeState:
+    """Marks the rows where ``release [batch]`` is True done: they stop changing from the next step."""
+    return dataclasses.replace(state, done=state.done | release)
 
 
 def _target_block(
@@ -197,8 +249,7 @@ def draft_block(
 
 def verify_block(
     target: Target, drafter: Drafter, state: DecodeState, block_ids: jax.Array, valid: jax.Array,
-    positions: jax.Array, stop_ids: jax.Array, *, attention_impl: AttentionImpl = "xla",
-    window: int | None = None,
+    positions: jax.Array, *, attention_impl: AttentionImpl = "xla", window: int | None = None,
 ) -> DecodeState:
     """Verifies a drafted block in one target pass, commits, and extends the drafter's context.
 
@@ -211,7 +262,7 @@ def verify_block(
     )
     posterior = greedy_argmax(target.head(verified))
     acc = greedy_accept(block_ids[:, 1:], posterior, valid)
-    new_state, _ = commit(state, block_ids, posterior, acc, stop_ids)
+    new_state, _ = commit(state, block_ids, posterior, acc)
     # The verify pass produced the taps of the committed tokens: project them once for all layers.
     k, v = drafter.context_kv(taps, positions)
     draft_cache = write_all_layers(state.draft_cache, k, v, starts)
@@ -222,7 +273,6 @@ def speculative_step(
     target: Target,
     drafter: Drafter,
     state: DecodeState,
-    stop_ids: jax.Array,
     *,
     block_size: int,
     attention_impl: AttentionImpl = "xla",
@@ -235,13 +285,12 @@ def speculative_step(
     """
     block_ids, valid, positions = draft_block(target, drafter, state, block_size=block_size,
                                               attention_impl=attention_impl, window=window)
-    return verify_block(target, drafter, state, block_ids, valid, positions, stop_ids,
-                        attention_impl=attention_impl, window=window)
+    return verify_block(target, drafter, state, block_ids, valid, positions, attention_impl=attention_impl,
+                        window=window)
 
 
 def target_only_step(
-    target: Target, state: DecodeState, stop_ids: jax.Array, *, attention_impl: AttentionImpl = "xla",
-    window: int | None = None,
+    target: Target, state: DecodeState, *, attention_impl: AttentionImpl = "xla", window: int | None = None,
 ) -> DecodeState:
     """Plain greedy decoding of one token per row through the same caches (the speedup baseline).
 
@@ -253,5 +302,5 @@ def target_only_step(
                                             attention_impl=attention_impl)
     posterior = greedy_argmax(target.head(hidden))
     acc = jnp.zeros_like(starts)
-    new_state, _ = commit(state, anchor, posterior, acc, stop_ids)
+    new_state, _ = commit(state, anchor, posterior, acc)
     return dataclasses.replace(new_state, target_cache=target_cache)

@@ -1,10 +1,14 @@
-"""The batched greedy speculative-decoding engine: host scheduling around jitted device phases.
+"""The batched greedy speculative-decoding engine: jitted device phases on a state of row slots.
 
-Two jitted functions per engine: ``prefill`` and ``decode`` (a ``lax.while_loop`` of up to
-``steps_per_sync`` draft-verify-commit steps). The state is donated to every call. The host keeps
-one call in flight ahead of the one it reads, so the device never waits for Python between syncs.
-Shapes are static: batch and prompt length are bucketed; block size and capacity are fixed per engine;
-with the XLA attention each decode call reads a power-of-two window of the caches that covers its rows.
+The phases: ``prefill`` (new prompts, in a batch of their own), ``admit`` (scatters prefilled rows
+into free slots of the running state), ``resize`` (moves the live rows into a state of another row
+count), ``release`` (ends rows early) and ``decode`` (a ``lax.while_loop`` of up to
+``steps_per_sync`` draft-verify-commit steps). The running state is donated to every call that
+keeps its shape. ``ContinuousBatcher`` (``dflash_jax.batcher``) is the host loop around them;
+``Engine.generate`` runs it.
+Shapes are static: prompt counts and lengths are bucketed, a running state has one or
+``max_batch_size`` rows; block size and capacity are fixed per engine; with the XLA attention each
+decode call reads a power-of-two window of the caches that covers its rows.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dflash_jax import decoding
-from dflash_jax.cache import CACHE_AXES
+from dflash_jax.batcher import ContinuousBatcher, Generation, GenerationResult
+from dflash_jax.cache import CACHE_ALIGNMENT, CACHE_AXES
 from dflash_jax.drafter import Drafter
 from dflash_jax.layers import fuse_projections
 from dflash_jax.sharding import MeshConfig, make_mesh, named_sharding, shard_module
@@ -62,27 +67,17 @@ class EngineConfig:
             raise ValueError(f"prompt_buckets must be positive lengths, got {self.prompt_buckets}")
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class GenerationResult:
-    output_ids: list[int]            # generated tokens only (prompt excluded)
-    acceptance_lengths: list[int]    # acc + 1 per decode step (cut at stop / max length)
-    num_prompt_tokens: int
-    finish_reason: str               # "stop" | "length"
-    time_to_first_token: float       # seconds (the batch's prefill)
-    time_per_output_token: float     # seconds: decode time / generated tokens
+class RowSnapshot:
+    """What the host reads of a state after a decode call: copies that stay readable after the
+    state is donated to the next call."""
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_ids)
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.acceptance_lengths)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens committed per decode step (1.0 for target-only decoding)."""
-        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 1.0
+    tokens: jax.Array           # [batch, capacity + 1] int32
+    starts: jax.Array           # [batch] int32
+    done: jax.Array             # [batch] bool
+    num_steps: jax.Array        # [batch] int32
+    accepted: jax.Array         # [batch, max_length] int32
 
 
 def _next_pow2(n: int) -> int:
@@ -135,7 +130,9 @@ class Engine:
             if config.block_size is not None and config.block_size > drafter.config.block_size:
                 raise ValueError(f"block_size {config.block_size} exceeds the drafter's {drafter.config.block_size}")
         self.block_size = (config.block_size or drafter.config.block_size) if drafter is not None else 1
-        self.capacity = config.max_length + self.block_size
+        # Rounded up to whole attention tiles: the GPU kernel otherwise shrinks its key tile to a
+        # divisor of the capacity (16 keys for 1025) or pads a copy of every cache buffer per call.
+        self.capacity = -(-(config.max_length + self.block_size) // CACHE_ALIGNMENT) * CACHE_ALIGNMENT
         self.mesh = mesh if mesh is not None else (make_mesh(config.mesh) if config.mesh is not None else None)
         sharded = self.mesh is not None and self.mesh.size > 1
         if sharded and config.attention_impl == "pallas":
@@ -169,7 +166,15 @@ class Engine:
         self._prefill = jax.jit(self._precise(self._prefill_fn))
         self._decode = jax.jit(self._precise(self._decode_fn), donate_argnums=(2,), static_argnames=("window",),
                                compiler_options=_decode_compiler_options())
+        self._empty = jax.jit(self._empty_fn, static_argnames=("rows",))
+        self._admit = jax.jit(self._admit_fn, donate_argnums=(0,))
+        self._resize = jax.jit(self._resize_fn, static_argnames=("rows",))  # a new shape: nothing to donate to
+        self._release = jax.jit(self._release_fn, donate_argnums=(0,))
         self._mask_id = drafter.config.mask_token_id if drafter is not None else 0
+        self.vocab_size = target.config.vocab_size
+        self.speculative = drafter is not None
+        # Stop ids per row: a fixed size, so that no request's stop ids recompile anything.
+        self.max_stop_ids = 16
         # The XLA attention computes over every cache position it is given, so decode calls read a
         # bucketed prefix of the caches that covers the live rows; the Pallas kernels skip positions
         # past each row's length themselves and always get the whole cache (one compiled variant).
@@ -200,16 +205,32 @@ class Engine:
         # Every step commits >= 1 token, so max_length bounds the steps of any row.
         state = decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, capacity=self.capacity,
                                  max_steps=self.config.max_length, mask_token_id=self._mask_id)
+        first = jnp.take_along_axis(state.tokens, lens[:, None], axis=1)[:, 0]
+        return self._constrain(state), first
+
+    def _empty_fn(self, *, rows: int) -> decoding.DecodeState:
+        # Only the models' configs and dtypes are read: no weights enter the computation.
+        state = decoding.empty_state(self.target, self.drafter, rows, capacity=self.capacity,
+                                     max_steps=self.config.max_length, n_stop=self.max_stop_ids)
         return self._constrain(state)
 
-    def _decode_fn(self, target_state, drafter_state, state, stop_ids, n_steps, *, window: int):
+    def _admit_fn(self, state, rows, slots):
+        return self._constrain(decoding.scatter_rows(state, rows, slots))
+
+    def _resize_fn(self, state, slots, *, rows: int):
+        return self._constrain(decoding.scatter_rows(self._empty_fn(rows=rows), state, slots))
+
+    def _release_fn(self, state, release):
+        return self._constrain(decoding.release_rows(state, release))
+
+    def _decode_fn(self, target_state, drafter_state, state, n_steps, *, window: int):
         target, drafter = self._models(target_state, drafter_state)
         impl = self.attention_impl
 
         def step(s):
             if drafter is None:
-                return decoding.target_only_step(target, s, stop_ids, attention_impl=impl, window=window)
-            return decoding.speculative_step(target, drafter, s, stop_ids, block_size=self.block_size,
+                return decoding.target_only_step(target, s, attention_impl=impl, window=window)
+            return decoding.speculative_step(target, drafter, s, block_size=self.block_size,
                                              attention_impl=impl, window=window)
 
         def cond(carry):
@@ -224,8 +245,9 @@ class Engine:
             return i + 1, self._constrain(step(s))
 
         _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
-        # A copy the host can read while the donated state is already in the next call.
-        snapshot = (state.tokens + 0, state.starts + 0, state.done | False)
+        # Copies the host can read while the donated state is already in the next call.
+        snapshot = RowSnapshot(tokens=state.tokens + 0, starts=state.starts + 0, done=state.done | False,
+                               num_steps=state.num_steps + 0, accepted=state.accepted + 0)
         return state, snapshot
 
     def _constrain(self, state: decoding.DecodeState) -> decoding.DecodeState:
@@ -246,24 +268,25 @@ class Engine:
             tokens=pin(state.tokens, ("batch", "length")), starts=pin(state.starts, ("batch",)),
             max_lens=pin(state.max_lens, ("batch",)), done=pin(state.done, ("batch",)),
             num_steps=pin(state.num_steps, ("batch",)), accepted=pin(state.accepted, ("batch", "length")),
+            stop_ids=pin(state.stop_ids, ("batch", "length")),
             target_cache=pin_cache(state.target_cache), draft_cache=pin_cache(state.draft_cache),
         )
 
-    def decode(self, state: decoding.DecodeState, stop_ids: jax.Array, n_steps: int | None = None, *,
-               window: int | None = None):
+    def decode(self, state: decoding.DecodeState, n_steps: int | None = None, *,
+               window: int | None = None) -> tuple[decoding.DecodeState, RowSnapshot]:
         """Up to ``n_steps`` (default ``steps_per_sync``) decode steps on device; donates ``state``.
 
         ``window``: the steps attend to the first ``window`` cache positions only, rounded up to
         ``self.windows``; the call stops early when a row that is not done would outgrow it. None:
         the whole cache.
 
-        Returns the new state and a ``(tokens, starts, done)`` snapshot that stays readable after the
-        state is donated to the next call.
+        Returns the new state and a snapshot of its rows that stays readable after the state is
+        donated to the next call.
         """
         n = self.config.steps_per_sync if n_steps is None else int(n_steps)
         if n not in self._n_steps:  # a cached device scalar: building one costs a dispatch per call
             self._n_steps[n] = jnp.int32(n)
-        return self._decode(self._target_state, self._drafter_state, state, stop_ids, self._n_steps[n],
+        return self._decode(self._target_state, self._drafter_state, state, self._n_steps[n],
                             window=self._window(window))
 
     def _window(self, needed: int | None) -> int:
@@ -273,8 +296,14 @@ class Engine:
         return next((w for w in self.windows if w >= needed), self.capacity)
 
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                stop_ids: np.ndarray) -> tuple[decoding.DecodeState, int]:
-        """Buckets and runs the prompts of one batch; returns the state and the real row count."""
+                stop_token_ids: Sequence[Sequence[int]]) -> tuple[decoding.DecodeState, jax.Array]:
+        """Runs ``prompts`` (token-id lists that ``ContinuousBatcher.submit`` checked) in a batch of
+        their own: a power of two of rows (padding rows done), the prompt bucket of the longest.
+
+        ``stop_token_ids``: each prompt's stop ids (at most ``max_stop_ids``). Returns the rows, for
+        ``admit`` (their caches hold just the prompt bucket), and ``first [rows]``, each row's first
+        generated token, a copy that stays readable after the rows are admitted.
+        """
         n = len(prompts)
         if n > self.config.max_batch_size:
             raise ValueError(f"{n} prompts exceed max_batch_size={self.config.max_batch_size}")
@@ -282,32 +311,69 @@ class Engine:
         lens = [len(p) for p in prompts]
         plen = self._prompt_bucket(max(lens))
         ids = np.zeros((batch, plen), np.int32)
-        for i, p in enumerate(prompts):
+        stop_ids = np.full((batch, self.max_stop_ids), -1, np.int32)
+        for i, (p, stops) in enumerate(zip(prompts, stop_token_ids)):
             ids[i, : len(p)] = p
+            stop_ids[i, : len(stops)] = stops
         row_lens = np.ones((batch,), np.int32)
         row_lens[:n] = lens
         max_lens = np.ones((batch,), np.int32)  # padding rows: done at once
         max_lens[:n] = [min(l + m, self.config.max_length) for l, m in zip(lens, max_new_tokens)]
         put = self._put_batch
-        state = self._prefill(self._target_state, self._drafter_state, put(ids), put(row_lens), put(max_lens),
-                              jnp.asarray(stop_ids))
-        return state, n
+        return self._prefill(self._target_state, self._drafter_state, put(ids), put(row_lens), put(max_lens),
+                             put(stop_ids))
+
+    def state_rows(self, live: int) -> int:
+        """The rows of a running state that holds ``live`` requests: one for a lone request, else
+        ``max_batch_size`` rounded up to a power of two. Two shapes, both compiled by ``warmup``."""
+        return 1 if live <= 1 else _next_pow2(self.config.max_batch_size)
+
+    def empty_state(self, rows: int) -> decoding.DecodeState:
+        """A running state of ``rows`` free slots (every row done)."""
+        return self._empty(rows=rows)
+
+    def admit(self, state: decoding.DecodeState, rows: decoding.DecodeState,
+              slots: Sequence[int]) -> decoding.DecodeState:
+        """Writes the first ``len(slots)`` rows of a ``prefill`` into the free (done) rows ``slots``
+        of ``state``; donates ``state``. The prefill's padding rows are dropped."""
+        index = np.full((rows.starts.shape[0],), state.starts.shape[0], np.int32)  # out of range: dropped
+        index[: len(slots)] = slots
+        return self._admit(state, rows, jnp.asarray(index))
+
+    def resize(self, state: decoding.DecodeState, keep: Sequence[int], *, rows: int) -> decoding.DecodeState:
+        """A state of ``rows`` rows: rows ``keep`` of ``state``, in that order, then free slots."""
+        index = np.full((state.starts.shape[0],), rows, np.int32)  # out of range: dropped
+        index[list(keep)] = np.arange(len(keep))
+        return self._resize(state, jnp.asarray(index), rows=rows)
+
+    def release(self, state: decoding.DecodeState, slots: Sequence[int]) -> decoding.DecodeState:
+        """Marks rows ``slots`` done (requests given up on); donates ``state``."""
+        release = np.zeros((state.starts.shape[0],), bool)
+        release[list(slots)] = True
+        return self._release(state, jnp.asarray(release))
 
     def warmup(self, batch_sizes: Sequence[int] | None = None) -> float:
-        """Compiles prefill (smallest prompt bucket) and decode for ``batch_sizes`` (default: 1 and
-        ``max_batch_size``) so the first requests do not wait for XLA; returns the seconds spent.
+        """Compiles what requests of up to ``batch_sizes`` prompts at a time run (default: 1 and
+        ``max_batch_size``), so the first requests do not wait for XLA; returns the seconds spent.
 
-        Decode shapes do not depend on the prompt: one variant per batch bucket and attention window
-        covers every decode; prefill compiles once more per new prompt bucket.
+        Per size: its prefill (smallest prompt bucket) and that of one prompt, admitting them into a
+        running state of its row count, decode at every attention window, and resizing that state
+        to the other sizes' row counts. Decode shapes do not depend on the prompt; prefill compiles
+        once more per new prompt bucket.
         """
         t0 = time.perf_counter()
         sizes = sorted({1, self.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
-        stop_ids = np.full((8,), -1, np.int32)  # the size generate() uses for up to 8 stop ids
+        all_rows = {self.state_rows(size) for size in sizes}
         for size in sizes:
-            self.generate([[0]] * size, 2)
-            state, _ = self.prefill([[0]] * size, [2] * size, stop_ids)
+            rows = self.state_rows(size)
+            state = self.empty_state(rows)
+            for n in sorted({1, size}):
+                fresh, _ = self.prefill([[0]] * n, [2] * n, [()] * n)
+                state = self.admit(state, fresh, range(n))
             for window in self.windows:
-                state, _ = self.decode(state, jnp.asarray(stop_ids), n_steps=0, window=window)
+                state, _ = self.decode(state, n_steps=0, window=window)
+            for other in all_rows - {rows}:
+                jax.block_until_ready(self.resize(state, [0], rows=other).starts)
             jax.block_until_ready(state.starts)
         return time.perf_counter() - t0
 
@@ -330,114 +396,38 @@ class Engine:
         max_new_tokens: int | Sequence[int],
         stop_token_ids: Sequence[int] | None = None,
         on_tokens: Callable[[int, list[int]], None] | None = None,
+        on_done: Callable[[int, GenerationResult], None] | None = None,
     ) -> list[GenerationResult]:
-        """Greedy generation for every prompt (token-id lists); batches of ``max_batch_size``.
+        """Greedy generation for every prompt (token-id lists) through ``max_batch_size`` row slots:
+        a prompt takes the first row that frees, so more prompts than slots flow through continuously.
 
         ``on_tokens(index, new_ids)`` is called at every host sync with the tokens committed for
-        prompt ``index`` since the previous call (streaming).
+        prompt ``index`` since the previous call (streaming); ``on_done(index, result)`` when prompt
+        ``index`` finishes.
         """
-        prompts = [list(map(int, p)) for p in prompts]
         if isinstance(max_new_tokens, int):
             max_new = [max_new_tokens] * len(prompts)
         else:
             max_new = list(max_new_tokens)
             if len(max_new) != len(prompts):
                 raise ValueError(f"max_new_tokens has {len(max_new)} entries for {len(prompts)} prompts")
-        vocab = self.target.config.vocab_size
-        for i, (p, m) in enumerate(zip(prompts, max_new)):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) >= self.config.max_length:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; the engine's max_length is "
-                                 f"{self.config.max_length}")
-            if m < 1:
-                raise ValueError(f"max_new_tokens for prompt {i} must be >= 1, got {m}")
-            if min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
-        results: list[GenerationResult] = []
-        size = self.config.max_batch_size
-        for lo in range(0, len(prompts), size):
-            chunk = range(lo, min(lo + size, len(prompts)))
-            callback = None
-            if on_tokens is not None:
-                callback = functools.partial(lambda base, row, ids: on_tokens(base + row, ids), lo)
-            results.extend(self._generate_batch([prompts[i] for i in chunk], [max_new[i] for i in chunk],
-                                                stop_token_ids, callback))
-        return results
 
-    def _generate_batch(self, prompts, max_new, stop_token_ids, on_tokens) -> list[GenerationResult]:
-        lens = [len(p) for p in prompts]
-        max_lens = [min(l + m, self.config.max_length) for l, m in zip(lens, max_new)]
-        stops = sorted(set(int(s) for s in (stop_token_ids or ())))
-        stop_ids = np.full((max(8, _next_pow2(len(stops))),), -1, np.int32)  # fixed size: no recompiles
-        stop_ids[: len(stops)] = stops
+        def finished(index: int, generation: Generation) -> None:
+            if generation.result is not None:
+                on_done(index, generation.result)
 
-        t0 = time.perf_counter()
-        state, n = self.prefill(prompts, max_new, stop_ids)
-        jax.block_until_ready(state.starts)
-        t_first = time.perf_counter()
-        ttft = t_first - t0
-
-        emitted = list(lens)  # tokens of each row already reported to on_tokens
-        finish_time = [None] * n
-        stop_arr = jnp.asarray(stop_ids)
-        per_call = self.config.steps_per_sync
-        # Cache positions a call may touch: live rows start <= ``live`` (as of the last state read)
-        # and advance <= B per step; a row is live only while start + 2 <= its max length.
-        end = max(max_lens) - 2 + self.block_size
-
-        def reach(live: int, steps: int) -> int:
-            return min(live + steps * self.block_size, end)
-
-        live = max(lens)
-        initial = np.asarray(state.done)
-        first_tokens = np.asarray(state.tokens[:n]) if on_tokens is not None else None
-        if on_tokens is not None:
-            for i in range(n):
-                on_tokens(i, [int(first_tokens[i, lens[i]])])
-                emitted[i] += 1
-        for i in range(n):
-            if initial[i]:
-                finish_time[i] = t_first
-
-        state, snap = self.decode(state, stop_arr, window=reach(live, per_call))
-        while True:
-            # Dispatched before reading ``snap``: the call that produced it may still be running.
-            state, next_snap = self.decode(state, stop_arr, window=reach(live, 2 * per_call))
-            tokens, starts, done = (np.asarray(x) for x in snap)
-            now = time.perf_counter()
-            if on_tokens is not None:
-                for i in range(n):
-                    upto = min(int(starts[i]) + 1, int(max_lens[i]))
-                    if upto > emitted[i]:
-                        on_tokens(i, tokens[i, emitted[i]:upto].tolist())
-                        emitted[i] = upto
-            for i in range(n):
-                if done[i] and finish_time[i] is None:
-                    finish_time[i] = now
-            if done[:n].all():
-                break
-            live = max(int(starts[i]) for i in range(n) if not done[i])
-            snap = next_snap
-        jax.block_until_ready(state.starts)
-
-        tokens = np.asarray(state.tokens)
-        starts = np.asarray(state.starts)
-        steps = np.asarray(state.num_steps)
-        accepted = np.asarray(state.accepted)
-        stop_set = set(stops)
-        results = []
-        for i in range(n):
-            end = min(int(starts[i]) + 1, int(max_lens[i]))
-            out = tokens[i, lens[i]:end].tolist()
-            acc = accepted[i, : steps[i]].tolist() if self.drafter is not None else []
-            finish = "stop" if out and out[-1] in stop_set else "length"
-            decode_time = (finish_time[i] or time.perf_counter()) - t_first
-            results.append(GenerationResult(
-                output_ids=out, acceptance_lengths=acc, num_prompt_tokens=lens[i], finish_reason=finish,
-                time_to_first_token=ttft, time_per_output_token=decode_time / max(1, len(out)),
-            ))
-        return results
+        batcher = ContinuousBatcher(self)
+        generations = [
+            batcher.submit(p, m, stop_token_ids, name=f"prompt {i}",
+                           on_tokens=None if on_tokens is None else functools.partial(on_tokens, i),
+                           on_finish=None if on_done is None else functools.partial(finished, i))
+            for i, (p, m) in enumerate(zip(prompts, max_new))
+        ]
+        batcher.run()
+        for generation in generations:
+            if generation.error is not None:
+                raise generation.error
+        return [generation.result for generation in generations]
 
     def _put_batch(self, x: np.ndarray) -> jax.Array:
         if self.mesh is None:

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.attention import AttentionImpl, block_attention
+from dflash_jax.cache import write_rows
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
@@ -102,6 +103,7 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.eps = eps
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a tuple, not array state
         self.q_proj = nnx.Param(_init(rngs, (hidden, num_heads, head_dim), dtype), axes=("embed", "heads", "head_dim"))
         self.k_proj = nnx.Param(_init(rngs, (hidden, num_kv_heads, head_dim), dtype), axes=("embed", "kv_heads", "head_dim"))
@@ -149,14 +151,17 @@ class Attention(nnx.Module):
         y = jnp.einsum("...h,hkd->...kd", x, w[...])
         return y if b is None else y + b[...]
 
-    def _fused(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Raw q ``[..., heads, head_dim]``, k and v ``[..., kv_heads, head_dim]`` in one matmul."""
+    def _qkv(self, x: jax.Array) -> jax.Array:
+        """``x [..., hidden]`` -> the raw fused projection ``[..., kv_heads, groups + 2, head_dim]``."""
         w = self.qkv_proj[...]
-        groups = w.shape[2] - 2
         # A 2-D dot on the bitcast weight: the same GEMM XLA picks for a plain [in, out] matrix.
         y = (x @ w.reshape(w.shape[0], -1)).reshape(x.shape[:-1] + w.shape[1:])
-        if self.qkv_bias is not None:
-            y = y + self.qkv_bias[...]
+        return y if self.qkv_bias is None else y + self.qkv_bias[...]
+
+    def _fused(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Raw q ``[..., heads, head_dim]``, k and v ``[..., kv_heads, head_dim]`` in one matmul."""
+        y = self._qkv(x)
+        groups = y.shape[-2] - 2
         q = y[..., :groups, :].reshape(x.shape[:-1] + (self.num_heads, self.head_dim))
         return q, y[..., groups, :], y[..., groups + 1, :]
 
@@ -192,6 +197,39 @@ class Attention(nnx.Module):
             return (self.queries(x, positions),) + self.keys_values(x, positions)
         q, k, v = self._fused(x)
         return self._finish_q(q, positions), self._finish_k(k, positions), v
+
+    def attend_cached(
+        self, x: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
+        *, impl: AttentionImpl,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """A causal block per row over its KV cache, writing the block's K/V into it.
+
+        ``x [batch, 1, block, hidden]`` (normed) at positions ``starts [batch] + slot``; caches
+        ``[batch, capacity, kv_heads, head_dim]``; ``blk_lens [batch]`` valid slots. Returns
+        ``attn [batch, 1, block, heads, head_dim]`` and the caches with the block written at
+        ``starts``. With ``impl="pallas"`` in the fused layout this is one kernel
+        (``kernels_pallas.cached_block_attention``); otherwise the projection's finish, the
+        attention primitive and the cache writes below, which the kernel's tests hold it to.
+        """
+        block = x.shape[2]
+        if impl == "pallas" and self.qkv_proj is not None:
+            import kernels_pallas
+
+            qkv = self._qkv(x[:, 0])
+            if kernels_pallas.cached_block_attention_supported(qkv.shape, k_cache.shape[1]):
+                ones = jnp.ones((self.head_dim,), qkv.dtype)
+                attn, k_cache, v_cache = kernels_pallas.cached_block_attention(
+                    qkv, k_cache, v_cache, starts, blk_lens,
+                    self.q_norm.weight[...] if self.q_norm is not None else ones,
+                    self.k_norm.weight[...] if self.k_norm is not None else ones,
+                    jnp.asarray(self.inv_freq, jnp.float32), eps=self.eps, qk_norm=self.q_norm is not None,
+                )
+                return attn[:, None], k_cache, v_cache
+        positions = starts[:, None, None] + jnp.arange(block, dtype=jnp.int32)
+        q, k, v = self.project(x, positions)
+        attn = block_attention(q, k_cache, v_cache, starts[:, None], k, v, blk_lens[:, None], causal=True,
+                               impl=impl)
+        return attn, write_rows(k_cache, k[:, 0], starts), write_rows(v_cache, v[:, 0], starts)
 
     def output(self, attn: jax.Array) -> jax.Array:
         """``[..., seq, heads, head_dim]`` -> ``[..., seq, hidden]``."""
@@ -296,9 +334,23 @@ class DecoderLayer(nnx.Module):
         attn = block_attention(
             q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, impl=attention_impl
         )
+        return self._residual_mlp(h, attn), k_blk, v_blk
+
+    def cached(
+        self, h: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
+        *, attention_impl: AttentionImpl = "xla",
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The target's layer over its KV cache: ``h [batch, 1, block, hidden]`` at positions
+        ``starts [batch] + slot``, causal, ``blk_lens [batch]`` valid slots; caches ``[batch,
+        capacity, kv_heads, head_dim]``. Returns the new ``h`` and the caches with the block written."""
+        attn, k_cache, v_cache = self.self_attn.attend_cached(
+            self.input_layernorm(h), starts, k_cache, v_cache, blk_lens, impl=attention_impl
+        )
+        return self._residual_mlp(h, attn), k_cache, v_cache
+
+    def _residual_mlp(self, h: jax.Array, attn: jax.Array) -> jax.Array:
         h = h + self.self_attn.output(attn)
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, k_blk, v_blk
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 def fuse_projections(module: nnx.Module) -> nnx.Module:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.attention import AttentionImpl
-from dflash_jax.cache import KVCache, write_layer
+from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.layers import DecoderLayer, RMSNorm, _init, rope_inv_freq
 from dflash_jax.model_config import TargetConfig
 
@@ -62,24 +62,25 @@ class Target(nnx.Module):
         """
         n = len(self.layers)
         taps = {}
+        empty = jnp.zeros((h.shape[0], 0, self.config.num_kv_heads, self.config.head_dim), h.dtype)
+        ks, vs = (list(cache.k), list(cache.v)) if cache is not None else (None, None)
         for i, layer in enumerate(self.layers):
-            if cache is None or fresh:
-                empty = jnp.zeros((h.shape[0], 0, self.config.num_kv_heads, self.config.head_dim), h.dtype)
-                k_ctx = v_ctx = empty
+            if cache is not None and not fresh:
+                h, ks[i], vs[i] = layer.cached(h, starts, ks[i], vs[i], blk_lens[:, 0],
+                                               attention_impl=attention_impl)
             else:
-                k_ctx, v_ctx = cache.k[i], cache.v[i]
-            h, k_blk, v_blk = layer(
-                h, positions, k_ctx, v_ctx, ctx_lens, blk_lens, causal=True, attention_impl=attention_impl
-            )
-            if cache is not None:
-                cache = write_layer(cache, i, k_blk[:, 0], v_blk[:, 0], starts)
+                h, k_blk, v_blk = layer(
+                    h, positions, empty, empty, ctx_lens, blk_lens, causal=True, attention_impl=attention_impl
+                )
+                if cache is not None:
+                    ks[i], vs[i] = write_rows(ks[i], k_blk[:, 0], starts), write_rows(vs[i], v_blk[:, 0], starts)
             if i in tap_layers and i != n - 1:
                 taps[i] = h
         h = self.norm(h)
         if n - 1 in tap_layers:
             taps[n - 1] = h
         tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1)[:, 0] if tap_layers else None
-        return h[:, 0], tapped, cache
+        return h[:, 0], tapped, (KVCache(tuple(ks), tuple(vs)) if cache is not None else None)
 
     def step(
         self,

@@ -44,6 +44,7 @@ from kernels_pallas._common import (
     round_up,
     unfold_rows,
 )
+from kernels_pallas._flash import merge_splits, nt_dot, online_update, triton_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,32 +72,6 @@ def _num_sms(cfg: GpuConfig) -> int:
     except Exception:  # noqa: BLE001
         pass
     return 132  # H200 / H100 SXM
-
-
-def _triton_params(cfg: GpuConfig):
-    from jax.experimental.pallas import triton as plgpu_triton
-
-    return plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-def _nt_dot(a, b):
-    """a @ b.T with float32 accumulation (IEEE float32 for float32 inputs, no TF32)."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _online_update(carry, s, valid, v, scale):
-    """One flash step: scores ``s`` [R, K] f32 (unscaled), ``valid`` broadcastable to [R, K]."""
-    acc, m, l = carry
-    s = jnp.where(valid, s * scale, NEG)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
-    l_new = l * alpha + jnp.sum(p, axis=1)
-    pv = lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-    )
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l_new
 
 
 def _kernel(
@@ -136,10 +111,10 @@ def _kernel(
         k_start = pl.multiple_of(start + i * block_k, block_k)
         k = k_ref[pl.ds(k_start, block_k), :]
         v = v_ref[pl.ds(k_start, block_k), :]
-        s = _nt_dot(q, k)
+        s = nt_dot(q, k)
         pos = k_start + jnp.arange(block_k, dtype=jnp.int32)
         valid = (pos < ctx_len)[None, :]
-        return _online_update(carry, s, valid, v, scale)
+        return online_update(carry, s, valid, v, scale)
 
     acc, m, l = lax.fori_loop(0, n_iter, body, (acc, m, l))
 
@@ -153,8 +128,8 @@ def _kernel(
     if causal:
         row = jnp.arange(rows, dtype=jnp.int32)[:, None]
         valid = valid & (col * groups <= row)
-    s = _nt_dot(q, kb)
-    acc, m, l = _online_update((acc, m, l), s, valid, vb, scale)
+    s = nt_dot(q, kb)
+    acc, m, l = online_update((acc, m, l), s, valid, vb, scale)
 
     l_safe = jnp.where(l == 0.0, 1.0, l)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
@@ -260,7 +235,7 @@ def forward(
             jax.ShapeDtypeStruct((b, n, hkv, splits, rows_p), jnp.float32),
             jax.ShapeDtypeStruct((b, n, hkv, splits, rows_p), jnp.float32),
         ],
-        compiler_params=_triton_params(cfg),
+        compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="dflash_block_attention",
     )(ctx_lens, blk_lens, qf, k_ctx, v_ctx, kb, vb)
@@ -270,14 +245,7 @@ def forward(
         m = m[:, :, :, 0]
         l_tot = l[:, :, :, 0]
     else:
-        m_max = jnp.max(m, axis=3)
-        # Same barrier as jax's own decode-attention epilogue (b/389925439).
-        m_max = lax.optimization_barrier(m_max)
-        w = l * jnp.exp(m - m_max[:, :, :, None, :])
-        l_tot = jnp.sum(w, axis=3)
-        w = w / jnp.where(l_tot == 0.0, 1.0, l_tot)[:, :, :, None, :]
-        o = jnp.sum(o.astype(jnp.float32) * w[..., None], axis=3)
-        m = m_max
+        o, m, l_tot = merge_splits(o, m, l, axis=3)
     lse = jnp.where(l_tot > 0.0, m + jnp.log(jnp.where(l_tot > 0.0, l_tot, 1.0)), NEG)
     out = unfold_rows(o.astype(q.dtype), s_len, g, d)
     return out, lse[..., :rows]

@@ -27,16 +27,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas._common import fold_blk, fold_q, next_pow2, unfold_rows
-from kernels_pallas.block_attention_gpu import GpuConfig, _nt_dot, _triton_params
+from kernels_pallas._flash import nn_dot, nt_dot, triton_params
+from kernels_pallas.block_attention_gpu import GpuConfig
 
 
 def _tn_dot(a, b):
     """a.T @ b with float32 accumulation."""
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _nn_dot(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _dq_kernel(cl_ref, bl_ref, q_ref, do_ref, lse_ref, dl_ref, k_ref, v_ref, kb_ref, vb_ref,
@@ -54,11 +51,11 @@ def _dq_kernel(cl_ref, bl_ref, q_ref, do_ref, lse_ref, dl_ref, k_ref, v_ref, kb_
         k_start = pl.multiple_of(i * block_k, block_k)
         k = k_ref[pl.ds(k_start, block_k), :]
         v = v_ref[pl.ds(k_start, block_k), :]
-        s = _nt_dot(q, k) * scale
+        s = nt_dot(q, k) * scale
         valid = (k_start + jnp.arange(block_k, dtype=jnp.int32) < ctx_len)[None, :]
         p = jnp.where(valid, jnp.exp(s - lse), 0.0)
-        ds = p * (_nt_dot(do, v) - delta)
-        return dq + _nn_dot(ds.astype(k.dtype), k)
+        ds = p * (nt_dot(do, v) - delta)
+        return dq + nn_dot(ds.astype(k.dtype), k)
 
     dq = lax.fori_loop(0, n_iter, body, jnp.zeros((rows, head_dim), jnp.float32))
 
@@ -68,10 +65,10 @@ def _dq_kernel(cl_ref, bl_ref, q_ref, do_ref, lse_ref, dl_ref, k_ref, v_ref, kb_
     valid = col < blk_len
     if causal:
         valid = valid & (col * groups <= jnp.arange(rows, dtype=jnp.int32)[:, None])
-    s = _nt_dot(q, kb) * scale
+    s = nt_dot(q, kb) * scale
     p = jnp.where(valid, jnp.exp(s - lse), 0.0)
-    ds = p * (_nt_dot(do, vb) - delta)
-    dq = dq + _nn_dot(ds.astype(kb.dtype), kb)
+    ds = p * (nt_dot(do, vb) - delta)
+    dq = dq + nn_dot(ds.astype(kb.dtype), kb)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
     dkb_ref[...] = (_tn_dot(ds.astype(q.dtype), q) * scale).astype(dkb_ref.dtype)
     dvb_ref[...] = _tn_dot(p.astype(do.dtype), do).astype(dvb_ref.dtype)
@@ -94,9 +91,9 @@ def _dkv_kernel(cl_ref, q_ref, do_ref, lse_ref, dl_ref, k_ref, v_ref, dk_ref, dv
             do = do_ref[n]
             lse = lse_ref[n][:, None]
             delta = dl_ref[n][:, None]
-            s = _nt_dot(q, k) * scale
+            s = nt_dot(q, k) * scale
             p = jnp.where((kpos < ctx_len)[None, :], jnp.exp(s - lse), 0.0)
-            ds = p * (_nt_dot(do, v) - delta)
+            ds = p * (nt_dot(do, v) - delta)
             dv = dv + _tn_dot(p.astype(do.dtype), do)
             dk = dk + _tn_dot(ds.astype(q.dtype), q)
             return dk, dv
@@ -171,7 +168,7 @@ def block_attention_bwd_pallas(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens
             jax.ShapeDtypeStruct(kb.shape, k_blk.dtype),
             jax.ShapeDtypeStruct(vb.shape, v_blk.dtype),
         ],
-        compiler_params=_triton_params(cfg),
+        compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="dflash_block_attention_bwd_dq",
     )(cl, bl, qf, dof, lse_p, delta, kc, vc, kb, vb)
@@ -197,7 +194,7 @@ def block_attention_bwd_pallas(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens
             jax.ShapeDtypeStruct(kc.shape, k_ctx.dtype),
             jax.ShapeDtypeStruct(vc.shape, v_ctx.dtype),
         ],
-        compiler_params=_triton_params(cfg),
+        compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="dflash_block_attention_bwd_dkv",
     )(cl, qf, dof, lse_p, delta, kc, vc)

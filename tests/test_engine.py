@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_jax import Engine, EngineConfig, load_drafter, load_target
+from dflash_jax import ContinuousBatcher, Engine, EngineConfig, load_drafter, load_target
+from dflash_jax.cache import CACHE_AXES
 from dflash_jax.decoding import greedy_accept, greedy_argmax
 from dflash_jax.engine import window_buckets
-from dflash_jax.sharding import MeshConfig
+from dflash_jax.sharding import MeshConfig, named_sharding
 from dflash_jax.tiny import write_copycat_pair
 
 MAX_NEW = 40
@@ -162,7 +163,7 @@ def test_pallas_attention_engine_equals_xla(models, prompts, engines):
 def test_warmup_compiles_every_decode_batch_bucket_and_window(models, prompts):
     target, drafter = models
     engine = Engine(target, drafter, EngineConfig(max_batch_size=4, max_length=200, steps_per_sync=4))
-    assert engine.windows == (64, 208)
+    assert engine.windows == (64, 128, 256)  # capacity 200 + 8, rounded up to whole tiles
     assert engine.warmup() > 0
     compiled = engine._decode._cache_size()
     engine.generate(prompts[:1], 6)    # batch bucket 1, the 64-position window
@@ -194,7 +195,8 @@ def test_window_buckets_are_powers_of_two_then_the_capacity():
 
 @pytest.fixture(scope="module")
 def long_engines(models):
-    """Engines whose capacity (520) is far beyond what the prompts reach: decode calls get windows."""
+    """Engines whose capacity (640: 512 + 8 rounded up to whole tiles) is far beyond what the prompts
+    reach: decode calls get windows."""
     target, drafter = models
     config = EngineConfig(max_batch_size=8, max_length=512, steps_per_sync=4)
     return Engine(target, drafter, config), Engine(target, None, config)
@@ -204,9 +206,9 @@ def _record_windows(engine, monkeypatch) -> list[int]:
     used = []
     decode = engine.decode
 
-    def spy(state, stop_ids, n_steps=None, *, window=None):
+    def spy(state, n_steps=None, *, window=None):
         used.append(engine._window(window))
-        return decode(state, stop_ids, n_steps, window=window)
+        return decode(state, n_steps, window=window)
 
     monkeypatch.setattr(engine, "decode", spy)
     return used
@@ -214,7 +216,7 @@ def _record_windows(engine, monkeypatch) -> list[int]:
 
 def test_windowed_decode_equals_dflash_generate_and_greedy(long_engines, prompts, reference_runs, monkeypatch):
     spec, plain = long_engines
-    assert spec.windows == (64, 128, 256, 520)
+    assert spec.windows == (64, 128, 256, 640)
     runs, stops = reference_runs
     spec_windows, plain_windows = _record_windows(spec, monkeypatch), _record_windows(plain, monkeypatch)
     for i, p in enumerate(prompts):
@@ -231,19 +233,24 @@ def test_windowed_decode_equals_dflash_generate_and_greedy(long_engines, prompts
     assert set(spec_windows) == {64, 128} and set(plain_windows) == {64}
 
 
+def _running_state(engine, prompt, max_new):
+    """A one-row running state holding ``prompt`` (no stop ids), admitted as the batcher does."""
+    fresh, _ = engine.prefill([prompt], [max_new], [()])
+    return engine.admit(engine.empty_state(1), fresh, [0])
+
+
 def test_decode_stops_at_the_edge_of_its_window(long_engines, prompts, reference_runs):
     """A call whose window is too small for the rows stops before outgrowing it; a call with a larger
     window continues to the same tokens as uninterrupted generation."""
     spec, _ = long_engines
     runs, _ = reference_runs
     p = prompts[3]  # 30 tokens: a block of 8 at start >= 57 no longer fits a 64-position window
-    stop_ids = np.full((8,), -1, np.int32)
-    state, _ = spec.prefill([p], [MAX_NEW], stop_ids)
-    state, _ = spec.decode(state, jnp.asarray(stop_ids), n_steps=100, window=64)
+    state = _running_state(spec, p, MAX_NEW)
+    state, _ = spec.decode(state, n_steps=100, window=64)
     start = int(np.asarray(state.starts)[0])
     assert not bool(np.asarray(state.done)[0])
     assert start + spec.block_size > 64 >= start  # stopped at the edge, not at the step limit
-    state, _ = spec.decode(state, jnp.asarray(stop_ids), n_steps=100, window=128)
+    state, _ = spec.decode(state, n_steps=100, window=128)
     end = min(int(np.asarray(state.starts)[0]) + 1, len(p) + MAX_NEW)
     assert np.asarray(state.tokens)[0, len(p):end].tolist() == runs[(3, False)][0]
     assert np.asarray(state.accepted)[0, : int(np.asarray(state.num_steps)[0])].tolist() == runs[(3, False)][1]
@@ -253,11 +260,10 @@ def test_decode_loop_does_not_copy_the_caches(long_engines):
     """The compiled decode step updates the KV caches in place (on the CPU, XLA's default copy
     insertion would copy every target-cache buffer twice per step)."""
     for engine in long_engines:
-        stop_ids = np.full((8,), -1, np.int32)
-        state, _ = engine.prefill([[1, 2, 3]], [4], stop_ids)
+        state = _running_state(engine, [1, 2, 3], 4)
         for window in (64, engine.capacity):
-            hlo = engine._decode.lower(engine._target_state, engine._drafter_state, state, jnp.asarray(stop_ids),
-                                       jnp.int32(4), window=window).compile().as_text()
+            hlo = engine._decode.lower(engine._target_state, engine._drafter_state, state, jnp.int32(4),
+                                       window=window).compile().as_text()
             tc = engine.target.config
             cache_shape = f"f32[1,{engine.capacity},{tc.num_kv_heads},{tc.head_dim}]"
             copies = [line for line in hlo.splitlines() if f"= {cache_shape}" in line and " copy(" in line]
@@ -275,9 +281,119 @@ def test_engine_serves_fused_target_at_the_configured_precision(qwen3_pair):
     assert engine._matmul_precision == "highest"
     hlo = engine._prefill.lower(engine._target_state, engine._drafter_state, *(
         jnp.zeros((1, 16), jnp.int32), jnp.ones((1,), jnp.int32), jnp.full((1,), 8, jnp.int32),
-        jnp.full((8,), -1, jnp.int32))).as_text()
+        jnp.full((1, engine.max_stop_ids), -1, jnp.int32))).as_text()
     assert "HIGHEST" in hlo
     again = Engine(target, None, EngineConfig(max_batch_size=1, max_length=64, matmul_precision="default"))
     assert again._matmul_precision == "default"
     with pytest.raises(ValueError, match="matmul_precision"):
         EngineConfig(matmul_precision="fast").validate()
+
+
+# -- continuous batching -------------------------------------------------------------------------
+
+# Twelve requests for eight row slots: mixed prompt lengths, stop ids and limits per request, and the
+# host sync before which each is submitted (request 0 starts alone; at sync 3 seven arrive while at
+# least two rows are taken, so one waits for a row; the last ones find the batch draining). Request 6
+# is cancelled at sync 4, while its first decode call is in flight.
+STAGGERED_LENGTHS = (5, 17, 9, 30, 2, 12, 21, 7, 3, 26, 14, 8)
+STAGGERED_STOPS = [(), (11, 67), (67,), (11,), (5, 11, 67, 80)] * 3
+STAGGERED_MAX_NEW = (40, 7, 23, 1, 33, 12, 40, 5, 29, 17, 40, 3)
+STAGGERED_AT = (0, 2, 2, 3, 3, 3, 3, 3, 3, 3, 6, 9)
+CANCELLED, CANCELLED_AT = 6, 4
+
+
+def _run_staggered(engine, prompts, monkeypatch) -> tuple[list, dict[int, list[int]], list, int]:
+    """Submits the staggered requests to one ``ContinuousBatcher`` at their host syncs; returns the
+    generations, the tokens each streamed, every ``resize`` as (old rows, kept rows, new rows), and
+    the most requests left waiting for a row after a sync."""
+    resizes = []
+    resize = engine.resize
+
+    def spy(state, keep, *, rows):
+        resizes.append((state.starts.shape[0], list(keep), rows))
+        return resize(state, keep, rows=rows)
+
+    monkeypatch.setattr(engine, "resize", spy)
+    batcher = ContinuousBatcher(engine)
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    generations: list = [None] * len(prompts)
+    sync = waited = 0
+    while sync <= max(STAGGERED_AT) or not batcher.idle:
+        for i, at in enumerate(STAGGERED_AT):
+            if at == sync:
+                generations[i] = batcher.submit(prompts[i], STAGGERED_MAX_NEW[i], STAGGERED_STOPS[i],
+                                                on_tokens=streamed[i].extend)
+        if sync == CANCELLED_AT:
+            generations[CANCELLED].cancel()
+        batcher.step()
+        waited = max(waited, batcher.waiting)
+        sync += 1
+    return generations, streamed, resizes, waited
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_staggered_requests_equal_each_request_alone(speculative, engines, monkeypatch):
+    """Requests admitted at different host syncs into rows that others are decoding in (more requests
+    than rows, a cancelled one among them) get exactly the tokens and acceptance lengths they get
+    alone; the running batch moves between one row and all eight with live rows in it."""
+    engine = engines[0] if speculative else engines[1]
+    rs = np.random.RandomState(2)
+    prompts = [rs.randint(0, 95, n).tolist() for n in STAGGERED_LENGTHS]
+    alone = [engine.generate([p], m, stop_token_ids=s)[0]
+             for p, m, s in zip(prompts, STAGGERED_MAX_NEW, STAGGERED_STOPS)]
+    generations, streamed, resizes, waited = _run_staggered(engine, prompts, monkeypatch)
+    assert waited >= 1
+    for i, (g, want) in enumerate(zip(generations, alone)):
+        if i == CANCELLED:
+            assert g.admitted is not None and g.result is None and g.error is None
+            continue
+        got = g.result
+        assert (got.output_ids, got.acceptance_lengths, got.finish_reason) == \
+            (want.output_ids, want.acceptance_lengths, want.finish_reason), i
+        assert streamed[i] == got.output_ids, i
+        assert got.time_to_first_token > 0 and got.time_per_output_token > 0
+    assert [len(g.result.output_ids) for g in generations if g.result] != STAGGERED_MAX_NEW  # some stopped early
+    assert any(old == 1 and rows == 8 and keep for old, keep, rows in resizes)  # a live row moved up
+    assert any(old == 8 and rows == 1 and keep != [0] for old, keep, rows in resizes)  # and compacted down
+
+
+def test_generate_flows_more_prompts_than_rows(engines):
+    """``Engine.generate`` with more prompts than ``max_batch_size``: rows are reused as they free."""
+    spec, _ = engines
+    rs = np.random.RandomState(3)
+    prompts = [rs.randint(0, 95, n).tolist() for n in STAGGERED_LENGTHS]
+    stops = (11, 67)
+    done: list[int] = []
+    got = spec.generate(prompts, list(STAGGERED_MAX_NEW), stop_token_ids=stops, on_done=lambda i, r: done.append(i))
+    for p, m, g in zip(prompts, STAGGERED_MAX_NEW, got):
+        (want,) = spec.generate([p], m, stop_token_ids=stops)
+        assert (g.output_ids, g.acceptance_lengths) == (want.output_ids, want.acceptance_lengths)
+    assert sorted(done) == list(range(len(prompts))) and done != sorted(done)  # finished out of order
+
+
+def test_admitting_and_resizing_keep_the_state_sharding(pair):
+    """On a mesh, rows scattered into a running state, released and moved to another row count
+    keep the state's layout (batch on ``data``, caches on KV heads)."""
+    target, drafter = load_target(pair[0]), load_drafter(pair[1])
+    engine = Engine(target, drafter, EngineConfig(max_batch_size=4, max_length=80,
+                                                  mesh=MeshConfig(data=2, fsdp=1, tensor=4)))
+
+    def assert_pinned(state):
+        for x, axes in ((state.tokens, ("batch", "length")), (state.stop_ids, ("batch", "length")),
+                        (state.done, ("batch",)), (state.target_cache.k[0], CACHE_AXES),
+                        (state.draft_cache.v[-1], CACHE_AXES)):
+            want = named_sharding(axes, x.shape, engine.mesh, engine._rules)
+            assert x.sharding.is_equivalent_to(want, x.ndim), (axes, x.sharding, want)
+
+    fresh, _ = engine.prefill([[1, 2, 3], [4, 5]], [4, 4], [(), (7,)])
+    state = engine.admit(engine.empty_state(4), fresh, [1, 3])
+    assert_pinned(state)
+    assert np.asarray(state.done).tolist() == [True, False, True, False]
+    assert np.asarray(state.stop_ids)[3, :2].tolist() == [7, -1]
+    state = engine.release(state, [1])
+    assert_pinned(state)
+    state = engine.resize(state, [3], rows=1)
+    assert np.asarray(state.starts).tolist() == [2] and np.asarray(state.done).tolist() == [False]
+    state = engine.resize(state, [0], rows=4)
+    assert_pinned(state)
+    assert np.asarray(state.done).tolist() == [False, True, True, True]

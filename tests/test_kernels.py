@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from dflash_jax.attention import block_attention as dispatch
 from dflash_jax.attention import block_attention_reference as reference
-from kernels_pallas import block_attention, block_attention_fwd
+from kernels_pallas import block_attention, block_attention_fwd, cached_block_attention
 from kernels_pallas.block_attention_gpu import GpuConfig, plan
 from kernels_pallas.block_attention_tpu import TpuConfig
 
@@ -222,3 +222,67 @@ def test_lowers_for_accelerators(batch, blocks, ctx):
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5)))
         text = grad.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("triton") >= 3  # forward, dq, dk/dv
+
+
+# -- the fused cached attention (q/k norm + RoPE + cache write + attention) ------------------------
+
+# (seed, block, groups, qk_norm, dtype, forced splits)
+CACHED_CASES = [
+    (0, 1, 4, True, jnp.float32, None),  # one decode token: 4 query rows, broadcast products
+    (1, 16, 4, True, jnp.float32, None),  # a verify block: 64 rows, tl.dot
+    (2, 4, 2, False, jnp.float32, 3),  # Llama-style (no q/k norm), a short block, split-K
+    (3, 16, 4, True, jnp.bfloat16, 2),
+    (4, 1, 4, True, jnp.bfloat16, None),
+]
+
+
+@pytest.mark.parametrize("case", CACHED_CASES, ids=lambda c: f"seed{c[0]}-block{c[1]}-g{c[2]}")
+def test_cached_attention_kernel_equals_layer_reference(case):
+    """``kernels_pallas.cached_block_attention`` (interpret mode) against the unfused layer path:
+    ``project`` (norms, RoPE) + ``block_attention_reference`` + cache writes, rows at the start, the
+    middle and the end of the cache, one with a short block."""
+    from flax import nnx
+
+    from dflash_jax.layers import Attention, rope_inv_freq
+    from kernels_pallas.block_attention_gpu import GpuConfig as Config
+
+    seed, block, groups, qk_norm, dtype, splits = case
+    head_dim, kv_heads, hidden, batch, capacity = 32, 2, 64, 3, 128
+    attn = Attention(hidden, kv_heads * groups, kv_heads, head_dim, eps=1e-6, qk_norm=qk_norm, bias=False,
+                     inv_freq=rope_inv_freq(head_dim, 1e4, None), dtype=dtype, rngs=nnx.Rngs(seed))
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    if qk_norm:  # weights away from 1, so a skipped or misplaced norm weight shows
+        attn.q_norm.weight[...] = (1 + 0.3 * jax.random.normal(keys[3], (head_dim,))).astype(dtype)
+        attn.k_norm.weight[...] = (1 + 0.3 * jax.random.normal(keys[4], (head_dim,))).astype(dtype)
+    attn.fuse()
+    x = jax.random.normal(keys[0], (batch, 1, block, hidden), dtype)
+    k_cache = jax.random.normal(keys[1], (batch, capacity, kv_heads, head_dim), dtype)
+    v_cache = jax.random.normal(keys[2], (batch, capacity, kv_heads, head_dim), dtype)
+    starts = jnp.array([0, 37, capacity - block], jnp.int32)
+    blk_lens = jnp.array([block, max(1, block - 3), block], jnp.int32)
+
+    want = jax.jit(lambda *a: attn.attend_cached(*a, impl="xla"))(x, starts, k_cache, v_cache, blk_lens)
+    qkv = attn._qkv(x[:, 0])
+    ones = jnp.ones((head_dim,), dtype)
+    got = jax.jit(lambda q, kc, vc: cached_block_attention(
+        q, kc, vc, starts, blk_lens, attn.q_norm.weight[...] if qk_norm else ones,
+        attn.k_norm.weight[...] if qk_norm else ones, jnp.asarray(attn.inv_freq), eps=1e-6,
+        qk_norm=qk_norm, config=Config(num_splits=splits)))(qkv, k_cache, v_cache)
+    assert_close(got[0][:, None], want[0], dtype)
+    for got_cache, want_cache, before in zip(got[1:], want[1:], (k_cache, v_cache)):
+        assert_close(got_cache, want_cache, dtype)  # the block written at each row's start
+        # and nothing else touched (row 1's context before its start, bit for bit)
+        np.testing.assert_array_equal(np.asarray(got_cache)[1, :37], np.asarray(before)[1, :37])
+
+
+def test_cached_attention_kernel_lowers_for_gpus():
+    """Triton IR for cuda, built on this CPU: Qwen3-8B heads, a decode token and verify blocks."""
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    for block in (1, 8, 16):
+        shapes = (sd((1, block, 8, 6, 128), bf), sd((1, 1152, 8, 128), bf), sd((1, 1152, 8, 128), bf),
+                  sd((1,), jnp.int32), sd((1,), jnp.int32), sd((128,), bf), sd((128,), bf),
+                  sd((64,), jnp.float32))
+        fn = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False))
+        text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        assert "dflash_cached_attention" in text and "triton" in text

@@ -1,7 +1,7 @@
 """The HTTP server: real HTTP through uvicorn on 127.0.0.1 (a free port, a background thread), hit by httpx.
 
-The first part runs against ``FakeEngine`` (fast: protocol, streaming, batching, errors, auth, shutdown);
-the second against the real ``Engine`` with a tiny random Qwen3 target and DFlash drafter.
+The first part runs against ``FakeEngine`` (fast: protocol, streaming, continuous batching, errors, auth,
+shutdown); the second against the real ``Engine`` with a tiny random Qwen3 target and DFlash drafter.
 """
 
 from __future__ import annotations
@@ -83,6 +83,16 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None, param:
     return err
 
 
+def metric_values(client: httpx.Client) -> dict[str, float]:
+    """``/metrics`` as ``{'name{labels}': value}``."""
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
 # ----------------------------------------------------------------------------------------- fake engine
 
 
@@ -93,11 +103,11 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fake(tokenizer):
-    engine = FakeEngine(MODEL_VOCAB, block_size=4, steps_per_sync=2, step_time_s=0.002,
-                        token_range=(0, TOKENIZER_VOCAB), fail_on_token=3)
+    engine = FakeEngine(MODEL_VOCAB, max_batch_size=4, max_length=MAX_LENGTH, block_size=4, steps_per_sync=2,
+                        step_time_s=0.002, token_range=(0, TOKENIZER_VOCAB), fail_on_token=3)
     gated = GatedEngine(engine)
-    app = create_app(gated, tokenizer, model_name="tiny", max_length=MAX_LENGTH, max_batch_size=4,
-                     vocab_size=MODEL_VOCAB, default_max_tokens=16, batch_wait_s=0.0)
+    app = create_app(gated, tokenizer, model_name="tiny", max_length=MAX_LENGTH, vocab_size=MODEL_VOCAB,
+                     default_max_tokens=16, batch_wait_s=0.0)
     app.state.gated = gated
     with ServerThread(app) as srv:
         with httpx.Client(base_url=srv.url, timeout=60) as client:
@@ -134,7 +144,8 @@ def test_completion(fake, tokenizer):
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(out),
                              "total_tokens": len(ids) + len(out)}
     stats = body["dflash"][0]
-    assert stats["num_steps"] == len(stats["acceptance_lengths"]) and sum(stats["acceptance_lengths"]) == len(out)
+    # The prefill commits the first token, each decode step the rest.
+    assert stats["num_steps"] == len(stats["acceptance_lengths"]) and sum(stats["acceptance_lengths"]) + 1 == len(out)
 
 
 def test_completion_token_ids_and_several_prompts(fake, tokenizer):
@@ -203,8 +214,8 @@ def test_streaming_equals_non_streamed(fake, tokenizer):
 
 
 def run_concurrently(srv: ServerThread, bodies: list[dict]) -> list[dict]:
-    """Posts every body at once; the engine is held at its gate until all are queued, so the batches
-    are deterministic: the first request alone, then the rest in arrival order."""
+    """Posts every body at once; the engine is held at its gate until all are queued, so admission is
+    deterministic: the first request alone, then the rest in arrival order as rows free up."""
     gated, scheduler = srv.app.state.gated, srv.app.state.ctx.scheduler
     start = scheduler.submitted
     gated.gate.clear()
@@ -236,15 +247,15 @@ def _one(url: str, body: dict) -> dict:
 def test_concurrent_requests_are_batched_and_correct(fake, tokenizer):
     engine, client, srv = fake
     prompts = [[i + 20, i + 21, i + 22] for i in range(10)]
-    before = len(engine.calls)
+    before = len(engine.prefills)
     answers = run_concurrently(srv, [{"prompt": p, "max_tokens": 8 + i, "return_token_ids": True}
                                      for i, p in enumerate(prompts)])
     for i, (p, a) in enumerate(zip(prompts, answers)):
         assert a["choices"][0]["token_ids"] == expected(engine, tokenizer, p, 8 + i)[0]
-    batches = engine.calls[before:]
-    # The first request runs alone; the other nine queue behind it and go in batches of max_batch_size.
-    assert [len(b) for b in batches] == [1, 4, 4, 1]
-    assert engine.max_concurrent == 1  # one batch at a time on the engine
+    admitted = [len(b) for b in engine.prefills[before:]]
+    # The first request runs alone; the other nine queue behind it: three fill the free rows at the
+    # next host sync, the rest take rows as they free up, never more than max_batch_size at once.
+    assert admitted[:2] == [1, 3] and sum(admitted) == 10 and max(admitted) <= 4
 
 
 BAD_COMPLETIONS = [
@@ -318,7 +329,7 @@ def _post(client, path, payload):
 
 def test_bad_input_is_400_and_the_server_keeps_serving(fake, tokenizer):
     engine, client, _ = fake
-    calls = len(engine.calls)
+    calls = len(engine.prefills)
     for payload, code, param in BAD_COMPLETIONS:
         for streaming in (False, True):
             if streaming and isinstance(payload, dict) and payload:
@@ -326,7 +337,7 @@ def test_bad_input_is_400_and_the_server_keeps_serving(fake, tokenizer):
             assert_error(_post(client, "/v1/completions", payload), 400, code, param)
     for payload, code, param in BAD_CHATS:
         assert_error(_post(client, "/v1/chat/completions", payload), 400, code, param)
-    assert len(engine.calls) == calls  # nothing reached the engine
+    assert len(engine.prefills) == calls  # nothing reached the engine
     # Errors name the problem.
     err = assert_error(_post(client, "/v1/completions", {"prompt": "hi", "temperature": 0.7}), 400)
     assert "temperature" in err["message"] and "greed" in err["message"]
@@ -361,11 +372,7 @@ def test_metrics(fake):
     client.post("/v1/completions", json={"prompt": [10, 11, 12], "max_tokens": 5})
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    values = {}
-    for line in r.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+    values = metric_values(client)
     assert values['dflash_generation_tokens_total{model="tiny"}'] > 0
     assert values['dflash_prompt_tokens_total{model="tiny"}'] > 0
     assert values['dflash_requests_failed_total{model="tiny"}'] >= 1
@@ -390,26 +397,32 @@ def test_api_key(tokenizer):
         assert client.get("/health").status_code == 200  # probes need no key
 
 
-def test_scheduler_batches_what_is_queued_and_drains():
+def test_scheduler_admits_requests_at_host_syncs_and_drains():
     from dflash_jax.server.scheduler import Scheduler, SchedulerClosed
 
-    engine = FakeEngine(100, step_time_s=0.01)
+    engine = FakeEngine(100, max_batch_size=3, step_time_s=0.01)
+    gated = GatedEngine(engine)
     events: dict[int, list] = {}
 
     def sink_for(i):
         return lambda kind, payload: events.setdefault(i, []).append((kind, payload))
 
-    sched = Scheduler(engine, max_batch_size=3).start()
-    # A lone request is run at once (it never waits for a batch that will not come).
+    sched = Scheduler(gated).start()
+    # A lone request is run at once (it never waits for company that will not come).
     t0 = time.monotonic()
     sched.submit([1, 2], 3, sink_for(0))
     while not events.get(0) or events[0][-1][0] != "done":
         time.sleep(0.005)
         assert time.monotonic() - t0 < 10
-    # While the engine is busy, requests queue up and go together in the next batch (up to 3);
-    # requests with other stop tokens go in a batch of their own.
-    for i in range(1, 6):
-        sched.submit([i, i + 1], 20, sink_for(i), stop_token_ids=[7] if i == 5 else None)
+    # While request 1 runs, the others queue; the next host sync admits as many as there are free
+    # rows (two), whatever their stop tokens, and the rest take rows as they free up.
+    gated.gate.clear()
+    gated.entered.clear()
+    sched.submit([1, 2], 20, sink_for(1))
+    assert gated.entered.wait(10)
+    for i in range(2, 6):
+        sched.submit([i, i + 1], 20, sink_for(i), stop_token_ids=[7] if i == 2 else None)
+    gated.gate.set()
     sched.close(drain=True)  # finishes everything queued
     assert not sched.alive
     with pytest.raises(SchedulerClosed):
@@ -419,22 +432,23 @@ def test_scheduler_batches_what_is_queued_and_drains():
         assert kinds[-1] == "done" and set(kinds[:-1]) <= {"tokens"}
         streamed = [t for k, p in events[i] if k == "tokens" for t in p]
         assert streamed == events[i][-1][1].output_ids
-    assert events[5][-1][1].output_ids == engine.reference([5, 6], 20, [7])
-    assert sched.batch_sizes[0] == 1 and max(sched.batch_sizes) <= 3 and sum(sched.batch_sizes) == 6
-    assert any(len(c) > 1 for c in engine.calls)
-    # batch_wait_s: an idle engine waits a little for a fuller batch.
-    engine2 = FakeEngine(100)
-    sched2 = Scheduler(engine2, max_batch_size=4, batch_wait_s=0.3).start()
+    assert events[2][-1][1].output_ids == engine.reference([2, 3], 20, [7])
+    assert events[3][-1][1].output_ids == engine.reference([3, 4], 20)
+    assert sched.admissions[:3] == [1, 1, 2] and max(sched.admissions) <= 3 and sum(sched.admissions) == 6
+    assert [[2, 3], [3, 4]] in engine.prefills  # different stop tokens, one prefill
+    # batch_wait_s: an idle engine waits a little for more requests to share its first prefill.
+    engine2 = FakeEngine(100, max_batch_size=4)
+    sched2 = Scheduler(engine2, batch_wait_s=0.3).start()
     for i in range(3):
         sched2.submit([i + 1], 2, lambda kind, payload: None)
     sched2.close()
-    assert sched2.batch_sizes == [3]
+    assert sched2.admissions == [3]
 
 
 def test_graceful_shutdown_finishes_requests_in_flight(tokenizer):
-    engine = FakeEngine(MODEL_VOCAB, block_size=2, steps_per_sync=1, step_time_s=0.02,
-                        token_range=(0, TOKENIZER_VOCAB))
-    app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH, max_batch_size=2)
+    engine = FakeEngine(MODEL_VOCAB, max_batch_size=2, max_length=MAX_LENGTH, block_size=2, steps_per_sync=1,
+                        step_time_s=0.02, token_range=(0, TOKENIZER_VOCAB))
+    app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH)
     srv = ServerThread(app).start()
     scheduler = app.state.ctx.scheduler
     results: dict[str, object] = {}
@@ -472,6 +486,63 @@ def test_graceful_shutdown_finishes_requests_in_flight(tokenizer):
         httpx.get(srv.url + "/health", timeout=2)
 
 
+def test_short_request_joins_a_running_one_and_finishes_first(tokenizer):
+    """A request that arrives while another decodes is admitted at the next host sync: it streams
+    and finishes while the long one is still running."""
+    engine = FakeEngine(MODEL_VOCAB, max_batch_size=2, max_length=MAX_LENGTH, block_size=2, steps_per_sync=1,
+                        step_time_s=0.01, token_range=(0, TOKENIZER_VOCAB))
+    app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH)
+    finished: list[str] = []
+    long_events: list[dict] = []
+    first_tokens = threading.Event()
+
+    def run_long():
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": [10, 11], "max_tokens": 60, "stream": True,
+                                                           "ignore_eos": True, "return_token_ids": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        long_events.append(json.loads(line[len("data: "):]))
+                        first_tokens.set()
+                finished.append("long")
+
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        long = threading.Thread(target=run_long)
+        long.start()
+        assert first_tokens.wait(30)
+        events = stream(client, "/v1/completions", {"prompt": [20, 21], "max_tokens": 4, "ignore_eos": True,
+                                                    "return_token_ids": True})
+        finished.append("short")
+        long.join(60)
+        assert finished == ["short", "long"]
+        _, ids, _ = join_stream(events, chat=False)
+        assert ids[0] == engine.reference([20, 21], 4)
+        assert sum(1 for e in events[:-1] if e["choices"][0].get("token_ids")) >= 2  # streamed, not at the end
+        assert [t for e in long_events for t in e["choices"][0].get("token_ids") or []] == \
+            engine.reference([10, 11], 60)
+        assert metric_values(client)['dflash_requests_finished_total{model="tiny",finish_reason="length"}'] == 2
+
+
+def test_disconnected_stream_frees_its_row(tokenizer):
+    """A streaming client that goes away cancels its request: its row is released on the engine and
+    the next request takes it at once instead of waiting for the abandoned generation."""
+    engine = FakeEngine(MODEL_VOCAB, max_batch_size=1, max_length=MAX_LENGTH, block_size=1, steps_per_sync=1,
+                        step_time_s=0.05, draft=False, token_range=(0, TOKENIZER_VOCAB))
+    app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        body = {"prompt": [10, 11], "max_tokens": 60, "stream": True, "ignore_eos": True}
+        with client.stream("POST", "/v1/completions", json=body) as r:  # 60 steps of 50 ms if left to run
+            next(line for line in r.iter_lines() if line.startswith("data: {"))
+        t0 = time.monotonic()
+        r = client.post("/v1/completions", json={"prompt": [20, 21], "max_tokens": 3, "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == engine.reference([20, 21], 3)
+        assert time.monotonic() - t0 < 2.5
+        assert engine.released == [0]
+        metrics = metric_values(client)
+        assert metrics['dflash_requests_cancelled_total{model="tiny"}'] == 1
+        assert metrics['dflash_requests_running{model="tiny"}'] == 0
+
+
 # ----------------------------------------------------------------------------------------- real engine
 
 
@@ -496,8 +567,7 @@ def real(tmp_path_factory):
     # Each prompt alone, before the server shares the engine (the same shapes as batch-1 requests).
     alone = {k: engine.generate([p], MAX_TOKENS, tok.stop_token_ids)[0] for k, p in prompts.items()}
     gated = GatedEngine(engine)
-    app = create_app(gated, tok, model_name="tiny-qwen3", max_length=MAX_LENGTH, max_batch_size=2,
-                     vocab_size=target.config.vocab_size)
+    app = create_app(gated, tok, model_name="tiny-qwen3", max_length=MAX_LENGTH, vocab_size=target.config.vocab_size)
     app.state.gated = gated
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=300) as client:
         yield tok, prompts, alone, client, srv, app
@@ -545,12 +615,15 @@ def test_real_engine_streaming(real):
 def test_real_engine_concurrent_requests(real):
     tok, prompts, alone, client, srv, app = real
     order = ["hello", "fox", "ids", "hello", "fox", "ids"]
-    before = len(app.state.ctx.scheduler.batch_sizes)
+    before = len(app.state.ctx.scheduler.admissions)
     answers = run_concurrently(srv, [{"prompt": prompts[k], "max_tokens": MAX_TOKENS, "return_token_ids": True}
                                      for k in order])
     for k, a in zip(order, answers):
         assert a["choices"][0]["token_ids"] == alone[k].output_ids, k
-    assert app.state.ctx.scheduler.batch_sizes[before:] == [1, 2, 2, 1]  # batched, at most max_batch_size
+    admitted = app.state.ctx.scheduler.admissions[before:]
+    # The first alone, then one at each host sync where a row freed (max_batch_size is 2): each
+    # request joined rows already decoding and still got exactly its answer alone.
+    assert admitted[0] == 1 and max(admitted) <= 2 and sum(admitted) == len(order)
 
 
 def test_real_engine_bad_input_then_good(real):

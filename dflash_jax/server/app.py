@@ -29,7 +29,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from dflash_jax.server import protocol as P
-from dflash_jax.server.scheduler import Metrics, QueueFull, Scheduler, SchedulerClosed, asyncio_sink
+from dflash_jax.server.metrics import Metrics
+from dflash_jax.server.scheduler import QueueFull, Scheduler, SchedulerClosed, asyncio_sink
 from dflash_jax.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError
 
 log = logging.getLogger("dflash_jax.server")
@@ -58,7 +59,6 @@ def create_app(
     *,
     model_name: str = "dflash",
     max_length: int = 2048,
-    max_batch_size: int = 8,
     vocab_size: int | None = None,
     default_max_tokens: int = 256,
     api_key: str | None = None,
@@ -67,14 +67,14 @@ def create_app(
     stop_token_ids: Sequence[int] | None = None,
     info: dict[str, Any] | None = None,
 ) -> Starlette:
-    """The ASGI app serving ``engine`` (anything with ``Engine.generate``'s interface).
+    """The ASGI app serving ``engine`` (an ``Engine``, or anything with its slot interface: see
+    ``dflash_jax.batcher``).
 
-    The batching scheduler starts with the app's lifespan and is drained on shutdown (uvicorn first
-    finishes the open HTTP requests, then runs the lifespan shutdown).
+    The scheduler starts with the app's lifespan and is drained on shutdown (uvicorn first finishes
+    the open HTTP requests, then runs the lifespan shutdown).
     """
     metrics = Metrics()
-    scheduler = Scheduler(engine, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s, max_waiting=max_waiting,
-                          metrics=metrics)
+    scheduler = Scheduler(engine, batch_wait_s=batch_wait_s, max_waiting=max_waiting, metrics=metrics)
     ctx = ServerContext(
         engine=engine,
         tokenizer=tokenizer,
@@ -92,7 +92,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         scheduler.start()
-        log.info("serving %s (max_length %d, max_batch_size %d)", model_name, max_length, max_batch_size)
+        log.info("serving %s (max_length %d, max_batch_size %d)", model_name, max_length,
+                 engine.config.max_batch_size)
         try:
             yield
         finally:

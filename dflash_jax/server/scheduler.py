@@ -1,14 +1,15 @@
-"""A batching scheduler: one worker thread feeds the engine batches of queued requests.
+"""The request scheduler: one worker thread runs the engine's continuous batcher for the HTTP server.
 
-The engine runs static batches (``Engine.generate`` on a list of prompts), so the policy is simple:
-when the engine is idle, the worker takes whatever is queued (up to ``max_batch_size`` requests, first
-come first served, optionally waiting ``batch_wait_s`` for a fuller batch) and runs it; requests that
-arrive meanwhile wait for the next batch. A request never waits for a batch that will not come.
+Requests are submitted from the server's threads into a queue; the worker hands them to a
+``ContinuousBatcher`` as rows free up (first come, first served) and steps it, so a request that
+arrives while others decode is admitted at the next host sync and never waits for them to finish.
+While the engine is idle, the first requests may wait ``batch_wait_s`` for company to share a prefill.
 
 Tokens flow back through each request's ``sink(kind, payload)``, called on the worker thread:
-``("tokens", ids)`` at every host sync (the engine's ``on_tokens``), then ``("done", GenerationResult)``
-or ``("error", exception)``. :func:`asyncio_sink` turns that into an ``asyncio.Queue`` on the server's
-event loop through ``loop.call_soon_threadsafe``.
+``("tokens", ids)`` at every host sync, then ``("done", GenerationResult)`` or ``("error", exception)``.
+A cancelled request (its client went away) gets nothing more, and its row is released at the next
+host sync. :func:`asyncio_sink` turns that into an ``asyncio.Queue`` on the server's event loop
+through ``loop.call_soon_threadsafe``.
 
 ``close(drain=True)`` stops taking new requests, finishes everything queued and in flight, and joins
 the worker (the server calls it on shutdown, after uvicorn has finished the open HTTP requests).
@@ -25,6 +26,9 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from dflash_jax.batcher import ContinuousBatcher, Generation
+from dflash_jax.server.metrics import Metrics
+
 log = logging.getLogger("dflash_jax.server")
 
 Sink = Callable[[str, Any], None]
@@ -38,7 +42,7 @@ class QueueFull(RuntimeError):
     """Too many requests are waiting."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
     prompt_ids: list[int]
     max_new_tokens: int
@@ -47,169 +51,39 @@ class Request:
     id: int = 0
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
-    started: float | None = None
+    generation: Generation | None = None  # set when the worker hands the request to the batcher
 
     def cancel(self) -> None:
-        """Drops the request if it has not started; a running batch cannot be stopped, its tokens are dropped."""
+        """Gives the request up: dropped while queued, its row released at the next host sync once
+        running. Safe from any thread; a finished request ignores it."""
         self.cancelled = True
 
 
-class Metrics:
-    """Thread-safe counters, rendered in Prometheus' text format by :meth:`render`."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.http_requests: collections.Counter = collections.Counter()  # (endpoint, status) -> n
-        self.requests_finished: collections.Counter = collections.Counter()  # finish_reason -> n
-        self.requests_failed = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.draft_steps = 0
-        self.accepted_tokens = 0  # sum of acceptance lengths (acc + 1) over drafted steps
-        self.batches = 0
-        self.batch_rows = 0
-        self.engine_seconds = 0.0
-        self.queue_wait_seconds = 0.0
-        self.ttft_seconds = 0.0
-        self.ttft_count = 0
-        self.waiting = 0
-        self.running = 0
-        self.last_batch_tokens_per_second = 0.0
-
-    def http(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            self.http_requests[(endpoint, int(status))] += 1
-
-    def batch_done(self, requests: Sequence[Request], results: Sequence[Any] | None, seconds: float) -> None:
-        with self._lock:
-            self.batches += 1
-            self.batch_rows += len(requests)
-            self.engine_seconds += seconds
-            if results is None:
-                self.requests_failed += len(requests)
-                return
-            new_tokens = 0
-            for req, res in zip(requests, results):
-                self.requests_finished[res.finish_reason] += 1
-                self.prompt_tokens += res.num_prompt_tokens
-                new_tokens += len(res.output_ids)
-                self.draft_steps += len(res.acceptance_lengths)
-                self.accepted_tokens += sum(res.acceptance_lengths)
-                if req.started is not None:
-                    self.queue_wait_seconds += req.started - req.arrival
-                self.ttft_seconds += float(res.time_to_first_token)
-                self.ttft_count += 1
-            self.generation_tokens += new_tokens
-            self.last_batch_tokens_per_second = new_tokens / seconds if seconds > 0 else 0.0
-
-    @property
-    def tau(self) -> float:
-        return self.accepted_tokens / self.draft_steps if self.draft_steps else 0.0
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "requests_finished": dict(self.requests_finished),
-                "requests_failed": self.requests_failed,
-                "prompt_tokens": self.prompt_tokens,
-                "generation_tokens": self.generation_tokens,
-                "draft_steps": self.draft_steps,
-                "tau": self.tau,
-                "batches": self.batches,
-                "engine_seconds": self.engine_seconds,
-                "tokens_per_second": self.generation_tokens / self.engine_seconds if self.engine_seconds else 0.0,
-                "waiting": self.waiting,
-                "running": self.running,
-            }
-
-    def render(self, model_name: str) -> str:
-        label = f'model="{_escape(model_name)}"'
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lines.append(f"{name}{{{labels}}} {_num(value)}")
-
-        with self._lock:
-            http = sorted(self.http_requests.items())
-            metric("dflash_http_requests_total", "counter", "HTTP requests answered, by endpoint and status.",
-                   [(f'{label},endpoint="{_escape(e)}",status="{s}"', n) for (e, s), n in http] or [(label, 0)])
-            reasons = dict(self.requests_finished)
-            for r in ("stop", "length"):
-                reasons.setdefault(r, 0)
-            metric("dflash_requests_finished_total", "counter", "Generation requests finished, by finish reason.",
-                   [(f'{label},finish_reason="{_escape(r)}"', n) for r, n in sorted(reasons.items())])
-            metric("dflash_requests_failed_total", "counter", "Generation requests failed by an engine error.",
-                   [(label, self.requests_failed)])
-            metric("dflash_prompt_tokens_total", "counter", "Prompt tokens processed.", [(label, self.prompt_tokens)])
-            metric("dflash_generation_tokens_total", "counter", "Tokens generated.",
-                   [(label, self.generation_tokens)])
-            metric("dflash_draft_steps_total", "counter", "Draft-verify steps run (speculative decoding only).",
-                   [(label, self.draft_steps)])
-            metric("dflash_accepted_tokens_total", "counter",
-                   "Sum over draft-verify steps of the tokens committed per step (acc + 1).",
-                   [(label, self.accepted_tokens)])
-            metric("dflash_acceptance_length_mean", "gauge",
-                   "Mean acceptance length tau (tokens committed per draft-verify step) since start.",
-                   [(label, self.tau)])
-            metric("dflash_batches_total", "counter", "Engine batches run.", [(label, self.batches)])
-            metric("dflash_batch_size_mean", "gauge", "Mean number of requests per engine batch.",
-                   [(label, self.batch_rows / self.batches if self.batches else 0.0)])
-            metric("dflash_engine_busy_seconds_total", "counter", "Seconds the engine spent generating.",
-                   [(label, self.engine_seconds)])
-            metric("dflash_generation_tokens_per_second", "gauge",
-                   "Tokens generated per second of engine time since start.",
-                   [(label, self.generation_tokens / self.engine_seconds if self.engine_seconds else 0.0)])
-            metric("dflash_last_batch_tokens_per_second", "gauge", "Tokens per second of the last engine batch.",
-                   [(label, self.last_batch_tokens_per_second)])
-            metric("dflash_time_to_first_token_seconds_sum", "counter", "Sum of times to first token.",
-                   [(label, self.ttft_seconds)])
-            metric("dflash_time_to_first_token_seconds_count", "counter", "Number of times to first token summed.",
-                   [(label, self.ttft_count)])
-            metric("dflash_queue_wait_seconds_total", "counter", "Seconds requests waited before their batch began.",
-                   [(label, self.queue_wait_seconds)])
-            metric("dflash_requests_waiting", "gauge", "Requests queued for the next batch.", [(label, self.waiting)])
-            metric("dflash_requests_running", "gauge", "Requests in the running batch.", [(label, self.running)])
-        return "\n".join(lines) + "\n"
-
-
-def _escape(s: str) -> str:
-    return str(s).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _num(v: float) -> str:
-    if isinstance(v, int):
-        return str(v)
-    return repr(float(v))
-
-
 class Scheduler:
-    """Batches queued requests onto ``engine.generate`` on a worker thread (see the module docstring)."""
+    """Runs queued requests through a ``ContinuousBatcher`` on a worker thread (see the module docstring)."""
 
     def __init__(
         self,
         engine: Any,
         *,
-        max_batch_size: int,
         batch_wait_s: float = 0.0,
         max_waiting: int = 1024,
         metrics: Metrics | None = None,
     ):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if batch_wait_s < 0:
+            raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
         self.engine = engine
-        self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.max_waiting = max_waiting
         self.metrics = metrics or Metrics()
+        self._batcher = ContinuousBatcher(engine)  # the worker thread's alone
+        self._running: list[Request] = []         # handed to the batcher, not finished
         self._queue: collections.deque[Request] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
-        self.batch_sizes: list[int] = []  # history, for tests and logs
+        self.admissions: list[int] = []  # requests handed to the batcher per host sync, for tests and logs
         self.submitted = 0
 
     # ---------------------------------------------------------------- lifecycle
@@ -221,7 +95,8 @@ class Scheduler:
         return self
 
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stops taking requests; with ``drain`` finishes the queued ones, else fails them. Joins the worker."""
+        """Stops taking requests; with ``drain`` finishes the queued ones, else fails them (requests
+        already running always finish). Joins the worker."""
         with self._cond:
             self._closing = True
             if not drain:
@@ -273,80 +148,85 @@ class Scheduler:
 
     # ---------------------------------------------------------------- worker
 
-    def _take_batch(self) -> list[Request] | None:
+    def _run(self) -> None:
+        while True:
+            incoming = self._take_requests()
+            if incoming is None:
+                return
+            if incoming:
+                self.admissions.append(len(incoming))
+            for req in incoming:
+                self._start(req)
+            self._cancel_given_up()
+            t0 = time.perf_counter()
+            running = self._batcher.running + self._batcher.waiting
+            self._batcher.step()
+            if running:
+                self.metrics.engine_step(running, time.perf_counter() - t0)
+            self.metrics.running = self._batcher.running
+
+    def _take_requests(self) -> list[Request] | None:
+        """Waits for work; returns the queued requests that fit in free rows now (None: closed and done)."""
         with self._cond:
             while True:
-                while self._queue and self._queue[0].cancelled:
-                    self._queue.popleft()
-                if self._queue:
+                self._drop_cancelled()
+                if self._queue or not self._batcher.idle:
                     break
                 if self._closing:
                     return None
                 self._cond.wait()
-            if self.batch_wait_s > 0 and len(self._queue) < self.max_batch_size and not self._closing:
+            if self._batcher.idle and self.batch_wait_s > 0 and not self._closing:
                 deadline = time.monotonic() + self.batch_wait_s
-                while len(self._queue) < self.max_batch_size and not self._closing:
+                while len(self._queue) < self._batcher.free_slots and not self._closing:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
                     self._cond.wait(left)
-            # First come first served; one batch shares one stop-token set.
-            stop = self._queue[0].stop_token_ids
-            batch: list[Request] = []
-            rest: collections.deque[Request] = collections.deque()
-            while self._queue:
-                req = self._queue.popleft()
-                if req.cancelled:
-                    continue
-                if len(batch) < self.max_batch_size and req.stop_token_ids == stop:
-                    batch.append(req)
-                else:
-                    rest.append(req)
-            self._queue = rest
+                self._drop_cancelled()
+            incoming = [self._queue.popleft() for _ in range(min(len(self._queue), self._batcher.free_slots))]
             self.metrics.waiting = len(self._queue)
-            self.metrics.running = len(batch)
-            return batch
+            return incoming
 
-    def _run(self) -> None:
-        while True:
-            batch = self._take_batch()
-            if batch is None:
+    def _drop_cancelled(self) -> None:
+        kept = collections.deque(req for req in self._queue if not req.cancelled)
+        for _ in range(len(self._queue) - len(kept)):
+            self.metrics.request_cancelled()
+        self._queue = kept
+
+    def _start(self, req: Request) -> None:
+        """Hands ``req`` to the batcher, its callbacks bound to the request's sink."""
+
+        def on_tokens(ids: list[int]) -> None:
+            if not req.cancelled:
+                _safe(req.sink, "tokens", ids)
+
+        def on_finish(generation: Generation) -> None:
+            self._running.remove(req)
+            if generation.error is not None:
+                log.error("request %d failed: %s: %s", req.id, type(generation.error).__name__, generation.error)
+                self.metrics.request_failed()
+                _safe(req.sink, "error", generation.error)
                 return
-            if batch:
-                self._run_batch(batch)
+            admitted = generation.admitted if generation.admitted is not None else req.arrival
+            self.metrics.request_done(generation.result, admitted - req.arrival)
+            _safe(req.sink, "done", generation.result)
 
-    def _run_batch(self, batch: list[Request]) -> None:
-        start = time.perf_counter()
-        for req in batch:
-            req.started = start
-        self.batch_sizes.append(len(batch))
-
-        def on_tokens(row: int, ids: list[int]) -> None:
-            req = batch[row]
-            if not req.cancelled and len(ids):
-                _safe(req.sink, "tokens", [int(t) for t in ids])
-
-        stop = batch[0].stop_token_ids
         try:
-            results = self.engine.generate(
-                [req.prompt_ids for req in batch],
-                [req.max_new_tokens for req in batch],
-                stop_token_ids=None if stop is None else list(stop),
-                on_tokens=on_tokens,
-            )
-            if len(results) != len(batch):
-                raise RuntimeError(f"the engine returned {len(results)} results for {len(batch)} prompts")
-        except Exception as err:  # the engine failed: fail this batch, keep serving
-            log.exception("engine.generate failed on a batch of %d request(s)", len(batch))
-            self.metrics.batch_done(batch, None, time.perf_counter() - start)
-            self.metrics.running = 0
-            for req in batch:
-                _safe(req.sink, "error", err)
+            req.generation = self._batcher.submit(
+                req.prompt_ids, req.max_new_tokens, req.stop_token_ids, on_tokens=on_tokens, on_finish=on_finish,
+                submitted=req.arrival)
+        except ValueError as err:  # a request the engine cannot take (the app checks most of them first)
+            self.metrics.request_failed()
+            _safe(req.sink, "error", err)
             return
-        self.metrics.batch_done(batch, results, time.perf_counter() - start)
-        self.metrics.running = 0
-        for req, res in zip(batch, results):
-            _safe(req.sink, "done", res)
+        self._running.append(req)
+
+    def _cancel_given_up(self) -> None:
+        """Passes the cancellations of running requests on to the batcher, which releases their rows."""
+        for req in [r for r in self._running if r.cancelled]:
+            req.generation.cancel()
+            self._running.remove(req)
+            self.metrics.request_cancelled()
 
 
 def _safe(sink: Sink, kind: str, payload: Any) -> None:

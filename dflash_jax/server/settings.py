@@ -42,7 +42,7 @@ class ServerSettings:
     api_key: str | None = None       # Bearer key for /v1/*; the DFLASH_API_KEY variable when null
     default_max_tokens: int = 256    # for requests without max_tokens (capped by the maximum length)
     max_waiting_requests: int = 1024  # beyond this, requests are answered 503
-    batch_wait_ms: float = 0.0       # wait this long for a fuller batch when the engine is idle
+    batch_wait_ms: float = 0.0       # idle engine: the first requests wait this long to share a prefill
     graceful_shutdown_timeout_s: float | None = None  # None: wait for every request in flight
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     warmup: bool = True              # compile batch 1 and the full batch before accepting requests

@@ -1,0 +1,315 @@
+"""Continuous batching: the host loop that runs requests through an engine's row slots.
+
+``ContinuousBatcher`` owns the running ``DecodeState`` (a few row slots, one request each) and a queue
+of pending requests. Every ``step`` is one host sync:
+
+1. rows of cancelled requests are released (marked done on device); pending requests are admitted
+   into free rows: the state is first moved to the engine's row count for its live requests (one
+   row for a lone request), then one prefill of just the new prompts is scattered into free slots;
+2. the next decode call is dispatched, its attention window covering every live row;
+3. the first tokens of the new requests (their prefill's) and the snapshot of the *previous* call
+   are read while the device runs the new one: new tokens stream to their requests, and rows that
+   finished become ``GenerationResult``s and free slots.
+
+Reusing a slot that the lagging snapshot shows done is safe: done rows never change, and every
+device operation is ordered after the call in flight. Each call remembers which request held each row
+when it was dispatched, so its snapshot is read against that layout even after rows moved or were
+reused.
+
+The engine is anything with ``Engine``'s slot interface: ``config`` (``max_batch_size``,
+``max_length``, ``steps_per_sync``), ``block_size``, ``vocab_size``, ``speculative``,
+``max_stop_ids``, ``state_rows``, ``empty_state``, ``prefill``, ``admit``, ``resize``, ``release``
+and ``decode`` (``dflash_jax.server.testing.FakeEngine`` is a host-only one).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+if TYPE_CHECKING:
+    from dflash_jax.engine import Engine, RowSnapshot
+
+
+def _start_transfer(tree: Any) -> None:
+    """Starts copying device arrays to the host now. A copy requested later would be queued behind
+    the work dispatched in between (on a GPU the device-to-host copies share the compute stream):
+    the first tokens of a prefill would wait for the whole next decode call."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            leaf.copy_to_host_async()
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    output_ids: list[int]            # generated tokens only (prompt excluded)
+    acceptance_lengths: list[int]    # acc + 1 per decode step (cut at stop / max length); [] target-only
+    num_prompt_tokens: int
+    finish_reason: str               # "stop" | "length"
+    time_to_first_token: float       # seconds from submission to the first token on the host
+    time_per_output_token: float     # seconds: time from the first token to the last / generated tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per decode step (1.0 for target-only decoding)."""
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 1.0
+
+
+@dataclasses.dataclass(eq=False)
+class Generation:
+    """One request in a ``ContinuousBatcher``: what it asks for, how far it got, how it ended."""
+
+    prompt_ids: list[int]
+    max_len: int                     # prompt + max_new_tokens, capped at the engine's max_length
+    stop_token_ids: tuple[int, ...]
+    on_tokens: Callable[[list[int]], None] | None
+    on_finish: Callable[[Generation], None] | None  # once, with ``result`` or ``error`` set
+    submitted: float                 # perf_counter time the request arrived
+    admitted: float | None = None    # perf_counter time it got a row
+    first_token_time: float | None = None
+    result: GenerationResult | None = None
+    error: Exception | None = None
+    cancelled: bool = False
+    # The host's view of the row: tokens before position ``emitted`` went to ``on_tokens``; the
+    # anchor was at ``start`` after the first ``seen_calls`` decode calls (it may be further now).
+    emitted: int = 0
+    start: int = 0
+    seen_calls: int = 0
+
+    def cancel(self) -> None:
+        """Gives the request up at the next step, with no further callbacks (from any thread)."""
+        self.cancelled = True
+
+    @property
+    def finished(self) -> bool:
+        return self.cancelled or self.result is not None or self.error is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """A dispatched decode call: its snapshot and which request held each row when it started."""
+
+    snapshot: RowSnapshot
+    rows: tuple[Generation | None, ...]
+    index: int                       # 1 for the batcher's first call
+
+
+class ContinuousBatcher:
+    """Admits requests into the free rows of one running batch between decode calls (see the module
+    docstring). Not thread-safe: one thread submits and steps (``Generation.cancel`` excepted)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._pending: collections.deque[Generation] = collections.deque()
+        self._rows: list[Generation | None] = []  # the request in each row of the running state
+        self._state: Any = None                   # the running state; None when no row is live
+        self._in_flight: _Call | None = None
+        self._calls = 0
+
+    @property
+    def running(self) -> int:
+        """Requests holding a row (finished rows not yet read included)."""
+        return sum(g is not None for g in self._rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    @property
+    def free_slots(self) -> int:
+        """Requests that can be submitted now without waiting for a row."""
+        return self.engine.config.max_batch_size - self.running - self.waiting
+
+    @property
+    def idle(self) -> bool:
+        return not self._pending and not self.running and self._in_flight is None
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] | None = None,
+        *,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        on_finish: Callable[[Generation], None] | None = None,
+        submitted: float | None = None,
+        name: str = "the prompt",
+    ) -> Generation:
+        """Queues a greedy generation of up to ``max_new_tokens`` after ``prompt_ids``.
+
+        ``on_tokens(new_ids)`` gets the tokens committed since the last call at every host sync;
+        ``on_finish(generation)`` is called once when it ends. ``submitted``: when the request
+        arrived (``time.perf_counter``; default now), the start of its time to first token.
+        ``name`` names the prompt in errors.
+        """
+        config = self.engine.config
+        prompt = [int(t) for t in prompt_ids]
+        stops = tuple(sorted({int(t) for t in stop_token_ids or ()}))
+        vocab = self.engine.vocab_size
+        if not prompt:
+            raise ValueError(f"{name} is empty")
+        if len(prompt) >= config.max_length:
+            raise ValueError(f"{name} has {len(prompt)} tokens; the engine's max_length is {config.max_length}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens for {name} must be >= 1, got {max_new_tokens}")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"{name} has token ids outside [0, {vocab})")
+        if len(stops) > self.engine.max_stop_ids:
+            raise ValueError(f"stop_token_ids has {len(stops)} distinct ids; the engine takes at most "
+                             f"{self.engine.max_stop_ids}")
+        generation = Generation(
+            prompt_ids=prompt, max_len=min(len(prompt) + int(max_new_tokens), config.max_length),
+            stop_token_ids=stops, on_tokens=on_tokens, on_finish=on_finish,
+            submitted=time.perf_counter() if submitted is None else submitted,
+        )
+        self._pending.append(generation)
+        return generation
+
+    def run(self) -> None:
+        """Steps until every submitted request has finished."""
+        while not self.idle:
+            self.step()
+
+    def step(self) -> None:
+        """One host sync (see the module docstring).
+
+        An engine error fails the requests it touched through ``on_finish`` (``error`` set): a
+        failed prefill its own prompts; anything else every request holding a row, and the running
+        state is dropped. Pending requests stay queued either way.
+        """
+        try:
+            self._release_cancelled()
+            admitted = self._admit()
+            previous, self._in_flight = self._in_flight, self._dispatch()
+            if admitted is not None:
+                self._read_first_tokens(*admitted)
+            if previous is not None:
+                self._read(previous)
+        except Exception as err:  # noqa: BLE001 - reported to every request it touched
+            failed = [g for g in self._rows if g is not None and not g.finished]
+            self._state, self._rows, self._in_flight = None, [], None
+            self._fail(failed, err)
+
+    # -- the phases of a step ----------------------------------------------------------------------
+
+    def _release_cancelled(self) -> None:
+        slots = [i for i, g in enumerate(self._rows) if g is not None and g.cancelled]
+        if slots:
+            self._state = self.engine.release(self._state, slots)
+            for i in slots:
+                self._rows[i] = None
+
+    def _admit(self) -> tuple[Any, list[Generation]] | None:
+        """Sizes the running state for its live rows plus the pending requests that fit, and
+        dispatches their prefill and admission; returns the prefill's first tokens and the newly
+        admitted requests (None if none)."""
+        self._pending = collections.deque(g for g in self._pending if not g.cancelled)
+        keep = [i for i, g in enumerate(self._rows) if g is not None]
+        admitting = min(self.engine.config.max_batch_size - len(keep), len(self._pending))
+        live = len(keep) + admitting
+        rows = self.engine.state_rows(live) if live else 0
+        if rows != len(self._rows):
+            if rows == 0:
+                self._state = None
+            elif self._state is None:
+                self._state = self.engine.empty_state(rows)
+            else:
+                self._state = self.engine.resize(self._state, keep, rows=rows)
+            self._rows = [self._rows[i] for i in keep] + [None] * (rows - len(keep))
+        if not admitting:
+            return None
+        group = [self._pending.popleft() for _ in range(admitting)]
+        try:
+            fresh, first = self.engine.prefill([g.prompt_ids for g in group],
+                                               [g.max_len - len(g.prompt_ids) for g in group],
+                                               [g.stop_token_ids for g in group])
+        except Exception as err:  # noqa: BLE001 - the running state is untouched: fail these prompts only
+            self._fail(group, err)
+            return None
+        _start_transfer(first)
+        slots = [i for i, g in enumerate(self._rows) if g is None][:admitting]
+        now = time.perf_counter()
+        for slot, g in zip(slots, group):  # before the admission: if it fails, step() fails them too
+            self._rows[slot] = g
+            g.admitted, g.emitted, g.start, g.seen_calls = now, len(g.prompt_ids), len(g.prompt_ids), self._calls
+        self._state = self.engine.admit(self._state, fresh, slots)
+        return first, group
+
+    def _dispatch(self) -> _Call | None:
+        """Dispatches the next decode call over the live rows (None if there are none)."""
+        live = [g for g in self._rows if g is not None]
+        if not live:
+            return None
+        block = self.engine.block_size
+        per_call = self.engine.config.steps_per_sync * block
+        index = self._calls + 1
+        # A row advances at most ``per_call`` positions per call since its start was last seen, and
+        # its last step starts at max_len - 2, writing a block up to max_len - 2 + block.
+        window = max(min(g.start + (index - g.seen_calls) * per_call, g.max_len - 2 + block) for g in live)
+        self._state, snapshot = self.engine.decode(self._state, window=window)
+        _start_transfer(snapshot)
+        self._calls = index
+        return _Call(snapshot, tuple(self._rows), index)
+
+    def _read_first_tokens(self, first: Any, group: list[Generation]) -> None:
+        tokens = np.asarray(first)
+        now = time.perf_counter()
+        for g, token in zip(group, tokens):
+            if g.cancelled:
+                continue
+            g.first_token_time = now
+            g.emitted += 1
+            if g.on_tokens is not None:
+                g.on_tokens([int(token)])
+
+    def _read(self, call: _Call) -> None:
+        """Streams the tokens ``call`` committed and retires the rows it finished."""
+        snap = jax.device_get(call.snapshot)
+        now = time.perf_counter()
+        for row, g in enumerate(call.rows):
+            if g is None or g.finished:
+                continue
+            g.start, g.seen_calls = int(snap.starts[row]), call.index
+            upto = min(g.start + 1, g.max_len)
+            if upto > g.emitted:
+                new = snap.tokens[row, g.emitted: upto].tolist()
+                g.emitted = upto
+                if g.on_tokens is not None:
+                    g.on_tokens(new)
+            if snap.done[row]:
+                self._retire(g, snap, row, now)
+
+    def _retire(self, g: Generation, snap: RowSnapshot, row: int, now: float) -> None:
+        out = snap.tokens[row, len(g.prompt_ids): g.emitted].tolist()
+        steps = int(snap.num_steps[row])
+        g.result = GenerationResult(
+            output_ids=out,
+            acceptance_lengths=snap.accepted[row, :steps].tolist() if self.engine.speculative else [],
+            num_prompt_tokens=len(g.prompt_ids),
+            finish_reason="stop" if out and out[-1] in g.stop_token_ids else "length",
+            time_to_first_token=g.first_token_time - g.submitted,
+            time_per_output_token=(now - g.first_token_time) / max(1, len(out)),
+        )
+        self._rows[self._rows.index(g)] = None
+        if g.on_finish is not None:
+            g.on_finish(g)
+
+    @staticmethod
+    def _fail(generations: list[Generation], err: Exception) -> None:
+        for g in generations:
+            g.error = err
+            if g.on_finish is not None:
+                g.on_finish(g)

@@ -1,0 +1,130 @@
+"""Server metrics: thread-safe counters per request and per engine step, in Prometheus' text format."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+
+class Metrics:
+    """Counters the scheduler and the HTTP layer update; :meth:`render` writes them for ``/metrics``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.http_requests: collections.Counter = collections.Counter()  # (endpoint, status) -> n
+        self.requests_finished: collections.Counter = collections.Counter()  # finish_reason -> n
+        self.requests_failed = 0
+        self.requests_cancelled = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.draft_steps = 0
+        self.accepted_tokens = 0  # sum of acceptance lengths (acc + 1) over drafted steps
+        self.engine_steps = 0     # host syncs with requests holding rows
+        self.engine_step_rows = 0  # sum over those steps of the requests holding rows
+        self.engine_seconds = 0.0
+        self.queue_wait_seconds = 0.0
+        self.ttft_seconds = 0.0
+        self.ttft_count = 0
+        self.waiting = 0
+        self.running = 0
+
+    def http(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.http_requests[(endpoint, int(status))] += 1
+
+    def request_done(self, result: Any, queue_wait: float) -> None:
+        """A request finished with ``result`` (a ``GenerationResult``) after waiting ``queue_wait``
+        seconds for a row."""
+        with self._lock:
+            self.requests_finished[result.finish_reason] += 1
+            self.prompt_tokens += result.num_prompt_tokens
+            self.generation_tokens += len(result.output_ids)
+            self.draft_steps += len(result.acceptance_lengths)
+            self.accepted_tokens += sum(result.acceptance_lengths)
+            self.queue_wait_seconds += queue_wait
+            self.ttft_seconds += float(result.time_to_first_token)
+            self.ttft_count += 1
+
+    def request_failed(self) -> None:
+        with self._lock:
+            self.requests_failed += 1
+
+    def request_cancelled(self) -> None:
+        with self._lock:
+            self.requests_cancelled += 1
+
+    def engine_step(self, running: int, seconds: float) -> None:
+        """One host sync of the engine that ran ``running`` requests and took ``seconds``."""
+        with self._lock:
+            self.engine_steps += 1
+            self.engine_step_rows += running
+            self.engine_seconds += seconds
+
+    @property
+    def tau(self) -> float:
+        return self.accepted_tokens / self.draft_steps if self.draft_steps else 0.0
+
+    def render(self, model_name: str) -> str:
+        label = f'model="{_escape(model_name)}"'
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                lines.append(f"{name}{{{labels}}} {_num(value)}")
+
+        with self._lock:
+            http = sorted(self.http_requests.items())
+            metric("dflash_http_requests_total", "counter", "HTTP requests answered, by endpoint and status.",
+                   [(f'{label},endpoint="{_escape(e)}",status="{s}"', n) for (e, s), n in http] or [(label, 0)])
+            reasons = dict(self.requests_finished)
+            for r in ("stop", "length"):
+                reasons.setdefault(r, 0)
+            metric("dflash_requests_finished_total", "counter", "Generation requests finished, by finish reason.",
+                   [(f'{label},finish_reason="{_escape(r)}"', n) for r, n in sorted(reasons.items())])
+            metric("dflash_requests_failed_total", "counter", "Generation requests failed by an engine error.",
+                   [(label, self.requests_failed)])
+            metric("dflash_requests_cancelled_total", "counter",
+                   "Generation requests given up before they finished (the client went away).",
+                   [(label, self.requests_cancelled)])
+            metric("dflash_prompt_tokens_total", "counter", "Prompt tokens processed.", [(label, self.prompt_tokens)])
+            metric("dflash_generation_tokens_total", "counter", "Tokens generated.",
+                   [(label, self.generation_tokens)])
+            metric("dflash_draft_steps_total", "counter", "Draft-verify steps run (speculative decoding only).",
+                   [(label, self.draft_steps)])
+            metric("dflash_accepted_tokens_total", "counter",
+                   "Sum over draft-verify steps of the tokens committed per step (acc + 1).",
+                   [(label, self.accepted_tokens)])
+            metric("dflash_acceptance_length_mean", "gauge",
+                   "Mean acceptance length tau (tokens committed per draft-verify step) since start.",
+                   [(label, self.tau)])
+            metric("dflash_engine_steps_total", "counter", "Host syncs of the engine (one decode call each).",
+                   [(label, self.engine_steps)])
+            metric("dflash_batch_size_mean", "gauge", "Mean number of requests holding a row per engine step.",
+                   [(label, self.engine_step_rows / self.engine_steps if self.engine_steps else 0.0)])
+            metric("dflash_engine_busy_seconds_total", "counter", "Seconds the engine spent generating.",
+                   [(label, self.engine_seconds)])
+            metric("dflash_generation_tokens_per_second", "gauge",
+                   "Tokens generated per second of engine time since start.",
+                   [(label, self.generation_tokens / self.engine_seconds if self.engine_seconds else 0.0)])
+            metric("dflash_time_to_first_token_seconds_sum", "counter",
+                   "Sum of times to first token (from the request's arrival).", [(label, self.ttft_seconds)])
+            metric("dflash_time_to_first_token_seconds_count", "counter", "Number of times to first token summed.",
+                   [(label, self.ttft_count)])
+            metric("dflash_queue_wait_seconds_total", "counter", "Seconds requests waited for a row.",
+                   [(label, self.queue_wait_seconds)])
+            metric("dflash_requests_waiting", "gauge", "Requests waiting for a row.", [(label, self.waiting)])
+            metric("dflash_requests_running", "gauge", "Requests holding a row.", [(label, self.running)])
+        return "\n".join(lines) + "\n"
+
+
+def _escape(s: str) -> str:
+    return str(s).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _num(v: float) -> str:
+    if isinstance(v, int):
+        return str(v)
+    return repr(float(v))

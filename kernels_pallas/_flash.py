@@ -1,0 +1,64 @@
+"""The online-softmax (flash) pieces shared by the GPU kernels, and their split-K merge."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels_pallas._common import NEG
+
+MMA_MIN = 16  # Triton's dot takes operands of >= 16 rows, columns and contraction length
+
+
+def nt_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a [M, D] @ b [N, D].T`` with float32 accumulation (IEEE float32 for float32 inputs).
+
+    ``N == 1`` (a single key) is a broadcast product summed in float32, not a ``tl.dot``.
+    """
+    if b.shape[0] == 1:
+        return jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32), axis=1, keepdims=True)
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def nn_dot(p: jax.Array, v: jax.Array) -> jax.Array:
+    """``p [M, K] @ v [K, D]`` with float32 accumulation; ``K == 1`` is a broadcast product."""
+    if p.shape[1] == 1:
+        return p.astype(jnp.float32) * v.astype(jnp.float32)
+    return lax.dot_general(p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def online_update(carry, s: jax.Array, valid: jax.Array, v: jax.Array, scale: float):
+    """One flash step: unscaled scores ``s [R, K]`` f32, ``valid`` broadcastable to ``[R, K]``,
+    values ``v [K, D]``; ``carry = (acc [R, D] f32, m [R], l [R])``."""
+    acc, m, l = carry
+    s = jnp.where(valid, s * scale, NEG)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
+    l_new = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + nn_dot(p.astype(v.dtype), v)
+    return acc, m_new, l_new
+
+
+def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, axis: int):
+    """Merges split-K partials: ``o [..., S, ..., D]`` float32 outputs normalised per split, their
+    running max ``m`` and sum ``l`` (``o`` without its last axis), split axis ``axis``.
+
+    Returns ``(o, m, l)`` of the whole context, the split axis removed: the log-sum-exp weighted
+    mean of the partial outputs (``exp(m_j - max m) * l_j``), in float32.
+    """
+    m_max = jnp.max(m, axis=axis)
+    # Same barrier as jax's own decode-attention epilogue (b/389925439).
+    m_max = lax.optimization_barrier(m_max)
+    w = l * jnp.exp(m - jnp.expand_dims(m_max, axis))
+    l_tot = jnp.sum(w, axis=axis)
+    w = w / jnp.expand_dims(jnp.where(l_tot == 0.0, 1.0, l_tot), axis)
+    o = jnp.sum(o.astype(jnp.float32) * w[..., None], axis=axis)
+    return o, m_max, l_tot
+
+
+def triton_params(num_warps: int, num_stages: int):
+    from jax.experimental.pallas import triton as plgpu_triton
+
+    return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)

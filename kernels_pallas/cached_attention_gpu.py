@@ -1,0 +1,236 @@
+"""A target block's attention over its KV cache in one kernel: q/k norm, RoPE, cache write, attention.
+
+The decode and verify steps of the target run, per layer, one matmul into the fused QKV layout
+``[batch, block, kv_heads, groups + 2, head_dim]`` (``layers.Attention.fuse``) and then this kernel,
+which does everything up to the output projection:
+
+- the query heads and the key of the block get their per-head RMSNorm (Qwen3) and RoPE at positions
+  ``start .. start + block - 1``, with the transformers numerics of ``layers.rms_norm`` /
+  ``layers.apply_rope``;
+- split 0 writes the block's K and V into the cache at ``start`` (the cache buffers are aliased in
+  and out, so the write is in place and nothing else of the cache moves);
+- every program runs block attention (``attention.block_attention_reference`` with ``causal=True``,
+  ``ctx_lens = start``) for its KV head and its split of the context: an online softmax over the
+  cache tiles it owns, then (split 0) the block's own keys.
+
+Without it the same work is about a dozen small XLA kernels per layer around the block-attention
+kernel (norms, RoPE, pads to its 16-row tiles, two cache writes, the unfold of the output), each
+1-2 us at batch 1 (docs/benchmarks.md). Nothing is padded in HBM: a verify block runs one
+``[block, head_dim]`` query matrix per group member, and a single decode token's ``groups`` query
+rows (4 for Qwen3-8B) are repeated in registers to the 16 rows ``tl.dot`` takes.
+
+RoPE rotates the two halves of a head; the kernel keeps q and k as their two halves throughout
+(``q . k = q_lo . k_lo + q_hi . k_hi``), so it never concatenates in registers.
+
+Grid ``(batch, kv_heads, group members, splits)`` (one member for a single token); splits by the
+wave model of the block-attention kernel (``block_attention_gpu.plan``), merged by
+``_flash.merge_splits``. Forward only (inference). Design notes and measurements: docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas._common import NEG, default_scale, next_pow2
+from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, triton_params
+from kernels_pallas.block_attention_gpu import GpuConfig, plan
+
+
+def supports(qkv_shape: tuple[int, ...], capacity: int, *, compiled: bool = True) -> bool:
+    """Whether the kernel takes these shapes. Compiled for a GPU, Triton's tiles need a power-of-two
+    head_dim >= 32, block and groups (<= 16); the aliased cache is never padded, so its capacity
+    must be whole tiles of 16 keys. Interpret mode takes any block."""
+    _, block, _, groups_2, head_dim = qkv_shape
+    groups = groups_2 - 2
+    pow2 = lambda n: n >= 1 and next_pow2(n) == n  # noqa: E731
+    if not (pow2(groups) and pow2(head_dim) and head_dim >= 2 and capacity % MMA_MIN == 0):
+        return False
+    if not compiled:
+        return True
+    return head_dim >= 2 * MMA_MIN and groups <= MMA_MIN and pow2(block)
+
+
+def _finish(x_lo, x_hi, w_ref, cos, sin, *, qk_norm: bool, eps: float):
+    """Per-head RMSNorm (optional) then RoPE of heads given as their two halves ``[rows, D/2]``."""
+    dtype = x_lo.dtype
+    half = x_lo.shape[-1]
+    if qk_norm:
+        f_lo, f_hi = x_lo.astype(jnp.float32), x_hi.astype(jnp.float32)
+        sumsq = jnp.sum(f_lo * f_lo, axis=1, keepdims=True) + jnp.sum(f_hi * f_hi, axis=1, keepdims=True)
+        r = lax.rsqrt(sumsq / (2 * half) + eps)
+        x_lo = w_ref[pl.ds(0, half)][None, :] * (f_lo * r).astype(dtype)
+        x_hi = w_ref[pl.ds(half, half)][None, :] * (f_hi * r).astype(dtype)
+    return x_lo * cos - x_hi * sin, x_hi * cos + x_lo * sin
+
+
+def _kernel(
+    start_ref,  # [] int32: tokens already in the cache (= the block's first position)
+    blk_len_ref,  # [] int32: valid slots of the block
+    q_ref,  # [T, D] raw queries of one group member g (a single token: [G, D], all of them)
+    k_ref,  # [T, D] raw key
+    v_ref,  # [T, D] value
+    q_norm_ref,  # [D]
+    k_norm_ref,  # [D]
+    inv_freq_ref,  # [D / 2] float32
+    k_cache_ref,  # [C, D] (strided view of [B, C, Hkv, D])
+    v_cache_ref,  # [C, D]
+    o_ref,  # like q_ref
+    m_ref,  # [T] ([G])
+    l_ref,  # [T] ([G])
+    k_cache_out,  # aliases k_cache_ref
+    v_cache_out,  # aliases v_cache_ref
+    *,
+    scale: float,
+    eps: float,
+    qk_norm: bool,
+    block_k: int,
+    chunk: int,
+):
+    """One program per (row, KV head, group member, split); a single token's program takes all its
+    group's rows. Tensors stay two-dimensional: Triton lowers 3-D register tensors (and reshapes
+    between them) through shared memory, which cost more than the attention itself in the first
+    version of this kernel. Fewer than 16 query rows (a single token's ``G``, a short block's
+    ``T``) are repeated to the 16 rows ``tl.dot`` needs: identical copies with identical outputs,
+    so their maximum is the output."""
+    j = pl.program_id(3)
+    start = start_ref[()]
+    blk_len = blk_len_ref[()]
+    slots, head_dim = k_ref.shape
+    half = head_dim // 2
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+
+    positions = (start + jnp.arange(slots, dtype=jnp.int32)).astype(jnp.float32)
+    freqs = positions[:, None] * inv_freq_ref[...][None, :]  # [T, D/2]
+    cos, sin = jnp.cos(freqs).astype(q_ref.dtype), jnp.sin(freqs).astype(q_ref.dtype)
+    finish = functools.partial(_finish, cos=cos, sin=sin, qk_norm=qk_norm, eps=eps)
+
+    k_lo, k_hi = finish(k_ref[:, lo], k_ref[:, hi], k_norm_ref)
+    v_blk = v_ref[...]
+
+    @pl.when((j == 0) & (pl.program_id(2) == 0))
+    def _write_block():
+        block = pl.ds(start, slots)
+        k_cache_out[block, lo] = k_lo
+        k_cache_out[block, hi] = k_hi
+        v_cache_out[block, :] = v_blk
+
+    q_lo, q_hi = finish(q_ref[:, lo], q_ref[:, hi], q_norm_ref)
+    distinct = q_lo.shape[0]  # G rows of one slot, or T slots of one group member
+    copies = max(1, MMA_MIN // distinct)
+    if copies > 1:
+        q_lo, q_hi = (jnp.broadcast_to(x[None], (copies,) + x.shape).reshape(copies * distinct, half)
+                      for x in (q_lo, q_hi))
+    rows = q_lo.shape[0]
+
+    # The context before the block: this split's keys [j * chunk, min((j + 1) * chunk, start)).
+    first = j * chunk
+    n_keys = jnp.maximum(jnp.minimum(first + chunk, start) - first, 0)
+    carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+
+    def body(i, carry):
+        k0 = pl.multiple_of(first + i * block_k, block_k)
+        keys = pl.ds(k0, block_k)
+        s = nt_dot(q_lo, k_cache_ref[keys, lo]) + nt_dot(q_hi, k_cache_ref[keys, hi])
+        valid = ((k0 + jnp.arange(block_k, dtype=jnp.int32)) < start)[None, :]
+        return online_update(carry, s, valid, v_cache_ref[keys, :], scale)
+
+    carry = lax.fori_loop(0, (n_keys + block_k - 1) // block_k, body, carry)
+
+    # The block's own keys, causal (a row's slot is its row modulo the copies; a single token sees
+    # itself): split 0 only, the others see a block of length 0.
+    col = jnp.arange(slots, dtype=jnp.int32)[None, :]
+    valid = col < jnp.where(j == 0, blk_len, 0)
+    if slots > 1:
+        valid = valid & (col <= jnp.arange(rows, dtype=jnp.int32)[:, None] % slots)
+    acc, m, l = online_update(carry, nt_dot(q_lo, k_lo) + nt_dot(q_hi, k_hi), valid, v_blk, scale)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+    if copies > 1:
+        out = jnp.max(out.reshape(copies, distinct, head_dim), axis=0)
+        m = jnp.max(m.reshape(copies, distinct), axis=0)
+        l = jnp.max(l.reshape(copies, distinct), axis=0)
+    o_ref[...] = out.astype(o_ref.dtype)
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def forward(
+    qkv: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    starts: jax.Array,
+    blk_lens: jax.Array,
+    q_norm: jax.Array,
+    k_norm: jax.Array,
+    inv_freq: jax.Array,
+    *,
+    eps: float,
+    qk_norm: bool,
+    scale: float | None = None,
+    interpret: bool = False,
+    config: GpuConfig | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """See ``kernels_pallas.cached_block_attention``."""
+    cfg = config or GpuConfig()
+    batch, block, kv_heads, groups_2, head_dim = qkv.shape
+    groups = groups_2 - 2
+    capacity = k_cache.shape[1]
+    if k_cache.shape != (batch, capacity, kv_heads, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache/v_cache must be {(batch, capacity, kv_heads, head_dim)}: "
+                         f"{k_cache.shape} {v_cache.shape}")
+    if not supports(qkv.shape, capacity, compiled=not interpret):
+        raise ValueError(f"cached_block_attention does not take qkv {qkv.shape} with a cache of {capacity} "
+                         f"positions (see cached_attention_gpu.supports)")
+    scale = default_scale(head_dim, scale)
+    # A verify block gets one program per group member (its [T, D] query matrix); a single token
+    # one per KV head (its G rows). The context splits do not depend on the block: a 1-token and a
+    # 16-token pass then sum every query's context in the same tiles and splits, bit for bit, so
+    # greedy speculative decoding reproduces target-only decoding exactly in float32.
+    members = 1 if block == 1 else groups
+    block_k, _, splits, chunk = plan(batch, 1, kv_heads, capacity, cfg)
+    starts = starts.astype(jnp.int32)
+    blk_lens = jnp.clip(blk_lens.astype(jnp.int32), 0, block)
+
+    out_dtype = qkv.dtype if splits == 1 else jnp.dtype(cfg.partial_dtype)
+    if block == 1:  # [G, D] blocks: the squeezed slot and the whole group
+        q_spec = pl.BlockSpec((None, None, None, groups, head_dim), lambda b, h, g, j: (b, 0, h, 0, 0))
+        o_spec = pl.BlockSpec((None, None, None, None, groups, head_dim), lambda b, h, g, j: (b, j, 0, h, 0, 0))
+        ml_spec = pl.BlockSpec((None, None, None, None, groups), lambda b, h, g, j: (b, j, 0, h, 0))
+    else:  # [T, D] blocks: group member g
+        q_spec = pl.BlockSpec((None, block, None, None, head_dim), lambda b, h, g, j: (b, 0, h, g, 0))
+        o_spec = pl.BlockSpec((None, None, block, None, None, head_dim), lambda b, h, g, j: (b, j, 0, h, g, 0))
+        ml_spec = pl.BlockSpec((None, None, block, None, None), lambda b, h, g, j: (b, j, 0, h, g))
+    per_row = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
+    whole = lambda n: pl.BlockSpec((n,), lambda b, h, g, j: (0,))  # noqa: E731
+    cache_spec = pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, g, j: (b, 0, h, 0))
+    part = lambda index: pl.BlockSpec(  # noqa: E731
+        (None, block, None, None, head_dim), lambda b, h, g, j: (b, 0, h, index, 0))
+    kernel = functools.partial(_kernel, scale=scale, eps=float(eps), qk_norm=qk_norm, block_k=block_k,
+                               chunk=chunk)
+    o, m, l, k_cache, v_cache = pl.pallas_call(
+        kernel,
+        grid=(batch, kv_heads, members, splits),
+        in_specs=[per_row, per_row, q_spec, part(groups), part(groups + 1), whole(head_dim), whole(head_dim),
+                  whole(head_dim // 2), cache_spec, cache_spec],
+        out_specs=[o_spec, ml_spec, ml_spec, cache_spec, cache_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups, head_dim), out_dtype),
+            jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups), jnp.float32),
+            jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups), jnp.float32),
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ],
+        input_output_aliases={8: 3, 9: 4},
+        compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="dflash_cached_attention",
+    )(starts, blk_lens, qkv, qkv, qkv, q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype),
+      inv_freq.astype(jnp.float32), k_cache, v_cache)
+
+    o = o[:, 0] if splits == 1 else merge_splits(o, m, l, axis=1)[0]
+    return o.astype(qkv.dtype).reshape(batch, block, kv_heads * groups, head_dim), k_cache, v_cache
