@@ -5,11 +5,11 @@ Usage (on the H200):  python3 bench/bench_cached_attention.py --out $OUT/cached.
 CPU dry run (tiny shapes, interpret mode):  python bench/bench_cached_attention.py --tiny
 
 For every (batch, block) it first checks, on the device, the kernel against the unfused reference
-(``layers.Attention.attend_cached`` with ``impl="xla"``: ``project`` + ``block_attention_reference``
+(``layers.Attention.attend_unfused`` with ``impl="xla"``: norms + RoPE + ``block_attention_reference``
 + cache writes), then times one call of all 36 layers' attention with the caches donated, from
 the raw fused projection ``qkv [batch, block, 8, 6, 128]`` to the attention output, for:
 
-- ``fused``: ``kernels_pallas.cached_block_attention`` (and tile variants for one decode token);
+- ``fused``: ``kernels_pallas.cached_block_attention`` (and tile variants);
 - ``unfused-pallas``: XLA's norm / RoPE / pads / cache writes around the block-attention kernel
   (the engine's path before the fused kernel);
 - ``unfused-xla``: the same with the XLA attention reference over the whole cache.
@@ -39,8 +39,6 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import kernels_pallas  # noqa: E402
-from dflash_jax.attention import block_attention  # noqa: E402
-from dflash_jax.cache import write_rows  # noqa: E402
 from dflash_jax.layers import Attention, rope_inv_freq  # noqa: E402
 from kernels_pallas.block_attention_gpu import GpuConfig  # noqa: E402
 
@@ -57,16 +55,10 @@ def build(tiny: bool, dtype):
 
 
 def unfused(attn: Attention, qkv, k_cache, v_cache, starts, blk_lens, impl):
-    """The pre-kernel path from the raw projection: finish q/k, attention primitive, cache writes."""
-    groups = qkv.shape[-2] - 2
-    batch, block = qkv.shape[:2]
-    positions = starts[:, None] + jnp.arange(block, dtype=jnp.int32)
-    q = qkv[..., :groups, :].reshape(batch, block, -1, qkv.shape[-1])
-    q = attn._finish_q(q, positions)[:, None]
-    k = attn._finish_k(qkv[..., groups, :], positions)[:, None]
-    v = qkv[..., groups + 1, :][:, None]
-    out = block_attention(q, k_cache, v_cache, starts[:, None], k, v, blk_lens[:, None], causal=True, impl=impl)
-    return out[:, 0], write_rows(k_cache, k[:, 0], starts), write_rows(v_cache, v[:, 0], starts)
+    """The pre-kernel path from the raw projection (``Attention.attend_unfused``, with ``impl``'s
+    attention)."""
+    out, k_cache, v_cache = attn.attend_unfused(qkv, starts, k_cache, v_cache, blk_lens, impl=impl)
+    return out[:, 0], k_cache, v_cache
 
 
 def fused(attn: Attention, qkv, k_cache, v_cache, starts, blk_lens, config=None):

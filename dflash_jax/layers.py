@@ -158,12 +158,16 @@ class Attention(nnx.Module):
         y = (x @ w.reshape(w.shape[0], -1)).reshape(x.shape[:-1] + w.shape[1:])
         return y if self.qkv_bias is None else y + self.qkv_bias[...]
 
+    def _split(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The raw fused projection ``[..., kv_heads, groups + 2, head_dim]`` -> raw q
+        ``[..., heads, head_dim]``, k and v ``[..., kv_heads, head_dim]``."""
+        groups = qkv.shape[-2] - 2
+        q = qkv[..., :groups, :].reshape(qkv.shape[:-3] + (self.num_heads, self.head_dim))
+        return q, qkv[..., groups, :], qkv[..., groups + 1, :]
+
     def _fused(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Raw q ``[..., heads, head_dim]``, k and v ``[..., kv_heads, head_dim]`` in one matmul."""
-        y = self._qkv(x)
-        groups = y.shape[-2] - 2
-        q = y[..., :groups, :].reshape(x.shape[:-1] + (self.num_heads, self.head_dim))
-        return q, y[..., groups, :], y[..., groups + 1, :]
+        return self._split(self._qkv(x))
 
     def _finish_q(self, q: jax.Array, positions: jax.Array) -> jax.Array:
         if self.q_norm is not None:
@@ -207,15 +211,23 @@ class Attention(nnx.Module):
         ``x [batch, 1, block, hidden]`` (normed) at positions ``starts [batch] + slot``; caches
         ``[batch, capacity, kv_heads, head_dim]``; ``blk_lens [batch]`` valid slots. Returns
         ``attn [batch, 1, block, heads, head_dim]`` and the caches with the block written at
-        ``starts``. With ``impl="pallas"`` in the fused layout this is one kernel
-        (``kernels_pallas.cached_block_attention``); otherwise the projection's finish, the
-        attention primitive and the cache writes below, which the kernel's tests hold it to.
+        ``starts``. In the fused layout: ``attend_cached_qkv`` of the one projection.
         """
-        block = x.shape[2]
-        if impl == "pallas" and self.qkv_proj is not None:
+        if self.qkv_proj is not None:
+            return self.attend_cached_qkv(self._qkv(x[:, 0]), starts, k_cache, v_cache, blk_lens, impl=impl)
+        positions = starts[:, None, None] + jnp.arange(x.shape[2], dtype=jnp.int32)
+        return self._attend_and_write(*self.project(x, positions), starts, k_cache, v_cache, blk_lens, impl)
+
+    def attend_cached_qkv(
+        self, qkv: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
+        *, impl: AttentionImpl,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``attend_cached`` from the raw fused projection ``qkv [batch, block, kv_heads, groups + 2,
+        head_dim]``: with ``impl="pallas"`` one kernel (``kernels_pallas.cached_block_attention``)
+        where it takes the shapes, else ``attend_unfused``."""
+        if impl == "pallas":
             import kernels_pallas
 
-            qkv = self._qkv(x[:, 0])
             if kernels_pallas.cached_block_attention_supported(qkv.shape, k_cache.shape[1]):
                 ones = jnp.ones((self.head_dim,), qkv.dtype)
                 attn, k_cache, v_cache = kernels_pallas.cached_block_attention(
@@ -225,8 +237,23 @@ class Attention(nnx.Module):
                     jnp.asarray(self.inv_freq, jnp.float32), eps=self.eps, qk_norm=self.q_norm is not None,
                 )
                 return attn[:, None], k_cache, v_cache
-        positions = starts[:, None, None] + jnp.arange(block, dtype=jnp.int32)
-        q, k, v = self.project(x, positions)
+        return self.attend_unfused(qkv, starts, k_cache, v_cache, blk_lens, impl=impl)
+
+    def attend_unfused(
+        self, qkv: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
+        *, impl: AttentionImpl,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``attend_cached_qkv`` as separate steps, the fused kernel's reference: the norms and RoPE
+        of q and k, the attention primitive (``impl``), the cache writes."""
+        positions = starts[:, None] + jnp.arange(qkv.shape[1], dtype=jnp.int32)
+        q, k, v = self._split(qkv)
+        q, k = self._finish_q(q, positions), self._finish_k(k, positions)
+        return self._attend_and_write(q[:, None], k[:, None], v[:, None], starts, k_cache, v_cache, blk_lens, impl)
+
+    @staticmethod
+    def _attend_and_write(q, k, v, starts, k_cache, v_cache, blk_lens, impl):
+        """Block attention of ``q [batch, 1, block, heads, head_dim]`` over the caches plus the block's
+        own ``k, v [batch, 1, block, kv_heads, head_dim]``, which are then written at ``starts``."""
         attn = block_attention(q, k_cache, v_cache, starts[:, None], k, v, blk_lens[:, None], causal=True,
                                impl=impl)
         return attn, write_rows(k_cache, k[:, 0], starts), write_rows(v_cache, v[:, 0], starts)

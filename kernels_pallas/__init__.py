@@ -15,6 +15,10 @@ dense ``[queries x keys]`` mask: on a GPU two Pallas kernels with the Triton low
 (``block_attention_gpu_bwd``, FlashAttention-2 style; ``bwd="pallas"``), on TPU and in interpret
 mode a blockwise jnp recomputation (``block_attention_bwd``; ``bwd="xla"``). The TPU backward is
 therefore not a Pallas kernel.
+
+``cached_block_attention`` (``cached_attention_gpu``) is the target's decode/verify attention fused
+with what precedes it (q/k norms, RoPE, the cache write), a forward-only GPU kernel; its reference
+is ``dflash_jax.layers.Attention.attend_unfused``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import jax
 
 from kernels_pallas._common import default_scale
 from kernels_pallas.block_attention_bwd import block_attention_bwd, zero_cotangent
+from kernels_pallas.cached_attention_gpu import cached_block_attention, cached_block_attention_supported
 
 __all__ = ["block_attention", "block_attention_fwd", "cached_block_attention", "cached_block_attention_supported"]
 
@@ -138,57 +143,3 @@ def block_attention(
         backend, config, bwd,
     )
 
-
-def cached_block_attention_supported(qkv_shape: tuple[int, ...], capacity: int) -> bool:
-    """Whether ``cached_block_attention`` runs for these shapes on this platform (GPU kernel: GPUs,
-    and the CPU in interpret mode; TPUs take the unfused path)."""
-    from kernels_pallas import cached_attention_gpu
-
-    platform = jax.default_backend()
-    return platform != "tpu" and cached_attention_gpu.supports(tuple(qkv_shape), capacity,
-                                                                compiled=platform == "gpu")
-
-
-def cached_block_attention(
-    qkv: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    starts: jax.Array,
-    blk_lens: jax.Array,
-    q_norm: jax.Array,
-    k_norm: jax.Array,
-    inv_freq: jax.Array,
-    *,
-    eps: float,
-    qk_norm: bool,
-    scale: float | None = None,
-    interpret: bool | None = None,
-    config=None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A causal block per row over its KV cache, fused with what precedes it (forward only).
-
-    Args:
-      qkv: ``[batch, block, kv_heads, groups + 2, head_dim]`` the raw fused projection of the block
-        (``layers.Attention.fuse`` layout: per KV head its query heads, its key, its value).
-      k_cache, v_cache: ``[batch, capacity, kv_heads, head_dim]``; donate them: they are updated in
-        place.
-      starts: ``[batch]`` int32, tokens already in the cache; the block sits at positions
-        ``starts .. starts + block - 1`` and sees cache positions ``< starts`` plus itself, causally.
-      blk_lens: ``[batch]`` int32, valid slots of the block (later slots are not keys).
-      q_norm, k_norm: ``[head_dim]`` per-head RMSNorm weights (ignored unless ``qk_norm``).
-      inv_freq: ``[head_dim // 2]`` RoPE inverse frequencies.
-      eps: the RMSNorm epsilon; qk_norm: whether q and k are normed (Qwen3) or not (Llama).
-      interpret: Pallas interpret mode; default: off a GPU.
-
-    Returns:
-      ``out [batch, block, q_heads, head_dim]`` (as ``block_attention`` of the normed, RoPE'd
-      q / k) and the caches with the block's K (normed, RoPE'd) and V written at ``starts``.
-    """
-    from kernels_pallas import cached_attention_gpu
-
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    return cached_attention_gpu.forward(
-        qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq, eps=eps, qk_norm=qk_norm,
-        scale=scale, interpret=interpret, config=config,
-    )

@@ -159,7 +159,14 @@ def _kernel(
     l_ref[...] = l
 
 
-def forward(
+def cached_block_attention_supported(qkv_shape: tuple[int, ...], capacity: int) -> bool:
+    """Whether ``cached_block_attention`` runs for these shapes on this platform (GPUs, and the CPU
+    in interpret mode; TPUs take the unfused path)."""
+    platform = jax.default_backend()
+    return platform != "tpu" and supports(tuple(qkv_shape), capacity, compiled=platform == "gpu")
+
+
+def cached_block_attention(
     qkv: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
@@ -172,10 +179,31 @@ def forward(
     eps: float,
     qk_norm: bool,
     scale: float | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
     config: GpuConfig | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """See ``kernels_pallas.cached_block_attention``."""
+    """A causal block per row over its KV cache, fused with what precedes it (forward only).
+
+    Args:
+      qkv: ``[batch, block, kv_heads, groups + 2, head_dim]`` the raw fused projection of the block
+        (``layers.Attention.fuse`` layout: per KV head its query heads, its key, its value).
+      k_cache, v_cache: ``[batch, capacity, kv_heads, head_dim]``; donate them: they are updated in
+        place.
+      starts: ``[batch]`` int32, tokens already in the cache; the block sits at positions
+        ``starts .. starts + block - 1`` and sees cache positions ``< starts`` plus itself, causally.
+      blk_lens: ``[batch]`` int32, valid slots of the block (later slots are not keys).
+      q_norm, k_norm: ``[head_dim]`` per-head RMSNorm weights (ignored unless ``qk_norm``).
+      inv_freq: ``[head_dim // 2]`` RoPE inverse frequencies.
+      eps: the RMSNorm epsilon; qk_norm: whether q and k are normed (Qwen3) or not (Llama).
+      interpret: Pallas interpret mode; default: off a GPU.
+      config: tile sizes (``GpuConfig``; None: defaults).
+
+    Returns:
+      ``out [batch, block, q_heads, head_dim]`` (as ``block_attention`` of the normed, RoPE'd
+      q / k) and the caches with the block's K (normed, RoPE'd) and V written at ``starts``.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
     cfg = config or GpuConfig()
     batch, block, kv_heads, groups_2, head_dim = qkv.shape
     groups = groups_2 - 2
