@@ -120,9 +120,11 @@ def time_draft(engine: Engine, batch: int, context: int, steps: int, repeats: in
     return statistics.median(times)
 
 
-def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir: str, top: int = 30) -> None:
+def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir: str, top: int = 30,
+                   listing: Path | None = None) -> None:
     """Traces ``steps`` decode steps (jax.profiler, Perfetto JSON) and prints the GPU time per kernel
-    name per step: where a step's time goes."""
+    name per step: where a step's time goes. ``listing``: also write every kernel of the trace, in
+    launch order, to this file."""
     import gzip
 
     state = synthetic_state(engine, batch, context, seed=batch + 7)
@@ -159,6 +161,8 @@ def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir
         print(f"  {t / steps:9.1f} us  {n / steps:6.1f}x  {name[:110]}", flush=True)
     # One middle layer's kernels in launch order: from one attention kernel to the next.
     ordered = sorted(lines[key], key=lambda e: e["ts"])
+    if listing is not None:
+        listing.write_text("".join(f"{e['dur']:8.2f}  {e['name']}\n" for e in ordered))
     marks = [i for i, e in enumerate(ordered) if "attention" in e["name"]]
     if len(marks) > 11:
         print("one layer, in launch order (us):", flush=True)
@@ -174,9 +178,13 @@ def host_overhead(engine: Engine, context: int, new_tokens: int, device_step: fl
     t0 = time.perf_counter()
     (res,) = engine.generate([prompt], new_tokens)
     wall = time.perf_counter() - t0
+    t0 = time.perf_counter()  # the prefill alone, for what TTFT adds to it
+    _, first = engine.prefill([prompt], [new_tokens], [()])
+    np.asarray(first)
+    prefill = time.perf_counter() - t0
     steps = max(1, res.num_steps if engine.drafter is not None else res.num_output_tokens - 1)
     decode = res.time_per_output_token * res.num_output_tokens
-    return dict(ttft_s=res.time_to_first_token, wall_s=wall, steps=steps, wall_per_step_s=decode / steps,
+    return dict(ttft_s=res.time_to_first_token, prefill_s=prefill, wall_s=wall, steps=steps, wall_per_step_s=decode / steps,
                 device_per_step_s=device_step, host_overhead_per_step_s=decode / steps - device_step)
 
 
@@ -227,11 +235,22 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="trace batch-1 steps (target-only and DFlash) into this dir")
     ap.add_argument("--unfused", action="store_true",
                     help="the target's attention without the fused cached-attention kernel (the earlier path)")
+    ap.add_argument("--unfused-norms", action="store_true",
+                    help="residual adds and RMSNorms as XLA ops, without the add_rms_norm kernel (the earlier path)")
+    ap.add_argument("--cached-config", default="",
+                    help="tile overrides of the cached-attention kernel, e.g. min_chunk=128,block_k=32")
     args = ap.parse_args()
-    if args.unfused:
-        import kernels_pallas
+    import kernels_pallas
+    from kernels_pallas import cached_attention_gpu
 
+    if args.unfused:
         kernels_pallas.cached_block_attention_supported = lambda *a, **k: False
+    if args.unfused_norms:
+        kernels_pallas.add_rms_norm_supported = lambda *a, **k: False
+    if args.cached_config:
+        overrides = {k: int(v) for k, v in (kv.split("=") for kv in args.cached_config.split(","))}
+        cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(cached_attention_gpu.DEFAULT_CONFIG, **overrides)
+        print(f"cached-attention kernel config: {cached_attention_gpu.DEFAULT_CONFIG}", flush=True)
 
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     tcfg = qwen3_8b(args.layers)
@@ -270,7 +289,8 @@ def main() -> None:
             for name, engine in (("target-only", plain), ("dflash", spec)):
                 print(f"== profile: {name}, batch 1", flush=True)
                 try:
-                    profile_decode(engine, 1, args.context, 8, str(Path(args.profile) / name))
+                    listing = Path(args.out).parent / f"launch_order_{name}.txt" if args.out else None
+                    profile_decode(engine, 1, args.context, 8, str(Path(args.profile) / name), listing=listing)
                 except Exception as err:  # noqa: BLE001  (profiling is a diagnostic: keep the timings)
                     print(f"profile failed: {err!r}", flush=True)
         if batch == 1:
@@ -297,7 +317,8 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"\nQwen3-8B shapes, bf16, context {args.context}, attention={args.attention}"
-          f"{' (unfused)' if args.unfused else ''}, "
+          f"{' (unfused)' if args.unfused else ''}{' (unfused norms)' if args.unfused_norms else ''}"
+          f"{f' (cached {args.cached_config})' if args.cached_config else ''}, "
           f"HBM roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s")
     print("batch | target step ms | tok/s | % HBM roofline | DFlash step ms | step ratio | draft ratio | "
           f"DFlash tok/s @tau={args.tau}")
@@ -310,7 +331,7 @@ def main() -> None:
         h = report["batches"][1]["host"]
         print(f"host overhead at batch 1: {h['host_overhead_per_step_s'] * 1e3:.2f} ms/step "
               f"(wall {h['wall_per_step_s'] * 1e3:.2f} vs device {h['device_per_step_s'] * 1e3:.2f}); "
-              f"TTFT {h['ttft_s'] * 1e3:.1f} ms")
+              f"TTFT {h['ttft_s'] * 1e3:.1f} ms (prefill alone {h['prefill_s'] * 1e3:.1f} ms)")
     if "reference_torch" in report and "error" not in report["reference_torch"]:
         r = report["reference_torch"]
         b1 = report["batches"].get(1)

@@ -5,11 +5,18 @@ of pending requests. Every ``step`` is one host sync:
 
 1. rows of cancelled requests are released (marked done on device); pending requests are admitted
    into free rows: the state is first moved to the engine's row count for its live requests (one
-   row for a lone request), then one prefill of just the new prompts is scattered into free slots;
+   row for a lone request), then one prefill of just the new prompts is scattered into free slots,
+   and their first tokens (the prefill's) are read and streamed at once;
 2. the next decode call is dispatched, its attention window covering every live row;
-3. the first tokens of the new requests (their prefill's) and the snapshot of the *previous* call
-   are read while the device runs the new one: new tokens stream to their requests, and rows that
-   finished become ``GenerationResult``s and free slots.
+3. the snapshot of the *previous* call is read while the device runs the new one: new tokens stream
+   to their requests, and rows that finished become ``GenerationResult``s and free slots.
+
+The first tokens are read as soon as the prefill has run, before the admission and the next decode
+call are dispatched, at the price of a short device idle per admission: read later, they arrived
+only once the work dispatched in between had run (on the H200 the device-to-host copy, though
+started right after the prefill, was queued behind it: a time to first token of 81-96 ms with the
+read after the next decode call, 32 ms with it after the admission, for a 16 ms prefill;
+docs/benchmarks.md).
 
 Reusing a slot that the lagging snapshot shows done is safe: done rows never change, and every
 device operation is ordered after the call in flight. Each call remembers which request held each row
@@ -37,9 +44,9 @@ if TYPE_CHECKING:
 
 
 def _start_transfer(tree: Any) -> None:
-    """Starts copying device arrays to the host now. A copy requested later would be queued behind
-    the work dispatched in between (on a GPU the device-to-host copies share the compute stream):
-    the first tokens of a prefill would wait for the whole next decode call."""
+    """Asks for device arrays on the host as early as possible: a copy requested only when they are
+    read could be queued behind the work dispatched in between (on a GPU the device-to-host copies
+    share the compute stream)."""
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, jax.Array):
             leaf.copy_to_host_async()
@@ -193,9 +200,9 @@ class ContinuousBatcher:
         try:
             self._release_cancelled()
             admitted = self._admit()
-            previous, self._in_flight = self._in_flight, self._dispatch()
             if admitted is not None:
                 self._read_first_tokens(*admitted)
+            previous, self._in_flight = self._in_flight, self._dispatch()
             if previous is not None:
                 self._read(previous)
         except Exception as err:  # noqa: BLE001 - reported to every request it touched
@@ -213,9 +220,9 @@ class ContinuousBatcher:
                 self._rows[i] = None
 
     def _admit(self) -> tuple[Any, list[Generation]] | None:
-        """Sizes the running state for its live rows plus the pending requests that fit, and
-        dispatches their prefill and admission; returns the prefill's first tokens and the newly
-        admitted requests (None if none)."""
+        """Sizes the running state for its live rows plus the pending requests that fit, runs their
+        prefill and dispatches their admission; returns the prefill's first tokens (on the host) and
+        the newly admitted requests (None if none)."""
         self._pending = collections.deque(g for g in self._pending if not g.cancelled)
         keep = [i for i, g in enumerate(self._rows) if g is not None]
         admitting = min(self.engine.config.max_batch_size - len(keep), len(self._pending))
@@ -239,7 +246,7 @@ class ContinuousBatcher:
         except Exception as err:  # noqa: BLE001 - the running state is untouched: fail these prompts only
             self._fail(group, err)
             return None
-        _start_transfer(first)
+        first = np.asarray(first)  # before the admission too: queued behind it, the copy waited for it
         slots = [i for i, g in enumerate(self._rows) if g is None][:admitting]
         now = time.perf_counter()
         for slot, g in zip(slots, group):  # before the admission: if it fails, step() fails them too
@@ -264,8 +271,7 @@ class ContinuousBatcher:
         self._calls = index
         return _Call(snapshot, tuple(self._rows), index)
 
-    def _read_first_tokens(self, first: Any, group: list[Generation]) -> None:
-        tokens = np.asarray(first)
+    def _read_first_tokens(self, tokens: np.ndarray, group: list[Generation]) -> None:
         now = time.perf_counter()
         for g, token in zip(group, tokens):
             if g.cancelled:

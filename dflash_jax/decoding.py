@@ -241,8 +241,7 @@ def draft_block(
     cache = state.draft_cache
     if window is not None and window < cache.capacity:
         cache = read_window(cache, window)
-    hidden = drafter(target.embed(block_ids)[:, None], positions[:, None], cache.k, cache.v,
-                     starts[:, None], valid[:, None], attention_impl=attention_impl)
+    hidden = drafter.draft(target.embed(block_ids)[:, None], starts, cache, valid, attention_impl=attention_impl)
     draft = greedy_argmax(drafter.logits(target, hidden[:, 0, 1:]))
     return block_ids.at[:, 1:].set(draft), valid, positions
 

@@ -2,6 +2,11 @@
 
 The drafter has no embedding and no LM head of its own: the block ``[anchor, MASK, ...]`` is
 embedded with the target's table and the draft logits come from the target's head.
+
+Training runs ``__call__`` (many blocks per row, the context given as K/V arrays). Decoding runs
+``draft`` (one block per row over the drafter's context cache) in the engine's serving layout
+(``serving_layout``): one QKV and one gate-up matmul per layer, and one matmul for the context K/V
+of every layer.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.attention import AttentionImpl
-from dflash_jax.layers import DecoderLayer, RMSNorm, _init, rope_inv_freq
+from dflash_jax.cache import KVCache
+from dflash_jax.layers import DecoderLayer, RMSNorm, _init, add_rms_norm, fuse_projections, rope_inv_freq
 from dflash_jax.model_config import DrafterConfig
 
 
@@ -33,6 +39,27 @@ class Drafter(nnx.Module):
             for _ in range(c.num_layers)
         ])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.context_kv_proj = self.context_kv_bias = None  # the serving layout (``serving_layout``)
+
+    def serving_layout(self) -> None:
+        """Switches (in place; idempotent) to the engine's layout: every layer's projections fused
+        (``layers.fuse_projections``) for the block, plus ``context_kv_proj [hidden, layers, 2,
+        kv_heads, head_dim]``, every layer's K and V weights side by side for ``context_kv``.
+
+        The context K/V are projected apart from the block's queries, so they keep their own copy
+        of the K/V weights (one matmul reads all layers' at once). Left to XLA, the separate
+        per-layer K/V matmuls were merged into one by concatenating their weights at every step, a
+        copy costing as much as the matmul (docs/benchmarks.md). Checkpoints keep the separate layout.
+        """
+        if self.context_kv_proj is not None:
+            return
+        attns = [layer.self_attn for layer in self.layers]
+        w = jnp.stack([jnp.stack([a.k_proj[...], a.v_proj[...]], axis=1) for a in attns], axis=1)
+        self.context_kv_proj = nnx.data(nnx.Param(w, axes=("embed", None, None, "kv_heads", "head_dim")))
+        if attns[0].k_bias is not None:
+            b = jnp.stack([jnp.stack([a.k_bias[...], a.v_bias[...]], axis=0) for a in attns], axis=0)
+            self.context_kv_bias = nnx.data(nnx.Param(b, axes=(None, None, "kv_heads", "head_dim")))
+        fuse_projections(self)
 
     def fuse(self, taps: jax.Array) -> jax.Array:
         """``taps [..., n_taps * hidden]`` -> context features ``hidden_norm(fc(taps))`` ``[..., hidden]``."""
@@ -46,8 +73,15 @@ class Drafter(nnx.Module):
         per committed token and cached; block K/V are never cached.
         """
         ctx = self.fuse(taps)
-        kvs = [layer.self_attn.keys_values(ctx, positions) for layer in self.layers]
-        return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])
+        if self.context_kv_proj is None:
+            kvs = [layer.self_attn.keys_values(ctx, positions) for layer in self.layers]
+            return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])
+        w = self.context_kv_proj[...]
+        kv = (ctx @ w.reshape(w.shape[0], -1)).reshape(ctx.shape[:-1] + w.shape[1:])  # [b, t, layers, 2, kv, d]
+        if self.context_kv_bias is not None:
+            kv = kv + self.context_kv_bias[...]
+        k = jnp.stack([layer.self_attn._finish_k(kv[:, :, i, 0], positions) for i, layer in enumerate(self.layers)])
+        return k, jnp.moveaxis(kv[:, :, :, 1], 2, 0)
 
     def __call__(
         self,
@@ -73,15 +107,37 @@ class Drafter(nnx.Module):
         Returns:
           final-normed hidden ``[batch, blocks, block, hidden]``.
         """
-        h = block_embeds.astype(self.fc.dtype)
-        if self.config.input_embedding_scale != 1.0:
-            h = h * jnp.asarray(self.config.input_embedding_scale, h.dtype)
+        h = self._scale_embeds(block_embeds)
         for i, layer in enumerate(self.layers):
             h, _, _ = layer(
                 h, positions, k_ctx[i], v_ctx[i], ctx_lens, blk_lens,
                 causal=self.config.causal, attention_impl=attention_impl,
             )
         return self.norm(h)
+
+    def draft(
+        self, block_embeds: jax.Array, starts: jax.Array, cache: KVCache, blk_lens: jax.Array,
+        *, attention_impl: AttentionImpl = "xla",
+    ) -> jax.Array:
+        """``__call__`` for decoding: one block per row over the drafter's context cache.
+
+        ``block_embeds [batch, 1, block, hidden]`` (raw target embeddings of ``[anchor, MASK, ...]``)
+        at positions ``starts [batch] + slot``; it sees the cache positions ``< starts`` (K/V from
+        ``context_kv``) and its own ``blk_lens [batch]`` valid slots. With ``attention_impl="pallas"``
+        each layer's attention is one kernel and each residual add shares a kernel with its norm
+        (``DecoderLayer.cached``). Returns final-normed hidden ``[batch, 1, block, hidden]``.
+        """
+        h, delta = self._scale_embeds(block_embeds), None
+        for i, layer in enumerate(self.layers):
+            h, delta, _, _ = layer.cached(h, delta, starts, cache.k[i], cache.v[i], blk_lens,
+                                          attention_impl=attention_impl, causal=self.config.causal, write=False)
+        return add_rms_norm(h, delta, self.norm, fused=attention_impl == "pallas")[1]
+
+    def _scale_embeds(self, block_embeds: jax.Array) -> jax.Array:
+        h = block_embeds.astype(self.fc.dtype)
+        if self.config.input_embedding_scale != 1.0:
+            h = h * jnp.asarray(self.config.input_embedding_scale, h.dtype)
+        return h
 
     def logits(self, target, hidden: jax.Array) -> jax.Array:
         """Draft logits through the target's LM head (with the drafter's multiplier and softcap)."""

@@ -144,9 +144,10 @@ class Engine:
             self.attention_impl = "pallas" if on_accelerator and not sharded else "xla"
         self._rules = config.mesh.resolved_rules() if config.mesh is not None else None
         # The serving layout: one QKV and one gate-up matmul per target layer (in place; see
-        # ``layers.fuse_projections``). The drafter keeps its separate projections: its context
-        # K/V are projected apart from its queries, so a fused weight would be read twice.
+        # ``layers.fuse_projections``), and the drafter's (``Drafter.serving_layout``).
         fuse_projections(target)
+        if drafter is not None:
+            drafter.serving_layout()
         self._matmul_precision = config.matmul_precision
         if self._matmul_precision == "auto":
             self._matmul_precision = "highest" if target.embed_tokens.dtype == jnp.float32 else "default"

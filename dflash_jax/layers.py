@@ -38,6 +38,23 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps)
 
 
+def add_rms_norm(h: jax.Array, delta: jax.Array | None, norm: RMSNorm, *, fused: bool) -> tuple[jax.Array, jax.Array]:
+    """A residual add and the norm that reads it: ``s = h + delta`` (``delta`` None: ``s = h``) and
+    ``norm(s)``, both ``[..., hidden]``.
+
+    ``fused``: one Pallas kernel (``kernels_pallas.add_rms_norm``, forward only: inference) where
+    the platform and width allow, instead of the three XLA kernels this is otherwise at batch 1.
+    """
+    weight = norm.weight[...]
+    if fused and weight.dtype == h.dtype:
+        import kernels_pallas
+
+        if kernels_pallas.add_rms_norm_supported(h.shape[-1]):
+            return kernels_pallas.add_rms_norm(h, delta, weight, eps=norm.eps)
+    s = h if delta is None else h + delta
+    return s, norm(s)
+
+
 # ----------------------------------------------------------------------------------------------
 # RoPE (neox half-split), with the rope types found in Qwen3 and Llama-3 checkpoints.
 # ----------------------------------------------------------------------------------------------
@@ -204,23 +221,26 @@ class Attention(nnx.Module):
 
     def attend_cached(
         self, x: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
-        *, impl: AttentionImpl,
+        *, impl: AttentionImpl, causal: bool = True, write: bool = True,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """A causal block per row over its KV cache, writing the block's K/V into it.
+        """A block per row over its KV cache (the target's: causal, the block's K/V written into it;
+        the drafter's: ``causal=False, write=False``).
 
         ``x [batch, 1, block, hidden]`` (normed) at positions ``starts [batch] + slot``; caches
         ``[batch, capacity, kv_heads, head_dim]``; ``blk_lens [batch]`` valid slots. Returns
-        ``attn [batch, 1, block, heads, head_dim]`` and the caches with the block written at
-        ``starts``. In the fused layout: ``attend_cached_qkv`` of the one projection.
+        ``attn [batch, 1, block, heads, head_dim]`` and the caches, with ``write`` the block written
+        at ``starts``. In the fused layout: ``attend_cached_qkv`` of the one projection.
         """
         if self.qkv_proj is not None:
-            return self.attend_cached_qkv(self._qkv(x[:, 0]), starts, k_cache, v_cache, blk_lens, impl=impl)
+            return self.attend_cached_qkv(self._qkv(x[:, 0]), starts, k_cache, v_cache, blk_lens, impl=impl,
+                                          causal=causal, write=write)
         positions = starts[:, None, None] + jnp.arange(x.shape[2], dtype=jnp.int32)
-        return self._attend_and_write(*self.project(x, positions), starts, k_cache, v_cache, blk_lens, impl)
+        return self._attend_and_write(*self.project(x, positions), starts, k_cache, v_cache, blk_lens, impl,
+                                      causal, write)
 
     def attend_cached_qkv(
         self, qkv: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
-        *, impl: AttentionImpl,
+        *, impl: AttentionImpl, causal: bool = True, write: bool = True,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``attend_cached`` from the raw fused projection ``qkv [batch, block, kv_heads, groups + 2,
         head_dim]``: with ``impl="pallas"`` one kernel (``kernels_pallas.cached_block_attention``)
@@ -235,27 +255,31 @@ class Attention(nnx.Module):
                     self.q_norm.weight[...] if self.q_norm is not None else ones,
                     self.k_norm.weight[...] if self.k_norm is not None else ones,
                     jnp.asarray(self.inv_freq, jnp.float32), eps=self.eps, qk_norm=self.q_norm is not None,
+                    causal=causal, write=write,
                 )
                 return attn[:, None], k_cache, v_cache
-        return self.attend_unfused(qkv, starts, k_cache, v_cache, blk_lens, impl=impl)
+        return self.attend_unfused(qkv, starts, k_cache, v_cache, blk_lens, impl=impl, causal=causal, write=write)
 
     def attend_unfused(
         self, qkv: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
-        *, impl: AttentionImpl,
+        *, impl: AttentionImpl, causal: bool = True, write: bool = True,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``attend_cached_qkv`` as separate steps, the fused kernel's reference: the norms and RoPE
         of q and k, the attention primitive (``impl``), the cache writes."""
         positions = starts[:, None] + jnp.arange(qkv.shape[1], dtype=jnp.int32)
         q, k, v = self._split(qkv)
         q, k = self._finish_q(q, positions), self._finish_k(k, positions)
-        return self._attend_and_write(q[:, None], k[:, None], v[:, None], starts, k_cache, v_cache, blk_lens, impl)
+        return self._attend_and_write(q[:, None], k[:, None], v[:, None], starts, k_cache, v_cache, blk_lens, impl,
+                                      causal, write)
 
     @staticmethod
-    def _attend_and_write(q, k, v, starts, k_cache, v_cache, blk_lens, impl):
+    def _attend_and_write(q, k, v, starts, k_cache, v_cache, blk_lens, impl, causal, write):
         """Block attention of ``q [batch, 1, block, heads, head_dim]`` over the caches plus the block's
-        own ``k, v [batch, 1, block, kv_heads, head_dim]``, which are then written at ``starts``."""
-        attn = block_attention(q, k_cache, v_cache, starts[:, None], k, v, blk_lens[:, None], causal=True,
+        own ``k, v [batch, 1, block, kv_heads, head_dim]``, which ``write`` then writes at ``starts``."""
+        attn = block_attention(q, k_cache, v_cache, starts[:, None], k, v, blk_lens[:, None], causal=causal,
                                impl=impl)
+        if not write:
+            return attn, k_cache, v_cache
         return attn, write_rows(k_cache, k[:, 0], starts), write_rows(v_cache, v[:, 0], starts)
 
     def output(self, attn: jax.Array) -> jax.Array:
@@ -356,28 +380,38 @@ class DecoderLayer(nnx.Module):
 
         Returns the new ``h`` and the block's ``k, v [batch, blocks, block, kv_heads, head_dim]``.
         """
-        x = self.input_layernorm(h)
-        q, k_blk, v_blk = self.self_attn.project(x, positions)
+        q, k_blk, v_blk = self.self_attn.project(self.input_layernorm(h), positions)
         attn = block_attention(
             q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, impl=attention_impl
         )
-        return self._residual_mlp(h, attn), k_blk, v_blk
+        h, mlp_out = self._residual_mlp(h, attn, False)
+        return h + mlp_out, k_blk, v_blk
 
     def cached(
-        self, h: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
-        *, attention_impl: AttentionImpl = "xla",
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The target's layer over its KV cache: ``h [batch, 1, block, hidden]`` at positions
-        ``starts [batch] + slot``, causal, ``blk_lens [batch]`` valid slots; caches ``[batch,
-        capacity, kv_heads, head_dim]``. Returns the new ``h`` and the caches with the block written."""
-        attn, k_cache, v_cache = self.self_attn.attend_cached(
-            self.input_layernorm(h), starts, k_cache, v_cache, blk_lens, impl=attention_impl
-        )
-        return self._residual_mlp(h, attn), k_cache, v_cache
+        self, h: jax.Array, delta: jax.Array | None, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+        blk_lens: jax.Array, *, attention_impl: AttentionImpl = "xla", causal: bool = True, write: bool = True,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """The layer over a KV cache, for decoding: the residual stream entering it is ``h + delta``
+        (``delta`` None: ``h``), ``[batch, 1, block, hidden]``, at positions ``starts [batch] + slot``,
+        ``blk_lens [batch]`` valid slots; caches ``[batch, capacity, kv_heads, head_dim]``. The
+        target's layers run causal blocks and write them into their caches; the drafter's layers
+        attend bidirectionally to their context caches without writing (``Attention.attend_cached``).
 
-    def _residual_mlp(self, h: jax.Array, attn: jax.Array) -> jax.Array:
-        h = h + self.self_attn.output(attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        Returns ``(h, delta)`` whose sum is the layer's output (the add is left to the next norm, so
+        that with ``attention_impl="pallas"`` each add and its norm are one kernel) and the caches.
+        """
+        fused = attention_impl == "pallas"
+        h, x = add_rms_norm(h, delta, self.input_layernorm, fused=fused)
+        attn, k_cache, v_cache = self.self_attn.attend_cached(x, starts, k_cache, v_cache, blk_lens,
+                                                              impl=attention_impl, causal=causal, write=write)
+        h, mlp_out = self._residual_mlp(h, attn, fused)
+        return h, mlp_out, k_cache, v_cache
+
+    def _residual_mlp(self, h: jax.Array, attn: jax.Array, fused: bool) -> tuple[jax.Array, jax.Array]:
+        """``(h + output(attn), mlp(post_attention_layernorm(h + output(attn))))``: the MLP's residual
+        add is the caller's."""
+        h, x = add_rms_norm(h, self.self_attn.output(attn), self.post_attention_layernorm, fused=fused)
+        return h, self.mlp(x)
 
 
 def fuse_projections(module: nnx.Module) -> nnx.Module:

@@ -11,7 +11,7 @@ from flax import nnx
 
 from dflash_jax.attention import AttentionImpl
 from dflash_jax.cache import KVCache, write_rows
-from dflash_jax.layers import DecoderLayer, RMSNorm, _init, rope_inv_freq
+from dflash_jax.layers import DecoderLayer, RMSNorm, _init, add_rms_norm, rope_inv_freq
 from dflash_jax.model_config import TargetConfig
 
 
@@ -64,10 +64,12 @@ class Target(nnx.Module):
         taps = {}
         empty = jnp.zeros((h.shape[0], 0, self.config.num_kv_heads, self.config.head_dim), h.dtype)
         ks, vs = (list(cache.k), list(cache.v)) if cache is not None else (None, None)
+        decoding = cache is not None and not fresh
+        delta = None  # decoding: a layer's output is h + delta, the add left to the next norm
         for i, layer in enumerate(self.layers):
-            if cache is not None and not fresh:
-                h, ks[i], vs[i] = layer.cached(h, starts, ks[i], vs[i], blk_lens[:, 0],
-                                               attention_impl=attention_impl)
+            if decoding:
+                h, delta, ks[i], vs[i] = layer.cached(h, delta, starts, ks[i], vs[i], blk_lens[:, 0],
+                                                      attention_impl=attention_impl)
             else:
                 h, k_blk, v_blk = layer(
                     h, positions, empty, empty, ctx_lens, blk_lens, causal=True, attention_impl=attention_impl
@@ -75,8 +77,8 @@ class Target(nnx.Module):
                 if cache is not None:
                     ks[i], vs[i] = write_rows(ks[i], k_blk[:, 0], starts), write_rows(vs[i], v_blk[:, 0], starts)
             if i in tap_layers and i != n - 1:
-                taps[i] = h
-        h = self.norm(h)
+                taps[i] = h if delta is None else h + delta
+        _, h = add_rms_norm(h, delta, self.norm, fused=decoding and attention_impl == "pallas")
         if n - 1 in tap_layers:
             taps[n - 1] = h
         tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1)[:, 0] if tap_layers else None

@@ -19,6 +19,9 @@ therefore not a Pallas kernel.
 ``cached_block_attention`` (``cached_attention_gpu``) is the target's decode/verify attention fused
 with what precedes it (q/k norms, RoPE, the cache write), a forward-only GPU kernel; its reference
 is ``dflash_jax.layers.Attention.attend_unfused``.
+
+``add_rms_norm`` (``rms_norm_gpu``) is a residual add and the RMSNorm that reads it in one kernel,
+forward only (GPUs; interpret mode on the CPU); its reference is ``dflash_jax.layers.add_rms_norm``.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import jax
 from kernels_pallas._common import default_scale
 from kernels_pallas.block_attention_bwd import block_attention_bwd, zero_cotangent
 from kernels_pallas.cached_attention_gpu import cached_block_attention, cached_block_attention_supported
+from kernels_pallas.rms_norm_gpu import add_rms_norm, add_rms_norm_supported
 
-__all__ = ["block_attention", "block_attention_fwd", "cached_block_attention", "cached_block_attention_supported"]
+__all__ = ["add_rms_norm", "add_rms_norm_supported", "block_attention", "block_attention_fwd", "cached_block_attention",
+           "cached_block_attention_supported"]
 
 
 def _resolve(backend: str | None, interpret: bool | None):

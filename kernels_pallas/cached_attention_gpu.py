@@ -1,4 +1,8 @@
-"""A target block's attention over its KV cache in one kernel: q/k norm, RoPE, cache write, attention.
+"""A block's attention over its KV cache in one kernel: q/k norm, RoPE, cache write, attention.
+
+The target's decode/verify blocks use all of it; the drafter's blocks (``Drafter.draft``) use it
+with ``causal=False, write=False``: bidirectional within the block, over its context cache, which
+it only reads.
 
 The decode and verify steps of the target run, per layer, one matmul into the fused QKV layout
 ``[batch, block, kv_heads, groups + 2, head_dim]`` (``layers.Attention.fuse``) and then this kernel,
@@ -39,6 +43,9 @@ from jax.experimental import pallas as pl
 from kernels_pallas._common import NEG, default_scale, next_pow2
 from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, triton_params
 from kernels_pallas.block_attention_gpu import GpuConfig, plan
+
+
+DEFAULT_CONFIG = GpuConfig()  # tiles and split planning when no config is given
 
 
 def supports(qkv_shape: tuple[int, ...], capacity: int, *, compiled: bool = True) -> bool:
@@ -82,12 +89,11 @@ def _kernel(
     o_ref,  # like q_ref
     m_ref,  # [T] ([G])
     l_ref,  # [T] ([G])
-    k_cache_out,  # aliases k_cache_ref
-    v_cache_out,  # aliases v_cache_ref
-    *,
+    *cache_out,  # (k, v) aliasing k_cache_ref, v_cache_ref; none if the block is not written
     scale: float,
     eps: float,
     qk_norm: bool,
+    causal: bool,
     block_k: int,
     chunk: int,
 ):
@@ -112,12 +118,15 @@ def _kernel(
     k_lo, k_hi = finish(k_ref[:, lo], k_ref[:, hi], k_norm_ref)
     v_blk = v_ref[...]
 
-    @pl.when((j == 0) & (pl.program_id(2) == 0))
-    def _write_block():
-        block = pl.ds(start, slots)
-        k_cache_out[block, lo] = k_lo
-        k_cache_out[block, hi] = k_hi
-        v_cache_out[block, :] = v_blk
+    if cache_out:
+        k_cache_out, v_cache_out = cache_out
+
+        @pl.when((j == 0) & (pl.program_id(2) == 0))
+        def _write_block():
+            block = pl.ds(start, slots)
+            k_cache_out[block, lo] = k_lo
+            k_cache_out[block, hi] = k_hi
+            v_cache_out[block, :] = v_blk
 
     q_lo, q_hi = finish(q_ref[:, lo], q_ref[:, hi], q_norm_ref)
     distinct = q_lo.shape[0]  # G rows of one slot, or T slots of one group member
@@ -142,11 +151,11 @@ def _kernel(
 
     carry = lax.fori_loop(0, (n_keys + block_k - 1) // block_k, body, carry)
 
-    # The block's own keys, causal (a row's slot is its row modulo the copies; a single token sees
-    # itself): split 0 only, the others see a block of length 0.
+    # The block's own keys, causal or not (a row's slot is its row modulo the copies; a single token
+    # sees itself): split 0 only, the others see a block of length 0.
     col = jnp.arange(slots, dtype=jnp.int32)[None, :]
     valid = col < jnp.where(j == 0, blk_len, 0)
-    if slots > 1:
+    if causal and slots > 1:
         valid = valid & (col <= jnp.arange(rows, dtype=jnp.int32)[:, None] % slots)
     acc, m, l = online_update(carry, nt_dot(q_lo, k_lo) + nt_dot(q_hi, k_hi), valid, v_blk, scale)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
@@ -178,33 +187,39 @@ def cached_block_attention(
     *,
     eps: float,
     qk_norm: bool,
+    causal: bool = True,
+    write: bool = True,
     scale: float | None = None,
     interpret: bool | None = None,
     config: GpuConfig | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A causal block per row over its KV cache, fused with what precedes it (forward only).
+    """A block per row over its KV cache, fused with what precedes it (forward only).
 
     Args:
       qkv: ``[batch, block, kv_heads, groups + 2, head_dim]`` the raw fused projection of the block
         (``layers.Attention.fuse`` layout: per KV head its query heads, its key, its value).
-      k_cache, v_cache: ``[batch, capacity, kv_heads, head_dim]``; donate them: they are updated in
-        place.
+      k_cache, v_cache: ``[batch, capacity, kv_heads, head_dim]``; with ``write``, donate them: they
+        are updated in place.
       starts: ``[batch]`` int32, tokens already in the cache; the block sits at positions
-        ``starts .. starts + block - 1`` and sees cache positions ``< starts`` plus itself, causally.
+        ``starts .. starts + block - 1`` and sees cache positions ``< starts`` plus itself
+        (causally with ``causal``, else every valid slot: the drafter's bidirectional block).
       blk_lens: ``[batch]`` int32, valid slots of the block (later slots are not keys).
       q_norm, k_norm: ``[head_dim]`` per-head RMSNorm weights (ignored unless ``qk_norm``).
       inv_freq: ``[head_dim // 2]`` RoPE inverse frequencies.
       eps: the RMSNorm epsilon; qk_norm: whether q and k are normed (Qwen3) or not (Llama).
+      write: write the block's K/V into the caches (the target's); False: the caches are only read
+        (the drafter's, whose context K/V come from the target's hidden states instead).
       interpret: Pallas interpret mode; default: off a GPU.
       config: tile sizes (``GpuConfig``; None: defaults).
 
     Returns:
       ``out [batch, block, q_heads, head_dim]`` (as ``block_attention`` of the normed, RoPE'd
-      q / k) and the caches with the block's K (normed, RoPE'd) and V written at ``starts``.
+      q / k) and the caches, with ``write`` the block's K (normed, RoPE'd) and V written at
+      ``starts``.
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    cfg = config or GpuConfig()
+    cfg = config or DEFAULT_CONFIG
     batch, block, kv_heads, groups_2, head_dim = qkv.shape
     groups = groups_2 - 2
     capacity = k_cache.shape[1]
@@ -238,27 +253,29 @@ def cached_block_attention(
     cache_spec = pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, g, j: (b, 0, h, 0))
     part = lambda index: pl.BlockSpec(  # noqa: E731
         (None, block, None, None, head_dim), lambda b, h, g, j: (b, 0, h, index, 0))
-    kernel = functools.partial(_kernel, scale=scale, eps=float(eps), qk_norm=qk_norm, block_k=block_k,
-                               chunk=chunk)
-    o, m, l, k_cache, v_cache = pl.pallas_call(
+    kernel = functools.partial(_kernel, scale=scale, eps=float(eps), qk_norm=qk_norm, causal=causal,
+                               block_k=block_k, chunk=chunk)
+    caches = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    outs = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, members, splits),
         in_specs=[per_row, per_row, q_spec, part(groups), part(groups + 1), whole(head_dim), whole(head_dim),
                   whole(head_dim // 2), cache_spec, cache_spec],
-        out_specs=[o_spec, ml_spec, ml_spec, cache_spec, cache_spec],
+        out_specs=[o_spec, ml_spec, ml_spec] + ([cache_spec, cache_spec] if write else []),
         out_shape=[
             jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups, head_dim), out_dtype),
             jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups), jnp.float32),
             jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups), jnp.float32),
-            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-        ],
-        input_output_aliases={8: 3, 9: 4},
+        ] + (caches if write else []),
+        input_output_aliases={8: 3, 9: 4} if write else {},
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="dflash_cached_attention",
     )(starts, blk_lens, qkv, qkv, qkv, q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype),
       inv_freq.astype(jnp.float32), k_cache, v_cache)
+    o, m, l = outs[:3]
+    if write:
+        k_cache, v_cache = outs[3:]
 
     o = o[:, 0] if splits == 1 else merge_splits(o, m, l, axis=1)[0]
     return o.astype(qkv.dtype).reshape(batch, block, kv_heads * groups, head_dim), k_cache, v_cache

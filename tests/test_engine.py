@@ -271,13 +271,14 @@ def test_decode_loop_does_not_copy_the_caches(long_engines):
 
 
 def test_engine_serves_fused_target_at_the_configured_precision(qwen3_pair):
-    """The engine puts the target in the fused serving layout (in place, idempotently, the
-    drafter untouched) and traces float32 models at ``highest`` matmul precision ("auto")."""
+    """The engine puts the target and the drafter in their serving layouts (in place, idempotently)
+    and traces float32 models at ``highest`` matmul precision ("auto")."""
     target_dir, drafter_dir = qwen3_pair
     target, drafter = load_target(target_dir), load_drafter(drafter_dir)
     engine = Engine(target, drafter, EngineConfig(max_batch_size=1, max_length=64))
     assert target.layers[0].self_attn.qkv_proj is not None and target.layers[0].mlp.gate_up_proj is not None
-    assert drafter.layers[0].self_attn.q_proj is not None
+    assert drafter.layers[0].self_attn.qkv_proj is not None and drafter.context_kv_proj is not None
+    Engine(target, drafter, EngineConfig(max_batch_size=1, max_length=64))  # idempotent
     assert engine._matmul_precision == "highest"
     hlo = engine._prefill.lower(engine._target_state, engine._drafter_state, *(
         jnp.zeros((1, 16), jnp.int32), jnp.ones((1,), jnp.int32), jnp.full((1,), 8, jnp.int32),

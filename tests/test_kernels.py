@@ -226,27 +226,31 @@ def test_lowers_for_accelerators(batch, blocks, ctx):
 
 # -- the fused cached attention (q/k norm + RoPE + cache write + attention) ------------------------
 
-# (seed, block, groups, qk_norm, dtype, forced splits)
+# (seed, block, groups, qk_norm, dtype, forced splits, drafter: bidirectional and not written)
 CACHED_CASES = [
-    (0, 1, 4, True, jnp.float32, None),  # one decode token: 4 query rows, broadcast products
-    (1, 16, 4, True, jnp.float32, None),  # a verify block: 64 rows, tl.dot
-    (2, 4, 2, False, jnp.float32, 3),  # Llama-style (no q/k norm), a short block, split-K
-    (3, 16, 4, True, jnp.bfloat16, 2),
-    (4, 1, 4, True, jnp.bfloat16, None),
+    (0, 1, 4, True, jnp.float32, None, False),  # one decode token: 4 query rows, broadcast products
+    (1, 16, 4, True, jnp.float32, None, False),  # a verify block: 64 rows, tl.dot
+    (2, 4, 2, False, jnp.float32, 3, False),  # Llama-style (no q/k norm), a short block, split-K
+    (3, 16, 4, True, jnp.bfloat16, 2, False),
+    (4, 1, 4, True, jnp.bfloat16, None, False),
+    (5, 16, 4, True, jnp.float32, 2, True),  # a draft block: every valid slot sees every other
+    (6, 8, 2, True, jnp.bfloat16, None, True),
 ]
 
 
-@pytest.mark.parametrize("case", CACHED_CASES, ids=lambda c: f"seed{c[0]}-block{c[1]}-g{c[2]}")
+@pytest.mark.parametrize("case", CACHED_CASES, ids=lambda c: f"seed{c[0]}-block{c[1]}-g{c[2]}{'-draft' * c[6]}")
 def test_cached_attention_kernel_equals_layer_reference(case):
     """``kernels_pallas.cached_block_attention`` (interpret mode) against the unfused layer path:
     ``project`` (norms, RoPE) + ``block_attention_reference`` + cache writes, rows at the start, the
-    middle and the end of the cache, one with a short block."""
+    middle and the end of the cache, one with a short block. Drafter cases: not causal, and the caches
+    come back untouched."""
     from flax import nnx
 
     from dflash_jax.layers import Attention, rope_inv_freq
     from kernels_pallas.block_attention_gpu import GpuConfig as Config
 
-    seed, block, groups, qk_norm, dtype, splits = case
+    seed, block, groups, qk_norm, dtype, splits, drafter = case
+    causal = write = not drafter
     head_dim, kv_heads, hidden, batch, capacity = 32, 2, 64, 3, 128
     attn = Attention(hidden, kv_heads * groups, kv_heads, head_dim, eps=1e-6, qk_norm=qk_norm, bias=False,
                      inv_freq=rope_inv_freq(head_dim, 1e4, None), dtype=dtype, rngs=nnx.Rngs(seed))
@@ -261,14 +265,21 @@ def test_cached_attention_kernel_equals_layer_reference(case):
     starts = jnp.array([0, 37, capacity - block], jnp.int32)
     blk_lens = jnp.array([block, max(1, block - 3), block], jnp.int32)
 
-    want = jax.jit(lambda *a: attn.attend_cached(*a, impl="xla"))(x, starts, k_cache, v_cache, blk_lens)
+    want = jax.jit(lambda *a: attn.attend_cached(*a, impl="xla", causal=causal, write=write))(
+        x, starts, k_cache, v_cache, blk_lens)
     qkv = attn._qkv(x[:, 0])
     ones = jnp.ones((head_dim,), dtype)
     got = jax.jit(lambda q, kc, vc: cached_block_attention(
         q, kc, vc, starts, blk_lens, attn.q_norm.weight[...] if qk_norm else ones,
         attn.k_norm.weight[...] if qk_norm else ones, jnp.asarray(attn.inv_freq), eps=1e-6,
-        qk_norm=qk_norm, config=Config(num_splits=splits)))(qkv, k_cache, v_cache)
+        qk_norm=qk_norm, causal=causal, write=write, config=Config(num_splits=splits)))(qkv, k_cache, v_cache)
     assert_close(got[0][:, None], want[0], dtype)
+    if drafter:  # and the bidirectional reference differs from the causal one
+        causal_out = jax.jit(lambda *a: attn.attend_cached(*a, impl="xla"))(x, starts, k_cache, v_cache, blk_lens)[0]
+        assert not np.allclose(np.asarray(causal_out, np.float32), np.asarray(want[0], np.float32), atol=1e-3)
+        for got_cache, before in zip(got[1:], (k_cache, v_cache)):
+            np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(before))
+        return
     for got_cache, want_cache, before in zip(got[1:], want[1:], (k_cache, v_cache)):
         assert_close(got_cache, want_cache, dtype)  # the block written at each row's start
         # and nothing else touched (row 1's context before its start, bit for bit)
@@ -286,3 +297,45 @@ def test_cached_attention_kernel_lowers_for_gpus():
         fn = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False))
         text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
         assert "dflash_cached_attention" in text and "triton" in text
+
+
+# -- the fused residual add + RMSNorm ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("with_delta", [True, False], ids=["add", "norm-only"])
+def test_add_rms_norm_kernel_equals_layer_reference(dtype, with_delta):
+    """``kernels_pallas.add_rms_norm`` (interpret mode) against ``layers.add_rms_norm(fused=False)``:
+    the sum bit for bit, the norm to rounding; rows of very different scales (the norm is per row)."""
+    from flax import nnx
+
+    from dflash_jax.layers import RMSNorm, add_rms_norm
+    from kernels_pallas import add_rms_norm as kernel
+
+    hidden = 256
+    norm = RMSNorm(hidden, 1e-6, dtype=dtype)
+    keys = jax.random.split(jax.random.PRNGKey(7), 3)
+    norm.weight[...] = (1 + 0.5 * jax.random.normal(keys[0], (hidden,))).astype(dtype)
+    scales = jnp.array([1e-3, 1.0, 30.0, 1.0, 0.1, 5.0]).reshape(2, 1, 3, 1)
+    h = (scales * jax.random.normal(keys[1], (2, 1, 3, hidden))).astype(dtype)
+    delta = jax.random.normal(keys[2], h.shape).astype(dtype) if with_delta else None
+    want_s, want_y = jax.jit(lambda h, d: add_rms_norm(h, d, norm, fused=False))(h, delta)
+    got_s, got_y = jax.jit(lambda h, d: kernel(h, d, norm.weight[...], eps=1e-6))(h, delta)
+    np.testing.assert_array_equal(np.asarray(got_s, np.float32), np.asarray(want_s, np.float32))
+    assert got_y.dtype == want_y.dtype and got_y.shape == want_y.shape
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == jnp.float32 else dict(rtol=8e-3, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_y, np.float32), np.asarray(want_y, np.float32), **tol)
+    # and the layer path with fused=True takes the kernel on this CPU (interpret mode)
+    assert "dflash_add_rms_norm" in str(jax.make_jaxpr(lambda h, d: add_rms_norm(h, d, norm, fused=True))(h, delta))
+
+
+def test_add_rms_norm_kernel_lowers_for_gpus():
+    """Triton IR for cuda, built on this CPU: Qwen3-8B's width, a verify block's rows."""
+    from kernels_pallas import add_rms_norm as kernel
+
+    sd = jax.ShapeDtypeStruct
+    for delta in (sd((1, 16, 4096), jnp.bfloat16), None):
+        fn = jax.jit(lambda h, d, w: kernel(h, d, w, eps=1e-6, interpret=False))
+        text = fn.trace(sd((1, 16, 4096), jnp.bfloat16), delta, sd((4096,), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "dflash_add_rms_norm" in text and "triton" in text

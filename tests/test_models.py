@@ -261,3 +261,52 @@ def test_fused_serving_layout_matches_transformers(bias, tmp_path, reference):
     _assert_matches_transformers(fused, ref, _ids(4, 2, 17), (0, cfg.num_layers - 1))
     with pytest.raises(ValueError, match="fused serving layout"):
         save_target(fused, tmp_path / "again")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_drafter_serving_layout_draft_equals_training_forward(impl, bias):
+    """``Drafter.draft`` in the engine's serving layout (fused QKV / gate-up, one context-K/V matmul
+    for all layers; Pallas kernels in interpret mode for ``impl="pallas"``) over a context cache equals
+    ``Drafter.__call__`` in the checkpoint layout: rows of different context lengths, a short block,
+    stale cache entries past each row's context that must not be read."""
+    from flax import nnx
+
+    from dflash_jax.cache import write_all_layers
+    from dflash_jax.drafter import Drafter
+    from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
+
+    tcfg = tiny_target_config(num_layers=6)
+    dcfg = tiny_drafter_config(tcfg, num_layers=2, block_size=8, attention_bias=bias)
+    drafter = Drafter(dcfg, rngs=nnx.Rngs(5))
+    if bias:  # zero-initialised: make them matter
+        for path, var in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
+            if "bias" in str(path[-1]):
+                var.set_value(0.1 * jax.random.normal(jax.random.key(len(path)), var.get_value().shape))
+    keys = jax.random.split(jax.random.key(0), 4)
+    batch, n, cap, block = 3, 20, 48, dcfg.block_size
+    taps = jax.random.normal(keys[0], (batch, n, len(dcfg.target_layer_ids) * tcfg.hidden_size))
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
+    starts = jnp.array([20, 5, 13], jnp.int32)
+    valid = jnp.array([block, block, 3], jnp.int32)
+    embeds = jax.random.normal(keys[1], (batch, 1, block, tcfg.hidden_size))
+
+    k, v = drafter.context_kv(taps, positions)
+    junk = KVCache.zeros(dcfg.num_layers, batch, cap, dcfg.num_kv_heads, dcfg.head_dim, jnp.float32)
+    junk = KVCache(tuple(x + jax.random.normal(keys[2], x.shape) for x in junk.k),
+                   tuple(x + jax.random.normal(keys[3], x.shape) for x in junk.v))
+    cache = write_all_layers(junk, k, v, jnp.zeros((batch,), jnp.int32))
+    block_pos = (starts[:, None] + jnp.arange(block, dtype=jnp.int32))[:, None]
+    want = drafter(embeds, block_pos, jnp.stack(cache.k), jnp.stack(cache.v), starts[:, None], valid[:, None])
+
+    served = nnx.clone(drafter)
+    served.serving_layout()
+    assert served.context_kv_proj.shape == (tcfg.hidden_size, dcfg.num_layers, 2, dcfg.num_kv_heads, dcfg.head_dim)
+    assert served.layers[0].self_attn.k_proj is None and drafter.layers[0].self_attn.k_proj is not None
+    got_k, got_v = jax.jit(served.context_kv)(taps, positions)
+    np.testing.assert_allclose(np.asarray(got_k), np.asarray(k), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_v), np.asarray(v), atol=1e-5, rtol=1e-5)
+    got = jax.jit(lambda e, c: served.draft(e, starts, c, valid, attention_impl=impl))(embeds, cache)
+    assert got.shape == want.shape
+    rows = np.arange(block)[None, :] < np.asarray(valid)[:, None]  # the short block's padding slots are free
+    np.testing.assert_allclose(np.asarray(got)[:, 0][rows], np.asarray(want)[:, 0][rows], atol=1e-5, rtol=1e-5)

@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Batch-1 decode step under variants of the engine's kernels and XLA compiler options, in one process.
+
+Each variant builds fresh engines over the same Qwen3-8B-shaped weights (bench_engine.py's model
+and method: on-device loop, state donated, median of repeats) with
+
+- ``options``: XLA options for the decode jit only (``jax.jit(..., compiler_options=...)``, as the
+  engine passes its own per-backend options; an option this XLA does not know fails that variant);
+- ``unfused_norms``: residual adds and RMSNorms as XLA ops instead of the add_rms_norm kernel.
+
+    python bench/sweep_decode_options.py --out $OUT/sweep.json             # on the GPU
+    python bench/sweep_decode_options.py --tiny --only base                  # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import kernels_pallas  # noqa: E402
+from bench_engine import HBM_BYTES_PER_S, param_bytes, qwen3_8b, time_decode  # noqa: E402
+from dflash_jax import engine as engine_module  # noqa: E402
+from dflash_jax.drafter import Drafter  # noqa: E402
+from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
+from dflash_jax.target import Target  # noqa: E402
+from dflash_jax.tiny import tiny_drafter_config, tiny_target_config  # noqa: E402
+
+NO_SPLIT_K = {"xla_gpu_experimental_force_split_k": 1}
+VARIANTS = {  # name: (XLA options, unfused norms)
+    "base": ({}, False),
+    "unfused_norms": ({}, True),
+    "no_split_k": (NO_SPLIT_K, False),
+    "no_split_k+unfused_norms": (NO_SPLIT_K, True),
+    "gemm_fusion_v2": ({"xla_gpu_experimental_gemm_fusion_v2": True}, False),
+    "gemm_fusion_v2+unfused_norms": ({"xla_gpu_experimental_gemm_fusion_v2": True}, True),
+    "block_level_rewriter+unfused_norms": ({"xla_gpu_experimental_enable_fusion_block_level_rewriter": True}, True),
+    "all_fusions_with_triton+unfused_norms": ({"xla_gpu_experimental_all_fusions_with_triton": True}, True),
+    "heroless_priority_fusion+unfused_norms": ({"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
+                                               True),
+    "triton_multi_output_fusion+unfused_norms": ({"xla_gpu_unsupported_enable_triton_multi_output_fusion": True}, True),
+    "exhaustive_tiling_search": ({"xla_gpu_exhaustive_tiling_search": True}, False),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    ap.add_argument("--dflash", default="base,unfused_norms,no_split_k", help="variants that also time the DFlash step")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    tcfg = tiny_target_config() if args.tiny else qwen3_8b(36)
+    dcfg = tiny_drafter_config(tcfg, num_layers=5, block_size=16, mask_token_id=tcfg.vocab_size - 1)
+    target = Target(tcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    drafter = Drafter(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    tbytes = param_bytes(target) - tcfg.vocab_size * tcfg.hidden_size * 2
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+
+    default_options = engine_module._decode_compiler_options
+    supported = kernels_pallas.add_rms_norm_supported
+    names = [n for n in args.only.split(",") if n] or list(VARIANTS)
+    with_dflash = set(args.dflash.split(","))
+    results = {}
+    for name in names:
+        options, unfused_norms = VARIANTS[name]
+        engine_module._decode_compiler_options = lambda o=options: {**(default_options() or {}), **o} or None
+        kernels_pallas.add_rms_norm_supported = (lambda *a, **k: False) if unfused_norms else supported
+        cfg = EngineConfig(max_batch_size=1, max_length=args.context + 512, prompt_buckets=(args.context,),
+                           steps_per_sync=8, attention_impl="pallas")
+        t0 = time.perf_counter()
+        try:
+            plain = Engine(target, None, cfg)
+            t_plain, _ = time_decode(plain, 1, args.context, args.steps, args.repeats)
+            t_spec = None
+            if name in with_dflash:
+                spec = Engine(target, drafter, cfg)
+                t_spec, _ = time_decode(spec, 1, args.context, args.steps, args.repeats)
+        except Exception as err:  # noqa: BLE001  (an option this XLA rejects fails its variant only)
+            print(f"{name}: failed: {str(err).splitlines()[0][:200]}", flush=True)
+            results[name] = dict(error=str(err)[:500])
+            continue
+        kv = 2 * tcfg.num_layers * args.context * tcfg.num_kv_heads * tcfg.head_dim * 2
+        results[name] = dict(options=options, unfused_norms=unfused_norms, target_step_s=t_plain,
+                             spec_step_s=t_spec, hbm_fraction=(tbytes + kv) / HBM_BYTES_PER_S / t_plain,
+                             wall_s=time.perf_counter() - t0)
+        print(json.dumps({name: results[name]}), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+
+    print("\nvariant | target step ms | % HBM roofline | DFlash step ms | DFlash / target")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name} | failed")
+            continue
+        spec = f"{r['spec_step_s'] * 1e3:.2f} | {r['spec_step_s'] / r['target_step_s']:.2f}" if r["spec_step_s"] else "- | -"
+        print(f"{name} | {r['target_step_s'] * 1e3:.2f} | {100 * r['hbm_fraction']:.0f}% | {spec}")
+
+
+if __name__ == "__main__":
+    main()
