@@ -120,27 +120,59 @@ def time_draft(engine: Engine, batch: int, context: int, steps: int, repeats: in
     return statistics.median(times)
 
 
+def _load_trace(out_dir: str):
+    """The events of the last Perfetto trace under ``out_dir``, with process and thread names."""
+    import gzip
+
+    paths = sorted(Path(out_dir).rglob("perfetto_trace.json.gz"))
+    if not paths:
+        print(f"profile: no perfetto trace under {out_dir}", flush=True)
+        return None
+    events = json.loads(gzip.open(paths[-1]).read())["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return events, procs, threads
+
+
+def profile_ttft(engine: Engine, context: int, out_dir: str, listing: Path) -> None:
+    """Traces one ``Engine.generate`` of a ``context``-token prompt and writes every host and device
+    event of its first 100 ms (offset from the first event, duration, where, name; Python calls of
+    50 us or more) to ``listing``: what the time to first token is made of."""
+    prompt = np.random.RandomState(1).randint(0, engine.target.config.vocab_size - 1, context).tolist()
+    engine.generate([prompt], 8)
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        (res,) = engine.generate([prompt], 8)
+    trace = _load_trace(out_dir)
+    if trace is None:
+        return
+    events, procs, threads = trace
+    spans = [e for e in events if e.get("ph") == "X"]
+    t0 = min(e["ts"] for e in spans)
+    rows = sorted((e["ts"] - t0, e.get("dur", 0), f"{procs.get(e['pid'], e['pid'])}/{threads.get((e['pid'], e['tid']), e['tid'])}",
+                   e["name"]) for e in spans
+                  if e["ts"] - t0 < 100_000 and (e.get("dur", 0) >= 50 or "python" not in str(threads.get(
+                      (e["pid"], e["tid"]), ""))))
+    listing.write_text(f"TTFT {res.time_to_first_token * 1e3:.1f} ms\n" + "".join(
+        f"{t / 1e3:9.3f} ms {d / 1e3:8.3f} ms  {where[:40]:40s} {name[:100]}\n" for t, d, where, name in rows))
+    print(f"TTFT profile: {res.time_to_first_token * 1e3:.1f} ms; {len(rows)} events in {listing}", flush=True)
+
+
 def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir: str, top: int = 30,
                    listing: Path | None = None) -> None:
     """Traces ``steps`` decode steps (jax.profiler, Perfetto JSON) and prints the GPU time per kernel
     name per step: where a step's time goes. ``listing``: also write every kernel of the trace, in
     launch order, to this file."""
-    import gzip
-
     state = synthetic_state(engine, batch, context, seed=batch + 7)
     state, _ = engine.decode(state, n_steps=steps)
     jax.block_until_ready(state.starts)
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
         state, _ = engine.decode(state, n_steps=steps)
         jax.block_until_ready(state.starts)
-    paths = sorted(Path(out_dir).rglob("perfetto_trace.json.gz"))
-    if not paths:
-        print(f"profile: no perfetto trace under {out_dir}", flush=True)
+    trace = _load_trace(out_dir)
+    if trace is None:
         return
-    events = json.loads(gzip.open(paths[-1]).read())["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    events, procs, threads = trace
     lines: dict = {}
     for e in events:
         if e.get("ph") == "X" and "GPU" in procs.get(e.get("pid"), ""):
@@ -291,6 +323,9 @@ def main() -> None:
                 try:
                     listing = Path(args.out).parent / f"launch_order_{name}.txt" if args.out else None
                     profile_decode(engine, 1, args.context, 8, str(Path(args.profile) / name), listing=listing)
+                    if listing is not None:
+                        profile_ttft(engine, args.context, str(Path(args.profile) / f"ttft_{name}"),
+                                     listing.with_name(f"ttft_{name}.txt"))
                 except Exception as err:  # noqa: BLE001  (profiling is a diagnostic: keep the timings)
                     print(f"profile failed: {err!r}", flush=True)
         if batch == 1:

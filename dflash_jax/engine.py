@@ -97,6 +97,22 @@ def _decode_compiler_options() -> dict | None:
     return None
 
 
+def _one_shot_compiler_options() -> dict | None:
+    """XLA options for the phases that run once per admission (prefill, admit, resize, release,
+    empty state).
+
+    On GPUs XLA runs a jitted function's kernels as CUDA graphs (command buffers), recorded and
+    instantiated again whenever the function's buffers move. The decode loop keeps its buffers
+    (donated state) and reuses its graphs; a prefill gets fresh buffers every call, and on the H200
+    re-recording its graph took ~25 ms per call, longer than the 512-token prefill itself (the
+    engine's time to first token, docs/benchmarks.md). Without graphs its kernels are launched one
+    by one, which a prefill of large matmuls hides.
+    """
+    if jax.default_backend() == "gpu":
+        return {"xla_gpu_enable_command_buffer": ""}
+    return None
+
+
 MIN_WINDOW = 64  # the smallest attention window a decode call compiles for
 
 
@@ -164,13 +180,15 @@ class Engine:
         if drafter is not None:
             self._drafter_def, drafter_state = nnx.split(drafter)
             self._drafter_state, self._drafter_tree = jax.tree.flatten(drafter_state)
-        self._prefill = jax.jit(self._precise(self._prefill_fn))
+        once = _one_shot_compiler_options()
+        self._prefill = jax.jit(self._precise(self._prefill_fn), compiler_options=once)
         self._decode = jax.jit(self._precise(self._decode_fn), donate_argnums=(2,), static_argnames=("window",),
                                compiler_options=_decode_compiler_options())
-        self._empty = jax.jit(self._empty_fn, static_argnames=("rows",))
-        self._admit = jax.jit(self._admit_fn, donate_argnums=(0,))
-        self._resize = jax.jit(self._resize_fn, static_argnames=("rows",))  # a new shape: nothing to donate to
-        self._release = jax.jit(self._release_fn, donate_argnums=(0,))
+        self._empty = jax.jit(self._empty_fn, static_argnames=("rows",), compiler_options=once)
+        self._admit = jax.jit(self._admit_fn, donate_argnums=(0,), compiler_options=once)
+        # a new shape: nothing to donate to
+        self._resize = jax.jit(self._resize_fn, static_argnames=("rows",), compiler_options=once)
+        self._release = jax.jit(self._release_fn, donate_argnums=(0,), compiler_options=once)
         self._mask_id = drafter.config.mask_token_id if drafter is not None else 0
         self.vocab_size = target.config.vocab_size
         self.speculative = drafter is not None
@@ -339,13 +357,13 @@ class Engine:
         of ``state``; donates ``state``. The prefill's padding rows are dropped."""
         index = np.full((rows.starts.shape[0],), state.starts.shape[0], np.int32)  # out of range: dropped
         index[: len(slots)] = slots
-        return self._admit(state, rows, jnp.asarray(index))
+        return self._admit(state, rows, index)
 
     def resize(self, state: decoding.DecodeState, keep: Sequence[int], *, rows: int) -> decoding.DecodeState:
         """A state of ``rows`` rows: rows ``keep`` of ``state``, in that order, then free slots."""
         index = np.full((state.starts.shape[0],), rows, np.int32)  # out of range: dropped
         index[list(keep)] = np.arange(len(keep))
-        return self._resize(state, jnp.asarray(index), rows=rows)
+        return self._resize(state, index, rows=rows)
 
     def release(self, state: decoding.DecodeState, slots: Sequence[int]) -> decoding.DecodeState:
         """Marks rows ``slots`` done (requests given up on); donates ``state``."""
@@ -431,8 +449,8 @@ class Engine:
         return [generation.result for generation in generations]
 
     def _put_batch(self, x: np.ndarray) -> jax.Array:
-        if self.mesh is None:
-            return jnp.asarray(x)
+        if self.mesh is None:  # a plain transfer (``jnp.asarray`` runs a small XLA program per array)
+            return jax.device_put(x)
         axes = ("batch",) + ("length",) * (x.ndim - 1)
         return jax.device_put(x, named_sharding(axes, x.shape, self.mesh, self._rules))
 
