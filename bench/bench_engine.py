@@ -47,6 +47,19 @@ def param_bytes(module) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
 
+def streamed_bytes(target: Target) -> int:
+    """The target weights a bf16 decode step reads: all but the embedding table (one row of it)."""
+    return param_bytes(target) - target.config.vocab_size * target.config.hidden_size * 2
+
+
+def hbm_roofline_s(target: Target, batch: int, context: int) -> float:
+    """A bf16 target-only decode step at HBM bandwidth: its weights plus every row's K/V of
+    ``context`` positions."""
+    c = target.config
+    kv_bytes = 2 * c.num_layers * batch * context * c.num_kv_heads * c.head_dim * 2
+    return (streamed_bytes(target) + kv_bytes) / HBM_BYTES_PER_S
+
+
 def synthetic_state(engine: Engine, batch: int, context: int, seed: int) -> decoding.DecodeState:
     """A decode state as after a prefill of ``context`` random tokens, caches full of random data."""
     tc, cap = engine.target.config, engine.capacity
@@ -294,7 +307,7 @@ def main() -> None:
     t0 = time.perf_counter()
     target = Target(tcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     drafter = Drafter(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
-    tbytes = param_bytes(target) - tcfg.vocab_size * tcfg.hidden_size * 2  # one embedding row is read
+    tbytes = streamed_bytes(target)
     dbytes = param_bytes(drafter)
     print(f"init {time.perf_counter() - t0:.1f}s; target streams {tbytes / 1e9:.2f} GB/token-step, "
           f"drafter {dbytes / 1e9:.2f} GB", flush=True)
@@ -309,8 +322,7 @@ def main() -> None:
         t_plain, _ = time_decode(plain, batch, args.context, args.steps, args.repeats)
         t_spec, tau = time_decode(spec, batch, args.context, args.steps, args.repeats)
         t_draft = time_draft(spec, batch, args.context, args.steps, args.repeats) if batch in draft_batches else None
-        kv_bytes = 2 * tcfg.num_layers * batch * args.context * tcfg.num_kv_heads * tcfg.head_dim * 2
-        roofline = (tbytes + kv_bytes) / HBM_BYTES_PER_S
+        roofline = hbm_roofline_s(target, batch, args.context)
         entry = dict(target_step_s=t_plain, spec_step_s=t_spec, draft_s=t_draft, tau_random=tau,
                      target_tok_s=batch / t_plain, spec_tok_s_random=batch * tau / t_spec,
                      spec_tok_s_projected=batch * args.tau / t_spec, step_ratio=t_spec / t_plain,

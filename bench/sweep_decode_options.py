@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import kernels_pallas  # noqa: E402
-from bench_engine import HBM_BYTES_PER_S, param_bytes, qwen3_8b, time_decode  # noqa: E402
+from bench_engine import hbm_roofline_s, qwen3_8b, time_decode  # noqa: E402
 from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax.drafter import Drafter  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
@@ -67,7 +67,6 @@ def main() -> None:
     dcfg = tiny_drafter_config(tcfg, num_layers=5, block_size=16, mask_token_id=tcfg.vocab_size - 1)
     target = Target(tcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     drafter = Drafter(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
-    tbytes = param_bytes(target) - tcfg.vocab_size * tcfg.hidden_size * 2
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
 
     default_options = engine_module._decode_compiler_options
@@ -93,9 +92,8 @@ def main() -> None:
             print(f"{name}: failed: {str(err).splitlines()[0][:200]}", flush=True)
             results[name] = dict(error=str(err)[:500])
             continue
-        kv = 2 * tcfg.num_layers * args.context * tcfg.num_kv_heads * tcfg.head_dim * 2
         results[name] = dict(options=options, unfused_norms=unfused_norms, target_step_s=t_plain,
-                             spec_step_s=t_spec, hbm_fraction=(tbytes + kv) / HBM_BYTES_PER_S / t_plain,
+                             spec_step_s=t_spec, hbm_fraction=hbm_roofline_s(target, 1, args.context) / t_plain,
                              wall_s=time.perf_counter() - t0)
         print(json.dumps({name: results[name]}), flush=True)
         if args.out:

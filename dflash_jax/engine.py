@@ -369,7 +369,7 @@ class Engine:
         """Marks rows ``slots`` done (requests given up on); donates ``state``."""
         release = np.zeros((state.starts.shape[0],), bool)
         release[list(slots)] = True
-        return self._release(state, jnp.asarray(release))
+        return self._release(state, release)
 
     def warmup(self, batch_sizes: Sequence[int] | None = None) -> float:
         """Compiles what requests of up to ``batch_sizes`` prompts at a time run (default: 1 and
