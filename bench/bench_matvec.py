@@ -1,16 +1,18 @@
 #!/usr/bin/env python
-"""Batch-1 decode matmuls against the HBM roofline: XLA vs the Pallas skinny matmul, split vs fused.
+"""Decode matmuls against the HBM roofline: XLA against the candidate kernel ``decode_matmul.py``.
 
-A batch-1 target step is ~7 weight-streaming matmuls per layer; this script isolates them.
+A batch-1 decode step is weight streaming: four matmuls per layer (Qwen3-8B: fused QKV 4096x6144,
+output 4096x4096, fused gate-up 4096x24576, down 12288x4096) plus the LM head. This script:
 
-1. Read ceiling: one jit that reads every weight once (a column sum; a poor ceiling: XLA's
-   column reductions do not stream at full bandwidth, kept only as a sanity line).
-2. Per shape (Qwen3-8B: q/o 4096x4096, k/v 4096x1024, fused qkv 4096x6144, gate/up 4096x12288,
-   fused gate-up 4096x24576, down 12288x4096, head 4096x151936): XLA's dot at M=1 and M=4 and a
-   sweep of the skinny-matmul kernel's tilings (below) at M=1, over 36 distinct weights (nothing stays
-   in the 60 MB L2). Median of repeats of a jitted loop, after warm-up.
-3. The layer chain of a whole step (36 layers + LM head, no attention): the model's per-head
-   einsums, 2-D dots with fused QKV / gate-up, and the Pallas kernel on each, at M=1 (and XLA at M=4).
+1. checks the kernel on the GPU against ``decode_matmul_reference`` (each shape in its engine role:
+   QKV and gate-up with the residual add + RMSNorm prologue, gate-up with the SwiGLU epilogue);
+2. per shape, weight layout (``[K, N]`` as the engine stores it, ``[N, K]``) and row count (1: a
+   decode token, 16: a verify block), times XLA's dot and the kernel over a sweep of tiles (at 16
+   rows also without its prologue, to see what the prologue costs), 36 distinct weights per timing
+   so nothing stays in the 60 MB L2;
+3. times the layer chain of a whole step (36 layers + LM head, attention replaced by an
+   elementwise stand-in) four ways: XLA throughout, the engine's way (XLA matmuls, the
+   ``add_rms_norm`` kernel), and the candidate kernel on ``[K, N]`` and on ``[N, K]`` weights.
 
     python bench/bench_matvec.py --out $OUT/matvec.json            # on the GPU
     python bench/bench_matvec.py --tiny                             # CPU smoke test (interpret)
@@ -20,92 +22,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# -- the candidate kernel: a skinny matmul for decode, Pallas with the Triton lowering ------------
-# Streams ``w [K, N]`` in ``[block_k, block_n]`` tiles through Triton's software pipeline, one
-# program per (column block, K split); the rows of ``x`` are padded to 16, the smallest MMA tile.
-# Measured here against XLA's dots; not used by the engine (see docs/benchmarks.md).
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
-ROWS = 16  # the MMA's smallest M
-
-
-@dataclasses.dataclass(frozen=True)
-class MatvecConfig:
-    block_n: int = 64
-    block_k: int = 256
-    splits: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-def reference(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x [M, K] @ w [K, N] -> [M, N]`` in x.dtype, float32 accumulation."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _kernel(x_ref, w_ref, o_ref, *, block_k: int, k_per_split: int):
-    """x_ref ``[16, K]``, w_ref ``[K, block_n]`` (strided view), o_ref ``[16, block_n]``."""
-    s = pl.program_id(1)
-    k0 = s * k_per_split
-
-    def body(i, acc):
-        ks = pl.multiple_of(k0 + i * block_k, block_k)
-        xs = x_ref[:, pl.ds(ks, block_k)]
-        ws = w_ref[pl.ds(ks, block_k), :]
-        return acc + lax.dot_general(xs, ws, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-    acc = jnp.zeros(o_ref.shape, jnp.float32)
-    acc = lax.fori_loop(0, k_per_split // block_k, body, acc)
-    o_ref[...] = acc.astype(o_ref.dtype)
-
-
-def matvec(x: jax.Array, w: jax.Array, *, config: MatvecConfig | None = None, interpret: bool = False) -> jax.Array:
-    """``x [M, K] @ w [K, N] -> [M, N]`` (M <= 16) in x.dtype; K and N multiples of the tiles."""
-    cfg = config or MatvecConfig()
-    m, k = x.shape
-    k2, n = w.shape
-    if k != k2 or m > ROWS:
-        raise ValueError(f"matvec: x {x.shape} @ w {w.shape} needs equal K and M <= {ROWS}")
-    bn = min(cfg.block_n, n)
-    bk = min(cfg.block_k, k)
-    if n % bn or k % (bk * cfg.splits):
-        raise ValueError(f"matvec: N={n} / K={k} not divisible by block_n={bn} / block_k*splits={bk * cfg.splits}")
-    xp = jnp.pad(x, ((0, ROWS - m), (0, 0)))
-    k_per_split = k // cfg.splits
-    out_dtype = x.dtype if cfg.splits == 1 else jnp.float32
-    from jax.experimental.pallas import triton as plgpu_triton
-
-    out = pl.pallas_call(
-        functools.partial(_kernel, block_k=bk, k_per_split=k_per_split),
-        grid=(n // bn, cfg.splits),
-        in_specs=[
-            pl.BlockSpec((ROWS, k), lambda j, s: (0, 0)),
-            pl.BlockSpec((k, bn), lambda j, s: (0, j)),
-        ],
-        out_specs=pl.BlockSpec((None, ROWS, bn), lambda j, s: (s, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((cfg.splits, ROWS, n), out_dtype),
-        compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret,
-        name="dflash_matvec",
-    )(xp, w)
-    out = out[0] if cfg.splits == 1 else jnp.sum(out, axis=0)
-    return out[:m].astype(x.dtype)
-
-
-# -- the benchmark ------------------------------------------------------------------------------
+import kernels_pallas  # noqa: E402
+from decode_matmul import MatmulConfig, decode_matmul, decode_matmul_reference, supports  # noqa: E402
 
 HIDDEN, HEADS, KV, HD, MLP, VOCAB, LAYERS = 4096, 32, 8, 128, 12288, 151936, 36
 TINY = dict(HIDDEN=256, HEADS=4, KV=2, HD=64, MLP=512, VOCAB=1024, LAYERS=2)
+EPS = 1e-6
 
 
 def timeit(fn, *args, repeats: int, inner: int) -> float:
@@ -120,7 +53,6 @@ def timeit(fn, *args, repeats: int, inner: int) -> float:
         return jax.lax.fori_loop(0, inner, body, jnp.zeros((), jnp.float32))
 
     jax.block_until_ready(loop(*args))
-    jax.block_until_ready(loop(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -129,201 +61,186 @@ def timeit(fn, *args, repeats: int, inner: int) -> float:
     return statistics.median(times)
 
 
-def normal(key, shape, dtype):
-    return jax.jit(lambda k: (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype), static_argnums=())(key)
+def normal(key, shape, dtype, scale=0.02):
+    return jax.jit(lambda k: (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype))(key)
 
 
-def rms(h):
-    hf = h.astype(jnp.float32)
-    return (hf * jax.lax.rsqrt(jnp.mean(hf * hf, -1, keepdims=True) + 1e-6)).astype(h.dtype)
+def xla_role(x, w, delta, norm, swiglu):
+    """The XLA ops the kernel replaces: add, RMSNorm, dot, SwiGLU (separate kernels at batch 1)."""
+    return decode_matmul_reference(x, w, delta=delta, norm=norm, eps=EPS, swiglu=swiglu)
 
 
-def make_layers(key, dtype, fused: bool):
-    layers = []
-    for i in range(LAYERS):
-        ks = jax.random.split(jax.random.fold_in(key, i), 7)
-        if fused:
-            layers.append(dict(
-                qkv=normal(ks[0], (HIDDEN, (HEADS + 2 * KV) * HD), dtype), o=normal(ks[3], (HEADS * HD, HIDDEN), dtype),
-                gu=normal(ks[4], (HIDDEN, 2 * MLP), dtype), d=normal(ks[6], (MLP, HIDDEN), dtype)))
+def sweep(k: int, n: int, swiglu: bool, w_nk: bool) -> list[MatmulConfig]:
+    out = [MatmulConfig()]
+    for block_n in ((16, 32, 64) if w_nk else (32, 64)):
+        for block_k in ((256, 512) if w_nk else (256,)):
+            for stages in (3, 4):
+                out.append(MatmulConfig(block_n=block_n, block_k=block_k, num_stages=stages))
+    return [c for c in out if supports(1, k, n, swiglu=swiglu, config=c)]
+
+
+def layer_chain(h, layers, head, mode: str, tiles=None):
+    """One step's matmuls with their norms and residual adds; ``mode``: "xla", "norm-kernel" (XLA
+    matmuls, the ``add_rms_norm`` kernel) or "decode-matmul kn" / "decode-matmul nk" (the kernel
+    on ``[K, N]`` / ``[N, K]`` weights, ``tiles`` per shape name)."""
+    delta = None
+    for w in layers:
+        rows = h.shape[0]
+        if mode.startswith("decode-matmul"):
+            layout = mode.split()[-1]
+            mm = lambda a, name, **kw: decode_matmul(  # noqa: E731
+                a, w[name], w_nk=layout == "nk", config=tiles.get((name, layout)), **kw)
+            qkv, h = mm(h, "qkv", delta=delta, norm=w["n1"], eps=EPS)
+            attn = qkv[:, :HEADS * HD] + qkv[:, HEADS * HD:HEADS * HD + 1]  # stand-in, keeps k/v live
+            o, _ = mm(attn, "o")
+            m, h = mm(h, "gate-up", delta=o, norm=w["n2"], eps=EPS, swiglu=True)
+            delta, _ = mm(m, "down")
+            continue
+        if mode == "norm-kernel":
+            h, x = kernels_pallas.add_rms_norm(h, delta, w["n1"], eps=EPS)
         else:
-            layers.append(dict(
-                q=normal(ks[0], (HIDDEN, HEADS, HD), dtype), k=normal(ks[1], (HIDDEN, KV, HD), dtype),
-                v=normal(ks[2], (HIDDEN, KV, HD), dtype), o=normal(ks[3], (HEADS, HD, HIDDEN), dtype),
-                g=normal(ks[4], (HIDDEN, MLP), dtype), u=normal(ks[5], (HIDDEN, MLP), dtype),
-                d=normal(ks[6], (MLP, HIDDEN), dtype)))
-    return layers
-
-
-def fake_attention(q, k, v):
-    """[M, H, D], [M, KV, D] x2 -> [M, H, D]: keeps k and v live at elementwise cost."""
-    g = q.shape[1] // k.shape[1]
-    return q + jnp.repeat(k + v, g, axis=1)
-
-
-def step_heads(h, layers, head):
-    """The model's layout: per-head einsums, separate projections."""
-    for w in layers:
-        x = rms(h)
-        q = jnp.einsum("mh,hkd->mkd", x, w["q"])
-        k = jnp.einsum("mh,hkd->mkd", x, w["k"])
-        v = jnp.einsum("mh,hkd->mkd", x, w["v"])
-        h = h + jnp.einsum("mkd,kdh->mh", fake_attention(q, k, v), w["o"])
-        x = rms(h)
-        h = h + (jax.nn.silu(x @ w["g"]) * (x @ w["u"])) @ w["d"]
-    return h + (rms(h) @ head)[:, :HIDDEN]
-
-
-def step_split_2d(h, layers, head):
-    """The model's separate projections, each as a 2-D dot on a reshaped (bitcast) weight."""
-    def dot2(x, w):
-        return reference(x, w.reshape(HIDDEN, -1))
-
-    for w in layers:
-        x = rms(h)
-        m = h.shape[0]
-        q = dot2(x, w["q"]).reshape(m, HEADS, HD)
-        k = dot2(x, w["k"]).reshape(m, KV, HD)
-        v = dot2(x, w["v"]).reshape(m, KV, HD)
-        h = h + reference(fake_attention(q, k, v).reshape(m, HEADS * HD), w["o"].reshape(HEADS * HD, HIDDEN))
-        x = rms(h)
-        h = h + reference(jax.nn.silu(reference(x, w["g"])) * reference(x, w["u"]), w["d"])
-    return h + reference(rms(h), head)[:, :HIDDEN]
-
-
-def step_fused(h, layers, head, dot):
-    """Fused QKV and gate-up 2-D weights through ``dot(x, w)``."""
-    for w in layers:
-        x = rms(h)
-        qkv = dot(x, w["qkv"])
-        q, k, v = jnp.split(qkv, [HEADS * HD, (HEADS + KV) * HD], axis=-1)
-        m = h.shape[0]
-        attn = fake_attention(q.reshape(m, HEADS, HD), k.reshape(m, KV, HD), v.reshape(m, KV, HD))
-        h = h + dot(attn.reshape(m, HEADS * HD), w["o"])
-        x = rms(h)
-        g, u = jnp.split(dot(x, w["gu"]), 2, axis=-1)
-        h = h + dot(jax.nn.silu(g) * u, w["d"])
-    return h + dot(rms(h), head)[:, :HIDDEN]
-
-
-def sweep_configs(k: int, n: int, sms: int) -> list[MatvecConfig]:
-    out = []
-    for bn in (32, 64, 128):
-        for bk in (128, 256):
-            for programs in (2 * sms, 4 * sms):
-                splits = 1
-                while (n // bn) * splits < programs and k % (bk * splits * 2) == 0:
-                    splits *= 2
-                cfg = MatvecConfig(block_n=bn, block_k=bk, splits=splits, num_stages=4)
-                if n % bn == 0 and k % (bk * splits) == 0 and cfg not in out:
-                    out.append(cfg)
-    return out
+            h = h if delta is None else h + delta
+            hf = h.astype(jnp.float32)
+            x = w["n1"] * (hf * jax.lax.rsqrt(jnp.mean(hf * hf, -1, keepdims=True) + EPS)).astype(h.dtype)
+        qkv = x @ w["qkv"]
+        attn = qkv[:, :HEADS * HD] + qkv[:, HEADS * HD:HEADS * HD + 1]
+        o = attn @ w["o"]
+        if mode == "norm-kernel":
+            h, x = kernels_pallas.add_rms_norm(h, o, w["n2"], eps=EPS)
+        else:
+            h = h + o
+            hf = h.astype(jnp.float32)
+            x = w["n2"] * (hf * jax.lax.rsqrt(jnp.mean(hf * hf, -1, keepdims=True) + EPS)).astype(h.dtype)
+        gu = (x @ w["gate-up"]).reshape(rows, MLP, 2)
+        delta = (jax.nn.silu(gu[..., 0]) * gu[..., 1]) @ w["down"]
+    h = h + delta
+    hf = h.astype(jnp.float32)
+    return (hf * jax.lax.rsqrt(jnp.mean(hf * hf, -1, keepdims=True) + EPS)).astype(h.dtype) @ head
 
 
 def main() -> None:
     global HIDDEN, HEADS, KV, HD, MLP, VOCAB, LAYERS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--inner", type=int, default=5)
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for the %% column")
-    ap.add_argument("--budget", type=float, default=240.0, help="seconds for the tiling sweep")
+    ap.add_argument("--budget", type=float, default=200.0, help="seconds for the tile sweep (all shapes)")
+    ap.add_argument("--rows", default="1,16", help="row counts for the per-shape table")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.tiny:
         HIDDEN, HEADS, KV, HD, MLP, VOCAB, LAYERS = (TINY[k] for k in ("HIDDEN", "HEADS", "KV", "HD", "MLP", "VOCAB", "LAYERS"))
     interpret = jax.default_backend() != "gpu"
     dtype = jnp.bfloat16
-    sms = getattr(jax.devices()[0], "core_count", None) or 132
     results: dict = {"device": jax.devices()[0].device_kind, "shapes": [], "steps": []}
-    print(f"device {results['device']} ({sms} SMs), interpret={interpret}", flush=True)
+    print(f"device {results['device']}, interpret={interpret}", flush=True)
     key = jax.random.key(0)
+    row_counts = [int(r) for r in args.rows.split(",") if r]
 
-    # -- per-shape sweep -------------------------------------------------------------------------
-    shapes = {
-        "q/o": (HIDDEN, HEADS * HD), "k/v": (HIDDEN, KV * HD), "qkv": (HIDDEN, (HEADS + 2 * KV) * HD),
-        "gate/up": (HIDDEN, MLP), "gate-up": (HIDDEN, 2 * MLP), "down": (MLP, HIDDEN), "head": (HIDDEN, VOCAB),
+    # -- per shape: correctness, XLA, the kernel's tile sweep --------------------------------------
+    shapes = {  # name: (K, N, prologue add + norm, swiglu)
+        "qkv": (HIDDEN, (HEADS + 2 * KV) * HD, True, False), "o": (HEADS * HD, HIDDEN, False, False),
+        "gate-up": (HIDDEN, 2 * MLP, True, True), "down": (MLP, HIDDEN, False, False),
     }
-    best: dict[tuple[int, int], MatvecConfig] = {}
-    print(f"{'shape':>8} {'K x N':>14} {'MB':>7} {'xla M1 us':>9} {'%':>4} {'xla M4 us':>9} {'pallas us':>9} {'%':>4}  best config", flush=True)
-    for name, (k, n) in shapes.items():
+    best: dict[tuple[str, str], MatmulConfig] = {}
+    print(f"{'shape':>8} {'w':>3} {'rows':>4} {'MB':>6} {'xla us':>8} {'%':>4} {'kernel us':>9} {'%':>4} "
+          f"{'err':>7}  best tiles", flush=True)
+    for name, (k, n, prologue, swiglu) in shapes.items():
+        t_sweep = time.perf_counter()
         copies = 2 if args.tiny else max(8, min(36, int(2.5e9 // (k * n * 2))))
         ws = [normal(jax.random.fold_in(key, 1000 + c), (k, n), dtype) for c in range(copies)]
-        x1 = normal(jax.random.fold_in(key, 1), (1, k), dtype) * 50
-        x4 = normal(jax.random.fold_in(key, 4), (4, k), dtype) * 50
+        ws_nk = [jnp.asarray(w.T) for w in ws]  # the same weights, each output's K contiguous
         nbytes = k * n * 2
+        nw = 1.0 + normal(jax.random.fold_in(key, 5), (k,), dtype, 0.1)
+        for rows in row_counts:
+            x = normal(jax.random.fold_in(key, rows), (rows, k), dtype, 1.0)
+            d = normal(jax.random.fold_in(key, 100 + rows), (rows, k), dtype, 1.0) if prologue else None
+            extra = dict(delta=d, norm=nw if prologue else None, eps=EPS, swiglu=swiglu)
+            want = xla_role(x, ws[0], d, extra["norm"], swiglu)[0].astype(jnp.float32)
 
-        def chain(dot, x):
-            return lambda ws_, i: [dot(x + i.astype(x.dtype), w) for w in ws_]
+            def chain(fn):
+                return lambda ws_, i: [fn(x + i.astype(dtype), w) for w in ws_]
 
-        want = reference(x1.astype(jnp.float32), ws[0].astype(jnp.float32))
-        t_x1 = timeit(chain(reference, x1), ws, repeats=args.repeats, inner=args.inner) / copies
-        t_x4 = timeit(chain(reference, x4), ws, repeats=args.repeats, inner=args.inner) / copies
-        row = {"shape": name, "k": k, "n": n, "bytes": nbytes, "xla_m1_s": t_x1, "xla_m4_s": t_x4, "pallas": []}
-        t_shape = time.perf_counter()
-        configs = sweep_configs(k, n, sms)[: 2 if args.tiny else None]
-        for cfg in configs:
-            if time.perf_counter() - t_shape > args.budget / len(shapes) and row["pallas"]:
-                break
-            dot = lambda a, b, c=cfg: matvec(a, b, config=c, interpret=interpret)  # noqa: E731
-            try:
-                got = dot(x1, ws[0])
-                err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / (jnp.max(jnp.abs(want)) + 1e-9))
-                t = timeit(chain(dot, x1), ws, repeats=args.repeats, inner=args.inner) / copies
-            except Exception as e:  # noqa: BLE001
-                print(f"    {cfg}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
-                continue
-            row["pallas"].append({"config": cfg.__dict__, "s": t, "rel_err": err})
-        if row["pallas"]:
-            top = min(row["pallas"], key=lambda r: r["s"])
-            best[(k, n)] = MatvecConfig(**top["config"])
-            ok = all(r["rel_err"] < 2e-2 for r in row["pallas"])
-            print(f"{name:>8} {f'{k}x{n}':>14} {nbytes / 1e6:>7.1f} {t_x1 * 1e6:>9.1f} {nbytes / t_x1 / args.bandwidth:>4.0%} "
-                  f"{t_x4 * 1e6:>9.1f} {top['s'] * 1e6:>9.1f} {nbytes / top['s'] / args.bandwidth:>4.0%}  "
-                  f"{top['config']} {'ok' if ok else 'ERR'}", flush=True)
-        results["shapes"].append(row)
-        del ws
+            for layout, weights in (("kn", ws), ("nk", ws_nk)):
+                w_nk = layout == "nk"
+                dot = (lambda a, w: a @ w.T) if w_nk else (lambda a, w: a @ w)
+                t_dot = timeit(chain(dot), weights, repeats=args.repeats, inner=args.inner) / copies
+                row = {"shape": name, "layout": layout, "rows": rows, "k": k, "n": n, "bytes": nbytes,
+                       "xla_dot_s": t_dot, "kernel": []}
+                key_ = (name, layout)
+                configs = sweep(k, n, swiglu, w_nk) if rows == row_counts[0] else [best.get(key_, MatmulConfig())]
+                if args.tiny:
+                    configs = configs[:2]
+                variants = [(cfg, extra) for cfg in configs]
+                if prologue and rows != row_counts[0]:  # what the prologue costs at this row count
+                    variants.append((configs[0], dict(extra, delta=None)))
+                    variants.append((configs[0], dict(extra, delta=None, norm=None)))
+                for cfg, ex in variants:
+                    if (time.perf_counter() - t_sweep > args.budget / len(shapes) and row["kernel"]) or not supports(
+                            rows, k, n, swiglu=swiglu, compiled=not interpret, config=cfg):
+                        continue
+                    fn = lambda a, w, c=cfg, e=ex, t=w_nk: decode_matmul(  # noqa: E731
+                        a, w, interpret=interpret, config=c, w_nk=t, **e)[0]
+                    role = "add+norm" if ex["delta"] is not None else "norm" if ex["norm"] is not None else "plain"
+                    try:
+                        got = jax.jit(fn)(x, weights[0]).astype(jnp.float32)
+                        err = (float(jnp.max(jnp.abs(got - want)) / (jnp.max(jnp.abs(want)) + 1e-9))
+                               if ex is extra else 0.0)
+                        t = timeit(chain(fn), weights, repeats=args.repeats, inner=args.inner) / copies
+                    except Exception as e:  # noqa: BLE001
+                        print(f"    {layout} {cfg}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                        continue
+                    row["kernel"].append({"config": dataclasses.asdict(cfg), "role": role, "s": t, "rel_err": err})
+                results["shapes"].append(row)
+                full = [r for r in row["kernel"] if r["role"] == row["kernel"][0]["role"]] if row["kernel"] else []
+                if not full:
+                    continue
+                top = min(full, key=lambda r: r["s"])
+                if rows == row_counts[0]:
+                    best[key_] = MatmulConfig(**top["config"])
+                print(f"{name:>8} {layout:>3} {rows:>4} {nbytes / 1e6:>6.1f} {t_dot * 1e6:>8.1f} "
+                      f"{nbytes / t_dot / args.bandwidth:>4.0%} {top['s'] * 1e6:>9.1f} {nbytes / top['s'] / args.bandwidth:>4.0%} "
+                      f"{max(r['rel_err'] for r in full):>7.1e}  {top['config']}", flush=True)
+                for r in sorted(row["kernel"], key=lambda r: r["s"])[:5]:
+                    print(f"{'':>14}{r['s'] * 1e6:>8.1f} us  {r['role']:<8} {r['config']}", flush=True)
+        del ws, ws_nk
 
-    # -- whole-step chains -----------------------------------------------------------------------
+    # -- whole-step chains ---------------------------------------------------------------------------
+    layers = []
+    for i in range(LAYERS):
+        ks = jax.random.split(jax.random.fold_in(key, 2000 + i), 6)
+        layers.append(dict(
+            qkv=normal(ks[0], (HIDDEN, (HEADS + 2 * KV) * HD), dtype), o=normal(ks[1], (HEADS * HD, HIDDEN), dtype),
+            n1=1.0 + normal(ks[4], (HIDDEN,), dtype, 0.1), n2=1.0 + normal(ks[5], (HIDDEN,), dtype, 0.1)))
+        layers[-1]["gate-up"] = normal(ks[2], (HIDDEN, 2 * MLP), dtype)
+        layers[-1]["down"] = normal(ks[3], (MLP, HIDDEN), dtype)
     head = normal(jax.random.fold_in(key, 7), (HIDDEN, VOCAB), dtype)
-    split_layers = make_layers(jax.random.fold_in(key, 8), dtype, fused=False)
-    step_bytes = sum(x.size * 2 for x in jax.tree.leaves(split_layers)) + head.size * 2
-
-    def read_all(ws, hd, i):
-        return [jnp.sum(w, axis=0) for w in jax.tree.leaves(ws)] + [jnp.sum(hd, axis=0)]
-
-    h1 = normal(jax.random.fold_in(key, 9), (1, HIDDEN), dtype) * 50
-    h4 = normal(jax.random.fold_in(key, 10), (4, HIDDEN), dtype) * 50
-    variants = [("read ceiling (column sums)", read_all, (split_layers, head))]
-    variants.append(("xla per-head einsums (model today), M=1",
-                     lambda ws, hd, i: step_heads(h1 + i.astype(dtype), ws, hd), (split_layers, head)))
-    variants.append(("xla separate 2-D dots (reshaped), M=1",
-                     lambda ws, hd, i: step_split_2d(h1 + i.astype(dtype), ws, hd), (split_layers, head)))
-    variants.append(("xla per-head einsums, M=4",
-                     lambda ws, hd, i: step_heads(h4 + i.astype(dtype), ws, hd), (split_layers, head)))
-    print(f"\n{'step variant':<44} {'ms':>7} {'% of BW':>7}", flush=True)
-    for name, fn, a in variants:
-        t = timeit(fn, *a, repeats=args.repeats, inner=args.inner)
-        results["steps"].append({"variant": name, "s": t, "bytes": step_bytes})
-        print(f"{name:<44} {t * 1e3:>7.3f} {step_bytes / t / args.bandwidth:>7.0%}", flush=True)
-    del split_layers
-    fused_layers = make_layers(jax.random.fold_in(key, 11), dtype, fused=True)
-
-    def pallas_dot(x, w):
-        cfg = best.get(tuple(w.shape))
-        if cfg is None:
-            return reference(x, w)
-        return matvec(x, w, config=cfg, interpret=interpret)
-
-    for name, fn in [
-        ("xla fused qkv / gate-up 2-D dots, M=1", lambda ws, hd, i: step_fused(h1 + i.astype(dtype), ws, hd, reference)),
-        ("xla fused, M=4", lambda ws, hd, i: step_fused(h4 + i.astype(dtype), ws, hd, reference)),
-        ("pallas matvec fused (best tiles), M=1", lambda ws, hd, i: step_fused(h1 + i.astype(dtype), ws, hd, pallas_dot)),
-    ]:
-        t = timeit(fn, fused_layers, head, repeats=args.repeats, inner=args.inner)
-        results["steps"].append({"variant": name, "s": t, "bytes": step_bytes})
-        print(f"{name:<44} {t * 1e3:>7.3f} {step_bytes / t / args.bandwidth:>7.0%}", flush=True)
-    results["best"] = {f"{k}x{n}": c.__dict__ for (k, n), c in best.items()}
+    step_bytes = sum(x.size * 2 for x in jax.tree.leaves(layers)) + head.size * 2
+    print(f"\n{'step chain':<28} {'rows':>4} {'ms':>7} {'% of BW':>7}", flush=True)
+    for rows in row_counts:
+        h = normal(jax.random.fold_in(key, 9 + rows), (rows, HIDDEN), dtype, 1.0)
+        for mode in ("xla", "norm-kernel", "decode-matmul kn", "decode-matmul nk"):
+            if mode.startswith("decode-matmul") and not supports(rows, HIDDEN, HIDDEN, compiled=not interpret):
+                continue
+            if mode.endswith("nk"):  # the same weights transposed, in place of the [K, N] ones
+                for w in layers:
+                    for name in shapes:
+                        w[name] = jnp.asarray(w[name].T)
+            try:
+                t = timeit(lambda ws, hd, i, m=mode: layer_chain(h + i.astype(dtype), ws, hd, m, best), layers, head,
+                           repeats=args.repeats, inner=args.inner)
+            except Exception as e:  # noqa: BLE001
+                print(f"{mode}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            finally:
+                if mode.endswith("nk"):
+                    for w in layers:
+                        for name in shapes:
+                            w[name] = jnp.asarray(w[name].T)
+            results["steps"].append({"variant": mode, "rows": rows, "s": t, "bytes": step_bytes})
+            print(f"{mode:<28} {rows:>4} {t * 1e3:>7.3f} {step_bytes / t / args.bandwidth:>7.0%}", flush=True)
+    results["best"] = {"/".join(name): dataclasses.asdict(c) for name, c in best.items()}
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
