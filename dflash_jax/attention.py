@@ -21,6 +21,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.sharding import shard_kernel
+
 AttentionImpl = Literal["xla", "pallas"]
 
 _MASKED = -1e30  # finite, so that fully masked rows give zeros rather than NaN
@@ -120,7 +122,21 @@ def block_attention(
     if impl == "pallas":
         from kernels_pallas import block_attention as pallas_block_attention
 
-        return pallas_block_attention(
-            q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale
-        )
+        # Per device under a kernel mesh: rows on ``batch``, heads by their KV head (the query
+        # heads as [kv_heads, groups], so a device's query heads are those of its KV heads).
+        batch, blocks, block, heads, head_dim = q.shape
+        kv_heads = k_ctx.shape[2]
+
+        def kernel(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens):
+            b, n, s, kv, g, d = q.shape
+            out = pallas_block_attention(q.reshape(b, n, s, kv * g, d), k_ctx, v_ctx, ctx_lens, k_blk, v_blk,
+                                         blk_lens, causal=causal, scale=scale)
+            return (out.reshape(q.shape),)
+
+        rows, kv_rows = ("batch", None, None, "kv_heads", None, None), ("batch", None, None, "kv_heads", None)
+        ctx, lens = ("batch", "length", "kv_heads", "head_dim"), ("batch", None)
+        (out,) = shard_kernel(kernel, (rows, ctx, ctx, lens, kv_rows, kv_rows, lens), (rows,))(
+            q.reshape(batch, blocks, block, kv_heads, heads // kv_heads, head_dim), k_ctx, v_ctx, ctx_lens,
+            k_blk, v_blk, blk_lens)
+        return out.reshape(q.shape)
     raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")

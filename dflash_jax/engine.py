@@ -29,7 +29,7 @@ from dflash_jax.batcher import ContinuousBatcher, Generation, GenerationResult
 from dflash_jax.cache import CACHE_ALIGNMENT, CACHE_AXES
 from dflash_jax.drafter import Drafter
 from dflash_jax.layers import fuse_projections
-from dflash_jax.sharding import MeshConfig, make_mesh, named_sharding, shard_module
+from dflash_jax.sharding import MeshConfig, kernel_mesh, make_mesh, named_sharding, shard_module
 from dflash_jax.target import Target
 
 
@@ -41,7 +41,7 @@ class EngineConfig:
     max_length: int = 2048           # prompt + generated tokens, per row
     prompt_buckets: tuple[int, ...] | None = None  # None: powers of two from 16
     block_size: int | None = None    # None: the drafter's; may only lower it
-    attention_impl: str = "auto"     # "xla" | "pallas" | "auto": pallas on one GPU/TPU, else xla
+    attention_impl: str = "auto"     # "xla" | "pallas" | "auto": pallas on GPUs/TPUs, else xla
     steps_per_sync: int = 8          # decode steps per device call between host syncs
     mesh: MeshConfig | None = None   # None: a single device
     # "auto": "highest" for float32 weights, else "default". GPUs and TPUs run default-precision
@@ -150,14 +150,9 @@ class Engine:
         # divisor of the capacity (16 keys for 1025) or pads a copy of every cache buffer per call.
         self.capacity = -(-(config.max_length + self.block_size) // CACHE_ALIGNMENT) * CACHE_ALIGNMENT
         self.mesh = mesh if mesh is not None else (make_mesh(config.mesh) if config.mesh is not None else None)
-        sharded = self.mesh is not None and self.mesh.size > 1
-        if sharded and config.attention_impl == "pallas":
-            raise ValueError("attention_impl='pallas' runs on one device only for now (the kernel is not "
-                             "wrapped in shard_map yet); use attention_impl='xla' with a mesh")
         self.attention_impl = config.attention_impl
         if self.attention_impl == "auto":
-            on_accelerator = jax.default_backend() in ("gpu", "tpu")
-            self.attention_impl = "pallas" if on_accelerator and not sharded else "xla"
+            self.attention_impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
         self._rules = config.mesh.resolved_rules() if config.mesh is not None else None
         # The serving layout: one QKV and one gate-up matmul per target layer (in place; see
         # ``layers.fuse_projections``), and the drafter's (``Drafter.serving_layout``).
@@ -181,8 +176,8 @@ class Engine:
             self._drafter_def, drafter_state = nnx.split(drafter)
             self._drafter_state, self._drafter_tree = jax.tree.flatten(drafter_state)
         once = _one_shot_compiler_options()
-        self._prefill = jax.jit(self._precise(self._prefill_fn), compiler_options=once)
-        self._decode = jax.jit(self._precise(self._decode_fn), donate_argnums=(2,), static_argnames=("window",),
+        self._prefill = jax.jit(self._traced(self._prefill_fn), compiler_options=once)
+        self._decode = jax.jit(self._traced(self._decode_fn), donate_argnums=(2,), static_argnames=("window",),
                                compiler_options=_decode_compiler_options())
         self._empty = jax.jit(self._empty_fn, static_argnames=("rows",), compiler_options=once)
         self._admit = jax.jit(self._admit_fn, donate_argnums=(0,), compiler_options=once)
@@ -202,12 +197,13 @@ class Engine:
 
     # -- jitted phases -------------------------------------------------------------------------
 
-    def _precise(self, fn: Callable) -> Callable:
-        """``fn`` traced under the engine's matmul precision (it is baked into the compiled ops)."""
+    def _traced(self, fn: Callable) -> Callable:
+        """``fn`` traced under the engine's matmul precision (baked into the compiled ops) and its
+        mesh for the kernels (``sharding.kernel_mesh``: each device runs them on its shards)."""
 
         @functools.wraps(fn)
         def traced(*args, **kwargs):
-            with jax.default_matmul_precision(self._matmul_precision):
+            with jax.default_matmul_precision(self._matmul_precision), kernel_mesh(self.mesh, self._rules):
                 return fn(*args, **kwargs)
 
         return traced

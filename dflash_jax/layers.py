@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.attention import AttentionImpl, block_attention
-from dflash_jax.cache import write_rows
+from dflash_jax.cache import CACHE_AXES, write_rows
+from dflash_jax.sharding import shard_kernel
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
@@ -50,7 +51,12 @@ def add_rms_norm(h: jax.Array, delta: jax.Array | None, norm: RMSNorm, *, fused:
         import kernels_pallas
 
         if kernels_pallas.add_rms_norm_supported(h.shape[-1]):
-            return kernels_pallas.add_rms_norm(h, delta, weight, eps=norm.eps)
+            rows = ("batch",) + (None,) * (h.ndim - 1)  # per device: its rows, the whole width
+            if delta is None:
+                kernel = lambda h, w: kernels_pallas.add_rms_norm(h, None, w, eps=norm.eps)  # noqa: E731
+                return shard_kernel(kernel, (rows, (None,)), (rows, rows))(h, weight)
+            kernel = lambda h, d, w: kernels_pallas.add_rms_norm(h, d, w, eps=norm.eps)  # noqa: E731
+            return shard_kernel(kernel, (rows, rows, (None,)), (rows, rows))(h, delta, weight)
     s = h if delta is None else h + delta
     return s, norm(s)
 
@@ -250,14 +256,27 @@ class Attention(nnx.Module):
 
             if kernels_pallas.cached_block_attention_supported(qkv.shape, k_cache.shape[1]):
                 ones = jnp.ones((self.head_dim,), qkv.dtype)
-                attn, k_cache, v_cache = kernels_pallas.cached_block_attention(
+
+                def kernel(qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq):
+                    attn, k_cache, v_cache = kernels_pallas.cached_block_attention(
+                        qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq, eps=self.eps,
+                        qk_norm=self.q_norm is not None, causal=causal, write=write)
+                    attn = attn.reshape(qkv.shape[:3] + (-1, self.head_dim))  # [b, block, kv, groups, d]
+                    return (attn, k_cache, v_cache) if write else (attn,)
+
+                # Per device under a kernel mesh: its rows and its KV heads (with their query heads).
+                per_head = ("batch", None, "kv_heads", None, None)
+                rows, vec = ("batch",), (None,)
+                outs = shard_kernel(kernel, (per_head, CACHE_AXES, CACHE_AXES, rows, rows, vec, vec, vec),
+                                    (per_head,) + ((CACHE_AXES, CACHE_AXES) if write else ()))(
                     qkv, k_cache, v_cache, starts, blk_lens,
                     self.q_norm.weight[...] if self.q_norm is not None else ones,
                     self.k_norm.weight[...] if self.k_norm is not None else ones,
-                    jnp.asarray(self.inv_freq, jnp.float32), eps=self.eps, qk_norm=self.q_norm is not None,
-                    causal=causal, write=write,
-                )
-                return attn[:, None], k_cache, v_cache
+                    jnp.asarray(self.inv_freq, jnp.float32))
+                if write:
+                    k_cache, v_cache = outs[1:]
+                batch, block = qkv.shape[:2]
+                return outs[0].reshape(batch, 1, block, self.num_heads, self.head_dim), k_cache, v_cache
         return self.attend_unfused(qkv, starts, k_cache, v_cache, blk_lens, impl=impl, causal=causal, write=write)
 
     def attend_unfused(

@@ -3,12 +3,19 @@
 Every parameter carries ``axes`` metadata (see ``layers.py``); caches and per-row engine state use
 ``CACHE_AXES`` and ``("batch", ...)``. A logical axis maps to its mesh axes only where the dimension
 divides evenly, so KV heads are replicated when there are fewer of them than the TP degree.
+
+Pallas kernels are opaque to XLA's sharding propagation (it would gather their operands onto every
+device). Traced under ``kernel_mesh``, the layers call them through ``shard_kernel``: a
+``shard_map`` over the mesh that hands each device its shards (rows on ``batch``, heads on
+``kv_heads``), with the specs derived from the same logical axes and rules as the arrays'.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -118,3 +125,42 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules=None) -> None:
 def shard_tree(tree, axes_of, mesh: Mesh, rules=None):
     """Places each array leaf of ``tree`` with the logical axes ``axes_of(leaf)`` returns."""
     return jax.tree.map(lambda x: jax.device_put(x, named_sharding(axes_of(x), x.shape, mesh, rules)), tree)
+
+
+_KERNEL_MESH: contextvars.ContextVar[tuple[Mesh, dict] | None] = contextvars.ContextVar("kernel_mesh", default=None)
+
+
+@contextlib.contextmanager
+def kernel_mesh(mesh: Mesh | None, rules: dict[str, tuple[str, ...]] | None = None) -> Iterator[None]:
+    """While tracing inside it, ``shard_kernel`` runs kernels per device over ``mesh`` (None or a
+    single device: kernels run as they are)."""
+    token = _KERNEL_MESH.set((mesh, rules or DEFAULT_RULES) if mesh is not None and mesh.size > 1 else None)
+    try:
+        yield
+    finally:
+        _KERNEL_MESH.reset(token)
+
+
+def shard_kernel(fn: Callable, in_axes: Sequence[tuple[str | None, ...]],
+                 out_axes: Sequence[tuple[str | None, ...]]) -> Callable:
+    """``fn(*arrays) -> tuple of arrays``, run on each device's shards under ``kernel_mesh``.
+
+    ``in_axes`` / ``out_axes``: the logical axes of every argument / output (one name or None per
+    dimension). Each is split on the mesh as ``logical_spec`` places it, so ``fn`` must be
+    independent along every sharded axis (rows, KV heads). Outside ``kernel_mesh``: ``fn`` itself.
+    """
+    active = _KERNEL_MESH.get()
+    if active is None:
+        return fn
+    mesh, rules = active
+
+    def sharded(*args):
+        outs = jax.eval_shape(fn, *args)
+        if len(outs) != len(out_axes) or len(args) != len(in_axes):
+            raise ValueError(f"shard_kernel: {len(args)} arguments / {len(outs)} outputs for "
+                             f"{len(in_axes)} / {len(out_axes)} axis tuples")
+        in_specs = tuple(logical_spec(a, x.shape, mesh, rules) for a, x in zip(in_axes, args))
+        out_specs = tuple(logical_spec(a, o.shape, mesh, rules) for a, o in zip(out_axes, outs))
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+    return sharded

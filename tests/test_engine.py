@@ -147,6 +147,38 @@ def test_sharded_engine_equals_single_device(mesh, pair, prompts, engines):
         assert g.acceptance_lengths == w.acceptance_lengths
 
 
+def test_sharded_pallas_engine_equals_single_device(pair, prompts, engines, monkeypatch):
+    """The Pallas kernels on a 4 x 2 (data x tensor) mesh, each device on its own rows and KV heads
+    (``sharding.shard_kernel``; interpret mode), give the tokens of the one-device XLA engine; the
+    kernels are traced inside ``shard_map``, not left to XLA's propagation."""
+    import kernels_pallas
+
+    spec, _ = engines
+    want = spec.generate(prompts[:4], 16)
+    target, drafter = load_target(pair[0]), load_drafter(pair[1])
+    config = EngineConfig(max_batch_size=4, max_length=80, steps_per_sync=4, attention_impl="pallas",
+                          mesh=MeshConfig(data=4, fsdp=1, tensor=2))
+    sharded = Engine(target, drafter, config)
+    assert target.config.num_kv_heads % 2 == 0  # KV heads really split across the tensor axis
+    per_device = []
+    kernel = kernels_pallas.cached_block_attention
+
+    def spy(qkv, *args, **kwargs):
+        per_device.append(qkv.shape)
+        return kernel(qkv, *args, **kwargs)
+
+    monkeypatch.setattr(kernels_pallas, "cached_block_attention", spy)
+    got = sharded.generate(prompts[:4], 16)
+    for g, w in zip(got, want):
+        assert g.output_ids == w.output_ids
+        assert g.acceptance_lengths == w.acceptance_lengths
+    # Each kernel call is traced twice: for its global output shapes, then per device in shard_map
+    # on one row of four and half of the KV heads.
+    kv = target.config.num_kv_heads
+    local = [s for s in per_device if s[0] == 1 and s[2] == kv // 2]
+    assert local and len(local) * 2 == len(per_device)
+
+
 def test_pallas_attention_engine_equals_xla(models, prompts, engines):
     """The engine with the Pallas kernels (interpret mode on the CPU) gives the same tokens."""
     spec, _ = engines
