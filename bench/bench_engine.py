@@ -32,6 +32,7 @@ from dflash_jax.drafter import Drafter  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
 from dflash_jax.model_config import TargetConfig  # noqa: E402
 from dflash_jax.target import Target  # noqa: E402
+from dflash_jax.sharding import MeshConfig  # noqa: E402
 from dflash_jax.tiny import tiny_drafter_config  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on this card (docs/benchmarks.md)
@@ -92,7 +93,8 @@ def synthetic_state(engine: Engine, batch: int, context: int, seed: int) -> deco
 def time_decode(engine: Engine, batch: int, context: int, steps: int, repeats: int) -> tuple[float, float]:
     """Median seconds per decode step over ``repeats`` calls of ``steps`` on-device steps; and tau."""
     state = synthetic_state(engine, batch, context, seed=batch)
-    state, _ = engine.decode(state, n_steps=2)  # compile + warm-up
+    for _ in range(2):  # compile + warm-up; on a mesh the second call compiles for the sharded state
+        state, _ = engine.decode(state, n_steps=2)
     jax.block_until_ready(state.starts)
     times = []
     for _ in range(repeats):
@@ -294,6 +296,8 @@ def main() -> None:
                     help="residual adds and RMSNorms as XLA ops, without the add_rms_norm kernel (the earlier path)")
     ap.add_argument("--cached-config", default="",
                     help="tile overrides of the cached-attention kernel, e.g. min_chunk=128,block_k=32")
+    ap.add_argument("--tensor", type=int, default=1,
+                    help="tensor-parallel degree: the engines on a (data=1, tensor=N) mesh; the roofline is per GPU")
     args = ap.parse_args()
     import kernels_pallas
     from kernels_pallas import cached_attention_gpu
@@ -325,14 +329,15 @@ def main() -> None:
     rows, report = [], dict(config=vars(args), target_gb=tbytes / 1e9, drafter_gb=dbytes / 1e9, batches={})
     draft_batches = {int(b) for b in args.draft_batches.split(",") if b}
     for batch in (int(b) for b in args.batches.split(",")):
+        mesh = MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None
         cfg = EngineConfig(max_batch_size=batch, max_length=args.context + 512, prompt_buckets=(args.context,),
-                           steps_per_sync=8, attention_impl=args.attention)
+                           steps_per_sync=8, attention_impl=args.attention, mesh=mesh)
         spec, plain = Engine(target, drafter, cfg), Engine(target, None, cfg)
         t0 = time.perf_counter()
         t_plain, _ = time_decode(plain, batch, args.context, args.steps, args.repeats)
         t_spec, tau = time_decode(spec, batch, args.context, args.steps, args.repeats)
         t_draft = time_draft(spec, batch, args.context, args.steps, args.repeats) if batch in draft_batches else None
-        roofline = hbm_roofline_s(target, batch, args.context)
+        roofline = hbm_roofline_s(target, batch, args.context) / args.tensor  # each GPU streams its shard
         entry = dict(target_step_s=t_plain, spec_step_s=t_spec, draft_s=t_draft, tau_random=tau,
                      target_tok_s=batch / t_plain, spec_tok_s_random=batch * tau / t_spec,
                      spec_tok_s_projected=batch * args.tau / t_spec, step_ratio=t_spec / t_plain,
@@ -375,7 +380,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"\nQwen3-8B shapes, bf16, context {args.context}, attention={args.attention}"
           f"{' (unfused)' if args.unfused else ''}{' (unfused norms)' if args.unfused_norms else ''}"
-          f"{f' (cached {args.cached_config})' if args.cached_config else ''}, "
+          f"{f' (cached {args.cached_config})' if args.cached_config else ''}"
+          f"{f', TP={args.tensor}' if args.tensor > 1 else ''}, "
           f"HBM roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s")
     print("batch | target step ms | tok/s | % HBM roofline | DFlash step ms | step ratio | draft ratio | "
           f"DFlash tok/s @tau={args.tau}")

@@ -43,22 +43,25 @@ class Drafter(nnx.Module):
 
     def serving_layout(self) -> None:
         """Switches (in place; idempotent) to the engine's layout: every layer's projections fused
-        (``layers.fuse_projections``) for the block, plus ``context_kv_proj [hidden, layers, 2,
-        kv_heads, head_dim]``, every layer's K and V weights side by side for ``context_kv``.
+        (``layers.fuse_projections``) for the block, plus ``context_kv_proj [hidden, kv_heads,
+        layers, 2, head_dim]``, every layer's K and V weights side by side for ``context_kv``.
 
         The context K/V are projected apart from the block's queries, so they keep their own copy
         of the K/V weights (one matmul reads all layers' at once). Left to XLA, the separate
         per-layer K/V matmuls were merged into one by concatenating their weights at every step, a
-        copy costing as much as the matmul (docs/benchmarks.md). Checkpoints keep the separate layout.
+        copy costing as much as the matmul (docs/benchmarks.md). KV heads come first after the input:
+        the matmul runs on the weight flattened to 2-D, and a tensor-parallel shard of the flattened
+        columns is then a shard of the KV heads (with them inside, XLA gathered the whole weight on
+        every step). Checkpoints keep the separate layout.
         """
         if self.context_kv_proj is not None:
             return
         attns = [layer.self_attn for layer in self.layers]
-        w = jnp.stack([jnp.stack([a.k_proj[...], a.v_proj[...]], axis=1) for a in attns], axis=1)
-        self.context_kv_proj = nnx.data(nnx.Param(w, axes=("embed", None, None, "kv_heads", "head_dim")))
+        w = jnp.stack([jnp.stack([a.k_proj[...], a.v_proj[...]], axis=2) for a in attns], axis=2)
+        self.context_kv_proj = nnx.data(nnx.Param(w, axes=("embed", "kv_heads", None, None, "head_dim")))
         if attns[0].k_bias is not None:
-            b = jnp.stack([jnp.stack([a.k_bias[...], a.v_bias[...]], axis=0) for a in attns], axis=0)
-            self.context_kv_bias = nnx.data(nnx.Param(b, axes=(None, None, "kv_heads", "head_dim")))
+            b = jnp.stack([jnp.stack([a.k_bias[...], a.v_bias[...]], axis=1) for a in attns], axis=1)
+            self.context_kv_bias = nnx.data(nnx.Param(b, axes=("kv_heads", None, None, "head_dim")))
         fuse_projections(self)
 
     def fuse(self, taps: jax.Array) -> jax.Array:
@@ -77,11 +80,11 @@ class Drafter(nnx.Module):
             kvs = [layer.self_attn.keys_values(ctx, positions) for layer in self.layers]
             return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])
         w = self.context_kv_proj[...]
-        kv = (ctx @ w.reshape(w.shape[0], -1)).reshape(ctx.shape[:-1] + w.shape[1:])  # [b, t, layers, 2, kv, d]
+        kv = (ctx @ w.reshape(w.shape[0], -1)).reshape(ctx.shape[:-1] + w.shape[1:])  # [b, t, kv, layers, 2, d]
         if self.context_kv_bias is not None:
             kv = kv + self.context_kv_bias[...]
-        k = jnp.stack([layer.self_attn._finish_k(kv[:, :, i, 0], positions) for i, layer in enumerate(self.layers)])
-        return k, jnp.moveaxis(kv[:, :, :, 1], 2, 0)
+        k = jnp.stack([layer.self_attn._finish_k(kv[:, :, :, i, 0], positions) for i, layer in enumerate(self.layers)])
+        return k, jnp.moveaxis(kv[:, :, :, :, 1], 3, 0)
 
     def __call__(
         self,

@@ -301,7 +301,7 @@ def test_drafter_serving_layout_draft_equals_training_forward(impl, bias):
 
     served = nnx.clone(drafter)
     served.serving_layout()
-    assert served.context_kv_proj.shape == (tcfg.hidden_size, dcfg.num_layers, 2, dcfg.num_kv_heads, dcfg.head_dim)
+    assert served.context_kv_proj.shape == (tcfg.hidden_size, dcfg.num_kv_heads, dcfg.num_layers, 2, dcfg.head_dim)
     assert served.layers[0].self_attn.k_proj is None and drafter.layers[0].self_attn.k_proj is not None
     got_k, got_v = jax.jit(served.context_kv)(taps, positions)
     np.testing.assert_allclose(np.asarray(got_k), np.asarray(k), atol=1e-5, rtol=1e-5)
