@@ -430,3 +430,21 @@ def test_admitting_and_resizing_keep_the_state_sharding(pair):
     state = engine.resize(state, [0], rows=4)
     assert_pinned(state)
     assert np.asarray(state.done).tolist() == [False, True, True, True]
+
+
+def test_sharded_decode_step_gathers_no_weights(pair):
+    """On a tensor-parallel mesh the compiled DFlash decode step moves activations only: every
+    all-gather in its HLO is a few elements (the vocab-sharded argmax), none is a weight (the
+    drafter's context-K/V weight used to be gathered whole on every step)."""
+    import re
+
+    target, drafter = load_target(pair[0]), load_drafter(pair[1])
+    engine = Engine(target, drafter, EngineConfig(max_batch_size=1, max_length=80, steps_per_sync=2,
+                                                  mesh=MeshConfig(data=1, fsdp=1, tensor=2)))
+    state = engine.empty_state(1)
+    hlo = engine._decode.lower(engine._target_state, engine._drafter_state, state, jnp.int32(1),
+                               window=engine.capacity).compile().as_text()
+    gathered = [int(np.prod([int(d) for d in dims.split(",") if d]))
+                for dims in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} all-gather\(", hlo)]
+    smallest_weight = min(x.size for x in engine._target_state + engine._drafter_state if x.ndim >= 2)
+    assert gathered and max(gathered) < smallest_weight, (gathered, smallest_weight)
