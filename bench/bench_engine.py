@@ -31,8 +31,8 @@ from dflash_jax.cache import KVCache  # noqa: E402
 from dflash_jax.drafter import Drafter  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
 from dflash_jax.model_config import TargetConfig  # noqa: E402
-from dflash_jax.target import Target  # noqa: E402
 from dflash_jax.sharding import MeshConfig  # noqa: E402
+from dflash_jax.target import Target  # noqa: E402
 from dflash_jax.tiny import tiny_drafter_config  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on this card (docs/benchmarks.md)
