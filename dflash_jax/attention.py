@@ -21,6 +21,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.cache import CACHE_AXES
 from dflash_jax.sharding import shard_kernel
 
 AttentionImpl = Literal["xla", "pallas"]
@@ -134,8 +135,8 @@ def block_attention(
             return (out.reshape(q.shape),)
 
         rows, kv_rows = ("batch", None, None, "kv_heads", None, None), ("batch", None, None, "kv_heads", None)
-        ctx, lens = ("batch", "length", "kv_heads", "head_dim"), ("batch", None)
-        (out,) = shard_kernel(kernel, (rows, ctx, ctx, lens, kv_rows, kv_rows, lens), (rows,))(
+        lens = ("batch", None)
+        (out,) = shard_kernel(kernel, (rows, CACHE_AXES, CACHE_AXES, lens, kv_rows, kv_rows, lens), (rows,))(
             q.reshape(batch, blocks, block, kv_heads, heads // kv_heads, head_dim), k_ctx, v_ctx, ctx_lens,
             k_blk, v_blk, blk_lens)
         return out.reshape(q.shape)
