@@ -40,6 +40,14 @@ def engines(models):
     return Engine(target, drafter, config), Engine(target, None, config)
 
 
+def _assert_same_generations(got, want) -> None:
+    """Request by request: the same generated tokens and per-step acceptance lengths."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.output_ids == w.output_ids
+        assert g.acceptance_lengths == w.acceptance_lengths
+
+
 def _reference_generate(reference, pair, prompt, max_new, stop):
     ref_target, ref_drafter = reference.target(pair[0]), reference.drafter(pair[1])
     out = reference.model.dflash_generate(ref_drafter, ref_target, torch.tensor([prompt]), max_new_tokens=max_new,
@@ -142,9 +150,7 @@ def test_sharded_engine_equals_single_device(mesh, pair, prompts, engines):
     sharded = Engine(target, drafter, config)
     assert len(jax.devices()) == 8 and sharded.mesh.shape["tensor"] == mesh["tensor"]
     got = sharded.generate(prompts[:4], 24)
-    for g, w in zip(got, want):
-        assert g.output_ids == w.output_ids
-        assert g.acceptance_lengths == w.acceptance_lengths
+    _assert_same_generations(got, want)
 
 
 def test_sharded_pallas_engine_equals_single_device(pair, prompts, engines, monkeypatch):
@@ -169,9 +175,7 @@ def test_sharded_pallas_engine_equals_single_device(pair, prompts, engines, monk
 
     monkeypatch.setattr(kernels_pallas, "cached_block_attention", spy)
     got = sharded.generate(prompts[:4], 16)
-    for g, w in zip(got, want):
-        assert g.output_ids == w.output_ids
-        assert g.acceptance_lengths == w.acceptance_lengths
+    _assert_same_generations(got, want)
     # Each kernel call is traced twice: for its global output shapes, then per device in shard_map
     # on one row of four and half of the KV heads.
     kv = target.config.num_kv_heads
@@ -187,9 +191,7 @@ def test_pallas_attention_engine_equals_xla(models, prompts, engines):
                                                   attention_impl="pallas"))
     got = pallas.generate(prompts[:2], 12)
     want = spec.generate(prompts[:2], 12)
-    for g, w in zip(got, want):
-        assert g.output_ids == w.output_ids
-        assert g.acceptance_lengths == w.acceptance_lengths
+    _assert_same_generations(got, want)
 
 
 def test_warmup_compiles_every_decode_batch_bucket_and_window(models, prompts):
