@@ -15,10 +15,12 @@ size) and ``release_rows`` ends rows early. Each row carries its own stop ids.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import sharding
 from dflash_jax.attention import AttentionImpl
 from dflash_jax.cache import KVCache, read_window, write_all_layers, write_back, write_rows
 from dflash_jax.drafter import Drafter
@@ -46,13 +48,39 @@ class DecodeState:
 
 def greedy_argmax(logits: jax.Array) -> jax.Array:
     """``jnp.argmax(logits, axis=-1)`` as int32: the first index of the maximum (a NaN counts as the
-    maximum, as in ``jnp.argmax``), over ``logits [..., vocab]``.
+    maximum, as in ``jnp.argmax``), over ``logits [batch, ..., vocab]``.
 
-    Reduced in two stages when the vocabulary splits into power-of-two slices (128 .. 16 wide): the
-    maximum of each slice, the first slice holding the overall maximum, the first maximum inside
-    it. Same result; XLA:CPU runs a (value, index) reduce over a long row as scalar code, several
-    times slower than the plain max-reduce that now does most of the work.
+    Under ``sharding.kernel_mesh`` with the vocabulary split across devices, each device takes the
+    argmax of its slice and the devices exchange one (value, index) pair per row: XLA partitions
+    ``jnp.argmax`` over a sharded axis by gathering every row's whole logits first, which took
+    2.3 ms of a 7 ms Qwen3-8B target-only step at TP=2 (docs/benchmarks.md).
     """
+    axes = ("batch",) + ("length",) * (logits.ndim - 2) + ("vocab",)
+    across = sharding.kernel_mesh_axes(axes, logits.shape, -1)
+    argmax = functools.partial(_argmax_across, vocab_axes=across)
+    shape = lambda x: (jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32),)  # noqa: E731
+    return sharding.shard_kernel(argmax, [axes], [axes[:-1]], out_shapes=shape)(logits)[0]
+
+
+def _argmax_across(logits: jax.Array, *, vocab_axes: tuple[str, ...]) -> tuple[jax.Array]:
+    """Per device: the argmax of this vocabulary slice, then (``vocab_axes``: the mesh axes the
+    vocabulary is split over) the first slice holding the overall maximum."""
+    local = _argmax_two_stage(logits)
+    if not vocab_axes:
+        return (local,)
+    value = jnp.take_along_axis(logits, local[..., None], axis=-1)[..., 0]
+    index = local + jax.lax.axis_index(vocab_axes) * logits.shape[-1]
+    values, indices = (jax.lax.all_gather(x, vocab_axes) for x in (value, index))  # [slices, batch, ...]
+    best = jnp.argmax(values, axis=0)  # the first slice with the maximum (or the first NaN)
+    return (jnp.take_along_axis(indices, best[None], axis=0)[0],)
+
+
+def _argmax_two_stage(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` as int32, reduced in two stages when the vocabulary splits
+    into power-of-two slices (128 .. 16 wide): the maximum of each slice, the first slice holding
+    the overall maximum, the first maximum inside it. Same result; XLA:CPU runs a (value, index)
+    reduce over a long row as scalar code, several times slower than the plain max-reduce that now
+    does most of the work."""
     vocab = logits.shape[-1]
     width = next((w for w in (128, 64, 32, 16) if vocab % w == 0 and vocab > w), None)
     if width is None:

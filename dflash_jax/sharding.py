@@ -141,13 +141,27 @@ def kernel_mesh(mesh: Mesh | None, rules: dict[str, tuple[str, ...]] | None = No
         _KERNEL_MESH.reset(token)
 
 
+def kernel_mesh_axes(axes: tuple[str | None, ...], shape: tuple[int, ...], dim: int) -> tuple[str, ...]:
+    """Under ``kernel_mesh``: the mesh axes that dimension ``dim`` of a value with logical ``axes``
+    and ``shape`` is split over inside ``shard_kernel`` (its collectives' axis names); () outside
+    ``kernel_mesh`` or where that dimension is not split."""
+    active = _KERNEL_MESH.get()
+    if active is None:
+        return ()
+    entry = logical_spec(tuple(axes), tuple(shape), *active)[dim]
+    return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
 def shard_kernel(fn: Callable, in_axes: Sequence[tuple[str | None, ...]],
-                 out_axes: Sequence[tuple[str | None, ...]]) -> Callable:
+                 out_axes: Sequence[tuple[str | None, ...]], out_shapes: Callable | None = None) -> Callable:
     """``fn(*arrays) -> tuple of arrays``, run on each device's shards under ``kernel_mesh``.
 
     ``in_axes`` / ``out_axes``: the logical axes of every argument / output (one name or None per
     dimension). Each is split on the mesh as ``logical_spec`` places it, so ``fn`` must be
-    independent along every sharded axis (rows, KV heads). Outside ``kernel_mesh``: ``fn`` itself.
+    independent along every sharded axis (rows, KV heads), or combine across one itself with
+    collectives over the mesh axes ``kernel_mesh_axes`` names; such an ``fn`` cannot be traced on the
+    whole arrays, so ``out_shapes(*arrays)`` gives its outputs' (global) ``jax.ShapeDtypeStruct``s
+    (default: ``jax.eval_shape(fn, ...)``). Outside ``kernel_mesh``: ``fn`` itself.
     """
     active = _KERNEL_MESH.get()
     if active is None:
@@ -155,7 +169,7 @@ def shard_kernel(fn: Callable, in_axes: Sequence[tuple[str | None, ...]],
     mesh, rules = active
 
     def sharded(*args):
-        outs = jax.eval_shape(fn, *args)
+        outs = out_shapes(*args) if out_shapes is not None else jax.eval_shape(fn, *args)
         if len(outs) != len(out_axes) or len(args) != len(in_axes):
             raise ValueError(f"shard_kernel: {len(args)} arguments / {len(outs)} outputs for "
                              f"{len(in_axes)} / {len(out_axes)} axis tuples")

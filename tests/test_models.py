@@ -237,6 +237,30 @@ def test_sharded_forward_equals_unsharded(mesh_shape, tp8_pair):
     np.testing.assert_allclose(np.asarray(got_taps), np.asarray(want_taps), atol=1e-4, rtol=1e-5)
 
 
+def test_embedding_lookup_on_a_vocab_sharded_mesh_is_exact(tp8_pair):
+    """Under ``kernel_mesh`` each device looks up the ids of its vocabulary slice and an all-reduce
+    sums the rows: bit-identical to the plain lookup, for ids in every slice and rows split over
+    ``data``. (The H200's XLA gathered the whole table for the plain lookup on a mesh, this
+    machine's XLA:CPU does not; ``bench_engine.py --collectives`` lists what a mesh step moves.)"""
+    from dflash_jax import sharding
+    from dflash_jax.sharding import MeshConfig, make_mesh, named_sharding, shard_module
+
+    target = load_target(tp8_pair[0], dtype=jnp.bfloat16)
+    vocab = target.config.vocab_size
+    ids = np.random.RandomState(3).randint(0, vocab, (4, 5))
+    ids[0] = [0, vocab - 1, vocab // 2, vocab // 4, 1]  # the first and last row of the table, every slice
+    ids = jnp.asarray(ids, jnp.int32)
+    want = np.asarray(jnp.take(target.embed_tokens[...], ids, axis=0))
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
+    shard_module(target, mesh)
+    table = target.embed_tokens[...]
+    with sharding.kernel_mesh(mesh):
+        assert sharding.kernel_mesh_axes(("vocab", "embed"), table.shape, 0) == ("tensor",)
+        got = jax.jit(target.embed)(jax.device_put(ids, named_sharding(("batch", "length"), ids.shape, mesh)))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_serving_layout_matches_transformers(bias, tmp_path, reference):
     """The engine's fused QKV / gate-up layout (``fuse_projections``) gives the same logits and taps
