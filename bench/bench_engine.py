@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import statistics
 import sys
 import time
@@ -208,13 +209,32 @@ def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir
         print(f"  {t / steps:9.1f} us  {n / steps:6.1f}x  {name[:110]}", flush=True)
     # One middle layer's kernels in launch order: from one attention kernel to the next.
     ordered = sorted(lines[key], key=lambda e: e["ts"])
-    if listing is not None:
-        listing.write_text("".join(f"{e['dur']:8.2f}  {e['name']}\n" for e in ordered))
+    if listing is not None:  # every GPU line, in time order: what the streams do alongside the kernel line
+        gpu = sorted((e for evs in lines.values() for e in evs), key=lambda e: e["ts"])
+        t0 = gpu[0]["ts"]
+        listing.write_text("start us, duration us, stream, kernel\n" + "".join(
+            f"{e['ts'] - t0:10.2f} {e['dur']:8.2f}  {procs[e['pid']][-5:]}/{threads.get((e['pid'], e['tid']), e['tid'])[:24]:24s} "
+            f"{e['name'][:100]}\n" for e in gpu))
     marks = [i for i, e in enumerate(ordered) if "attention" in e["name"]]
     if len(marks) > 11:
         print("one layer, in launch order (us):", flush=True)
         for e in ordered[marks[10]:marks[11]]:
             print(f"  {e['dur']:7.2f}  {e['name'][:110]}", flush=True)
+
+
+def print_collectives(engine: Engine, name: str) -> None:
+    """The all-gathers and all-reduces of the compiled decode step (one row), largest first: what a
+    mesh moves between devices every step (an accidental gather of a weight shows up here)."""
+    state = engine.empty_state(1)
+    hlo = engine._decode.lower(engine._target_state, engine._drafter_state, state, jnp.int32(1),
+                               window=engine.capacity).compile().as_text()
+    found = []
+    for m in re.finditer(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (all-gather|all-reduce)(?:-start)?\(.*?op_name=\"([^\"]*)", hlo):
+        elems = int(np.prod([int(d) for d in m.group(2).split(",") if d]))
+        found.append((elems, m.group(3), f"{m.group(1)}[{m.group(2)}]", m.group(4)[-90:]))
+    print(f"collectives of the {name} decode step: {len(found)}", flush=True)
+    for elems, kind, shape, op in sorted(found, reverse=True)[:6]:
+        print(f"  {kind:10s} {shape:24s} {op}", flush=True)
 
 
 def host_overhead(engine: Engine, context: int, new_tokens: int, device_step: float) -> dict:
@@ -289,6 +309,7 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=6.5, help="acceptance length for projected tokens/s")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
+    ap.add_argument("--collectives", action="store_true", help="list the collectives of the batch-1 decode steps")
     ap.add_argument("--profile", default=None, help="trace batch-1 steps (target-only and DFlash) into this dir")
     ap.add_argument("--unfused", action="store_true",
                     help="the target's attention without the fused cached-attention kernel (the earlier path)")
@@ -344,6 +365,9 @@ def main() -> None:
                      draft_ratio=(t_draft / t_plain) if t_draft else None,
                      hbm_roofline_step_s=roofline, target_hbm_fraction=roofline / t_plain,
                      wall_s=time.perf_counter() - t0)
+        if batch == 1 and args.collectives:
+            for name, engine in (("target-only", plain), ("dflash", spec)):
+                print_collectives(engine, name)
         if batch == 1 and args.profile:
             for name, engine in (("target-only", plain), ("dflash", spec)):
                 print(f"== profile: {name}, batch 1", flush=True)

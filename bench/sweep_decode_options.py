@@ -32,6 +32,7 @@ from bench_engine import hbm_roofline_s, qwen3_8b, time_decode  # noqa: E402
 from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax.drafter import Drafter  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
+from dflash_jax.sharding import MeshConfig  # noqa: E402
 from dflash_jax.target import Target  # noqa: E402
 from dflash_jax.tiny import tiny_drafter_config, tiny_target_config  # noqa: E402
 
@@ -49,6 +50,17 @@ VARIANTS = {  # name: (XLA options, unfused norms)
                                                True),
     "triton_multi_output_fusion+unfused_norms": ({"xla_gpu_unsupported_enable_triton_multi_output_fusion": True}, True),
     "exhaustive_tiling_search": ({"xla_gpu_exhaustive_tiling_search": True}, False),
+    "pdl_off": ({"xla_gpu_enable_pdl": False}, False),
+    "pdl_on": ({"xla_gpu_enable_pdl": True}, False),
+    "pdl_launch": ({"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True}, False),
+    "pdl_launch+unfused_norms": ({"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True}, True),
+    # on a mesh (--tensor): collectives on the compute stream, and inside the CUDA graphs
+    "sync_collectives": ({"xla_gpu_disable_async_collectives": "ALLCOLLECTIVES"}, False),
+    "graph_collectives": ({"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES"},
+                          False),
+    "sync+graph_collectives": ({"xla_gpu_disable_async_collectives": "ALLCOLLECTIVES",
+                                "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES"},
+                               False),
 }
 
 
@@ -59,6 +71,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     ap.add_argument("--dflash", default="base,unfused_norms,no_split_k", help="variants that also time the DFlash step")
+    ap.add_argument("--tensor", type=int, default=1, help="run the engines on a (data=1, tensor=N) mesh")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -79,7 +92,8 @@ def main() -> None:
         engine_module._decode_compiler_options = lambda o=options: {**(default_options() or {}), **o} or None
         kernels_pallas.add_rms_norm_supported = (lambda *a, **k: False) if unfused_norms else supported
         cfg = EngineConfig(max_batch_size=1, max_length=args.context + 512, prompt_buckets=(args.context,),
-                           steps_per_sync=8, attention_impl="pallas")
+                           steps_per_sync=8, attention_impl="pallas",
+                           mesh=MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None)
         t0 = time.perf_counter()
         try:
             plain = Engine(target, None, cfg)
@@ -93,7 +107,7 @@ def main() -> None:
             results[name] = dict(error=str(err)[:500])
             continue
         results[name] = dict(options=options, unfused_norms=unfused_norms, target_step_s=t_plain,
-                             spec_step_s=t_spec, hbm_fraction=hbm_roofline_s(target, 1, args.context) / t_plain,
+                             spec_step_s=t_spec, hbm_fraction=hbm_roofline_s(target, 1, args.context) / args.tensor / t_plain,
                              wall_s=time.perf_counter() - t0)
         print(json.dumps({name: results[name]}), flush=True)
         if args.out:
