@@ -52,8 +52,8 @@ def greedy_argmax(logits: jax.Array) -> jax.Array:
 
     Under ``sharding.kernel_mesh`` with the vocabulary split across devices, each device takes the
     argmax of its slice and the devices exchange one (value, index) pair per row: XLA partitions
-    ``jnp.argmax`` over a sharded axis by gathering every row's whole logits first, which took
-    2.3 ms of a 7 ms Qwen3-8B target-only step at TP=2 (docs/benchmarks.md).
+    ``jnp.argmax`` over a sharded axis by gathering every row's whole logits first (600 KB per row
+    for Qwen3-8B's vocabulary in float32; docs/benchmarks.md, sixth session).
     """
     axes = ("batch",) + ("length",) * (logits.ndim - 2) + ("vocab",)
     across = sharding.kernel_mesh_axes(axes, logits.shape, -1)
