@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ from dflash_jax.cache import KVCache  # noqa: E402
 from dflash_jax.drafter import Drafter  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
 from dflash_jax.model_config import TargetConfig  # noqa: E402
-from dflash_jax.sharding import MeshConfig  # noqa: E402
+from dflash_jax.sharding import MeshConfig, hlo_collectives  # noqa: E402
 from dflash_jax.target import Target  # noqa: E402
 from dflash_jax.tiny import tiny_drafter_config  # noqa: E402
 
@@ -223,18 +222,15 @@ def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir
 
 
 def print_collectives(engine: Engine, name: str) -> None:
-    """The all-gathers and all-reduces of the compiled decode step (one row), largest first: what a
-    mesh moves between devices every step (an accidental gather of a weight shows up here)."""
+    """The collectives of the compiled decode step (one row), largest first: what a mesh moves
+    between devices every step (an accidental gather of a weight shows up here)."""
     state = engine.empty_state(1)
     hlo = engine._decode.lower(engine._target_state, engine._drafter_state, state, jnp.int32(1),
                                window=engine.capacity).compile().as_text()
-    found = []
-    for m in re.finditer(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (all-gather|all-reduce)(?:-start)?\(.*?op_name=\"([^\"]*)", hlo):
-        elems = int(np.prod([int(d) for d in m.group(2).split(",") if d]))
-        found.append((elems, m.group(3), f"{m.group(1)}[{m.group(2)}]", m.group(4)[-90:]))
+    found = sorted(hlo_collectives(hlo), key=lambda c: -c.elements)
     print(f"collectives of the {name} decode step: {len(found)}", flush=True)
-    for elems, kind, shape, op in sorted(found, reverse=True)[:6]:
-        print(f"  {kind:10s} {shape:24s} {op}", flush=True)
+    for c in found[:6]:
+        print(f"  {c.kind:10s} {c.dtype}{list(c.shape)!s:20s} {c.op_name[-90:]}", flush=True)
 
 
 def host_overhead(engine: Engine, context: int, new_tokens: int, device_step: float) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import re
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -178,3 +179,41 @@ def shard_kernel(fn: Callable, in_axes: Sequence[tuple[str | None, ...]],
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
     return sharded
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled XLA program (``hlo_collectives``)."""
+
+    kind: str                # "all-gather", "all-reduce", ...
+    dtype: str               # HLO element type: "bf16", "f32", "s32", ...
+    shape: tuple[int, ...]   # the result's shape (an all-gather: the gathered value)
+    op_name: str             # the JAX operation it came from (HLO metadata)
+
+    @property
+    def elements(self) -> int:
+        return int(np.prod(self.shape))
+
+
+_COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                         r"(-start)?\((.*)")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def hlo_collectives(hlo_text: str) -> list[Collective]:
+    """The collectives of a compiled program's HLO text (``jax.jit(f).lower(...).compile().as_text()``):
+    what a step on a mesh moves between devices, one entry per result (an asynchronous
+    ``all-gather-start`` counts by its gathered outputs). A weight or a whole row of logits among
+    them is a partitioning defect (docs/benchmarks.md, sixth session)."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m:
+            continue
+        arrays = _ARRAY.findall(m.group(1))
+        if m.group(3) and m.group(2) == "all-gather" and m.group(1).startswith("("):
+            arrays = arrays[len(arrays) // 2:]  # (operands..., gathered...)
+        op = re.search(r'op_name="([^"]*)"', m.group(4))
+        found.extend(Collective(m.group(2), dtype, tuple(int(d) for d in dims.split(",") if d),
+                                op.group(1) if op else "") for dtype, dims in arrays)
+    return found

@@ -455,13 +455,29 @@ def test_admitting_and_resizing_keep_the_state_sharding(pair):
     assert np.asarray(state.done).tolist() == [False, True, True, True]
 
 
+def test_hlo_collectives_reads_synchronous_and_asynchronous_forms():
+    hlo = """
+  %all-gather.5 = f32[1,1,96]{1,0,2} all-gather(%fusion), channel_id=11, dimensions={2}, metadata={op_name="jit(f)/argmax"}
+  %all-gather-start = (bf16[2,64]{1,0}, bf16[4,64]{1,0}) all-gather-start(%p), channel_id=2, dimensions={0}
+  %all-gather-done = bf16[4,64]{1,0} all-gather-done(%all-gather-start)
+  %all-reduce-start.1 = bf16[4096]{0} all-reduce-start(%dot), channel_id=3, to_apply=%add, metadata={op_name="jit(f)/dot_general"}
+  %all-reduce-done.1 = bf16[4096]{0} all-reduce-done(%all-reduce-start.1)
+  %add.3 = f32[8]{0} add(%a, %b)
+"""
+    got = sharding.hlo_collectives(hlo)
+    assert [(c.kind, c.dtype, c.shape, c.op_name) for c in got] == [
+        ("all-gather", "f32", (1, 1, 96), "jit(f)/argmax"),
+        ("all-gather", "bf16", (4, 64), ""),
+        ("all-reduce", "bf16", (4096,), "jit(f)/dot_general"),
+    ]
+    assert got[1].elements == 256
+
+
 def test_sharded_decode_steps_gather_no_weights_and_no_logits(pair):
     """On a tensor-parallel mesh the compiled decode steps (target-only and DFlash) reduce across
     devices (all-reduces) but gather nothing as large as one row of logits: no weight (the
     drafter's context-K/V weight used to be gathered whole on every step) and no vocab-sharded
     logits (the argmax gathered every row's logits, 600 KB per row for Qwen3-8B)."""
-    import re
-
     target, drafter = load_target(pair[0]), load_drafter(pair[1])
     vocab = target.config.vocab_size
     for draft in (None, drafter):
@@ -470,7 +486,7 @@ def test_sharded_decode_steps_gather_no_weights_and_no_logits(pair):
         state = engine.empty_state(1)
         hlo = engine._decode.lower(engine._target_state, engine._drafter_state, state, jnp.int32(1),
                                    window=engine.capacity).compile().as_text()
-        gathered = [int(np.prod([int(d) for d in dims.split(",") if d]))
-                    for dims in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} all-gather\(", hlo)]
-        assert re.search(r"all-reduce(-start)?\(", hlo), "the step is not partitioned"
+        collectives = sharding.hlo_collectives(hlo)
+        gathered = [c.elements for c in collectives if c.kind == "all-gather"]
+        assert any(c.kind == "all-reduce" for c in collectives), "the step is not partitioned"
         assert max(gathered, default=0) < vocab, (draft is not None, gathered, vocab)
