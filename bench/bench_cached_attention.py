@@ -22,7 +22,6 @@ cache of 1152 positions (the engine's capacity for max_length 1024).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys

@@ -6,7 +6,8 @@ and method: on-device loop, state donated, median of repeats) with
 
 - ``options``: XLA options for the decode jit only (``jax.jit(..., compiler_options=...)``, as the
   engine passes its own per-backend options; an option this XLA does not know fails that variant);
-- ``unfused_norms``: residual adds and RMSNorms as XLA ops instead of the add_rms_norm kernel.
+- ``unfused_norms``: residual adds and RMSNorms as XLA ops instead of the add_rms_norm kernel;
+- ``two_row_dots``: one-row projections padded to two rows (``_two_row_dense``).
 
     python bench/sweep_decode_options.py --out $OUT/sweep.json             # on the GPU
     python bench/sweep_decode_options.py --tiny --only base                  # CPU smoke test
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from flax import nnx  # noqa: E402
 import kernels_pallas  # noqa: E402
 from bench_engine import hbm_roofline_s, qwen3_8b, time_decode  # noqa: E402
 from dflash_jax import engine as engine_module  # noqa: E402
+from dflash_jax import layers  # noqa: E402
 from dflash_jax.drafter import Drafter  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
 from dflash_jax.sharding import MeshConfig  # noqa: E402
@@ -37,6 +40,18 @@ from dflash_jax.target import Target  # noqa: E402
 from dflash_jax.tiny import tiny_drafter_config, tiny_target_config  # noqa: E402
 
 NO_SPLIT_K = {"xla_gpu_experimental_force_split_k": 1}
+def _two_row_dense(x, w, in_dims=1):
+    """``layers.dense`` with a one-row input padded to two rows. XLA:GPU rewrites a one-row matmul
+    whose operands hold fewer than 10M elements into a multiply and a reduction, which is what
+    happened to the output projection at TP=2: 21 us instead of a ~7 us GEMM
+    (docs/benchmarks.md, sixth session). Two rows keep it a GEMM."""
+    lead = x.shape[:x.ndim - in_dims]
+    if math.prod(lead) != 1:
+        return _dense(x, w, in_dims)
+    return _dense(jnp.concatenate([x, jnp.zeros_like(x)], axis=0), w, in_dims)[:1]
+
+
+_dense = layers.dense
 VARIANTS = {  # name: (XLA options, unfused norms)
     "base": ({}, False),
     "unfused_norms": ({}, True),
@@ -61,6 +76,7 @@ VARIANTS = {  # name: (XLA options, unfused norms)
     "sync+graph_collectives": ({"xla_gpu_disable_async_collectives": "ALLCOLLECTIVES",
                                 "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES"},
                                False),
+    "two_row_dots": ({}, False),  # layers.dense pads one-row inputs to two (see _two_row_dense)
 }
 
 
@@ -91,6 +107,7 @@ def main() -> None:
         options, unfused_norms = VARIANTS[name]
         engine_module._decode_compiler_options = lambda o=options: {**(default_options() or {}), **o} or None
         kernels_pallas.add_rms_norm_supported = (lambda *a, **k: False) if unfused_norms else supported
+        layers.dense = _two_row_dense if name == "two_row_dots" else _dense
         cfg = EngineConfig(max_batch_size=1, max_length=args.context + 512, prompt_buckets=(args.context,),
                            steps_per_sync=8, attention_impl="pallas",
                            mesh=MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None)

@@ -17,7 +17,7 @@ from flax import nnx
 
 from dflash_jax.attention import AttentionImpl
 from dflash_jax.cache import KVCache
-from dflash_jax.layers import DecoderLayer, RMSNorm, _init, add_rms_norm, fuse_projections, rope_inv_freq
+from dflash_jax.layers import DecoderLayer, RMSNorm, _init, add_rms_norm, dense, fuse_projections, rope_inv_freq
 from dflash_jax.model_config import DrafterConfig
 
 
@@ -79,8 +79,7 @@ class Drafter(nnx.Module):
         if self.context_kv_proj is None:
             kvs = [layer.self_attn.keys_values(ctx, positions) for layer in self.layers]
             return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])
-        w = self.context_kv_proj[...]
-        kv = (ctx @ w.reshape(w.shape[0], -1)).reshape(ctx.shape[:-1] + w.shape[1:])  # [b, t, kv, layers, 2, d]
+        kv = dense(ctx, self.context_kv_proj[...])  # [b, t, kv, layers, 2, d]
         if self.context_kv_bias is not None:
             kv = kv + self.context_kv_bias[...]
         k = jnp.stack([layer.self_attn._finish_k(kv[:, :, :, i, 0], positions) for i, layer in enumerate(self.layers)])

@@ -61,6 +61,18 @@ def add_rms_norm(h: jax.Array, delta: jax.Array | None, norm: RMSNorm, *, fused:
     return s, norm(s)
 
 
+def dense(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
+    """``x [..., *in]`` times ``w [*in, *out]`` (``in`` = the first ``in_dims`` dimensions of ``w``)
+    -> ``[..., *out]``, as one 2-D matmul on the bitcast ``[prod(in), prod(out)]`` weight: XLA then
+    picks the GEMM it picks for a plain matrix, which it did not for the multi-dimensional einsum of
+    the fused QKV weight (docs/benchmarks.md). The fused projections (QKV, gate-up, the drafter's
+    context K/V) and the output projection all go through here."""
+    lead = x.shape[:x.ndim - in_dims]
+    k = math.prod(w.shape[:in_dims])
+    y = x.reshape(lead + (k,)) @ w.reshape(k, -1)
+    return y.reshape(lead + w.shape[in_dims:])
+
+
 # ----------------------------------------------------------------------------------------------
 # RoPE (neox half-split), with the rope types found in Qwen3 and Llama-3 checkpoints.
 # ----------------------------------------------------------------------------------------------
@@ -176,9 +188,7 @@ class Attention(nnx.Module):
 
     def _qkv(self, x: jax.Array) -> jax.Array:
         """``x [..., hidden]`` -> the raw fused projection ``[..., kv_heads, groups + 2, head_dim]``."""
-        w = self.qkv_proj[...]
-        # A 2-D dot on the bitcast weight: the same GEMM XLA picks for a plain [in, out] matrix.
-        y = (x @ w.reshape(w.shape[0], -1)).reshape(x.shape[:-1] + w.shape[1:])
+        y = dense(x, self.qkv_proj[...])
         return y if self.qkv_bias is None else y + self.qkv_bias[...]
 
     def _split(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -303,7 +313,7 @@ class Attention(nnx.Module):
 
     def output(self, attn: jax.Array) -> jax.Array:
         """``[..., seq, heads, head_dim]`` -> ``[..., seq, hidden]``."""
-        y = jnp.einsum("...kd,kdh->...h", attn, self.o_proj[...])
+        y = dense(attn, self.o_proj[...], in_dims=2)
         return y if self.o_bias is None else y + self.o_bias[...]
 
 
@@ -335,19 +345,18 @@ class MLP(nnx.Module):
         self.gate_proj = self.up_proj = self.gate_bias = self.up_bias = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        def dense(v, w, b):
-            y = v @ w[...]
+        def affine(v, w, b):
+            y = dense(v, w[...])
             return y if b is None else y + b[...]
 
         if self.gate_up_proj is not None:
-            w = self.gate_up_proj[...]
-            gu = (x @ w.reshape(w.shape[0], -1)).reshape(x.shape[:-1] + w.shape[1:])
+            gu = dense(x, self.gate_up_proj[...])
             if self.gate_up_bias is not None:
                 gu = gu + self.gate_up_bias[...]
             h = jax.nn.silu(gu[..., 0]) * gu[..., 1]
         else:
-            h = jax.nn.silu(dense(x, self.gate_proj, self.gate_bias)) * dense(x, self.up_proj, self.up_bias)
-        return dense(h, self.down_proj, self.down_bias)
+            h = jax.nn.silu(affine(x, self.gate_proj, self.gate_bias)) * affine(x, self.up_proj, self.up_bias)
+        return affine(h, self.down_proj, self.down_bias)
 
 
 class DecoderLayer(nnx.Module):

@@ -307,8 +307,6 @@ def test_cached_attention_kernel_lowers_for_gpus():
 def test_add_rms_norm_kernel_equals_layer_reference(dtype, with_delta):
     """``kernels_pallas.add_rms_norm`` (interpret mode) against ``layers.add_rms_norm(fused=False)``:
     the sum bit for bit, the norm to rounding; rows of very different scales (the norm is per row)."""
-    from flax import nnx
-
     from dflash_jax.layers import RMSNorm, add_rms_norm
     from kernels_pallas import add_rms_norm as kernel
 

@@ -212,7 +212,6 @@ def test_dpace_weights_equal_loop():
 
 def test_loss_value_and_metrics_by_hand():
     """Decay-weighted CE and the acceptance metrics on a 1-block case computed by hand."""
-    B, V = 4, 5
     logits = jnp.log(jnp.asarray([[[0.2] * 5, [0.6, 0.1, 0.1, 0.1, 0.1], [0.1, 0.7, 0.1, 0.05, 0.05],
                                    [0.1, 0.1, 0.1, 0.1, 0.6]]]))
     labels = jnp.asarray([[3, 0, 2, 4]])
