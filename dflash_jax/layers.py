@@ -62,15 +62,16 @@ def add_rms_norm(h: jax.Array, delta: jax.Array | None, norm: RMSNorm, *, fused:
 
 
 def dense(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
-    """``x [..., *in]`` times ``w [*in, *out]`` (``in`` = the first ``in_dims`` dimensions of ``w``)
-    -> ``[..., *out]``, as one 2-D matmul on the bitcast ``[prod(in), prod(out)]`` weight: XLA then
-    picks the GEMM it picks for a plain matrix, which it did not for the multi-dimensional einsum of
-    the fused QKV weight (docs/benchmarks.md). The fused projections (QKV, gate-up, the drafter's
-    context K/V) and the output projection all go through here."""
-    lead = x.shape[:x.ndim - in_dims]
-    k = math.prod(w.shape[:in_dims])
-    y = x.reshape(lead + (k,)) @ w.reshape(k, -1)
-    return y.reshape(lead + w.shape[in_dims:])
+    """``x [..., *in]`` times ``w [*in, *out]`` (``in``: the first ``in_dims`` dimensions of ``w``)
+    -> ``[..., *out]``: one dot over the ``in`` dimensions, with the ``out`` dimensions of the weight
+    bitcast to one. A fused weight with several output dimensions (QKV ``[hidden, kv_heads,
+    groups + 2, head_dim]``) then gets the GEMM XLA picks for a plain matrix; the output projection
+    (``in_dims=2``) is the dot its einsum was. Every projection of the decode path goes through
+    here: one place to change how a row meets XLA's GEMMs (docs/design.md)."""
+    out = w.shape[in_dims:]
+    contract = (tuple(range(x.ndim - in_dims, x.ndim)), tuple(range(in_dims)))
+    y = jax.lax.dot_general(x, w.reshape(w.shape[:in_dims] + (math.prod(out),)), (contract, ((), ())))
+    return y.reshape(x.shape[:x.ndim - in_dims] + out)
 
 
 # ----------------------------------------------------------------------------------------------
