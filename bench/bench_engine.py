@@ -224,10 +224,7 @@ def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir
 def print_collectives(engine: Engine, name: str) -> None:
     """The collectives of the compiled decode step (one row), largest first: what a mesh moves
     between devices every step (an accidental gather of a weight shows up here)."""
-    state = engine.empty_state(1)
-    hlo = engine._decode.lower(engine._target_state, engine._drafter_state, state, jnp.int32(1),
-                               window=engine.capacity).compile().as_text()
-    found = sorted(hlo_collectives(hlo), key=lambda c: -c.elements)
+    found = sorted(hlo_collectives(engine.decode_hlo(engine.empty_state(1))), key=lambda c: -c.elements)
     print(f"collectives of the {name} decode step: {len(found)}", flush=True)
     for c in found[:6]:
         print(f"  {c.kind:10s} {c.dtype}{list(c.shape)!s:20s} {c.op_name[-90:]}", flush=True)

@@ -304,6 +304,12 @@ class Engine:
         return self._decode(self._target_state, self._drafter_state, state, self._n_steps[n],
                             window=self._window(window))
 
+    def decode_hlo(self, state: decoding.DecodeState, n_steps: int = 1, *, window: int | None = None) -> str:
+        """The optimised HLO text of ``decode(state, n_steps, window=window)`` as compiled: what a
+        call runs (its copies, its collectives on a mesh). Compiles only; ``state`` is not donated."""
+        return self._decode.lower(self._target_state, self._drafter_state, state, jnp.int32(n_steps),
+                                  window=self._window(window)).compile().as_text()
+
     def _window(self, needed: int | None) -> int:
         """The smallest window bucket covering ``needed`` cache positions (None: the whole cache)."""
         if needed is None:

@@ -317,8 +317,7 @@ def test_decode_loop_does_not_copy_the_caches(long_engines):
     for engine in long_engines:
         state = _running_state(engine, [1, 2, 3], 4)
         for window in (64, engine.capacity):
-            hlo = engine._decode.lower(engine._target_state, engine._drafter_state, state, jnp.int32(4),
-                                       window=window).compile().as_text()
+            hlo = engine.decode_hlo(state, 4, window=window)
             tc = engine.target.config
             cache_shape = f"f32[1,{engine.capacity},{tc.num_kv_heads},{tc.head_dim}]"
             copies = [line for line in hlo.splitlines() if f"= {cache_shape}" in line and " copy(" in line]
@@ -483,10 +482,7 @@ def test_sharded_decode_steps_gather_no_weights_and_no_logits(pair):
     for draft in (None, drafter):
         engine = Engine(target, draft, EngineConfig(max_batch_size=1, max_length=80, steps_per_sync=2,
                                                     mesh=MeshConfig(data=1, fsdp=1, tensor=2)))
-        state = engine.empty_state(1)
-        hlo = engine._decode.lower(engine._target_state, engine._drafter_state, state, jnp.int32(1),
-                                   window=engine.capacity).compile().as_text()
-        collectives = sharding.hlo_collectives(hlo)
+        collectives = sharding.hlo_collectives(engine.decode_hlo(engine.empty_state(1)))
         gathered = [c.elements for c in collectives if c.kind == "all-gather"]
         assert any(c.kind == "all-reduce" for c in collectives), "the step is not partitioned"
         assert max(gathered, default=0) < vocab, (draft is not None, gathered, vocab)
