@@ -79,7 +79,7 @@ class Drafter(nnx.Module):
         if self.context_kv_proj is None:
             kvs = [layer.self_attn.keys_values(ctx, positions) for layer in self.layers]
             return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])
-        kv = dense(ctx, self.context_kv_proj[...])  # [b, t, kv, layers, 2, d]
+        kv = dense(ctx, self.context_kv_proj)  # [b, t, kv, layers, 2, d]
         if self.context_kv_bias is not None:
             kv = kv + self.context_kv_bias[...]
         k = jnp.stack([layer.self_attn._finish_k(kv[:, :, :, i, 0], positions) for i, layer in enumerate(self.layers)])

@@ -16,6 +16,7 @@ from flax import nnx
 
 from dflash_jax.attention import AttentionImpl, block_attention
 from dflash_jax.cache import CACHE_AXES, write_rows
+from dflash_jax import sharding
 from dflash_jax.sharding import shard_kernel
 
 
@@ -61,13 +62,39 @@ def add_rms_norm(h: jax.Array, delta: jax.Array | None, norm: RMSNorm, *, fused:
     return s, norm(s)
 
 
-def dense(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
-    """``x [..., *in]`` times ``w [*in, *out]`` (``in``: the first ``in_dims`` dimensions of ``w``)
-    -> ``[..., *out]``: one dot over the ``in`` dimensions, with the ``out`` dimensions of the weight
-    bitcast to one. A fused weight with several output dimensions (QKV ``[hidden, kv_heads,
-    groups + 2, head_dim]``) then gets the GEMM XLA picks for a plain matrix; the output projection
-    (``in_dims=2``) is the dot its einsum was. Every projection of the decode path goes through
-    here: one place to change how a row meets XLA's GEMMs (docs/design.md)."""
+# XLA:GPU rewrites a dot with a one-row operand into a multiply and a reduction when its operands
+# hold fewer than this many elements (``ShouldStrengthReduceDotToReduce``, gpu_algebraic_simplifier.cc).
+GPU_STRENGTH_REDUCTION_LIMIT = 10_000_000
+
+
+def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
+    """``x [..., *in]`` times the weight ``w [*in, *out]`` (``in``: its first ``in_dims``
+    dimensions) -> ``[..., *out]``: one dot over the ``in`` dimensions, with the ``out`` dimensions
+    of the weight bitcast to one. A fused weight with several output dimensions (QKV ``[hidden,
+    kv_heads, groups + 2, head_dim]``) then gets the GEMM XLA picks for a plain matrix; the output
+    projection (``in_dims=2``) is the dot its einsum was. Every projection of the decode path goes
+    through here: one place to change how a row meets XLA's GEMMs (docs/design.md).
+
+    On GPUs a single row meets a weight whose shard (``w``'s logical axes under
+    ``sharding.kernel_mesh``) is under ``GPU_STRENGTH_REDUCTION_LIMIT`` elements as two rows, the
+    second zeros: XLA would otherwise run the dot as a multiply and a reduction, ~3x slower than its
+    GEMM (the TP=2 output projection: 21 us instead of 7; docs/benchmarks.md, seventh session).
+    Rows are independent, so the real row's result is the same."""
+    value = w[...]
+    rows = x.shape[:x.ndim - in_dims]
+    if (math.prod(rows) == 1 and _strength_reduces_single_rows()
+            and math.prod(sharding.local_shape(w.get_metadata()["axes"], value.shape)) < GPU_STRENGTH_REDUCTION_LIMIT):
+        row = x.reshape((1,) + x.shape[x.ndim - in_dims:])
+        y = _dot(jnp.concatenate([row, jnp.zeros_like(row)]), value, in_dims)[:1]
+        return y.reshape(rows + value.shape[in_dims:])
+    return _dot(x, value, in_dims)
+
+
+def _strength_reduces_single_rows() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _dot(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
     out = w.shape[in_dims:]
     contract = (tuple(range(x.ndim - in_dims, x.ndim)), tuple(range(in_dims)))
     y = jax.lax.dot_general(x, w.reshape(w.shape[:in_dims] + (math.prod(out),)), (contract, ((), ())))
@@ -189,7 +216,7 @@ class Attention(nnx.Module):
 
     def _qkv(self, x: jax.Array) -> jax.Array:
         """``x [..., hidden]`` -> the raw fused projection ``[..., kv_heads, groups + 2, head_dim]``."""
-        y = dense(x, self.qkv_proj[...])
+        y = dense(x, self.qkv_proj)
         return y if self.qkv_bias is None else y + self.qkv_bias[...]
 
     def _split(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -314,7 +341,7 @@ class Attention(nnx.Module):
 
     def output(self, attn: jax.Array) -> jax.Array:
         """``[..., seq, heads, head_dim]`` -> ``[..., seq, hidden]``."""
-        y = dense(attn, self.o_proj[...], in_dims=2)
+        y = dense(attn, self.o_proj, in_dims=2)
         return y if self.o_bias is None else y + self.o_bias[...]
 
 
@@ -347,11 +374,11 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         def affine(v, w, b):
-            y = dense(v, w[...])
+            y = dense(v, w)
             return y if b is None else y + b[...]
 
         if self.gate_up_proj is not None:
-            gu = dense(x, self.gate_up_proj[...])
+            gu = dense(x, self.gate_up_proj)
             if self.gate_up_bias is not None:
                 gu = gu + self.gate_up_bias[...]
             h = jax.nn.silu(gu[..., 0]) * gu[..., 1]

@@ -153,6 +153,18 @@ def kernel_mesh_axes(axes: tuple[str | None, ...], shape: tuple[int, ...], dim: 
     return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
+def local_shape(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Under ``kernel_mesh``: the shape of one device's shard of a value with logical ``axes``
+    (what the device's own kernels see, e.g. the GEMM XLA compiles for it); else ``shape``."""
+    active = _KERNEL_MESH.get()
+    if active is None:
+        return tuple(shape)
+    mesh, rules = active
+    spec = logical_spec(tuple(axes), tuple(shape), mesh, rules)
+    split = lambda entry: int(np.prod([mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry)]))  # noqa: E731
+    return tuple(d if entry is None else d // split(entry) for d, entry in zip(shape, spec))
+
+
 def shard_kernel(fn: Callable, in_axes: Sequence[tuple[str | None, ...]],
                  out_axes: Sequence[tuple[str | None, ...]], out_shapes: Callable | None = None) -> Callable:
     """``fn(*arrays) -> tuple of arrays``, run on each device's shards under ``kernel_mesh``.

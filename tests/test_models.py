@@ -261,6 +261,43 @@ def test_embedding_lookup_on_a_vocab_sharded_mesh_is_exact(tp8_pair):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_dense_pads_a_single_row_where_xla_gpu_would_strength_reduce_its_dot(monkeypatch):
+    """``layers.dense`` gives a one-row dot a zero second row when the weight's shard on this device
+    is under the strength-reduction limit of XLA:GPU (which makes such dots a multiply and a
+    reduction, ~3x slower); the real row's result is unchanged. The shard is what counts: the
+    same weight is padded on a TP=2 mesh, where each device holds half of it, and not on one
+    device. (The GPU-only rule is switched on here, with a limit scaled to a small weight.)"""
+    from flax import nnx
+
+    from dflash_jax import layers, sharding
+    from dflash_jax.sharding import MeshConfig, make_mesh
+
+    monkeypatch.setattr(layers, "_strength_reduces_single_rows", lambda: True)
+    monkeypatch.setattr(layers, "GPU_STRENGTH_REDUCTION_LIMIT", 3000)
+    rng = np.random.RandomState(0)
+    w = nnx.Param(jnp.asarray(rng.randn(64, 8, 8), jnp.float32), axes=("embed", "heads", "head_dim"))  # 4096
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=2), jax.devices()[:2])
+
+    def lowered(x, on_mesh: bool) -> tuple[np.ndarray, str]:
+        fn = jax.jit(lambda x: layers.dense(x, w))
+        if not on_mesh:
+            return np.asarray(fn(x)), fn.lower(x).as_text()
+        with sharding.kernel_mesh(mesh):
+            assert sharding.local_shape(("embed", "heads", "head_dim"), (64, 8, 8)) == (64, 4, 8)
+            return np.asarray(fn(x)), fn.lower(x).as_text()
+
+    for rows in (1, 3):
+        x = jnp.asarray(rng.randn(rows, 1, 64), jnp.float32)
+        want = (np.asarray(x, np.float64) @ np.asarray(w[...], np.float64).reshape(64, 64)).reshape(rows, 1, 8, 8)
+        for on_mesh in (False, True):
+            got, text = lowered(x, on_mesh)
+            assert got.shape == (rows, 1, 8, 8)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            padded = "tensor<2x64xf32>" in text
+            assert padded == (rows == 1 and on_mesh), (rows, on_mesh)
+    assert sharding.local_shape(("embed", "heads", "head_dim"), (64, 8, 8)) == (64, 8, 8)  # outside the mesh
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_serving_layout_matches_transformers(bias, tmp_path, reference):
     """The engine's fused QKV / gate-up layout (``fuse_projections``) gives the same logits and taps
