@@ -84,16 +84,30 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# XLA:GPU's default command-buffer (CUDA graph) contents plus while loops and conditionals.
+_GPU_DECODE_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+
+
 def _decode_compiler_options() -> dict | None:
     """XLA options for the decode loop on this backend.
 
     XLA:CPU's default copy insertion copies every target-cache buffer twice per decode step (the
     while-loop carry is read by attention and updated in place within one step), which costs more
     than a small model's attention itself; its region analysis proves the in-place update safe and
-    removes the copies. Other backends keep their defaults.
+    removes the copies.
+
+    On GPUs the decode loop's ``while`` goes into the CUDA graph (a conditional node). Outside it,
+    XLA evaluates the loop condition on the host, one device-to-host copy per step, so a decode call
+    ran synchronously in the thread that dispatched it and the device idled between calls while the
+    host read the last call's tokens and dispatched the next: 0.27 ms per DFlash step and 0.70 ms per
+    target-only step at 8 steps per sync, none with the loop in the graph (docs/benchmarks.md,
+    seventh session). Not measured on a mesh, where the loop body holds collectives (not in the
+    list: there the sixth session's collectives in graphs did not help the DFlash step).
     """
     if jax.default_backend() == "cpu":
         return {"xla_cpu_copy_insertion_use_region_analysis": True}
+    if jax.default_backend() == "gpu":
+        return {"xla_gpu_enable_command_buffer": _GPU_DECODE_COMMAND_BUFFER}
     return None
 
 
