@@ -2,6 +2,7 @@
 unfused path, on 36 layers of Qwen3-8B attention shapes.
 
 Usage (on the H200):  python3 bench/bench_cached_attention.py --out $OUT/cached.json
+Kernel time alone per variant (profiler):  ... --kernel-profile /tmp/kprof --out $OUT/kernel.json
 CPU dry run (tiny shapes, interpret mode):  python bench/bench_cached_attention.py --tiny
 
 For every (batch, block) it first checks, on the device, the kernel against the unfused reference
@@ -29,6 +30,7 @@ import time
 import warnings
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -66,6 +68,81 @@ def fused(attn: Attention, qkv, k_cache, v_cache, starts, blk_lens, config=None)
         jnp.asarray(attn.inv_freq, jnp.float32), eps=attn.eps, qk_norm=True, config=config)
 
 
+def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, out_dir: str,
+                   sweep: dict[str, dict]) -> list[dict]:
+    """GPU time of the fused kernel alone, per variant, read off a profiler trace (no harness in it):
+    what the ~8.7 us per layer of the engine's batch-1 attention is made of. Variants: the tile
+    config, the context length (0 = the fixed cost of a program), the q/k norm, the cache write.
+    Each variant runs ``layers`` kernels per call, 3 traced calls; median per kernel name.
+
+    Each variant with the q/k norm is first checked on the device against the XLA reference
+    (layer 0), and for determinism: 20 calls of one layer must give bit-identical outputs (a
+    variant that merges its splits across programs could race).
+
+    ``sweep``: tile configs by name (``GpuConfig`` fields; ``{}`` is the default)."""
+    from bench_engine import _load_trace
+
+    kv_heads, head_dim = attn.num_kv_heads, attn.head_dim
+    groups = attn.num_heads // kv_heads
+    configs = {name: GpuConfig(**kw) for name, kw in sweep.items()}
+    rows = []
+    for block in (1, 16):
+        keys = jax.random.split(jax.random.key(block), 3)
+        qkvs = jax.random.normal(keys[0], (layers, 1, block, kv_heads, groups + 2, head_dim), jnp.bfloat16)
+        shape = (layers, 1, capacity, kv_heads, head_dim)
+        k_all, v_all = (jax.random.normal(k, shape, jnp.bfloat16) for k in keys[1:])
+        variants = [(name, cfg, context, True, True) for name, cfg in configs.items()]
+        best = configs[next(iter(configs))]
+        variants += [(f"context={c}", best, c, True, True) for c in (0, 64, 1024) if c + block <= capacity]
+        variants += [("no q/k norm", best, context, False, True), ("no cache write", best, context, True, False),
+                     ("context=0, no norm, no write", best, 0, False, False)]
+        for name, cfg, ctx, qk_norm, write in variants:
+            def one(q, k, v, s, b, cfg=cfg, qk_norm=qk_norm, write=write):
+                return kernels_pallas.cached_block_attention(
+                    q, k, v, s, b, attn.q_norm.weight[...], attn.k_norm.weight[...],
+                    jnp.asarray(attn.inv_freq, jnp.float32), eps=attn.eps, qk_norm=qk_norm, write=write, config=cfg)
+
+            starts, blk_lens = jnp.full((1,), ctx, jnp.int32), jnp.full((1,), block, jnp.int32)
+            error, deterministic = None, None
+            if qk_norm:
+                single = jax.jit(lambda q, k, v, one=one, s=starts, b=blk_lens: one(q, k, v, s, b)[0])
+                want = jax.jit(lambda q, k, v, s=starts, b=blk_lens: unfused(attn, q, k, v, s, b, "xla")[0])(
+                    qkvs[0], k_all[0], v_all[0])
+                outs = [np.asarray(single(qkvs[0], k_all[0], v_all[0]), np.float32) for _ in range(20)]
+                w = np.asarray(want, np.float32)
+                error = float(np.linalg.norm(outs[0] - w) / (np.linalg.norm(w) + 1e-9))
+                deterministic = all(np.array_equal(o, outs[0]) for o in outs[1:])
+            fn = layers_fn(one, layers)
+            ks, vs = [k_all[i] + 0 for i in range(layers)], [v_all[i] + 0 for i in range(layers)]
+            try:
+                total, ks, vs = fn(qkvs, ks, vs, starts, blk_lens)
+                jax.block_until_ready(total)
+                trace_dir = str(Path(out_dir) / f"b{block}_{name}".replace(" ", "_").replace("/", "_"))
+                with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                    for _ in range(3):
+                        total, ks, vs = fn(qkvs, ks, vs, starts, blk_lens)
+                        jax.block_until_ready(total)
+                events, procs, _ = _load_trace(trace_dir)
+            except Exception as err:  # noqa: BLE001  (one failing variant must not lose the others)
+                print(f"  block {block:2d} {name:30s} FAILED: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                continue
+            durs: dict = {}
+            for e in events:
+                if e.get("ph") == "X" and "GPU" in procs.get(e.get("pid"), ""):
+                    durs.setdefault(e["name"], []).append(e["dur"])
+            kernel = {n: statistics.median(d) for n, d in durs.items() if "cached_attention" in n}
+            others = sum(sum(d) for n, d in durs.items() if n not in kernel) / (3 * layers)
+            row = dict(block=block, variant=name, kernel_us=max(kernel.values(), default=float("nan")),
+                       other_us_per_layer=others, error=error, deterministic=deterministic)
+            rows.append(row)
+            check = "" if error is None else (f"  error {error:.1e}{'' if error < 1e-2 else ' MISMATCH'}"
+                                              f"{'' if deterministic else ' NONDETERMINISTIC'}")
+            print(f"  block {block:2d} {name:30s} kernel {row['kernel_us']:6.2f} us   "
+                  f"(other kernels {others:5.2f} us/layer: the harness's sums){check}", flush=True)
+            del ks, vs
+    return rows
+
+
 def layers_fn(one, layers: int):
     """All layers' attention in one jit, caches donated: ``[layers]`` qkv, k and v caches."""
 
@@ -89,6 +166,12 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=1152)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kernel-profile", default=None, metavar="DIR",
+                    help="only the per-variant kernel times from a profiler trace (traces under DIR)")
+    ap.add_argument("--sweep", default="default;min_chunk=128;min_chunk=64;min_chunk=64,num_stages=1;"
+                    "min_chunk=64,num_stages=2;min_chunk=64,num_warps=8;num_splits=8",
+                    help="--kernel-profile's tile configs, ';'-separated (the first also runs the context, "
+                         "norm and write variants)")
     args = ap.parse_args()
     dtype = jnp.bfloat16
     layers = 2 if args.tiny else args.layers
@@ -99,6 +182,14 @@ def main() -> None:
     groups = attn.num_heads // kv_heads
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {layers} layers, context {context}, "
           f"capacity {capacity}", flush=True)
+
+    if args.kernel_profile:
+        sweep = {name: {k: int(v) for k, v in (kv.split("=") for kv in name.split(",") if name != "default")}
+                 for name in args.sweep.split(";")}
+        rows = kernel_profile(attn, min(layers, 8), capacity, context, args.kernel_profile, sweep)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=2))
+        return
 
     results = []
     for batch, block in ((1, 1), (1, 16), (16, 1), (16, 16)):

@@ -29,6 +29,7 @@ from flax import nnx  # noqa: E402
 from dflash_jax import decoding  # noqa: E402
 from dflash_jax.cache import KVCache  # noqa: E402
 from dflash_jax.drafter import Drafter  # noqa: E402
+from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
 from dflash_jax.model_config import TargetConfig  # noqa: E402
 from dflash_jax.sharding import MeshConfig, hlo_collectives  # noqa: E402
@@ -234,7 +235,7 @@ def host_overhead(engine: Engine, context: int, new_tokens: int, device_step: fl
     """Wall time per step of Engine.generate vs the on-device loop's time per step."""
     rng = np.random.RandomState(0)
     prompt = rng.randint(0, engine.target.config.vocab_size - 1, context).tolist()
-    engine.generate([prompt], 8)  # compile prefill + warm-up
+    engine.generate([prompt], new_tokens)  # compile + warm up everything the timed generation runs
     t0 = time.perf_counter()
     (res,) = engine.generate([prompt], new_tokens)
     wall = time.perf_counter() - t0
@@ -295,7 +296,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps-per-sync", type=int, default=8,
+                    help="decode steps per host sync in the engines (the host-overhead generation runs with it)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--host-while", action="store_true",
+                    help="the decode loop's while on the host, outside the CUDA graph (XLA's default before "
+                         "the seventh session): the A/B of the host overhead")
     ap.add_argument("--draft-batches", default="1,16", help="batch sizes for the draft-only breakdown")
     ap.add_argument("--attention", default="xla", choices=["xla", "pallas"])
     ap.add_argument("--reference", action="store_true", help="also time the authors' PyTorch code")
@@ -320,6 +326,8 @@ def main() -> None:
         kernels_pallas.cached_block_attention_supported = lambda *a, **k: False
     if args.unfused_norms:
         kernels_pallas.add_rms_norm_supported = lambda *a, **k: False
+    if args.host_while:
+        engine_module._GPU_DECODE_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
     if args.cached_config:
         overrides = {k: int(v) for k, v in (kv.split("=") for kv in args.cached_config.split(","))}
         cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(cached_attention_gpu.DEFAULT_CONFIG, **overrides)
@@ -345,7 +353,7 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         mesh = MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None
         cfg = EngineConfig(max_batch_size=batch, max_length=args.context + 512, prompt_buckets=(args.context,),
-                           steps_per_sync=8, attention_impl=args.attention, mesh=mesh)
+                           steps_per_sync=args.steps_per_sync, attention_impl=args.attention, mesh=mesh)
         spec, plain = Engine(target, drafter, cfg), Engine(target, None, cfg)
         t0 = time.perf_counter()
         t_plain, _ = time_decode(plain, batch, args.context, args.steps, args.repeats)

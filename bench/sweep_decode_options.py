@@ -7,7 +7,10 @@ and method: on-device loop, state donated, median of repeats) with
 - ``options``: XLA options for the decode jit only (``jax.jit(..., compiler_options=...)``, as the
   engine passes its own per-backend options; an option this XLA does not know fails that variant);
 - ``unfused_norms``: residual adds and RMSNorms as XLA ops instead of the add_rms_norm kernel;
-- ``two_row_dots``: one-row projections padded to two rows (``_two_row_dense``).
+- ``no_row_padding``: ``layers.dense`` without its padding of single rows to two (the A/B of that
+  padding: it only changes projections whose shard is under ``GPU_STRENGTH_REDUCTION_LIMIT``);
+- ``attn:FIELD=N+...``: the cached-attention kernel's tile config (``GpuConfig`` fields), e.g.
+  ``attn:min_chunk=64+num_stages=2``.
 
     python bench/sweep_decode_options.py --out $OUT/sweep.json             # on the GPU
     python bench/sweep_decode_options.py --tiny --only base                  # CPU smoke test
@@ -16,8 +19,8 @@ and method: on-device loop, state donated, median of repeats) with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -30,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import kernels_pallas  # noqa: E402
+from kernels_pallas import cached_attention_gpu  # noqa: E402
 from bench_engine import hbm_roofline_s, qwen3_8b, time_decode  # noqa: E402
 from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax import layers  # noqa: E402
@@ -40,18 +44,7 @@ from dflash_jax.target import Target  # noqa: E402
 from dflash_jax.tiny import tiny_drafter_config, tiny_target_config  # noqa: E402
 
 NO_SPLIT_K = {"xla_gpu_experimental_force_split_k": 1}
-def _two_row_dense(x, w, in_dims=1):
-    """``layers.dense`` with a one-row input padded to two rows. XLA:GPU rewrites a one-row matmul
-    whose operands hold fewer than 10M elements into a multiply and a reduction, which is what
-    happened to the output projection at TP=2: 21 us instead of a ~7 us GEMM
-    (docs/benchmarks.md, sixth session). Two rows keep it a GEMM."""
-    lead = x.shape[:x.ndim - in_dims]
-    if math.prod(lead) != 1:
-        return _dense(x, w, in_dims)
-    return _dense(jnp.concatenate([x, jnp.zeros_like(x)], axis=0), w, in_dims)[:1]
-
-
-_dense = layers.dense
+GRAPHED = engine_module._GPU_DECODE_COMMAND_BUFFER
 VARIANTS = {  # name: (XLA options, unfused norms)
     "base": ({}, False),
     "unfused_norms": ({}, True),
@@ -71,12 +64,12 @@ VARIANTS = {  # name: (XLA options, unfused norms)
     "pdl_launch+unfused_norms": ({"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True}, True),
     # on a mesh (--tensor): collectives on the compute stream, and inside the CUDA graphs
     "sync_collectives": ({"xla_gpu_disable_async_collectives": "ALLCOLLECTIVES"}, False),
-    "graph_collectives": ({"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES"},
-                          False),
+    "graph_collectives": ({"xla_gpu_enable_command_buffer": GRAPHED + ",COLLECTIVES"}, False),
     "sync+graph_collectives": ({"xla_gpu_disable_async_collectives": "ALLCOLLECTIVES",
-                                "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES"},
-                               False),
-    "two_row_dots": ({}, False),  # layers.dense pads one-row inputs to two (see _two_row_dense)
+                                "xla_gpu_enable_command_buffer": GRAPHED + ",COLLECTIVES"}, False),
+    # the decode loop's while evaluated on the host (XLA's default; the engine puts it in the graph)
+    "host_while": ({"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}, False),
+    "no_row_padding": ({}, False),  # layers.dense never pads a single row to two (GPU_STRENGTH_REDUCTION_LIMIT = 0)
 }
 
 
@@ -99,15 +92,21 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
 
     default_options = engine_module._decode_compiler_options
+    default_attention = cached_attention_gpu.DEFAULT_CONFIG
+    limit = layers.GPU_STRENGTH_REDUCTION_LIMIT
     supported = kernels_pallas.add_rms_norm_supported
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     with_dflash = set(args.dflash.split(","))
     results = {}
     for name in names:
-        options, unfused_norms = VARIANTS[name]
+        overrides = {}
+        if name.startswith("attn:"):
+            overrides = {k: int(v) for k, v in (kv.split("=") for kv in name[len("attn:"):].split("+"))}
+        options, unfused_norms = VARIANTS.get(name, ({}, False))
+        cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(default_attention, **overrides)
         engine_module._decode_compiler_options = lambda o=options: {**(default_options() or {}), **o} or None
         kernels_pallas.add_rms_norm_supported = (lambda *a, **k: False) if unfused_norms else supported
-        layers.dense = _two_row_dense if name == "two_row_dots" else _dense
+        layers.GPU_STRENGTH_REDUCTION_LIMIT = 0 if name == "no_row_padding" else limit
         cfg = EngineConfig(max_batch_size=1, max_length=args.context + 512, prompt_buckets=(args.context,),
                            steps_per_sync=8, attention_impl="pallas",
                            mesh=MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None)
