@@ -82,8 +82,9 @@ def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
     Rows are independent, so the real row's result is the same."""
     value = w[...]
     rows = x.shape[:x.ndim - in_dims]
-    if (math.prod(rows) == 1 and _strength_reduces_single_rows()
-            and math.prod(sharding.local_shape(w.get_metadata()["axes"], value.shape)) < GPU_STRENGTH_REDUCTION_LIMIT):
+    axes = w.get_metadata().get("axes")
+    shard = value.shape if axes is None else sharding.local_shape(axes, value.shape)
+    if math.prod(rows) == 1 and _strength_reduces_single_rows() and math.prod(shard) < GPU_STRENGTH_REDUCTION_LIMIT:
         row = x.reshape((1,) + x.shape[x.ndim - in_dims:])
         y = _dot(jnp.concatenate([row, jnp.zeros_like(row)]), value, in_dims)[:1]
         return y.reshape(rows + value.shape[in_dims:])
