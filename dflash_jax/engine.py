@@ -101,8 +101,8 @@ def _decode_compiler_options() -> dict | None:
     ran synchronously in the thread that dispatched it and the device idled between calls while the
     host read the last call's tokens and dispatched the next: 0.27 ms per DFlash step and 0.70 ms per
     target-only step at 8 steps per sync, none with the loop in the graph (docs/benchmarks.md,
-    seventh session). Not measured on a mesh, where the loop body holds collectives (not in the
-    list: there the sixth session's collectives in graphs did not help the DFlash step).
+    seventh session). Not measured on a mesh, where the loop body holds collectives, which this list
+    leaves out of the graphs (the sixth session's variant with them did not help the DFlash step).
     """
     if jax.default_backend() == "cpu":
         return {"xla_cpu_copy_insertion_use_region_analysis": True}

@@ -79,7 +79,8 @@ def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
     ``sharding.kernel_mesh``) is under ``GPU_STRENGTH_REDUCTION_LIMIT`` elements as two rows, the
     second zeros: XLA would otherwise run the dot as a multiply and a reduction, ~3x slower than its
     GEMM (the TP=2 output projection: 21 us instead of 7; docs/benchmarks.md, seventh session).
-    Rows are independent, so the real row's result is the same."""
+    Rows are independent: the real row gets the same product, up to the summation order of the
+    GEMM XLA picks."""
     value = w[...]
     rows = x.shape[:x.ndim - in_dims]
     axes = w.get_metadata().get("axes")
