@@ -83,9 +83,7 @@ def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
     GEMM XLA picks."""
     value = w[...]
     rows = x.shape[:x.ndim - in_dims]
-    axes = w.get_metadata().get("axes")
-    shard = value.shape if axes is None else sharding.local_shape(axes, value.shape)
-    if math.prod(rows) == 1 and _strength_reduces_single_rows() and math.prod(shard) < GPU_STRENGTH_REDUCTION_LIMIT:
+    if math.prod(rows) == 1 and _strength_reduces_single_rows() and _shard_size(w) < GPU_STRENGTH_REDUCTION_LIMIT:
         row = x.reshape((1,) + x.shape[x.ndim - in_dims:])
         y = _dot(jnp.concatenate([row, jnp.zeros_like(row)]), value, in_dims)[:1]
         return y.reshape(rows + value.shape[in_dims:])
@@ -94,6 +92,12 @@ def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
 
 def _strength_reduces_single_rows() -> bool:
     return jax.default_backend() == "gpu"
+
+
+def _shard_size(w: nnx.Param) -> int:
+    """Elements of this device's shard of ``w`` (all of them for a weight without logical axes)."""
+    axes = w.get_metadata().get("axes")
+    return math.prod(w.shape if axes is None else sharding.local_shape(axes, w.shape))
 
 
 def _dot(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:

@@ -142,27 +142,33 @@ def kernel_mesh(mesh: Mesh | None, rules: dict[str, tuple[str, ...]] | None = No
         _KERNEL_MESH.reset(token)
 
 
+def _kernel_mesh_split(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> tuple[Mesh, list[tuple[str, ...]]] | None:
+    """Under ``kernel_mesh``: the mesh and, per dimension, the mesh axes it is split over (as
+    ``logical_spec`` places it, so as ``shard_kernel`` splits it); None outside."""
+    active = _KERNEL_MESH.get()
+    if active is None:
+        return None
+    mesh, rules = active
+    spec = logical_spec(tuple(axes), tuple(shape), mesh, rules)
+    return mesh, [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+
+
 def kernel_mesh_axes(axes: tuple[str | None, ...], shape: tuple[int, ...], dim: int) -> tuple[str, ...]:
     """Under ``kernel_mesh``: the mesh axes that dimension ``dim`` of a value with logical ``axes``
     and ``shape`` is split over inside ``shard_kernel`` (its collectives' axis names); () outside
     ``kernel_mesh`` or where that dimension is not split."""
-    active = _KERNEL_MESH.get()
-    if active is None:
-        return ()
-    entry = logical_spec(tuple(axes), tuple(shape), *active)[dim]
-    return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+    split = _kernel_mesh_split(axes, shape)
+    return () if split is None else split[1][dim]
 
 
 def local_shape(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
     """Under ``kernel_mesh``: the shape of one device's shard of a value with logical ``axes``
     (what the device's own kernels see, e.g. the GEMM XLA compiles for it); else ``shape``."""
-    active = _KERNEL_MESH.get()
-    if active is None:
+    split = _kernel_mesh_split(axes, shape)
+    if split is None:
         return tuple(shape)
-    mesh, rules = active
-    spec = logical_spec(tuple(axes), tuple(shape), mesh, rules)
-    split = lambda entry: int(np.prod([mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry)]))  # noqa: E731
-    return tuple(d if entry is None else d // split(entry) for d, entry in zip(shape, spec))
+    mesh, per_dim = split
+    return tuple(d // int(np.prod([mesh.shape[a] for a in names])) for d, names in zip(shape, per_dim))
 
 
 def shard_kernel(fn: Callable, in_axes: Sequence[tuple[str | None, ...]],
