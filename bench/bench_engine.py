@@ -327,7 +327,7 @@ def main() -> None:
     if args.unfused_norms:
         kernels_pallas.add_rms_norm_supported = lambda *a, **k: False
     if args.host_while:
-        engine_module._GPU_DECODE_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+        engine_module._GPU_DECODE_COMMAND_BUFFER = engine_module.GPU_DEFAULT_COMMAND_BUFFER
     if args.cached_config:
         overrides = {k: int(v) for k, v in (kv.split("=") for kv in args.cached_config.split(","))}
         cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(cached_attention_gpu.DEFAULT_CONFIG, **overrides)

@@ -68,7 +68,7 @@ VARIANTS = {  # name: (XLA options, unfused norms)
     "sync+graph_collectives": ({"xla_gpu_disable_async_collectives": "ALLCOLLECTIVES",
                                 "xla_gpu_enable_command_buffer": GRAPHED + ",COLLECTIVES"}, False),
     # the decode loop's while evaluated on the host (XLA's default; the engine puts it in the graph)
-    "host_while": ({"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}, False),
+    "host_while": ({"xla_gpu_enable_command_buffer": engine_module.GPU_DEFAULT_COMMAND_BUFFER}, False),
     "no_row_padding": ({}, False),  # layers.dense never pads a single row to two (GPU_STRENGTH_REDUCTION_LIMIT = 0)
 }
 

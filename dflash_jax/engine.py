@@ -84,8 +84,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# XLA:GPU's default command-buffer (CUDA graph) contents plus while loops and conditionals.
-_GPU_DECODE_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+# What XLA:GPU puts in command buffers (CUDA graphs) by default; the decode loop adds its while loop.
+GPU_DEFAULT_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+_GPU_DECODE_COMMAND_BUFFER = GPU_DEFAULT_COMMAND_BUFFER + ",WHILE,CONDITIONAL"
 
 
 def _decode_compiler_options() -> dict | None:
