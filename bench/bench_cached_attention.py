@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import kernels_pallas  # noqa: E402
+from bench_engine import _load_trace, int_fields  # noqa: E402
 from dflash_jax.layers import Attention, rope_inv_freq  # noqa: E402
 from kernels_pallas.block_attention_gpu import GpuConfig  # noqa: E402
 
@@ -62,10 +63,10 @@ def unfused(attn: Attention, qkv, k_cache, v_cache, starts, blk_lens, impl):
     return out[:, 0], k_cache, v_cache
 
 
-def fused(attn: Attention, qkv, k_cache, v_cache, starts, blk_lens, config=None):
+def fused(attn: Attention, qkv, k_cache, v_cache, starts, blk_lens, config=None, *, qk_norm=True, write=True):
     return kernels_pallas.cached_block_attention(
         qkv, k_cache, v_cache, starts, blk_lens, attn.q_norm.weight[...], attn.k_norm.weight[...],
-        jnp.asarray(attn.inv_freq, jnp.float32), eps=attn.eps, qk_norm=True, config=config)
+        jnp.asarray(attn.inv_freq, jnp.float32), eps=attn.eps, qk_norm=qk_norm, write=write, config=config)
 
 
 def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, out_dir: str,
@@ -80,8 +81,6 @@ def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, ou
     variant that merges its splits across programs could race).
 
     ``sweep``: tile configs by name (``GpuConfig`` fields; ``{}`` is the default)."""
-    from bench_engine import _load_trace
-
     kv_heads, head_dim = attn.num_kv_heads, attn.head_dim
     groups = attn.num_heads // kv_heads
     configs = {name: GpuConfig(**kw) for name, kw in sweep.items()}
@@ -98,9 +97,7 @@ def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, ou
                      ("context=0, no norm, no write", best, 0, False, False)]
         for name, cfg, ctx, qk_norm, write in variants:
             def one(q, k, v, s, b, cfg=cfg, qk_norm=qk_norm, write=write):
-                return kernels_pallas.cached_block_attention(
-                    q, k, v, s, b, attn.q_norm.weight[...], attn.k_norm.weight[...],
-                    jnp.asarray(attn.inv_freq, jnp.float32), eps=attn.eps, qk_norm=qk_norm, write=write, config=cfg)
+                return fused(attn, q, k, v, s, b, cfg, qk_norm=qk_norm, write=write)
 
             starts, blk_lens = jnp.full((1,), ctx, jnp.int32), jnp.full((1,), block, jnp.int32)
             error, deterministic = None, None
@@ -184,8 +181,7 @@ def main() -> None:
           f"capacity {capacity}", flush=True)
 
     if args.kernel_profile:
-        sweep = {name: {k: int(v) for k, v in (kv.split("=") for kv in name.split(",") if name != "default")}
-                 for name in args.sweep.split(";")}
+        sweep = {name: {} if name == "default" else int_fields(name) for name in args.sweep.split(";")}
         rows = kernel_profile(attn, min(layers, 8), capacity, context, args.kernel_profile, sweep)
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=2))

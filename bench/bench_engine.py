@@ -45,6 +45,12 @@ def qwen3_8b(layers: int) -> TargetConfig:
                         rope_theta=1e6, tie_word_embeddings=False)
 
 
+def int_fields(text: str, sep: str = ",") -> dict[str, int]:
+    """``"min_chunk=64,num_stages=2"`` -> ``{"min_chunk": 64, "num_stages": 2}``: config overrides
+    given on a command line."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(sep))}
+
+
 def param_bytes(module) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
@@ -329,7 +335,7 @@ def main() -> None:
     if args.host_while:
         engine_module._GPU_DECODE_COMMAND_BUFFER = engine_module.GPU_DEFAULT_COMMAND_BUFFER
     if args.cached_config:
-        overrides = {k: int(v) for k, v in (kv.split("=") for kv in args.cached_config.split(","))}
+        overrides = int_fields(args.cached_config)
         cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(cached_attention_gpu.DEFAULT_CONFIG, **overrides)
         print(f"cached-attention kernel config: {cached_attention_gpu.DEFAULT_CONFIG}", flush=True)
 

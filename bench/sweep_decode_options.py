@@ -34,7 +34,7 @@ from flax import nnx  # noqa: E402
 
 import kernels_pallas  # noqa: E402
 from kernels_pallas import cached_attention_gpu  # noqa: E402
-from bench_engine import hbm_roofline_s, qwen3_8b, time_decode  # noqa: E402
+from bench_engine import hbm_roofline_s, int_fields, qwen3_8b, time_decode  # noqa: E402
 from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax import layers  # noqa: E402
 from dflash_jax.drafter import Drafter  # noqa: E402
@@ -101,7 +101,7 @@ def main() -> None:
     for name in names:
         overrides = {}
         if name.startswith("attn:"):
-            overrides = {k: int(v) for k, v in (kv.split("=") for kv in name[len("attn:"):].split("+"))}
+            overrides = int_fields(name[len("attn:"):], sep="+")
         options, unfused_norms = VARIANTS.get(name, ({}, False))
         cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(default_attention, **overrides)
         engine_module._decode_compiler_options = lambda o=options: {**(default_options() or {}), **o} or None
