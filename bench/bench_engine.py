@@ -51,6 +51,14 @@ def int_fields(text: str, sep: str = ",") -> dict[str, int]:
     return {k: int(v) for k, v in (kv.split("=") for kv in text.split(sep))}
 
 
+def _option(text: str) -> tuple[str, bool | int | str]:
+    """``KEY=VALUE`` of an XLA option: true/false as bools, integers as ints, the rest as strings."""
+    key, _, value = text.partition("=")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    return key, int(value) if value.lstrip("-").isdigit() else value
+
+
 def param_bytes(module) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
@@ -157,27 +165,41 @@ def _load_trace(out_dir: str):
     return events, procs, threads
 
 
-def profile_ttft(engine: Engine, context: int, out_dir: str, listing: Path) -> None:
-    """Traces one ``Engine.generate`` of a ``context``-token prompt and writes every host and device
-    event of its first 100 ms (offset from the first event, duration, where, name; Python calls of
-    50 us or more) to ``listing``: what the time to first token is made of."""
+def profile_generate(engine: Engine, context: int, new_tokens: int, out_dir: str, listing: Path, *,
+                     horizon_ms: float | None = 100.0, kernels: bool = True) -> None:
+    """Traces one ``Engine.generate`` of a ``context``-token prompt and writes its host events to
+    ``listing`` (offset from the first event, duration, where, name: those of 50 us or more, and with
+    ``kernels`` every non-Python one), with either every device event (``kernels``: what the time to
+    first token is made of) or only the gaps of 50 us or more between a GPU line's kernels (what the
+    host makes the device wait for). ``horizon_ms``: only the first that many ms (None: all)."""
     prompt = np.random.RandomState(1).randint(0, engine.target.config.vocab_size - 1, context).tolist()
-    engine.generate([prompt], 8)
+    engine.generate([prompt], new_tokens)
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
-        (res,) = engine.generate([prompt], 8)
+        (res,) = engine.generate([prompt], new_tokens)
     trace = _load_trace(out_dir)
     if trace is None:
         return
     events, procs, threads = trace
+    where = lambda e: f"{procs.get(e['pid'], e['pid'])}/{threads.get((e['pid'], e['tid']), e['tid'])}"  # noqa: E731
     spans = [e for e in events if e.get("ph") == "X"]
     t0 = min(e["ts"] for e in spans)
-    rows = sorted((e["ts"] - t0, e.get("dur", 0), f"{procs.get(e['pid'], e['pid'])}/{threads.get((e['pid'], e['tid']), e['tid'])}",
-                   e["name"]) for e in spans
-                  if e["ts"] - t0 < 100_000 and (e.get("dur", 0) >= 50 or "python" not in str(threads.get(
-                      (e["pid"], e["tid"]), ""))))
-    listing.write_text(f"TTFT {res.time_to_first_token * 1e3:.1f} ms\n" + "".join(
-        f"{t / 1e3:9.3f} ms {d / 1e3:8.3f} ms  {where[:40]:40s} {name[:100]}\n" for t, d, where, name in rows))
-    print(f"TTFT profile: {res.time_to_first_token * 1e3:.1f} ms; {len(rows)} events in {listing}", flush=True)
+    horizon = float("inf") if horizon_ms is None else horizon_ms * 1e3
+    on_gpu = lambda e: "GPU" in str(procs.get(e["pid"], ""))  # noqa: E731
+    rows = [(e["ts"] - t0, e.get("dur", 0), where(e), e["name"]) for e in spans
+            if (kernels or not on_gpu(e)) and (e.get("dur", 0) >= 50 or (kernels and "python" not in where(e)))]
+    if not kernels:
+        lines: dict = {}
+        for e in filter(on_gpu, spans):
+            lines.setdefault(where(e), []).append(e)
+        for line, evs in lines.items():
+            evs.sort(key=lambda e: e["ts"])
+            rows += [(a["ts"] + a["dur"] - t0, b["ts"] - a["ts"] - a["dur"], line, "(idle)")
+                     for a, b in zip(evs, evs[1:]) if b["ts"] - a["ts"] - a["dur"] >= 50]
+    rows = sorted(r for r in rows if r[0] < horizon)
+    listing.write_text(f"TTFT {res.time_to_first_token * 1e3:.1f} ms, {res.num_output_tokens} tokens, "
+                       f"{res.time_per_output_token * 1e3:.2f} ms per token\n" + "".join(
+        f"{t / 1e3:9.3f} ms {d / 1e3:8.3f} ms  {w[:40]:40s} {name[:100]}\n" for t, d, w, name in rows))
+    print(f"generate profile: TTFT {res.time_to_first_token * 1e3:.1f} ms; {len(rows)} events in {listing}", flush=True)
 
 
 def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir: str, top: int = 30,
@@ -228,10 +250,14 @@ def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir
             print(f"  {e['dur']:7.2f}  {e['name'][:110]}", flush=True)
 
 
-def print_collectives(engine: Engine, name: str) -> None:
+def print_collectives(engine: Engine, name: str, hlo_out: Path | None = None) -> None:
     """The collectives of the compiled decode step (one row), largest first: what a mesh moves
-    between devices every step (an accidental gather of a weight shows up here)."""
-    found = sorted(hlo_collectives(engine.decode_hlo(engine.empty_state(1))), key=lambda c: -c.elements)
+    between devices every step (an accidental gather of a weight shows up here). ``hlo_out``: also
+    write the compiled HLO there (which ops XLA put in CUDA graphs, the while loop among them)."""
+    hlo = engine.decode_hlo(engine.empty_state(1))
+    if hlo_out is not None:
+        hlo_out.write_text(hlo)
+    found = sorted(hlo_collectives(hlo), key=lambda c: -c.elements)
     print(f"collectives of the {name} decode step: {len(found)}", flush=True)
     for c in found[:6]:
         print(f"  {c.kind:10s} {c.dtype}{list(c.shape)!s:20s} {c.op_name[-90:]}", flush=True)
@@ -308,6 +334,11 @@ def main() -> None:
     ap.add_argument("--host-while", action="store_true",
                     help="the decode loop's while on the host, outside the CUDA graph (XLA's default before "
                          "the seventh session): the A/B of the host overhead")
+    ap.add_argument("--graph-collectives", action="store_true",
+                    help="the decode loop's collectives in the CUDA graph too (on a mesh, a while loop whose body "
+                         "holds collectives stays on the host without them)")
+    ap.add_argument("--decode-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an XLA option added to the decode jit's (repeatable; true/false/ints parsed)")
     ap.add_argument("--draft-batches", default="1,16", help="batch sizes for the draft-only breakdown")
     ap.add_argument("--attention", default="xla", choices=["xla", "pallas"])
     ap.add_argument("--reference", action="store_true", help="also time the authors' PyTorch code")
@@ -334,6 +365,13 @@ def main() -> None:
         kernels_pallas.add_rms_norm_supported = lambda *a, **k: False
     if args.host_while:
         engine_module._GPU_DECODE_COMMAND_BUFFER = engine_module.GPU_DEFAULT_COMMAND_BUFFER
+    if args.graph_collectives:
+        engine_module._GPU_DECODE_COMMAND_BUFFER += ",COLLECTIVES"
+    if args.decode_option:
+        extra = dict(_option(o) for o in args.decode_option)
+        shipped = engine_module._decode_compiler_options
+        engine_module._decode_compiler_options = lambda: {**(shipped() or {}), **extra}
+        print(f"decode options: {engine_module._decode_compiler_options()}", flush=True)
     if args.cached_config:
         overrides = int_fields(args.cached_config)
         cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(cached_attention_gpu.DEFAULT_CONFIG, **overrides)
@@ -374,7 +412,7 @@ def main() -> None:
                      wall_s=time.perf_counter() - t0)
         if batch == 1 and args.collectives:
             for name, engine in (("target-only", plain), ("dflash", spec)):
-                print_collectives(engine, name)
+                print_collectives(engine, name, Path(args.out).with_name(f"decode_hlo_{name}.txt") if args.out else None)
         if batch == 1 and args.profile:
             for name, engine in (("target-only", plain), ("dflash", spec)):
                 print(f"== profile: {name}, batch 1", flush=True)
@@ -382,8 +420,10 @@ def main() -> None:
                     listing = Path(args.out).parent / f"launch_order_{name}.txt" if args.out else None
                     profile_decode(engine, 1, args.context, 8, str(Path(args.profile) / name), listing=listing)
                     if listing is not None:
-                        profile_ttft(engine, args.context, str(Path(args.profile) / f"ttft_{name}"),
-                                     listing.with_name(f"ttft_{name}.txt"))
+                        profile_generate(engine, args.context, 8, str(Path(args.profile) / f"ttft_{name}"),
+                                         listing.with_name(f"ttft_{name}.txt"))
+                        profile_generate(engine, args.context, 64, str(Path(args.profile) / f"gen_{name}"),
+                                         listing.with_name(f"generate_{name}.txt"), horizon_ms=None, kernels=False)
                 except Exception as err:  # noqa: BLE001  (profiling is a diagnostic: keep the timings)
                     print(f"profile failed: {err!r}", flush=True)
         if batch == 1:
@@ -422,10 +462,12 @@ def main() -> None:
               f"{100 * e['target_hbm_fraction']:13.0f}% | {e['spec_step_s'] * 1e3:14.2f} | {e['step_ratio']:10.2f} | "
               f"{draft:>11} | {e['spec_tok_s_projected']:8.0f}")
     if "host" in report["batches"].get(1, {}):
-        h = report["batches"][1]["host"]
-        print(f"host overhead at batch 1: {h['host_overhead_per_step_s'] * 1e3:.2f} ms/step "
-              f"(wall {h['wall_per_step_s'] * 1e3:.2f} vs device {h['device_per_step_s'] * 1e3:.2f}); "
-              f"TTFT {h['ttft_s'] * 1e3:.1f} ms (prefill alone {h['prefill_s'] * 1e3:.1f} ms)")
+        for key, mode in (("host", "DFlash"), ("host_target_only", "target-only")):
+            h = report["batches"][1].get(key)
+            if h:
+                print(f"host overhead at batch 1, {mode}: {h['host_overhead_per_step_s'] * 1e3:.2f} ms/step "
+                      f"(wall {h['wall_per_step_s'] * 1e3:.2f} vs device {h['device_per_step_s'] * 1e3:.2f}); "
+                      f"TTFT {h['ttft_s'] * 1e3:.1f} ms (prefill alone {h['prefill_s'] * 1e3:.1f} ms)")
     if "reference_torch" in report and "error" not in report["reference_torch"]:
         r = report["reference_torch"]
         b1 = report["batches"].get(1)

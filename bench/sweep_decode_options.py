@@ -69,6 +69,9 @@ VARIANTS = {  # name: (XLA options, unfused norms)
                                 "xla_gpu_enable_command_buffer": GRAPHED + ",COLLECTIVES"}, False),
     # the decode loop's while evaluated on the host (XLA's default; the engine puts it in the graph)
     "host_while": ({"xla_gpu_enable_command_buffer": engine_module.GPU_DEFAULT_COMMAND_BUFFER}, False),
+    # every dot through cuBLAS (XLA's autotuner otherwise picks among its Triton GEMMs and cuBLAS)
+    "cublas": ({"xla_gpu_enable_triton_gemm": False}, False),
+    "cublaslt": ({"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_cublaslt": True}, False),
     "no_row_padding": ({}, False),  # layers.dense never pads a single row to two (GPU_STRENGTH_REDUCTION_LIMIT = 0)
 }
 

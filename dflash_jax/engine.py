@@ -102,8 +102,10 @@ def _decode_compiler_options() -> dict | None:
     ran synchronously in the thread that dispatched it and the device idled between calls while the
     host read the last call's tokens and dispatched the next: 0.27 ms per DFlash step and 0.70 ms per
     target-only step at 8 steps per sync, none with the loop in the graph (docs/benchmarks.md,
-    seventh session). Not measured on a mesh, where the loop body holds collectives, which this list
-    leaves out of the graphs (the sixth session's variant with them did not help the DFlash step).
+    seventh session). On a mesh the loop stays on the host: XLA 0.11.2 runs every all-reduce as a
+    ``CollectiveKernelThunk``, which no command-buffer option converts, so each all-reduce cuts the
+    step's graph and the ``while`` around them cannot be a graph node (docs/benchmarks.md, eighth
+    session: ``COLLECTIVES`` in this list changed nothing there, so it is left out).
     """
     if jax.default_backend() == "cpu":
         return {"xla_cpu_copy_insertion_use_region_analysis": True}
@@ -315,7 +317,7 @@ class Engine:
         """
         n = self.config.steps_per_sync if n_steps is None else int(n_steps)
         if n not in self._n_steps:  # a cached device scalar: building one costs a dispatch per call
-            self._n_steps[n] = jnp.int32(n)
+            self._n_steps[n] = self._put(np.int32(n), ())
         return self._decode(self._target_state, self._drafter_state, state, self._n_steps[n],
                             window=self._window(window))
 
@@ -465,11 +467,18 @@ class Engine:
                 raise generation.error
         return [generation.result for generation in generations]
 
-    def _put_batch(self, x: np.ndarray) -> jax.Array:
-        if self.mesh is None:  # a plain transfer (``jnp.asarray`` runs a small XLA program per array)
+    def _put(self, x: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
+        """``x`` on the device, or on the mesh laid out by its logical ``axes``: placed as the jitted
+        phases take it, since an argument the jit must move first takes jax's slower argument path on
+        every call (a decode call on the 2x H200 took it for one argument, ~0.2 ms; the step count was
+        the only one not on the mesh). A plain transfer: ``jnp.asarray`` runs a small XLA program per
+        array."""
+        if self.mesh is None:
             return jax.device_put(x)
-        axes = ("batch",) + ("length",) * (x.ndim - 1)
         return jax.device_put(x, named_sharding(axes, x.shape, self.mesh, self._rules))
+
+    def _put_batch(self, x: np.ndarray) -> jax.Array:
+        return self._put(x, ("batch",) + ("length",) * (x.ndim - 1))
 
 
 def generate(target: Target, drafter: Drafter | None, prompts, max_new_tokens, stop_token_ids=None,
