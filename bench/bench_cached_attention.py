@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import kernels_pallas  # noqa: E402
-from bench_engine import _load_trace, int_fields  # noqa: E402
+from bench_engine import _load_trace, int_fields, on_gpu  # noqa: E402
 from dflash_jax.layers import Attention, rope_inv_freq  # noqa: E402
 from kernels_pallas.block_attention_gpu import GpuConfig  # noqa: E402
 
@@ -125,7 +125,7 @@ def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, ou
                 continue
             durs: dict = {}
             for e in events:
-                if e.get("ph") == "X" and "GPU" in procs.get(e.get("pid"), ""):
+                if on_gpu(e, procs):
                     durs.setdefault(e["name"], []).append(e["dur"])
             kernel = {n: statistics.median(d) for n, d in durs.items() if "cached_attention" in n}
             others = sum(sum(d) for n, d in durs.items() if n not in kernel) / (3 * layers)

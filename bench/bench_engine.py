@@ -165,6 +165,11 @@ def _load_trace(out_dir: str):
     return events, procs, threads
 
 
+def on_gpu(event: dict, procs: dict) -> bool:
+    """Whether a trace event (``_load_trace``) is a span on a GPU (a kernel or a copy), not the host."""
+    return event.get("ph") == "X" and "GPU" in str(procs.get(event.get("pid"), ""))
+
+
 def profile_generate(engine: Engine, context: int, new_tokens: int, out_dir: str, listing: Path, *,
                      horizon_ms: float | None = 100.0, kernels: bool = True) -> None:
     """Traces one ``Engine.generate`` of a ``context``-token prompt and writes its host events to
@@ -184,13 +189,13 @@ def profile_generate(engine: Engine, context: int, new_tokens: int, out_dir: str
     spans = [e for e in events if e.get("ph") == "X"]
     t0 = min(e["ts"] for e in spans)
     horizon = float("inf") if horizon_ms is None else horizon_ms * 1e3
-    on_gpu = lambda e: "GPU" in str(procs.get(e["pid"], ""))  # noqa: E731
     rows = [(e["ts"] - t0, e.get("dur", 0), where(e), e["name"]) for e in spans
-            if (kernels or not on_gpu(e)) and (e.get("dur", 0) >= 50 or (kernels and "python" not in where(e)))]
+            if (kernels or not on_gpu(e, procs)) and (e.get("dur", 0) >= 50 or (kernels and "python" not in where(e)))]
     if not kernels:
         lines: dict = {}
-        for e in filter(on_gpu, spans):
-            lines.setdefault(where(e), []).append(e)
+        for e in spans:
+            if on_gpu(e, procs):
+                lines.setdefault(where(e), []).append(e)
         for line, evs in lines.items():
             evs.sort(key=lambda e: e["ts"])
             rows += [(a["ts"] + a["dur"] - t0, b["ts"] - a["ts"] - a["dur"], line, "(idle)")
@@ -219,7 +224,7 @@ def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir
     events, procs, threads = trace
     lines: dict = {}
     for e in events:
-        if e.get("ph") == "X" and "GPU" in procs.get(e.get("pid"), ""):
+        if on_gpu(e, procs):
             lines.setdefault((e["pid"], e["tid"]), []).append(e)
     for key, evs in lines.items():
         total = sum(e["dur"] for e in evs)

@@ -16,8 +16,7 @@ from flax import nnx
 
 from dflash_jax.attention import AttentionImpl, block_attention
 from dflash_jax.cache import CACHE_AXES, write_rows
-from dflash_jax import sharding
-from dflash_jax.sharding import shard_kernel
+from dflash_jax.sharding import local_shape, shard_kernel
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
@@ -97,7 +96,7 @@ def _strength_reduces_single_rows() -> bool:
 def _shard_size(w: nnx.Param) -> int:
     """Elements of this device's shard of ``w`` (all of them for a weight without logical axes)."""
     axes = w.get_metadata().get("axes")
-    return math.prod(w.shape if axes is None else sharding.local_shape(axes, w.shape))
+    return math.prod(w.shape if axes is None else local_shape(axes, w.shape))
 
 
 def _dot(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
