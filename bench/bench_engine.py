@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,6 +58,23 @@ def _option(text: str) -> tuple[str, bool | int | str]:
     if value.lower() in ("true", "false"):
         return key, value.lower() == "true"
     return key, int(value) if value.lstrip("-").isdigit() else value
+
+
+def use_variant(*, unfused: bool = False, unfused_norms: bool = False, decode_options: Sequence[str] = ()) -> None:
+    """Engines built after this call run the earlier unfused attention (``unfused``), XLA's residual
+    adds and RMSNorms (``unfused_norms``), and their decode jit with these extra XLA options
+    (``KEY=VALUE`` strings)."""
+    import kernels_pallas
+
+    if unfused:
+        kernels_pallas.cached_block_attention_supported = lambda *a, **k: False
+    if unfused_norms:
+        kernels_pallas.add_rms_norm_supported = lambda *a, **k: False
+    if decode_options:
+        extra = dict(_option(o) for o in decode_options)
+        shipped = engine_module._decode_compiler_options
+        engine_module._decode_compiler_options = lambda: {**(shipped() or {}), **extra}
+        print(f"decode options: {engine_module._decode_compiler_options()}", flush=True)
 
 
 def param_bytes(module) -> int:
@@ -362,22 +380,13 @@ def main() -> None:
     ap.add_argument("--tensor", type=int, default=1,
                     help="tensor-parallel degree: the engines on a (data=1, tensor=N) mesh; the roofline is per GPU")
     args = ap.parse_args()
-    import kernels_pallas
     from kernels_pallas import cached_attention_gpu
 
-    if args.unfused:
-        kernels_pallas.cached_block_attention_supported = lambda *a, **k: False
-    if args.unfused_norms:
-        kernels_pallas.add_rms_norm_supported = lambda *a, **k: False
     if args.host_while:
         engine_module._GPU_DECODE_COMMAND_BUFFER = engine_module.GPU_DEFAULT_COMMAND_BUFFER
     if args.graph_collectives:
         engine_module._GPU_DECODE_COMMAND_BUFFER += ",COLLECTIVES"
-    if args.decode_option:
-        extra = dict(_option(o) for o in args.decode_option)
-        shipped = engine_module._decode_compiler_options
-        engine_module._decode_compiler_options = lambda: {**(shipped() or {}), **extra}
-        print(f"decode options: {engine_module._decode_compiler_options()}", flush=True)
+    use_variant(unfused=args.unfused, unfused_norms=args.unfused_norms, decode_options=args.decode_option)
     if args.cached_config:
         overrides = int_fields(args.cached_config)
         cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(cached_attention_gpu.DEFAULT_CONFIG, **overrides)

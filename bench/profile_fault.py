@@ -1,0 +1,81 @@
+"""Reproduces the open TP=2 profiling fault (docs/benchmarks.md, eighth and ninth sessions).
+
+An 8B-shaped engine on a (data=1, tensor=2) mesh times its decode steps, traces decode steps under
+``jax.profiler``, then traces one ``Engine.generate``. On the 2x H200 that generate fails with
+``CUDA_ERROR_LAUNCH_FAILED`` (reported by the decode executable, and every later call of the process
+fails) with the fused cached-attention kernel and the decode jit's command buffers; it completes
+with ``--unfused --unfused-norms``, with ``--decode-option xla_gpu_enable_command_buffer=``, or with
+``--generate-first`` (one untraced generate before the traces, what ``bench_engine.py`` does).
+
+    python3 bench/profile_fault.py [--unfused] [--unfused-norms] [--warmup] [--generate-first] \
+        [--decode-option KEY=VALUE ...] [--layers 36] [--tensor 2] [--tiny]
+
+Prints one line per engine: ``ok`` or ``FAULT`` with the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import bench_engine  # noqa: E402
+from dflash_jax.drafter import Drafter  # noqa: E402
+from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
+from dflash_jax.sharding import MeshConfig  # noqa: E402
+from dflash_jax.target import Target  # noqa: E402
+from dflash_jax.tiny import tiny_drafter_config, tiny_target_config  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--tensor", type=int, default=2)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--unfused", action="store_true", help="the target's attention without the fused kernel")
+    ap.add_argument("--unfused-norms", action="store_true", help="residual adds and RMSNorms as XLA ops")
+    ap.add_argument("--decode-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an XLA option added to the decode jit's (repeatable)")
+    ap.add_argument("--warmup", action="store_true", help="Engine.warmup() before the traces")
+    ap.add_argument("--generate-first", action="store_true", help="one untraced Engine.generate before the traces")
+    ap.add_argument("--tiny", action="store_true", help="tiny float32 shapes, XLA attention: a CPU smoke test")
+    args = ap.parse_args()
+    bench_engine.use_variant(unfused=args.unfused, unfused_norms=args.unfused_norms, decode_options=args.decode_option)
+
+    if args.tiny:
+        tcfg, dtype, attention, context = tiny_target_config(num_layers=8), jnp.float32, "xla", 32
+    else:
+        tcfg, dtype, attention, context = bench_engine.qwen3_8b(args.layers), jnp.bfloat16, "pallas", args.context
+    dcfg = tiny_drafter_config(tcfg, num_layers=5, block_size=16, mask_token_id=tcfg.vocab_size - 1)
+    target = Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0))
+    drafter = Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))
+    mesh = MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None
+    cfg = EngineConfig(max_batch_size=1, max_length=context + 512, prompt_buckets=(context,), steps_per_sync=8,
+                       attention_impl=attention, mesh=mesh)
+    engines = (("target-only", Engine(target, None, cfg)), ("dflash", Engine(target, drafter, cfg)))
+    for name, engine in engines:
+        step, _ = bench_engine.time_decode(engine, 1, context, 8, 2)
+        print(f"{name}: decode step {step * 1e3:.2f} ms", flush=True)
+        if args.warmup:
+            print(f"{name}: warmup {engine.warmup([1]):.1f} s", flush=True)
+        if args.generate_first:
+            engine.generate([[1] * context], 8)
+    out = Path(tempfile.mkdtemp(prefix="profile_fault_"))
+    for name, engine in engines:
+        try:
+            bench_engine.profile_decode(engine, 1, context, 8, str(out / name), listing=out / f"decode_{name}.txt")
+            bench_engine.profile_generate(engine, context, 8, str(out / f"generate_{name}"),
+                                          out / f"generate_{name}.txt")
+            print(f"{name}: ok", flush=True)
+        except Exception as err:  # noqa: BLE001  (the fault is what this script reports)
+            print(f"{name}: FAULT {err!r}"[:400], flush=True)
+
+
+if __name__ == "__main__":
+    main()
