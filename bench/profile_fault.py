@@ -1,11 +1,13 @@
 """Reproduces the open TP=2 profiling fault (docs/benchmarks.md, eighth and ninth sessions).
 
 An 8B-shaped engine on a (data=1, tensor=2) mesh times its decode steps, traces decode steps under
-``jax.profiler``, then traces one ``Engine.generate``. On the 2x H200 that generate fails with
-``CUDA_ERROR_LAUNCH_FAILED`` (reported by the decode executable, and every later call of the process
-fails) with the fused cached-attention kernel and the decode jit's command buffers; it completes
-with ``--unfused --unfused-norms``, with ``--decode-option xla_gpu_enable_command_buffer=``, or with
-``--generate-first`` (one untraced generate before the traces, what ``bench_engine.py`` does).
+``jax.profiler`` (``bench_engine.profile_decode``), then runs its first ``Engine.generate`` calls
+(``bench_engine.profile_generate``: one untraced, one traced). On the 2x H200 those fail with
+``CUDA_ERROR_LAUNCH_FAILED`` (reported by the decode executable; every later call of the process
+fails too) with the fused cached-attention kernel and the decode jit's command buffers, also with
+``--warmup``. They complete with ``--unfused --unfused-norms`` and with ``--decode-option
+xla_gpu_enable_command_buffer=``. ``bench_engine.py``, which runs generations before its traces,
+never faulted; ``--generate-first`` does the same here (not yet run on the GPU).
 
     python3 bench/profile_fault.py [--unfused] [--unfused-norms] [--warmup] [--generate-first] \
         [--decode-option KEY=VALUE ...] [--layers 36] [--tensor 2] [--tiny]
@@ -43,7 +45,7 @@ def main() -> None:
     ap.add_argument("--decode-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an XLA option added to the decode jit's (repeatable)")
     ap.add_argument("--warmup", action="store_true", help="Engine.warmup() before the traces")
-    ap.add_argument("--generate-first", action="store_true", help="one untraced Engine.generate before the traces")
+    ap.add_argument("--generate-first", action="store_true", help="one Engine.generate before any trace")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 shapes, XLA attention: a CPU smoke test")
     args = ap.parse_args()
     bench_engine.use_variant(unfused=args.unfused, unfused_norms=args.unfused_norms, decode_options=args.decode_option)
