@@ -10,7 +10,7 @@ xla_gpu_enable_command_buffer=``. ``bench_engine.py``, which runs generations be
 never faulted; ``--generate-first`` does the same here (not yet run on the GPU).
 
     python3 bench/profile_fault.py [--unfused] [--unfused-norms] [--warmup] [--generate-first] \
-        [--decode-option KEY=VALUE ...] [--layers 36] [--tensor 2] [--tiny]
+        [--decode-option KEY=VALUE ...] [--phases] [--layers 36] [--tensor 2] [--tiny]
 
 Prints one line per engine: ``ok`` or ``FAULT`` with the error.
 """
@@ -24,7 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import bench_engine  # noqa: E402
@@ -33,6 +35,28 @@ from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
 from dflash_jax.sharding import MeshConfig  # noqa: E402
 from dflash_jax.target import Target  # noqa: E402
 from dflash_jax.tiny import tiny_drafter_config, tiny_target_config  # noqa: E402
+
+
+def generate_by_phase(engine: Engine, name: str, context: int, new_tokens: int) -> None:
+    """What ``Engine.generate`` runs for one prompt, each phase synchronised before the next and
+    reported, so that a fault surfaces at the phase that caused it."""
+    def done(phase: str, x: jax.Array) -> None:
+        jax.block_until_ready(x)
+        print(f"{name}: {phase} ok", flush=True)
+
+    prompt = np.random.RandomState(1).randint(0, engine.target.config.vocab_size - 1, context).tolist()
+    rows, first = engine.prefill([prompt], [new_tokens], [()])
+    done("prefill", first)
+    state = engine.empty_state(engine.state_rows(1))
+    done("empty state", state.starts)
+    state = engine.admit(state, rows, [0])
+    done("admit", state.starts)
+    for call in range(new_tokens):
+        state, snapshot = engine.decode(state, n_steps=1)
+        done(f"decode call {call}", state.starts)
+        print(f"{name}: tokens {np.asarray(snapshot.tokens)[0, context:context + new_tokens + 1].tolist()}, "
+              f"done {bool(np.asarray(snapshot.done)[0])}", flush=True)
+    done("release", engine.release(state, [0]).starts)
 
 
 def main() -> None:
@@ -46,6 +70,10 @@ def main() -> None:
                     help="an XLA option added to the decode jit's (repeatable)")
     ap.add_argument("--warmup", action="store_true", help="Engine.warmup() before the traces")
     ap.add_argument("--generate-first", action="store_true", help="one Engine.generate before any trace")
+    ap.add_argument("--phases", action="store_true",
+                    help="after the decode trace, the first generation phase by phase (prefill, admit, decode "
+                         "calls, release), each synchronised and reported: with CUDA_LAUNCH_BLOCKING=1, the "
+                         "phase whose kernel faults")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 shapes, XLA attention: a CPU smoke test")
     args = ap.parse_args()
     bench_engine.use_variant(unfused=args.unfused, unfused_norms=args.unfused_norms, decode_options=args.decode_option)
@@ -72,6 +100,8 @@ def main() -> None:
     for name, engine in engines:
         try:
             bench_engine.profile_decode(engine, 1, context, 8, str(out / name), listing=out / f"decode_{name}.txt")
+            if args.phases:
+                generate_by_phase(engine, name, context, new_tokens=8)
             bench_engine.profile_generate(engine, context, 8, str(out / f"generate_{name}"),
                                           out / f"generate_{name}.txt")
             print(f"{name}: ok", flush=True)
