@@ -38,8 +38,8 @@ from dflash_jax.tiny import tiny_drafter_config, tiny_target_config  # noqa: E40
 
 
 def generate_by_phase(engine: Engine, name: str, context: int, new_tokens: int) -> None:
-    """What ``Engine.generate`` runs for one prompt, each phase synchronised before the next and
-    reported, so that a fault surfaces at the phase that caused it."""
+    """The phases ``Engine.generate`` runs for one prompt (its decode calls here one step each),
+    each synchronised before the next and reported, so that a fault surfaces at its phase."""
     def done(phase: str, x: jax.Array) -> None:
         jax.block_until_ready(x)
         print(f"{name}: {phase} ok", flush=True)
