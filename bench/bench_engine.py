@@ -77,6 +77,12 @@ def use_variant(*, unfused: bool = False, unfused_norms: bool = False, decode_op
         print(f"decode options: {engine_module._decode_compiler_options()}", flush=True)
 
 
+def random_pair(tcfg: TargetConfig, dtype=jnp.bfloat16) -> tuple[Target, Drafter]:
+    """The benchmarks' random target of ``tcfg`` and a 5-layer, block-16 drafter for it."""
+    dcfg = tiny_drafter_config(tcfg, num_layers=5, block_size=16, mask_token_id=tcfg.vocab_size - 1)
+    return Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0)), Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))
+
+
 def param_bytes(module) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
@@ -398,10 +404,8 @@ def main() -> None:
         from dflash_jax.tiny import tiny_target_config
 
         tcfg = tiny_target_config(num_layers=args.layers)
-    dcfg = tiny_drafter_config(tcfg, num_layers=5, block_size=16, mask_token_id=tcfg.vocab_size - 1)
     t0 = time.perf_counter()
-    target = Target(tcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    drafter = Drafter(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    target, drafter = random_pair(tcfg)
     tbytes = streamed_bytes(target)
     dbytes = param_bytes(drafter)
     print(f"init {time.perf_counter() - t0:.1f}s; target streams {tbytes / 1e9:.2f} GB/token-step, "
@@ -434,7 +438,9 @@ def main() -> None:
                 entry["host_target_only"] = host_overhead(plain, args.context, 64, t_plain)
             except Exception as err:  # keep the step timings of this batch
                 print(f"host-overhead run failed: {err!r}", flush=True)
-        if batch == 1 and args.profile:  # last: a fault under the profiler (TP=2) ends the process's GPU use
+        # The traces come after the host-overhead generations: at TP=2 a trace taken before a process's
+        # first generate makes that generate fault (docs/benchmarks.md, ninth session).
+        if batch == 1 and args.profile:
             for name, engine in (("target-only", plain), ("dflash", spec)):
                 print(f"== profile: {name}, batch 1", flush=True)
                 try:

@@ -27,14 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 import bench_engine  # noqa: E402
-from dflash_jax.drafter import Drafter  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
 from dflash_jax.sharding import MeshConfig  # noqa: E402
-from dflash_jax.target import Target  # noqa: E402
-from dflash_jax.tiny import tiny_drafter_config, tiny_target_config  # noqa: E402
+from dflash_jax.tiny import tiny_target_config  # noqa: E402
 
 
 def generate_by_phase(engine: Engine, name: str, context: int, new_tokens: int) -> None:
@@ -82,9 +79,7 @@ def main() -> None:
         tcfg, dtype, attention, context = tiny_target_config(num_layers=8), jnp.float32, "xla", 32
     else:
         tcfg, dtype, attention, context = bench_engine.qwen3_8b(args.layers), jnp.bfloat16, "pallas", args.context
-    dcfg = tiny_drafter_config(tcfg, num_layers=5, block_size=16, mask_token_id=tcfg.vocab_size - 1)
-    target = Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0))
-    drafter = Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))
+    target, drafter = bench_engine.random_pair(tcfg, dtype)
     mesh = MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None
     cfg = EngineConfig(max_batch_size=1, max_length=context + 512, prompt_buckets=(context,), steps_per_sync=8,
                        attention_impl=attention, mesh=mesh)

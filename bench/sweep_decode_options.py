@@ -29,19 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
 import kernels_pallas  # noqa: E402
 from kernels_pallas import cached_attention_gpu  # noqa: E402
-from bench_engine import hbm_roofline_s, int_fields, qwen3_8b, time_decode  # noqa: E402
+from bench_engine import hbm_roofline_s, int_fields, qwen3_8b, random_pair, time_decode  # noqa: E402
 from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax import layers  # noqa: E402
-from dflash_jax.drafter import Drafter  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
 from dflash_jax.sharding import MeshConfig  # noqa: E402
-from dflash_jax.target import Target  # noqa: E402
-from dflash_jax.tiny import tiny_drafter_config, tiny_target_config  # noqa: E402
+from dflash_jax.tiny import tiny_target_config  # noqa: E402
 
 NO_SPLIT_K = {"xla_gpu_experimental_force_split_k": 1}
 GRAPHED = engine_module._GPU_DECODE_COMMAND_BUFFER
@@ -89,9 +85,7 @@ def main() -> None:
     args = ap.parse_args()
 
     tcfg = tiny_target_config() if args.tiny else qwen3_8b(36)
-    dcfg = tiny_drafter_config(tcfg, num_layers=5, block_size=16, mask_token_id=tcfg.vocab_size - 1)
-    target = Target(tcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    drafter = Drafter(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    target, drafter = random_pair(tcfg)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
 
     default_options = engine_module._decode_compiler_options
