@@ -438,8 +438,9 @@ def main() -> None:
                 entry["host_target_only"] = host_overhead(plain, args.context, 64, t_plain)
             except Exception as err:  # keep the step timings of this batch
                 print(f"host-overhead run failed: {err!r}", flush=True)
-        # The traces come after the host-overhead generations: at TP=2 a trace taken before a process's
-        # first generate makes that generate fault (docs/benchmarks.md, ninth session).
+        # The traces come last: at TP=2 the first decode call on a new state after a decode trace can
+        # fault and poison the process (docs/benchmarks.md, ninth and tenth sessions); with this order
+        # no process has faulted yet, and the step timings are taken before any trace in any case.
         if batch == 1 and args.profile:
             for name, engine in (("target-only", plain), ("dflash", spec)):
                 print(f"== profile: {name}, batch 1", flush=True)

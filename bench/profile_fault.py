@@ -1,16 +1,17 @@
-"""Reproduces the open TP=2 profiling fault (docs/benchmarks.md, eighth and ninth sessions).
+"""Reproduces the open TP=2 profiling fault (docs/benchmarks.md, eighth to tenth sessions).
 
 An 8B-shaped engine on a (data=1, tensor=2) mesh times its decode steps, traces decode steps under
 ``jax.profiler`` (``bench_engine.profile_decode``), then runs its first ``Engine.generate`` calls
 (``bench_engine.profile_generate``: one untraced, one traced). On the 2x H200 those fail with
 ``CUDA_ERROR_LAUNCH_FAILED`` (reported by the decode executable; every later call of the process
 fails too) with the fused cached-attention kernel and the decode jit's command buffers, also with
-``--warmup``. They complete with ``--unfused --unfused-norms`` and with ``--decode-option
-xla_gpu_enable_command_buffer=``. ``bench_engine.py``, which runs generations before its traces,
-never faulted; ``--generate-first`` does the same here (not yet run on the GPU).
+``--warmup``, ``--generate-first`` and at ``--layers 8``. ``--phases`` with ``CUDA_LAUNCH_BLOCKING=1``
+located it: prefill, empty state and admission complete, the first decode call fails to launch its
+CUDA graph. They complete with ``--unfused --unfused-norms``, with ``--decode-option
+xla_gpu_enable_command_buffer=``, and with ``--no-trace`` (no decode trace before the phases).
 
     python3 bench/profile_fault.py [--unfused] [--unfused-norms] [--warmup] [--generate-first] \
-        [--decode-option KEY=VALUE ...] [--phases] [--layers 36] [--tensor 2] [--tiny]
+        [--decode-option KEY=VALUE ...] [--phases] [--no-trace] [--layers 36] [--tensor 2] [--tiny]
 
 Prints one line per engine: ``ok`` or ``FAULT`` with the error.
 """
@@ -71,6 +72,7 @@ def main() -> None:
                     help="after the decode trace, the first generation phase by phase (prefill, admit, decode "
                          "calls, release), each synchronised and reported: with CUDA_LAUNCH_BLOCKING=1, the "
                          "phase whose kernel faults")
+    ap.add_argument("--no-trace", action="store_true", help="skip the decode trace (the control: is a trace needed?)")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 shapes, XLA attention: a CPU smoke test")
     args = ap.parse_args()
     bench_engine.use_variant(unfused=args.unfused, unfused_norms=args.unfused_norms, decode_options=args.decode_option)
@@ -94,7 +96,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="profile_fault_"))
     for name, engine in engines:
         try:
-            bench_engine.profile_decode(engine, 1, context, 8, str(out / name), listing=out / f"decode_{name}.txt")
+            if not args.no_trace:
+                bench_engine.profile_decode(engine, 1, context, 8, str(out / name), listing=out / f"decode_{name}.txt")
             if args.phases:
                 generate_by_phase(engine, name, context, new_tokens=8)
             bench_engine.profile_generate(engine, context, 8, str(out / f"generate_{name}"),

@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Decode matmuls on TMA + tensor cores (``matvec_mgpu.py``, Pallas Mosaic GPU) against XLA's dot.
+
+Per Qwen3-8B decode matmul (fused QKV 4096x6144, output 4096x4096, fused gate-up 4096x24576, down
+12288x4096) and row count (1: a decode token, padded to 8 for the kernel; 16: a verify block):
+
+1. XLA's dot ``x @ w`` (its split-K reduction kernel included), the baseline;
+2. the kernel's float32 partials alone over a sweep of tiles, stages and K splits (each variant
+   first checked against a float32 reference on the device);
+3. the best variant with the pad, the sum over splits and the transpose done by XLA (``matvec``),
+   what it would cost without a consumer kernel that folds them in.
+
+36 distinct weights per timing (up to 2.5 GB), so nothing stays in the 60 MB L2. The timed chains
+include the harness's small per-call kernels (the input add, the output sums); ``--profile DIR``
+also reads each chain's kernels off a profiler trace (median microseconds per kernel name), so the
+matmul kernels can be compared without them.
+
+    python bench/bench_matvec_mgpu.py --out $OUT/matvec_mgpu.json       # on an H100/H200: the sweep
+    python bench/bench_matvec_mgpu.py --no-sweep --profile /tmp/prof    # the best tiles of the sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench_matvec import normal, timeit  # noqa: E402
+from matvec_mgpu import MgpuConfig, matvec, matvec_partials, supports  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate-up": (4096, 24576), "down": (12288, 4096)}
+# The fastest tiles per shape of the sweep on the H200 (docs/benchmarks.md, tenth session).
+BEST = {"qkv": MgpuConfig(64, 128, 4, 4), "o": MgpuConfig(64, 128, 4, 2),
+        "gate-up": MgpuConfig(64, 256, 4, 1), "down": MgpuConfig(64, 128, 6, 1)}
+
+
+def device_kernels(fn, args, out_dir: str, calls: int = 3) -> dict[str, tuple[float, float]]:
+    """Kernels of ``calls`` traced calls of ``fn(*args)``: name -> (median us, launches per call)."""
+    from bench_engine import _load_trace, on_gpu
+
+    jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    loaded = _load_trace(out_dir)
+    if loaded is None:
+        return {}
+    events, procs, _ = loaded
+    durs: dict[str, list[float]] = {}
+    for e in events:
+        if on_gpu(e, procs):
+            durs.setdefault(e["name"], []).append(e["dur"])
+    return {n: (statistics.median(d), len(d) / calls) for n, d in durs.items()}
+
+
+def sweep(rows: int, k: int, n: int) -> list[MgpuConfig]:
+    out = [MgpuConfig()]
+    for block_n in (64, 128):
+        for block_k in (128, 256, 64):
+            for stages in (4, 6, 3):
+                for splits in (1, 2, 4):
+                    c = MgpuConfig(block_n=block_n, block_k=block_k, stages=stages, splits=splits)
+                    programs = n // block_n * splits
+                    if c not in out and supports(rows, k, n, c) and programs <= 132 * 6:
+                        out.append(c)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--inner", type=int, default=3)
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for the %% column")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds for the sweeps (all shapes)")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--no-sweep", action="store_true", help="only the tiles of BEST")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="also list each chain's kernels off a trace")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dtype = jnp.bfloat16
+    key = jax.random.key(0)
+    shapes = [s for s in args.shapes.split(",") if s]
+    results = {"device": jax.devices()[0].device_kind, "rows": []}
+    print(f"device {results['device']}", flush=True)
+    print(f"{'shape':>8} {'rows':>4} {'MB':>6} {'xla us':>7} {'%':>4} {'kernel us':>9} {'%':>4} {'+XLA glue us':>12} "
+          f"{'err':>7}  best", flush=True)
+    for name in shapes:
+        k, n = SHAPES[name]
+        nbytes = k * n * 2
+        copies = max(8, min(36, int(2.5e9 // nbytes)))
+        ws = [normal(jax.random.fold_in(key, 1000 + c), (k, n), dtype) for c in range(copies)]
+        best_r8: list[MgpuConfig] = []
+        for rows in (1, 16):
+            padded = -(-rows // 8) * 8
+            x = normal(jax.random.fold_in(key, rows), (rows, k), dtype, 1.0)
+            xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
+            want = jnp.dot(x.astype(jnp.float32), ws[0].astype(jnp.float32))
+            t_xla = timeit(lambda ws_, i: [(x + i.astype(dtype)) @ w for w in ws_], ws,
+                           repeats=args.repeats, inner=args.inner) / copies
+            configs = [BEST[name]] if args.no_sweep else sweep(padded, k, n) if rows == 1 else best_r8
+            row = {"shape": name, "rows": rows, "k": k, "n": n, "bytes": nbytes, "xla_s": t_xla, "kernel": []}
+            t0 = time.perf_counter()
+            for cfg in configs:
+                if time.perf_counter() - t0 > args.budget / len(shapes) / 2 and row["kernel"]:
+                    break
+                try:
+                    got = jax.jit(lambda a, w, c=cfg: matvec_partials(a, w, c))(xp, ws[0]).sum(0).T[:rows]
+                    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                    t = timeit(lambda ws_, i, c=cfg: [matvec_partials(xp + i.astype(dtype), w, c) for w in ws_], ws,
+                               repeats=args.repeats, inner=args.inner) / copies
+                except Exception as e:  # noqa: BLE001
+                    print(f"    {cfg}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                row["kernel"].append({"config": dataclasses.asdict(cfg), "s": t, "rel_err": err})
+            if not row["kernel"]:
+                results["rows"].append(row)
+                print(f"{name:>8} {rows:>4} {nbytes / 1e6:>6.1f} {t_xla * 1e6:>7.1f}  (no kernel variant ran)", flush=True)
+                continue
+            ranked = sorted(row["kernel"], key=lambda r: r["s"])
+            top = ranked[0]
+            cfg = MgpuConfig(**top["config"])
+            if rows == 1:
+                best_r8 = [MgpuConfig(**r["config"]) for r in ranked[:3]]
+            t_glue = timeit(lambda ws_, i: [matvec(x + i.astype(dtype), w, cfg) for w in ws_], ws,
+                            repeats=args.repeats, inner=args.inner) / copies
+            row["with_glue_s"] = t_glue
+            results["rows"].append(row)
+            bad = max(r["rel_err"] for r in row["kernel"])
+            print(f"{name:>8} {rows:>4} {nbytes / 1e6:>6.1f} {t_xla * 1e6:>7.1f} {nbytes / t_xla / args.bandwidth:>4.0%} "
+                  f"{top['s'] * 1e6:>9.1f} {nbytes / top['s'] / args.bandwidth:>4.0%} {t_glue * 1e6:>12.1f} "
+                  f"{bad:>7.1e}  {cfg}", flush=True)
+            for r in ranked[1:6]:
+                print(f"{'':>30}{r['s'] * 1e6:>9.1f} us  {r['config']}", flush=True)
+            if args.profile:
+                chains = {"xla": lambda ws_: [x @ w for w in ws_],
+                          "kernel": lambda ws_: [matvec_partials(xp, w, cfg) for w in ws_],
+                          "kernel+glue": lambda ws_: [matvec(x, w, cfg) for w in ws_]}
+                row["profile"] = {}
+                for chain_name, chain in chains.items():
+                    kernels = device_kernels(jax.jit(chain), (ws,), f"{args.profile}/{name}_{rows}_{chain_name}")
+                    row["profile"][chain_name] = kernels
+                    listing = ", ".join(f"{n[:40]} {us:.1f} us x{per / copies:.0f}"
+                                        for n, (us, per) in sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1]))
+                    per_matmul = sum(us * per for us, per in kernels.values()) / copies
+                    print(f"{'':>10}trace {chain_name:<12} {per_matmul:6.1f} us per matmul: {listing}", flush=True)
+        del ws
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
