@@ -17,6 +17,13 @@ matmul kernels can be compared without them.
 
     python bench/bench_matvec_mgpu.py --out $OUT/matvec_mgpu.json       # on an H100/H200: the sweep
     python bench/bench_matvec_mgpu.py --no-sweep --profile /tmp/prof    # the best tiles of the sweep
+    python bench/bench_matvec_mgpu.py --chain                           # dependent chains, PDL prefetch
+
+``--chain`` times 36 dependent matmuls of one shape (each input the RMS-normalised output of the
+last, as in a decode step) three ways: XLA's dot, the kernel, and the kernel with
+``MgpuConfig.prefetch`` (its first weight copies issued before ``griddepcontrol.wait``). The last two
+differ only if the kernel is launched under programmatic dependent launch and can start streaming
+weights while the previous kernel still runs.
 """
 
 from __future__ import annotations
@@ -75,6 +82,55 @@ def sweep(rows: int, k: int, n: int) -> list[MgpuConfig]:
     return out
 
 
+def next_input(y: jax.Array, k: int) -> jax.Array:
+    """The next matmul's rows from this one's ``[rows, N]`` output: its first ``k`` columns,
+    RMS-normalised. Every column feeds it (the row sum), so XLA cannot narrow the dot to ``k``."""
+    y = y.astype(jnp.float32)
+    y = y[:, :k] + 1e-9 * jnp.sum(y, axis=-1, keepdims=True)
+    return (y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6)).astype(jnp.bfloat16)
+
+
+def chains(args) -> list[dict]:
+    """Per shape, 36 dependent matmuls: XLA's dot, the kernel, the kernel with the PDL prefetch."""
+    dtype, key, out = jnp.bfloat16, jax.random.key(1), []
+    print(f"\n{'chain of 36':<14} {'XLA us/layer':>12} {'kernel':>8} {'prefetch':>9}   (errors of one call)", flush=True)
+    for name in [s for s in args.shapes.split(",") if s in ("qkv", "o", "gate-up")]:  # K = 4096: x fits in SMEM
+        k, n = SHAPES[name]
+        ws = [normal(jax.random.fold_in(key, c), (k, n), dtype) for c in range(36)]
+        h = normal(jax.random.fold_in(key, 99), (1, k), dtype, 1.0)
+        h8 = jnp.pad(h, ((0, 7), (0, 0)))
+        plain = BEST[name]
+        variants = {"kernel": plain, "prefetch": dataclasses.replace(plain, prefetch=True)}
+        want = jnp.dot(h.astype(jnp.float32), ws[0].astype(jnp.float32))
+        errs = {}
+        for label, cfg in variants.items():
+            got = jax.jit(lambda a, w, c=cfg: matvec_partials(a, w, c))(h8, ws[0]).sum(0).T[:1]
+            errs[label] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+        def xla_chain(ws_, x, i):
+            x = x + i.astype(dtype)
+            for w in ws_:
+                x = next_input(x @ w, k)
+            return x
+
+        def kernel_chain(ws_, x, i, cfg):
+            x = x + i.astype(dtype)
+            for w in ws_:
+                x = next_input(matvec_partials(x, w, cfg).sum(0).T, k)
+            return x
+
+        row = {"shape": name, "errors": errs,
+               "xla_s": timeit(lambda ws_, i: xla_chain(ws_, h, i), ws, repeats=args.repeats, inner=args.inner) / 36}
+        for label, cfg in variants.items():
+            row[f"{label}_s"] = timeit(lambda ws_, i, c=cfg: kernel_chain(ws_, h8, i, c), ws,
+                                       repeats=args.repeats, inner=args.inner) / 36
+        out.append(row)
+        print(f"{name:<14} {row['xla_s'] * 1e6:>12.1f} {row['kernel_s'] * 1e6:>8.1f} {row['prefetch_s'] * 1e6:>9.1f}"
+              f"   ({errs['kernel']:.1e}, {errs['prefetch']:.1e})", flush=True)
+        del ws
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
@@ -84,6 +140,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--no-sweep", action="store_true", help="only the tiles of BEST")
     ap.add_argument("--profile", default=None, metavar="DIR", help="also list each chain's kernels off a trace")
+    ap.add_argument("--chain", action="store_true", help="only the dependent chains (XLA, kernel, PDL prefetch)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = jnp.bfloat16
@@ -91,6 +148,11 @@ def main() -> None:
     shapes = [s for s in args.shapes.split(",") if s]
     results = {"device": jax.devices()[0].device_kind, "rows": []}
     print(f"device {results['device']}", flush=True)
+    if args.chain:
+        results["chains"] = chains(args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        return
     print(f"{'shape':>8} {'rows':>4} {'MB':>6} {'xla us':>7} {'%':>4} {'kernel us':>9} {'%':>4} {'+XLA glue us':>12} "
           f"{'err':>7}  best", flush=True)
     for name in shapes:
@@ -141,11 +203,11 @@ def main() -> None:
             for r in ranked[1:6]:
                 print(f"{'':>30}{r['s'] * 1e6:>9.1f} us  {r['config']}", flush=True)
             if args.profile:
-                chains = {"xla": lambda ws_: [x @ w for w in ws_],
+                profiled = {"xla": lambda ws_: [x @ w for w in ws_],
                           "kernel": lambda ws_: [matvec_partials(xp, w, cfg) for w in ws_],
                           "kernel+glue": lambda ws_: [matvec(x, w, cfg) for w in ws_]}
                 row["profile"] = {}
-                for chain_name, chain in chains.items():
+                for chain_name, chain in profiled.items():
                     kernels = device_kernels(jax.jit(chain), (ws,), f"{args.profile}/{name}_{rows}_{chain_name}")
                     row["profile"][chain_name] = kernels
                     listing = ", ".join(f"{n[:40]} {us:.1f} us x{per / copies:.0f}"

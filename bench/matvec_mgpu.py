@@ -2,7 +2,8 @@
 candidate of ``bench_matvec_mgpu.py``. NOT used by the engine: on the H200 (docs/benchmarks.md, tenth
 session) its kernels alone match XLA's GEMMs on QKV and the output projection (13.5 / 9.8 us at one
 row) and lose on gate-up (49.3 vs 45.7 us), so it could only save the two split-K reduce kernels
-(~2.75 us per layer) if the consumers summed its partials. JAX 0.10.2's GPU interpret mode does not
+(~2.75 us per layer) if the consumers summed its partials; its ``prefetch`` variant (weights streamed
+before the PDL wait) gained nothing in a dependent chain. JAX 0.10.2's GPU interpret mode does not
 take a transposed WGMMA operand, so it has no CPU test; the benchmark checks it on the device.
 
 Why it exists: at batch 1 the decode step is weight streaming, and the Triton-lowered Pallas
@@ -37,15 +38,20 @@ class MgpuConfig:
     block_k: int = 128
     stages: int = 4
     splits: int = 1
+    # Issue the first ``stages`` weight copies, then ``griddepcontrol.wait``, then copy the rows (the
+    # only input that the previous kernel writes) whole into shared memory. Under programmatic
+    # dependent launch the weight stream then starts while the previous kernel is still running.
+    prefetch: bool = False
 
-    def smem_bytes(self, rows: int, itemsize: int = 2) -> int:
-        return self.stages * (self.block_k * self.block_n + rows * self.block_k) * itemsize + self.block_n * rows * 4
+    def smem_bytes(self, rows: int, k: int = 0, itemsize: int = 2) -> int:
+        x_bytes = rows * k // self.splits if self.prefetch else self.stages * rows * self.block_k
+        return (self.stages * self.block_k * self.block_n + x_bytes) * itemsize + self.block_n * rows * 4
 
 
 def supports(rows: int, k: int, n: int, config: MgpuConfig) -> bool:
     c = config
     return (rows % 8 == 0 and rows <= 256 and c.block_n % 64 == 0 and n % c.block_n == 0
-            and k % (c.block_k * c.splits) == 0 and c.smem_bytes(rows) <= 220 * 1024)
+            and k % (c.block_k * c.splits) == 0 and c.smem_bytes(rows, k) <= 220 * 1024)
 
 
 def matvec_partials(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig()) -> jax.Array:
@@ -68,27 +74,39 @@ def matvec_partials(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig(
 
     delay = 1 if c.stages > 1 else 0
 
-    def body(x_gmem, w_gmem, out_gmem):
+    def body(x_gmem, w_gmem, out_gmem, *scratch):
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
         k_slice = pl.ds(s_idx * k_split, k_split)
+        w_spec = plgpu.BlockSpec((c.block_k, c.block_n), lambda kk: (kk, n_idx), transforms=transforms(c.block_n),
+                                 delay_release=delay)
 
         def accumulate(acc_ref):
-            def step(_, w_smem, x_smem):
-                plgpu.wgmma(acc_ref, plgpu.transpose_ref(w_smem, (1, 0)), plgpu.transpose_ref(x_smem, (1, 0)))
-                plgpu.wgmma_wait(delay)
+            if c.prefetch:
+                x_smem, x_ready = scratch
 
-            plgpu.emit_pipeline(
-                step,
-                grid=(k_split // c.block_k,),
-                in_specs=[
-                    plgpu.BlockSpec((c.block_k, c.block_n), lambda kk: (kk, n_idx), transforms=transforms(c.block_n),
-                                    delay_release=delay),
-                    plgpu.BlockSpec((rows, c.block_k), lambda kk: (0, kk), transforms=transforms(c.block_k),
-                                    delay_release=delay),
-                ],
-                max_concurrent_steps=c.stages,
-            )(w_gmem.at[k_slice, :], x_gmem.at[:, k_slice])
+                def step(idx, w_smem):
+                    @pl.when(idx[0] == 0)  # the pipeline has issued its first weight copies by now
+                    def _():
+                        plgpu.griddepcontrol_wait()
+                        plgpu.copy_gmem_to_smem(x_gmem.at[:, k_slice], x_smem, x_ready)
+                        plgpu.barrier_wait(x_ready)
+
+                    x_tile = x_smem.at[:, pl.ds(idx[0] * c.block_k, c.block_k)]
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(w_smem, (1, 0)), plgpu.transpose_ref(x_tile, (1, 0)))
+                    plgpu.wgmma_wait(delay)
+
+                plgpu.emit_pipeline(step, grid=(k_split // c.block_k,), in_specs=[w_spec],
+                                    max_concurrent_steps=c.stages)(w_gmem.at[k_slice, :])
+            else:
+                def step(_, w_smem, x_smem):
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(w_smem, (1, 0)), plgpu.transpose_ref(x_smem, (1, 0)))
+                    plgpu.wgmma_wait(delay)
+
+                x_spec = plgpu.BlockSpec((rows, c.block_k), lambda kk: (0, kk), transforms=transforms(c.block_k),
+                                         delay_release=delay)
+                plgpu.emit_pipeline(step, grid=(k_split // c.block_k,), in_specs=[w_spec, x_spec],
+                                    max_concurrent_steps=c.stages)(w_gmem.at[k_slice, :], x_gmem.at[:, k_slice])
             return acc_ref[...]
 
         acc = pl.run_scoped(accumulate, plgpu.ACC((c.block_n, rows)))
@@ -100,8 +118,10 @@ def matvec_partials(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig(
             plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[s_idx, pl.ds(n_idx * c.block_n, c.block_n), :])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    scratch = ((plgpu.SMEM((rows, k_split), x.dtype, transforms=transforms(k_split)), plgpu.Barrier(num_arrivals=1))
+               if c.prefetch else ())
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((c.splits, n, rows), jnp.float32),
-                          grid=(n // c.block_n, c.splits), grid_names=("n", "s"))
+                          scratch_types=scratch, grid=(n // c.block_n, c.splits), grid_names=("n", "s"))
     return kernel(x, w)
 
 
