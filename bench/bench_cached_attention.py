@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import kernels_pallas  # noqa: E402
-from bench_engine import _load_trace, int_fields, on_gpu  # noqa: E402
+from bench_engine import gpu_span_durations, int_fields  # noqa: E402
 from dflash_jax.layers import Attention, rope_inv_freq  # noqa: E402
 from kernels_pallas.block_attention_gpu import GpuConfig  # noqa: E402
 
@@ -110,23 +110,20 @@ def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, ou
                 error = float(np.linalg.norm(outs[0] - w) / (np.linalg.norm(w) + 1e-9))
                 deterministic = all(np.array_equal(o, outs[0]) for o in outs[1:])
             fn = layers_fn(one, layers)
-            ks, vs = [k_all[i] + 0 for i in range(layers)], [v_all[i] + 0 for i in range(layers)]
-            try:
-                total, ks, vs = fn(qkvs, ks, vs, starts, blk_lens)
+            caches = [[k_all[i] + 0 for i in range(layers)], [v_all[i] + 0 for i in range(layers)]]
+
+            def run():  # called right here, so the loop's variables are the ones meant
+                total, caches[0], caches[1] = fn(qkvs, caches[0], caches[1], starts, blk_lens)
                 jax.block_until_ready(total)
+
+            try:
                 trace_dir = str(Path(out_dir) / f"b{block}_{name}".replace(" ", "_").replace("/", "_"))
-                with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-                    for _ in range(3):
-                        total, ks, vs = fn(qkvs, ks, vs, starts, blk_lens)
-                        jax.block_until_ready(total)
-                events, procs, _ = _load_trace(trace_dir)
+                durs = gpu_span_durations(run, trace_dir, calls=3)
+                if durs is None:
+                    raise RuntimeError(f"no trace written under {trace_dir}")
             except Exception as err:  # noqa: BLE001  (one failing variant must not lose the others)
                 print(f"  block {block:2d} {name:30s} FAILED: {type(err).__name__}: {str(err)[:300]}", flush=True)
                 continue
-            durs: dict = {}
-            for e in events:
-                if on_gpu(e, procs):
-                    durs.setdefault(e["name"], []).append(e["dur"])
             kernel = {n: statistics.median(d) for n, d in durs.items() if "cached_attention" in n}
             others = sum(sum(d) for n, d in durs.items() if n not in kernel) / (3 * layers)
             row = dict(block=block, variant=name, kernel_us=max(kernel.values(), default=float("nan")),
@@ -136,7 +133,7 @@ def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, ou
                                               f"{'' if deterministic else ' NONDETERMINISTIC'}")
             print(f"  block {block:2d} {name:30s} kernel {row['kernel_us']:6.2f} us   "
                   f"(other kernels {others:5.2f} us/layer: the harness's sums){check}", flush=True)
-            del ks, vs
+            caches.clear()  # frees this variant's caches before the next one's are made
     return rows
 
 

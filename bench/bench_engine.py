@@ -17,7 +17,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,6 +58,16 @@ def _option(text: str) -> tuple[str, bool | int | str]:
     if value.lower() in ("true", "false"):
         return key, value.lower() == "true"
     return key, int(value) if value.lstrip("-").isdigit() else value
+
+
+def add_variant_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of ``use_variant``: ``--unfused``, ``--unfused-norms``, ``--decode-option``."""
+    ap.add_argument("--unfused", action="store_true",
+                    help="the target's attention without the fused cached-attention kernel (the earlier path)")
+    ap.add_argument("--unfused-norms", action="store_true",
+                    help="residual adds and RMSNorms as XLA ops, without the add_rms_norm kernel (the earlier path)")
+    ap.add_argument("--decode-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an XLA option added to the decode jit's (repeatable; true/false/ints parsed)")
 
 
 def use_variant(*, unfused: bool = False, unfused_norms: bool = False, decode_options: Sequence[str] = ()) -> None:
@@ -192,6 +202,24 @@ def _load_trace(out_dir: str):
 def on_gpu(event: dict, procs: dict) -> bool:
     """Whether a trace event (``_load_trace``) is a span on a GPU (a kernel or a copy), not the host."""
     return event.get("ph") == "X" and "GPU" in str(procs.get(event.get("pid"), ""))
+
+
+def gpu_span_durations(run: Callable[[], None], out_dir: str, calls: int = 3) -> dict[str, list[float]] | None:
+    """Runs ``run`` (one synchronised call) once, then ``calls`` times under a profiler trace into
+    ``out_dir``: the durations (us) of the trace's GPU spans, by kernel name (None: no trace written)."""
+    run()
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        for _ in range(calls):
+            run()
+    loaded = _load_trace(out_dir)
+    if loaded is None:
+        return None
+    events, procs, _ = loaded
+    durations: dict[str, list[float]] = {}
+    for e in events:
+        if on_gpu(e, procs):
+            durations.setdefault(e["name"], []).append(e["dur"])
+    return durations
 
 
 def profile_generate(engine: Engine, context: int, new_tokens: int, out_dir: str, listing: Path, *,
@@ -367,8 +395,6 @@ def main() -> None:
     ap.add_argument("--graph-collectives", action="store_true",
                     help="COLLECTIVES in the decode jit's command buffers (XLA 0.11.2 converts none of the "
                          "all-reduces, so on a mesh the loop stays on the host with it too)")
-    ap.add_argument("--decode-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="an XLA option added to the decode jit's (repeatable; true/false/ints parsed)")
     ap.add_argument("--draft-batches", default="1,16", help="batch sizes for the draft-only breakdown")
     ap.add_argument("--attention", default="xla", choices=["xla", "pallas"])
     ap.add_argument("--reference", action="store_true", help="also time the authors' PyTorch code")
@@ -377,10 +403,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
     ap.add_argument("--collectives", action="store_true", help="list the collectives of the batch-1 decode steps")
     ap.add_argument("--profile", default=None, help="trace batch-1 steps (target-only and DFlash) into this dir")
-    ap.add_argument("--unfused", action="store_true",
-                    help="the target's attention without the fused cached-attention kernel (the earlier path)")
-    ap.add_argument("--unfused-norms", action="store_true",
-                    help="residual adds and RMSNorms as XLA ops, without the add_rms_norm kernel (the earlier path)")
+    add_variant_args(ap)
     ap.add_argument("--cached-config", default="",
                     help="tile overrides of the cached-attention kernel, e.g. min_chunk=128,block_k=32")
     ap.add_argument("--tensor", type=int, default=1,

@@ -41,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench_engine import gpu_span_durations  # noqa: E402
 from bench_matvec import normal, timeit  # noqa: E402
-from matvec_mgpu import MgpuConfig, matvec, matvec_partials, supports  # noqa: E402
+from matvec_mgpu import MgpuConfig, matvec, matvec_partials, pad_rows, supports  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate-up": (4096, 24576), "down": (12288, 4096)}
 # The fastest tiles per shape of the sweep on the H200 (docs/benchmarks.md, tenth session).
@@ -50,23 +51,10 @@ BEST = {"qkv": MgpuConfig(64, 128, 4, 4), "o": MgpuConfig(64, 128, 4, 2),
         "gate-up": MgpuConfig(64, 256, 4, 1), "down": MgpuConfig(64, 128, 6, 1)}
 
 
-def device_kernels(fn, args, out_dir: str, calls: int = 3) -> dict[str, tuple[float, float]]:
-    """Kernels of ``calls`` traced calls of ``fn(*args)``: name -> (median us, launches per call)."""
-    from bench_engine import _load_trace, on_gpu
-
-    jax.block_until_ready(fn(*args))
-    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
-        for _ in range(calls):
-            jax.block_until_ready(fn(*args))
-    loaded = _load_trace(out_dir)
-    if loaded is None:
-        return {}
-    events, procs, _ = loaded
-    durs: dict[str, list[float]] = {}
-    for e in events:
-        if on_gpu(e, procs):
-            durs.setdefault(e["name"], []).append(e["dur"])
-    return {n: (statistics.median(d), len(d) / calls) for n, d in durs.items()}
+def rel_error(x_padded: jax.Array, w: jax.Array, want: jax.Array, config: MgpuConfig) -> float:
+    """The kernel's largest error against ``want [rows, N]`` (float32), relative to its largest entry."""
+    got = jax.jit(lambda a, b: matvec_partials(a, b, config))(x_padded, w).sum(0).T[:want.shape[0]]
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
 
 
 def sweep(rows: int, k: int, n: int) -> list[MgpuConfig]:
@@ -98,14 +86,11 @@ def chains(args) -> list[dict]:
         k, n = SHAPES[name]
         ws = [normal(jax.random.fold_in(key, c), (k, n), dtype) for c in range(36)]
         h = normal(jax.random.fold_in(key, 99), (1, k), dtype, 1.0)
-        h8 = jnp.pad(h, ((0, 7), (0, 0)))
+        h8 = pad_rows(h)
         plain = BEST[name]
         variants = {"kernel": plain, "prefetch": dataclasses.replace(plain, prefetch=True)}
         want = jnp.dot(h.astype(jnp.float32), ws[0].astype(jnp.float32))
-        errs = {}
-        for label, cfg in variants.items():
-            got = jax.jit(lambda a, w, c=cfg: matvec_partials(a, w, c))(h8, ws[0]).sum(0).T[:1]
-            errs[label] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+        errs = {label: rel_error(h8, ws[0], want, cfg) for label, cfg in variants.items()}
 
         def xla_chain(ws_, x, i):
             x = x + i.astype(dtype)
@@ -162,21 +147,19 @@ def main() -> None:
         ws = [normal(jax.random.fold_in(key, 1000 + c), (k, n), dtype) for c in range(copies)]
         best_r8: list[MgpuConfig] = []
         for rows in (1, 16):
-            padded = -(-rows // 8) * 8
             x = normal(jax.random.fold_in(key, rows), (rows, k), dtype, 1.0)
-            xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
+            xp = pad_rows(x)
             want = jnp.dot(x.astype(jnp.float32), ws[0].astype(jnp.float32))
             t_xla = timeit(lambda ws_, i: [(x + i.astype(dtype)) @ w for w in ws_], ws,
                            repeats=args.repeats, inner=args.inner) / copies
-            configs = [BEST[name]] if args.no_sweep else sweep(padded, k, n) if rows == 1 else best_r8
+            configs = [BEST[name]] if args.no_sweep else sweep(xp.shape[0], k, n) if rows == 1 else best_r8
             row = {"shape": name, "rows": rows, "k": k, "n": n, "bytes": nbytes, "xla_s": t_xla, "kernel": []}
             t0 = time.perf_counter()
             for cfg in configs:
                 if time.perf_counter() - t0 > args.budget / len(shapes) / 2 and row["kernel"]:
                     break
                 try:
-                    got = jax.jit(lambda a, w, c=cfg: matvec_partials(a, w, c))(xp, ws[0]).sum(0).T[:rows]
-                    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                    err = rel_error(xp, ws[0], want, cfg)
                     t = timeit(lambda ws_, i, c=cfg: [matvec_partials(xp + i.astype(dtype), w, c) for w in ws_], ws,
                                repeats=args.repeats, inner=args.inner) / copies
                 except Exception as e:  # noqa: BLE001
@@ -204,11 +187,14 @@ def main() -> None:
                 print(f"{'':>30}{r['s'] * 1e6:>9.1f} us  {r['config']}", flush=True)
             if args.profile:
                 profiled = {"xla": lambda ws_: [x @ w for w in ws_],
-                          "kernel": lambda ws_: [matvec_partials(xp, w, cfg) for w in ws_],
-                          "kernel+glue": lambda ws_: [matvec(x, w, cfg) for w in ws_]}
+                            "kernel": lambda ws_: [matvec_partials(xp, w, cfg) for w in ws_],
+                            "kernel+glue": lambda ws_: [matvec(x, w, cfg) for w in ws_]}
                 row["profile"] = {}
                 for chain_name, chain in profiled.items():
-                    kernels = device_kernels(jax.jit(chain), (ws,), f"{args.profile}/{name}_{rows}_{chain_name}")
+                    durations = gpu_span_durations(lambda f=jax.jit(chain), a=ws: jax.block_until_ready(f(a)),
+                                                   f"{args.profile}/{name}_{rows}_{chain_name}")
+                    kernels = {n: (statistics.median(d), len(d) / 3)  # 3 traced calls
+                               for n, d in (durations or {}).items()}
                     row["profile"][chain_name] = kernels
                     listing = ", ".join(f"{n[:40]} {us:.1f} us x{per / copies:.0f}"
                                         for n, (us, per) in sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1]))

@@ -43,7 +43,7 @@ class MgpuConfig:
     # dependent launch the weight stream then starts while the previous kernel is still running.
     prefetch: bool = False
 
-    def smem_bytes(self, rows: int, k: int = 0, itemsize: int = 2) -> int:
+    def smem_bytes(self, rows: int, k: int, itemsize: int = 2) -> int:
         x_bytes = rows * k // self.splits if self.prefetch else self.stages * rows * self.block_k
         return (self.stages * self.block_k * self.block_n + x_bytes) * itemsize + self.block_n * rows * 4
 
@@ -125,10 +125,13 @@ def matvec_partials(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig(
     return kernel(x, w)
 
 
+def pad_rows(x: jax.Array) -> jax.Array:
+    """``x [rows, K]`` with zero rows appended up to the next multiple of 8 (the WGMMA's least N)."""
+    padded = -(-x.shape[0] // 8) * 8
+    return x if padded == x.shape[0] else jnp.pad(x, ((0, padded - x.shape[0]), (0, 0)))
+
+
 def matvec(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig()) -> jax.Array:
     """``x @ w`` for ``x [rows, K]`` of any row count up to 256: rows padded to a multiple of 8,
     partials summed and transposed by XLA (what a consumer kernel would fold in)."""
-    rows = x.shape[0]
-    padded = -(-rows // 8) * 8
-    xp = x if padded == rows else jnp.pad(x, ((0, padded - rows), (0, 0)))
-    return matvec_partials(xp, w, config).sum(0).T[:rows].astype(x.dtype)
+    return matvec_partials(pad_rows(x), w, config).sum(0).T[:x.shape[0]].astype(x.dtype)

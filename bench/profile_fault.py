@@ -62,10 +62,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--tensor", type=int, default=2)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--unfused", action="store_true", help="the target's attention without the fused kernel")
-    ap.add_argument("--unfused-norms", action="store_true", help="residual adds and RMSNorms as XLA ops")
-    ap.add_argument("--decode-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="an XLA option added to the decode jit's (repeatable)")
+    bench_engine.add_variant_args(ap)
     ap.add_argument("--warmup", action="store_true", help="Engine.warmup() before the traces")
     ap.add_argument("--generate-first", action="store_true", help="one Engine.generate before any trace")
     ap.add_argument("--phases", action="store_true",
