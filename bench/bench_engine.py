@@ -222,6 +222,19 @@ def gpu_span_durations(run: Callable[[], None], out_dir: str, calls: int = 3) ->
     return durations
 
 
+def kernel_time(run: Callable[[], None], out_dir: str, per: int, calls: int = 3) -> tuple[float, str]:
+    """GPU kernel time of one ``run`` divided by ``per`` (us; kernels back to back, no launch gaps:
+    per kernel name its median duration times its count), and the kernels by name with their median
+    duration and count per ``per``, longest first (``nan``, "no trace" when none was written)."""
+    durations = gpu_span_durations(run, out_dir, calls)
+    if not durations:
+        return float("nan"), "no trace"
+    kernels = {n: (statistics.median(d), len(d) / calls / per) for n, d in durations.items()}
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1])
+    return (sum(us * count for us, count in kernels.values()),
+            ", ".join(f"{n[:40]} {us:.1f} us x{count:.2g}" for n, (us, count) in ranked))
+
+
 def profile_generate(engine: Engine, context: int, new_tokens: int, out_dir: str, listing: Path, *,
                      horizon_ms: float | None = 100.0, kernels: bool = True) -> None:
     """Traces one ``Engine.generate`` of a ``context``-token prompt and writes its host events to

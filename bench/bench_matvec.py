@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -41,10 +42,10 @@ TINY = dict(HIDDEN=256, HEADS=4, KV=2, HD=64, MLP=512, VOCAB=1024, LAYERS=2)
 EPS = 1e-6
 
 
-def timeit(fn, *args, repeats: int, inner: int) -> float:
+def timeit(fn, *args, repeats: int, inner: int, compiler_options: dict | None = None) -> float:
     """Median seconds of one of ``inner`` chained calls inside one jit (``fn(*args, i)``)."""
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=compiler_options)
     def loop(*a):
         def body(i, acc):
             out = fn(*a, i)  # every output feeds the carry: nothing is dead code

@@ -18,6 +18,7 @@ matmul kernels can be compared without them.
     python bench/bench_matvec_mgpu.py --out $OUT/matvec_mgpu.json       # on an H100/H200: the sweep
     python bench/bench_matvec_mgpu.py --no-sweep --profile /tmp/prof    # the best tiles of the sweep
     python bench/bench_matvec_mgpu.py --chain                           # dependent chains, PDL prefetch
+    python bench/bench_matvec_mgpu.py --back-to-back                    # the kernel after itself, under PDL?
 
 ``--chain`` times 36 dependent matmuls of one shape (each input the RMS-normalised output of the
 last, as in a decode step) three ways: XLA's dot, the kernel, and the kernel with
@@ -31,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench_engine import gpu_span_durations  # noqa: E402
+from bench_engine import kernel_time  # noqa: E402
 from bench_matvec import normal, timeit  # noqa: E402
 from matvec_mgpu import MgpuConfig, matvec, matvec_partials, pad_rows, supports  # noqa: E402
 
@@ -116,6 +116,38 @@ def chains(args) -> list[dict]:
     return out
 
 
+def back_to_back(args) -> list[dict]:
+    """Per shape, 36 kernels back to back with nothing between them (each ordered after the last by
+    an operand it does not read): plain, signalling ``launch_dependents`` first, and signalling with
+    the PDL prefetch. If the custom calls were launched under programmatic dependent launch, the
+    last two would overlap each kernel's start with its predecessor's tail."""
+    dtype, key, out = jnp.bfloat16, jax.random.key(2), []
+    print(f"\n{'36 back to back':<16} {'plain us':>9} {'signal':>8} {'signal+prefetch':>16}", flush=True)
+    for name in [s for s in args.shapes.split(",") if s in ("qkv", "o", "gate-up")]:
+        k, n = SHAPES[name]
+        ws = [normal(jax.random.fold_in(key, c), (k, n), dtype) for c in range(36)]
+        h8 = pad_rows(normal(jax.random.fold_in(key, 99), (1, k), dtype, 1.0))
+        plain = BEST[name]
+        variants = {"plain": plain, "signal": dataclasses.replace(plain, signal=True),
+                    "signal+prefetch": dataclasses.replace(plain, signal=True, prefetch=True)}
+
+        def chain(ws_, i, cfg):
+            y = matvec_partials(h8 + i.astype(dtype), ws_[0], cfg)
+            for w in ws_[1:]:
+                y = matvec_partials(h8, w, cfg, after=y)
+            return y
+
+        row = {"shape": name}
+        for label, cfg in variants.items():
+            row[f"{label}_s"] = timeit(lambda ws_, i, c=cfg: chain(ws_, i, c), ws, repeats=args.repeats,
+                                       inner=args.inner) / 36
+        out.append(row)
+        print(f"{name:<16} {row['plain_s'] * 1e6:>9.2f} {row['signal_s'] * 1e6:>8.2f} "
+              f"{row['signal+prefetch_s'] * 1e6:>16.2f}", flush=True)
+        del ws
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
@@ -126,6 +158,8 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="only the tiles of BEST")
     ap.add_argument("--profile", default=None, metavar="DIR", help="also list each chain's kernels off a trace")
     ap.add_argument("--chain", action="store_true", help="only the dependent chains (XLA, kernel, PDL prefetch)")
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="only the kernels back to back (plain, launch_dependents, with the PDL prefetch)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = jnp.bfloat16
@@ -133,6 +167,11 @@ def main() -> None:
     shapes = [s for s in args.shapes.split(",") if s]
     results = {"device": jax.devices()[0].device_kind, "rows": []}
     print(f"device {results['device']}", flush=True)
+    if args.back_to_back:
+        results["back_to_back"] = back_to_back(args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        return
     if args.chain:
         results["chains"] = chains(args)
         if args.out:
@@ -191,14 +230,9 @@ def main() -> None:
                             "kernel+glue": lambda ws_: [matvec(x, w, cfg) for w in ws_]}
                 row["profile"] = {}
                 for chain_name, chain in profiled.items():
-                    durations = gpu_span_durations(lambda f=jax.jit(chain), a=ws: jax.block_until_ready(f(a)),
-                                                   f"{args.profile}/{name}_{rows}_{chain_name}")
-                    kernels = {n: (statistics.median(d), len(d) / 3)  # 3 traced calls
-                               for n, d in (durations or {}).items()}
-                    row["profile"][chain_name] = kernels
-                    listing = ", ".join(f"{n[:40]} {us:.1f} us x{per / copies:.0f}"
-                                        for n, (us, per) in sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1]))
-                    per_matmul = sum(us * per for us, per in kernels.values()) / copies
+                    per_matmul, listing = kernel_time(lambda f=jax.jit(chain), a=ws: jax.block_until_ready(f(a)),
+                                                      f"{args.profile}/{name}_{rows}_{chain_name}", copies)
+                    row["profile"][chain_name] = {"us_per_matmul": per_matmul, "kernels": listing}
                     print(f"{'':>10}trace {chain_name:<12} {per_matmul:6.1f} us per matmul: {listing}", flush=True)
         del ws
     if args.out:

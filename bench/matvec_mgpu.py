@@ -3,8 +3,11 @@ candidate of ``bench_matvec_mgpu.py``. NOT used by the engine: on the H200 (docs
 session) its kernels alone match XLA's GEMMs on QKV and the output projection (13.5 / 9.8 us at one
 row) and lose on gate-up (49.3 vs 45.7 us), so it could only save the two split-K reduce kernels
 (~2.75 us per layer) if the consumers summed its partials; its ``prefetch`` variant (weights streamed
-before the PDL wait) gained nothing in a dependent chain. JAX 0.10.2's GPU interpret mode does not
-take a transposed WGMMA operand, so it has no CPU test; the benchmark checks it on the device.
+before the PDL wait) gained nothing in a dependent chain, and neither did it with ``signal``
+(``launch_dependents`` first) in 36 of these kernels back to back (eleventh session): no sign that
+XLA launches a Mosaic custom call under programmatic dependent launch. JAX 0.10.2's GPU interpret
+mode does not take a transposed WGMMA operand, so it has no CPU test; the benchmark checks it on the
+device.
 
 Why it exists: at batch 1 the decode step is weight streaming, and the Triton-lowered Pallas
 matmul (``decode_matmul.py``) streamed 5-20% slower than XLA's GEMMs, which the HLO tags
@@ -42,6 +45,9 @@ class MgpuConfig:
     # only input that the previous kernel writes) whole into shared memory. Under programmatic
     # dependent launch the weight stream then starts while the previous kernel is still running.
     prefetch: bool = False
+    # ``griddepcontrol.launch_dependents`` as the kernel's first instruction: under programmatic
+    # dependent launch the next kernel may then be scheduled while this one still streams.
+    signal: bool = False
 
     def smem_bytes(self, rows: int, k: int, itemsize: int = 2) -> int:
         x_bytes = rows * k // self.splits if self.prefetch else self.stages * rows * self.block_k
@@ -54,9 +60,11 @@ def supports(rows: int, k: int, n: int, config: MgpuConfig) -> bool:
             and k % (c.block_k * c.splits) == 0 and c.smem_bytes(rows, k) <= 220 * 1024)
 
 
-def matvec_partials(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig()) -> jax.Array:
+def matvec_partials(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig(),
+                    after: jax.Array | None = None) -> jax.Array:
     """``x [rows, K]`` (rows a multiple of 8), ``w [K, N]`` -> float32 partial sums
-    ``[splits, N, rows]`` (their sum over splits is ``(x @ w)^T``)."""
+    ``[splits, N, rows]`` (their sum over splits is ``(x @ w)^T``). ``after``: an operand the kernel
+    does not read, which orders it after its producer (two kernels back to back, nothing between)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -74,7 +82,10 @@ def matvec_partials(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig(
 
     delay = 1 if c.stages > 1 else 0
 
-    def body(x_gmem, w_gmem, out_gmem, *scratch):
+    def body(x_gmem, w_gmem, *refs):
+        out_gmem, *scratch = refs[1:] if after is not None else refs
+        if c.signal:
+            plgpu.griddepcontrol_launch_dependents()
         n_idx = lax.axis_index("n")
         s_idx = lax.axis_index("s")
         k_slice = pl.ds(s_idx * k_split, k_split)
@@ -122,7 +133,7 @@ def matvec_partials(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig(
                if c.prefetch else ())
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((c.splits, n, rows), jnp.float32),
                           scratch_types=scratch, grid=(n // c.block_n, c.splits), grid_names=("n", "s"))
-    return kernel(x, w)
+    return kernel(x, w) if after is None else kernel(x, w, after)
 
 
 def pad_rows(x: jax.Array) -> jax.Array:
