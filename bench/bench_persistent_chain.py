@@ -1,20 +1,21 @@
 #!/usr/bin/env python
-"""A chain of 36 dependent decode matmuls: one persistent kernel (``persistent_chain.py``) against
-XLA's one GEMM (and split-K reduction) per matmul, to measure the per-matmul fixed cost that kernel
+"""Layers of dependent decode matmuls: one persistent kernel (``persistent_chain.py``) against XLA's
+one GEMM (and split-K reduction) per matmul, to measure the per-matmul fixed cost that kernel
 boundaries add.
 
-Per ``D`` (4096: the output projection's 33.6 MB, 64 programs; 8192: 134 MB, 128 programs), bf16,
-36 distinct ``[D, D]`` weights (nothing stays in the 60 MB L2), 1 row (a decode token) and 16 (a
-verify block):
-- ``xla``: ``x = x @ w[l]`` 36 times, as the engine's decode step runs its matmuls (also with the
-  engine's decode-jit options: the loop as one CUDA graph);
-- ``persistent``: the whole chain in one kernel; ``independent``: every matmul on ``x[0]``, no
-  barrier, the kernel's streaming ceiling.
-Each persistent variant is first checked link by link against a float32 dot of its own input.
+Chains of 36 layers (``--chains``), bf16, distinct weights (nothing stays in the 60 MB L2), 1 row (a
+decode token) and 16 (a verify block):
+- ``4096``, ``8192``: one square matmul per layer (33.6 MB, 64 column tiles; 134 MB, 128 tiles);
+- ``layer``: the Qwen3-8B layer's four matmuls, QKV, output, gate-up and down (386 MB; 96, 64, 384 and
+  64 column tiles), each reading the first K columns of the last.
+Variants: ``xla`` (also with the engine's decode-jit options: the loop as one CUDA graph); the
+persistent kernel; ``independent``, every matmul on ``x0`` with no barrier, its streaming ceiling.
+Each persistent variant is first checked matmul by matmul against a float32 dot of its own input.
 
-The wall column carries the harness's own cost per timed call (~130 us on the H200, a few us per
-matmul, the same for both); ``--profile`` reads each chain's GPU kernel time off a trace, which is
-what the engine's step is made of (its kernels run back to back), so compare those.
+The wall column carries the harness's own cost per timed call (~100-220 us on the H200, the same
+for both); ``--profile`` reads each chain's GPU kernel time off a trace, which is what the engine's
+step is made of (its kernels run back to back), so compare those. XLA's layer chain also runs small
+slice and copy kernels (``h[:, :k]``) that the engine does not; its listing names them.
 
     python bench/bench_persistent_chain.py --profile /tmp/prof --out $OUT/chain.json   # on an H100/H200
 """
@@ -37,94 +38,116 @@ from bench_matvec import normal, timeit  # noqa: E402
 from dflash_jax.engine import _decode_compiler_options  # noqa: E402
 from persistent_chain import ChainConfig, padded_rows, persistent_chain, supports  # noqa: E402
 
-# (config, rows) per D: the measured best tiles (docs/benchmarks.md, eleventh session), one row and
-# a verify block, and the streaming ceiling (no barrier).
-CONFIGS = {4096: [(ChainConfig(64, 256, 6), 1), (ChainConfig(64, 256, 5), 16), (ChainConfig(64, 256, 6, dependent=False), 1)],
-           8192: [(ChainConfig(64, 256, 6), 1), (ChainConfig(64, 256, 5), 16), (ChainConfig(64, 128, 12), 1),
-                  (ChainConfig(64, 256, 6, dependent=False), 1)]}
+# Per chain, the matmul shapes ``(K, N)`` of one layer (repeated 36 times): square ones, and the
+# Qwen3-8B layer's four (QKV, output, gate-up, down; each reads the first K columns of the last).
+CHAINS = {"4096": [(4096, 4096)], "8192": [(8192, 8192)],
+          "layer": [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]}
+# (config, rows) per chain: the measured best tiles (docs/benchmarks.md, eleventh session), one row
+# and a verify block, and the streaming ceiling (no barrier).
+SQUARE = [(ChainConfig(64, 256, 6), 1), (ChainConfig(64, 256, 5), 16), (ChainConfig(64, 256, 6, dependent=False), 1)]
+CONFIGS = {"4096": SQUARE, "8192": SQUARE,
+           "layer": [(ChainConfig(64, 256, 6, programs=128), 1), (ChainConfig(64, 256, 5, programs=128), 16),
+                     (ChainConfig(64, 256, 6, programs=132), 1),
+                     (ChainConfig(64, 256, 6, programs=128, dependent=False), 1)]}
 
 
-def link_errors(y: jax.Array, x0: jax.Array, w: jax.Array, rows: int, dependent: bool) -> float:
-    """Largest error of ``y[l] = x[l] @ w[l]`` over the links and the real rows, each against a
-    float32 dot of the kernel's own input to it (``x[0]`` throughout if not ``dependent``), relative
-    to the largest output entry."""
-    y = y[:, :rows]
-    x = jnp.concatenate([x0[None, :rows], y[:-1]]) if dependent else jnp.broadcast_to(x0[:rows], y.shape)
-    want = jax.lax.map(lambda xw: xw[0].astype(jnp.float32) @ xw[1].astype(jnp.float32), (x, w))  # one weight at a time
-    return float(jnp.max(jnp.abs(y.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+def chain_inputs(ys: list[jax.Array], x0: jax.Array, shapes, rows: int, dependent: bool) -> list[jax.Array]:
+    """Per matmul ``j``, what the kernel should have multiplied in every layer, ``[L, rows, K_j]``:
+    the previous matmul's output (``x0`` first), or ``x0`` throughout if not ``dependent``."""
+    layers = ys[0].shape[0]
+    out = []
+    for j, (k, _) in enumerate(shapes):
+        if not dependent:
+            out.append(jnp.broadcast_to(x0[:rows, :k], (layers, rows, k)))
+        elif j > 0:
+            out.append(ys[j - 1][:, :rows, :k])
+        else:
+            out.append(jnp.concatenate([x0[None, :rows, :k], ys[-1][:-1, :rows, :k]]))
+    return out
+
+
+def link_errors(ys: list[jax.Array], x0: jax.Array, weights: list[jax.Array], shapes, rows: int, dependent: bool) -> float:
+    """Largest error of every matmul's output over the layers and the real rows, each against a
+    float32 dot of the kernel's own input to it, relative to the largest output entry."""
+    worst = 0.0
+    for y, x, w in zip(ys, chain_inputs(ys, x0, shapes, rows, dependent), weights):
+        want = jax.lax.map(lambda xw: xw[0].astype(jnp.float32) @ xw[1].astype(jnp.float32), (x, w))  # one weight at a time
+        worst = max(worst, float(jnp.max(jnp.abs(y[:, :rows].astype(jnp.float32) - want)) / jnp.max(jnp.abs(want))))
+    return worst
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=36)
-    ap.add_argument("--dims", default="4096,8192")
+    ap.add_argument("--chains", default="4096,8192,layer", help=f"of {','.join(CHAINS)}")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="also read each chain's GPU kernel time per matmul off a trace (no launch gaps)")
+                    help="also read each chain's GPU kernel time per layer off a trace (no launch gaps)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype, key, results = jnp.bfloat16, jax.random.key(0), {"device": jax.devices()[0].device_kind, "rows": []}
-    print(f"device {results['device']}, {args.layers} dependent matmuls per timing", flush=True)
-    print(f"{'D':>6} {'variant':<44} {'us/matmul':>10} {'TB/s':>6} {'error':>8}", flush=True)
-    for d in [int(v) for v in args.dims.split(",") if v]:
-        # Scaled so that the chain keeps unit-size activations over its 36 links.
-        w = normal(jax.random.fold_in(key, d), (args.layers, d, d), dtype, scale=d ** -0.5)
-        x16 = normal(jax.random.fold_in(key, 1), (16, d), dtype, scale=1.0)
-        x = x16[:1]
-        bytes_per_link = d * d * jnp.dtype(dtype).itemsize
+    print(f"device {results['device']}, {args.layers} layers of dependent matmuls per timing", flush=True)
+    print(f"{'chain':>6} {'variant':<44} {'us/layer':>10} {'TB/s':>6} {'error':>8}", flush=True)
+    for name in [v for v in args.chains.split(",") if v]:
+        shapes = CHAINS[name]
+        # Scaled so that the chain keeps unit-size activations over its layers.
+        weights = [normal(jax.random.fold_in(key, 10 * j + k), (args.layers, k, n), dtype, scale=k ** -0.5)
+                   for j, (k, n) in enumerate(shapes)]
+        x16 = normal(jax.random.fold_in(key, 1), (16, max(k for k, _ in shapes)), dtype, scale=1.0)
+        bytes_per_layer = sum(k * n for k, n in shapes) * jnp.dtype(dtype).itemsize
 
         def report(label, seconds, error=float("nan"), profiled=None):
-            row = {"d": d, "variant": label, "us_per_matmul": seconds * 1e6,
-                   "tb_per_s": bytes_per_link / seconds / 1e12, "error": error}
+            row = {"chain": name, "variant": label, "us_per_layer": seconds * 1e6,
+                   "tb_per_s": bytes_per_layer / seconds / 1e12, "error": error}
             results["rows"].append(row)
-            print(f"{d:>6} {label:<44} {row['us_per_matmul']:>10.2f} {row['tb_per_s']:>6.2f} {error:>8.1e}", flush=True)
+            print(f"{name:>6} {label:<44} {row['us_per_layer']:>10.2f} {row['tb_per_s']:>6.2f} {error:>8.1e}", flush=True)
             if args.profile and profiled is not None:
                 fn, fn_args = profiled
                 us, names = kernel_time(lambda f=jax.jit(fn): jax.block_until_ready(f(*fn_args)),
-                                        f"{args.profile}/{d}_{len(results['rows'])}", args.layers)
-                row["kernel_us_per_matmul"], row["kernels"] = us, names
-                print(f"{'':>6} {'  kernel time off the trace':<44} {us:>10.2f} {bytes_per_link / us / 1e6:>6.2f}   {names}",
-                      flush=True)
+                                        f"{args.profile}/{name}_{len(results['rows'])}", args.layers)
+                row["kernel_us_per_layer"], row["kernels"] = us, names
+                print(f"{'':>6} {'  kernel time off the trace':<44} {us:>10.2f} "
+                      f"{bytes_per_layer / us / 1e6:>6.2f}   {names}", flush=True)
 
-        def xla_chain(ws, i, x=x):
+        def xla_chain(wss, i, x):
             h = x + i.astype(dtype)
-            for w_l in ws:
-                h = h @ w_l
+            for layer in range(args.layers):
+                for (k, _), ws in zip(shapes, wss):
+                    h = h[:, :k] @ ws[layer]
             return h
 
         # Separate arrays, as the engine's weights are: slices of the stacked w would be copied first.
-        ws = [w[layer] + 0 for layer in range(args.layers)]
-        report(f"xla ({args.layers} dots)", timeit(xla_chain, ws, repeats=args.repeats, inner=args.inner) / args.layers,
-               profiled=(lambda ws_: xla_chain(ws_, jnp.zeros((), jnp.int32)), (ws,)))
-        report(f"xla ({args.layers} dots) rows 16", timeit(lambda ws_, i: xla_chain(ws_, i, x16), ws, repeats=args.repeats,
-                                                           inner=args.inner) / args.layers,
-               profiled=(lambda ws_: xla_chain(ws_, jnp.zeros((), jnp.int32), x16), (ws,)))
-        # The engine's decode jit keeps its loop on the device as one CUDA graph (docs/design.md);
-        # without that the host launches every kernel of the loop, which the persistent kernel escapes.
-        report(f"xla ({args.layers} dots), engine's graph options",
-               timeit(xla_chain, ws, repeats=args.repeats, inner=args.inner,
-                      compiler_options=_decode_compiler_options()) / args.layers)
-        del ws
-        for cfg, rows in CONFIGS.get(d, [(ChainConfig(), 1)]):
-            label = (f"persistent n{cfg.block_n} k{cfg.block_k} s{cfg.stages} rows {rows}"
+        wss = [[w[layer] + 0 for layer in range(args.layers)] for w in weights]
+        for rows in (1, 16):
+            x = x16[:rows, :shapes[0][0]]
+            report(f"xla rows {rows}", timeit(lambda ws_, i, x=x: xla_chain(ws_, i, x), wss, repeats=args.repeats,
+                                              inner=args.inner) / args.layers,
+                   profiled=(lambda ws_, x=x: xla_chain(ws_, jnp.zeros((), jnp.int32), x), (wss,)))
+        # The engine's decode jit keeps its loop on the device as one CUDA graph (docs/design.md).
+        report("xla rows 1, engine's graph options",
+               timeit(lambda ws_, i: xla_chain(ws_, i, x16[:1, :shapes[0][0]]), wss, repeats=args.repeats,
+                      inner=args.inner, compiler_options=_decode_compiler_options()) / args.layers)
+        del wss
+        for cfg, rows in CONFIGS[name]:
+            label = (f"persistent n{cfg.block_n} k{cfg.block_k} s{cfg.stages} p{cfg.resident(shapes)} rows {rows}"
                      + ("" if cfg.dependent else " independent"))
-            if not supports(args.layers, d, rows, cfg):
-                print(f"{d:>6} {label:<44} unsupported", flush=True)
+            if not supports(args.layers, shapes, rows, cfg):
+                print(f"{name:>6} {label:<44} unsupported", flush=True)
                 continue
             x0 = jnp.pad(x16[:rows], ((0, padded_rows(rows) - rows), (0, 0)))
             try:
-                y = jax.jit(lambda a, b, c=cfg: persistent_chain(a, b, c))(x0, w)
-                error = link_errors(y, x0, w, rows, cfg.dependent)
+                ys = jax.jit(lambda a, ws_, c=cfg: persistent_chain(a, ws_, c))(x0, weights)
+                error = link_errors(ys, x0, weights, shapes, rows, cfg.dependent)
                 if not error < 2e-2:
-                    print(f"{d:>6} {label:<44} WRONG (error {error:.1e})", flush=True)
+                    print(f"{name:>6} {label:<44} WRONG (error {error:.1e})", flush=True)
                     continue
-                seconds = timeit(lambda w_, i, c=cfg, a=x0: persistent_chain(a + i.astype(dtype), w_, c)[:, 0],
-                                 w, repeats=args.repeats, inner=args.inner) / args.layers
-                report(label, seconds, error, profiled=(lambda a, b, c=cfg: persistent_chain(a, b, c), (x0, w)))
+                seconds = timeit(lambda ws_, i, c=cfg, a=x0: persistent_chain(a + i.astype(dtype), ws_, c)[-1][:, 0],
+                                 weights, repeats=args.repeats, inner=args.inner) / args.layers
+                report(label, seconds, error, profiled=(lambda a, ws_, c=cfg: persistent_chain(a, ws_, c), (x0, weights)))
             except Exception as e:  # one failing variant must not lose the others' numbers
-                print(f"{d:>6} {label:<44} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        del w
+                print(f"{name:>6} {label:<44} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        del weights
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

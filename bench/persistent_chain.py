@@ -1,4 +1,4 @@
-"""One persistent kernel for a chain of dependent decode matmuls (Pallas Mosaic GPU): the measurement
+"""One persistent kernel for layers of dependent decode matmuls (Pallas Mosaic GPU): the measurement
 of whether the batch-1 step's per-kernel fixed costs can be hidden. NOT used by the engine.
 
 Why: at batch 1 every layer matmul streams its weight at ~4.4-4.6 TB/s once running, but each also
@@ -7,29 +7,37 @@ tenth session). A persistent kernel has no boundaries: each program keeps a ring
 flight across matmuls, as weights depend on nothing, and waits only for the previous matmul's output
 at a grid-wide barrier, before its first tensor-core step.
 
-The chain: ``y[l] = x[l] @ w[l]`` (bf16 out of a float32 accumulation), ``x[l + 1] = y[l]``, with
-``w [L, D, D]`` and ``rows`` rows (1: a decode token; 16: a verify block), padded to a multiple of 8.
-Program ``p`` owns output columns ``[p * block_n, (p + 1) * block_n)`` of every matmul (``D / block_n``
-programs, all resident: one per SM). Each step is one WGMMA with the weight tile as the transposed
-left operand and the x tile as the right one, ``acc[block_n, rows] += w^T @ x^T``. Mosaic stores a
-WGMMA fragment to a transposed view only from its transposed register layout, so the output tile is
+The chain: ``L`` layers of matmuls ``y_j = x_j @ w_j[l]`` (bf16 out of a float32 accumulation), each
+reading the first ``K_j`` columns of the previous one's output: one square matmul per layer, or the
+Qwen3-8B layer's four (QKV, output, gate-up, down; no attention, norms or SiLU between them). ``rows``
+rows (1: a decode token; 16: a verify block), padded to a multiple of 8. The resident programs (at
+most one per SM) deal each matmul's 64-column output tiles round-robin; a program with no tile in a
+matmul only passes its barrier. Each step is one WGMMA with the weight tile as the transposed left
+operand and the x tile as the right one, ``acc[block_n, rows] += w^T @ x^T``. Mosaic stores a WGMMA
+fragment to a transposed view only from its transposed register layout, so the output tile is
 shuffled into that layout, written transposed into an unswizzled buffer, and leaves by TMA in its
-natural orientation, ``y[l, :, columns]``. (The other shape, x as the left operand padded to the
-WGMMA's 64 rows, was measured slower: its 64-row x slots leave less shared memory for weight tiles.)
+natural orientation. (The other shape, x as the left operand padded to the WGMMA's 64 rows, was
+measured slower: its 64-row x slots leave less shared memory for weight tiles.)
 
-Synchronisation: after its output tile's TMA store completes, a program increments the global
-counter of matmul ``l`` (release, GPU scope); before matmul ``l + 1`` each program spins until that
-counter reaches the number of programs (acquire), then copies its x tiles by TMA. At the end program
-0 waits for every program's exit signal and returns the counters to zero, so the kernel is correct
-whether or not ``pl.get_global`` semaphores persist across calls.
+Synchronisation: after its output tiles' TMA stores complete, a program increments the global
+counter of that matmul (release, GPU scope); before the next matmul each program with a tile in it
+spins until the counter reaches the number of programs (acquire), then copies its x tiles by TMA.
+At the end program 0 waits for every program's exit signal and returns the counters to zero, so the
+kernel is correct whether or not ``pl.get_global`` semaphores persist across calls.
+
+Measured (docs/benchmarks.md, eleventh session): 7-16% less GPU time per matmul than XLA's GEMM and
+reduction in square chains, but on the layer's own shapes on par with XLA (97.0-97.4 against
+96.1-98.4 us per layer): the output and down projections have 64 column tiles and QKV 96, so
+without split-K they stream on half to three quarters of the SMs.
 
 No CPU test: the grid-wide barrier has no interpret mode. ``bench_persistent_chain.py`` checks every
-variant on the device against float32 dots, link by link.
+variant on the device against float32 dots, matmul by matmul.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,19 +46,25 @@ from jax import lax
 
 @dataclasses.dataclass(frozen=True)
 class ChainConfig:
-    """``block_n`` output columns per program (the WGMMA's M), ``block_k`` rows of K per weight
-    tile, ``stages`` weight and x tiles in flight per program (the weights cross matmul boundaries;
-    x cannot, it is not ready before the barrier)."""
+    """``block_n`` output columns per tile (the WGMMA's M), ``block_k`` rows of K per weight tile,
+    ``stages`` weight and x tiles in flight per program (the weights cross matmul boundaries; x cannot,
+    it is not ready before the barrier), ``programs`` resident programs (0: the widest matmul's tile
+    count, at most 132)."""
 
     block_n: int = 64
     block_k: int = 256
     stages: int = 5
-    # False: every matmul multiplies x[0] (no barrier): the kernel's streaming ceiling.
+    programs: int = 0
+    # False: every matmul multiplies x0 (no barrier): the kernel's streaming ceiling.
     dependent: bool = True
 
     def smem_bytes(self, rows: int, itemsize: int = 2) -> int:
         """Shared memory for ``rows`` padded rows: the weight and x rings, the output tile."""
         return (self.stages * self.block_k * (self.block_n + rows) + rows * self.block_n) * itemsize
+
+    def resident(self, shapes: Sequence[tuple[int, int]]) -> int:
+        """The number of programs for matmuls of ``shapes`` ``(K, N)``."""
+        return self.programs or min(132, max(n // self.block_n for _, n in shapes))
 
 
 def padded_rows(rows: int) -> int:
@@ -58,12 +72,17 @@ def padded_rows(rows: int) -> int:
     return -(-rows // 8) * 8
 
 
-def supports(layers: int, d: int, rows: int, config: ChainConfig) -> bool:
+def supports(layers: int, shapes: Sequence[tuple[int, int]], rows: int, config: ChainConfig) -> bool:
+    """Whether the kernel takes ``layers`` repetitions of matmuls of ``shapes`` ``(K, N)``, each
+    reading the first K columns of the previous one's output."""
     c = config
+    ns = [n for _, n in shapes]
     # Dependent chains need every program resident (one per SM) for the grid-wide barrier.
-    return (c.block_n % 64 == 0 and d % c.block_n == 0 and d % c.block_k == 0 and c.block_k % 64 == 0
-            and (d // c.block_n <= 132 or not c.dependent) and 1 <= rows <= 256
-            and 2 <= c.stages <= layers * (d // c.block_k) and c.smem_bytes(padded_rows(rows)) <= 220 * 1024)
+    return (c.block_n % 64 == 0 and c.block_k % 64 == 0 and 1 <= rows <= 256 and c.stages >= 2
+            and all(k % c.block_k == 0 and n % c.block_n == 0 for k, n in shapes)
+            and all(k <= n_prev for (k, _), n_prev in zip(shapes, ns[-1:] + ns[:-1]))
+            and c.resident(shapes) <= max(ns) // c.block_n and (c.resident(shapes) <= 132 or not c.dependent)
+            and c.smem_bytes(padded_rows(rows)) <= 220 * 1024)
 
 
 def _fence_proxy_async():
@@ -80,117 +99,145 @@ def _fence_proxy_async():
     fence()
 
 
-def persistent_chain(x0: jax.Array, w: jax.Array, config: ChainConfig = ChainConfig()) -> jax.Array:
-    """``x0 [R, D]`` (``R = padded_rows(rows)``), ``w [L, D, D]`` -> every matmul's output
-    ``y [L, R, D]``: ``y[l] = x[l] @ w[l]``, ``x[l + 1] = y[l]``."""
+def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainConfig = ChainConfig()) -> list[jax.Array]:
+    """Layers of dependent matmuls in one kernel. ``weights``: per matmul of a layer ``w_j [L, K_j,
+    N_j]``; ``x0 [R, K]`` (``R = padded_rows(rows)``, ``K`` the largest ``K_j``). Matmul ``j`` of
+    layer ``l`` reads the first ``K_j`` columns of the previous matmul's output (of ``x0`` for the
+    first), or of ``x0`` throughout if not ``config.dependent`` -> every output, ``y_j [L, R, N_j]``."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    layers, d, d_out = w.shape
     c = config
+    layers = weights[0].shape[0]
+    shapes = [tuple(w.shape[1:]) for w in weights]
     rows = x0.shape[0]
-    if (d != d_out or x0.shape[1] != d or rows != padded_rows(rows) or x0.dtype != w.dtype
-            or not supports(layers, d, rows, c)):
-        raise ValueError(f"persistent_chain: x0 {x0.shape} {x0.dtype}, w {w.shape} {w.dtype} not supported by {c}")
-    programs, k_tiles = d // c.block_n, d // c.block_k
-    steps = layers * k_tiles
-    itemsize = jnp.dtype(w.dtype).itemsize
+    if (any(w.shape[0] != layers or w.dtype != x0.dtype for w in weights) or rows != padded_rows(rows)
+            or x0.shape[1] < max(k for k, _ in shapes) or not supports(layers, shapes, rows, c)):
+        raise ValueError(f"persistent_chain: x0 {x0.shape} {x0.dtype}, weights {[w.shape for w in weights]} "
+                         f"not supported by {c}")
+    programs = c.resident(shapes)
+    phases = len(weights)
+    tiles = [n // c.block_n for _, n in shapes]
+    k_steps = [k // c.block_k for k, _ in shapes]
+    waves = [-(-t // programs) for t in tiles]  # tiles per program, at most
+    itemsize = jnp.dtype(x0.dtype).itemsize
 
     def transforms(minor: int):
         swizzle = plgpu.find_swizzle(minor * itemsize * 8)
         return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
-    def body(x_gmem, w_gmem, y_gmem, w_smem, x_smem, out_smem, w_ready, x_ready):
+    def body(x_gmem, *refs):
+        w_gmem, y_gmem = refs[:phases], refs[phases:2 * phases]
+        w_smem, x_smem, out_smem, w_ready, x_ready = refs[2 * phases:]
         p = lax.axis_index("p")
-        done = pl.get_global(plgpu.SemaphoreType.REGULAR((layers,)))
+        done = pl.get_global(plgpu.SemaphoreType.REGULAR((layers * phases,)))
         exited = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
-        cols = pl.ds(p * c.block_n, c.block_n)
+        # This program's tiles per matmul, and where each matmul's steps start within a layer.
+        mine = [jnp.maximum(0, (t - p + programs - 1) // programs) for t in tiles]
+        start = [0]
+        for j in range(phases):
+            start.append(start[-1] + mine[j] * k_steps[j])
+        per_layer = start[-1]
+        steps = layers * per_layer
 
         def fetch_weights(step):
-            slot = step % c.stages
-            layer, kk = step // k_tiles, step % k_tiles
-            plgpu.copy_gmem_to_smem(w_gmem.at[layer, pl.ds(kk * c.block_k, c.block_k), cols],
-                                    w_smem.at[slot], w_ready.at[slot])
+            """The weight tile of ``step`` of this program (any matmul, any layer) into its slot."""
+            slot, layer, r = step % c.stages, step // per_layer, step % per_layer
+            for j in range(phases):
+                @pl.when((start[j] <= r) & (r < start[j + 1]))
+                def _():
+                    i, kk = (r - start[j]) // k_steps[j], (r - start[j]) % k_steps[j]
+                    rows_k = pl.ds(kk * c.block_k, c.block_k)
+                    cols = pl.ds((p + i * programs) * c.block_n, c.block_n)
+                    plgpu.copy_gmem_to_smem(w_gmem[j].at[layer, rows_k, cols], w_smem.at[slot], w_ready.at[slot])
 
-        def fetch_x(step, src):
-            slot, kk = step % c.stages, step % k_tiles
-            plgpu.copy_gmem_to_smem(src.at[:, pl.ds(kk * c.block_k, c.block_k)], x_smem.at[slot], x_ready.at[slot])
-
-        def with_x_source(layer, fn):
-            """``fn(x[layer])``: the input, or the previous matmul's output in GMEM."""
+        def with_x_source(layer, j, fn):
+            """``fn(input of matmul j of this layer)``: x0, or the previous matmul's output."""
             if not c.dependent:
                 fn(x_gmem)
-                return
-            pl.when(layer == 0)(lambda: fn(x_gmem))
-            pl.when(layer > 0)(lambda: fn(y_gmem.at[layer - 1]))
+            elif j > 0:
+                fn(y_gmem[j - 1].at[layer])
+            else:
+                pl.when(layer == 0)(lambda: fn(x_gmem))
+                pl.when(layer > 0)(lambda: fn(y_gmem[phases - 1].at[layer - 1]))
+
+        def fetch_x(step, j, first, src):
+            """The x tile of ``step`` of matmul ``j`` (whose steps start at ``first``) into its slot."""
+            slot, kk = step % c.stages, (step - first) % k_steps[j]
+            plgpu.copy_gmem_to_smem(src.at[:, pl.ds(kk * c.block_k, c.block_k)], x_smem.at[slot], x_ready.at[slot])
 
         for step in range(c.stages - 1):
-            fetch_weights(step)
+            pl.when(step < steps)(lambda step=step: fetch_weights(step))
 
-        def matmul(layer, carry):
-            if c.dependent:
-                @pl.when(layer > 0)
-                def _():
-                    plgpu.semaphore_wait(done.at[layer - 1], programs, decrement=False, memory_scope="gpu")
+        def layer_body(layer, carry):
+            for j in range(phases):
+                first = layer * per_layer + start[j]
+                end = first + mine[j] * k_steps[j]
+                if c.dependent:
+                    @pl.when((mine[j] > 0) & ((layer > 0) | (j > 0)))
+                    def _():
+                        plgpu.semaphore_wait(done.at[layer * phases + j - 1], programs, decrement=False,
+                                             memory_scope="gpu")
+                        _fence_proxy_async()
+
+                def fetch_first(src, j=j, first=first, end=end):
+                    for q in range(c.stages - 1):
+                        pl.when(first + q < end)(lambda q=q: fetch_x(first + q, j, first, src))
+
+                with_x_source(layer, j, fetch_first)
+                for i in range(waves[j]):
+                    @pl.when(i < mine[j])
+                    def _(i=i, j=j, first=first, end=end):
+                        def accumulate(acc_ref):
+                            def k_step(kk, carry):
+                                step = first + i * k_steps[j] + kk
+                                slot = step % c.stages
+                                plgpu.barrier_wait(x_ready.at[slot])
+                                plgpu.barrier_wait(w_ready.at[slot])
+                                plgpu.wgmma(acc_ref, plgpu.transpose_ref(w_smem.at[slot], (1, 0)),
+                                            plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+                                plgpu.wgmma_wait(1)  # the previous step's WGMMA is done: its slot is free
+                                pl.when(step + c.stages - 1 < steps)(lambda: fetch_weights(step + c.stages - 1))
+
+                                @pl.when(step + c.stages - 1 < end)
+                                def _():
+                                    with_x_source(layer, j, lambda src: fetch_x(step + c.stages - 1, j, first, src))
+
+                                return carry
+
+                            lax.fori_loop(0, k_steps[j], k_step, None)
+                            plgpu.wgmma_wait(0)
+                            return acc_ref[...]
+
+                        acc = pl.run_scoped(accumulate, plgpu.ACC((c.block_n, rows)))
+                        y_tile = plgpu.layout_cast(acc.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                        # .at: JAX 0.11.2's transpose_ref takes a view, not the bare scratch ref
+                        plgpu.transpose_ref(out_smem.at[:, :], (1, 0))[...] = y_tile
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem, y_gmem[j].at[layer, :, pl.ds((p + i * programs) * c.block_n,
+                                                                                       c.block_n)])
+                        plgpu.wait_smem_to_gmem(0)
+
+                if c.dependent:
                     _fence_proxy_async()
-
-            def fetch_first(src):
-                for j in range(min(c.stages - 1, k_tiles)):
-                    fetch_x(layer * k_tiles + j, src)
-
-            with_x_source(layer, fetch_first)
-
-            def accumulate(acc_ref):
-                def k_step(kk, carry):
-                    step = layer * k_tiles + kk
-                    slot = step % c.stages
-                    plgpu.barrier_wait(x_ready.at[slot])
-                    plgpu.barrier_wait(w_ready.at[slot])
-                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(w_smem.at[slot], (1, 0)),
-                                plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
-                    plgpu.wgmma_wait(1)  # the previous step's WGMMA is done: its slot is free
-
-                    @pl.when(step + c.stages - 1 < steps)
-                    def _():
-                        fetch_weights(step + c.stages - 1)
-
-                    @pl.when(kk + c.stages - 1 < k_tiles)
-                    def _():
-                        with_x_source(layer, lambda src: fetch_x(step + c.stages - 1, src))
-
-                    return carry
-
-                lax.fori_loop(0, k_tiles, k_step, None)
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
-
-            acc = pl.run_scoped(accumulate, plgpu.ACC((c.block_n, rows)))
-            y_tile = plgpu.layout_cast(acc.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-            # .at: JAX 0.11.2's transpose_ref takes a view, not the bare scratch ref
-            plgpu.transpose_ref(out_smem.at[:, :], (1, 0))[...] = y_tile
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, y_gmem.at[layer, :, cols])
-            plgpu.wait_smem_to_gmem(0)
-            if c.dependent:
-                _fence_proxy_async()
-                plgpu.semaphore_signal(done.at[layer], 1, memory_scope="gpu")
+                    plgpu.semaphore_signal(done.at[layer * phases + j], 1, memory_scope="gpu")
             return carry
 
-        lax.fori_loop(0, layers, matmul, None)
+        lax.fori_loop(0, layers, layer_body, None)
         if c.dependent:
             plgpu.semaphore_signal(exited, 1, memory_scope="gpu")
 
             @pl.when(p == 0)
             def _():
                 plgpu.semaphore_wait(exited, programs, decrement=True, memory_scope="gpu")
-                for layer in range(layers):
-                    plgpu.semaphore_signal(done.at[layer], -programs, memory_scope="gpu")
+                for counter in range(layers * phases):
+                    plgpu.semaphore_signal(done.at[counter], -programs, memory_scope="gpu")
 
-    scratch = (plgpu.SMEM((c.stages, c.block_k, c.block_n), w.dtype, transforms=transforms(c.block_n)),
-               plgpu.SMEM((c.stages, rows, c.block_k), w.dtype, transforms=transforms(c.block_k)),
-               plgpu.SMEM((rows, c.block_n), w.dtype),  # unswizzled: written through a transposed view
+    scratch = (plgpu.SMEM((c.stages, c.block_k, c.block_n), x0.dtype, transforms=transforms(c.block_n)),
+               plgpu.SMEM((c.stages, rows, c.block_k), x0.dtype, transforms=transforms(c.block_k)),
+               plgpu.SMEM((rows, c.block_n), x0.dtype),  # unswizzled: written through a transposed view
                plgpu.Barrier(num_arrivals=1, num_barriers=c.stages),
                plgpu.Barrier(num_arrivals=1, num_barriers=c.stages))
-    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((layers, rows, d), w.dtype),
-                          scratch_types=scratch, grid=(programs,), grid_names=("p",))
-    return kernel(x0, w)
+    out_types = [jax.ShapeDtypeStruct((layers, rows, n), x0.dtype) for _, n in shapes]
+    kernel = plgpu.kernel(body, out_type=out_types, scratch_types=scratch, grid=(programs,), grid_names=("p",))
+    return list(kernel(x0, *weights))
