@@ -9,7 +9,8 @@ decode token) and 16 (a verify block):
 - ``layer``: the Qwen3-8B layer's four matmuls, QKV, output, gate-up and down (386 MB; 96, 64, 384 and
   64 column tiles), each reading the first K columns of the last.
 Variants: ``xla`` (also with the engine's decode-jit options: the loop as one CUDA graph); the
-persistent kernel; ``independent``, every matmul on ``x0`` with no barrier, its streaming ceiling.
+persistent kernel, with 64-column tiles or (``x lhs``) tiles as narrow as each matmul needs for a tile
+per program; ``independent``, every matmul on ``x0`` with no barrier, its streaming ceiling.
 Each persistent variant is first checked matmul by matmul against a float32 dot of its own input.
 
 The wall column carries the harness's own cost per timed call (~100-220 us on the H200, the same
@@ -44,11 +45,15 @@ CHAINS = {"4096": [(4096, 4096)], "8192": [(8192, 8192)],
           "layer": [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]}
 # (config, rows) per chain: the measured best tiles (docs/benchmarks.md, eleventh session), one row
 # and a verify block, and the streaming ceiling (no barrier).
+NARROW = (48, 32, 64, 32)  # QKV, output, gate-up, down: 128, 128, 384 and 128 tiles
 SQUARE = [(ChainConfig(64, 256, 6), 1), (ChainConfig(64, 256, 5), 16), (ChainConfig(64, 256, 6, dependent=False), 1)]
 CONFIGS = {"4096": SQUARE, "8192": SQUARE,
-           "layer": [(ChainConfig(64, 256, 6, programs=128), 1), (ChainConfig(64, 256, 5, programs=128), 16),
-                     (ChainConfig(64, 256, 6, programs=132), 1),
-                     (ChainConfig(64, 256, 6, programs=128, dependent=False), 1)]}
+           # x as the left operand: tiles as narrow as the matmul needs for 128 of them (gate-up: 3 x 128).
+           "layer": [(ChainConfig(64, 256, 6, programs=128), 1),
+                     (ChainConfig(64, 128, 8, programs=128, x_lhs=True, tile_n=NARROW), 1),
+                     (ChainConfig(64, 128, 8, programs=128, x_lhs=True, tile_n=NARROW), 16),
+                     (ChainConfig(64, 256, 4, programs=128, x_lhs=True, tile_n=NARROW), 1),
+                     (ChainConfig(64, 128, 8, programs=128, x_lhs=True, tile_n=NARROW, dependent=False), 1)]}
 
 
 def chain_inputs(ys: list[jax.Array], x0: jax.Array, shapes, rows: int, dependent: bool) -> list[jax.Array]:
@@ -129,25 +134,30 @@ def main() -> None:
                timeit(lambda ws_, i: xla_chain(ws_, i, x16[:1, :shapes[0][0]]), wss, repeats=args.repeats,
                       inner=args.inner, compiler_options=_decode_compiler_options()) / args.layers)
         del wss
+        weights_nk = None
         for cfg, rows in CONFIGS[name]:
-            label = (f"persistent n{cfg.block_n} k{cfg.block_k} s{cfg.stages} p{cfg.resident(shapes)} rows {rows}"
-                     + ("" if cfg.dependent else " independent"))
+            width = "n" + "/".join(map(str, cfg.tile_n)) if cfg.tile_n else f"n{cfg.block_n}"
+            label = (f"persistent {'x' if cfg.x_lhs else 'w'} lhs {width} k{cfg.block_k} s{cfg.stages} "
+                     f"p{cfg.resident(shapes)} rows {rows}" + ("" if cfg.dependent else " independent"))
             if not supports(args.layers, shapes, rows, cfg):
                 print(f"{name:>6} {label:<44} unsupported", flush=True)
                 continue
             x0 = jnp.pad(x16[:rows], ((0, padded_rows(rows) - rows), (0, 0)))
+            if cfg.x_lhs and weights_nk is None:
+                weights_nk = [jnp.swapaxes(w, 1, 2) + 0 for w in weights]  # [L, N, K]
+            w_kernel = weights_nk if cfg.x_lhs else weights
             try:
-                ys = jax.jit(lambda a, ws_, c=cfg: persistent_chain(a, ws_, c))(x0, weights)
+                ys = jax.jit(lambda a, ws_, c=cfg: persistent_chain(a, ws_, c))(x0, w_kernel)
                 error = link_errors(ys, x0, weights, shapes, rows, cfg.dependent)
                 if not error < 2e-2:
                     print(f"{name:>6} {label:<44} WRONG (error {error:.1e})", flush=True)
                     continue
                 seconds = timeit(lambda ws_, i, c=cfg, a=x0: persistent_chain(a + i.astype(dtype), ws_, c)[-1][:, 0],
-                                 weights, repeats=args.repeats, inner=args.inner) / args.layers
-                report(label, seconds, error, profiled=(lambda a, ws_, c=cfg: persistent_chain(a, ws_, c), (x0, weights)))
+                                 w_kernel, repeats=args.repeats, inner=args.inner) / args.layers
+                report(label, seconds, error, profiled=(lambda a, ws_, c=cfg: persistent_chain(a, ws_, c), (x0, w_kernel)))
             except Exception as e:  # one failing variant must not lose the others' numbers
                 print(f"{name:>6} {label:<44} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        del weights
+        del weights, weights_nk
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

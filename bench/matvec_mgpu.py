@@ -60,6 +60,15 @@ def supports(rows: int, k: int, n: int, config: MgpuConfig) -> bool:
             and k % (c.block_k * c.splits) == 0 and c.smem_bytes(rows, k) <= 220 * 1024)
 
 
+def swizzled(minor: int, itemsize: int) -> tuple:
+    """The shared-memory transforms of a TMA / WGMMA operand whose rows hold ``minor`` elements of
+    ``itemsize`` bytes: 8-row tiles, swizzled by the widest pattern that divides a row."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
 def matvec_partials(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig(),
                     after: jax.Array | None = None) -> jax.Array:
     """``x [rows, K]`` (rows a multiple of 8), ``w [K, N]`` -> float32 partial sums
@@ -77,8 +86,7 @@ def matvec_partials(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig(
     itemsize = jnp.dtype(w.dtype).itemsize
 
     def transforms(minor: int):
-        swizzle = plgpu.find_swizzle(minor * itemsize * 8)
-        return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+        return swizzled(minor, itemsize)
 
     delay = 1 if c.stages > 1 else 0
 

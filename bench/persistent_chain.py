@@ -11,13 +11,18 @@ The chain: ``L`` layers of matmuls ``y_j = x_j @ w_j[l]`` (bf16 out of a float32
 reading the first ``K_j`` columns of the previous one's output: one square matmul per layer, or the
 Qwen3-8B layer's four (QKV, output, gate-up, down; no attention, norms or SiLU between them). ``rows``
 rows (1: a decode token; 16: a verify block), padded to a multiple of 8. The resident programs (at
-most one per SM) deal each matmul's 64-column output tiles round-robin; a program with no tile in a
-matmul only passes its barrier. Each step is one WGMMA with the weight tile as the transposed left
-operand and the x tile as the right one, ``acc[block_n, rows] += w^T @ x^T``. Mosaic stores a WGMMA
-fragment to a transposed view only from its transposed register layout, so the output tile is
-shuffled into that layout, written transposed into an unswizzled buffer, and leaves by TMA in its
-natural orientation. (The other shape, x as the left operand padded to the WGMMA's 64 rows, was
-measured slower: its 64-row x slots leave less shared memory for weight tiles.)
+most one per SM) deal each matmul's output tiles round-robin; a program with no tile in a
+matmul only passes its barrier. Each step is one WGMMA, in one of two shapes:
+- by default the weight tile is the transposed left operand and the x tile the right one,
+  ``acc[block_n, rows] += w^T @ x^T``, tiles 64 columns wide (the WGMMA's M). Mosaic stores a WGMMA
+  fragment to a transposed view only from its transposed register layout, so the output tile is
+  shuffled into that layout, written transposed into an unswizzled buffer, and leaves by TMA in
+  its natural orientation;
+- with ``x_lhs`` x is the left operand, rows padded to 64, and the weights are stored ``[N, K]``
+  (``acc[64, n] += x @ w^T``): a tile may be any multiple of 8 columns wide (``tile_n``, per matmul),
+  so a narrow matmul still has a tile for every program. A slot's 64 x rows overlap the next slots'
+  (only its first ``rows`` are its own), which costs no shared memory: the rows beyond reach only
+  accumulator rows that are never stored.
 
 Synchronisation: after its output tiles' TMA stores complete, a program increments the global
 counter of that matmul (release, GPU scope); before the next matmul each program with a tile in it
@@ -26,9 +31,10 @@ At the end program 0 waits for every program's exit signal and returns the count
 kernel is correct whether or not ``pl.get_global`` semaphores persist across calls.
 
 Measured (docs/benchmarks.md, eleventh session): 7-16% less GPU time per matmul than XLA's GEMM and
-reduction in square chains, but on the layer's own shapes on par with XLA (97.0-97.4 against
-96.1-98.4 us per layer): the output and down projections have 64 column tiles and QKV 96, so
-without split-K they stream on half to three quarters of the SMs.
+reduction in square chains, but on the layer's own shapes on par with XLA (96.4-97.4 against 97-99 us
+per layer). With 64-column tiles the output, down and QKV projections (64, 64 and 96 tiles) stream on
+part of the SMs; with narrow tiles every SM streams (87.3 us per layer without barriers, 4.42 TB/s)
+but each grid-wide barrier waits for the slowest of the 128 programs.
 
 No CPU test: the grid-wide barrier has no interpret mode. ``bench_persistent_chain.py`` checks every
 variant on the device against float32 dots, matmul by matmul.
@@ -42,6 +48,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from matvec_mgpu import swizzled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +65,30 @@ class ChainConfig:
     programs: int = 0
     # False: every matmul multiplies x0 (no barrier): the kernel's streaming ceiling.
     dependent: bool = True
+    # x as the WGMMA's left operand (``acc[64, block_n] += x @ w``, rows padded to 64), the weights
+    # stored ``[N, K]``: output tiles may then be any multiple of 8 columns wide, so narrow matmuls
+    # get as many tiles as there are programs. A slot's 64 x rows overlap the next slots (only its
+    # first ``rows`` are its own), so the padding costs no shared memory; the rows beyond reach only
+    # accumulator rows that are never stored.
+    x_lhs: bool = False
+    # x_lhs only: per matmul of a layer, its tile width (None: block_n for all).
+    tile_n: tuple[int, ...] | None = None
 
-    def smem_bytes(self, rows: int, itemsize: int = 2) -> int:
-        """Shared memory for ``rows`` padded rows: the weight and x rings, the output tile."""
+    def bn(self, j: int) -> int:
+        """Matmul ``j``'s output columns per tile."""
+        return self.tile_n[j] if self.tile_n else self.block_n
+
+    def smem_bytes(self, rows: int, phases: int = 1, itemsize: int = 2) -> int:
+        """Shared memory for ``rows`` padded rows: the weight and x rings, the output tiles."""
+        widths = [self.bn(j) for j in range(phases)]
+        if self.x_lhs:
+            return (self.stages * max(widths) * self.block_k + (self.stages * rows + 64 - rows) * self.block_k
+                    + 64 * sum(widths)) * itemsize
         return (self.stages * self.block_k * (self.block_n + rows) + rows * self.block_n) * itemsize
 
     def resident(self, shapes: Sequence[tuple[int, int]]) -> int:
         """The number of programs for matmuls of ``shapes`` ``(K, N)``."""
-        return self.programs or min(132, max(n // self.block_n for _, n in shapes))
+        return self.programs or min(132, max(n // self.bn(j) for j, (_, n) in enumerate(shapes)))
 
 
 def padded_rows(rows: int) -> int:
@@ -77,12 +101,16 @@ def supports(layers: int, shapes: Sequence[tuple[int, int]], rows: int, config: 
     reading the first K columns of the previous one's output."""
     c = config
     ns = [n for _, n in shapes]
+    widths = [c.bn(j) for j in range(len(shapes))]
+    width_ok = all(8 <= b <= 256 and b % 8 == 0 for b in widths) if c.x_lhs else c.block_n % 64 == 0
     # Dependent chains need every program resident (one per SM) for the grid-wide barrier.
-    return (c.block_n % 64 == 0 and c.block_k % 64 == 0 and 1 <= rows <= 256 and c.stages >= 2
-            and all(k % c.block_k == 0 and n % c.block_n == 0 for k, n in shapes)
+    return (width_ok and c.block_k % 64 == 0 and 1 <= rows <= (64 if c.x_lhs else 256) and c.stages >= 2
+            and (c.tile_n is None or (c.x_lhs and len(c.tile_n) == len(shapes)))
+            and all(k % c.block_k == 0 and n % b == 0 for (k, n), b in zip(shapes, widths))
             and all(k <= n_prev for (k, _), n_prev in zip(shapes, ns[-1:] + ns[:-1]))
-            and c.resident(shapes) <= max(ns) // c.block_n and (c.resident(shapes) <= 132 or not c.dependent)
-            and c.smem_bytes(padded_rows(rows)) <= 220 * 1024)
+            and c.resident(shapes) <= max(n // b for n, b in zip(ns, widths))
+            and (c.resident(shapes) <= 132 or not c.dependent)
+            and c.smem_bytes(padded_rows(rows), len(shapes)) <= 220 * 1024)
 
 
 def _fence_proxy_async():
@@ -101,7 +129,7 @@ def _fence_proxy_async():
 
 def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainConfig = ChainConfig()) -> list[jax.Array]:
     """Layers of dependent matmuls in one kernel. ``weights``: per matmul of a layer ``w_j [L, K_j,
-    N_j]``; ``x0 [R, K]`` (``R = padded_rows(rows)``, ``K`` the largest ``K_j``). Matmul ``j`` of
+    N_j]`` (``[L, N_j, K_j]`` with ``config.x_lhs``); ``x0 [R, K]`` (``R = padded_rows(rows)``, ``K`` the largest ``K_j``). Matmul ``j`` of
     layer ``l`` reads the first ``K_j`` columns of the previous matmul's output (of ``x0`` for the
     first), or of ``x0`` throughout if not ``config.dependent`` -> every output, ``y_j [L, R, N_j]``."""
     import jax.experimental.pallas as pl
@@ -109,7 +137,7 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
 
     c = config
     layers = weights[0].shape[0]
-    shapes = [tuple(w.shape[1:]) for w in weights]
+    shapes = [(w.shape[2], w.shape[1]) if c.x_lhs else tuple(w.shape[1:]) for w in weights]
     rows = x0.shape[0]
     if (any(w.shape[0] != layers or w.dtype != x0.dtype for w in weights) or rows != padded_rows(rows)
             or x0.shape[1] < max(k for k, _ in shapes) or not supports(layers, shapes, rows, c)):
@@ -117,18 +145,17 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
                          f"not supported by {c}")
     programs = c.resident(shapes)
     phases = len(weights)
-    tiles = [n // c.block_n for _, n in shapes]
+    tiles = [n // c.bn(j) for j, (_, n) in enumerate(shapes)]
     k_steps = [k // c.block_k for k, _ in shapes]
     waves = [-(-t // programs) for t in tiles]  # tiles per program, at most
     itemsize = jnp.dtype(x0.dtype).itemsize
 
     def transforms(minor: int):
-        swizzle = plgpu.find_swizzle(minor * itemsize * 8)
-        return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+        return swizzled(minor, itemsize)
 
     def body(x_gmem, *refs):
         w_gmem, y_gmem = refs[:phases], refs[phases:2 * phases]
-        w_smem, x_smem, out_smem, w_ready, x_ready = refs[2 * phases:]
+        w_smem, x_smem, *out_smem, w_ready, x_ready = refs[2 * phases:]
         p = lax.axis_index("p")
         done = pl.get_global(plgpu.SemaphoreType.REGULAR((layers * phases,)))
         exited = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
@@ -148,8 +175,12 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
                 def _():
                     i, kk = (r - start[j]) // k_steps[j], (r - start[j]) % k_steps[j]
                     rows_k = pl.ds(kk * c.block_k, c.block_k)
-                    cols = pl.ds((p + i * programs) * c.block_n, c.block_n)
-                    plgpu.copy_gmem_to_smem(w_gmem[j].at[layer, rows_k, cols], w_smem.at[slot], w_ready.at[slot])
+                    cols = pl.ds((p + i * programs) * c.bn(j), c.bn(j))
+                    if c.x_lhs:
+                        plgpu.copy_gmem_to_smem(w_gmem[j].at[layer, cols, rows_k], w_smem.at[slot, pl.ds(0, c.bn(j))],
+                                                w_ready.at[slot])
+                    else:
+                        plgpu.copy_gmem_to_smem(w_gmem[j].at[layer, rows_k, cols], w_smem.at[slot], w_ready.at[slot])
 
         def with_x_source(layer, j, fn):
             """``fn(input of matmul j of this layer)``: x0, or the previous matmul's output."""
@@ -164,7 +195,8 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
         def fetch_x(step, j, first, src):
             """The x tile of ``step`` of matmul ``j`` (whose steps start at ``first``) into its slot."""
             slot, kk = step % c.stages, (step - first) % k_steps[j]
-            plgpu.copy_gmem_to_smem(src.at[:, pl.ds(kk * c.block_k, c.block_k)], x_smem.at[slot], x_ready.at[slot])
+            dst = x_smem.at[pl.ds(slot * rows, rows)] if c.x_lhs else x_smem.at[slot]
+            plgpu.copy_gmem_to_smem(src.at[:, pl.ds(kk * c.block_k, c.block_k)], dst, x_ready.at[slot])
 
         for step in range(c.stages - 1):
             pl.when(step < steps)(lambda step=step: fetch_weights(step))
@@ -194,8 +226,12 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
                                 slot = step % c.stages
                                 plgpu.barrier_wait(x_ready.at[slot])
                                 plgpu.barrier_wait(w_ready.at[slot])
-                                plgpu.wgmma(acc_ref, plgpu.transpose_ref(w_smem.at[slot], (1, 0)),
-                                            plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+                                if c.x_lhs:
+                                    plgpu.wgmma(acc_ref, x_smem.at[pl.ds(slot * rows, 64)],
+                                                plgpu.transpose_ref(w_smem.at[slot, pl.ds(0, c.bn(j))], (1, 0)))
+                                else:
+                                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(w_smem.at[slot], (1, 0)),
+                                                plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
                                 plgpu.wgmma_wait(1)  # the previous step's WGMMA is done: its slot is free
                                 pl.when(step + c.stages - 1 < steps)(lambda: fetch_weights(step + c.stages - 1))
 
@@ -209,13 +245,19 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
                             plgpu.wgmma_wait(0)
                             return acc_ref[...]
 
-                        acc = pl.run_scoped(accumulate, plgpu.ACC((c.block_n, rows)))
-                        y_tile = plgpu.layout_cast(acc.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-                        # .at: JAX 0.11.2's transpose_ref takes a view, not the bare scratch ref
-                        plgpu.transpose_ref(out_smem.at[:, :], (1, 0))[...] = y_tile
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem, y_gmem[j].at[layer, :, pl.ds((p + i * programs) * c.block_n,
-                                                                                       c.block_n)])
+                        cols = pl.ds((p + i * programs) * c.bn(j), c.bn(j))
+                        if c.x_lhs:
+                            acc = pl.run_scoped(accumulate, plgpu.ACC((64, c.bn(j))))
+                            out_smem[j][...] = acc.astype(out_smem[j].dtype)
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(out_smem[j].at[pl.ds(0, rows)], y_gmem[j].at[layer, :, cols])
+                        else:
+                            acc = pl.run_scoped(accumulate, plgpu.ACC((c.block_n, rows)))
+                            y_tile = plgpu.layout_cast(acc.astype(out_smem[0].dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                            # .at: JAX 0.11.2's transpose_ref takes a view, not the bare scratch ref
+                            plgpu.transpose_ref(out_smem[0].at[:, :], (1, 0))[...] = y_tile
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(out_smem[0], y_gmem[j].at[layer, :, cols])
                         plgpu.wait_smem_to_gmem(0)
 
                 if c.dependent:
@@ -233,11 +275,16 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
                 for counter in range(layers * phases):
                     plgpu.semaphore_signal(done.at[counter], -programs, memory_scope="gpu")
 
-    scratch = (plgpu.SMEM((c.stages, c.block_k, c.block_n), x0.dtype, transforms=transforms(c.block_n)),
-               plgpu.SMEM((c.stages, rows, c.block_k), x0.dtype, transforms=transforms(c.block_k)),
-               plgpu.SMEM((rows, c.block_n), x0.dtype),  # unswizzled: written through a transposed view
-               plgpu.Barrier(num_arrivals=1, num_barriers=c.stages),
-               plgpu.Barrier(num_arrivals=1, num_barriers=c.stages))
+    if c.x_lhs:
+        scratch = (plgpu.SMEM((c.stages, max(c.bn(j) for j in range(phases)), c.block_k), x0.dtype,
+                              transforms=transforms(c.block_k)),
+                   plgpu.SMEM((c.stages * rows + 64 - rows, c.block_k), x0.dtype, transforms=transforms(c.block_k)),
+                   *(plgpu.SMEM((64, c.bn(j)), x0.dtype, transforms=transforms(c.bn(j))) for j in range(phases)))
+    else:
+        scratch = (plgpu.SMEM((c.stages, c.block_k, c.block_n), x0.dtype, transforms=transforms(c.block_n)),
+                   plgpu.SMEM((c.stages, rows, c.block_k), x0.dtype, transforms=transforms(c.block_k)),
+                   plgpu.SMEM((rows, c.block_n), x0.dtype))  # unswizzled: written through a transposed view
+    scratch += (plgpu.Barrier(num_arrivals=1, num_barriers=c.stages), plgpu.Barrier(num_arrivals=1, num_barriers=c.stages))
     out_types = [jax.ShapeDtypeStruct((layers, rows, n), x0.dtype) for _, n in shapes]
     kernel = plgpu.kernel(body, out_type=out_types, scratch_types=scratch, grid=(programs,), grid_names=("p",))
     return list(kernel(x0, *weights))
