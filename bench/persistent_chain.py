@@ -129,9 +129,10 @@ def _fence_proxy_async():
 
 def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainConfig = ChainConfig()) -> list[jax.Array]:
     """Layers of dependent matmuls in one kernel. ``weights``: per matmul of a layer ``w_j [L, K_j,
-    N_j]`` (``[L, N_j, K_j]`` with ``config.x_lhs``); ``x0 [R, K]`` (``R = padded_rows(rows)``, ``K`` the largest ``K_j``). Matmul ``j`` of
-    layer ``l`` reads the first ``K_j`` columns of the previous matmul's output (of ``x0`` for the
-    first), or of ``x0`` throughout if not ``config.dependent`` -> every output, ``y_j [L, R, N_j]``."""
+    N_j]`` (``[L, N_j, K_j]`` with ``config.x_lhs``); ``x0 [R, K]`` (``R = padded_rows(rows)``, ``K``
+    the largest ``K_j``). Matmul ``j`` of layer ``l`` reads the first ``K_j`` columns of the previous
+    matmul's output (of ``x0`` for the first), or of ``x0`` throughout if not ``config.dependent``
+    -> every output, ``y_j [L, R, N_j]``."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
