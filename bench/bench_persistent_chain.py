@@ -37,7 +37,8 @@ import jax.numpy as jnp  # noqa: E402
 from bench_engine import kernel_time  # noqa: E402
 from bench_matvec import normal, timeit  # noqa: E402
 from dflash_jax.engine import _decode_compiler_options  # noqa: E402
-from persistent_chain import ChainConfig, padded_rows, persistent_chain, supports  # noqa: E402
+from matvec_mgpu import pad_rows  # noqa: E402
+from persistent_chain import ChainConfig, persistent_chain, supports  # noqa: E402
 
 # Per chain, the matmul shapes ``(K, N)`` of one layer (repeated 36 times): square ones, and the
 # Qwen3-8B layer's four (QKV, output, gate-up, down; each reads the first K columns of the last).
@@ -142,7 +143,7 @@ def main() -> None:
             if not supports(args.layers, shapes, rows, cfg):
                 print(f"{name:>6} {label:<44} unsupported", flush=True)
                 continue
-            x0 = jnp.pad(x16[:rows], ((0, padded_rows(rows) - rows), (0, 0)))
+            x0 = pad_rows(x16[:rows])
             if cfg.x_lhs and weights_nk is None:
                 weights_nk = [jnp.swapaxes(w, 1, 2) + 0 for w in weights]  # [L, N, K]
             w_kernel = weights_nk if cfg.x_lhs else weights

@@ -32,6 +32,10 @@ import jax.numpy as jnp
 from jax import lax
 
 
+# Shared memory a kernel may claim of the H200's 227 KB per block (the rest: barriers, Mosaic's own).
+SMEM_BUDGET = 220 * 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
     """Tiles: ``block_n`` weight columns per program (the WGMMA's M, a multiple of 64), ``block_k``
@@ -57,7 +61,7 @@ class MgpuConfig:
 def supports(rows: int, k: int, n: int, config: MgpuConfig) -> bool:
     c = config
     return (rows % 8 == 0 and rows <= 256 and c.block_n % 64 == 0 and n % c.block_n == 0
-            and k % (c.block_k * c.splits) == 0 and c.smem_bytes(rows, k) <= 220 * 1024)
+            and k % (c.block_k * c.splits) == 0 and c.smem_bytes(rows, k) <= SMEM_BUDGET)
 
 
 def swizzled(minor: int, itemsize: int) -> tuple:
@@ -144,9 +148,14 @@ def matvec_partials(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig(
     return kernel(x, w) if after is None else kernel(x, w, after)
 
 
+def padded_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of 8, the WGMMA's least N."""
+    return -(-rows // 8) * 8
+
+
 def pad_rows(x: jax.Array) -> jax.Array:
-    """``x [rows, K]`` with zero rows appended up to the next multiple of 8 (the WGMMA's least N)."""
-    padded = -(-x.shape[0] // 8) * 8
+    """``x [rows, K]`` with zero rows appended up to ``padded_rows(rows)``."""
+    padded = padded_rows(x.shape[0])
     return x if padded == x.shape[0] else jnp.pad(x, ((0, padded - x.shape[0]), (0, 0)))
 
 

@@ -49,7 +49,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from matvec_mgpu import swizzled
+from matvec_mgpu import SMEM_BUDGET, padded_rows, swizzled
+
+WGMMA_M = 64  # the rows of a WGMMA's left operand and accumulator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +84,13 @@ class ChainConfig:
         """Shared memory for ``rows`` padded rows: the weight and x rings, the output tiles."""
         widths = [self.bn(j) for j in range(phases)]
         if self.x_lhs:
-            return (self.stages * max(widths) * self.block_k + (self.stages * rows + 64 - rows) * self.block_k
-                    + 64 * sum(widths)) * itemsize
+            return (self.stages * max(widths) * self.block_k + (self.stages * rows + WGMMA_M - rows) * self.block_k
+                    + WGMMA_M * sum(widths)) * itemsize
         return (self.stages * self.block_k * (self.block_n + rows) + rows * self.block_n) * itemsize
 
     def resident(self, shapes: Sequence[tuple[int, int]]) -> int:
         """The number of programs for matmuls of ``shapes`` ``(K, N)``."""
         return self.programs or min(132, max(n // self.bn(j) for j, (_, n) in enumerate(shapes)))
-
-
-def padded_rows(rows: int) -> int:
-    """The rows the activations carry: a multiple of 8, the WGMMA's least N."""
-    return -(-rows // 8) * 8
 
 
 def supports(layers: int, shapes: Sequence[tuple[int, int]], rows: int, config: ChainConfig) -> bool:
@@ -102,15 +99,15 @@ def supports(layers: int, shapes: Sequence[tuple[int, int]], rows: int, config: 
     c = config
     ns = [n for _, n in shapes]
     widths = [c.bn(j) for j in range(len(shapes))]
-    width_ok = all(8 <= b <= 256 and b % 8 == 0 for b in widths) if c.x_lhs else c.block_n % 64 == 0
+    width_ok = all(8 <= b <= 256 and b % 8 == 0 for b in widths) if c.x_lhs else c.block_n % WGMMA_M == 0
     # Dependent chains need every program resident (one per SM) for the grid-wide barrier.
-    return (width_ok and c.block_k % 64 == 0 and 1 <= rows <= (64 if c.x_lhs else 256) and c.stages >= 2
+    return (width_ok and c.block_k % 64 == 0 and 1 <= rows <= (WGMMA_M if c.x_lhs else 256) and c.stages >= 2
             and (c.tile_n is None or (c.x_lhs and len(c.tile_n) == len(shapes)))
             and all(k % c.block_k == 0 and n % b == 0 for (k, n), b in zip(shapes, widths))
             and all(k <= n_prev for (k, _), n_prev in zip(shapes, ns[-1:] + ns[:-1]))
             and c.resident(shapes) <= max(n // b for n, b in zip(ns, widths))
             and (c.resident(shapes) <= 132 or not c.dependent)
-            and c.smem_bytes(padded_rows(rows), len(shapes)) <= 220 * 1024)
+            and c.smem_bytes(padded_rows(rows), len(shapes)) <= SMEM_BUDGET)
 
 
 def _fence_proxy_async():
@@ -168,6 +165,10 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
         per_layer = start[-1]
         steps = layers * per_layer
 
+        def tile_columns(j: int, i):
+            """The output columns of this program's ``i``-th tile of matmul ``j``."""
+            return pl.ds((p + i * programs) * c.bn(j), c.bn(j))
+
         def fetch_weights(step):
             """The weight tile of ``step`` of this program (any matmul, any layer) into its slot."""
             slot, layer, r = step % c.stages, step // per_layer, step % per_layer
@@ -175,8 +176,7 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
                 @pl.when((start[j] <= r) & (r < start[j + 1]))
                 def _():
                     i, kk = (r - start[j]) // k_steps[j], (r - start[j]) % k_steps[j]
-                    rows_k = pl.ds(kk * c.block_k, c.block_k)
-                    cols = pl.ds((p + i * programs) * c.bn(j), c.bn(j))
+                    rows_k, cols = pl.ds(kk * c.block_k, c.block_k), tile_columns(j, i)
                     if c.x_lhs:
                         plgpu.copy_gmem_to_smem(w_gmem[j].at[layer, cols, rows_k], w_smem.at[slot, pl.ds(0, c.bn(j))],
                                                 w_ready.at[slot])
@@ -228,7 +228,7 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
                                 plgpu.barrier_wait(x_ready.at[slot])
                                 plgpu.barrier_wait(w_ready.at[slot])
                                 if c.x_lhs:
-                                    plgpu.wgmma(acc_ref, x_smem.at[pl.ds(slot * rows, 64)],
+                                    plgpu.wgmma(acc_ref, x_smem.at[pl.ds(slot * rows, WGMMA_M)],
                                                 plgpu.transpose_ref(w_smem.at[slot, pl.ds(0, c.bn(j))], (1, 0)))
                                 else:
                                     plgpu.wgmma(acc_ref, plgpu.transpose_ref(w_smem.at[slot], (1, 0)),
@@ -246,9 +246,9 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
                             plgpu.wgmma_wait(0)
                             return acc_ref[...]
 
-                        cols = pl.ds((p + i * programs) * c.bn(j), c.bn(j))
+                        cols = tile_columns(j, i)
                         if c.x_lhs:
-                            acc = pl.run_scoped(accumulate, plgpu.ACC((64, c.bn(j))))
+                            acc = pl.run_scoped(accumulate, plgpu.ACC((WGMMA_M, c.bn(j))))
                             out_smem[j][...] = acc.astype(out_smem[j].dtype)
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(out_smem[j].at[pl.ds(0, rows)], y_gmem[j].at[layer, :, cols])
@@ -279,8 +279,9 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
     if c.x_lhs:
         scratch = (plgpu.SMEM((c.stages, max(c.bn(j) for j in range(phases)), c.block_k), x0.dtype,
                               transforms=transforms(c.block_k)),
-                   plgpu.SMEM((c.stages * rows + 64 - rows, c.block_k), x0.dtype, transforms=transforms(c.block_k)),
-                   *(plgpu.SMEM((64, c.bn(j)), x0.dtype, transforms=transforms(c.bn(j))) for j in range(phases)))
+                   plgpu.SMEM((c.stages * rows + WGMMA_M - rows, c.block_k), x0.dtype,
+                              transforms=transforms(c.block_k)),
+                   *(plgpu.SMEM((WGMMA_M, c.bn(j)), x0.dtype, transforms=transforms(c.bn(j))) for j in range(phases)))
     else:
         scratch = (plgpu.SMEM((c.stages, c.block_k, c.block_n), x0.dtype, transforms=transforms(c.block_n)),
                    plgpu.SMEM((c.stages, rows, c.block_k), x0.dtype, transforms=transforms(c.block_k)),
