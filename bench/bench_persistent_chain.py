@@ -10,7 +10,9 @@ decode token) and 16 (a verify block):
   64 column tiles), each reading the first K columns of the last.
 Variants: ``xla`` (also with the engine's decode-jit options: the loop as one CUDA graph); the
 persistent kernel, with 64-column tiles or (``x lhs``) tiles as narrow as each matmul needs for a tile
-per program; ``independent``, every matmul on ``x0`` with no barrier, its streaming ceiling.
+per program, K tiles per matmul (``k128/256/...``), grid-wide barriers or ready flags per group of
+columns (``flags N``); ``independent``, every matmul on ``x0`` with no barrier, its streaming ceiling;
+``early``, a diagnostic race (tiles counted before their stores complete), timed even if wrong.
 Each persistent variant is first checked matmul by matmul against a float32 dot of its own input.
 
 The wall column carries the harness's own cost per timed call (~100-220 us on the H200, the same
@@ -47,14 +49,21 @@ CHAINS = {"4096": [(4096, 4096)], "8192": [(8192, 8192)],
 # (config, rows) per chain: the measured best tiles (docs/benchmarks.md, eleventh session), one row
 # and a verify block, and the streaming ceiling (no barrier).
 NARROW = (48, 32, 64, 32)  # QKV, output, gate-up, down: 128, 128, 384 and 128 tiles
+FULL = (128, 256, 128, 256)  # their K tiles that fill a 64 x 128 slot (QKV's 48 columns: 3/4 of it)
 SQUARE = [(ChainConfig(64, 256, 6), 1), (ChainConfig(64, 256, 5), 16), (ChainConfig(64, 256, 6, dependent=False), 1)]
 CONFIGS = {"4096": SQUARE, "8192": SQUARE,
            # x as the left operand: tiles as narrow as the matmul needs for 128 of them (gate-up: 3 x 128).
-           "layer": [(ChainConfig(64, 256, 6, programs=128), 1),
-                     (ChainConfig(64, 128, 8, programs=128, x_lhs=True, tile_n=NARROW), 1),
-                     (ChainConfig(64, 128, 8, programs=128, x_lhs=True, tile_n=NARROW), 16),
-                     (ChainConfig(64, 256, 4, programs=128, x_lhs=True, tile_n=NARROW), 1),
-                     (ChainConfig(64, 128, 8, programs=128, x_lhs=True, tile_n=NARROW, dependent=False), 1)]}
+           # Twelfth session: grid-wide barriers against ready flags per group of 2048 columns, K
+           # tiles that fill every ring slot (FULL: the 32-column matmuls take 256 rows of K), and a
+           # diagnostic (early_signal, a race) sizing the output store's share of each dependency.
+           "layer": [(ChainConfig(64, 256, 4, programs=128, x_lhs=True, tile_n=NARROW), 1),
+                     (ChainConfig(64, 128, 9, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL), 1),
+                     (ChainConfig(64, 128, 8, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL, flag_cols=2048), 1),
+                     (ChainConfig(64, 128, 9, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL, flag_cols=2048), 1),
+                     (ChainConfig(64, 128, 9, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL, flag_cols=2048,
+                                  early_signal=True), 1),
+                     (ChainConfig(64, 128, 7, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL, flag_cols=2048), 16),
+                     (ChainConfig(64, 128, 9, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL, dependent=False), 1)]}
 
 
 def chain_inputs(ys: list[jax.Array], x0: jax.Array, shapes, rows: int, dependent: bool) -> list[jax.Array]:
@@ -138,8 +147,10 @@ def main() -> None:
         weights_nk = None
         for cfg, rows in CONFIGS[name]:
             width = "n" + "/".join(map(str, cfg.tile_n)) if cfg.tile_n else f"n{cfg.block_n}"
-            label = (f"persistent {'x' if cfg.x_lhs else 'w'} lhs {width} k{cfg.block_k} s{cfg.stages} "
-                     f"p{cfg.resident(shapes)} rows {rows}" + ("" if cfg.dependent else " independent"))
+            depth = "k" + "/".join(map(str, cfg.tile_k)) if cfg.tile_k else f"k{cfg.block_k}"
+            label = (f"persistent {'x' if cfg.x_lhs else 'w'} lhs {width} {depth} s{cfg.stages} "
+                     f"p{cfg.resident(shapes)} rows {rows}" + ("" if cfg.dependent else " independent")
+                     + (f" flags {cfg.flag_cols}" if cfg.flag_cols else "") + (" early" if cfg.early_signal else ""))
             if not supports(args.layers, shapes, rows, cfg):
                 print(f"{name:>6} {label:<44} unsupported", flush=True)
                 continue
@@ -152,7 +163,8 @@ def main() -> None:
                 error = link_errors(ys, x0, weights, shapes, rows, cfg.dependent)
                 if not error < 2e-2:
                     print(f"{name:>6} {label:<44} WRONG (error {error:.1e})", flush=True)
-                    continue
+                    if not cfg.early_signal:  # a diagnostic race is timed all the same
+                        continue
                 seconds = timeit(lambda ws_, i, c=cfg, a=x0: persistent_chain(a + i.astype(dtype), ws_, c)[-1][:, 0],
                                  w_kernel, repeats=args.repeats, inner=args.inner) / args.layers
                 report(label, seconds, error, profiled=(lambda a, ws_, c=cfg: persistent_chain(a, ws_, c), (x0, w_kernel)))
