@@ -20,7 +20,11 @@ for both); ``--profile`` reads each chain's GPU kernel time off a trace, which i
 step is made of (its kernels run back to back), so compare those. XLA's layer chain also runs small
 slice and copy kernels (``h[:, :k]``) that the engine does not; its listing names them.
 
+``--skew DIR`` times every program of the SKEW variants from inside the kernel (Mosaic GPU's profiler):
+per matmul, how long the programs spend in it and waiting for its input, and how far apart they finish.
+
     python bench/bench_persistent_chain.py --profile /tmp/prof --out $OUT/chain.json   # on an H100/H200
+    python bench/bench_persistent_chain.py --chains "" --skew /tmp/skew
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from bench_engine import kernel_time  # noqa: E402
 from bench_matvec import normal, timeit  # noqa: E402
@@ -50,20 +55,75 @@ CHAINS = {"4096": [(4096, 4096)], "8192": [(8192, 8192)],
 # and a verify block, and the streaming ceiling (no barrier).
 NARROW = (48, 32, 64, 32)  # QKV, output, gate-up, down: 128, 128, 384 and 128 tiles
 FULL = (128, 256, 128, 256)  # their K tiles that fill a 64 x 128 slot (QKV's 48 columns: 3/4 of it)
+NARROWER, DEEPER = (16, 16, 32, 16), (512, 512, 256, 512)  # 384, 256, 768 and 256 tiles, full 16 x 512 slots
 SQUARE = [(ChainConfig(64, 256, 6), 1), (ChainConfig(64, 256, 5), 16), (ChainConfig(64, 256, 6, dependent=False), 1)]
 CONFIGS = {"4096": SQUARE, "8192": SQUARE,
            # x as the left operand: tiles as narrow as the matmul needs for 128 of them (gate-up: 3 x 128).
-           # Twelfth session: grid-wide barriers against ready flags per group of 2048 columns, K
-           # tiles that fill every ring slot (FULL: the 32-column matmuls take 256 rows of K), and a
-           # diagnostic (early_signal, a race) sizing the output store's share of each dependency.
+           # Twelfth session: ready flags per group of 2048 columns, K tiles that fill every ring slot
+           # (FULL), and tiles a half or a third as wide again (NARROWER: 2-6 per program), to tell
+           # a per-program skew (it stays) from a per-tile one (more tiles average it out).
            "layer": [(ChainConfig(64, 256, 4, programs=128, x_lhs=True, tile_n=NARROW), 1),
-                     (ChainConfig(64, 128, 9, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL), 1),
                      (ChainConfig(64, 128, 8, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL, flag_cols=2048), 1),
-                     (ChainConfig(64, 128, 9, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL, flag_cols=2048), 1),
-                     (ChainConfig(64, 128, 9, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL, flag_cols=2048,
-                                  early_signal=True), 1),
-                     (ChainConfig(64, 128, 7, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL, flag_cols=2048), 16),
-                     (ChainConfig(64, 128, 9, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL, dependent=False), 1)]}
+                     (ChainConfig(64, 128, 5, programs=128, x_lhs=True, tile_n=NARROWER, tile_k=DEEPER,
+                                  flag_cols=2048), 1),
+                     (ChainConfig(64, 256, 8, programs=128, x_lhs=True, tile_n=NARROWER, flag_cols=2048), 1),
+                     (ChainConfig(64, 256, 8, programs=128, x_lhs=True, tile_n=NARROWER, dependent=False), 1),
+                     (ChainConfig(64, 128, 8, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL, dependent=False), 1)]}
+
+
+# The variants whose programs ``--skew`` times from inside the kernel: the best flags and barriers.
+SKEW = [ChainConfig(64, 128, 8, programs=128, x_lhs=True, tile_n=NARROW, tile_k=FULL, flag_cols=2048),
+        ChainConfig(64, 256, 4, programs=128, x_lhs=True, tile_n=NARROW)]
+
+
+def program_timelines(trace_path: Path, phases: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per matmul of a layer, per layer and program: the start and end of its ``m{j}`` range and
+    the time inside its ``wait`` ranges, from a Mosaic GPU in-kernel profile ->
+    ``start, end, wait [phases, layers, programs]``, in the trace's units: each program's SM clock
+    cycles / 1000 from its own start (its start in us apart)."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    by_program: dict[int, list[dict]] = {}
+    for e in events:
+        by_program.setdefault(e["tid"], []).append(e)
+    programs = sorted(by_program)
+    spans: dict[tuple[int, int], list[float]] = {}  # (program index, j) -> [start, end, wait, ...]
+    for pi, tid in enumerate(programs):
+        open_at: dict[str, float] = {}
+        current = None
+        for e in by_program[tid]:  # in time order within a program
+            if e["ph"] == "B":
+                open_at[e["name"]] = e["ts"]
+                if e["name"].startswith("m"):
+                    current = spans.setdefault((pi, int(e["name"][1:])), [])
+                    current += [e["ts"], float("nan"), 0.0]
+            elif e["name"] == "wait" and current is not None:
+                current[-1] += e["ts"] - open_at.pop("wait")
+            elif e["name"].startswith("m"):
+                current[-2] = e["ts"]
+    layers = min(len(v) // 3 for v in spans.values())
+    out = np.full((3, phases, layers, len(programs)), np.nan)
+    for (pi, j), v in spans.items():
+        out[:, j, :, pi] = np.asarray(v[:3 * layers]).reshape(layers, 3).T
+    return out[0], out[1], out[2]
+
+
+def skew_report(trace_path: Path, phases: int) -> list[dict]:
+    """Per matmul ``j`` of a layer (layers 1.. averaged): how long a program spends in it, how much
+    of that waiting for its input, and how far apart the programs finish it (max - min, max -
+    median): the cost of a full dependency is the last program's lateness."""
+    start, end, wait = program_timelines(trace_path, phases)
+    rows = []
+    for j in range(phases):
+        e = end[j, 1:]
+        slowest = np.argmax(e, axis=1)
+        rows.append({"matmul": j, "us_in_matmul": float(np.nanmean(e - start[j, 1:])),
+                     "us_waiting": float(np.nanmean(wait[j, 1:])),
+                     "end_spread_us": float(np.nanmean(np.nanmax(e, 1) - np.nanmin(e, 1))),
+                     "last_after_median_us": float(np.nanmean(np.nanmax(e, 1) - np.nanmedian(e, 1))),
+                     "slowest_program_share": float(np.max(np.bincount(slowest)) / len(slowest))})
+    layer_end = np.nanmax(end[-1], axis=1)
+    rows.append({"matmul": "layer", "us_in_matmul": float(np.mean(np.diff(layer_end)))})
+    return rows
 
 
 def chain_inputs(ys: list[jax.Array], x0: jax.Array, shapes, rows: int, dependent: bool) -> list[jax.Array]:
@@ -99,6 +159,9 @@ def main() -> None:
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="also read each chain's GPU kernel time per layer off a trace (no launch gaps)")
+    ap.add_argument("--skew", default=None, metavar="DIR",
+                    help="also time every program from inside the kernel (Mosaic GPU's profiler) for the "
+                         "SKEW variants of the layer chain, and print where a dependent matmul's time goes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype, key, results = jnp.bfloat16, jax.random.key(0), {"device": jax.devices()[0].device_kind, "rows": []}
@@ -171,8 +234,44 @@ def main() -> None:
             except Exception as e:  # one failing variant must not lose the others' numbers
                 print(f"{name:>6} {label:<44} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         del weights, weights_nk
+    if args.skew:
+        results["skew"] = skew(args.layers, args.skew)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def skew(layers: int, out_dir: str) -> dict:
+    """Each SKEW variant: its GPU kernel time per layer off a trace, then one call under the in-kernel
+    profile, after a plain one (weights touched, TLB warm). The profile counts SM clock cycles, so
+    its figures are converted to us by the ratio of the two layer times."""
+    shapes, dtype, key = CHAINS["layer"], jnp.bfloat16, jax.random.key(0)
+    weights = [normal(jax.random.fold_in(key, 10 * j + k), (layers, n, k), dtype, scale=k ** -0.5)
+               for j, (k, n) in enumerate(shapes)]
+    x0 = pad_rows(normal(jax.random.fold_in(key, 1), (1, max(k for k, _ in shapes)), dtype, scale=1.0))
+    report = {}
+    print(f"{'variant':<28} {'matmul':>6} {'us in it':>9} {'waiting':>8} {'end spread':>11} "
+          f"{'last-median':>12} {'same slowest':>12}", flush=True)
+    for i, cfg in enumerate(SKEW):
+        label = f"flags {cfg.flag_cols}" if cfg.flag_cols else "barriers"
+        label += f", k{'/'.join(map(str, cfg.tile_k)) if cfg.tile_k else cfg.block_k} s{cfg.stages}"
+        plain = jax.jit(lambda a, ws_, c=cfg: persistent_chain(a, ws_, c))
+        us, _ = kernel_time(lambda: jax.block_until_ready(plain(x0, weights)), f"{out_dir}/plain{i}", layers)
+        trace_dir = Path(out_dir) / f"skew{i}"
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        jax.block_until_ready(jax.jit(lambda a, ws_, c=cfg, d=str(trace_dir): persistent_chain(
+            a, ws_, c, profile_dir=d, profile_ranges=640))(x0, weights))
+        jax.effects_barrier()  # the profile is written by a host callback
+        rows = skew_report(next(trace_dir.glob("*trace.json")), len(shapes))
+        per_us = rows[-1]["us_in_matmul"] / us  # profile units (k-cycles) per us: the SM clock in GHz
+        rows = [{k: v / per_us if k.startswith(("us_", "end_", "last_")) else v for k, v in r.items()} for r in rows]
+        report[label] = {"kernel_us_per_layer": us, "sm_clock_ghz": per_us, "matmuls": rows}
+        print(f"{label:<28} kernel {us:.2f} us per layer off the trace; the profile's clock {per_us:.2f} GHz",
+              flush=True)
+        for r in rows:
+            print(f"{label:<28} {r['matmul']:>6} {r['us_in_matmul']:>9.2f} {r.get('us_waiting', float('nan')):>8.2f} "
+                  f"{r.get('end_spread_us', float('nan')):>11.2f} {r.get('last_after_median_us', float('nan')):>12.2f} "
+                  f"{r.get('slowest_program_share', float('nan')):>12.2f}", flush=True)
+    return report
 
 
 if __name__ == "__main__":

@@ -54,7 +54,11 @@ Measured on the Qwen3-8B layer's four matmuls, GPU kernel time per layer at one 
   tiles) 112.1;
 - without any dependency (every matmul reads x0; the streaming ceiling): 86.0-88.8 (4.4-4.5 TB/s).
 Neither a ninth ring stage nor counting a tile before its store completes (``early_signal``, a
-diagnostic race) closes the remaining ~7 us per layer.
+diagnostic race) closes the remaining ~7 us per layer. The in-kernel profile (``profile_dir``: each
+matmul and each wait as a named range per program) says why: programs given equal work finish a
+matmul up to ~10 us apart, and not the same programs each time, so every full dependency waits for
+a late one (~9 us per layer and program with flags). What that needs is dynamic balancing, small
+work items from an atomic queue, not a finer dependency.
 
 No CPU test: the grid-wide barrier and the flags have no interpret mode. ``bench_persistent_chain.py``
 checks every variant on the device against float32 dots, matmul by matmul.
@@ -180,12 +184,16 @@ def _fence_proxy_async():
     fence()
 
 
-def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainConfig = ChainConfig()) -> list[jax.Array]:
+def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainConfig = ChainConfig(), *,
+                     profile_dir: str | None = None, profile_ranges: int = 0) -> list[jax.Array]:
     """Layers of dependent matmuls in one kernel. ``weights``: per matmul of a layer ``w_j [L, K_j,
     N_j]`` (``[L, N_j, K_j]`` with ``config.x_lhs``); ``x0 [R, K]`` (``R = padded_rows(rows)``, ``K``
     the largest ``K_j``). Matmul ``j`` of layer ``l`` reads the first ``K_j`` columns of the previous
     matmul's output (of ``x0`` for the first), or of ``x0`` throughout if not ``config.dependent``
-    -> every output, ``y_j [L, R, N_j]``."""
+    -> every output, ``y_j [L, R, N_j]``.
+
+    ``profile_dir``: Mosaic GPU's in-kernel profile, up to ``profile_ranges`` timed ranges per program
+    (each matmul ``m0``, ``m1``, ... and each ``wait`` for its input), one trace file per call."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -273,9 +281,10 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
             src = j - 1 if j > 0 else phases - 1
             src_layer = layer if j > 0 else layer - 1
             g = (kk * c.bk(j)) // c.flag_cols
-            plgpu.semaphore_wait(ready.at[base[src] + g], (src_layer + 1) * tiles_in_group(src, g),
-                                 decrement=False, memory_scope="gpu")
-            _fence_proxy_async()
+            with jax.named_scope("wait"):
+                plgpu.semaphore_wait(ready.at[base[src] + g], (src_layer + 1) * tiles_in_group(src, g),
+                                     decrement=False, memory_scope="gpu")
+                _fence_proxy_async()
 
         def with_x_source(layer, j, fn):
             """``fn(input of matmul j of this layer)``: x0, or the previous matmul's output."""
@@ -300,72 +309,79 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
         for step in range(c.stages - 1):
             pl.when(step < steps)(lambda step=step: fetch_weights(step))
 
-        def layer_body(layer, carry):
-            for j in range(phases):
-                first = layer * per_layer + start[j]
-                end = first + mine[j] * k_steps[j]
-                if c.dependent and not flags:
-                    @pl.when((mine[j] > 0) & ((layer > 0) | (j > 0)))
-                    def _():
+        def run_matmul(layer, j: int):
+            """Matmul ``j`` of ``layer``: this program's tiles of it, from its input's wait to its
+            outputs' count."""
+            first = layer * per_layer + start[j]
+            end = first + mine[j] * k_steps[j]
+            if c.dependent and not flags:
+                @pl.when((mine[j] > 0) & ((layer > 0) | (j > 0)))
+                def _():
+                    with jax.named_scope("wait"):
                         plgpu.semaphore_wait(done.at[layer * phases + j - 1], programs, decrement=False,
                                              memory_scope="gpu")
                         _fence_proxy_async()
 
-                def fetch_first(src, j=j, first=first, end=end):
-                    for q in range(c.stages - 1):
-                        pl.when(first + q < end)(lambda q=q: fetch_x(first + q, j, first, src, layer))
+            def fetch_first(src, j=j, first=first, end=end):
+                for q in range(c.stages - 1):
+                    pl.when(first + q < end)(lambda q=q: fetch_x(first + q, j, first, src, layer))
 
-                with_x_source(layer, j, fetch_first)
-                for i in range(waves[j]):
-                    @pl.when(i < mine[j])
-                    def _(i=i, j=j, first=first, end=end):
-                        def accumulate(acc_ref):
-                            def k_step(kk, carry):
-                                step = first + i * k_steps[j] + kk
-                                slot = step % c.stages
-                                plgpu.barrier_wait(x_ready.at[slot])
-                                plgpu.barrier_wait(w_ready.at[slot])
-                                if c.x_lhs:
-                                    plgpu.wgmma(acc_ref, x_rings[j].at[pl.ds(slot * rows, WGMMA_M)],
-                                                plgpu.transpose_ref(w_rings[j].at[slot, pl.ds(0, c.bn(j))], (1, 0)))
-                                else:
-                                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(w_smem.at[slot], (1, 0)),
-                                                plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
-                                plgpu.wgmma_wait(1)  # the previous step's WGMMA is done: its slot is free
-                                pl.when(step + c.stages - 1 < steps)(lambda: fetch_weights(step + c.stages - 1))
+            with_x_source(layer, j, fetch_first)
+            for i in range(waves[j]):
+                @pl.when(i < mine[j])
+                def _(i=i, j=j, first=first, end=end):
+                    def accumulate(acc_ref):
+                        def k_step(kk, carry):
+                            step = first + i * k_steps[j] + kk
+                            slot = step % c.stages
+                            plgpu.barrier_wait(x_ready.at[slot])
+                            plgpu.barrier_wait(w_ready.at[slot])
+                            if c.x_lhs:
+                                plgpu.wgmma(acc_ref, x_rings[j].at[pl.ds(slot * rows, WGMMA_M)],
+                                            plgpu.transpose_ref(w_rings[j].at[slot, pl.ds(0, c.bn(j))], (1, 0)))
+                            else:
+                                plgpu.wgmma(acc_ref, plgpu.transpose_ref(w_smem.at[slot], (1, 0)),
+                                            plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+                            plgpu.wgmma_wait(1)  # the previous step's WGMMA is done: its slot is free
+                            pl.when(step + c.stages - 1 < steps)(lambda: fetch_weights(step + c.stages - 1))
 
-                                @pl.when(step + c.stages - 1 < end)
-                                def _():
-                                    with_x_source(layer, j,
-                                                  lambda src: fetch_x(step + c.stages - 1, j, first, src, layer))
+                            @pl.when(step + c.stages - 1 < end)
+                            def _():
+                                with_x_source(layer, j,
+                                              lambda src: fetch_x(step + c.stages - 1, j, first, src, layer))
 
-                                return carry
+                            return carry
 
-                            lax.fori_loop(0, k_steps[j], k_step, None)
-                            plgpu.wgmma_wait(0)
-                            return acc_ref[...]
+                        lax.fori_loop(0, k_steps[j], k_step, None)
+                        plgpu.wgmma_wait(0)
+                        return acc_ref[...]
 
-                        cols = tile_columns(j, i)
-                        if c.x_lhs:
-                            acc = pl.run_scoped(accumulate, plgpu.ACC((WGMMA_M, c.bn(j))))
-                            out_tiles[j][...] = acc.astype(out_tiles[j].dtype)
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(out_tiles[j].at[pl.ds(0, rows)], y_gmem[j].at[layer, :, cols])
-                        else:
-                            acc = pl.run_scoped(accumulate, plgpu.ACC((c.block_n, rows)))
-                            y_tile = plgpu.layout_cast(acc.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-                            # .at: JAX 0.11.2's transpose_ref takes a view, not the bare scratch ref
-                            plgpu.transpose_ref(out_smem.at[:, :], (1, 0))[...] = y_tile
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(out_smem, y_gmem[j].at[layer, :, cols])
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=flags and c.early_signal)
-                        if flags:
-                            _fence_proxy_async()
-                            count_tile(j, p + i * programs)
+                    cols = tile_columns(j, i)
+                    if c.x_lhs:
+                        acc = pl.run_scoped(accumulate, plgpu.ACC((WGMMA_M, c.bn(j))))
+                        out_tiles[j][...] = acc.astype(out_tiles[j].dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_tiles[j].at[pl.ds(0, rows)], y_gmem[j].at[layer, :, cols])
+                    else:
+                        acc = pl.run_scoped(accumulate, plgpu.ACC((c.block_n, rows)))
+                        y_tile = plgpu.layout_cast(acc.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                        # .at: JAX 0.11.2's transpose_ref takes a view, not the bare scratch ref
+                        plgpu.transpose_ref(out_smem.at[:, :], (1, 0))[...] = y_tile
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem, y_gmem[j].at[layer, :, cols])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=flags and c.early_signal)
+                    if flags:
+                        _fence_proxy_async()
+                        count_tile(j, p + i * programs)
 
-                if c.dependent and not flags:
-                    _fence_proxy_async()
-                    plgpu.semaphore_signal(done.at[layer * phases + j], 1, memory_scope="gpu")
+            if c.dependent and not flags:
+                _fence_proxy_async()
+                plgpu.semaphore_signal(done.at[layer * phases + j], 1, memory_scope="gpu")
+
+        def layer_body(layer, carry):
+            for j in range(phases):
+                with jax.named_scope(f"m{j}"):  # a range of the in-kernel profile
+                    run_matmul(layer, j)
             return carry
 
         lax.fori_loop(0, layers, layer_body, None)
@@ -407,5 +423,7 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
                    plgpu.SMEM((rows, c.block_n), x0.dtype))  # unswizzled: written through a transposed view
     scratch += (plgpu.Barrier(num_arrivals=1, num_barriers=c.stages), plgpu.Barrier(num_arrivals=1, num_barriers=c.stages))
     out_types = [jax.ShapeDtypeStruct((layers, rows, n), x0.dtype) for _, n in shapes]
-    kernel = plgpu.kernel(body, out_type=out_types, scratch_types=scratch, grid=(programs,), grid_names=("p",))
+    params = plgpu.CompilerParams(profile_space=profile_ranges, profile_dir=profile_dir) if profile_dir else None
+    kernel = plgpu.kernel(body, out_type=out_types, scratch_types=scratch, grid=(programs,), grid_names=("p",),
+                          compiler_params=params)
     return list(kernel(x0, *weights))
