@@ -49,9 +49,9 @@ Measured on the Qwen3-8B layer's four matmuls, GPU kernel time per layer at one 
 - narrow tiles, barriers: 96.2-98.5 with 256-row K tiles, 100.8-102.0 with 128 (each barrier waits
   for the slowest of the 128 programs);
 - narrow tiles filling every slot, ready flags per 2048 columns: 93.9-95.9, 1.8-3.4 under XLA in
-  the same call (16 rows: 96.1-97.7 against XLA's 101-102). Finer groups cost more, since every wait is
-  a round trip that stalls the warpgroup issuing the copies: per 1024 columns 97.4, per 512 (128-row
-  tiles) 112.1;
+  the same call (16 rows: 96.1-97.7 against XLA's 101-102). Finer groups cost more, since every
+  wait is a round trip that stalls the warpgroup issuing the copies: per 1024 columns 97.4, per 512
+  (128-row tiles) 112.1;
 - without any dependency (every matmul reads x0; the streaming ceiling): 86.0-88.8 (4.4-4.5 TB/s).
 Neither a ninth ring stage nor counting a tile before its store completes (``early_signal``, a
 diagnostic race) closes the remaining ~7 us per layer. The in-kernel profile (``profile_dir``: each
@@ -132,8 +132,8 @@ class ChainConfig:
         """Shared memory for ``rows`` padded rows: the weight and x rings, the output tiles."""
         widths = [self.bn(j) for j in range(phases)]
         if self.x_lhs:
-            return (self.stages * self.slot(phases) + (self.stages * rows + WGMMA_M - rows) * max(self.tile_ks(phases))
-                    + WGMMA_M * max(widths)) * itemsize
+            x_ring = (self.stages * rows + WGMMA_M - rows) * max(self.tile_ks(phases))
+            return (self.stages * self.slot(phases) + x_ring + WGMMA_M * max(widths)) * itemsize
         return (self.stages * self.block_k * (self.block_n + rows) + rows * self.block_n) * itemsize
 
     def resident(self, shapes: Sequence[tuple[int, int]]) -> int:
