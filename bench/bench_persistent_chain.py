@@ -76,6 +76,19 @@ SKEW = [ChainConfig(64, 128, 8, programs=128, x_lhs=True, tile_n=NARROW, tile_k=
         ChainConfig(64, 256, 4, programs=128, x_lhs=True, tile_n=NARROW)]
 
 
+def chain_data(layers: int, shapes, dtype, key) -> tuple[list[jax.Array], jax.Array]:
+    """Random weights ``w_j [L, K_j, N_j]``, scaled so that the chain keeps unit-size activations over
+    its layers, and 16 input rows ``[16, max K_j]``."""
+    weights = [normal(jax.random.fold_in(key, 10 * j + k), (layers, k, n), dtype, scale=k ** -0.5)
+               for j, (k, n) in enumerate(shapes)]
+    return weights, normal(jax.random.fold_in(key, 1), (16, max(k for k, _ in shapes)), dtype, scale=1.0)
+
+
+def k_tiles(cfg: ChainConfig) -> str:
+    """The K tiles of a variant, for its label: ``k256`` or, per matmul, ``k128/256/...``."""
+    return "k" + ("/".join(map(str, cfg.tile_k)) if cfg.tile_k else str(cfg.block_k))
+
+
 def program_timelines(trace_path: Path, phases: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per matmul of a layer, per layer and program: the start and end of its ``m{j}`` range and
     the time inside its ``wait`` ranges, from a Mosaic GPU in-kernel profile ->
@@ -169,10 +182,7 @@ def main() -> None:
     print(f"{'chain':>6} {'variant':<44} {'us/layer':>10} {'TB/s':>6} {'error':>8}", flush=True)
     for name in [v for v in args.chains.split(",") if v]:
         shapes = CHAINS[name]
-        # Scaled so that the chain keeps unit-size activations over its layers.
-        weights = [normal(jax.random.fold_in(key, 10 * j + k), (args.layers, k, n), dtype, scale=k ** -0.5)
-                   for j, (k, n) in enumerate(shapes)]
-        x16 = normal(jax.random.fold_in(key, 1), (16, max(k for k, _ in shapes)), dtype, scale=1.0)
+        weights, x16 = chain_data(args.layers, shapes, dtype, key)
         bytes_per_layer = sum(k * n for k, n in shapes) * jnp.dtype(dtype).itemsize
 
         def report(label, seconds, error=float("nan"), profiled=None):
@@ -210,8 +220,7 @@ def main() -> None:
         weights_nk = None
         for cfg, rows in CONFIGS[name]:
             width = "n" + "/".join(map(str, cfg.tile_n)) if cfg.tile_n else f"n{cfg.block_n}"
-            depth = "k" + "/".join(map(str, cfg.tile_k)) if cfg.tile_k else f"k{cfg.block_k}"
-            label = (f"persistent {'x' if cfg.x_lhs else 'w'} lhs {width} {depth} s{cfg.stages} "
+            label = (f"persistent {'x' if cfg.x_lhs else 'w'} lhs {width} {k_tiles(cfg)} s{cfg.stages} "
                      f"p{cfg.resident(shapes)} rows {rows}" + ("" if cfg.dependent else " independent")
                      + (f" flags {cfg.flag_cols}" if cfg.flag_cols else "") + (" early" if cfg.early_signal else ""))
             if not supports(args.layers, shapes, rows, cfg):
@@ -245,15 +254,15 @@ def skew(layers: int, out_dir: str) -> dict:
     profile, after a plain one (weights touched, TLB warm). The profile counts SM clock cycles, so
     its figures are converted to us by the ratio of the two layer times."""
     shapes, dtype, key = CHAINS["layer"], jnp.bfloat16, jax.random.key(0)
-    weights = [normal(jax.random.fold_in(key, 10 * j + k), (layers, n, k), dtype, scale=k ** -0.5)
-               for j, (k, n) in enumerate(shapes)]
-    x0 = pad_rows(normal(jax.random.fold_in(key, 1), (1, max(k for k, _ in shapes)), dtype, scale=1.0))
+    weights, x16 = chain_data(layers, shapes, dtype, key)
+    weights = [jnp.swapaxes(w, 1, 2) + 0 for w in weights]  # [L, N, K]: the SKEW variants are x_lhs
+    x0 = pad_rows(x16[:1])
     report = {}
     print(f"{'variant':<28} {'matmul':>6} {'us in it':>9} {'waiting':>8} {'end spread':>11} "
           f"{'last-median':>12} {'same slowest':>12}", flush=True)
     for i, cfg in enumerate(SKEW):
         label = f"flags {cfg.flag_cols}" if cfg.flag_cols else "barriers"
-        label += f", k{'/'.join(map(str, cfg.tile_k)) if cfg.tile_k else cfg.block_k} s{cfg.stages}"
+        label += f", {k_tiles(cfg)} s{cfg.stages}"
         plain = jax.jit(lambda a, ws_, c=cfg: persistent_chain(a, ws_, c))
         us, _ = kernel_time(lambda: jax.block_until_ready(plain(x0, weights)), f"{out_dir}/plain{i}", layers)
         trace_dir = Path(out_dir) / f"skew{i}"

@@ -149,7 +149,7 @@ def supports(layers: int, shapes: Sequence[tuple[int, int]], rows: int, config: 
     widths = [c.bn(j) for j in range(len(shapes))]
     width_ok = all(8 <= b <= 256 and b % 8 == 0 for b in widths) if c.x_lhs else c.block_n % WGMMA_M == 0
     # Dependent chains need every program resident (one per SM) for the grid-wide barrier.
-    return (width_ok and c.block_k % 64 == 0 and 1 <= rows <= (WGMMA_M if c.x_lhs else 256) and c.stages >= 2
+    return (width_ok and 1 <= rows <= (WGMMA_M if c.x_lhs else 256) and c.stages >= 2
             and (c.tile_n is None or (c.x_lhs and len(c.tile_n) == len(shapes)))
             and (c.tile_k is None or (c.x_lhs and len(c.tile_k) == len(shapes)))
             and all(c.bk(j) % 64 == 0 and c.slot(len(shapes)) % c.bk(j) == 0 for j in range(len(shapes)))
@@ -415,8 +415,7 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
         ring = lambda shape, bk: plgpu.SMEM(shape, x0.dtype, transforms=transforms(bk))  # noqa: E731
         scratch = (plgpu.RefUnion(*(ring((c.stages, c.slot(phases) // bk, bk), bk) for bk in ks)),
                    plgpu.RefUnion(*(ring((c.stages * rows + WGMMA_M - rows, bk), bk) for bk in ks)),
-                   plgpu.RefUnion(*(plgpu.SMEM((WGMMA_M, c.bn(j)), x0.dtype, transforms=transforms(c.bn(j)))
-                                    for j in range(phases))))
+                   plgpu.RefUnion(*(ring((WGMMA_M, c.bn(j)), c.bn(j)) for j in range(phases))))
     else:
         scratch = (plgpu.SMEM((c.stages, c.block_k, c.block_n), x0.dtype, transforms=transforms(c.block_n)),
                    plgpu.SMEM((c.stages, rows, c.block_k), x0.dtype, transforms=transforms(c.block_k)),
