@@ -10,7 +10,12 @@ and method: on-device loop, state donated, median of repeats) with
 - ``no_row_padding``: ``layers.dense`` without its padding of single rows to two (the A/B of that
   padding: it only changes projections whose shard is under ``GPU_STRENGTH_REDUCTION_LIMIT``);
 - ``attn:FIELD=N+...``: the cached-attention kernel's tile config (``GpuConfig`` fields), e.g.
-  ``attn:min_chunk=64+num_stages=2``.
+  ``attn:min_chunk=64+num_stages=2``;
+- ``norm_warps:N``: the add_rms_norm kernel with N warps (``rms_norm_gpu.NUM_WARPS``);
+- ``folded_norms_cost``: the cost of RMSNorms folded into the matmuls after them (``s @ (w * W)``
+  scaled by ``rsqrt(mean(s^2) + eps)`` after the dot, so XLA can put the scale into the split-K
+  reduction or the SwiGLU and no norm kernel runs). Timing only: it leaves the norm weights out
+  instead of folding them into the weights, so its tokens are not the model's.
 
     python bench/sweep_decode_options.py --out $OUT/sweep.json             # on the GPU
     python bench/sweep_decode_options.py --tiny --only base                  # CPU smoke test
@@ -31,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 import kernels_pallas  # noqa: E402
-from kernels_pallas import cached_attention_gpu  # noqa: E402
+from kernels_pallas import cached_attention_gpu, rms_norm_gpu  # noqa: E402
 from bench_engine import hbm_roofline_s, int_fields, qwen3_8b, random_pair, time_decode  # noqa: E402
 from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax import layers  # noqa: E402
@@ -72,6 +77,29 @@ VARIANTS = {  # name: (XLA options, unfused norms)
 }
 
 
+def _folded_norms_cached(self, h, delta, starts, k_cache, v_cache, blk_lens, *, attention_impl="xla",
+                         causal=True, write=True):
+    """``DecoderLayer.cached`` with the norms' row scale applied after the matmuls (``folded_norms_cost``)."""
+    import jax.numpy as jnp
+
+    def scaled_dot(s, w):  # s [..., K] @ w [K, *out] * rsqrt(mean(s^2) + eps), in float32
+        sf = s.astype(jnp.float32)
+        r = jax.lax.rsqrt(jnp.mean(sf * sf, axis=-1, keepdims=True) + self.input_layernorm.eps)
+        y = jax.lax.dot_general(s, w.reshape(w.shape[0], -1), (((s.ndim - 1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        return (y * r).astype(s.dtype).reshape(s.shape[:-1] + w.shape[1:])
+
+    s = h if delta is None else h + delta
+    attn = self.self_attn
+    qkv = scaled_dot(s[:, 0], attn.qkv_proj[...])
+    out, k_cache, v_cache = attn.attend_cached_qkv(qkv, starts, k_cache, v_cache, blk_lens, impl=attention_impl,
+                                                   causal=causal, write=write)
+    s = s + attn.output(out)
+    gu = scaled_dot(s, self.mlp.gate_up_proj[...]).reshape(s.shape[:-1] + (-1, 2))
+    mlp_out = layers.dense(jax.nn.silu(gu[..., 0]) * gu[..., 1], self.mlp.down_proj)
+    return s, mlp_out, k_cache, v_cache
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=512)
@@ -90,8 +118,10 @@ def main() -> None:
 
     default_options = engine_module._decode_compiler_options
     default_attention = cached_attention_gpu.DEFAULT_CONFIG
+    default_norm_warps = rms_norm_gpu.NUM_WARPS
     limit = layers.GPU_STRENGTH_REDUCTION_LIMIT
     supported = kernels_pallas.add_rms_norm_supported
+    default_cached = layers.DecoderLayer.cached
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     with_dflash = set(args.dflash.split(","))
     results = {}
@@ -101,9 +131,11 @@ def main() -> None:
             overrides = int_fields(name[len("attn:"):], sep="+")
         options, unfused_norms = VARIANTS.get(name, ({}, False))
         cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(default_attention, **overrides)
+        rms_norm_gpu.NUM_WARPS = int(name[len("norm_warps:"):]) if name.startswith("norm_warps:") else default_norm_warps
         engine_module._decode_compiler_options = lambda o=options: {**(default_options() or {}), **o} or None
         kernels_pallas.add_rms_norm_supported = (lambda *a, **k: False) if unfused_norms else supported
         layers.GPU_STRENGTH_REDUCTION_LIMIT = 0 if name == "no_row_padding" else limit
+        layers.DecoderLayer.cached = _folded_norms_cached if name == "folded_norms_cost" else default_cached
         cfg = EngineConfig(max_batch_size=1, max_length=args.context + 512, prompt_buckets=(args.context,),
                            steps_per_sync=8, attention_impl="pallas",
                            mesh=MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None)

@@ -60,6 +60,9 @@ class GpuConfig:
     partial_cost_keys: int = 128  # writing + merging one partial output, in keys
     num_splits: int | None = None  # force a split count (tests, tuning)
     partial_dtype: str = "float32"  # dtype of the split-K partial outputs (m, l stay float32)
+    # Cached kernel only: the split count is planned over the capacity, but each row's splits share
+    # its actual context (``starts``) in whole tiles, rather than fixed chunks of the capacity.
+    balanced_splits: bool = True
 
 
 def _num_sms(cfg: GpuConfig) -> int:

@@ -26,9 +26,12 @@ rows (4 for Qwen3-8B) are repeated in registers to the 16 rows ``tl.dot`` takes.
 RoPE rotates the two halves of a head; the kernel keeps q and k as their two halves throughout
 (``q . k = q_lo . k_lo + q_hi . k_hi``), so it never concatenates in registers.
 
-Grid ``(batch, kv_heads, group members, splits)`` (one member for a single token); splits by the
-wave model of the block-attention kernel (``block_attention_gpu.plan``), merged by
-``_flash.merge_splits``. Forward only (inference). Design notes and measurements: docs/kernels.md.
+Grid ``(batch, kv_heads, group members, splits)`` (one member for a single token). The split count
+comes from the wave model of the block-attention kernel (``block_attention_gpu.plan``) over the
+cache capacity, a static shape; each row's context (``starts``, dynamic) is then dealt to its splits
+in whole tiles (``GpuConfig.balanced_splits``), so a short context is not left to the first splits.
+Split-K partials are merged by ``_flash.merge_splits``. Forward only (inference). Design notes and
+measurements: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ def _kernel(
     causal: bool,
     block_k: int,
     chunk: int,
+    balanced: bool,
 ):
     """One program per (row, KV head, group member, split); a single token's program takes all its
     group's rows. Tensors stay two-dimensional: Triton lowers 3-D register tensors (and reshapes
@@ -137,6 +141,11 @@ def _kernel(
     rows = q_lo.shape[0]
 
     # The context before the block: this split's keys [j * chunk, min((j + 1) * chunk, start)).
+    # Balanced: the chunk is this row's context ``start`` in whole tiles over the splits, so the
+    # longest split holds ceil(tiles / splits) tiles whatever the capacity.
+    if balanced:
+        tiles = (start + block_k - 1) // block_k
+        chunk = (tiles + pl.num_programs(3) - 1) // pl.num_programs(3) * block_k
     first = j * chunk
     n_keys = jnp.maximum(jnp.minimum(first + chunk, start) - first, 0)
     carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
@@ -254,7 +263,7 @@ def cached_block_attention(
     part = lambda index: pl.BlockSpec(  # noqa: E731
         (None, block, None, None, head_dim), lambda b, h, g, j: (b, 0, h, index, 0))
     kernel = functools.partial(_kernel, scale=scale, eps=float(eps), qk_norm=qk_norm, causal=causal,
-                               block_k=block_k, chunk=chunk)
+                               block_k=block_k, chunk=chunk, balanced=bool(cfg.balanced_splits))
     caches = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
     outs = pl.pallas_call(
         kernel,

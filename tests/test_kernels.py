@@ -244,12 +244,30 @@ def test_cached_attention_kernel_equals_layer_reference(case):
     ``project`` (norms, RoPE) + ``block_attention_reference`` + cache writes, rows at the start, the
     middle and the end of the cache, one with a short block. Drafter cases: not causal, and the caches
     come back untouched."""
+    from kernels_pallas.block_attention_gpu import GpuConfig
+
+    _check_cached_attention(case, GpuConfig(num_splits=case[5]))
+
+
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "capacity-chunks"])
+@pytest.mark.parametrize("block", [1, 16])
+def test_cached_attention_kernel_splits_of_the_context(block, balanced):
+    """16-key tiles in 3 splits over a 128-key cache: rows with 0, 37 (3 tiles) and 127 or 112 keys
+    (8 or 7 tiles) of context, dealt to the splits by the row's context (balanced: 1+1+1, 3+3+2 or
+    3+3+1 tiles) or in fixed chunks of the capacity (3+0+0, 3+3+2, 3+3+1); both must be the
+    reference's attention."""
+    from kernels_pallas.block_attention_gpu import GpuConfig
+
+    _check_cached_attention((7, block, 4, True, jnp.float32, 3, False),
+                            GpuConfig(block_k=16, num_splits=3, balanced_splits=balanced))
+
+
+def _check_cached_attention(case, config):
     from flax import nnx
 
     from dflash_jax.layers import Attention, rope_inv_freq
-    from kernels_pallas.block_attention_gpu import GpuConfig as Config
 
-    seed, block, groups, qk_norm, dtype, splits, drafter = case
+    seed, block, groups, qk_norm, dtype, _, drafter = case
     causal = write = not drafter
     head_dim, kv_heads, hidden, batch, capacity = 32, 2, 64, 3, 128
     attn = Attention(hidden, kv_heads * groups, kv_heads, head_dim, eps=1e-6, qk_norm=qk_norm, bias=False,
@@ -272,7 +290,7 @@ def test_cached_attention_kernel_equals_layer_reference(case):
     got = jax.jit(lambda q, kc, vc: cached_block_attention(
         q, kc, vc, starts, blk_lens, attn.q_norm.weight[...] if qk_norm else ones,
         attn.k_norm.weight[...] if qk_norm else ones, jnp.asarray(attn.inv_freq), eps=1e-6,
-        qk_norm=qk_norm, causal=causal, write=write, config=Config(num_splits=splits)))(qkv, k_cache, v_cache)
+        qk_norm=qk_norm, causal=causal, write=write, config=config))(qkv, k_cache, v_cache)
     assert_close(got[0][:, None], want[0], dtype)
     if drafter:  # and the bidirectional reference differs from the causal one
         causal_out = jax.jit(lambda *a: attn.attend_cached(*a, impl="xla"))(x, starts, k_cache, v_cache, blk_lens)[0]
