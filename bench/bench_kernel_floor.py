@@ -106,8 +106,8 @@ def main() -> None:
                 durs = gpu_span_durations(lambda: jax.block_until_ready(fn(x, d, w)), trace, calls=2) or {}
                 main_kernels = {n: v for n, v in durs.items() if len(v) >= args.steps}
                 if main_kernels:
-                    name_k, spans = max(main_kernels.items(), key=lambda kv: len(kv[1]))
-                    kernel, count = statistics.median(spans), sum(len(v) for v in main_kernels.values()) / 2 / args.steps
+                    spans = max(main_kernels.values(), key=len)
+                    kernel, count = statistics.median(spans), sum(map(len, main_kernels.values())) / 2 / args.steps
             print(f"{rows:4d} | {name:24s} | {wall:7.2f} | {kernel:6.2f} | {count:4.1f}", flush=True)
 
 

@@ -246,7 +246,8 @@ def test_cached_attention_kernel_equals_layer_reference(case):
     come back untouched."""
     from kernels_pallas.block_attention_gpu import GpuConfig
 
-    _check_cached_attention(case, GpuConfig(num_splits=case[5]))
+    seed, block, groups, qk_norm, dtype, splits, drafter = case
+    _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, GpuConfig(num_splits=splits))
 
 
 @pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "capacity-chunks"])
@@ -258,16 +259,15 @@ def test_cached_attention_kernel_splits_of_the_context(block, balanced):
     reference's attention."""
     from kernels_pallas.block_attention_gpu import GpuConfig
 
-    _check_cached_attention((7, block, 4, True, jnp.float32, 3, False),
+    _check_cached_attention(7, block, 4, True, jnp.float32, False,
                             GpuConfig(block_k=16, num_splits=3, balanced_splits=balanced))
 
 
-def _check_cached_attention(case, config):
+def _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, config):
     from flax import nnx
 
     from dflash_jax.layers import Attention, rope_inv_freq
 
-    seed, block, groups, qk_norm, dtype, _, drafter = case
     causal = write = not drafter
     head_dim, kv_heads, hidden, batch, capacity = 32, 2, 64, 3, 128
     attn = Attention(hidden, kv_heads * groups, kv_heads, head_dim, eps=1e-6, qk_norm=qk_norm, bias=False,
