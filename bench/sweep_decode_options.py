@@ -163,8 +163,8 @@ def main() -> None:
         if "error" in r:
             print(f"{name} | failed")
             continue
-        spec = f"{r['spec_step_s'] * 1e3:.2f} | {r['spec_step_s'] / r['target_step_s']:.2f}" if r["spec_step_s"] else "- | -"
-        print(f"{name} | {r['target_step_s'] * 1e3:.2f} | {100 * r['hbm_fraction']:.0f}% | {spec}")
+        spec = f"{r['spec_step_s'] * 1e3:.3f} | {r['spec_step_s'] / r['target_step_s']:.3f}" if r["spec_step_s"] else "- | -"
+        print(f"{name} | {r['target_step_s'] * 1e3:.3f} | {100 * r['hbm_fraction']:.0f}% | {spec}")
 
 
 if __name__ == "__main__":

@@ -52,16 +52,17 @@ def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, axis: int):
 
     Written as elementwise ops over the (few, static) splits rather than reductions over their
     axis: XLA then fuses the whole merge into one kernel, where reductions made it two or three
-    (each ~1.3 us per layer at batch 1, docs/benchmarks.md).
+    (each ~1.3 us per layer at batch 1, docs/benchmarks.md). The normalisation is the last op
+    (``sum_j o_j w_j / l``, not ``sum_j o_j (w_j / l)``): with the division inside, XLA split a
+    verify block's merge in two kernels (a division, then the sum).
     """
     parts = lambda x: [lax.index_in_dim(x, j, axis, keepdims=False) for j in range(x.shape[axis])]  # noqa: E731
     os, ms, ls = parts(o), parts(m), parts(l)
     m_max = functools.reduce(jnp.maximum, ms)
     ws = [l_j * jnp.exp(m_j - m_max) for m_j, l_j in zip(ms, ls)]
     l_tot = functools.reduce(jnp.add, ws)
-    inv = 1.0 / jnp.where(l_tot == 0.0, 1.0, l_tot)
-    out = functools.reduce(jnp.add, [o_j.astype(jnp.float32) * (w_j * inv)[..., None] for o_j, w_j in zip(os, ws)])
-    return out, m_max, l_tot
+    weighted = functools.reduce(jnp.add, [o_j.astype(jnp.float32) * w_j[..., None] for o_j, w_j in zip(os, ws)])
+    return weighted / jnp.where(l_tot == 0.0, 1.0, l_tot)[..., None], m_max, l_tot
 
 
 def triton_params(num_warps: int, num_stages: int):
