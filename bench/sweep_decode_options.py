@@ -17,7 +17,13 @@ and method: on-device loop, state donated, median of repeats) with
   reduction or the SwiGLU and no norm kernel runs). Timing only: it leaves the norm weights out
   instead of folding them into the weights, so its tokens are not the model's.
 
+Within one process the same step drifts by up to ~1.5% over a sweep (docs/benchmarks.md,
+fourteenth session), so a 1% difference needs ``--rounds N``: the variant list runs N times, one
+round after the other (A B A B ...), and the table gives each variant's median over its runs, its
+runs, and the difference of medians from the first variant.
+
     python bench/sweep_decode_options.py --out $OUT/sweep.json             # on the GPU
+    python bench/sweep_decode_options.py --only base,attn:block_k=32 --rounds 3
     python bench/sweep_decode_options.py --tiny --only base                  # CPU smoke test
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -106,6 +113,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the variant list this many times, interleaved")
     ap.add_argument("--dflash", default="base,unfused_norms,no_split_k", help="variants that also time the DFlash step")
     ap.add_argument("--tensor", type=int, default=1, help="run the engines on a (data=1, tensor=N) mesh")
     ap.add_argument("--tiny", action="store_true")
@@ -124,8 +132,8 @@ def main() -> None:
     default_cached = layers.DecoderLayer.cached
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     with_dflash = set(args.dflash.split(","))
-    results = {}
-    for name in names:
+    results: dict[str, list[dict]] = {}  # every run of each variant, in order
+    for name in names * args.rounds:
         overrides = {}
         if name.startswith("attn:"):
             overrides = int_fields(name[len("attn:"):], sep="+")
@@ -149,22 +157,42 @@ def main() -> None:
                 t_spec, _ = time_decode(spec, 1, args.context, args.steps, args.repeats)
         except Exception as err:  # noqa: BLE001  (an option this XLA rejects fails its variant only)
             print(f"{name}: failed: {str(err).splitlines()[0][:200]}", flush=True)
-            results[name] = dict(error=str(err)[:500])
+            results.setdefault(name, []).append(dict(error=str(err)[:500]))
             continue
-        results[name] = dict(options=options, unfused_norms=unfused_norms, target_step_s=t_plain,
-                             spec_step_s=t_spec, hbm_fraction=hbm_roofline_s(target, 1, args.context) / args.tensor / t_plain,
-                             wall_s=time.perf_counter() - t0)
-        print(json.dumps({name: results[name]}), flush=True)
+        run = dict(options=options, unfused_norms=unfused_norms, target_step_s=t_plain, spec_step_s=t_spec,
+                   hbm_fraction=hbm_roofline_s(target, 1, args.context) / args.tensor / t_plain,
+                   wall_s=time.perf_counter() - t0)
+        results.setdefault(name, []).append(run)
+        print(json.dumps({name: run}), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2))
+    print_table(results, hbm_roofline_s(target, 1, args.context) / args.tensor)
 
-    print("\nvariant | target step ms | % HBM roofline | DFlash step ms | DFlash / target")
-    for name, r in results.items():
-        if "error" in r:
+
+def print_table(results: dict[str, list[dict]], roofline_s: float) -> None:
+    """Per variant: the median over its runs (ms), the runs, and the difference of medians from the
+    first variant's."""
+    def median(runs, key):
+        values = [r[key] for r in runs if r.get(key)]
+        return statistics.median(values) if values else None
+
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:.3f}"
+
+    medians = {name: (median(runs, "target_step_s"), median(runs, "spec_step_s")) for name, runs in results.items()}
+    first = next(iter(medians.values()), (None, None))
+    print("\nvariant | target step ms (runs) | vs first | % HBM roofline | DFlash step ms (runs) | vs first | DFlash / target")
+    for name, runs in results.items():
+        target, spec = medians[name]
+        if target is None:
             print(f"{name} | failed")
             continue
-        spec = f"{r['spec_step_s'] * 1e3:.3f} | {r['spec_step_s'] / r['target_step_s']:.3f}" if r["spec_step_s"] else "- | -"
-        print(f"{name} | {r['target_step_s'] * 1e3:.3f} | {100 * r['hbm_fraction']:.0f}% | {spec}")
+        each = lambda key: " (" + ", ".join(ms(r[key]) for r in runs if r.get(key)) + ")"  # noqa: E731
+        diff = lambda x, x0: "-" if x is None or x0 is None else f"{(x - x0) * 1e3:+.3f}"  # noqa: E731
+        ratio = "-" if spec is None else f"{spec / target:.3f}"
+        print(f"{name} | {ms(target)}{each('target_step_s')} | {diff(target, first[0])} | "
+              f"{100 * roofline_s / target:.0f}% | {ms(spec)}{each('spec_step_s') if spec else ''} | "
+              f"{diff(spec, first[1])} | {ratio}")
 
 
 if __name__ == "__main__":

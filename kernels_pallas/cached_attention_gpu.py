@@ -10,7 +10,7 @@ which does everything up to the output projection:
 
 - the query heads and the key of the block get their per-head RMSNorm (Qwen3) and RoPE at positions
   ``start .. start + block - 1``, with the transformers numerics of ``layers.rms_norm`` /
-  ``layers.apply_rope``;
+  ``layers.apply_rope`` (the cos / sin tables of those positions come in from XLA, one per step);
 - split 0 writes the block's K and V into the cache at ``start`` (the cache buffers are aliased in
   and out, so the write is in place and nothing else of the cache moves);
 - every program runs block attention (``attention.block_attention_reference`` with ``causal=True``,
@@ -86,7 +86,7 @@ def _kernel(
     v_ref,  # [T, D] value
     q_norm_ref,  # [D]
     k_norm_ref,  # [D]
-    inv_freq_ref,  # [D / 2] float32
+    rope_ref,  # [2, T, D / 2] float32: RoPE's cos and sin at the block's positions
     k_cache_ref,  # [C, D] (strided view of [B, C, Hkv, D])
     v_cache_ref,  # [C, D]
     o_ref,  # like q_ref
@@ -114,9 +114,7 @@ def _kernel(
     half = head_dim // 2
     lo, hi = pl.ds(0, half), pl.ds(half, half)
 
-    positions = (start + jnp.arange(slots, dtype=jnp.int32)).astype(jnp.float32)
-    freqs = positions[:, None] * inv_freq_ref[...][None, :]  # [T, D/2]
-    cos, sin = jnp.cos(freqs).astype(q_ref.dtype), jnp.sin(freqs).astype(q_ref.dtype)
+    cos, sin = rope_ref[0].astype(q_ref.dtype), rope_ref[1].astype(q_ref.dtype)
     finish = functools.partial(_finish, cos=cos, sin=sin, qk_norm=qk_norm, eps=eps)
 
     k_lo, k_hi = finish(k_ref[:, lo], k_ref[:, hi], k_norm_ref)
@@ -264,12 +262,19 @@ def cached_block_attention(
         (None, block, None, None, head_dim), lambda b, h, g, j: (b, 0, h, index, 0))
     kernel = functools.partial(_kernel, scale=scale, eps=float(eps), qk_norm=qk_norm, causal=causal,
                                block_k=block_k, chunk=chunk, balanced=bool(cfg.balanced_splits))
+    # RoPE's cos / sin at the block's positions, by XLA: the same for every layer of a step, so XLA
+    # computes them once (CSE). Computed per program in the kernel (libdevice's full-range sin and
+    # cos), they cost a verify block ~3.8 us per layer (docs/benchmarks.md, fourteenth session).
+    positions = (starts[:, None] + jnp.arange(block, dtype=jnp.int32)).astype(jnp.float32)
+    freqs = positions[..., None] * inv_freq.astype(jnp.float32)  # [B, T, D/2]
+    rope = jnp.stack([jnp.cos(freqs), jnp.sin(freqs)], axis=1)  # [B, 2, T, D/2]
+    rope_spec = pl.BlockSpec((None, 2, block, head_dim // 2), lambda b, h, g, j: (b, 0, 0, 0))
     caches = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
     outs = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, members, splits),
         in_specs=[per_row, per_row, q_spec, part(groups), part(groups + 1), whole(head_dim), whole(head_dim),
-                  whole(head_dim // 2), cache_spec, cache_spec],
+                  rope_spec, cache_spec, cache_spec],
         out_specs=[o_spec, ml_spec, ml_spec] + ([cache_spec, cache_spec] if write else []),
         out_shape=[
             jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups, head_dim), out_dtype),
@@ -280,8 +285,7 @@ def cached_block_attention(
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="dflash_cached_attention",
-    )(starts, blk_lens, qkv, qkv, qkv, q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype),
-      inv_freq.astype(jnp.float32), k_cache, v_cache)
+    )(starts, blk_lens, qkv, qkv, qkv, q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype), rope, k_cache, v_cache)
     o, m, l = outs[:3]
     if write:
         k_cache, v_cache = outs[3:]
