@@ -132,6 +132,7 @@ def main() -> None:
     default_cached = layers.DecoderLayer.cached
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     with_dflash = set(args.dflash.split(","))
+    roofline_s = hbm_roofline_s(target, 1, args.context) / args.tensor  # per device
     results: dict[str, list[dict]] = {}  # every run of each variant, in order
     for name in names * args.rounds:
         overrides = {}
@@ -160,13 +161,13 @@ def main() -> None:
             results.setdefault(name, []).append(dict(error=str(err)[:500]))
             continue
         run = dict(options=options, unfused_norms=unfused_norms, target_step_s=t_plain, spec_step_s=t_spec,
-                   hbm_fraction=hbm_roofline_s(target, 1, args.context) / args.tensor / t_plain,
+                   hbm_fraction=roofline_s / t_plain,
                    wall_s=time.perf_counter() - t0)
         results.setdefault(name, []).append(run)
         print(json.dumps({name: run}), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2))
-    print_table(results, hbm_roofline_s(target, 1, args.context) / args.tensor)
+    print_table(results, roofline_s)
 
 
 def print_table(results: dict[str, list[dict]], roofline_s: float) -> None:
