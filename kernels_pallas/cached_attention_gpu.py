@@ -11,8 +11,10 @@ which does everything up to the output projection:
 - the query heads and the key of the block get their per-head RMSNorm (Qwen3) and RoPE at positions
   ``start .. start + block - 1``, with the transformers numerics of ``layers.rms_norm`` /
   ``layers.apply_rope`` (the cos / sin tables of those positions come in from XLA, one per step);
-- split 0 writes the block's K and V into the cache at ``start`` (the cache buffers are aliased in
-  and out, so the write is in place and nothing else of the cache moves);
+- the last split writes the block's K and V into the cache at ``start`` (the cache buffers are
+  aliased in and out, so the write is in place and nothing else of the cache moves; no split reads
+  those positions). Split 0 takes the block's own keys, and a row's last split holds the fewest of
+  its context tiles;
 - every program runs block attention (``attention.block_attention_reference`` with ``causal=True``,
   ``ctx_lens = start``) for its KV head and its split of the context: an online softmax over the
   cache tiles it owns, then (split 0) the block's own keys.
@@ -123,7 +125,7 @@ def _kernel(
     if cache_out:
         k_cache_out, v_cache_out = cache_out
 
-        @pl.when((j == 0) & (pl.program_id(2) == 0))
+        @pl.when((j == pl.num_programs(3) - 1) & (pl.program_id(2) == 0))
         def _write_block():
             block = pl.ds(start, slots)
             k_cache_out[block, lo] = k_lo

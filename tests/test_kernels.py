@@ -256,7 +256,7 @@ def test_cached_attention_kernel_splits_of_the_context(block, balanced):
     """16-key tiles in 3 splits over a 128-key cache: rows with 0, 37 (3 tiles) and 127 or 112 keys
     (8 or 7 tiles) of context, dealt to the splits by the row's context (balanced: 1+1+1, 3+3+2 or
     3+3+1 tiles) or in fixed chunks of the capacity (3+0+0, 3+3+2, 3+3+1); both must be the
-    reference's attention."""
+    reference's attention and its cache writes (the last split writes the block)."""
     from kernels_pallas.block_attention_gpu import GpuConfig
 
     _check_cached_attention(7, block, 4, True, jnp.float32, False,
