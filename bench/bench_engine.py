@@ -143,7 +143,7 @@ def time_decode(engine: Engine, batch: int, context: int, steps: int, repeats: i
     """Median seconds per decode step over ``repeats`` calls of ``steps`` on-device steps; and tau."""
     state = synthetic_state(engine, batch, context, seed=batch)
     for _ in range(2):  # compile + warm-up; on a mesh the second call compiles for the sharded state
-        state, _ = engine.decode(state, n_steps=2)
+        state, _ = engine.decode(state, n_steps=steps)  # a fixed loop compiles per step count
     jax.block_until_ready(state.starts)
     times = []
     for _ in range(repeats):
@@ -402,6 +402,8 @@ def main() -> None:
     ap.add_argument("--steps-per-sync", type=int, default=8,
                     help="decode steps per host sync in the engines (the host-overhead generation runs with it)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--decode-loop", default="auto", choices=["auto", "until_done", "fixed"],
+                    help="EngineConfig.decode_loop (auto: fixed on a GPU mesh)")
     ap.add_argument("--host-while", action="store_true",
                     help="the decode loop's while on the host, outside the CUDA graph (XLA's default before "
                          "the seventh session): the A/B of the host overhead")
@@ -452,7 +454,8 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         mesh = MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None
         cfg = EngineConfig(max_batch_size=batch, max_length=args.context + 512, prompt_buckets=(args.context,),
-                           steps_per_sync=args.steps_per_sync, attention_impl=args.attention, mesh=mesh)
+                           steps_per_sync=args.steps_per_sync, attention_impl=args.attention, mesh=mesh,
+                           decode_loop=args.decode_loop)
         spec, plain = Engine(target, drafter, cfg), Engine(target, None, cfg)
         t0 = time.perf_counter()
         t_plain, _ = time_decode(plain, batch, args.context, args.steps, args.repeats)

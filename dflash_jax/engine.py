@@ -2,9 +2,9 @@
 
 The phases: ``prefill`` (new prompts, in a batch of their own), ``admit`` (scatters prefilled rows
 into free slots of the running state), ``resize`` (moves the live rows into a state of another row
-count), ``release`` (ends rows early) and ``decode`` (a ``lax.while_loop`` of up to
-``steps_per_sync`` draft-verify-commit steps). The running state is donated to every call that
-keeps its shape. ``ContinuousBatcher`` (``dflash_jax.batcher``) is the host loop around them;
+count), ``release`` (ends rows early) and ``decode`` (a loop of ``steps_per_sync``
+draft-verify-commit steps that stops early once every row is done, except on a GPU mesh:
+``EngineConfig.decode_loop``). The running state is donated to every call that keeps its shape. ``ContinuousBatcher`` (``dflash_jax.batcher``) is the host loop around them;
 ``Engine.generate`` runs it.
 Shapes are static: prompt counts and lengths are bucketed, a running state has one or
 ``max_batch_size`` rows; block size and capacity are fixed per engine; with the XLA attention each
@@ -43,6 +43,11 @@ class EngineConfig:
     block_size: int | None = None    # None: the drafter's; may only lower it
     attention_impl: str = "auto"     # "xla" | "pallas" | "auto": pallas on GPUs/TPUs, else xla
     steps_per_sync: int = 8          # decode steps per device call between host syncs
+    # "until_done": a decode call stops early once every row is done (XLA evaluates the loop's
+    # condition after each step); "fixed": it always runs its steps (a known trip count, which XLA
+    # runs without reading a condition, so the call returns to the host at once); "auto": fixed on
+    # a GPU mesh, where the condition is read on the host (docs/design.md), else until_done.
+    decode_loop: str = "auto"
     mesh: MeshConfig | None = None   # None: a single device
     # "auto": "highest" for float32 weights, else "default". GPUs and TPUs run default-precision
     # float32 matmuls through TF32 / bf16 passes, whose rounding differs between a 1-token and a
@@ -63,6 +68,8 @@ class EngineConfig:
                              f"got {self.matmul_precision!r}")
         if self.steps_per_sync < 1:
             raise ValueError(f"steps_per_sync must be >= 1, got {self.steps_per_sync}")
+        if self.decode_loop not in ("until_done", "fixed", "auto"):
+            raise ValueError(f"decode_loop must be 'until_done', 'fixed' or 'auto', got {self.decode_loop!r}")
         if self.prompt_buckets is not None and (not self.prompt_buckets or min(self.prompt_buckets) < 1):
             raise ValueError(f"prompt_buckets must be positive lengths, got {self.prompt_buckets}")
 
@@ -194,7 +201,8 @@ class Engine:
             self._drafter_state, self._drafter_tree = jax.tree.flatten(drafter_state)
         once = _one_shot_compiler_options()
         self._prefill = jax.jit(self._traced(self._prefill_fn), compiler_options=once)
-        self._decode = jax.jit(self._traced(self._decode_fn), donate_argnums=(2,), static_argnames=("window",),
+        self._decode = jax.jit(self._traced(self._decode_fn), donate_argnums=(2,),
+                               static_argnames=("window", "fixed_steps"),
                                compiler_options=_decode_compiler_options())
         self._empty = jax.jit(self._empty_fn, static_argnames=("rows",), compiler_options=once)
         self._admit = jax.jit(self._admit_fn, donate_argnums=(0,), compiler_options=once)
@@ -209,7 +217,13 @@ class Engine:
         # The XLA attention computes over every cache position it is given, so decode calls read a
         # bucketed prefix of the caches that covers the live rows; the Pallas kernels skip positions
         # past each row's length themselves and always get the whole cache (one compiled variant).
-        self.windows = (window_buckets(self.capacity) if self.attention_impl == "xla" else (self.capacity,))
+        # A fixed loop has no early stop for a row that would outgrow its window: it gets the whole
+        # cache, which every row fits.
+        self.fixed_loop = config.decode_loop == "fixed" or (
+            config.decode_loop == "auto" and self.mesh is not None and self.mesh.size > 1
+            and jax.default_backend() == "gpu")
+        self.windows = (window_buckets(self.capacity) if self.attention_impl == "xla" and not self.fixed_loop
+                        else (self.capacity,))
         self._n_steps: dict[int, jax.Array] = {}
 
     # -- jitted phases -------------------------------------------------------------------------
@@ -255,7 +269,9 @@ class Engine:
     def _release_fn(self, state, release):
         return self._constrain(decoding.release_rows(state, release))
 
-    def _decode_fn(self, target_state, drafter_state, state, n_steps, *, window: int):
+    def _decode_fn(self, target_state, drafter_state, state, n_steps, *, window: int, fixed_steps: int | None):
+        """``n_steps`` (a device scalar) steps that stop early once every row is done; or, with
+        ``fixed_steps``, exactly that many (``n_steps`` None)."""
         target, drafter = self._models(target_state, drafter_state)
         impl = self.attention_impl
 
@@ -276,7 +292,10 @@ class Engine:
             i, s = carry
             return i + 1, self._constrain(step(s))
 
-        _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+        if fixed_steps is None:
+            _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+        else:  # a static trip count: steps on done rows change nothing the host reads
+            _, state = jax.lax.fori_loop(0, fixed_steps, lambda i, carry: body(carry), (jnp.int32(0), state))
         # Copies the host can read while the donated state is already in the next call.
         snapshot = RowSnapshot(tokens=state.tokens + 0, starts=state.starts + 0, done=state.done | False,
                                num_steps=state.num_steps + 0, accepted=state.accepted + 0)
@@ -316,16 +335,24 @@ class Engine:
         donated to the next call.
         """
         n = self.config.steps_per_sync if n_steps is None else int(n_steps)
-        if n not in self._n_steps:  # a cached device scalar: building one costs a dispatch per call
-            self._n_steps[n] = self._put(np.int32(n), ())
-        return self._decode(self._target_state, self._drafter_state, state, self._n_steps[n],
-                            window=self._window(window))
+        count, fixed = self._step_count(n)
+        return self._decode(self._target_state, self._drafter_state, state, count,
+                            window=self._window(window), fixed_steps=fixed)
 
     def decode_hlo(self, state: decoding.DecodeState, n_steps: int = 1, *, window: int | None = None) -> str:
         """The optimised HLO text of ``decode(state, n_steps, window=window)`` as compiled: what a
         call runs (its copies, its collectives on a mesh). Compiles only; ``state`` is not donated."""
-        return self._decode.lower(self._target_state, self._drafter_state, state, jnp.int32(n_steps),
-                                  window=self._window(window)).compile().as_text()
+        count, fixed = self._step_count(n_steps)
+        return self._decode.lower(self._target_state, self._drafter_state, state, count,
+                                  window=self._window(window), fixed_steps=fixed).compile().as_text()
+
+    def _step_count(self, n: int) -> tuple[jax.Array | None, int | None]:
+        """``_decode``'s ``n_steps`` and ``fixed_steps`` for ``n`` steps."""
+        if self.fixed_loop:  # one compiled variant per count
+            return None, n
+        if n not in self._n_steps:  # a cached device scalar: building one costs a dispatch per call
+            self._n_steps[n] = self._put(np.int32(n), ())
+        return self._n_steps[n], None
 
     def _window(self, needed: int | None) -> int:
         """The smallest window bucket covering ``needed`` cache positions (None: the whole cache)."""
@@ -408,8 +435,8 @@ class Engine:
             for n in sorted({1, size}):
                 fresh, _ = self.prefill([[0]] * n, [2] * n, [()] * n)
                 state = self.admit(state, fresh, range(n))
-            for window in self.windows:
-                state, _ = self.decode(state, n_steps=0, window=window)
+            for window in self.windows:  # a fixed loop compiles per step count: the serving one
+                state, _ = self.decode(state, n_steps=None if self.fixed_loop else 0, window=window)
             for other in all_rows - {rows}:
                 jax.block_until_ready(self.resize(state, [0], rows=other).starts)
             jax.block_until_ready(state.starts)

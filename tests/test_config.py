@@ -39,6 +39,7 @@ def test_yaml_overrides_and_roundtrip(tmp_path):
     ("optim:\n  lrr: 1\n", r"r.yaml.optim: unknown key\(s\) \['lrr'\]"),
     ("optim:\n  steps: many\n", r"optim.steps: expected an integer, got 'many'"),
     ("engine:\n  attention_impl: cuda\n", "attention_impl must be 'xla', 'pallas' or 'auto'"),
+    ("engine:\n  decode_loop: forever\n", "decode_loop must be 'until_done', 'fixed' or 'auto'"),
     ("engine:\n  mesh: {tensor: 2, fsdp: -1, data: -1}\n", "at most one of data/fsdp/tensor may be -1"),
     ("- a\n", "the top level must be a mapping"),
 ])

@@ -141,16 +141,46 @@ def test_bad_requests_are_clear_errors(engines):
         spec.generate([[1, 500]], 4)
 
 
-@pytest.mark.parametrize("mesh", [dict(data=1, tensor=8), dict(data=2, tensor=4)])
-def test_sharded_engine_equals_single_device(mesh, pair, prompts, engines):
+@pytest.mark.parametrize("mesh,decode_loop", [(dict(data=1, tensor=8), "auto"), (dict(data=2, tensor=4), "auto"),
+                                              (dict(data=2, tensor=4), "fixed")])
+def test_sharded_engine_equals_single_device(mesh, decode_loop, pair, prompts, engines):
+    """On 8 devices, with the decode loop that stops once every row is done ("auto" off GPUs) and
+    with the fixed step count of GPU meshes: the one-device engine's tokens and acceptance lengths."""
     spec, _ = engines
     want = spec.generate(prompts[:4], 24)
     target, drafter = load_target(pair[0]), load_drafter(pair[1])
-    config = EngineConfig(max_batch_size=4, max_length=80, steps_per_sync=4, mesh=MeshConfig(fsdp=1, **mesh))
+    config = EngineConfig(max_batch_size=4, max_length=80, steps_per_sync=4, decode_loop=decode_loop,
+                          mesh=MeshConfig(fsdp=1, **mesh))
     sharded = Engine(target, drafter, config)
     assert len(jax.devices()) == 8 and sharded.mesh.shape["tensor"] == mesh["tensor"]
+    assert sharded.fixed_loop == (decode_loop == "fixed")
     got = sharded.generate(prompts[:4], 24)
     _assert_same_generations(got, want)
+
+
+def test_fixed_decode_loop_has_a_known_trip_count(models):
+    """``decode_loop="fixed"`` compiles the steps as a loop of known trip count (which XLA:GPU runs
+    without reading a condition on the host) over the whole cache; "until_done" as a loop that
+    stops early, over windows of the cache. Both run exactly the steps they are asked for while rows
+    are live, and a fixed call on finished rows changes nothing the host reads."""
+    target, drafter = models
+    engines = {loop: Engine(target, drafter, EngineConfig(max_batch_size=1, max_length=80, steps_per_sync=4,
+                                                           attention_impl="xla", decode_loop=loop))
+               for loop in ("until_done", "fixed")}
+    for loop, engine in engines.items():
+        state = _running_state(engine, [3, 1, 4, 1, 5], 60)
+        loops = [line for line in engine.decode_hlo(state, 3).splitlines() if " while(" in line]
+        assert len(loops) == 1 and ('"known_trip_count":{"n":"3"}' in loops[0]) == (loop == "fixed")
+        assert engine.windows == ((engine.capacity,) if loop == "fixed" else window_buckets(engine.capacity))
+        state, snap = engine.decode(state, n_steps=3)
+        assert np.asarray(snap.num_steps).tolist() == [3]
+    fixed = engines["fixed"]
+    state = _running_state(fixed, [3, 1, 4], 2)
+    state, first = fixed.decode(state, n_steps=3)
+    assert bool(np.asarray(first.done)[0]) and np.asarray(first.num_steps)[0] < 3
+    _, again = fixed.decode(state, n_steps=3)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_sharded_pallas_engine_equals_single_device(pair, prompts, engines, monkeypatch):
