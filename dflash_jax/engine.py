@@ -4,8 +4,9 @@ The phases: ``prefill`` (new prompts, in a batch of their own), ``admit`` (scatt
 into free slots of the running state), ``resize`` (moves the live rows into a state of another row
 count), ``release`` (ends rows early) and ``decode`` (a loop of ``steps_per_sync``
 draft-verify-commit steps that stops early once every row is done, except on a GPU mesh:
-``EngineConfig.decode_loop``). The running state is donated to every call that keeps its shape. ``ContinuousBatcher`` (``dflash_jax.batcher``) is the host loop around them;
-``Engine.generate`` runs it.
+``EngineConfig.decode_loop``). The running state is donated to every call that keeps its shape.
+``ContinuousBatcher`` (``dflash_jax.batcher``) is the host loop around them; ``Engine.generate``
+runs it.
 Shapes are static: prompt counts and lengths are bucketed, a running state has one or
 ``max_batch_size`` rows; block size and capacity are fixed per engine; with the XLA attention each
 decode call reads a power-of-two window of the caches that covers its rows.
@@ -277,9 +278,11 @@ class Engine:
 
         def step(s):
             if drafter is None:
-                return decoding.target_only_step(target, s, attention_impl=impl, window=window)
-            return decoding.speculative_step(target, drafter, s, block_size=self.block_size,
-                                             attention_impl=impl, window=window)
+                s = decoding.target_only_step(target, s, attention_impl=impl, window=window)
+            else:
+                s = decoding.speculative_step(target, drafter, s, block_size=self.block_size,
+                                              attention_impl=impl, window=window)
+            return self._constrain(s)
 
         def cond(carry):
             i, s = carry
@@ -290,12 +293,12 @@ class Engine:
 
         def body(carry):
             i, s = carry
-            return i + 1, self._constrain(step(s))
+            return i + 1, step(s)
 
         if fixed_steps is None:
             _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
         else:  # a static trip count: steps on done rows change nothing the host reads
-            _, state = jax.lax.fori_loop(0, fixed_steps, lambda i, carry: body(carry), (jnp.int32(0), state))
+            state = jax.lax.fori_loop(0, fixed_steps, lambda i, s: step(s), state)
         # Copies the host can read while the donated state is already in the next call.
         snapshot = RowSnapshot(tokens=state.tokens + 0, starts=state.starts + 0, done=state.done | False,
                                num_steps=state.num_steps + 0, accepted=state.accepted + 0)
