@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from bench_engine import kernel_time  # noqa: E402
 from bench_matvec import normal, timeit  # noqa: E402
@@ -41,15 +42,53 @@ from persistent_mlp import (ROWS, MlpConfig, gate_up_layout, persistent_mlp, per
 
 HIDDEN, INTER = 4096, 12288
 # The sixteenth session's variants (docs/benchmarks.md): the default (5 stages), one stage less or
-# two, and the diagnostics.
+# two, and the diagnostics; the last (a producer warpgroup) was written after that session's calls.
 VARIANTS = [MlpConfig(stages=5), MlpConfig(stages=4), MlpConfig(stages=5, static=True),
             MlpConfig(stages=5, no_wait=True), MlpConfig(stages=3), MlpConfig(stages=5, tiled=True),
-            MlpConfig(stages=4, tiled=True)]
+            MlpConfig(stages=4, tiled=True), MlpConfig(stages=5, producer_warp=True)]
 
 
 def label(c: MlpConfig) -> str:
     return (f"persistent s{c.stages} p{c.programs} x{c.x_cols}" + (" static" if c.static else "")
-            + (" no-wait" if c.no_wait else "") + (" tiled" if c.tiled else ""))
+            + (" no-wait" if c.no_wait else "") + (" tiled" if c.tiled else "") + (" producer" if c.producer_warp else ""))
+
+
+def one_profiled(x, w_gate_up, w_down, c: MlpConfig, trace_dir: str) -> None:
+    """One call under Mosaic GPU's in-kernel profile (its trace lands in ``trace_dir``)."""
+    jax.block_until_ready(jax.jit(lambda *a: persistent_mlp(*a, c, profile_dir=trace_dir, profile_ranges=384))(
+        x, w_gate_up, w_down))
+    jax.effects_barrier()  # the profile is written by a host callback
+
+
+def in_kernel_profile(run, trace_dir: str) -> dict:
+    """Where the programs' time goes in one call: per range name (``persistent_mlp``'s ``ring``,
+    ``x``, ``epilogue``, ``claim``), the mean time per program as a share of its ``loop``; and how
+    far apart the programs finish (max - min and max - median of the loop's end, in the trace's
+    units: SM clock cycles / 1000, each program from its own start)."""
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    run(trace_dir)
+    events = json.loads(next(Path(trace_dir).glob("*trace.json")).read_text())["traceEvents"]
+    per_program: dict[int, dict[str, float]] = {}
+    ends = []
+    for tid in sorted({e["tid"] for e in events}):
+        opened: dict[str, float] = {}
+        totals = per_program.setdefault(tid, {})
+        for e in (e for e in events if e["tid"] == tid):  # in time order within a program
+            if e["ph"] == "B":
+                opened[e["name"]] = e["ts"]
+            elif e["name"] in opened:
+                totals[e["name"]] = totals.get(e["name"], 0.0) + e["ts"] - opened.pop(e["name"])
+                if e["name"] == "loop":
+                    ends.append(e["ts"])
+    names = sorted({n for t in per_program.values() for n in t})
+    mean = {n: float(np.mean([t.get(n, 0.0) for t in per_program.values()])) for n in names}
+    out = {"share_of_loop": {n: mean[n] / mean["loop"] for n in names if n != "loop"},
+           "loop_kcycles": mean["loop"], "end_spread_kcycles": float(np.max(ends) - np.min(ends)),
+           "last_after_median_kcycles": float(np.max(ends) - np.median(ends))}
+    print("    in-kernel profile: " + ", ".join(f"{n} {v:.0%}" for n, v in out["share_of_loop"].items())
+          + f" of the loop ({out['loop_kcycles']:.1f} kcycles); programs end {out['end_spread_kcycles']:.1f} "
+          f"apart, the last {out['last_after_median_kcycles']:.1f} after the median", flush=True)
+    return out
 
 
 def main() -> None:
@@ -60,6 +99,8 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="indices into VARIANTS (default: all)")
     ap.add_argument("--profile", default=None, metavar="DIR")
     ap.add_argument("--no-xla", action="store_true", help="skip the XLA baseline")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="also profile one call of each variant from inside the kernel: where its programs' time goes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype, key, layers = jnp.bfloat16, jax.random.key(0), args.layers
@@ -130,6 +171,9 @@ def main() -> None:
                 print(f"{label(c):<36} WRONG" + ("" if c.no_wait else ", not timed"), flush=True)
                 if not c.no_wait:  # a diagnostic race is timed all the same
                     continue
+            if args.trace:
+                results.setdefault("profiles", {})[label(c)] = in_kernel_profile(
+                    lambda d, c=c: one_profiled(x, ws_c[0][0], ws_c[1][0], c, d), f"{args.trace}/{len(results['rows'])}")
             report(label(c), timeit(lambda ws_, i, c=c: kernel_chain(ws_, i, x, c), ws_c, repeats=args.repeats,
                                     inner=args.inner) / layers,
                    lambda ws_, c=c: kernel_chain(ws_, jnp.zeros((), jnp.int32), x, c), (ws_c,), max(err_h, err_y))

@@ -30,6 +30,11 @@ complete); the next down item's x (loaded while the current down item runs). A d
 follows a gate-up item loads its x only once that item is finished and counted, which keeps the
 kernel free of deadlock. The claim itself is one atomic round trip per item, in line.
 
+With ``producer_warp`` (written after the measurements below, not yet run on a device) each program
+is two warpgroups: a producer that only issues copies, refilling a ring slot once the consumer has
+released it (a second barrier per slot) and loading a down item's x once its slice is ready, and a
+consumer that only waits, multiplies and stores. Items are then dealt round-robin.
+
 Every counter goes back to zero before the kernel ends (the queue and the slice flags), so
 consecutive calls need no reset. No CPU test: the atomics and TMA have no interpret mode.
 ``bench_persistent_mlp.py`` checks the kernel on the device against float32 XLA, twice in a row
@@ -82,6 +87,10 @@ class MlpConfig:
     # The weights stored tile-major (``tile_major``): every 32 KB step one contiguous block of HBM,
     # instead of 256 rows of 128 bytes each.
     tiled: bool = False
+    # Two warpgroups per program: a producer that only issues the copies (refilling a slot once the
+    # consumer has released it) and a consumer that only waits, multiplies and stores; items dealt
+    # round-robin (as ``static``). Not yet run on a device (lowered only).
+    producer_warp: bool = False
 
     def smem_bytes(self, hidden: int, itemsize: int = 2) -> int:
         ring = self.stages * STEP_K * TILE * itemsize
@@ -94,7 +103,7 @@ def supports(hidden: int, inter: int, config: MlpConfig) -> bool:
     c = config
     return (c.x_cols % STEP_K == 0 and inter % c.x_cols == 0 and hidden % STEP_K == 0 and hidden % TILE == 0
             and 2 <= c.stages <= c.x_cols // STEP_K + 1 and c.smem_bytes(hidden) <= SMEM_LIMIT
-            and c.programs >= 1)
+            and c.programs >= 1 and not (c.producer_warp and c.no_wait))
 
 
 def gate_up_layout(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
@@ -140,11 +149,15 @@ def tile_major(w: jax.Array) -> jax.Array:
     return w.reshape(k // STEP_K, STEP_K, n // TILE, TILE).transpose(2, 0, 1, 3)
 
 
-def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-                   config: MlpConfig = MlpConfig()) -> tuple[jax.Array, jax.Array]:
+def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, config: MlpConfig = MlpConfig(), *,
+                   profile_dir: str | None = None, profile_ranges: int = 0) -> tuple[jax.Array, jax.Array]:
     """``xn [8, H]`` (the normed input, rows padded), ``w_gate_up [H, 2 I]`` (``gate_up_layout``),
     ``w_down [I, H]``, bf16 -> ``h [8, I]`` bf16 (``silu(xn @ w_gate) * (xn @ w_up)``) and the down
-    projection's float32 partials ``[I / x_cols, 8, H]`` (their sum over the first axis: ``h @ w_down``)."""
+    projection's float32 partials ``[I / x_cols, 8, H]`` (their sum over the first axis: ``h @ w_down``).
+
+    ``profile_dir``: Mosaic GPU's in-kernel profile, up to ``profile_ranges`` timed ranges per program:
+    ``loop`` (all its items), and within it ``ring`` (waiting for a weight step), ``x`` (for a down
+    item's x slice or its slice's flag), ``epilogue`` and ``claim``."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -166,7 +179,7 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
     dtype = xn.dtype
 
     def body(xn_gmem, wgu_gmem, wd_gmem, h_gmem, dpart_gmem, ring, ring_x, xd_smem, out_union,
-             w_ready, x_ready, bcast):
+             w_ready, x_ready, bcast, *released):
         out32, hout = out_union  # an accumulator's transpose; a SwiGLU tile, once that is read
         queue = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         slice_ready = pl.get_global(plgpu.SemaphoreType.REGULAR((slices,)))
@@ -176,7 +189,8 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
             """This program's ``k``-th item (from 0)."""
             if c.static:
                 return lax.axis_index("p") + programs * k
-            return _claim(queue, bcast)
+            with jax.named_scope("claim"):
+                return _claim(queue, bcast)
 
         def is_gate(item):
             return item < n_gate
@@ -231,8 +245,9 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
             flush(pending)
             s = (item - n_gate) // down_tiles
             if not c.no_wait:
-                plgpu.semaphore_wait(slice_ready.at[s], items_per_slice, decrement=False, memory_scope="gpu")
-                _fence_proxy_async()
+                with jax.named_scope("x"):
+                    plgpu.semaphore_wait(slice_ready.at[s], items_per_slice, decrement=False, memory_scope="gpu")
+                    _fence_proxy_async()
             plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds(s * c.x_cols, c.x_cols)], xd_smem.at[buf], x_ready.at[buf])
 
         def transposed_to_out32(acc_ref):
@@ -241,6 +256,25 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
             plgpu.transpose_ref(out32.at[:, :], (1, 0))[...] = tile
             plgpu.commit_smem()
 
+        def gate_epilogue(acc, item):
+            """Gate-up ``item``'s SwiGLU tile, stored (its count into the slice's flag is left to a
+            later ``flush``)."""
+            with jax.named_scope("epilogue"):
+                transposed_to_out32(acc)
+                gate, up = out32[:, pl.ds(0, HALF)], out32[:, pl.ds(HALF, HALF)]
+                swiglu = (gate * jax.nn.sigmoid(gate) * up).astype(dtype)
+                plgpu.commit_smem()  # every thread has read out32, which hout overlaps
+                hout[...] = swiglu
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(hout, h_gmem.at[:, pl.ds(item * HALF, HALF)])
+
+        def down_epilogue(acc, item):
+            """Down ``item``'s float32 partial, stored."""
+            d = item - n_gate
+            with jax.named_scope("epilogue"):
+                transposed_to_out32(acc)
+                plgpu.copy_smem_to_gmem(out32, dpart_gmem.at[d // down_tiles, :, pl.ds((d % down_tiles) * TILE, TILE)])
+
         def run_item(cur, cur_start, nxt, parity, pending):
             """Every step of ``cur``, then its epilogue; ``pending``: an earlier gate-up item whose
             SwiGLU store is not counted yet (or -1)."""
@@ -248,41 +282,34 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                 def k_step(kk, carry):
                     step = cur_start + kk
                     slot = step % stages
-                    plgpu.barrier_wait(w_ready.at[slot])
+                    with jax.named_scope("ring"):
+                        plgpu.barrier_wait(w_ready.at[slot])
                     plgpu.wgmma(acc, plgpu.transpose_ref(ring.at[slot], (1, 0)), plgpu.transpose_ref(x_step(kk), (1, 0)))
                     plgpu.wgmma_wait(1)  # the previous step's WGMMA is done: its slot is free
                     fetch_ahead(step + stages - 1, cur, cur_start, nxt)
                     return carry
 
                 lax.fori_loop(0, count, k_step, None)
-                plgpu.wgmma_wait(0)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out32 and hout are free
-                flush(pending)
+                with jax.named_scope("epilogue"):
+                    plgpu.wgmma_wait(0)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out32 and hout are free
+                    flush(pending)
 
             @pl.when(is_gate(cur))
             def _():
                 def gate_up(acc):
                     accumulate(acc, gate_steps, lambda kk: ring_x.at[(cur_start + kk) % stages])
-                    transposed_to_out32(acc)
-                    gate, up = out32[:, pl.ds(0, HALF)], out32[:, pl.ds(HALF, HALF)]
-                    swiglu = (gate * jax.nn.sigmoid(gate) * up).astype(dtype)
-                    plgpu.commit_smem()  # every thread has read out32, which hout overlaps
-                    hout[...] = swiglu
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(hout, h_gmem.at[:, pl.ds(cur * HALF, HALF)])
+                    gate_epilogue(acc, cur)
 
                 pl.run_scoped(gate_up, plgpu.ACC((TILE, ROWS)))
 
             @pl.when(jnp.logical_not(is_gate(cur)))
             def _():
-                d = cur - n_gate
-                s, t = d // down_tiles, d % down_tiles
-
                 def down(acc):
-                    plgpu.barrier_wait(x_ready.at[parity])
+                    with jax.named_scope("x"):
+                        plgpu.barrier_wait(x_ready.at[parity])
                     accumulate(acc, down_steps, lambda kk: xd_smem.at[parity, :, pl.ds(kk * STEP_K, STEP_K)])
-                    transposed_to_out32(acc)
-                    plgpu.copy_smem_to_gmem(out32, dpart_gmem.at[s, :, pl.ds(t * TILE, TILE)])
+                    down_epilogue(acc, cur)
 
                 pl.run_scoped(down, plgpu.ACC((TILE, ROWS)))
 
@@ -301,26 +328,122 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
             # Every program claims once per item and twice before: the counter ends at total + 2 programs.
             return nxt, cur_start + n_steps(cur), claim(claims), 1 - parity, pending, claims + 1
 
-        first = claim(0)
-        second = claim(1)
-        for step in range(stages - 1):
-            fetch_ahead(step, first, 0, second)
-        pl.when(jnp.logical_not(is_gate(first)) & (first < total))(lambda: fetch_down_x(first, 0, -1))
-        carry = (first, jnp.int32(0), second, jnp.int32(0), jnp.int32(-1), jnp.int32(2))
-        *_, pending, _ = lax.while_loop(lambda cr: cr[0] < total, item_loop, carry)
-        plgpu.wait_smem_to_gmem(0)
-        flush(pending)
+        def one_warpgroup():
+            first = claim(0)
+            second = claim(1)
+            for step in range(stages - 1):
+                fetch_ahead(step, first, 0, second)
+            pl.when(jnp.logical_not(is_gate(first)) & (first < total))(lambda: fetch_down_x(first, 0, -1))
+            carry = (first, jnp.int32(0), second, jnp.int32(0), jnp.int32(-1), jnp.int32(2))
+            with jax.named_scope("loop"):
+                *_, pending, _ = lax.while_loop(lambda cr: cr[0] < total, item_loop, carry)
+            return pending
 
-        # Every program has made its last claim and read its last flag: program 0 zeroes the counters.
-        plgpu.semaphore_signal(exited, 1, memory_scope="gpu")
+        def round_robin_count():
+            """How many items this program has with a producer warpgroup: p, p + programs, ..."""
+            return jnp.maximum(0, (total - lax.axis_index("p") + programs - 1) // programs)
 
-        @pl.when(lax.axis_index("p") == 0)
-        def _():
-            plgpu.semaphore_wait(exited, programs, decrement=True, memory_scope="gpu")
-            if not c.static:
-                plgpu.semaphore_signal(queue, -(total + 2 * programs), memory_scope="gpu")
-            for s in range(slices):
-                plgpu.semaphore_signal(slice_ready.at[s], -items_per_slice, memory_scope="gpu")
+        def producer():
+            """Only issues copies: each item's weight steps (a slot once the consumer released it), and
+            before a down item its x slice (once the slice is ready and the buffer released)."""
+            def item_body(k, carry):
+                fill, downs = carry
+                item = lax.axis_index("p") + programs * k
+                is_down = jnp.logical_not(is_gate(item))
+
+                @pl.when(is_down)
+                def _():
+                    buf, s = downs % 2, (item - n_gate) // down_tiles
+                    plgpu.semaphore_wait(slice_ready.at[s], items_per_slice, decrement=False, memory_scope="gpu")
+                    _fence_proxy_async()
+                    pl.when(downs >= 2)(lambda: plgpu.barrier_wait(x_released.at[buf]))
+                    plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds(s * c.x_cols, c.x_cols)], xd_smem.at[buf],
+                                            x_ready.at[buf])
+
+                def step_body(kk, fill):
+                    slot = fill % stages
+                    pl.when(fill >= stages)(lambda: plgpu.barrier_wait(slot_released.at[slot]))
+                    fetch_weights(item, kk, slot)
+                    return fill + 1
+
+                return lax.fori_loop(0, n_steps(item), step_body, fill), downs + is_down.astype(jnp.int32)
+
+            lax.fori_loop(0, round_robin_count(), item_body, (jnp.int32(0), jnp.int32(0)))
+
+        def consumer():
+            """Only waits, multiplies and stores; releases each slot once its WGMMA is done."""
+            def consume(acc, used, count, x_step):
+                def k_step(kk, carry):
+                    step = used + kk
+                    with jax.named_scope("ring"):
+                        plgpu.barrier_wait(w_ready.at[step % stages])
+                    plgpu.wgmma(acc, plgpu.transpose_ref(ring.at[step % stages], (1, 0)),
+                                plgpu.transpose_ref(x_step(kk), (1, 0)))
+                    plgpu.wgmma_wait(1)
+                    pl.when(kk > 0)(lambda: plgpu.barrier_arrive(slot_released.at[(step - 1) % stages]))
+                    return carry
+
+                lax.fori_loop(0, count, k_step, None)
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(slot_released.at[(used + count - 1) % stages])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out32 and hout are free
+
+            def item_body(k, carry):
+                used, downs, pending = carry
+                item = lax.axis_index("p") + programs * k
+
+                @pl.when(is_gate(item))
+                def _():
+                    def gate_up(acc):
+                        consume(acc, used, gate_steps, lambda kk: ring_x.at[(used + kk) % stages])
+                        flush(pending)
+                        gate_epilogue(acc, item)
+
+                    pl.run_scoped(gate_up, plgpu.ACC((TILE, ROWS)))
+
+                @pl.when(jnp.logical_not(is_gate(item)))
+                def _():
+                    flush(pending)  # the producer may be waiting for this very tile's slice
+                    buf = downs % 2
+
+                    def down(acc):
+                        with jax.named_scope("x"):
+                            plgpu.barrier_wait(x_ready.at[buf])
+                        consume(acc, used, down_steps, lambda kk: xd_smem.at[buf, :, pl.ds(kk * STEP_K, STEP_K)])
+                        plgpu.barrier_arrive(x_released.at[buf])
+                        down_epilogue(acc, item)
+
+                    pl.run_scoped(down, plgpu.ACC((TILE, ROWS)))
+
+                is_down = jnp.logical_not(is_gate(item))
+                return used + n_steps(item), downs + is_down.astype(jnp.int32), jnp.where(is_down, -1, item)
+
+            with jax.named_scope("loop"):
+                *_, pending = lax.fori_loop(0, round_robin_count(), item_body, (jnp.int32(0), jnp.int32(0), jnp.int32(-1)))
+            return pending
+
+        def finish(pending):
+            """The last SwiGLU tile counted; then program 0 zeroes the counters, once every program has
+            made its last claim and read its last flag."""
+            plgpu.wait_smem_to_gmem(0)
+            flush(pending)
+            plgpu.semaphore_signal(exited, 1, memory_scope="gpu")
+
+            @pl.when(lax.axis_index("p") == 0)
+            def _():
+                plgpu.semaphore_wait(exited, programs, decrement=True, memory_scope="gpu")
+                if not c.static and not c.producer_warp:
+                    plgpu.semaphore_signal(queue, -(total + 2 * programs), memory_scope="gpu")
+                for s in range(slices):
+                    plgpu.semaphore_signal(slice_ready.at[s], -items_per_slice, memory_scope="gpu")
+
+        if c.producer_warp:
+            slot_released, x_released = released
+            wg = lax.axis_index("wg")
+            pl.when(wg == 0)(producer)
+            pl.when(wg == 1)(lambda: finish(consumer()))
+        else:
+            finish(one_warpgroup())
 
     itemsize = jnp.dtype(dtype).itemsize
     scratch = (
@@ -331,11 +454,16 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                        plgpu.SMEM((ROWS, HALF), dtype)),
         plgpu.Barrier(num_arrivals=3, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
-        plgpu.SMEM((1,), jnp.int32),  # last: an allocation after it would be aligned past a whole tile
+        plgpu.SMEM((1,), jnp.int32),  # last but the producer's: allocations after it are aligned
     )
+    if c.producer_warp:  # a slot released by the consumer, a down x buffer released
+        scratch += (plgpu.Barrier(num_arrivals=1, num_barriers=stages), plgpu.Barrier(num_arrivals=1, num_barriers=2))
     out_types = (jax.ShapeDtypeStruct((ROWS, inter), dtype),
                  jax.ShapeDtypeStruct((slices, ROWS, hidden), jnp.float32))
-    kernel = plgpu.kernel(body, out_type=out_types, scratch_types=scratch, grid=(programs,), grid_names=("p",))
+    params = plgpu.CompilerParams(profile_space=profile_ranges, profile_dir=profile_dir) if profile_dir else None
+    threads = dict(num_threads=2, thread_name="wg") if c.producer_warp else {}
+    kernel = plgpu.kernel(body, out_type=out_types, scratch_types=scratch, grid=(programs,), grid_names=("p",),
+                          compiler_params=params, **threads)
     return kernel(xn, w_gate_up, w_down)
 
 
