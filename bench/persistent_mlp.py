@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from matvec_mgpu import swizzled
+from matvec_mgpu import SMEM_BUDGET, swizzled
 from persistent_chain import _fence_proxy_async
 
 ROWS = 8  # the WGMMA's N: the rows of x, padded
@@ -67,7 +67,6 @@ TILE = 64  # weight columns per item (the WGMMA's M)
 HALF = TILE // 2  # a gate-up item's gate (and up) columns: its SwiGLU output columns
 STEP_K = 256  # K rows per step: a [STEP_K, TILE] weight tile, 32 KB, in two TMA copies
 COPY_K = STEP_K // 2
-SMEM_LIMIT = 227 * 1024  # shared memory per block on an H100 / H200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +91,7 @@ class MlpConfig:
     # round-robin (as ``static``). Not yet run on a device (lowered only).
     producer_warp: bool = False
 
-    def smem_bytes(self, hidden: int, itemsize: int = 2) -> int:
+    def smem_bytes(self, itemsize: int = 2) -> int:
         ring = self.stages * STEP_K * TILE * itemsize
         ring += self.stages * ROWS * STEP_K * itemsize  # a gate-up step's x tile beside its weights
         x = 2 * ROWS * self.x_cols * itemsize  # the down x double buffer
@@ -102,7 +101,7 @@ class MlpConfig:
 def supports(hidden: int, inter: int, config: MlpConfig) -> bool:
     c = config
     return (c.x_cols % STEP_K == 0 and inter % c.x_cols == 0 and hidden % STEP_K == 0 and hidden % TILE == 0
-            and 2 <= c.stages <= c.x_cols // STEP_K + 1 and c.smem_bytes(hidden) <= SMEM_LIMIT
+            and 2 <= c.stages <= c.x_cols // STEP_K + 1 and c.smem_bytes() <= SMEM_BUDGET
             and c.programs >= 1 and not (c.producer_warp and c.no_wait))
 
 
@@ -320,7 +319,7 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
             # item is done and counted (its own SwiGLU tile may be what the next item waits for).
             early = nxt_down & jnp.logical_not(is_gate(cur))
             pl.when(early)(lambda: fetch_down_x(nxt, 1 - parity, pending))
-            run_item(cur, cur_start, nxt, parity, jnp.where(early, -1, pending))
+            run_item(cur, cur_start, nxt, parity, pending)  # -1 whenever cur is a down item
             pending = jnp.where(is_gate(cur), cur, -1)
             late = nxt_down & is_gate(cur)
             pl.when(late)(lambda: fetch_down_x(nxt, 1 - parity, pending))
