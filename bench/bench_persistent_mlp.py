@@ -14,9 +14,10 @@ Reported per layer: the wall time of the chain (median of ``--repeats``, inner c
 jit), and with ``--profile`` the GPU kernel time off a trace (kernels back to back: what the engine's
 step is made of), with the weight bytes over each, against the ~4.4-4.6 TB/s a long stream reaches.
 
-Variants (``--variants``, indices into VARIANTS): ring depth, and the kernel's diagnostics:
-round-robin items instead of claimed ones (``static``), no wait for a down item's slice (``no-wait``,
-a race, timed even when wrong), weights stored tile-major (``tiled``).
+Variants (``--variants``, indices into VARIANTS): ring depth, step size (``k128``: 16 KB steps),
+program count, a down item's K slice, a producer warpgroup, and the kernel's diagnostics: round-robin
+items instead of claimed ones (``static``), no wait for a down item's slice (``no-wait``, a race) and
+no epilogue stores (``no-store``), both timed although wrong, weights stored tile-major (``tiled``).
 
     python bench/bench_persistent_mlp.py --layers 12 --profile /tmp/prof    # on an H100/H200
 """
@@ -41,16 +42,26 @@ from persistent_mlp import (ROWS, MlpConfig, gate_up_layout, persistent_mlp, per
                             supports, tile_major)
 
 HIDDEN, INTER = 4096, 12288
-# The sixteenth session's variants (docs/benchmarks.md): the default (5 stages), one stage less or
-# two, and the diagnostics; the last (a producer warpgroup) was written after that session's calls.
+# The measured variants (docs/benchmarks.md). Sixteenth session: the default (5 stages), one stage
+# less or two, and the diagnostics.
 VARIANTS = [MlpConfig(stages=5), MlpConfig(stages=4), MlpConfig(stages=5, static=True),
             MlpConfig(stages=5, no_wait=True), MlpConfig(stages=3), MlpConfig(stages=5, tiled=True),
-            MlpConfig(stages=4, tiled=True), MlpConfig(stages=5, producer_warp=True)]
+            MlpConfig(stages=4, tiled=True),
+            # Seventeenth session: a producer warpgroup, 128 programs (the eleventh session's chains streamed at 4.4 TB/s on
+            # 128) and 16 KB steps (one copy each, more of them in flight).
+            MlpConfig(stages=5, producer_warp=True), MlpConfig(stages=4, producer_warp=True),
+            MlpConfig(programs=128), MlpConfig(programs=128, static=True), MlpConfig(step_k=128, stages=9),
+            MlpConfig(step_k=128, stages=9, programs=128), MlpConfig(step_k=128, stages=9, producer_warp=True),
+            # Then the items' length and epilogues: down items twice as long (K slices of 2048, in 16 KB
+            # steps to fit), and no epilogue stores (with and without the slices' wait).
+            MlpConfig(x_cols=2048, step_k=128, stages=8), MlpConfig(x_cols=2048, step_k=128, stages=8, static=True),
+            MlpConfig(no_store=True), MlpConfig(no_store=True, no_wait=True)]
 
 
 def label(c: MlpConfig) -> str:
-    return (f"persistent s{c.stages} p{c.programs} x{c.x_cols}" + (" static" if c.static else "")
-            + (" no-wait" if c.no_wait else "") + (" tiled" if c.tiled else "") + (" producer" if c.producer_warp else ""))
+    return (f"persistent s{c.stages} p{c.programs} x{c.x_cols}" + (f" k{c.step_k}" if c.step_k != 256 else "")
+            + (" static" if c.static else "")
+            + (" no-wait" if c.no_wait else "") + (" no-store" if c.no_store else "") + (" tiled" if c.tiled else "") + (" producer" if c.producer_warp else ""))
 
 
 def one_profiled(x, w_gate_up, w_down, c: MlpConfig, trace_dir: str) -> None:
@@ -64,7 +75,8 @@ def in_kernel_profile(run, trace_dir: str) -> dict:
     """Where the programs' time goes in one call: per range name (``persistent_mlp``'s ``ring``,
     ``x``, ``epilogue``, ``claim``), the mean time per program as a share of its ``loop``; and how
     far apart the programs finish (max - min and max - median of the loop's end, in the trace's
-    units: SM clock cycles / 1000, each program from its own start)."""
+    units: SM clock cycles / 1000, each program from its own start). A program is the timeline that
+    has a ``loop`` range."""
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
     run(trace_dir)
     events = json.loads(next(Path(trace_dir).glob("*trace.json")).read_text())["traceEvents"]
@@ -80,6 +92,8 @@ def in_kernel_profile(run, trace_dir: str) -> dict:
                 totals[e["name"]] = totals.get(e["name"], 0.0) + e["ts"] - opened.pop(e["name"])
                 if e["name"] == "loop":
                     ends.append(e["ts"])
+    # With a producer warpgroup only the consumer's timeline has ranges (the producer's has no ``loop``).
+    per_program = {tid: t for tid, t in per_program.items() if "loop" in t}
     names = sorted({n for t in per_program.values() for n in t})
     mean = {n: float(np.mean([t.get(n, 0.0) for t in per_program.values()])) for n in names}
     out = {"share_of_loop": {n: mean[n] / mean["loop"] for n in names if n != "loop"},
@@ -148,12 +162,12 @@ def main() -> None:
         return h
 
     ws = ([gate_up_layout(g, u) for g, u in zip(w_gate, w_up)], w_down)
-    ws_tiled = None
+    ws_tiled = {}  # per step_k
     picked = [VARIANTS[int(i)] for i in args.variants.split(",") if i] or VARIANTS
     for c in picked:
-        if c.tiled and ws_tiled is None:
-            ws_tiled = tuple([tile_major(w) for w in group] for group in ws)
-        ws_c = ws_tiled if c.tiled else ws
+        if c.tiled and c.step_k not in ws_tiled:
+            ws_tiled[c.step_k] = tuple([tile_major(w, c.step_k) for w in group] for group in ws)
+        ws_c = ws_tiled[c.step_k] if c.tiled else ws
         if not supports(HIDDEN, INTER, c):
             print(f"{label(c):<36} unsupported", flush=True)
             continue
@@ -168,12 +182,16 @@ def main() -> None:
             print(f"{label(c):<36} check: SwiGLU error {err_h:.1e}, output error {err_y:.1e}, "
                   f"second call identical: {same}", flush=True)
             if not (err_h < 2e-2 and err_y < 2e-2 and same):
-                print(f"{label(c):<36} WRONG" + ("" if c.no_wait else ", not timed"), flush=True)
-                if not c.no_wait:  # a diagnostic race is timed all the same
+                print(f"{label(c):<36} WRONG" + ("" if c.no_wait or c.no_store else ", not timed"), flush=True)
+                if not (c.no_wait or c.no_store):  # a diagnostic, wrong by design, is timed all the same
                     continue
             if args.trace:
-                results.setdefault("profiles", {})[label(c)] = in_kernel_profile(
-                    lambda d, c=c: one_profiled(x, ws_c[0][0], ws_c[1][0], c, d), f"{args.trace}/{len(results['rows'])}")
+                try:  # the profile's buffers take shared memory a variant may not have to spare
+                    results.setdefault("profiles", {})[label(c)] = in_kernel_profile(
+                        lambda d, c=c: one_profiled(x, ws_c[0][0], ws_c[1][0], c, d),
+                        f"{args.trace}/{len(results['rows'])}")
+                except Exception as e:
+                    print(f"{label(c):<36} in-kernel profile FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             report(label(c), timeit(lambda ws_, i, c=c: kernel_chain(ws_, i, x, c), ws_c, repeats=args.repeats,
                                     inner=args.inner) / layers,
                    lambda ws_, c=c: kernel_chain(ws_, jnp.zeros((), jnp.int32), x, c), (ws_c,), max(err_h, err_y))

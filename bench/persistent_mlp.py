@@ -9,14 +9,15 @@ matmuls waits for a late program. Here no program owns a fixed share: each claim
 the late ones simply claim fewer. The gate-up -> down dependency is made local: a down item reads
 only one K slice of the SwiGLU output, so it waits for that slice's gate-up items, not for all.
 
-Work items, every step of each a 32 KB weight tile ``[256, 64]`` (two TMA copies into one ring slot):
+Work items, every step of each a weight tile ``[step_k, 64]`` (by default 256 rows, 32 KB, in two
+TMA copies into one ring slot; 128 rows is one 16 KB copy):
 - gate-up ``b``: 64 columns of the gate-up weight stored as blocks of 32 gate columns then the same
   32 up columns (``gate_up_layout``), over all of K (16 steps, 512 KB): one WGMMA accumulator whose
   first 32 columns are gate and last 32 up, so the SwiGLU of 32 output columns is the item's own
-  epilogue (through shared memory). Its x tiles ``[8, 256]`` of the input ``xn`` travel with its
+  epilogue (through shared memory). Its x tiles ``[8, step_k]`` of the input ``xn`` travel with its
   weights, in the same ring slot.
 - down ``(s, t)``: 64 output columns ``t`` over K slice ``s`` (``x_cols`` rows of the SwiGLU output,
-  ``x_cols / 256`` steps): a float32 partial ``[8, 64]``; the caller sums the ``I / x_cols``
+  ``x_cols / step_k`` steps): a float32 partial ``[8, 64]``; the caller sums the ``I / x_cols``
   partials (as the engine's next residual add would). Its x slice (it must wait for the slice's
   gate-up items) comes into one half of a double buffer, while the item before runs.
 The queue holds every gate-up item, then every down item (slice-major), so the last gate-up items
@@ -30,10 +31,10 @@ complete); the next down item's x (loaded while the current down item runs). A d
 follows a gate-up item loads its x only once that item is finished and counted, which keeps the
 kernel free of deadlock. The claim itself is one atomic round trip per item, in line.
 
-With ``producer_warp`` (written after the measurements below, not yet run on a device) each program
-is two warpgroups: a producer that only issues copies, refilling a ring slot once the consumer has
-released it (a second barrier per slot) and loading a down item's x once its slice is ready, and a
-consumer that only waits, multiplies and stores. Items are then dealt round-robin.
+With ``producer_warp`` each program is two warpgroups: a producer that only issues copies, refilling
+a ring slot once the consumer has released it (a second barrier per slot) and loading a down item's
+x once its slice is ready, and a consumer that only waits, multiplies and stores. Items are then
+dealt round-robin.
 
 Every counter goes back to zero before the kernel ends (the queue and the slice flags), so
 consecutive calls need no reset. No CPU test: the atomics and TMA have no interpret mode.
@@ -49,6 +50,17 @@ contiguous 32 KB tiles (``tiled``) 77.1 against 77.8. What costs is the streamin
 warpgroup that waits for each step, multiplies and issues the next copies in turn; one more ring
 stage gave 1.6 us (4 -> 5), and shared memory allows no sixth. An earlier version with gate-up
 items split over K (partials summed by the item that completed a tile's last slice) took 82.5 us.
+
+The seventeenth session tested that explanation, and it does not hold: a producer warpgroup
+(76.9-77.6 us, its consumer waiting for weights 66-70% of its loop), 128 programs (76.3-77.3) and
+16 KB steps nine deep (78.1-79.7) all run as slowly. ``persistent_chain``'s layer, streamed without
+dependencies through the same kind of TMA ring, reached 4.32 TB/s on the same machine that day.
+What costs is the items' epilogues: ~9 per program (gate-up 512 KB, down 128 KB), each an
+accumulator through shared memory and a store, ~10% of a program's loop, while no new weight copy
+is issued; without the stores (``no_store``) the kernel takes 72.7 us against 76.4, as long as XLA's
+kernels (72.5), and down items twice as long (``x_cols=2048``) take 75.6. A second consumer
+warpgroup whose epilogues overlap the other's steps would be the next thing to try; at the chain's
+rate the MLP would still gain only ~2-3 us per layer over XLA.
 """
 
 from __future__ import annotations
@@ -65,44 +77,48 @@ from persistent_chain import _fence_proxy_async
 ROWS = 8  # the WGMMA's N: the rows of x, padded
 TILE = 64  # weight columns per item (the WGMMA's M)
 HALF = TILE // 2  # a gate-up item's gate (and up) columns: its SwiGLU output columns
-STEP_K = 256  # K rows per step: a [STEP_K, TILE] weight tile, 32 KB, in two TMA copies
-COPY_K = STEP_K // 2
+COPY_K = 128  # K rows per TMA copy of a weight step: a [128, TILE] tile, 16 KB
 
 
 @dataclasses.dataclass(frozen=True)
 class MlpConfig:
     """``stages`` weight steps in flight per program (at most a down item's steps + 1: the ring looks
     ahead into the next item only); ``programs`` resident programs (one per SM); ``x_cols`` the K
-    slice of a down item."""
+    slice of a down item; ``step_k`` K rows per step (a ``[step_k, 64]`` weight tile: 256 is 32 KB in
+    two TMA copies, 128 is 16 KB in one)."""
 
     stages: int = 5
     programs: int = 132
     x_cols: int = 1024
+    step_k: int = 256
     # Diagnostics: ``static`` deals the items round-robin (program p takes p, p + programs, ...)
     # instead of claiming them, which prices the claims and the balancing; ``no_wait`` (wrong by
     # design) skips the down items' wait for their slice, which prices the dependency.
     static: bool = False
     no_wait: bool = False
+    # Diagnostic, wrong by design: no epilogue stores (no SwiGLU tile, no partial; the flags are still
+    # counted), which prices the items' epilogues.
+    no_store: bool = False
     # The weights stored tile-major (``tile_major``): every 32 KB step one contiguous block of HBM,
     # instead of 256 rows of 128 bytes each.
     tiled: bool = False
     # Two warpgroups per program: a producer that only issues the copies (refilling a slot once the
     # consumer has released it) and a consumer that only waits, multiplies and stores; items dealt
-    # round-robin (as ``static``). Not yet run on a device (lowered only).
+    # round-robin (as ``static``).
     producer_warp: bool = False
 
     def smem_bytes(self, itemsize: int = 2) -> int:
-        ring = self.stages * STEP_K * TILE * itemsize
-        ring += self.stages * ROWS * STEP_K * itemsize  # a gate-up step's x tile beside its weights
+        ring = self.stages * self.step_k * TILE * itemsize
+        ring += self.stages * ROWS * self.step_k * itemsize  # a gate-up step's x tile beside its weights
         x = 2 * ROWS * self.x_cols * itemsize  # the down x double buffer
         return ring + x + ROWS * TILE * 4 + 128  # + the broadcast word and the barriers
 
 
 def supports(hidden: int, inter: int, config: MlpConfig) -> bool:
     c = config
-    return (c.x_cols % STEP_K == 0 and inter % c.x_cols == 0 and hidden % STEP_K == 0 and hidden % TILE == 0
-            and 2 <= c.stages <= c.x_cols // STEP_K + 1 and c.smem_bytes() <= SMEM_BUDGET
-            and c.programs >= 1 and not (c.producer_warp and c.no_wait))
+    return (c.step_k in (COPY_K, 2 * COPY_K) and c.x_cols % c.step_k == 0 and inter % c.x_cols == 0
+            and hidden % c.step_k == 0 and hidden % TILE == 0 and 2 <= c.stages <= c.x_cols // c.step_k + 1
+            and c.smem_bytes() <= SMEM_BUDGET and c.programs >= 1 and not (c.producer_warp and c.no_wait))
 
 
 def gate_up_layout(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
@@ -142,10 +158,10 @@ def _claim(counter, bcast):
     return atom(counter, bcast)
 
 
-def tile_major(w: jax.Array) -> jax.Array:
-    """``w [K, N]`` -> ``[N / 64, K / 256, 256, 64]``: each step's weight tile contiguous."""
+def tile_major(w: jax.Array, step_k: int = 256) -> jax.Array:
+    """``w [K, N]`` -> ``[N / 64, K / step_k, step_k, 64]``: each step's weight tile contiguous."""
     k, n = w.shape
-    return w.reshape(k // STEP_K, STEP_K, n // TILE, TILE).transpose(2, 0, 1, 3)
+    return w.reshape(k // step_k, step_k, n // TILE, TILE).transpose(2, 0, 1, 3)
 
 
 def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, config: MlpConfig = MlpConfig(), *,
@@ -161,9 +177,10 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     c = config
+    step_k, copies = c.step_k, c.step_k // COPY_K
     rows, hidden = xn.shape
-    inter = w_down.shape[0] if w_down.ndim == 2 else w_down.shape[1] * STEP_K
-    shapes = (((2 * inter // TILE, hidden // STEP_K, STEP_K, TILE), (hidden // TILE, inter // STEP_K, STEP_K, TILE))
+    inter = w_down.shape[0] if w_down.ndim == 2 else w_down.shape[1] * step_k
+    shapes = (((2 * inter // TILE, hidden // step_k, step_k, TILE), (hidden // TILE, inter // step_k, step_k, TILE))
               if c.tiled else ((hidden, 2 * inter), (inter, hidden)))
     if rows != ROWS or (w_gate_up.shape, w_down.shape) != shapes or not supports(hidden, inter, c):
         raise ValueError(f"persistent_mlp: xn {xn.shape}, w_gate_up {w_gate_up.shape}, w_down {w_down.shape} "
@@ -172,7 +189,7 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
     down_tiles = hidden // TILE
     n_gate, n_down = 2 * inter // TILE, down_tiles * slices
     total = n_gate + n_down
-    gate_steps, down_steps = hidden // STEP_K, c.x_cols // STEP_K
+    gate_steps, down_steps = hidden // step_k, c.x_cols // step_k
     items_per_slice = c.x_cols // HALF  # gate-up items whose SwiGLU columns make one down K slice
     programs, stages = c.programs, c.stages
     dtype = xn.dtype
@@ -198,17 +215,17 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
             return jnp.where(is_gate(item), gate_steps, down_steps)
 
         def fetch_weights(item, kk, slot):
-            """Weight step ``kk`` of ``item`` into ring slot ``slot`` (two 16 KB copies), and for a
+            """Weight step ``kk`` of ``item`` into ring slot ``slot`` (16 KB copies), and for a
             gate-up item its x tile (a down item's x is not ready this early: it arrives in place)."""
             is_down = jnp.logical_not(is_gate(item))
             d = item - n_gate
-            row0 = jnp.where(is_down, (d // down_tiles) * c.x_cols, 0) + kk * STEP_K
+            row0 = jnp.where(is_down, (d // down_tiles) * c.x_cols, 0) + kk * step_k
             col0 = jnp.where(is_down, d % down_tiles, item) * TILE
 
             def copy(w_gmem):
-                for half in range(2):
+                for half in range(copies):
                     if c.tiled:
-                        src = w_gmem.at[col0 // TILE, row0 // STEP_K, pl.ds(half * COPY_K, COPY_K)]
+                        src = w_gmem.at[col0 // TILE, row0 // step_k, pl.ds(half * COPY_K, COPY_K)]
                     else:
                         src = w_gmem.at[pl.ds(row0 + half * COPY_K, COPY_K), pl.ds(col0, TILE)]
                     plgpu.copy_gmem_to_smem(src, ring.at[slot, pl.ds(half * COPY_K, COPY_K)], w_ready.at[slot])
@@ -216,12 +233,12 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
             @pl.when(is_gate(item))
             def _():
                 copy(wgu_gmem)
-                plgpu.copy_gmem_to_smem(xn_gmem.at[:, pl.ds(kk * STEP_K, STEP_K)], ring_x.at[slot], w_ready.at[slot])
+                plgpu.copy_gmem_to_smem(xn_gmem.at[:, pl.ds(kk * step_k, step_k)], ring_x.at[slot], w_ready.at[slot])
 
             @pl.when(is_down & (item < total))
             def _():
                 copy(wd_gmem)
-                plgpu.barrier_arrive(w_ready.at[slot])  # in place of the x tile: every step arrives thrice
+                plgpu.barrier_arrive(w_ready.at[slot])  # in place of the x tile: every step arrives copies + 1 times
 
         def fetch_ahead(step, cur, cur_start, nxt):
             """The weights of this program's ``step`` (in ``cur``, else in ``nxt``), if it has one."""
@@ -258,6 +275,8 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
         def gate_epilogue(acc, item):
             """Gate-up ``item``'s SwiGLU tile, stored (its count into the slice's flag is left to a
             later ``flush``)."""
+            if c.no_store:
+                return
             with jax.named_scope("epilogue"):
                 transposed_to_out32(acc)
                 gate, up = out32[:, pl.ds(0, HALF)], out32[:, pl.ds(HALF, HALF)]
@@ -270,6 +289,8 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
         def down_epilogue(acc, item):
             """Down ``item``'s float32 partial, stored."""
             d = item - n_gate
+            if c.no_store:
+                return
             with jax.named_scope("epilogue"):
                 transposed_to_out32(acc)
                 plgpu.copy_smem_to_gmem(out32, dpart_gmem.at[d // down_tiles, :, pl.ds((d % down_tiles) * TILE, TILE)])
@@ -307,7 +328,7 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
                 def down(acc):
                     with jax.named_scope("x"):
                         plgpu.barrier_wait(x_ready.at[parity])
-                    accumulate(acc, down_steps, lambda kk: xd_smem.at[parity, :, pl.ds(kk * STEP_K, STEP_K)])
+                    accumulate(acc, down_steps, lambda kk: xd_smem.at[parity, :, pl.ds(kk * step_k, step_k)])
                     down_epilogue(acc, cur)
 
                 pl.run_scoped(down, plgpu.ACC((TILE, ROWS)))
@@ -408,7 +429,7 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
                     def down(acc):
                         with jax.named_scope("x"):
                             plgpu.barrier_wait(x_ready.at[buf])
-                        consume(acc, used, down_steps, lambda kk: xd_smem.at[buf, :, pl.ds(kk * STEP_K, STEP_K)])
+                        consume(acc, used, down_steps, lambda kk: xd_smem.at[buf, :, pl.ds(kk * step_k, step_k)])
                         plgpu.barrier_arrive(x_released.at[buf])
                         down_epilogue(acc, item)
 
@@ -446,12 +467,12 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
 
     itemsize = jnp.dtype(dtype).itemsize
     scratch = (
-        plgpu.SMEM((stages, STEP_K, TILE), dtype, transforms=swizzled(TILE, itemsize)),
-        plgpu.SMEM((stages, ROWS, STEP_K), dtype, transforms=swizzled(STEP_K, itemsize)),
+        plgpu.SMEM((stages, step_k, TILE), dtype, transforms=swizzled(TILE, itemsize)),
+        plgpu.SMEM((stages, ROWS, step_k), dtype, transforms=swizzled(step_k, itemsize)),
         plgpu.SMEM((2, ROWS, c.x_cols), dtype, transforms=swizzled(c.x_cols, itemsize)),
         plgpu.RefUnion(plgpu.SMEM((ROWS, TILE), jnp.float32),  # unswizzled: written through a transposed view
                        plgpu.SMEM((ROWS, HALF), dtype)),
-        plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=copies + 1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
         plgpu.SMEM((1,), jnp.int32),  # last but the producer's: allocations after it are aligned
     )
