@@ -12,7 +12,7 @@ only one K slice of the SwiGLU output, so it waits for that slice's gate-up item
 Work items, every step of each a weight tile ``[step_k, 64]`` (by default 256 rows, 32 KB, in two
 TMA copies into one ring slot; 128 rows is one 16 KB copy):
 - gate-up ``b``: 64 columns of the gate-up weight stored as blocks of 32 gate columns then the same
-  32 up columns (``gate_up_layout``), over all of K (16 steps, 512 KB): one WGMMA accumulator whose
+  32 up columns (``gate_up_layout``), over all of K (512 KB): one WGMMA accumulator whose
   first 32 columns are gate and last 32 up, so the SwiGLU of 32 output columns is the item's own
   epilogue (through shared memory). Its x tiles ``[8, step_k]`` of the input ``xn`` travel with its
   weights, in the same ring slot.
@@ -99,8 +99,8 @@ class MlpConfig:
     # Diagnostic, wrong by design: no epilogue stores (no SwiGLU tile, no partial; the flags are still
     # counted), which prices the items' epilogues.
     no_store: bool = False
-    # The weights stored tile-major (``tile_major``): every 32 KB step one contiguous block of HBM,
-    # instead of 256 rows of 128 bytes each.
+    # The weights stored tile-major (``tile_major``): every step's weight tile one contiguous block
+    # of HBM, instead of ``step_k`` rows of 128 bytes each.
     tiled: bool = False
     # Two warpgroups per program: a producer that only issues the copies (refilling a slot once the
     # consumer has released it) and a consumer that only waits, multiplies and stores; items dealt
