@@ -170,6 +170,22 @@ def _flags_fit(shapes: Sequence[tuple[int, int]], c: ChainConfig) -> bool:
             and sum(n // f for _, n in shapes) <= c.resident(shapes))
 
 
+def group_tiles(flag_cols: int, width: int, g):
+    """How many output tiles ``width`` columns wide overlap column group ``g`` (``flag_cols`` wide)."""
+    return ((g + 1) * flag_cols - 1) // width - (g * flag_cols) // width + 1
+
+
+def count_into_groups(ready, first: int, flag_cols: int, width: int, t):
+    """Counts stored output tile ``t`` (``width`` columns) into the ready counters of the (one or
+    two) column groups it overlaps; ``ready.at[first]`` is its matmul's first group."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    g0, g1 = (t * width) // flag_cols, (t * width + width - 1) // flag_cols
+    plgpu.semaphore_signal(ready.at[first + g0], 1, memory_scope="gpu")
+    pl.when(g1 != g0)(lambda: plgpu.semaphore_signal(ready.at[first + g1], 1, memory_scope="gpu"))
+
+
 def _fence_proxy_async():
     """Orders this thread's generic-proxy accesses with TMA (async-proxy) ones, both ways: the
     counters are generic atomics, the outputs and inputs move by TMA."""
@@ -264,16 +280,10 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
                         plgpu.copy_gmem_to_smem(w_gmem[j].at[layer, rows_k, cols], w_smem.at[slot], w_ready.at[slot])
 
         def tiles_in_group(j: int, g):
-            """How many of matmul ``j``'s output tiles overlap its column group ``g``."""
-            f, b = c.flag_cols, c.bn(j)
-            return ((g + 1) * f - 1) // b - (g * f) // b + 1
+            return group_tiles(c.flag_cols, c.bn(j), g)
 
         def count_tile(j: int, t):
-            """Counts matmul ``j``'s stored tile ``t`` into the (one or two) groups it overlaps."""
-            b, f = c.bn(j), c.flag_cols
-            g0, g1 = (t * b) // f, (t * b + b - 1) // f
-            plgpu.semaphore_signal(ready.at[base[j] + g0], 1, memory_scope="gpu")
-            pl.when(g1 != g0)(lambda: plgpu.semaphore_signal(ready.at[base[j] + g1], 1, memory_scope="gpu"))
+            count_into_groups(ready, base[j], c.flag_cols, c.bn(j), t)
 
         def await_x(layer, j, kk):
             """Waits until the group of the previous matmul's output that K step ``kk`` of matmul ``j``
