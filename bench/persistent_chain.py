@@ -186,6 +186,26 @@ def count_into_groups(ready, first: int, flag_cols: int, width: int, t):
     pl.when(g1 != g0)(lambda: plgpu.semaphore_signal(ready.at[first + g1], 1, memory_scope="gpu"))
 
 
+def reset_ready_counters(ready, exited, drained, p, programs: int, totals: Sequence[int]) -> None:
+    """At a kernel's end, returns its ready counters (``ready.at[i]`` reached ``totals[i]``, static)
+    and its two exit counters to zero, so the next call starts from zeros whether or not
+    ``pl.get_global`` semaphores persist. Once every program has passed its last wait, program ``i``
+    resets counter ``i`` (there are no more counters than programs), then program 0 the exit counters."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    plgpu.semaphore_signal(exited, 1, memory_scope="gpu")
+    plgpu.semaphore_wait(exited, programs, decrement=False, memory_scope="gpu")
+    for i, total in enumerate(totals):  # (a signal's value must be static)
+        pl.when(p == i)(lambda i=i, total=total: plgpu.semaphore_signal(ready.at[i], -total, memory_scope="gpu"))
+    plgpu.semaphore_signal(drained, 1, memory_scope="gpu")
+
+    @pl.when(p == 0)
+    def _():
+        plgpu.semaphore_wait(drained, programs, decrement=True, memory_scope="gpu")
+        plgpu.semaphore_signal(exited, -programs, memory_scope="gpu")
+
+
 def _fence_proxy_async():
     """Orders this thread's generic-proxy accesses with TMA (async-proxy) ones, both ways: the
     counters are generic atomics, the outputs and inputs move by TMA."""
@@ -396,20 +416,8 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
 
         lax.fori_loop(0, layers, layer_body, None)
         if flags:
-            # Every program has read its last group: each returns one counter to zero (there are no
-            # more counters than programs), then program 0 the two exit counters.
-            plgpu.semaphore_signal(exited, 1, memory_scope="gpu")
-            plgpu.semaphore_wait(exited, programs, decrement=False, memory_scope="gpu")
-            for j in range(phases):  # (a signal's value must be static)
-                for g in range(groups[j]):
-                    pl.when(p == base[j] + g)(lambda j=j, g=g: plgpu.semaphore_signal(
-                        ready.at[base[j] + g], -layers * tiles_in_group(j, g), memory_scope="gpu"))
-            plgpu.semaphore_signal(drained, 1, memory_scope="gpu")
-
-            @pl.when(p == 0)
-            def _():
-                plgpu.semaphore_wait(drained, programs, decrement=True, memory_scope="gpu")
-                plgpu.semaphore_signal(exited, -programs, memory_scope="gpu")
+            reset_ready_counters(ready, exited, drained, p, programs,
+                                 [layers * tiles_in_group(j, g) for j in range(phases) for g in range(groups[j])])
         elif c.dependent:
             plgpu.semaphore_signal(exited, 1, memory_scope="gpu")
 

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from matvec_mgpu import SMEM_BUDGET, swizzled
-from persistent_chain import WGMMA_M, _fence_proxy_async, count_into_groups, group_tiles
+from persistent_chain import WGMMA_M, _fence_proxy_async, count_into_groups, group_tiles, reset_ready_counters
 
 O, GU, D, QKV = range(4)  # the phases
 
@@ -148,11 +148,11 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
         steps = start[-1]
 
         def fetch_weights(step):
-            slot, r = step % c.stages, step
+            slot = step % c.stages
             for j in range(phases):
-                @pl.when((start[j] <= r) & (r < start[j + 1]))
+                @pl.when((start[j] <= step) & (step < start[j + 1]))
                 def _(j=j):
-                    i, kk = (r - start[j]) // k_steps[j], (r - start[j]) % k_steps[j]
+                    i, kk = (step - start[j]) // k_steps[j], (step - start[j]) % k_steps[j]
                     cols = pl.ds((p + i * programs) * c.tile_n[j], c.tile_n[j])
                     plgpu.copy_gmem_to_smem(w_gmem[j].at[cols, pl.ds(kk * c.tile_k[j], c.tile_k[j])],
                                             w_rings[j].at[slot, pl.ds(0, c.tile_n[j])], w_ready.at[slot])
@@ -254,20 +254,8 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
         for j in range(phases):
             with jax.named_scope(f"m{j}"):
                 run_phase(j)
-        # Every program has passed its last wait: each returns one counter to zero, then program 0
-        # the two exit counters, so the next call starts from zeros.
-        plgpu.semaphore_signal(exited, 1, memory_scope="gpu")
-        plgpu.semaphore_wait(exited, programs, decrement=False, memory_scope="gpu")
-        for j in range(phases - 1):
-            for g in range(groups[j]):
-                pl.when(p == base[j] + g)(lambda j=j, g=g: plgpu.semaphore_signal(
-                    ready.at[base[j] + g], -tiles_in_group(j, g), memory_scope="gpu"))
-        plgpu.semaphore_signal(drained, 1, memory_scope="gpu")
-
-        @pl.when(p == 0)
-        def _():
-            plgpu.semaphore_wait(drained, programs, decrement=True, memory_scope="gpu")
-            plgpu.semaphore_signal(exited, -programs, memory_scope="gpu")
+        reset_ready_counters(ready, exited, drained, p, programs,
+                             [tiles_in_group(j, g) for j in range(phases - 1) for g in range(groups[j])])
 
     ring = lambda shape, minor: plgpu.SMEM(shape, h.dtype, transforms=swizzled(minor, 2))  # noqa: E731
     scratch = (plgpu.RefUnion(*(ring((c.stages, c.slot() // bk, bk), bk) for bk in bks)),
