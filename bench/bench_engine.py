@@ -110,6 +110,71 @@ def hbm_roofline_s(target: Target, batch: int, context: int) -> float:
     return (streamed_bytes(target) + kv_bytes) / HBM_BYTES_PER_S
 
 
+def layout_logits(target: Target, ids: jax.Array, context: int) -> tuple[jax.Array, jax.Array]:
+    """Logits ``[block, vocab]`` float32 after a prefill of ``ids[:, :context]`` (XLA attention): of
+    the next token alone (a decode pass) and of the next 16 as a verify block (Pallas attention)."""
+    graph, state = nnx.split(target)
+
+    @jax.jit
+    def run(state, ids):
+        t = nnx.merge(graph, state)
+        cache = KVCache.zeros(t.config.num_layers, 1, CACHE_CAPACITY, t.config.num_kv_heads, t.config.head_dim,
+                              t.embed_tokens.dtype)
+        zeros = jnp.zeros((1,), jnp.int32)
+        _, _, cache = t.step(ids[:, :context], zeros, cache, attention_impl="xla", prefill=True)
+        starts = zeros + context
+        one, _, _ = t.step(ids[:, context:context + 1], starts, cache, attention_impl="pallas")
+        block, _, _ = t.step(ids[:, context:context + 16], starts, cache, attention_impl="pallas")
+        return (t.head(one[0]).astype(jnp.float32), t.head(block[0]).astype(jnp.float32))
+
+    return run(state, ids)
+
+
+CACHE_CAPACITY = 1024  # positions of ``layout_logits``'s cache
+
+
+def check_tail_layout(target: Target, context: int = 256) -> dict:
+    """Puts ``target`` in the layer-tail layout (in place) and reports what that changed: the logits
+    of a decode pass and of a 16-row verify block against the fused layout's (largest error relative
+    to the largest logit, and how often the argmax agrees; beside them the fused layout's own decode
+    against verify difference, bf16 rounding alone), and on layer 0 the Mosaic kernel against
+    its jnp reference at 8 and 16 rows (largest error per output relative to its largest entry)."""
+    import kernels_pallas
+    from dflash_jax import tail_layout
+    from kernels_pallas import layer_tail_gpu
+
+    ids = jax.random.randint(jax.random.key(7), (1, context + 16), 0, target.config.vocab_size - 1, jnp.int32)
+    fused = layout_logits(target, ids, context)
+    tail_layout.to_tail_layout(target.layers, target.config)
+    tail = layout_logits(target, ids, context)
+    # The scale of bf16 rounding alone: the fused layout's decode pass against row 0 of its verify
+    # block, the same math through GEMMs of other shapes.
+    report = {"fused_decode_vs_verify_row0": float(jnp.max(jnp.abs(fused[0][0] - fused[1][0])) / jnp.max(jnp.abs(fused[0])))}
+    for name, want, got in zip(("decode", "verify16"), fused, tail):
+        report[name] = dict(rel_error=float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))),
+                            argmax_agrees=float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(want, -1))))
+    layer = target.layers[0]
+    c = target.config
+    for rows in (8, 16):
+        key = jax.random.key(rows)
+        a = jax.random.normal(key, (rows, c.num_heads * c.head_dim), jnp.bfloat16)
+        h = jax.random.normal(jax.random.fold_in(key, 1), (rows, c.hidden_size), jnp.bfloat16)
+        args = (a, h, *layer.tail.matrices(), target.layers[1].tail.qkv_matrix())
+        config = kernels_pallas.layer_tail_kernel_config(rows, c.hidden_size, c.intermediate_size, args[-1].shape[0],
+                                                         attention=a.shape[1], dtype=h.dtype)
+        if config is None:
+            report[f"kernel_rows{rows}"] = "the kernel does not take these shapes here"
+            continue
+        got = jax.jit(lambda *x, cfg=config: layer_tail_gpu.layer_tail(*x, eps=c.rms_norm_eps, config=cfg))(*args)
+        want = jax.jit(lambda *x: layer_tail_gpu.layer_tail_reference(*x, eps=c.rms_norm_eps))(*args)
+        report[f"kernel_rows{rows}"] = {
+            name: float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))
+                        / jnp.max(jnp.abs(w.astype(jnp.float32))))
+            for name, g, w in zip(("h1", "s", "h2", "qkv"), got, want)}
+    print(f"tail layout check: {json.dumps(report)}", flush=True)
+    return report
+
+
 def synthetic_state(engine: Engine, batch: int, context: int, seed: int) -> decoding.DecodeState:
     """A decode state as after a prefill of ``context`` random tokens, caches full of random data."""
     tc, cap = engine.target.config, engine.capacity
@@ -412,6 +477,9 @@ def main() -> None:
                          "all-reduces, so on a mesh the loop stays on the host with it too)")
     ap.add_argument("--draft-batches", default="1,16", help="batch sizes for the draft-only breakdown")
     ap.add_argument("--attention", default="xla", choices=["xla", "pallas"])
+    ap.add_argument("--tail-layout", default="off",
+                    help="EngineConfig.tail_layout, or several in turn (e.g. off,on: every batch with the fused "
+                         "layout, then the target converted, checked against it and timed again)")
     ap.add_argument("--reference", action="store_true", help="also time the authors' PyTorch code")
     ap.add_argument("--tau", type=float, default=6.5, help="acceptance length for projected tokens/s")
     ap.add_argument("--out", default=None)
@@ -451,11 +519,15 @@ def main() -> None:
 
     rows, report = [], dict(config=vars(args), target_gb=tbytes / 1e9, drafter_gb=dbytes / 1e9, batches={})
     draft_batches = {int(b) for b in args.draft_batches.split(",") if b}
-    for batch in (int(b) for b in args.batches.split(",")):
+    layouts = args.tail_layout.split(",")
+    runs = [(layout, int(b)) for layout in layouts for b in args.batches.split(",")]
+    for layout, batch in runs:
+        if layout == "on" and target.layers[0].tail is None and "off" in layouts:
+            report["tail_layout_check"] = check_tail_layout(target)
         mesh = MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None
         cfg = EngineConfig(max_batch_size=batch, max_length=args.context + 512, prompt_buckets=(args.context,),
                            steps_per_sync=args.steps_per_sync, attention_impl=args.attention, mesh=mesh,
-                           decode_loop=args.decode_loop)
+                           decode_loop=args.decode_loop, tail_layout=layout)
         spec, plain = Engine(target, drafter, cfg), Engine(target, None, cfg)
         t0 = time.perf_counter()
         t_plain, _ = time_decode(plain, batch, args.context, args.steps, args.repeats)
@@ -467,7 +539,7 @@ def main() -> None:
                      spec_tok_s_projected=batch * args.tau / t_spec, step_ratio=t_spec / t_plain,
                      draft_ratio=(t_draft / t_plain) if t_draft else None,
                      hbm_roofline_step_s=roofline, target_hbm_fraction=roofline / t_plain,
-                     wall_s=time.perf_counter() - t0)
+                     tail_layout=plain.tail_layout, wall_s=time.perf_counter() - t0)
         if batch == 1 and args.collectives:
             for name, engine in (("target-only", plain), ("dflash", spec)):
                 print_collectives(engine, name, Path(args.out).with_name(f"decode_hlo_{name}.txt") if args.out else None)
@@ -493,7 +565,7 @@ def main() -> None:
                                          listing.with_name(f"generate_{name}.txt"), horizon_ms=None, kernels=False)
                 except Exception as err:  # noqa: BLE001  (profiling is a diagnostic: keep the timings)
                     print(f"profile failed: {err!r}", flush=True)
-        report["batches"][batch] = entry
+        report["batches"][batch if len(layouts) == 1 else f"{batch} {layout}"] = entry
         print(json.dumps({batch: entry}), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2))
@@ -515,23 +587,24 @@ def main() -> None:
           f"{f' (cached {args.cached_config})' if args.cached_config else ''}"
           f"{f', TP={args.tensor}' if args.tensor > 1 else ''}, "
           f"HBM roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s")
-    print("batch | target step ms | tok/s | % HBM roofline | DFlash step ms | step ratio | draft ratio | "
+    print("batch | tail layout | target step ms | tok/s | % HBM roofline | DFlash step ms | step ratio | draft ratio | "
           f"DFlash tok/s @tau={args.tau}")
     for batch, e in rows:
         draft = f"{e['draft_ratio']:.2f}" if e["draft_ratio"] else "-"
-        print(f"{batch:5d} | {e['target_step_s'] * 1e3:14.2f} | {e['target_tok_s']:5.0f} | "
+        print(f"{batch:5d} | {str(e['tail_layout']):>11} | {e['target_step_s'] * 1e3:14.2f} | {e['target_tok_s']:5.0f} | "
               f"{100 * e['target_hbm_fraction']:13.0f}% | {e['spec_step_s'] * 1e3:14.2f} | {e['step_ratio']:10.2f} | "
               f"{draft:>11} | {e['spec_tok_s_projected']:8.0f}")
-    if "host" in report["batches"].get(1, {}):
+    for batch, e in rows:
         for key, mode in (("host", "DFlash"), ("host_target_only", "target-only")):
-            h = report["batches"][1].get(key)
+            h = e.get(key)
             if h:
-                print(f"host overhead at batch 1, {mode}: {h['host_overhead_per_step_s'] * 1e3:.2f} ms/step "
+                print(f"host overhead at batch 1 (tail layout {e['tail_layout']}), {mode}: "
+                      f"{h['host_overhead_per_step_s'] * 1e3:.2f} ms/step "
                       f"(wall {h['wall_per_step_s'] * 1e3:.2f} vs device {h['device_per_step_s'] * 1e3:.2f}); "
                       f"TTFT {h['ttft_s'] * 1e3:.1f} ms (prefill alone {h['prefill_s'] * 1e3:.1f} ms)")
     if "reference_torch" in report and "error" not in report["reference_torch"]:
         r = report["reference_torch"]
-        b1 = report["batches"].get(1)
+        b1 = next((e for batch, e in reversed(rows) if batch == 1), None)
         runs = ", ".join(f"{x['tok_s']:.1f}" for x in r["target_only"]["runs"])
         print(f"authors' PyTorch: target-only {r['target_only']['tok_s']:.1f} tok/s (runs {runs}; CPU busy "
               f"{r['target_only']['cpu_share']:.0%} of the wall time), block-16 step "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The stretch of a Qwen3-8B layer between two attentions at batch 1: the engine's kernels (XLA's
 GEMMs and split-K reductions, the ``add_rms_norm`` kernel, XLA's SwiGLU) against one persistent
-kernel per layer (``persistent_layer.py``).
+kernel per layer (``kernels_pallas/layer_tail_gpu.py``).
 
 36 layers of distinct random weights (nothing stays in the L2), chained as in a decode step: layer
 ``l + 1``'s attention output is a stand-in, the first 4096 columns of layer ``l``'s QKV, and its
@@ -30,9 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 from bench_engine import kernel_time  # noqa: E402
 from bench_matvec import normal, timeit  # noqa: E402
 from kernels_pallas.rms_norm_gpu import add_rms_norm  # noqa: E402
+from kernels_pallas.layer_tail_gpu import LayerConfig, fold_norm, interleave_gate_up, layer_tail, supports  # noqa: E402
 from matvec_mgpu import pad_rows  # noqa: E402
-from persistent_layer import (LayerConfig, fold_norm, interleave_gate_up, layer_tail,  # noqa: E402
-                              layer_tail_reference, supports)
 
 HIDDEN, INTERMEDIATE, QKV_COLS, EPS = 4096, 12288, 6144, 1e-6  # Qwen3-8B
 # (label, config): the default, and ring / tile variations.
@@ -76,6 +75,21 @@ def make_layer(key, dtype) -> LayerWeights:
                         k_d=down.T + 0, k_qkv=fold(norm_next, qkv).T + 0)
 
 
+def model_reference(a, h, w_o, w_gate, w_up, w_d, w_qkv, norm_post, norm_next, *, eps: float):
+    """The model's math for the stretch (weights ``[K, N]``, norms unfolded), float32 throughout ->
+    ``h1, s, h2, qkv``."""
+    f = lambda x: x.astype(jnp.float32)  # noqa: E731
+
+    def norm(x, w):
+        return f(w) * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+    h1 = f(h) + f(a[:, :h.shape[1]]) @ f(w_o)
+    x = norm(h1, norm_post)
+    s = jax.nn.silu(x @ f(w_gate)) * (x @ f(w_up))
+    h2 = h1 + s @ f(w_d)
+    return h1, s, h2, norm(h2, norm_next) @ f(w_qkv)
+
+
 def engine_tail(a, h, w: LayerWeights):
     """The engine's ops for the stretch (``layers.py``: ``dense``, ``add_rms_norm``, SwiGLU)."""
     o = a[:, :HIDDEN] @ w.o
@@ -117,8 +131,8 @@ def main() -> None:
           flush=True)
 
     w0 = layers[0]
-    want = layer_tail_reference(a0, h0, w0.o, w0.gate_up[..., 0], w0.gate_up[..., 1], w0.down, w0.qkv,
-                                w0.norm_post, w0.norm_next, eps=EPS)
+    want = model_reference(a0, h0, w0.o, w0.gate_up[..., 0], w0.gate_up[..., 1], w0.down, w0.qkv,
+                           w0.norm_post, w0.norm_next, eps=EPS)
 
     def chain(tail, a, h, ws, i):
         a = a + i.astype(a.dtype)  # a fresh input per timed call

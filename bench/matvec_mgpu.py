@@ -31,9 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-
-# Shared memory a kernel may claim of the H200's 227 KB per block (the rest: barriers, Mosaic's own).
-SMEM_BUDGET = 220 * 1024
+from kernels_pallas._mosaic_gpu import SMEM_BUDGET, swizzled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +60,6 @@ def supports(rows: int, k: int, n: int, config: MgpuConfig) -> bool:
     c = config
     return (rows % 8 == 0 and rows <= 256 and c.block_n % 64 == 0 and n % c.block_n == 0
             and k % (c.block_k * c.splits) == 0 and c.smem_bytes(rows, k) <= SMEM_BUDGET)
-
-
-def swizzled(minor: int, itemsize: int) -> tuple:
-    """The shared-memory transforms of a TMA / WGMMA operand whose rows hold ``minor`` elements of
-    ``itemsize`` bytes: 8-row tiles, swizzled by the widest pattern that divides a row."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def matvec_partials(x: jax.Array, w: jax.Array, config: MgpuConfig = MgpuConfig(),

@@ -73,9 +73,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from matvec_mgpu import SMEM_BUDGET, padded_rows, swizzled
+from kernels_pallas._mosaic_gpu import (SMEM_BUDGET, WGMMA_M, count_into_groups, fence_proxy_async,
+                                        group_tiles, reset_ready_counters, swizzled)
+from matvec_mgpu import padded_rows
 
-WGMMA_M = 64  # the rows of a WGMMA's left operand and accumulator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,56 +169,6 @@ def _flags_fit(shapes: Sequence[tuple[int, int]], c: ChainConfig) -> bool:
     return (c.dependent and all(f % c.bk(j) == 0 and c.bn(j) <= f for j in range(len(shapes)))
             and all(n % f == 0 and k % f == 0 for k, n in shapes)
             and sum(n // f for _, n in shapes) <= c.resident(shapes))
-
-
-def group_tiles(flag_cols: int, width: int, g):
-    """How many output tiles ``width`` columns wide overlap column group ``g`` (``flag_cols`` wide)."""
-    return ((g + 1) * flag_cols - 1) // width - (g * flag_cols) // width + 1
-
-
-def count_into_groups(ready, first: int, flag_cols: int, width: int, t):
-    """Counts stored output tile ``t`` (``width`` columns) into the ready counters of the (one or
-    two) column groups it overlaps; ``ready.at[first]`` is its matmul's first group."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    g0, g1 = (t * width) // flag_cols, (t * width + width - 1) // flag_cols
-    plgpu.semaphore_signal(ready.at[first + g0], 1, memory_scope="gpu")
-    pl.when(g1 != g0)(lambda: plgpu.semaphore_signal(ready.at[first + g1], 1, memory_scope="gpu"))
-
-
-def reset_ready_counters(ready, exited, drained, p, programs: int, totals: Sequence[int]) -> None:
-    """At a kernel's end, returns its ready counters (``ready.at[i]`` reached ``totals[i]``, static)
-    and its two exit counters to zero, so the next call starts from zeros whether or not
-    ``pl.get_global`` semaphores persist. Once every program has passed its last wait, program ``i``
-    resets counter ``i`` (there are no more counters than programs), then program 0 the exit counters."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    plgpu.semaphore_signal(exited, 1, memory_scope="gpu")
-    plgpu.semaphore_wait(exited, programs, decrement=False, memory_scope="gpu")
-    for i, total in enumerate(totals):  # (a signal's value must be static)
-        pl.when(p == i)(lambda i=i, total=total: plgpu.semaphore_signal(ready.at[i], -total, memory_scope="gpu"))
-    plgpu.semaphore_signal(drained, 1, memory_scope="gpu")
-
-    @pl.when(p == 0)
-    def _():
-        plgpu.semaphore_wait(drained, programs, decrement=True, memory_scope="gpu")
-        plgpu.semaphore_signal(exited, -programs, memory_scope="gpu")
-
-
-def _fence_proxy_async():
-    """Orders this thread's generic-proxy accesses with TMA (async-proxy) ones, both ways: the
-    counters are generic atomics, the outputs and inputs move by TMA."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-
-    @plgpu.inline_mgpu()
-    def fence(_ctx):
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "", has_side_effects=True)
-
-    fence()
 
 
 def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainConfig = ChainConfig(), *,
@@ -314,7 +265,7 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
             with jax.named_scope("wait"):
                 plgpu.semaphore_wait(ready.at[base[src] + g], (src_layer + 1) * tiles_in_group(src, g),
                                      decrement=False, memory_scope="gpu")
-                _fence_proxy_async()
+                fence_proxy_async()
 
         def with_x_source(layer, j, fn):
             """``fn(input of matmul j of this layer)``: x0, or the previous matmul's output."""
@@ -350,7 +301,7 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
                     with jax.named_scope("wait"):
                         plgpu.semaphore_wait(done.at[layer * phases + j - 1], programs, decrement=False,
                                              memory_scope="gpu")
-                        _fence_proxy_async()
+                        fence_proxy_async()
 
             def fetch_first(src, j=j, first=first, end=end):
                 for q in range(c.stages - 1):
@@ -401,11 +352,11 @@ def persistent_chain(x0: jax.Array, weights: Sequence[jax.Array], config: ChainC
                         plgpu.copy_smem_to_gmem(out_smem, y_gmem[j].at[layer, :, cols])
                     plgpu.wait_smem_to_gmem(0, wait_read_only=flags and c.early_signal)
                     if flags:
-                        _fence_proxy_async()
+                        fence_proxy_async()
                         count_tile(j, p + i * programs)
 
             if c.dependent and not flags:
-                _fence_proxy_async()
+                fence_proxy_async()
                 plgpu.semaphore_signal(done.at[layer * phases + j], 1, memory_scope="gpu")
 
         def layer_body(layer, carry):

@@ -71,8 +71,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from matvec_mgpu import SMEM_BUDGET, swizzled
-from persistent_chain import _fence_proxy_async
+from kernels_pallas._mosaic_gpu import SMEM_BUDGET, fence_proxy_async, swizzled
 
 ROWS = 8  # the WGMMA's N: the rows of x, padded
 TILE = 64  # weight columns per item (the WGMMA's M)
@@ -252,7 +251,7 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
             @pl.when(pending >= 0)
             def _():
                 plgpu.wait_smem_to_gmem(0)
-                _fence_proxy_async()
+                fence_proxy_async()
                 plgpu.semaphore_signal(slice_ready.at[pending // items_per_slice], 1, memory_scope="gpu")
 
         def fetch_down_x(item, buf, pending):
@@ -263,7 +262,7 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
             if not c.no_wait:
                 with jax.named_scope("x"):
                     plgpu.semaphore_wait(slice_ready.at[s], items_per_slice, decrement=False, memory_scope="gpu")
-                    _fence_proxy_async()
+                    fence_proxy_async()
             plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds(s * c.x_cols, c.x_cols)], xd_smem.at[buf], x_ready.at[buf])
 
         def transposed_to_out32(acc_ref):
@@ -375,7 +374,7 @@ def persistent_mlp(xn: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, confi
                 def _():
                     buf, s = downs % 2, (item - n_gate) // down_tiles
                     plgpu.semaphore_wait(slice_ready.at[s], items_per_slice, decrement=False, memory_scope="gpu")
-                    _fence_proxy_async()
+                    fence_proxy_async()
                     pl.when(downs >= 2)(lambda: plgpu.barrier_wait(x_released.at[buf]))
                     plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds(s * c.x_cols, c.x_cols)], xd_smem.at[buf],
                                             x_ready.at[buf])

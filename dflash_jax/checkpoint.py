@@ -70,10 +70,11 @@ def _tensor_spec(path: tuple, shape: tuple[int, ...]) -> tuple[str, Convert, Con
         return (f"{name}.weight", same, same)
     if leaf == "weight":  # RMSNorm
         return (name, same, same)
-    if leaf in ("qkv_proj", "qkv_bias", "gate_up_proj", "gate_up_bias", "context_kv_proj", "context_kv_bias"):
-        raise ValueError(f"parameter {name} is in the fused serving layout (layers.fuse_projections and "
-                         "Drafter.serving_layout, done by the Engine); checkpoints hold the separate projections: "
-                         "save the module before fusing")
+    if leaf in ("qkv_proj", "qkv_bias", "gate_up_proj", "gate_up_bias", "context_kv_proj", "context_kv_bias") \
+            or "tail" in keys[:-1]:
+        raise ValueError(f"parameter {name} is in a serving layout (layers.fuse_projections, "
+                         "Drafter.serving_layout and tail_layout.to_tail_layout, done by the Engine); checkpoints "
+                         "hold the separate projections: save the module before the engine takes it")
     raise KeyError(f"no checkpoint name for parameter {name}")
 
 

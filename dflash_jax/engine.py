@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dflash_jax import decoding
+from dflash_jax import decoding, tail_layout
 from dflash_jax.batcher import ContinuousBatcher, Generation, GenerationResult
 from dflash_jax.cache import CACHE_ALIGNMENT, CACHE_AXES
 from dflash_jax.drafter import Drafter
@@ -54,6 +54,14 @@ class EngineConfig:
     # float32 matmuls through TF32 / bf16 passes, whose rounding differs between a 1-token and a
     # 16-token pass enough to flip near-tied greedy choices; "highest" keeps float32 models exact.
     matmul_precision: str = "auto"
+    # "on": the target's layers in the layer-tail layout (``tail_layout.py``): per layer the attention
+    # kernel and one ``kernels_pallas.layer_tail`` (on a GPU a persistent Mosaic kernel for blocks of
+    # up to 16 rows; elsewhere, and for larger blocks, its jnp reference) instead of nine kernels.
+    # Single device, Pallas attention. Off by default: on the H200 it runs a batch-1 step no faster
+    # than the fused layout (4.28 against 4.26 ms target-only, 5.35 against 5.43 ms DFlash, within the
+    # calls' spread) and verify passes of more than 16 rows 2-3% slower (docs/benchmarks.md,
+    # nineteenth session).
+    tail_layout: str = "off"
 
     def validate(self) -> None:
         if self.max_batch_size < 1:
@@ -67,6 +75,10 @@ class EngineConfig:
         if self.matmul_precision not in ("auto", "default", "high", "highest"):
             raise ValueError("matmul_precision must be 'auto', 'default', 'high' or 'highest', "
                              f"got {self.matmul_precision!r}")
+        if self.tail_layout not in ("on", "off"):
+            raise ValueError(f"tail_layout must be 'on' or 'off', got {self.tail_layout!r}")
+        if self.tail_layout == "on" and self.attention_impl == "xla":
+            raise ValueError("tail_layout 'on' needs attention_impl 'pallas' or 'auto'")
         if self.steps_per_sync < 1:
             raise ValueError(f"steps_per_sync must be >= 1, got {self.steps_per_sync}")
         if self.decode_loop not in ("until_done", "fixed", "auto"):
@@ -182,6 +194,9 @@ class Engine:
         # The serving layout: one QKV and one gate-up matmul per target layer (in place; see
         # ``layers.fuse_projections``), and the drafter's (``Drafter.serving_layout``).
         fuse_projections(target)
+        self.tail_layout = self._use_tail_layout(target)
+        if self.tail_layout:
+            tail_layout.to_tail_layout(target.layers, target.config)
         if drafter is not None:
             drafter.serving_layout()
         self._matmul_precision = config.matmul_precision
@@ -226,6 +241,24 @@ class Engine:
         self.windows = (window_buckets(self.capacity) if self.attention_impl == "xla" and not self.fixed_loop
                         else (self.capacity,))
         self._n_steps: dict[int, jax.Array] = {}
+
+    def _use_tail_layout(self, target: Target) -> bool:
+        """Whether the target runs in the layer-tail layout (``EngineConfig.tail_layout``), checking
+        that it can."""
+        converted = target.layers[0].tail is not None
+        if self.config.tail_layout == "off":
+            if converted:
+                raise ValueError("tail_layout 'off': this target is already in the layer-tail layout (an earlier "
+                                 "engine put it there); load it again")
+            return False
+        why_not = tail_layout.unsupported_reason(target.config)
+        if self.mesh is not None and self.mesh.size > 1:
+            why_not = why_not or f"the layer-tail layout runs on one device, not a mesh of {self.mesh.size}"
+        if self.attention_impl != "pallas":
+            why_not = why_not or "the layer-tail layout needs attention_impl 'pallas'"
+        if why_not:
+            raise ValueError(f"tail_layout 'on': {why_not}")
+        return True
 
     # -- jitted phases -------------------------------------------------------------------------
 

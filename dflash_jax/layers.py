@@ -200,7 +200,7 @@ class Attention(nnx.Module):
         docs/benchmarks.md). Grouping by KV head keeps a tensor-parallel shard's Q, K and V together.
         Checkpoints and training keep the separate layout.
         """
-        if self.qkv_proj is not None:
+        if self.qkv_proj is not None or self.q_proj is None:  # fused already, or in the layer-tail layout
             return
         groups = self.num_heads // self.num_kv_heads
         hidden = self.q_proj.shape[0]
@@ -291,9 +291,11 @@ class Attention(nnx.Module):
         self, qkv: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
         *, impl: AttentionImpl, causal: bool = True, write: bool = True,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``attend_cached`` from the raw fused projection ``qkv [batch, block, kv_heads, groups + 2,
+        """``attend_cached`` from the raw fused projection ``qkv [rows, block, kv_heads, groups + 2,
         head_dim]``: with ``impl="pallas"`` one kernel (``kernels_pallas.cached_block_attention``)
-        where it takes the shapes, else ``attend_unfused``."""
+        where it takes the shapes, else ``attend_unfused``. ``rows`` may exceed the caches' batch
+        (padding after the batch's rows, never read: ``tail_layout.padded_rows``)."""
+        batch, block = k_cache.shape[0], qkv.shape[1]
         if impl == "pallas":
             import kernels_pallas
 
@@ -304,7 +306,7 @@ class Attention(nnx.Module):
                     attn, k_cache, v_cache = kernels_pallas.cached_block_attention(
                         qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq, eps=self.eps,
                         qk_norm=self.q_norm is not None, causal=causal, write=write)
-                    attn = attn.reshape(qkv.shape[:3] + (-1, self.head_dim))  # [b, block, kv, groups, d]
+                    attn = attn.reshape(attn.shape[:3] + (-1, self.head_dim))  # [b, block, kv, groups, d]
                     return (attn, k_cache, v_cache) if write else (attn,)
 
                 # Per device under a kernel mesh: its rows and its KV heads (with their query heads).
@@ -318,9 +320,8 @@ class Attention(nnx.Module):
                     jnp.asarray(self.inv_freq, jnp.float32))
                 if write:
                     k_cache, v_cache = outs[1:]
-                batch, block = qkv.shape[:2]
                 return outs[0].reshape(batch, 1, block, self.num_heads, self.head_dim), k_cache, v_cache
-        return self.attend_unfused(qkv, starts, k_cache, v_cache, blk_lens, impl=impl, causal=causal, write=write)
+        return self.attend_unfused(qkv[:batch], starts, k_cache, v_cache, blk_lens, impl=impl, causal=causal, write=write)
 
     def attend_unfused(
         self, qkv: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
@@ -368,7 +369,7 @@ class MLP(nnx.Module):
     def fuse(self) -> None:
         """Switches (in place) to one gate-up weight ``[in, intermediate, 2]`` (gate, up per unit):
         one matmul instead of two, and a tensor-parallel shard of ``intermediate`` holds both."""
-        if self.gate_up_proj is not None:
+        if self.gate_up_proj is not None or self.gate_proj is None:  # fused already, or in the layer-tail layout
             return
         w = jnp.stack([self.gate_proj[...], self.up_proj[...]], axis=-1)
         self.gate_up_proj = nnx.data(nnx.Param(w, axes=("embed", "mlp", None)))
@@ -423,6 +424,9 @@ class DecoderLayer(nnx.Module):
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype=dtype)
         self.mlp = MLP(hidden, intermediate, bias=mlp_bias, dtype=dtype, rngs=rngs)
+        # The layer-tail serving layout (``tail_layout.to_tail_layout``): its ``TailWeights`` replace
+        # the norms' weights and the matmul weights above.
+        self.tail = None
 
     def __call__(
         self,

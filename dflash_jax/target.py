@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax import sharding
+from dflash_jax import sharding, tail_layout
 from dflash_jax.attention import AttentionImpl
 from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.layers import DecoderLayer, RMSNorm, _init, add_rms_norm, rope_inv_freq
@@ -86,10 +86,25 @@ class Target(nnx.Module):
         ``fresh``: the cache holds nothing yet (prefill), so only the block is attended to.
         """
         n = len(self.layers)
+        decoding = cache is not None and not fresh
+        if self.layers[0].tail is not None:  # the layer-tail serving layout (``tail_layout.py``)
+            h, taps, cache = tail_layout.run_layers(self, h, positions, starts, cache, blk_lens, tap_layers,
+                                                    attention_impl, decoding)
+        else:
+            h, taps, cache = self._run_layers(h, positions, ctx_lens, blk_lens, cache, starts, tap_layers,
+                                              attention_impl, decoding)
+        if n - 1 in tap_layers:
+            taps[n - 1] = h
+        tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1)[:, 0] if tap_layers else None
+        return h[:, 0], tapped, cache
+
+    def _run_layers(self, h, positions, ctx_lens, blk_lens, cache, starts, tap_layers, attention_impl, decoding):
+        """``_run``'s layer loop in the checkpoint or fused layout -> the final-normed ``h``, the raw
+        taps (not the last layer's), the cache."""
+        n = len(self.layers)
         taps = {}
         empty = jnp.zeros((h.shape[0], 0, self.config.num_kv_heads, self.config.head_dim), h.dtype)
         ks, vs = (list(cache.k), list(cache.v)) if cache is not None else (None, None)
-        decoding = cache is not None and not fresh
         delta = None  # decoding: a layer's output is h + delta, the add left to the next norm
         for i, layer in enumerate(self.layers):
             if decoding:
@@ -104,10 +119,7 @@ class Target(nnx.Module):
             if i in tap_layers and i != n - 1:
                 taps[i] = h if delta is None else h + delta
         _, h = add_rms_norm(h, delta, self.norm, fused=decoding and attention_impl == "pallas")
-        if n - 1 in tap_layers:
-            taps[n - 1] = h
-        tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1)[:, 0] if tap_layers else None
-        return h[:, 0], tapped, (KVCache(tuple(ks), tuple(vs)) if cache is not None else None)
+        return h, taps, (KVCache(tuple(ks), tuple(vs)) if cache is not None else None)
 
     def step(
         self,

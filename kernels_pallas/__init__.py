@@ -22,6 +22,11 @@ is ``dflash_jax.layers.Attention.attend_unfused``.
 
 ``add_rms_norm`` (``rms_norm_gpu``) is a residual add and the RMSNorm that reads it in one kernel,
 forward only (GPUs; interpret mode on the CPU); its reference is ``dflash_jax.layers.add_rms_norm``.
+
+``layer_tail`` (``layer_tail_gpu``) is a decoder layer from the attention's output to the next
+layer's QKV as one persistent Mosaic GPU kernel (Hopper), forward only, for blocks of up to 16 rows.
+It has no interpret mode: off a GPU, and for shapes the kernel does not take, its jnp reference
+``layer_tail_gpu.layer_tail_reference`` (same layout, same roundings) runs instead.
 """
 
 from __future__ import annotations
@@ -36,7 +41,41 @@ from kernels_pallas.cached_attention_gpu import cached_block_attention, cached_b
 from kernels_pallas.rms_norm_gpu import add_rms_norm, add_rms_norm_supported
 
 __all__ = ["add_rms_norm", "add_rms_norm_supported", "block_attention", "block_attention_fwd", "cached_block_attention",
-           "cached_block_attention_supported"]
+           "cached_block_attention_supported", "layer_tail", "layer_tail_kernel_config"]
+
+
+def layer_tail_kernel_config(rows: int, hidden: int, intermediate: int, qkv: int | None, *, attention: int,
+                             dtype) -> object | None:
+    """The ``layer_tail_gpu.LayerConfig`` the Mosaic kernel would run these shapes with on this
+    platform (``rows`` already padded to a multiple of 8), or None where ``layer_tail`` runs its
+    reference: off a GPU, for other dtypes than bfloat16, and for shapes the kernel does not take."""
+    import jax.numpy as jnp
+
+    from kernels_pallas import layer_tail_gpu
+
+    if jax.default_backend() != "gpu" or jnp.dtype(dtype) != jnp.bfloat16:
+        return None
+    return layer_tail_gpu.config_for(rows, hidden, intermediate, qkv, attention=attention)
+
+
+@functools.partial(jax.jit, static_argnames=("eps",))
+def layer_tail(a, h, w_o, w_gu, w_d, w_qkv=None, *, eps: float):
+    """A decoder layer from its attention output to the next layer's QKV: ``h1 = h + a @ w_o^T``,
+    ``s = swiglu(norm(h1) @ w_gu^T)``, ``h2 = h1 + s @ w_d^T``, ``qkv = norm(h2) @ w_qkv^T`` with the
+    norms' weights folded into ``w_gu`` and ``w_qkv`` (``layer_tail_gpu``: shapes, layout) -> ``[h1,
+    s, h2]`` plus ``qkv`` if ``w_qkv`` is given. The Mosaic GPU kernel where
+    ``layer_tail_kernel_config`` finds one, else the reference.
+
+    Jitted, so that the identical calls of a model's layers are traced and lowered once: a decode
+    step of 36 layers otherwise lowers (and compiles) 36 copies of the kernel.
+    """
+    from kernels_pallas import layer_tail_gpu
+
+    config = layer_tail_kernel_config(h.shape[0], h.shape[1], w_d.shape[1], None if w_qkv is None else w_qkv.shape[0],
+                                      attention=w_o.shape[1], dtype=h.dtype)
+    if config is None:
+        return layer_tail_gpu.layer_tail_reference(a, h, w_o, w_gu, w_d, w_qkv, eps=eps)
+    return layer_tail_gpu.layer_tail(a, h, w_o, w_gu, w_d, w_qkv, eps=eps, config=config)
 
 
 def _resolve(backend: str | None, interpret: bool | None):

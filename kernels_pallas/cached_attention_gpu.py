@@ -205,8 +205,10 @@ def cached_block_attention(
     """A block per row over its KV cache, fused with what precedes it (forward only).
 
     Args:
-      qkv: ``[batch, block, kv_heads, groups + 2, head_dim]`` the raw fused projection of the block
-        (``layers.Attention.fuse`` layout: per KV head its query heads, its key, its value).
+      qkv: ``[rows, block, kv_heads, groups + 2, head_dim]`` the raw fused projection of the block
+        (``layers.Attention.fuse`` layout: per KV head its query heads, its key, its value); rows
+        past the caches' ``batch`` are padding, never read (a decode token padded to the rows of
+        the kernel that wrote it, ``kernels_pallas.layer_tail``).
       k_cache, v_cache: ``[batch, capacity, kv_heads, head_dim]``; with ``write``, donate them: they
         are updated in place.
       starts: ``[batch]`` int32, tokens already in the cache; the block sits at positions
@@ -229,9 +231,11 @@ def cached_block_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     cfg = config or DEFAULT_CONFIG
-    batch, block, kv_heads, groups_2, head_dim = qkv.shape
+    rows, block, kv_heads, groups_2, head_dim = qkv.shape
     groups = groups_2 - 2
-    capacity = k_cache.shape[1]
+    batch, capacity = k_cache.shape[:2]
+    if rows < batch:
+        raise ValueError(f"qkv has {rows} rows for caches of batch {batch}")
     if k_cache.shape != (batch, capacity, kv_heads, head_dim) or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache/v_cache must be {(batch, capacity, kv_heads, head_dim)}: "
                          f"{k_cache.shape} {v_cache.shape}")

@@ -1,11 +1,14 @@
 """The part of a decoder layer between two attentions as one persistent kernel (Pallas Mosaic GPU):
 the output projection and its residual add, the post-attention RMSNorm, gate-up with the SwiGLU, the
-down projection and its residual add, the next layer's input RMSNorm and its QKV projection. NOT
-used by the engine; ``bench_persistent_layer.py`` measures it against the engine's kernels.
+down projection and its residual add, the next layer's input RMSNorm and its QKV projection. With
+``EngineConfig(tail_layout="on")`` the engine's decode and verify steps run it on a GPU for blocks of
+up to 16 rows (``dflash_jax/tail_layout.py``: the target's weights held once in its layout);
+``layer_tail_reference`` is its math in jnp, the same layout, which runs for every other shape and
+platform. In the engine it is not faster than the fused layout's kernels (docs/kernels.md).
 
 Why: at batch 1 this stretch of a layer is nine kernels in the engine (four GEMMs, three split-K
 reductions, two ``add_rms_norm``, the SwiGLU: ~107 us, docs/benchmarks.md). The persistent chain
-(``persistent_chain.py``) streams the same four matmuls with ready flags in 94-96 us, but without
+(``bench/persistent_chain.py``) streams the same four matmuls with ready flags in 94-96 us, but without
 the norms, the SwiGLU and the residual adds between them. Here they ride along:
 - a residual add is the epilogue of the output and down projections' tiles (the residual tile is
   copied in while the tile's weights stream);
@@ -19,7 +22,7 @@ So every phase streams its x straight from the previous phase's output, as the c
 
 Numerics: the norm weight is rounded into the bf16 weight, and the row scale is applied after the
 dot rather than before it; both move the result by bf16 rounding, like a change of GEMM
-(``bench_persistent_layer.py`` checks the kernel against a float32 reference of the layer).
+(``bench/bench_persistent_layer.py`` checks the kernel against a float32 reference of the layer).
 
 The phases, with ``R`` rows (a decode token padded to 8): 0 ``h1 = h + a @ w_o``; 1 ``s =
 swiglu(norm(h1) @ w_gu)``; 2 ``h2 = h1 + s @ w_d``; 3 ``qkv = norm(h2) @ w_qkv`` (left out for a
@@ -31,8 +34,10 @@ waits before its first x copy of each group.
 
 Measured on the H200 (docs/benchmarks.md, eighteenth session), GPU kernel time per layer: 100.7-101.0
 us at one row against ~104.6-104.9 for the engine's nine kernels, 103.3 (6 stages) against ~108.6 at
-16 rows; 6 to 9 stages within ~1.5 us of each other, flags per 1024 columns 2 us slower. No CPU test:
-the interpret mode has neither global semaphores nor transposed WGMMA operands.
+16 rows; 6 to 9 stages within ~1.5 us of each other, flags per 1024 columns 2 us slower. No interpret
+mode (it has neither global semaphores nor transposed WGMMA operands): off a GPU the reference stands
+in (``kernels_pallas.layer_tail``), and ``bench/bench_persistent_layer.py`` checks the kernel against
+a float32 reference of the model's math on the device.
 """
 
 from __future__ import annotations
@@ -43,10 +48,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from matvec_mgpu import SMEM_BUDGET, swizzled
-from persistent_chain import WGMMA_M, _fence_proxy_async, count_into_groups, group_tiles, reset_ready_counters
+from kernels_pallas._mosaic_gpu import (SMEM_BUDGET, WGMMA_M, count_into_groups, fence_proxy_async, group_tiles,
+                                        reset_ready_counters, swizzled)
 
 O, GU, D, QKV = range(4)  # the phases
+GATE_UP_TILE = 64  # weight rows of a gate-up tile: half gate, half the same units' up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +81,7 @@ class LayerConfig:
         return (self.stages * self.slot() + x_ring + out + WGMMA_M * self.out_cols(O)) * 2
 
 
-def interleave_gate_up(w_gate: jax.Array, w_up: jax.Array, tile: int = 64) -> jax.Array:
+def interleave_gate_up(w_gate: jax.Array, w_up: jax.Array, tile: int = GATE_UP_TILE) -> jax.Array:
     """``w_gate, w_up [K, I]`` -> ``[2 I, K]``: per gate-up tile of ``tile`` rows, its ``tile / 2``
     gate rows then the same units' up rows."""
     k, i = w_gate.shape
@@ -89,12 +95,15 @@ def fold_norm(norm_weight: jax.Array, w: jax.Array) -> jax.Array:
     return (norm_weight.astype(jnp.float32)[:, None] * w.astype(jnp.float32)).astype(w.dtype)
 
 
-def supports(rows: int, hidden: int, intermediate: int, qkv: int | None, config: LayerConfig) -> bool:
+def supports(rows: int, hidden: int, intermediate: int, qkv: int | None, config: LayerConfig, *,
+             attention: int | None = None) -> bool:
+    """Whether the kernel takes ``rows`` rows and these widths: ``attention`` the output projection's
+    input (heads x head_dim; None: ``hidden``), ``qkv`` the next QKV's output (None: no next layer)."""
     c = config
     phases = 3 if qkv is None else 4
     outs = [hidden, intermediate, hidden, qkv or 0][:phases]
-    ks = [hidden, hidden, intermediate, hidden][:phases]
-    return (rows % 8 == 0 and rows <= 16 and c.out_cols(O) == c.out_cols(D) and c.tile_n[GU] == 64
+    ks = [attention or hidden, hidden, intermediate, hidden][:phases]
+    return (rows % 8 == 0 and rows <= 16 and c.out_cols(O) == c.out_cols(D) and c.tile_n[GU] == GATE_UP_TILE
             and all(n % c.out_cols(j) == 0 and n // c.out_cols(j) >= c.programs for j, n in enumerate(outs))
             and all(k % c.tile_k[j] == 0 and c.flag_cols % c.tile_k[j] == 0 and c.slot() % c.tile_k[j] == 0
                     for j, k in enumerate(ks))
@@ -103,10 +112,25 @@ def supports(rows: int, hidden: int, intermediate: int, qkv: int | None, config:
             and c.smem_bytes(rows, phases) <= SMEM_BUDGET)
 
 
+# The ring depths measured fastest (docs/benchmarks.md, eighteenth session): 8 stages at one row
+# (padded to 8), 6 for a verify block of 16 rows, where 8 do not fit in shared memory.
+MEASURED_STAGES = (8, 6)
+
+
+def config_for(rows: int, hidden: int, intermediate: int, qkv: int | None, *,
+               attention: int | None = None) -> LayerConfig | None:
+    """The fastest measured configuration that takes these shapes (None: none does)."""
+    for stages in MEASURED_STAGES:
+        config = LayerConfig(stages=stages)
+        if supports(rows, hidden, intermediate, qkv, config, attention=attention):
+            return config
+    return None
+
+
 def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d: jax.Array,
                w_qkv: jax.Array | None, *, eps: float, config: LayerConfig = LayerConfig()) -> list[jax.Array]:
-    """``a [R, >= H]`` (the attention's output in its first ``H`` columns), ``h [R, H]`` (the
-    residual), weights ``[N, K]``: ``w_o [H, H]``, ``w_gu [2 I, H]`` (``interleave_gate_up`` of the
+    """``a [R, >= A]`` (the attention's output in its first ``A`` columns), ``h [R, H]`` (the
+    residual), weights ``[N, K]``: ``w_o [H, A]``, ``w_gu [2 I, H]`` (``interleave_gate_up`` of the
     norm-folded gate and up), ``w_d [H, I]``, ``w_qkv [Q, H]`` (norm-folded; None: no next layer)
     -> ``h1 [R, H]``, ``s [R, I]``, ``h2 [R, H]`` and ``qkv [R, Q]`` (if ``w_qkv``)."""
     import jax.experimental.pallas as pl
@@ -117,7 +141,8 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
     phases = len(weights)
     rows, hidden = h.shape
     intermediate = w_d.shape[1]
-    if not supports(rows, hidden, intermediate, None if w_qkv is None else w_qkv.shape[0], c):
+    if not supports(rows, hidden, intermediate, None if w_qkv is None else w_qkv.shape[0], c,
+                    attention=w_o.shape[1]):
         raise ValueError(f"layer_tail: rows {rows}, weights {[w.shape for w in weights]} not supported by {c}")
     outs = [w.shape[0] // (2 if j == GU else 1) for j, w in enumerate(weights)]
     ks = [w.shape[1] for w in weights]
@@ -166,7 +191,7 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
             with jax.named_scope("wait"):
                 plgpu.semaphore_wait(ready.at[base[j - 1] + g], tiles_in_group(j - 1, g), decrement=False,
                                      memory_scope="gpu")
-                _fence_proxy_async()
+                fence_proxy_async()
 
         def fetch_x(step, j: int):
             first = start[j]
@@ -248,7 +273,7 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
                     plgpu.copy_smem_to_gmem(out_tiles[j].at[pl.ds(0, rows)], y_gmem[j].at[:, out_cols])
                     plgpu.wait_smem_to_gmem(0)
                     if j < phases - 1:
-                        _fence_proxy_async()
+                        fence_proxy_async()
                         count_into_groups(ready, base[j], c.flag_cols, c.out_cols(j), t)
 
         for j in range(phases):
@@ -270,18 +295,34 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
     return list(kernel(a, h, *weights))
 
 
-def layer_tail_reference(a, h, w_o, w_gate, w_up, w_d, w_qkv, norm_post, norm_next, *, eps: float):
-    """The model's math for the same stretch (weights ``[K, N]``, unfolded), float32 throughout ->
-    ``h1, s, h2, qkv`` (``qkv`` None without ``w_qkv``)."""
-    f = lambda x: x.astype(jnp.float32)  # noqa: E731
+def _dot_nk(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x [R, K] @ w [N, K]^T`` with a float32 result."""
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-    def norm(x, w):
-        return f(w) * x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
-    hidden = h.shape[1]
-    h1 = f(h) + f(a[:, :hidden]) @ f(w_o)
-    x = norm(h1, norm_post)
-    s = jax.nn.silu(x @ f(w_gate)) * (x @ f(w_up))
-    h2 = h1 + s @ f(w_d)
-    qkv = None if w_qkv is None else norm(h2, norm_next) @ f(w_qkv)
-    return h1, s, h2, qkv
+def normed_matmul(x: jax.Array, w: jax.Array, *, eps: float) -> jax.Array:
+    """``rms_norm(x) @ w^T`` as the kernel computes it for a norm folded into ``w [N, K]``: the dot
+    of the raw rows ``x [R, K]``, scaled per row by ``rsqrt(mean(x^2) + eps)`` -> float32 ``[R, N]``."""
+    xf = x.astype(jnp.float32)
+    return lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * _dot_nk(x, w)
+
+
+def layer_tail_reference(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d: jax.Array,
+                         w_qkv: jax.Array | None, *, eps: float) -> list[jax.Array]:
+    """``layer_tail``'s math in jnp, the same arguments, layout and roundings (the products rounded
+    to ``h``'s dtype where the kernel stores or rounds them), for any number of rows.
+
+    Each dot's float32 result is rounded (or scaled, then rounded) at once, before any reshape, so
+    that XLA can make it the epilogue of its GEMM: a verify pass of 16 rows per batch row otherwise
+    writes and reads the float32 gate-up product (25 MB per layer at 256 rows)."""
+    rows = h.shape[0]
+    f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
+    h1 = (f32(h) + f32(_dot_nk(a[:, :w_o.shape[1]], w_o).astype(h.dtype))).astype(h.dtype)
+    half = GATE_UP_TILE // 2
+    gate_up = normed_matmul(h1, w_gu, eps=eps).astype(h.dtype).reshape(rows, -1, 2, half)
+    gate, up = f32(gate_up[:, :, 0].reshape(rows, -1)), f32(gate_up[:, :, 1].reshape(rows, -1))
+    s = (f32((gate / (1.0 + jnp.exp(-gate))).astype(h.dtype)) * up).astype(h.dtype)
+    h2 = (f32(h1) + f32(_dot_nk(s, w_d).astype(h.dtype))).astype(h.dtype)
+    if w_qkv is None:
+        return [h1, s, h2]
+    return [h1, s, h2, normed_matmul(h2, w_qkv, eps=eps).astype(h.dtype)]
