@@ -149,7 +149,8 @@ def check_tail_layout(target: Target, context: int = 256) -> dict:
     tail = layout_logits(target, ids, context)
     # The scale of bf16 rounding alone: the fused layout's decode pass against row 0 of its verify
     # block, the same math through GEMMs of other shapes.
-    report = {"fused_decode_vs_verify_row0": float(jnp.max(jnp.abs(fused[0][0] - fused[1][0])) / jnp.max(jnp.abs(fused[0])))}
+    scale = jnp.max(jnp.abs(fused[0]))
+    report = {"fused_decode_vs_verify_row0": float(jnp.max(jnp.abs(fused[0][0] - fused[1][0])) / scale)}
     for name, want, got in zip(("decode", "verify16"), fused, tail):
         report[name] = dict(rel_error=float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))),
                             argmax_agrees=float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(want, -1))))
@@ -591,7 +592,8 @@ def main() -> None:
           f"DFlash tok/s @tau={args.tau}")
     for batch, e in rows:
         draft = f"{e['draft_ratio']:.2f}" if e["draft_ratio"] else "-"
-        print(f"{batch:5d} | {str(e['tail_layout']):>11} | {e['target_step_s'] * 1e3:14.2f} | {e['target_tok_s']:5.0f} | "
+        print(f"{batch:5d} | {str(e['tail_layout']):>11} | {e['target_step_s'] * 1e3:14.2f} | "
+              f"{e['target_tok_s']:5.0f} | "
               f"{100 * e['target_hbm_fraction']:13.0f}% | {e['spec_step_s'] * 1e3:14.2f} | {e['step_ratio']:10.2f} | "
               f"{draft:>11} | {e['spec_tok_s_projected']:8.0f}")
     for batch, e in rows:

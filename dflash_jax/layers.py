@@ -321,7 +321,8 @@ class Attention(nnx.Module):
                 if write:
                     k_cache, v_cache = outs[1:]
                 return outs[0].reshape(batch, 1, block, self.num_heads, self.head_dim), k_cache, v_cache
-        return self.attend_unfused(qkv[:batch], starts, k_cache, v_cache, blk_lens, impl=impl, causal=causal, write=write)
+        return self.attend_unfused(qkv[:batch], starts, k_cache, v_cache, blk_lens, impl=impl, causal=causal,
+                                   write=write)
 
     def attend_unfused(
         self, qkv: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
