@@ -222,6 +222,22 @@ def time_decode(engine: Engine, batch: int, context: int, steps: int, repeats: i
     return statistics.median(times), tau
 
 
+def time_decode_pipelined(engine: Engine, batch: int, context: int, steps: int, calls: int) -> float:
+    """Seconds per decode step over ``calls`` calls of ``steps`` dispatched back to back, one sync at
+    the end: the device's steady rate, as the batcher runs it (each call dispatched while the last
+    runs). ``time_decode`` syncs after every call, so each of its calls also pays the host's dispatch
+    (~2.7-2.9 ms on the H200 for an 8B engine, docs/benchmarks.md, nineteenth session)."""
+    state = synthetic_state(engine, batch, context, seed=batch + 3)
+    for _ in range(2):
+        state, _ = engine.decode(state, n_steps=steps)
+    jax.block_until_ready(state.starts)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        state, _ = engine.decode(state, n_steps=steps)
+    jax.block_until_ready(state.starts)
+    return (time.perf_counter() - t0) / (calls * steps)
+
+
 def time_draft(engine: Engine, batch: int, context: int, steps: int, repeats: int) -> float:
     """Median seconds of the drafter pass alone (embed, 5 layers, head, argmax)."""
     target, drafter = engine.target, engine.drafter
@@ -534,12 +550,21 @@ def main() -> None:
         t_plain, _ = time_decode(plain, batch, args.context, args.steps, args.repeats)
         t_spec, tau = time_decode(spec, batch, args.context, args.steps, args.repeats)
         t_draft = time_draft(spec, batch, args.context, args.steps, args.repeats) if batch in draft_batches else None
+        # The steady rate of back-to-back calls, as many as the rows' 512 spare positions allow (a
+        # row that reaches its max_length is done, and its later steps cost nothing).
+        calls = max(1, min(2 * args.repeats, (512 - spec.block_size) // args.steps - 2))
+        t_plain_piped = time_decode_pipelined(plain, batch, args.context, args.steps, calls)
+        t_spec_piped = time_decode_pipelined(spec, batch, args.context, args.steps, calls)
+        print(f"batch {batch} ({layout}): step ms {t_plain * 1e3:.3f} / DFlash {t_spec * 1e3:.3f}; back to back "
+              f"{t_plain_piped * 1e3:.3f} / {t_spec_piped * 1e3:.3f} ({calls} calls)", flush=True)
         roofline = hbm_roofline_s(target, batch, args.context) / args.tensor  # each GPU streams its shard
         entry = dict(target_step_s=t_plain, spec_step_s=t_spec, draft_s=t_draft, tau_random=tau,
                      target_tok_s=batch / t_plain, spec_tok_s_random=batch * tau / t_spec,
                      spec_tok_s_projected=batch * args.tau / t_spec, step_ratio=t_spec / t_plain,
                      draft_ratio=(t_draft / t_plain) if t_draft else None,
                      hbm_roofline_step_s=roofline, target_hbm_fraction=roofline / t_plain,
+                     target_step_pipelined_s=t_plain_piped, spec_step_pipelined_s=t_spec_piped,
+                     target_hbm_fraction_pipelined=roofline / t_plain_piped,
                      tail_layout=plain.tail_layout, wall_s=time.perf_counter() - t0)
         if batch == 1 and args.collectives:
             for name, engine in (("target-only", plain), ("dflash", spec)):
@@ -589,13 +614,15 @@ def main() -> None:
           f"{f', TP={args.tensor}' if args.tensor > 1 else ''}, "
           f"HBM roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s")
     print("batch | tail layout | target step ms | tok/s | % HBM roofline | DFlash step ms | step ratio | draft ratio | "
-          f"DFlash tok/s @tau={args.tau}")
+          f"DFlash tok/s @tau={args.tau} | back to back: target step ms (% roofline), DFlash step ms, ratio")
     for batch, e in rows:
         draft = f"{e['draft_ratio']:.2f}" if e["draft_ratio"] else "-"
         print(f"{batch:5d} | {str(e['tail_layout']):>11} | {e['target_step_s'] * 1e3:14.2f} | "
               f"{e['target_tok_s']:5.0f} | "
               f"{100 * e['target_hbm_fraction']:13.0f}% | {e['spec_step_s'] * 1e3:14.2f} | {e['step_ratio']:10.2f} | "
-              f"{draft:>11} | {e['spec_tok_s_projected']:8.0f}")
+              f"{draft:>11} | {e['spec_tok_s_projected']:8.0f} | {e['target_step_pipelined_s'] * 1e3:.2f} "
+              f"({100 * e['target_hbm_fraction_pipelined']:.1f}%), {e['spec_step_pipelined_s'] * 1e3:.2f}, "
+              f"{e['spec_step_pipelined_s'] / e['target_step_pipelined_s']:.3f}")
     for batch, e in rows:
         for key, mode in (("host", "DFlash"), ("host_target_only", "target-only")):
             h = e.get(key)
