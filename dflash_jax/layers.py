@@ -265,7 +265,13 @@ class Attention(nnx.Module):
         ``[..., seq, kv_heads, head_dim]`` (q and k normed and RoPE'd)."""
         if self.qkv_proj is None:
             return (self.queries(x, positions),) + self.keys_values(x, positions)
-        q, k, v = self._fused(x)
+        return self.finish_qkv(self._qkv(x), positions)
+
+    def finish_qkv(self, qkv: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The raw fused projection ``qkv [..., seq, kv_heads, groups + 2, head_dim]`` at ``positions
+        [..., seq]`` -> q ``[..., seq, heads, head_dim]`` and k, v ``[..., seq, kv_heads, head_dim]``
+        (q and k normed and RoPE'd)."""
+        q, k, v = self._split(qkv)
         return self._finish_q(q, positions), self._finish_k(k, positions), v
 
     def attend_cached(
@@ -331,8 +337,7 @@ class Attention(nnx.Module):
         """``attend_cached_qkv`` as separate steps, the fused kernel's reference: the norms and RoPE
         of q and k, the attention primitive (``impl``), the cache writes."""
         positions = starts[:, None] + jnp.arange(qkv.shape[1], dtype=jnp.int32)
-        q, k, v = self._split(qkv)
-        q, k = self._finish_q(q, positions), self._finish_k(k, positions)
+        q, k, v = self.finish_qkv(qkv, positions)
         return self._attend_and_write(q[:, None], k[:, None], v[:, None], starts, k_cache, v_cache, blk_lens, impl,
                                       causal, write)
 

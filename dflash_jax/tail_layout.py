@@ -146,8 +146,7 @@ def run_layers(target, h: jax.Array, positions: jax.Array, starts: jax.Array | N
             out, ks[i], vs[i] = attn.attend_cached_qkv(qkv_blocks, starts, ks[i], vs[i], blk_lens[:, 0],
                                                        impl=attention_impl)
         else:
-            q, k, v = attn._split(qkv_blocks[:, None])
-            q, k = attn._finish_q(q, positions), attn._finish_k(k, positions)
+            q, k, v = attn.finish_qkv(qkv_blocks[:, None], positions)
             empty = jnp.zeros((batch, 0) + k.shape[-2:], k.dtype)
             out = block_attention(q, empty, empty, jnp.zeros_like(blk_lens), k, v, blk_lens, causal=True,
                                   impl=attention_impl)
