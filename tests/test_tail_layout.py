@@ -5,6 +5,8 @@ On the CPU ``kernels_pallas.layer_tail`` runs its jnp reference (the Mosaic kern
 mode; ``bench/bench_engine.py --tail-layout off,on`` checks it on the GPU), and the attention kernel
 runs in interpret mode: these tests cover the layout, the padded rows and the layer loop."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from flax import nnx
 from dflash_jax import Engine, EngineConfig, load_drafter, load_target, target_forward
 from dflash_jax.checkpoint import save_target
 from dflash_jax.layers import fuse_projections
+from dflash_jax.sharding import MeshConfig
 from dflash_jax.target import Target
 from dflash_jax.tail_layout import padded_rows, to_tail_layout, unsupported_reason
 from dflash_jax.tiny import tiny_target_config, write_copycat_pair
@@ -86,6 +89,8 @@ def test_tail_layout_choice_and_its_errors(copycat, tmp_path):
     assert "attention_bias" in unsupported_reason(tiny_target_config(attention_bias=True))
     assert "multiple of 32" in unsupported_reason(tiny_target_config(intermediate_size=80))
     tail_on = EngineConfig(max_length=32, attention_impl="pallas", tail_layout="on")
+    with pytest.raises(ValueError, match="one device, not a mesh of 2"):
+        Engine(load_target(copycat[0]), None, dataclasses.replace(tail_on, mesh=MeshConfig(data=1, fsdp=1, tensor=2)))
     with pytest.raises(ValueError, match="attention_bias"):
         Engine(Target(tiny_target_config(attention_bias=True), rngs=nnx.Rngs(0)), None, tail_on)
     target = _tail_target(copycat[0])
