@@ -205,12 +205,19 @@ def synthetic_state(engine: Engine, batch: int, context: int, seed: int) -> deco
     )
 
 
+def warmed_state(engine: Engine, batch: int, context: int, steps: int, seed: int) -> decoding.DecodeState:
+    """``synthetic_state`` after two decode calls of ``steps`` (compile and warm-up; on a mesh the
+    second call compiles for the sharded state; a fixed loop compiles per step count), synced."""
+    state = synthetic_state(engine, batch, context, seed=seed)
+    for _ in range(2):
+        state, _ = engine.decode(state, n_steps=steps)
+    jax.block_until_ready(state.starts)
+    return state
+
+
 def time_decode(engine: Engine, batch: int, context: int, steps: int, repeats: int) -> tuple[float, float]:
     """Median seconds per decode step over ``repeats`` calls of ``steps`` on-device steps; and tau."""
-    state = synthetic_state(engine, batch, context, seed=batch)
-    for _ in range(2):  # compile + warm-up; on a mesh the second call compiles for the sharded state
-        state, _ = engine.decode(state, n_steps=steps)  # a fixed loop compiles per step count
-    jax.block_until_ready(state.starts)
+    state = warmed_state(engine, batch, context, steps, seed=batch)
     times = []
     for _ in range(repeats):
         before = np.asarray(state.starts)
@@ -227,10 +234,7 @@ def time_decode_pipelined(engine: Engine, batch: int, context: int, steps: int, 
     the end: the device's steady rate, as the batcher runs it (each call dispatched while the last
     runs). ``time_decode`` syncs after every call, so each of its calls also pays the host's dispatch
     (~2.7-2.9 ms on the H200 for an 8B engine, docs/benchmarks.md, nineteenth session)."""
-    state = synthetic_state(engine, batch, context, seed=batch + 3)
-    for _ in range(2):
-        state, _ = engine.decode(state, n_steps=steps)
-    jax.block_until_ready(state.starts)
+    state = warmed_state(engine, batch, context, steps, seed=batch + 3)
     t0 = time.perf_counter()
     for _ in range(calls):
         state, _ = engine.decode(state, n_steps=steps)
@@ -550,9 +554,10 @@ def main() -> None:
         t_plain, _ = time_decode(plain, batch, args.context, args.steps, args.repeats)
         t_spec, tau = time_decode(spec, batch, args.context, args.steps, args.repeats)
         t_draft = time_draft(spec, batch, args.context, args.steps, args.repeats) if batch in draft_batches else None
-        # The steady rate of back-to-back calls, as many as the rows' 512 spare positions allow (a
-        # row that reaches its max_length is done, and its later steps cost nothing).
-        calls = max(1, min(2 * args.repeats, (512 - spec.block_size) // args.steps - 2))
+        # The steady rate of back-to-back calls, as many as the rows' spare positions allow after the
+        # two warm-up calls (a row that reaches its max_length is done, and its later steps cost nothing).
+        spare = cfg.max_length - args.context - spec.block_size
+        calls = max(1, min(2 * args.repeats, spare // args.steps - 2))
         t_plain_piped = time_decode_pipelined(plain, batch, args.context, args.steps, calls)
         t_spec_piped = time_decode_pipelined(spec, batch, args.context, args.steps, calls)
         print(f"batch {batch} ({layout}): step ms {t_plain * 1e3:.3f} / DFlash {t_spec * 1e3:.3f}; back to back "

@@ -32,10 +32,8 @@ from dflash_jax.attention import AttentionImpl, block_attention
 from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.layers import DecoderLayer, add_rms_norm
 from dflash_jax.model_config import TargetConfig
-from kernels_pallas.layer_tail_gpu import GATE_UP_TILE, fold_norm, interleave_gate_up, normed_matmul
-
-ROW_MULTIPLE = 8  # the kernel's rows: a block's rows are padded to a multiple of this
-MAX_ROWS = 16  # the kernel's most rows (a verify block of 16)
+from kernels_pallas.layer_tail_gpu import (GATE_UP_TILE, MAX_ROWS, ROW_MULTIPLE, fold_norm, interleave_gate_up,
+                                           normed_matmul)
 
 
 class TailWeights(nnx.Module):
@@ -136,6 +134,7 @@ def run_layers(target, h: jax.Array, positions: jax.Array, starts: jax.Array | N
     padded = padded_rows(rows, block, attention_impl) if decoding else rows
     eps = c.rms_norm_eps
     ks, vs = (list(cache.k), list(cache.v)) if cache is not None else (None, None)
+    empty = jnp.zeros((batch, 0, c.num_kv_heads, c.head_dim), h.dtype)  # prefill: no context before the block
     x = _pad(h.reshape(rows, hidden), padded)
     qkv = normed_matmul(x, layers[0].tail.qkv_matrix(), eps=eps).astype(x.dtype)
     taps = {}
@@ -147,7 +146,6 @@ def run_layers(target, h: jax.Array, positions: jax.Array, starts: jax.Array | N
                                                        impl=attention_impl)
         else:
             q, k, v = attn.finish_qkv(qkv_blocks[:, None], positions)
-            empty = jnp.zeros((batch, 0) + k.shape[-2:], k.dtype)
             out = block_attention(q, empty, empty, jnp.zeros_like(blk_lens), k, v, blk_lens, causal=True,
                                   impl=attention_impl)
             if cache is not None:

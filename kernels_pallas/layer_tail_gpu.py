@@ -53,6 +53,8 @@ from kernels_pallas._mosaic_gpu import (SMEM_BUDGET, WGMMA_M, count_into_groups,
 
 O, GU, D, QKV = range(4)  # the phases
 GATE_UP_TILE = 64  # weight rows of a gate-up tile: half gate, half the same units' up
+ROW_MULTIPLE = 8  # the kernel takes rows in multiples of this (a decode token is padded to it)
+MAX_ROWS = 16  # and at most this many (a verify block of 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +105,7 @@ def supports(rows: int, hidden: int, intermediate: int, qkv: int | None, config:
     phases = 3 if qkv is None else 4
     outs = [hidden, intermediate, hidden, qkv or 0][:phases]
     ks = [attention or hidden, hidden, intermediate, hidden][:phases]
-    return (rows % 8 == 0 and rows <= 16 and c.out_cols(O) == c.out_cols(D) and c.tile_n[GU] == GATE_UP_TILE
+    return (rows % ROW_MULTIPLE == 0 and rows <= MAX_ROWS and c.out_cols(O) == c.out_cols(D) and c.tile_n[GU] == GATE_UP_TILE
             and all(n % c.out_cols(j) == 0 and n // c.out_cols(j) >= c.programs for j, n in enumerate(outs))
             and all(k % c.tile_k[j] == 0 and c.flag_cols % c.tile_k[j] == 0 and c.slot() % c.tile_k[j] == 0
                     for j, k in enumerate(ks))
@@ -312,9 +314,10 @@ def layer_tail_reference(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.A
     """``layer_tail``'s math in jnp, the same arguments, layout and roundings (the products rounded
     to ``h``'s dtype where the kernel stores or rounds them), for any number of rows.
 
-    Each dot's float32 result is rounded (or scaled, then rounded) at once, before any reshape, so
-    that XLA can make it the epilogue of its GEMM: a verify pass of 16 rows per batch row otherwise
-    writes and reads the float32 gate-up product (25 MB per layer at 256 rows)."""
+    Each dot's float32 result is rounded (or scaled, then rounded) at once, before any reshape: an
+    order meant to let XLA round in its GEMM's epilogue rather than write and read the float32
+    gate-up product (25 MB per layer at 256 rows). On the H200 it did not change a 256-row verify
+    pass's time (docs/benchmarks.md, nineteenth session)."""
     rows = h.shape[0]
     f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
     h1 = (f32(h) + f32(_dot_nk(a[:, :w_o.shape[1]], w_o).astype(h.dtype))).astype(h.dtype)
