@@ -17,6 +17,10 @@ and method: on-device loop, state donated, median of repeats) with
   reduction or the SwiGLU and no norm kernel runs). Timing only: it leaves the norm weights out
   instead of folding them into the weights, so its tokens are not the model's.
 
+``--pipelined N`` also times each engine's steady rate (N decode calls dispatched back to back, one
+sync: ``bench_engine.time_decode_pipelined``), which leaves out the host's dispatch that each
+synchronous call pays.
+
 Within one process the same step drifts by up to ~1.5% over a sweep (docs/benchmarks.md,
 fourteenth session), so a 1% difference needs ``--rounds N``: the variant list runs N times, one
 round after the other (A B A B ...), and the table gives each variant's median over its runs, its
@@ -44,7 +48,8 @@ import jax  # noqa: E402
 
 import kernels_pallas  # noqa: E402
 from kernels_pallas import cached_attention_gpu, rms_norm_gpu  # noqa: E402
-from bench_engine import hbm_roofline_s, int_fields, qwen3_8b, random_pair, time_decode  # noqa: E402
+from bench_engine import (hbm_roofline_s, int_fields, qwen3_8b, random_pair, time_decode,  # noqa: E402
+                          time_decode_pipelined)
 from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax import layers  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
@@ -81,6 +86,8 @@ VARIANTS = {  # name: (XLA options, unfused norms)
     "cublas": ({"xla_gpu_enable_triton_gemm": False}, False),
     "cublaslt": ({"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_cublaslt": True}, False),
     "no_row_padding": ({}, False),  # layers.dense never pads a single row to two (GPU_STRENGTH_REDUCTION_LIMIT = 0)
+    # XLA graphs a run of fewer than this many commands as plain launches (default 5 in XLA 0.11.2)
+    "min_graph_1": ({"xla_gpu_graph_min_graph_size": 1}, False),
 }
 
 
@@ -116,6 +123,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="run the variant list this many times, interleaved")
     ap.add_argument("--dflash", default="base,unfused_norms,no_split_k", help="variants that also time the DFlash step")
     ap.add_argument("--tensor", type=int, default=1, help="run the engines on a (data=1, tensor=N) mesh")
+    ap.add_argument("--pipelined", type=int, default=0,
+                    help="also time this many decode calls dispatched back to back (one sync), per engine")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -152,15 +161,20 @@ def main() -> None:
         try:
             plain = Engine(target, None, cfg)
             t_plain, _ = time_decode(plain, 1, args.context, args.steps, args.repeats)
-            t_spec = None
+            t_plain_b2b = (time_decode_pipelined(plain, 1, args.context, args.steps, args.pipelined)
+                           if args.pipelined else None)
+            t_spec = t_spec_b2b = None
             if name in with_dflash:
                 spec = Engine(target, drafter, cfg)
                 t_spec, _ = time_decode(spec, 1, args.context, args.steps, args.repeats)
+                t_spec_b2b = (time_decode_pipelined(spec, 1, args.context, args.steps, args.pipelined)
+                              if args.pipelined else None)
         except Exception as err:  # noqa: BLE001  (an option this XLA rejects fails its variant only)
             print(f"{name}: failed: {str(err).splitlines()[0][:200]}", flush=True)
             results.setdefault(name, []).append(dict(error=str(err)[:500]))
             continue
         run = dict(options=options, unfused_norms=unfused_norms, target_step_s=t_plain, spec_step_s=t_spec,
+                   target_b2b_step_s=t_plain_b2b, spec_b2b_step_s=t_spec_b2b,
                    hbm_fraction=roofline_s / t_plain,
                    wall_s=time.perf_counter() - t0)
         results.setdefault(name, []).append(run)
@@ -170,19 +184,29 @@ def main() -> None:
     print_table(results, roofline_s)
 
 
+def _median(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key)]
+    return statistics.median(values) if values else None
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.3f}"
+
+
 def print_table(results: dict[str, list[dict]], roofline_s: float) -> None:
-    """Per variant: the median over its runs (ms), the runs, and the difference of medians from the
-    first variant's."""
-    def median(runs, key):
-        values = [r[key] for r in runs if r.get(key)]
-        return statistics.median(values) if values else None
+    """Per variant and timing (synchronous calls; back-to-back calls, with ``--pipelined``): the
+    median over its runs (ms), the runs, and the difference of medians from the first variant's."""
+    for prefix, label in (("", "synchronous calls"), ("b2b_", "back-to-back calls")):
+        if any(r.get(f"target_{prefix}step_s") for runs in results.values() for r in runs):
+            print(f"\n{label}:")
+            _print_rows(results, roofline_s, f"target_{prefix}step_s", f"spec_{prefix}step_s")
 
-    def ms(x):
-        return "-" if x is None else f"{x * 1e3:.3f}"
 
-    medians = {name: (median(runs, "target_step_s"), median(runs, "spec_step_s")) for name, runs in results.items()}
+def _print_rows(results: dict[str, list[dict]], roofline_s: float, target_key: str, spec_key: str) -> None:
+    median, ms = _median, _ms
+    medians = {name: (median(runs, target_key), median(runs, spec_key)) for name, runs in results.items()}
     first = next(iter(medians.values()), (None, None))
-    print("\nvariant | target step ms (runs) | vs first | % HBM roofline | DFlash step ms (runs) | vs first | DFlash / target")
+    print("variant | target step ms (runs) | vs first | % HBM roofline | DFlash step ms (runs) | vs first | DFlash / target")
     for name, runs in results.items():
         target, spec = medians[name]
         if target is None:
@@ -191,8 +215,8 @@ def print_table(results: dict[str, list[dict]], roofline_s: float) -> None:
         each = lambda key: " (" + ", ".join(ms(r[key]) for r in runs if r.get(key)) + ")"  # noqa: E731
         diff = lambda x, x0: "-" if x is None or x0 is None else f"{(x - x0) * 1e3:+.3f}"  # noqa: E731
         ratio = "-" if spec is None else f"{spec / target:.3f}"
-        print(f"{name} | {ms(target)}{each('target_step_s')} | {diff(target, first[0])} | "
-              f"{100 * roofline_s / target:.0f}% | {ms(spec)}{each('spec_step_s') if spec else ''} | "
+        print(f"{name} | {ms(target)}{each(target_key)} | {diff(target, first[0])} | "
+              f"{100 * roofline_s / target:.1f}% | {ms(spec)}{each(spec_key) if spec else ''} | "
               f"{diff(spec, first[1])} | {ratio}")
 
 

@@ -206,6 +206,10 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
 
         for step in range(c.stages - 1):
             pl.when(step < steps)(lambda step=step: fetch_weights(step))
+        # Nothing above reads what the kernel before wrote: launched early (programmatic dependent
+        # launch, which JAX asks for when a kernel waits), the weight ring fills while that kernel
+        # finishes, and the wait holds every read of the attention output and the residual.
+        plgpu.griddepcontrol_wait()
 
         def run_phase(j: int):
             first, end = start[j], start[j + 1]
