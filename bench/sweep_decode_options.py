@@ -45,9 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 import kernels_pallas  # noqa: E402
-from kernels_pallas import cached_attention_gpu, rms_norm_gpu  # noqa: E402
+from kernels_pallas import _pdl, cached_attention_gpu, rms_norm_gpu  # noqa: E402
 from bench_engine import (hbm_roofline_s, int_fields, qwen3_8b, random_pair, time_decode,  # noqa: E402
                           time_decode_pipelined)
 from dflash_jax import engine as engine_module  # noqa: E402
@@ -88,6 +89,8 @@ VARIANTS = {  # name: (XLA options, unfused norms)
     "no_row_padding": ({}, False),  # layers.dense never pads a single row to two (GPU_STRENGTH_REDUCTION_LIMIT = 0)
     # XLA graphs a run of fewer than this many commands as plain launches (default 5 in XLA 0.11.2)
     "min_graph_1": ({"xla_gpu_graph_min_graph_size": 1}, False),
+    # the Pallas Triton kernels without their griddepcontrol.launch_dependents (kernels_pallas._pdl)
+    "no_pdl_signal": ({}, False),
 }
 
 
@@ -125,13 +128,17 @@ def main() -> None:
     ap.add_argument("--tensor", type=int, default=1, help="run the engines on a (data=1, tensor=N) mesh")
     ap.add_argument("--pipelined", type=int, default=0,
                     help="also time this many decode calls dispatched back to back (one sync), per engine")
+    ap.add_argument("--tokens", type=int, default=0,
+                    help="also generate this many tokens per engine from one fixed prompt and compare them with "
+                         "the first variant's (variants that must not change results)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     tcfg = tiny_target_config() if args.tiny else qwen3_8b(36)
     target, drafter = random_pair(tcfg)
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; Triton kernels signal dependents: "
+          f"{_pdl.hopper_or_later()}", flush=True)
 
     default_options = engine_module._decode_compiler_options
     default_attention = cached_attention_gpu.DEFAULT_CONFIG
@@ -143,6 +150,8 @@ def main() -> None:
     with_dflash = set(args.dflash.split(","))
     roofline_s = hbm_roofline_s(target, 1, args.context) / args.tensor  # per device
     results: dict[str, list[dict]] = {}  # every run of each variant, in order
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, tcfg.vocab_size, args.context)]
+    first_tokens: dict[str, list[int]] = {}  # --tokens: the first variant's output, per engine kind
     for name in names * args.rounds:
         overrides = {}
         if name.startswith("attn:"):
@@ -153,6 +162,7 @@ def main() -> None:
         engine_module._decode_compiler_options = lambda o=options: {**(default_options() or {}), **o} or None
         kernels_pallas.add_rms_norm_supported = (lambda *a, **k: False) if unfused_norms else supported
         layers.GPU_STRENGTH_REDUCTION_LIMIT = 0 if name == "no_row_padding" else limit
+        _pdl.ENABLED = name != "no_pdl_signal"
         layers.DecoderLayer.cached = _folded_norms_cached if name == "folded_norms_cost" else default_cached
         cfg = EngineConfig(max_batch_size=1, max_length=args.context + 512, prompt_buckets=(args.context,),
                            steps_per_sync=8, attention_impl="pallas",
@@ -164,11 +174,19 @@ def main() -> None:
             t_plain_b2b = (time_decode_pipelined(plain, 1, args.context, args.steps, args.pipelined)
                            if args.pipelined else None)
             t_spec = t_spec_b2b = None
+            engines = [("target-only", plain)]
             if name in with_dflash:
                 spec = Engine(target, drafter, cfg)
                 t_spec, _ = time_decode(spec, 1, args.context, args.steps, args.repeats)
                 t_spec_b2b = (time_decode_pipelined(spec, 1, args.context, args.steps, args.pipelined)
                               if args.pipelined else None)
+                engines.append(("DFlash", spec))
+            if args.tokens:
+                for kind, engine in engines:
+                    [result] = engine.generate([prompt], max_new_tokens=args.tokens)
+                    first = first_tokens.setdefault(kind, result.output_ids)
+                    print(f"{name} {kind}: {args.tokens} tokens {'equal' if result.output_ids == first else 'DIFFER'} "
+                          "to the first variant's", flush=True)
         except Exception as err:  # noqa: BLE001  (an option this XLA rejects fails its variant only)
             print(f"{name}: failed: {str(err).splitlines()[0][:200]}", flush=True)
             results.setdefault(name, []).append(dict(error=str(err)[:500]))

@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas._common import NEG, default_scale, next_pow2
 from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, triton_params
+from kernels_pallas._pdl import signal_after
 from kernels_pallas.block_attention_gpu import GpuConfig, plan
 
 
@@ -102,6 +103,7 @@ def _kernel(
     block_k: int,
     chunk: int,
     balanced: bool,
+    interpret: bool,
 ):
     """One program per (row, KV head, group member, split); a single token's program takes all its
     group's rows. Tensors stay two-dimensional: Triton lowers 3-D register tensors (and reshapes
@@ -172,9 +174,10 @@ def _kernel(
         out = jnp.max(out.reshape(copies, distinct, head_dim), axis=0)
         m = jnp.max(m.reshape(copies, distinct), axis=0)
         l = jnp.max(l.reshape(copies, distinct), axis=0)
-    o_ref[...] = out.astype(o_ref.dtype)
     m_ref[...] = m
     l_ref[...] = l
+    # out needs every load of the program: the split merge after this kernel may launch from here on
+    o_ref[...] = signal_after(out.astype(o_ref.dtype), interpret=interpret)
 
 
 def cached_block_attention_supported(qkv_shape: tuple[int, ...], capacity: int) -> bool:
@@ -267,7 +270,8 @@ def cached_block_attention(
     part = lambda index: pl.BlockSpec(  # noqa: E731
         (None, block, None, None, head_dim), lambda b, h, g, j: (b, 0, h, index, 0))
     kernel = functools.partial(_kernel, scale=scale, eps=float(eps), qk_norm=qk_norm, causal=causal,
-                               block_k=block_k, chunk=chunk, balanced=bool(cfg.balanced_splits))
+                               block_k=block_k, chunk=chunk, balanced=bool(cfg.balanced_splits),
+                               interpret=interpret)
     # RoPE's cos / sin at the block's positions, by XLA: the same for every layer of a step, so XLA
     # computes them once (CSE). Computed per program in the kernel (libdevice's full-range sin and
     # cos), they cost a verify block ~3.8 us per layer (docs/benchmarks.md, fourteenth session).

@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas._common import next_pow2
 from kernels_pallas._flash import triton_params
+from kernels_pallas._pdl import signal_after
 
 NUM_WARPS = 4
 
@@ -37,7 +38,7 @@ def add_rms_norm_supported(hidden: int) -> bool:
     return platform != "tpu" and supports(hidden, compiled=platform == "gpu")
 
 
-def _kernel(*refs, eps: float, has_delta: bool):
+def _kernel(*refs, eps: float, has_delta: bool, interpret: bool):
     if has_delta:
         h_ref, d_ref, w_ref, y_ref, s_ref = refs
         s = h_ref[...] + d_ref[...]
@@ -47,7 +48,9 @@ def _kernel(*refs, eps: float, has_delta: bool):
         s = h_ref[...]
     xf = s.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.sum(xf * xf) / xf.shape[0] + eps)
-    y_ref[...] = w_ref[...] * (xf * r).astype(s.dtype)
+    y = w_ref[...] * (xf * r).astype(s.dtype)
+    # y needs every load of the program: the matmul after this kernel may launch from here on
+    y_ref[...] = signal_after(y, interpret=interpret)
 
 
 def add_rms_norm(
@@ -55,7 +58,8 @@ def add_rms_norm(
 ) -> tuple[jax.Array, jax.Array]:
     """``h, delta [..., hidden]`` (``delta`` None: nothing to add), ``weight [hidden]`` ->
     ``(s, y)``: the sum ``h + delta`` and ``rms_norm(s) * weight``, both ``[..., hidden]`` in
-    ``h.dtype``."""
+    ``h.dtype``. On Hopper and later GPUs each program signals the kernel after it once it has read
+    everything (``_pdl.signal_after``)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     hidden = h.shape[-1]
@@ -70,7 +74,7 @@ def add_rms_norm(
     inputs = [rows] + ([delta.reshape(-1, hidden)] if delta is not None else []) + [weight.astype(h.dtype)]
     out_shape = jax.ShapeDtypeStruct(rows.shape, h.dtype)
     outs = pl.pallas_call(
-        functools.partial(_kernel, eps=float(eps), has_delta=delta is not None),
+        functools.partial(_kernel, eps=float(eps), has_delta=delta is not None, interpret=interpret),
         grid=(rows.shape[0],),
         in_specs=[row] * (len(inputs) - 1) + [pl.BlockSpec((hidden,), lambda i: (0,))],
         out_specs=[row, row] if delta is not None else [row],

@@ -355,3 +355,30 @@ def test_add_rms_norm_kernel_lowers_for_gpus():
         text = fn.trace(sd((1, 16, 4096), jnp.bfloat16), delta, sd((4096,), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "dflash_add_rms_norm" in text and "triton" in text
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+def test_gpu_kernels_signal_dependents_on_hopper(monkeypatch, hopper):
+    """On Hopper and later GPUs the add_rms_norm and cached-attention kernels issue
+    ``griddepcontrol.launch_dependents`` (once per program, after their last read; Triton IR for
+    cuda built on this CPU, the device check patched); elsewhere, and in interpret mode, they do
+    not, and their results are unchanged (the other tests here run them in interpret mode)."""
+    from kernels_pallas import _pdl
+    from kernels_pallas import add_rms_norm as norm_kernel
+
+    monkeypatch.setattr(_pdl, "hopper_or_later", lambda: hopper)
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    norm = jax.jit(lambda h, d, w: norm_kernel(h, d, w, eps=1e-6, interpret=False)).trace(
+        sd((1, 1, 4096), bf), sd((1, 1, 4096), bf), sd((4096,), bf))
+    attention = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False)).trace(
+        sd((1, 1, 8, 6, 128), bf), sd((1, 1152, 8, 128), bf), sd((1, 1152, 8, 128), bf), sd((1,), jnp.int32),
+        sd((1,), jnp.int32), sd((128,), bf), sd((128,), bf), sd((64,), jnp.float32))
+    for traced in (norm, attention):
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("griddepcontrol.launch_dependents") == (1 if hopper else 0)
+    h = jax.random.normal(jax.random.key(0), (1, 4096), bf)
+    assert _pdl.signal_after(h, interpret=True) is h  # interpret mode: the value itself
+    if hopper:
+        with pytest.raises(ValueError, match="16- or 32-bit"):
+            _pdl.signal_after(jnp.zeros((4,), jnp.int8), interpret=False)
