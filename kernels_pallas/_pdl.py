@@ -9,8 +9,10 @@ signal, so that the XLA kernel after it is launched early and has its programs r
 signal's kernel ends, instead of paying the launch then.
 
 The signal goes where XLA's own kernels put it: after the program's last read and before its first
-dependent write. A kernel launched early may, before its wait, write a buffer that XLA's buffer
-assignment reused from one this kernel reads; so no read may follow the signal.
+dependent write (a kernel launched early must not find this one still reading a buffer that it may
+write). The first thread of a program to issue it signals for the whole program, so the value it
+is attached to should depend on what every thread loaded: the norm's sum over the row, the
+attention's dot products.
 """
 
 from __future__ import annotations
