@@ -110,6 +110,9 @@ def hbm_roofline_s(target: Target, batch: int, context: int) -> float:
     return (streamed_bytes(target) + kv_bytes) / HBM_BYTES_PER_S
 
 
+CACHE_CAPACITY = 1024  # positions of ``layout_logits``'s cache
+
+
 def layout_logits(target: Target, ids: jax.Array, context: int) -> tuple[jax.Array, jax.Array]:
     """Logits ``[block, vocab]`` float32 after a prefill of ``ids[:, :context]`` (XLA attention): of
     the next token alone (a decode pass) and of the next 16 as a verify block (Pallas attention)."""
@@ -128,9 +131,6 @@ def layout_logits(target: Target, ids: jax.Array, context: int) -> tuple[jax.Arr
         return (t.head(one[0]).astype(jnp.float32), t.head(block[0]).astype(jnp.float32))
 
     return run(state, ids)
-
-
-CACHE_CAPACITY = 1024  # positions of ``layout_logits``'s cache
 
 
 def check_tail_layout(target: Target, context: int = 256) -> dict:

@@ -166,7 +166,7 @@ def matmul_chain(x: jax.Array, ws, *, small, loops: int) -> jax.Array:
     return jax.lax.fori_loop(0, loops, one_pass, x)
 
 
-def _median_time(fn, *args, repeats: int) -> list[float]:
+def _median_time(fn, *args, repeats: int) -> tuple[float, float]:
     """Seconds per call of ``fn(*args)`` after a warm-up: (median, min) over ``repeats`` calls."""
     jax.block_until_ready(fn(*args))
     times = []
@@ -174,7 +174,7 @@ def _median_time(fn, *args, repeats: int) -> list[float]:
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return [statistics.median(times), min(times)]
+    return statistics.median(times), min(times)
 
 
 def probe_launch(spin_us: float, repeats: int, options: dict) -> None:

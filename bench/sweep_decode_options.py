@@ -221,8 +221,7 @@ def print_table(results: dict[str, list[dict]], roofline_s: float) -> None:
 
 
 def _print_rows(results: dict[str, list[dict]], roofline_s: float, target_key: str, spec_key: str) -> None:
-    median, ms = _median, _ms
-    medians = {name: (median(runs, target_key), median(runs, spec_key)) for name, runs in results.items()}
+    medians = {name: (_median(runs, target_key), _median(runs, spec_key)) for name, runs in results.items()}
     first = next(iter(medians.values()), (None, None))
     print("variant | target step ms (runs) | vs first | % HBM roofline | DFlash step ms (runs) | vs first | DFlash / target")
     for name, runs in results.items():
@@ -230,11 +229,11 @@ def _print_rows(results: dict[str, list[dict]], roofline_s: float, target_key: s
         if target is None:
             print(f"{name} | failed")
             continue
-        each = lambda key: " (" + ", ".join(ms(r[key]) for r in runs if r.get(key)) + ")"  # noqa: E731
+        each = lambda key: " (" + ", ".join(_ms(r[key]) for r in runs if r.get(key)) + ")"  # noqa: E731
         diff = lambda x, x0: "-" if x is None or x0 is None else f"{(x - x0) * 1e3:+.3f}"  # noqa: E731
         ratio = "-" if spec is None else f"{spec / target:.3f}"
-        print(f"{name} | {ms(target)}{each(target_key)} | {diff(target, first[0])} | "
-              f"{100 * roofline_s / target:.1f}% | {ms(spec)}{each(spec_key) if spec else ''} | "
+        print(f"{name} | {_ms(target)}{each(target_key)} | {diff(target, first[0])} | "
+              f"{100 * roofline_s / target:.1f}% | {_ms(spec)}{each(spec_key) if spec else ''} | "
               f"{diff(spec, first[1])} | {ratio}")
 
 
