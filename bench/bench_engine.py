@@ -235,11 +235,19 @@ def time_decode_pipelined(engine: Engine, batch: int, context: int, steps: int, 
     runs). ``time_decode`` syncs after every call, so each of its calls also pays the host's dispatch
     (~2.7-2.9 ms on the H200 for an 8B engine, docs/benchmarks.md, nineteenth session)."""
     state = warmed_state(engine, batch, context, steps, seed=batch + 3)
+    before = np.asarray(state.starts)
     t0 = time.perf_counter()
     for _ in range(calls):
         state, _ = engine.decode(state, n_steps=steps)
     jax.block_until_ready(state.starts)
-    return (time.perf_counter() - t0) / (calls * steps)
+    elapsed = time.perf_counter() - t0
+    # Every step commits at least one token per row; fewer means the rows reached the engine's maximum
+    # length and stopped advancing (the steps after that would be counted without having run).
+    advanced = int((np.asarray(state.starts) - before).min())
+    if advanced < calls * steps:
+        raise ValueError(f"time_decode_pipelined: {calls} calls of {steps} steps from context {context} "
+                         f"run past the engine's maximum length (rows advanced {advanced} tokens); ask for fewer calls")
+    return elapsed / (calls * steps)
 
 
 def time_draft(engine: Engine, batch: int, context: int, steps: int, repeats: int) -> float:

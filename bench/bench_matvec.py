@@ -43,7 +43,10 @@ EPS = 1e-6
 
 
 def timeit(fn, *args, repeats: int, inner: int, compiler_options: dict | None = None) -> float:
-    """Median seconds of one of ``inner`` chained calls inside one jit (``fn(*args, i)``)."""
+    """Median seconds of one of ``inner`` chained calls inside one jit (``fn(*args, i)``). Timed right
+    after the compile: a GPU idle through it runs short bursts at a lower clock, which spread one
+    kernel over 12.7-18.1 us in the twenty-first session; compare variants with
+    ``sweep_split_k.time_interleaved`` instead."""
 
     @functools.partial(jax.jit, compiler_options=compiler_options)
     def loop(*a):

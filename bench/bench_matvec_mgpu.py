@@ -19,6 +19,7 @@ matmul kernels can be compared without them.
     python bench/bench_matvec_mgpu.py --no-sweep --profile /tmp/prof    # the best tiles of the sweep
     python bench/bench_matvec_mgpu.py --chain                           # dependent chains, PDL prefetch
     python bench/bench_matvec_mgpu.py --back-to-back                    # the kernel after itself, under PDL?
+    python bench/bench_matvec_mgpu.py --norm-chain                      # after add_rms_norm, which signals
 
 ``--chain`` times 36 dependent matmuls of one shape (each input the RMS-normalised output of the
 last, as in a decode step) three ways: XLA's dot, the kernel, and the kernel with
@@ -31,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -116,6 +119,56 @@ def chains(args) -> list[dict]:
     return out
 
 
+def norm_chains(args) -> list[dict]:
+    """Per shape, 36 dependent links of ``add_rms_norm`` (our Triton kernel, which signals
+    ``launch_dependents`` once each program has read its inputs) and a matmul: XLA's dot, the kernel,
+    the kernel with the PDL prefetch. The tenth session's chain put an XLA norm before the kernel,
+    and XLA's kernels never signal; here the kernel launched under PDL may start its weight copies
+    while the norm still runs. Interleaved rounds, as in ``sweep_split_k.py``."""
+    import kernels_pallas
+    from sweep_split_k import time_interleaved
+
+    dtype, key, out = jnp.bfloat16, jax.random.key(3), []
+    for name in [s for s in args.shapes.split(",") if s in ("qkv", "o", "gate-up")]:  # K = 4096: x fits in SMEM
+        k, n = SHAPES[name]
+        ws = [normal(jax.random.fold_in(key, c), (k, n), dtype) for c in range(36)]
+        gain = normal(jax.random.fold_in(key, 98), (k,), dtype, 1.0)
+        h = normal(jax.random.fold_in(key, 99), (1, k), dtype, 1.0)
+        plain = BEST[name]
+
+        def link_xla(h, delta, w):
+            h, x = kernels_pallas.add_rms_norm(h, delta, gain, eps=1e-6)
+            return h, (x @ w)[:, :k]
+
+        def link_kernel(h, delta, w, cfg):  # rows padded to 8 (the WGMMA's least N); the pad stays zero
+            h, x = kernels_pallas.add_rms_norm(h, delta, gain, eps=1e-6)
+            return h, matvec_partials(x, w, cfg).sum(0).T[:, :k].astype(dtype)
+
+        def chain(ws_, h, link):
+            delta = None
+            for w in ws_:
+                h, delta = link(h, delta, w)
+            return h + delta
+
+        variants = {"xla": (h, link_xla),
+                    "kernel": (pad_rows(h), functools.partial(link_kernel, cfg=plain)),
+                    "prefetch": (pad_rows(h), functools.partial(link_kernel, cfg=dataclasses.replace(plain, prefetch=True)))}
+        compiled, results = {}, {}
+        for label, (h0, link) in variants.items():
+            exe = jax.jit(lambda ws_, h_, link=link: chain(ws_, h_, link)).lower(ws, h0).compile()
+            compiled[label] = functools.partial(exe, ws, h0)
+            results[label] = compiled[label]()[:1].astype(jnp.float32)
+        errs = {label: float(jnp.linalg.norm(r - results["xla"]) / jnp.linalg.norm(results["xla"]))
+                for label, r in results.items()}
+        us = time_interleaved(compiled, rounds=args.rounds, repeats=args.repeats, warmup=1.0, per_call=36)
+        row = {"shape": name, "errors": errs, "us_per_link": us}
+        out.append(row)
+        print(f"{name:<8} " + "  ".join(f"{label} {statistics.median(v):6.2f} us ({' '.join(f'{u:.1f}' for u in v)})"
+                                        for label, v in us.items()) + f"   errors {errs}", flush=True)
+        del ws
+    return out
+
+
 def back_to_back(args) -> list[dict]:
     """Per shape, 36 kernels back to back with nothing between them (each ordered after the last by
     an operand it does not read): plain, signalling ``launch_dependents`` first, and signalling with
@@ -160,6 +213,9 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true", help="only the dependent chains (XLA, kernel, PDL prefetch)")
     ap.add_argument("--back-to-back", action="store_true",
                     help="only the kernels back to back (plain, launch_dependents, with the PDL prefetch)")
+    ap.add_argument("--norm-chain", action="store_true",
+                    help="only the chains of add_rms_norm and a matmul (XLA, kernel, PDL prefetch), interleaved")
+    ap.add_argument("--rounds", type=int, default=5, help="--norm-chain: interleaved rounds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = jnp.bfloat16
@@ -169,6 +225,11 @@ def main() -> None:
     print(f"device {results['device']}", flush=True)
     if args.back_to_back:
         results["back_to_back"] = back_to_back(args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        return
+    if args.norm_chain:
+        results["norm_chains"] = norm_chains(args)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2))
         return

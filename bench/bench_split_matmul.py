@@ -21,7 +21,10 @@ This script measures, on Qwen3-8B shapes in bf16, 36 distinct weights per timing
 All four sections with the default splits take more than the device's 10 minutes per command on
 the H200 (the sixth session's run stopped in section 2); ``--sections`` and ``--splits`` narrow it.
 Findings (docs/benchmarks.md, sixth session): the explicit split loses to XLA's dot except for QKV
-at 8 splits, and a weight in L2 saves only 2-3 us per matmul; neither is in the engine.
+at 8 splits, and a weight in L2 saves only 2-3 us per matmul; neither is in the engine. (The
+twenty-first session's ``sweep_split_k.py`` times two-row explicit splits in interleaved rounds:
+as fast as XLA's own; ``sweep_decode_options.py``'s ``partials:`` variant puts ``split_dot`` and
+``add_rms_norm_partials`` in the engine: 0.11-0.23 ms slower per step.)
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 import bench_matvec as mv  # noqa: E402
 import kernels_pallas  # noqa: E402
 from kernels_pallas._flash import triton_params  # noqa: E402
+from kernels_pallas._pdl import signal_after  # noqa: E402
 
 EPS = 1e-6
 
@@ -55,22 +59,24 @@ def split_dot(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
                       preferred_element_type=jnp.float32)
 
 
-def _norm_partials_kernel(h_ref, d_ref, w_ref, y_ref, s_ref, *, eps):
+def _norm_partials_kernel(h_ref, d_ref, w_ref, y_ref, s_ref, *, eps, interpret):
     s = h_ref[...] + jnp.sum(d_ref[...], axis=0).astype(h_ref.dtype)
     s_ref[...] = s
     xf = s.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.sum(xf * xf) / xf.shape[0] + eps)
-    y_ref[...] = w_ref[...] * (xf * r).astype(s.dtype)
+    y_ref[...] = signal_after(w_ref[...] * (xf * r).astype(s.dtype), interpret=interpret)  # as rms_norm_gpu
 
 
 def add_rms_norm_partials(h, partials, weight, *, eps, interpret):
-    """Prototype: ``add_rms_norm(h, bf16(sum(partials, 0)), weight)``, partials ``[S, rows, hidden]``."""
+    """Prototype: ``add_rms_norm(h, bf16(sum(partials, 0)), weight)``, ``h [rows, hidden]``, partials
+    ``[S, >= rows, hidden]`` (program i reads row i of each partial: a padded matmul's extra rows
+    are never read)."""
     rows, hidden = h.shape
     splits = partials.shape[0]
     row = pl.BlockSpec((None, hidden), lambda i: (i, 0))
     out = jax.ShapeDtypeStruct(h.shape, h.dtype)
     y, s = pl.pallas_call(
-        functools.partial(_norm_partials_kernel, eps=eps), grid=(rows,),
+        functools.partial(_norm_partials_kernel, eps=eps, interpret=interpret), grid=(rows,),
         in_specs=[row, pl.BlockSpec((splits, None, hidden), lambda i: (0, i, 0)), pl.BlockSpec((hidden,), lambda i: (0,))],
         out_specs=[row, row], out_shape=[out, out], compiler_params=triton_params(4, 1), interpret=interpret,
         name="add_rms_norm_partials")(h, partials, weight)

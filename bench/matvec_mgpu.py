@@ -4,8 +4,9 @@ session) its kernels alone match XLA's GEMMs on QKV and the output projection (1
 row) and lose on gate-up (49.3 vs 45.7 us), so it could only save the two split-K reduce kernels
 (~2.75 us per layer) if the consumers summed its partials; its ``prefetch`` variant (weights streamed
 before the PDL wait) gained nothing in a dependent chain, and neither did it with ``signal``
-(``launch_dependents`` first) in 36 of these kernels back to back (eleventh session): no sign that
-XLA launches a Mosaic custom call under programmatic dependent launch. JAX 0.10.2's GPU interpret
+(``launch_dependents`` first) in 36 of these kernels back to back (eleventh session), nor after an
+``add_rms_norm`` that signals its dependents (twenty-first session, ``--norm-chain``: it loses
+0.2-2.4 us per link, and the kernel trails XLA's dot on QKV, output and gate-up). JAX 0.10.2's GPU interpret
 mode does not take a transposed WGMMA operand, so it has no CPU test; the benchmark checks it on the
 device.
 

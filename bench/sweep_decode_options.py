@@ -12,6 +12,12 @@ and method: on-device loop, state donated, median of repeats) with
 - ``attn:FIELD=N+...``: the cached-attention kernel's tile config (``GpuConfig`` fields), e.g.
   ``attn:min_chunk=64+num_stages=2``;
 - ``norm_warps:N``: the add_rms_norm kernel with N warps (``rms_norm_gpu.NUM_WARPS``);
+- ``partials:PROJ=S+...``: the output and down projections (``o``, ``down``) of one row written
+  out as S float32 partials, which the ``add_rms_norm`` after them sums in its prologue (a prototype
+  kernel): no split-K reduce kernel after either (target-only decode; verify blocks unchanged);
+- ``splitk:PROJ=S+...``: one-row projections (``qkv``, ``o``, ``gate_up``, ``down`` of the 8B shapes)
+  with their split-K written out: a batched dot of S float32 partials, summed (``sweep_split_k.py``),
+  instead of the split XLA's cost model picks; e.g. ``splitk:down=4+o=2``;
 - ``folded_norms_cost``: the cost of RMSNorms folded into the matmuls after them (``s @ (w * W)``
   scaled by ``rsqrt(mean(s^2) + eps)`` after the dot, so XLA can put the scale into the split-K
   reduction or the SwiGLU and no norm kernel runs). Timing only: it leaves the norm weights out
@@ -45,10 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kernels_pallas  # noqa: E402
 from kernels_pallas import _pdl, cached_attention_gpu, rms_norm_gpu  # noqa: E402
+from bench_split_matmul import add_rms_norm_partials, split_dot  # noqa: E402
 from bench_engine import (hbm_roofline_s, int_fields, qwen3_8b, random_pair, time_decode,  # noqa: E402
                           time_decode_pipelined)
 from dflash_jax import engine as engine_module  # noqa: E402
@@ -94,11 +102,50 @@ VARIANTS = {  # name: (XLA options, unfused norms)
 }
 
 
+PROJECTIONS = {(4096, 6144): "qkv", (4096, 4096): "o", (4096, 24576): "gate_up", (12288, 4096): "down"}
+
+
+def _written_out_splits(splits: dict[str, int], dense, *, keep_partials: bool):
+    """``layers.dense`` with the split-K of the named one-row projections written out
+    (``bench_split_matmul.split_dot`` over the row padded to two, so that no split's weight is small
+    enough for XLA to strength-reduce the dot): the float32 partials ``[S, 2, N]`` summed back
+    (``splitk:``), or left for ``_partials_add_rms_norm`` to sum (``partials:``)."""
+    import math
+
+    def patched(x, w, in_dims=1):
+        value = w[...]
+        k, n = math.prod(value.shape[:in_dims]), math.prod(value.shape[in_dims:])
+        rows = x.shape[:x.ndim - in_dims]
+        split = splits.get(PROJECTIONS.get((k, n), ""), 0)
+        if math.prod(rows) != 1 or split < (1 if keep_partials else 2):
+            return dense(x, w, in_dims)
+        row = x.reshape(1, k)
+        partials = split_dot(jnp.concatenate([row, jnp.zeros_like(row)]), value.reshape(k, n), split)
+        if keep_partials:
+            return partials
+        return jnp.sum(partials[:, :1], axis=0).astype(x.dtype).reshape(rows + value.shape[in_dims:])
+
+    return patched
+
+
+def _partials_add_rms_norm(add_rms_norm):
+    """``layers.add_rms_norm`` that takes a one-row delta as float32 partials ``[S, 2, hidden]``
+    (``bench_split_matmul.add_rms_norm_partials`` sums them in its prologue)."""
+
+    def patched(h, delta, norm, *, fused):
+        if delta is None or delta.dtype != jnp.float32 or delta.ndim != 3:
+            return add_rms_norm(h, delta, norm, fused=fused)
+        hidden = h.shape[-1]
+        s, y = add_rms_norm_partials(h.reshape(1, hidden), delta, norm.weight[...].astype(h.dtype), eps=norm.eps,
+                                     interpret=jax.default_backend() != "gpu")
+        return s.reshape(h.shape), y.reshape(h.shape)
+
+    return patched
+
+
 def _folded_norms_cached(self, h, delta, starts, k_cache, v_cache, blk_lens, *, attention_impl="xla",
                          causal=True, write=True):
     """``DecoderLayer.cached`` with the norms' row scale applied after the matmuls (``folded_norms_cost``)."""
-    import jax.numpy as jnp
-
     def scaled_dot(s, w):  # s [..., K] @ w [K, *out] * rsqrt(mean(s^2) + eps), in float32
         sf = s.astype(jnp.float32)
         r = jax.lax.rsqrt(jnp.mean(sf * sf, axis=-1, keepdims=True) + self.input_layernorm.eps)
@@ -146,6 +193,9 @@ def main() -> None:
     limit = layers.GPU_STRENGTH_REDUCTION_LIMIT
     supported = kernels_pallas.add_rms_norm_supported
     default_cached = layers.DecoderLayer.cached
+    default_dense = layers.dense
+    default_add_rms_norm = layers.add_rms_norm
+    import dflash_jax.target as target_module
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     with_dflash = set(args.dflash.split(","))
     roofline_s = hbm_roofline_s(target, 1, args.context) / args.tensor  # per device
@@ -164,6 +214,11 @@ def main() -> None:
         layers.GPU_STRENGTH_REDUCTION_LIMIT = 0 if name == "no_row_padding" else limit
         _pdl.ENABLED = name != "no_pdl_signal"
         layers.DecoderLayer.cached = _folded_norms_cached if name == "folded_norms_cost" else default_cached
+        kind, _, splits = name.partition(":")
+        layers.dense = (_written_out_splits(int_fields(splits, sep="+"), default_dense, keep_partials=kind == "partials")
+                        if kind in ("splitk", "partials") else default_dense)
+        layers.add_rms_norm = target_module.add_rms_norm = (_partials_add_rms_norm(default_add_rms_norm)
+                                                            if name.startswith("partials:") else default_add_rms_norm)
         cfg = EngineConfig(max_batch_size=1, max_length=args.context + 512, prompt_buckets=(args.context,),
                            steps_per_sync=8, attention_impl="pallas",
                            mesh=MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None)
