@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -61,6 +62,7 @@ from bench_engine import (hbm_roofline_s, int_fields, qwen3_8b, random_pair, tim
                           time_decode_pipelined)
 from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax import layers  # noqa: E402
+from dflash_jax import target as target_module  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
 from dflash_jax.sharding import MeshConfig  # noqa: E402
 from dflash_jax.tiny import tiny_target_config  # noqa: E402
@@ -110,7 +112,6 @@ def _written_out_splits(splits: dict[str, int], dense, *, keep_partials: bool):
     (``bench_split_matmul.split_dot`` over the row padded to two, so that no split's weight is small
     enough for XLA to strength-reduce the dot): the float32 partials ``[S, 2, N]`` summed back
     (``splitk:``), or left for ``_partials_add_rms_norm`` to sum (``partials:``)."""
-    import math
 
     def patched(x, w, in_dims=1):
         value = w[...]
@@ -195,7 +196,6 @@ def main() -> None:
     default_cached = layers.DecoderLayer.cached
     default_dense = layers.dense
     default_add_rms_norm = layers.add_rms_norm
-    import dflash_jax.target as target_module
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     with_dflash = set(args.dflash.split(","))
     roofline_s = hbm_roofline_s(target, 1, args.context) / args.tensor  # per device
