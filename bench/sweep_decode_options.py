@@ -15,6 +15,10 @@ and method: on-device loop, state donated, median of repeats) with
 - ``partials:PROJ=S+...``: the output and down projections (``o``, ``down``) of one row written
   out as S float32 partials, which the ``add_rms_norm`` after them sums in its prologue (a prototype
   kernel): no split-K reduce kernel after either (target-only decode; verify blocks unchanged);
+- ``xla:KEY=VALUE``: one XLA option for the decode jit, e.g.
+  ``xla:xla_gpu_override_gemm_autotuner=block_m:16 block_n:64 ...`` (an option that only steers the
+  GEMM autotuner needs a process of its own: XLA keeps one autotuning result per fusion and process,
+  docs/benchmarks.md, twenty-first session);
 - ``splitk:PROJ=S+...``: one-row projections (``qkv``, ``o``, ``gate_up``, ``down`` of the 8B shapes)
   with their split-K written out: a batched dot of S float32 partials, summed (``sweep_split_k.py``),
   instead of the split XLA's cost model picks; e.g. ``splitk:down=4+o=2``;
@@ -58,7 +62,7 @@ import numpy as np  # noqa: E402
 import kernels_pallas  # noqa: E402
 from kernels_pallas import _pdl, cached_attention_gpu, rms_norm_gpu  # noqa: E402
 from bench_split_matmul import add_rms_norm_partials, split_dot  # noqa: E402
-from bench_engine import (hbm_roofline_s, int_fields, qwen3_8b, random_pair, time_decode,  # noqa: E402
+from bench_engine import (_option, hbm_roofline_s, int_fields, qwen3_8b, random_pair, time_decode,  # noqa: E402
                           time_decode_pipelined)
 from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax import layers  # noqa: E402
@@ -207,6 +211,8 @@ def main() -> None:
         if name.startswith("attn:"):
             overrides = int_fields(name[len("attn:"):], sep="+")
         options, unfused_norms = VARIANTS.get(name, ({}, False))
+        if name.startswith("xla:"):
+            options = dict([_option(name[len("xla:"):])])
         cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(default_attention, **overrides)
         rms_norm_gpu.NUM_WARPS = int(name[len("norm_warps:"):]) if name.startswith("norm_warps:") else default_norm_warps
         engine_module._decode_compiler_options = lambda o=options: {**(default_options() or {}), **o} or None

@@ -23,10 +23,16 @@ Per shape (Qwen3-8B: QKV 4096x6144, output 4096x4096, gate-up 4096x24576, down 1
   leading dimension), the tiles XLA autotuned, and the kernels in the module;
 - each variant's output checked against the first's (direction of the output vector).
 
-Finding (docs/benchmarks.md, twenty-first session): no written-out split beats XLA's choice by more
-than the rounds' spread, and in the engine (``sweep_decode_options.py`` ``splitk:``) none helps.
+``--override`` forces one tile config on every dot (``xla_gpu_override_gemm_autotuner``); it
+takes effect only in a process that has not compiled the fusion before (XLA keeps one autotuning
+result per fusion and process), and in JAX 0.11.2 it moves the dots off Triton.
+
+Findings (docs/benchmarks.md, twenty-first session): no written-out split beats XLA's choice by more
+than the rounds' spread, and in the engine (``sweep_decode_options.py`` ``splitk:``) none helps;
+the override costs the engine's step 0.2 ms.
 
     python bench/sweep_split_k.py --out $OUT/splitk.json       # on the GPU
+    python bench/sweep_split_k.py --shapes o --override "block_m:16 block_n:64 block_k:256 split_k:1 num_stages:4 num_warps:4 num_ctas:1"
     python bench/sweep_split_k.py --tiny                       # CPU smoke test
 """
 
@@ -117,8 +123,9 @@ def run_shape(name: str, args) -> list[dict]:
     variants = [("xla", 1, None), ("xla2", 2, None)] + [(f"S{s}", 2, s) for s in splits]
     compiled = {}
     rows = {}
+    options = {"xla_gpu_override_gemm_autotuner": args.override} if args.override else None
     for label, r, split in variants:
-        fn = jax.jit(variant_fn(k, n, r, split), static_argnums=2)
+        fn = jax.jit(variant_fn(k, n, r, split), static_argnums=2, compiler_options=options)
         t0 = time.perf_counter()
         exe = fn.lower(ws, x, args.inner).compile()
         text = exe.as_text()
@@ -180,6 +187,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--inner", type=int, default=4)
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds of running every variant before timing")
+    ap.add_argument("--override", default="",
+                    help="a TritonGemmKey textproto forced on every GEMM (xla_gpu_override_gemm_autotuner), e.g. "
+                         "'block_m:16 block_n:128 block_k:128 split_k:1 num_stages:4 num_warps:4 num_ctas:1'")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
