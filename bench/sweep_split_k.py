@@ -48,6 +48,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from bench_matvec import normal
 from bench_split_matmul import split_dot
 
 SHAPES = {  # name: (K, N, written-out splits to try)
@@ -117,8 +118,8 @@ def run_shape(name: str, args) -> list[dict]:
     if args.tiny:
         k, n, count = k // 64, n // 64, 3
     keys = jax.random.split(jax.random.key(0), count + 1)
-    ws = [(0.02 * jax.random.normal(kk, (k, n), jnp.float32)).astype(jnp.bfloat16) for kk in keys[:count]]
-    x = jax.random.normal(keys[-1], (1, k), jnp.float32).astype(jnp.bfloat16)
+    ws = [normal(kk, (k, n), jnp.bfloat16) for kk in keys[:count]]
+    x = normal(keys[-1], (1, k), jnp.bfloat16, scale=1.0)
     jax.block_until_ready(ws)
     variants = [("xla", 1, None), ("xla2", 2, None)] + [(f"S{s}", 2, s) for s in splits]
     compiled = {}
@@ -128,11 +129,12 @@ def run_shape(name: str, args) -> list[dict]:
         fn = jax.jit(variant_fn(k, n, r, split), static_argnums=2, compiler_options=options)
         t0 = time.perf_counter()
         exe = fn.lower(ws, x, args.inner).compile()
+        compile_s = round(time.perf_counter() - t0, 2)
         text = exe.as_text()
         compiled[label] = exe
         _, out = exe(ws, x)
         out = out.astype(jnp.float32)
-        rows[label] = dict(shape=name, variant=label, compile_s=round(time.perf_counter() - t0, 2),
+        rows[label] = dict(shape=name, variant=label, compile_s=compile_s,
                            kernels=kernels_per_call(text), fusions=triton_fusions(text)[:3], out=out / jnp.linalg.norm(out))
     reference = rows[variants[0][0]]["out"]
     for row in rows.values():
