@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Batch-1 decode step under variants of the engine's kernels and XLA compiler options, in one process.
+"""A decode step (batch 1 unless ``--batch``) under variants of the engine's kernels and XLA options, in one process.
 
 Each variant builds fresh engines over the same Qwen3-8B-shaped weights (bench_engine.py's model
 and method: on-device loop, state donated, median of repeats) with
@@ -22,6 +22,11 @@ and method: on-device loop, state donated, median of repeats) with
 - ``splitk:PROJ=S+...``: one-row projections (``qkv``, ``o``, ``gate_up``, ``down`` of the 8B shapes)
   with their split-K written out: a batched dot of S float32 partials, summed (``sweep_split_k.py``),
   instead of the split XLA's cost model picks; e.g. ``splitk:down=4+o=2``;
+- ``l2-MODE:PROJ=MB+...``: the weights of the named projections (``qkv``, ``o``, ``gate_up``,
+  ``down``), MB each, fetched into L2 by a reduction of their own beside the short kernels before
+  their matmuls, ``MODE`` ``concurrent``, ``stream`` or ``serial`` (``l2_prefetch.py``); e.g.
+  ``l2-concurrent:o=16+qkv=8``; ``concurrent`` / ``lhs_graph``: the decode loop's CUDA graph
+  ordered by data flow (the engine's default) / chained in XLA's schedule (XLA's default);
 - ``folded_norms_cost``: the cost of RMSNorms folded into the matmuls after them (``s @ (w * W)``
   scaled by ``rsqrt(mean(s^2) + eps)`` after the dot, so XLA can put the scale into the split-K
   reduction or the SwiGLU and no norm kernel runs). Timing only: it leaves the norm weights out
@@ -62,8 +67,9 @@ import numpy as np  # noqa: E402
 import kernels_pallas  # noqa: E402
 from kernels_pallas import _pdl, cached_attention_gpu, rms_norm_gpu  # noqa: E402
 from bench_split_matmul import add_rms_norm_partials, split_dot  # noqa: E402
-from bench_engine import (_option, hbm_roofline_s, int_fields, qwen3_8b, random_pair, time_decode,  # noqa: E402
-                          time_decode_pipelined)
+from l2_prefetch import MODES as L2_MODES, prefetching_cached  # noqa: E402
+from bench_engine import (_option, hbm_roofline_s, int_fields, profile_decode, qwen3_8b, random_pair,  # noqa: E402
+                          time_decode, time_decode_pipelined)
 from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax import layers  # noqa: E402
 from dflash_jax import target as target_module  # noqa: E402
@@ -105,6 +111,8 @@ VARIANTS = {  # name: (XLA options, unfused norms)
     "min_graph_1": ({"xla_gpu_graph_min_graph_size": 1}, False),
     # the Pallas Triton kernels without their griddepcontrol.launch_dependents (kernels_pallas._pdl)
     "no_pdl_signal": ({}, False),
+    "concurrent": (L2_MODES["concurrent"], False),  # the engine's mode (twenty-second session)
+    "lhs_graph": (L2_MODES["serial"], False),  # XLA's default mode: the graph's kernels chained in its schedule
 }
 
 
@@ -173,6 +181,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1, help="rows per decode step (the engine's batch size)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     ap.add_argument("--rounds", type=int, default=1, help="run the variant list this many times, interleaved")
@@ -183,6 +192,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=0,
                     help="also generate this many tokens per engine from one fixed prompt and compare them with "
                          "the first variant's (variants that must not change results)")
+    ap.add_argument("--profile", default=None,
+                    help="trace 8 target-only steps of each variant's first run into DIR/NAME, with every kernel "
+                         "in time order (and its stream) in DIR/NAME.txt")
+    ap.add_argument("--memory", action="store_true",
+                    help="also print each engine's decode-step temporaries (XLA's memory analysis of the compiled loop)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -202,7 +216,7 @@ def main() -> None:
     default_add_rms_norm = layers.add_rms_norm
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     with_dflash = set(args.dflash.split(","))
-    roofline_s = hbm_roofline_s(target, 1, args.context) / args.tensor  # per device
+    roofline_s = hbm_roofline_s(target, args.batch, args.context) / args.tensor  # per device
     results: dict[str, list[dict]] = {}  # every run of each variant, in order
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, tcfg.vocab_size, args.context)]
     first_tokens: dict[str, list[int]] = {}  # --tokens: the first variant's output, per engine kind
@@ -213,35 +227,46 @@ def main() -> None:
         options, unfused_norms = VARIANTS.get(name, ({}, False))
         if name.startswith("xla:"):
             options = dict([_option(name[len("xla:"):])])
+        if name.startswith("l2-"):
+            options = L2_MODES[name[len("l2-"):].partition(":")[0]]
         cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(default_attention, **overrides)
         rms_norm_gpu.NUM_WARPS = int(name[len("norm_warps:"):]) if name.startswith("norm_warps:") else default_norm_warps
         engine_module._decode_compiler_options = lambda o=options: {**(default_options() or {}), **o} or None
         kernels_pallas.add_rms_norm_supported = (lambda *a, **k: False) if unfused_norms else supported
         layers.GPU_STRENGTH_REDUCTION_LIMIT = 0 if name == "no_row_padding" else limit
         _pdl.ENABLED = name != "no_pdl_signal"
-        layers.DecoderLayer.cached = _folded_norms_cached if name == "folded_norms_cost" else default_cached
         kind, _, splits = name.partition(":")
+        layers.DecoderLayer.cached = _folded_norms_cached if name == "folded_norms_cost" else default_cached
+        if kind.startswith("l2-"):
+            layers.DecoderLayer.cached = prefetching_cached(int_fields(splits, sep="+"), kind[len("l2-"):])
         layers.dense = (_written_out_splits(int_fields(splits, sep="+"), default_dense, keep_partials=kind == "partials")
                         if kind in ("splitk", "partials") else default_dense)
         layers.add_rms_norm = target_module.add_rms_norm = (_partials_add_rms_norm(default_add_rms_norm)
                                                             if name.startswith("partials:") else default_add_rms_norm)
-        cfg = EngineConfig(max_batch_size=1, max_length=args.context + 512, prompt_buckets=(args.context,),
+        cfg = EngineConfig(max_batch_size=args.batch, max_length=args.context + 512, prompt_buckets=(args.context,),
                            steps_per_sync=8, attention_impl="pallas",
                            mesh=MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None)
         t0 = time.perf_counter()
         try:
             plain = Engine(target, None, cfg)
-            t_plain, _ = time_decode(plain, 1, args.context, args.steps, args.repeats)
-            t_plain_b2b = (time_decode_pipelined(plain, 1, args.context, args.steps, args.pipelined)
+            t_plain, _ = time_decode(plain, args.batch, args.context, args.steps, args.repeats)
+            t_plain_b2b = (time_decode_pipelined(plain, args.batch, args.context, args.steps, args.pipelined)
                            if args.pipelined else None)
+            if args.profile and name not in results:
+                out = Path(args.profile) / "".join(c if c.isalnum() else "_" for c in name)
+                profile_decode(plain, 1, args.context, 8, str(out), top=12, listing=out.with_suffix(".txt"))
             t_spec = t_spec_b2b = None
             engines = [("target-only", plain)]
             if name in with_dflash:
                 spec = Engine(target, drafter, cfg)
-                t_spec, _ = time_decode(spec, 1, args.context, args.steps, args.repeats)
-                t_spec_b2b = (time_decode_pipelined(spec, 1, args.context, args.steps, args.pipelined)
+                t_spec, _ = time_decode(spec, args.batch, args.context, args.steps, args.repeats)
+                t_spec_b2b = (time_decode_pipelined(spec, args.batch, args.context, args.steps, args.pipelined)
                               if args.pipelined else None)
                 engines.append(("DFlash", spec))
+            if args.memory:
+                for kind, engine in engines:
+                    mem = engine.decode_compiled(engine.empty_state(args.batch), args.steps).memory_analysis()
+                    print(f"{name} {kind}: decode temporaries {mem.temp_size_in_bytes / 2**20:.1f} MiB", flush=True)
             if args.tokens:
                 for kind, engine in engines:
                     [result] = engine.generate([prompt], max_new_tokens=args.tokens)
