@@ -254,7 +254,7 @@ def main() -> None:
                            if args.pipelined else None)
             if args.profile and name not in results:
                 out = Path(args.profile) / "".join(c if c.isalnum() else "_" for c in name)
-                profile_decode(plain, 1, args.context, 8, str(out), top=12, listing=out.with_suffix(".txt"))
+                profile_decode(plain, args.batch, args.context, 8, str(out), top=12, listing=out.with_suffix(".txt"))
             t_spec = t_spec_b2b = None
             engines = [("target-only", plain)]
             if name in with_dflash:

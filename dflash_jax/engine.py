@@ -130,8 +130,8 @@ def _decode_compiler_options() -> dict | None:
     The graph's kernels are ordered by data flow (``CONCURRENT``) rather than chained in XLA's
     schedule (``LHS``, the default), so independent kernels of a step run side by side: in a DFlash
     step the drafter's context K/V of the committed tokens, layer beside layer and beside the next
-    draft's first kernels. -0.04 ms per batch-1 DFlash step (0.8%, every
-    round), no change target-only (docs/benchmarks.md, twenty-second session).
+    draft's first kernels. -0.04 ms per batch-1 DFlash step (0.8%, every round), no change
+    target-only (docs/benchmarks.md, twenty-second session).
     """
     if jax.default_backend() == "cpu":
         return {"xla_cpu_copy_insertion_use_region_analysis": True}
