@@ -221,24 +221,25 @@ def main() -> None:
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, tcfg.vocab_size, args.context)]
     first_tokens: dict[str, list[int]] = {}  # --tokens: the first variant's output, per engine kind
     for name in names * args.rounds:
+        kind, _, splits = name.partition(":")
+        l2_mode = kind[len("l2-"):] if kind.startswith("l2-") else None
         overrides = {}
         if name.startswith("attn:"):
             overrides = int_fields(name[len("attn:"):], sep="+")
         options, unfused_norms = VARIANTS.get(name, ({}, False))
         if name.startswith("xla:"):
             options = dict([_option(name[len("xla:"):])])
-        if name.startswith("l2-"):
-            options = L2_MODES[name[len("l2-"):].partition(":")[0]]
+        if l2_mode:
+            options = L2_MODES[l2_mode]
         cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(default_attention, **overrides)
         rms_norm_gpu.NUM_WARPS = int(name[len("norm_warps:"):]) if name.startswith("norm_warps:") else default_norm_warps
         engine_module._decode_compiler_options = lambda o=options: {**(default_options() or {}), **o} or None
         kernels_pallas.add_rms_norm_supported = (lambda *a, **k: False) if unfused_norms else supported
         layers.GPU_STRENGTH_REDUCTION_LIMIT = 0 if name == "no_row_padding" else limit
         _pdl.ENABLED = name != "no_pdl_signal"
-        kind, _, splits = name.partition(":")
         layers.DecoderLayer.cached = _folded_norms_cached if name == "folded_norms_cost" else default_cached
-        if kind.startswith("l2-"):
-            layers.DecoderLayer.cached = prefetching_cached(int_fields(splits, sep="+"), kind[len("l2-"):])
+        if l2_mode:
+            layers.DecoderLayer.cached = prefetching_cached(int_fields(splits, sep="+"), l2_mode)
         layers.dense = (_written_out_splits(int_fields(splits, sep="+"), default_dense, keep_partials=kind == "partials")
                         if kind in ("splitk", "partials") else default_dense)
         layers.add_rms_norm = target_module.add_rms_norm = (_partials_add_rms_norm(default_add_rms_norm)
