@@ -12,6 +12,11 @@ and method: on-device loop, state donated, median of repeats) with
 - ``attn:FIELD=N+...``: the cached-attention kernel's tile config (``GpuConfig`` fields), e.g.
   ``attn:min_chunk=64+num_stages=2``;
 - ``norm_warps:N``: the add_rms_norm kernel with N warps (``rms_norm_gpu.NUM_WARPS``);
+- ``qkv_partials:S``: a decode token's fused QKV projection as S float32 split-K partials that the
+  cached-attention kernel sums (``layers.QKV_PARTIALS``, 8 by default; ``qkv_partials:0``: one dot
+  and XLA's split-K reduction kernel); ``o_partials:S``: its output projection as S partials that
+  XLA sums (``layers.OUTPUT_PARTIALS``, 8 by default; 0: one dot, split by XLA); ``xla_splits``:
+  both as one dot, split by XLA (the engine before the twenty-third session);
 - ``partials:PROJ=S+...``: the output and down projections (``o``, ``down``) of one row written
   out as S float32 partials, which the ``add_rms_norm`` after them sums in its prologue (a prototype
   kernel): no split-K reduce kernel after either (target-only decode; verify blocks unchanged);
@@ -19,14 +24,17 @@ and method: on-device loop, state donated, median of repeats) with
   ``xla:xla_gpu_override_gemm_autotuner=block_m:16 block_n:64 ...`` (an option that only steers the
   GEMM autotuner needs a process of its own: XLA keeps one autotuning result per fusion and process,
   docs/benchmarks.md, twenty-first session);
-- ``splitk:PROJ=S+...``: one-row projections (``qkv``, ``o``, ``gate_up``, ``down`` of the 8B shapes)
-  with their split-K written out: a batched dot of S float32 partials, summed (``sweep_split_k.py``),
-  instead of the split XLA's cost model picks; e.g. ``splitk:down=4+o=2``;
+- ``splitk:PROJ=S+...``: one-row projections that go through ``layers.dense`` (``gate_up``, ``down``;
+  ``qkv`` and ``o`` with ``qkv_partials:0`` / ``o_partials:0``) with their split-K written out
+  (``layers.single_row_partials``: S float32 partials, summed) instead of the split XLA's cost model
+  picks; e.g. ``splitk:down=4``;
 - ``l2-MODE:PROJ=MB+...``: the weights of the named projections (``qkv``, ``o``, ``gate_up``,
   ``down``), MB each, fetched into L2 by a reduction of their own beside the short kernels before
   their matmuls, ``MODE`` ``concurrent``, ``stream`` or ``serial`` (``l2_prefetch.py``); e.g.
   ``l2-concurrent:o=16+qkv=8``; ``concurrent`` / ``lhs_graph``: the decode loop's CUDA graph
   ordered by data flow (the engine's default) / chained in XLA's schedule (XLA's default);
+- ``argmax_two_stage``: the greedy argmax over the vocabulary as ``decoding._argmax_two_stage`` (the
+  max of 128-wide slices first, written for XLA:CPU) instead of XLA's one (value, index) reduction;
 - ``folded_norms_cost``: the cost of RMSNorms folded into the matmuls after them (``s @ (w * W)``
   scaled by ``rsqrt(mean(s^2) + eps)`` after the dot, so XLA can put the scale into the split-K
   reduction or the SwiGLU and no norm kernel runs). Timing only: it leaves the norm weights out
@@ -66,10 +74,11 @@ import numpy as np  # noqa: E402
 
 import kernels_pallas  # noqa: E402
 from kernels_pallas import _pdl, cached_attention_gpu, rms_norm_gpu  # noqa: E402
-from bench_split_matmul import add_rms_norm_partials, split_dot  # noqa: E402
+from bench_split_matmul import add_rms_norm_partials  # noqa: E402
 from l2_prefetch import MODES as L2_MODES, prefetching_cached  # noqa: E402
 from bench_engine import (_option, hbm_roofline_s, int_fields, profile_decode, qwen3_8b, random_pair,  # noqa: E402
                           time_decode, time_decode_pipelined)
+from dflash_jax import decoding  # noqa: E402
 from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax import layers  # noqa: E402
 from dflash_jax import target as target_module  # noqa: E402
@@ -121,19 +130,18 @@ PROJECTIONS = {(4096, 6144): "qkv", (4096, 4096): "o", (4096, 24576): "gate_up",
 
 def _written_out_splits(splits: dict[str, int], dense, *, keep_partials: bool):
     """``layers.dense`` with the split-K of the named one-row projections written out
-    (``bench_split_matmul.split_dot`` over the row padded to two, so that no split's weight is small
-    enough for XLA to strength-reduce the dot): the float32 partials ``[S, 2, N]`` summed back
-    (``splitk:``), or left for ``_partials_add_rms_norm`` to sum (``partials:``)."""
+    (``layers.single_row_partials``): the float32 partials ``[S, 2, N]`` summed back (``splitk:``),
+    or left for ``_partials_add_rms_norm`` to sum (``partials:``)."""
 
     def patched(x, w, in_dims=1):
         value = w[...]
         k, n = math.prod(value.shape[:in_dims]), math.prod(value.shape[in_dims:])
         rows = x.shape[:x.ndim - in_dims]
         split = splits.get(PROJECTIONS.get((k, n), ""), 0)
-        if math.prod(rows) != 1 or split < (1 if keep_partials else 2):
+        partials = layers.single_row_partials(x, w, split, in_dims)
+        if partials is None:
             return dense(x, w, in_dims)
-        row = x.reshape(1, k)
-        partials = split_dot(jnp.concatenate([row, jnp.zeros_like(row)]), value.reshape(k, n), split)
+        partials = partials.reshape(partials.shape[:2] + (n,))
         if keep_partials:
             return partials
         return jnp.sum(partials[:, :1], axis=0).astype(x.dtype).reshape(rows + value.shape[in_dims:])
@@ -214,6 +222,8 @@ def main() -> None:
     default_cached = layers.DecoderLayer.cached
     default_dense = layers.dense
     default_add_rms_norm = layers.add_rms_norm
+    default_argmax = decoding._local_argmax
+    default_qkv_partials, default_output_partials = layers.QKV_PARTIALS, layers.OUTPUT_PARTIALS
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     with_dflash = set(args.dflash.split(","))
     roofline_s = hbm_roofline_s(target, args.batch, args.context) / args.tensor  # per device
@@ -236,6 +246,11 @@ def main() -> None:
         engine_module._decode_compiler_options = lambda o=options: {**(default_options() or {}), **o} or None
         kernels_pallas.add_rms_norm_supported = (lambda *a, **k: False) if unfused_norms else supported
         layers.GPU_STRENGTH_REDUCTION_LIMIT = 0 if name == "no_row_padding" else limit
+        layers.QKV_PARTIALS = (int(splits) if kind == "qkv_partials" else 0 if name == "xla_splits"
+                               else default_qkv_partials)
+        layers.OUTPUT_PARTIALS = (int(splits) if kind == "o_partials" else 0 if name == "xla_splits"
+                                  else default_output_partials)
+        decoding._local_argmax = decoding._argmax_two_stage if name == "argmax_two_stage" else default_argmax
         _pdl.ENABLED = name != "no_pdl_signal"
         layers.DecoderLayer.cached = _folded_norms_cached if name == "folded_norms_cost" else default_cached
         if l2_mode:

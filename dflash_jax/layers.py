@@ -64,6 +64,12 @@ def add_rms_norm(h: jax.Array, delta: jax.Array | None, norm: RMSNorm, *, fused:
 # XLA:GPU rewrites a dot with a one-row operand into a multiply and a reduction when its operands
 # hold fewer than this many elements (``ShouldStrengthReduceDotToReduce``, gpu_algebraic_simplifier.cc).
 GPU_STRENGTH_REDUCTION_LIMIT = 10_000_000
+# On one GPU, a decode token's projections with their split-K written out (``single_row_partials``;
+# docs/benchmarks.md, twenty-third session), 0: one dot, split by XLA. The fused QKV projection as
+# this many float32 partials, which the cached-attention kernel sums (no reduction kernel after the
+# GEMM); the output projection's partials summed by XLA (a faster GEMM than XLA's own split).
+QKV_PARTIALS = 8
+OUTPUT_PARTIALS = 8
 
 
 def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
@@ -87,6 +93,29 @@ def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
         y = _dot(jnp.concatenate([row, jnp.zeros_like(row)]), value, in_dims)[:1]
         return y.reshape(rows + value.shape[in_dims:])
     return _dot(x, value, in_dims)
+
+
+def single_row_partials(x: jax.Array, w: nnx.Param, parts: int, in_dims: int = 1) -> jax.Array | None:
+    """``x [..., *in]`` holding one row, times ``w [*in, *out]``, on one GPU -> the product's split-K
+    written out: ``parts`` float32 partial products ``[parts, 2, *out]`` over consecutive slices of
+    the ``in`` dimensions, whose sum (in order) is the row's product in ``[:, 0]``; else None (not one
+    row, ``parts < 2``, not on a GPU, ``w`` sharded, or ``in`` not divisible into ``parts``).
+
+    The row is repeated to two (the copy's products are never read) so that no slice's weight is
+    small enough for XLA:GPU to strength-reduce the dot (``dense``); a repeat, which XLA fuses into
+    the GEMM, where a zero row was a pad kernel of its own (1.2 us per projection). XLA picks its own
+    tiles for this batched dot, where for the plain one-row dot its cost model picks the split:
+    written out, the 8B output projection streams 0.7 us faster (docs/benchmarks.md, twenty-third
+    session)."""
+    value = w[...]
+    k = math.prod(value.shape[:in_dims])
+    if (parts < 2 or math.prod(x.shape[:x.ndim - in_dims]) != 1 or k % parts
+            or not _strength_reduces_single_rows() or _shard_size(w) != w.size):
+        return None
+    rows = jnp.broadcast_to(x.reshape(1, k), (2, k)).reshape(2, parts, k // parts)
+    partials = jnp.einsum("rsk,skn->srn", rows, value.reshape(parts, k // parts, -1),
+                          preferred_element_type=jnp.float32)
+    return partials.reshape((parts, 2) + value.shape[in_dims:])
 
 
 def _strength_reduces_single_rows() -> bool:
@@ -224,6 +253,17 @@ class Attention(nnx.Module):
         y = dense(x, self.qkv_proj)
         return y if self.qkv_bias is None else y + self.qkv_bias[...]
 
+    def _qkv_partials(self, x: jax.Array) -> jax.Array | None:
+        """``x [1, 1, hidden]``, a decode token, on one GPU -> the fused projection as
+        ``QKV_PARTIALS`` float32 split-K partials ``[S, 2, 1, kv_heads, groups + 2, head_dim]``
+        (``single_row_partials``), which ``cached_block_attention`` sums; else None (``_qkv``). Only
+        a single row: as 8 partials, a 16-row verify block cost the DFlash step 5% (docs/benchmarks.md,
+        twenty-third session)."""
+        if self.qkv_bias is not None:
+            return None
+        partials = single_row_partials(x, self.qkv_proj, QKV_PARTIALS)
+        return None if partials is None else partials.reshape(partials.shape[:2] + x.shape[1:-1] + partials.shape[2:])
+
     def _split(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The raw fused projection ``[..., kv_heads, groups + 2, head_dim]`` -> raw q
         ``[..., heads, head_dim]``, k and v ``[..., kv_heads, head_dim]``."""
@@ -287,8 +327,9 @@ class Attention(nnx.Module):
         at ``starts``. In the fused layout: ``attend_cached_qkv`` of the one projection.
         """
         if self.qkv_proj is not None:
-            return self.attend_cached_qkv(self._qkv(x[:, 0]), starts, k_cache, v_cache, blk_lens, impl=impl,
-                                          causal=causal, write=write)
+            qkv = self._qkv_partials(x[:, 0]) if impl == "pallas" else None
+            return self.attend_cached_qkv(self._qkv(x[:, 0]) if qkv is None else qkv, starts, k_cache, v_cache,
+                                          blk_lens, impl=impl, causal=causal, write=write)
         positions = starts[:, None, None] + jnp.arange(x.shape[2], dtype=jnp.int32)
         return self._attend_and_write(*self.project(x, positions), starts, k_cache, v_cache, blk_lens, impl,
                                       causal, write)
@@ -300,13 +341,14 @@ class Attention(nnx.Module):
         """``attend_cached`` from the raw fused projection ``qkv [rows, block, kv_heads, groups + 2,
         head_dim]``: with ``impl="pallas"`` one kernel (``kernels_pallas.cached_block_attention``)
         where it takes the shapes, else ``attend_unfused``. ``rows`` may exceed the caches' batch
-        (padding after the batch's rows, never read: ``tail_layout.padded_rows``)."""
-        batch, block = k_cache.shape[0], qkv.shape[1]
+        (padding after the batch's rows, never read: ``tail_layout.padded_rows``). ``qkv`` may also
+        be float32 split-K partials ``[parts, rows, ...]`` (``_qkv_partials``)."""
+        batch, block = k_cache.shape[0], qkv.shape[-4]
         if impl == "pallas":
             import kernels_pallas
 
-            if kernels_pallas.cached_block_attention_supported(qkv.shape, k_cache.shape[1]):
-                ones = jnp.ones((self.head_dim,), qkv.dtype)
+            if kernels_pallas.cached_block_attention_supported(qkv.shape[-5:], k_cache.shape[1]):
+                ones = jnp.ones((self.head_dim,), k_cache.dtype)
 
                 def kernel(qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq):
                     attn, k_cache, v_cache = kernels_pallas.cached_block_attention(
@@ -316,10 +358,10 @@ class Attention(nnx.Module):
                     return (attn, k_cache, v_cache) if write else (attn,)
 
                 # Per device under a kernel mesh: its rows and its KV heads (with their query heads).
-                per_head = ("batch", None, "kv_heads", None, None)
+                per_head = (None,) * (qkv.ndim - 5) + ("batch", None, "kv_heads", None, None)
                 rows, vec = ("batch",), (None,)
                 outs = shard_kernel(kernel, (per_head, CACHE_AXES, CACHE_AXES, rows, rows, vec, vec, vec),
-                                    (per_head,) + ((CACHE_AXES, CACHE_AXES) if write else ()))(
+                                    (per_head[-5:],) + ((CACHE_AXES, CACHE_AXES) if write else ()))(
                     qkv, k_cache, v_cache, starts, blk_lens,
                     self.q_norm.weight[...] if self.q_norm is not None else ones,
                     self.k_norm.weight[...] if self.k_norm is not None else ones,
@@ -327,6 +369,8 @@ class Attention(nnx.Module):
                 if write:
                     k_cache, v_cache = outs[1:]
                 return outs[0].reshape(batch, 1, block, self.num_heads, self.head_dim), k_cache, v_cache
+        if qkv.ndim == 6:
+            qkv = jnp.sum(qkv, axis=0).astype(k_cache.dtype)
         return self.attend_unfused(qkv[:batch], starts, k_cache, v_cache, blk_lens, impl=impl, causal=causal,
                                    write=write)
 
@@ -352,8 +396,13 @@ class Attention(nnx.Module):
         return attn, write_rows(k_cache, k[:, 0], starts), write_rows(v_cache, v[:, 0], starts)
 
     def output(self, attn: jax.Array) -> jax.Array:
-        """``[..., seq, heads, head_dim]`` -> ``[..., seq, hidden]``."""
-        y = dense(attn, self.o_proj, in_dims=2)
+        """``[..., seq, heads, head_dim]`` -> ``[..., seq, hidden]`` (a decode token's on one GPU:
+        ``OUTPUT_PARTIALS`` split-K partials, summed)."""
+        partials = single_row_partials(attn, self.o_proj, OUTPUT_PARTIALS, in_dims=2)
+        if partials is not None:
+            y = jnp.sum(partials[:, :1], axis=0).astype(attn.dtype).reshape(attn.shape[:-2] + partials.shape[2:])
+        else:
+            y = dense(attn, self.o_proj, in_dims=2)
         return y if self.o_bias is None else y + self.o_bias[...]
 
 

@@ -84,18 +84,15 @@ def _finish(x_lo, x_hi, w_ref, cos, sin, *, qk_norm: bool, eps: float):
 def _kernel(
     start_ref,  # [] int32: tokens already in the cache (= the block's first position)
     blk_len_ref,  # [] int32: valid slots of the block
-    q_ref,  # [T, D] raw queries of one group member g (a single token: [G, D], all of them)
-    k_ref,  # [T, D] raw key
-    v_ref,  # [T, D] value
-    q_norm_ref,  # [D]
-    k_norm_ref,  # [D]
-    rope_ref,  # [2, T, D / 2] float32: RoPE's cos and sin at the block's positions
-    k_cache_ref,  # [C, D] (strided view of [B, C, Hkv, D])
-    v_cache_ref,  # [C, D]
-    o_ref,  # like q_ref
-    m_ref,  # [T] ([G])
-    l_ref,  # [T] ([G])
-    *cache_out,  # (k, v) aliasing k_cache_ref, v_cache_ref; none if the block is not written
+    *refs,
+    # then, each ``parts`` times (the projection's float32 split-K partials, or once its value):
+    #   q [T, D] raw queries of one group member g (a single token: [G, D], all of them),
+    #   k [T, D] raw key, v [T, D] value;
+    # then q_norm [D], k_norm [D], rope [2, T, D / 2] float32 (RoPE's cos and sin at the block's
+    # positions), the caches k, v [C, D] (strided views of [B, C, Hkv, D]); the outputs o (like q),
+    # m [T] ([G]), l [T] ([G]); and with a write, the caches k, v aliasing the inputs.
+    parts: int,
+    dtype: jnp.dtype,
     scale: float,
     eps: float,
     qk_norm: bool,
@@ -110,19 +107,31 @@ def _kernel(
     between them) through shared memory, which cost more than the attention itself in the first
     version of this kernel. Fewer than 16 query rows (a single token's ``G``, a short block's
     ``T``) are repeated to the 16 rows ``tl.dot`` needs: identical copies with identical outputs,
-    so their maximum is the output."""
+    so their maximum is the output.
+
+    Partials are summed in split order in float32 and rounded to ``dtype`` (what XLA's split-K
+    reduction after a GEMM does), so the kernel reads the projection without that reduction kernel."""
+    q_parts, k_parts, v_parts = refs[:parts], refs[parts:2 * parts], refs[2 * parts:3 * parts]
+    (q_norm_ref, k_norm_ref, rope_ref, k_cache_ref, v_cache_ref, o_ref, m_ref, l_ref,
+     *cache_out) = refs[3 * parts:]
     j = pl.program_id(3)
     start = start_ref[()]
     blk_len = blk_len_ref[()]
-    slots, head_dim = k_ref.shape
+    slots, head_dim = k_parts[0].shape
     half = head_dim // 2
     lo, hi = pl.ds(0, half), pl.ds(half, half)
 
-    cos, sin = rope_ref[0].astype(q_ref.dtype), rope_ref[1].astype(q_ref.dtype)
+    def read(part_refs, cols=slice(None)):
+        """The block's projection (columns ``cols``) in ``dtype``: its value, or its partials' sum."""
+        if parts == 1:
+            return part_refs[0][:, cols].astype(dtype)
+        return functools.reduce(jnp.add, [r[:, cols] for r in part_refs]).astype(dtype)
+
+    cos, sin = rope_ref[0].astype(dtype), rope_ref[1].astype(dtype)
     finish = functools.partial(_finish, cos=cos, sin=sin, qk_norm=qk_norm, eps=eps)
 
-    k_lo, k_hi = finish(k_ref[:, lo], k_ref[:, hi], k_norm_ref)
-    v_blk = v_ref[...]
+    k_lo, k_hi = finish(read(k_parts, lo), read(k_parts, hi), k_norm_ref)
+    v_blk = read(v_parts)
 
     if cache_out:
         k_cache_out, v_cache_out = cache_out
@@ -134,7 +143,7 @@ def _kernel(
             k_cache_out[block, hi] = k_hi
             v_cache_out[block, :] = v_blk
 
-    q_lo, q_hi = finish(q_ref[:, lo], q_ref[:, hi], q_norm_ref)
+    q_lo, q_hi = finish(read(q_parts, lo), read(q_parts, hi), q_norm_ref)
     distinct = q_lo.shape[0]  # G rows of one slot, or T slots of one group member
     copies = max(1, MMA_MIN // distinct)
     if copies > 1:
@@ -211,7 +220,9 @@ def cached_block_attention(
       qkv: ``[rows, block, kv_heads, groups + 2, head_dim]`` the raw fused projection of the block
         (``layers.Attention.fuse`` layout: per KV head its query heads, its key, its value); rows
         past the caches' ``batch`` are padding, never read (a decode token padded to the rows of
-        the kernel that wrote it, ``kernels_pallas.layer_tail``).
+        the kernel that wrote it, ``kernels_pallas.layer_tail``). Or ``[parts, rows, ...]``: the
+        projection as float32 split-K partial products, which the kernel sums in order and rounds
+        to the caches' dtype (a split-K GEMM without its reduction kernel).
       k_cache, v_cache: ``[batch, capacity, kv_heads, head_dim]``; with ``write``, donate them: they
         are updated in place.
       starts: ``[batch]`` int32, tokens already in the cache; the block sits at positions
@@ -234,7 +245,12 @@ def cached_block_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     cfg = config or DEFAULT_CONFIG
-    rows, block, kv_heads, groups_2, head_dim = qkv.shape
+    parts = qkv.shape[0] if qkv.ndim == 6 else 1
+    if qkv.ndim == 6 and qkv.dtype != jnp.float32:
+        raise ValueError(f"qkv partials [parts, rows, block, kv_heads, groups + 2, head_dim] must be float32, "
+                         f"got {qkv.dtype}")
+    dtype = k_cache.dtype if qkv.ndim == 6 else qkv.dtype
+    rows, block, kv_heads, groups_2, head_dim = qkv.shape[-5:]
     groups = groups_2 - 2
     batch, capacity = k_cache.shape[:2]
     if rows < batch:
@@ -242,7 +258,7 @@ def cached_block_attention(
     if k_cache.shape != (batch, capacity, kv_heads, head_dim) or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache/v_cache must be {(batch, capacity, kv_heads, head_dim)}: "
                          f"{k_cache.shape} {v_cache.shape}")
-    if not supports(qkv.shape, capacity, compiled=not interpret):
+    if not supports(qkv.shape[-5:], capacity, compiled=not interpret):
         raise ValueError(f"cached_block_attention does not take qkv {qkv.shape} with a cache of {capacity} "
                          f"positions (see cached_attention_gpu.supports)")
     scale = default_scale(head_dim, scale)
@@ -255,22 +271,32 @@ def cached_block_attention(
     starts = starts.astype(jnp.int32)
     blk_lens = jnp.clip(blk_lens.astype(jnp.int32), 0, block)
 
-    out_dtype = qkv.dtype if splits == 1 else jnp.dtype(cfg.partial_dtype)
+    out_dtype = dtype if splits == 1 else jnp.dtype(cfg.partial_dtype)
     if block == 1:  # [G, D] blocks: the squeezed slot and the whole group
-        q_spec = pl.BlockSpec((None, None, None, groups, head_dim), lambda b, h, g, j: (b, 0, h, 0, 0))
+        q_block, q_index = (None, None, None, groups, head_dim), lambda b, h, g, j: (b, 0, h, 0, 0)
         o_spec = pl.BlockSpec((None, None, None, None, groups, head_dim), lambda b, h, g, j: (b, j, 0, h, 0, 0))
         ml_spec = pl.BlockSpec((None, None, None, None, groups), lambda b, h, g, j: (b, j, 0, h, 0))
     else:  # [T, D] blocks: group member g
-        q_spec = pl.BlockSpec((None, block, None, None, head_dim), lambda b, h, g, j: (b, 0, h, g, 0))
+        q_block, q_index = (None, block, None, None, head_dim), lambda b, h, g, j: (b, 0, h, g, 0)
         o_spec = pl.BlockSpec((None, None, block, None, None, head_dim), lambda b, h, g, j: (b, j, 0, h, g, 0))
         ml_spec = pl.BlockSpec((None, None, block, None, None), lambda b, h, g, j: (b, j, 0, h, g))
     per_row = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
     whole = lambda n: pl.BlockSpec((n,), lambda b, h, g, j: (0,))  # noqa: E731
     cache_spec = pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, g, j: (b, 0, h, 0))
-    part = lambda index: pl.BlockSpec(  # noqa: E731
-        (None, block, None, None, head_dim), lambda b, h, g, j: (b, 0, h, index, 0))
-    kernel = functools.partial(_kernel, scale=scale, eps=float(eps), qk_norm=qk_norm, causal=causal,
-                               block_k=block_k, chunk=chunk, balanced=bool(cfg.balanced_splits),
+    member_block = (None, block, None, None, head_dim)  # the key or the value of the block
+
+    def projection(block_shape, index_map, p: int) -> pl.BlockSpec:
+        """A block of the projection (of its partial ``p``, behind the leading partials axis)."""
+        if qkv.ndim == 5:
+            return pl.BlockSpec(block_shape, index_map)
+        return pl.BlockSpec((None,) + block_shape, lambda *ids: (p,) + index_map(*ids))
+
+    member = lambda index: lambda b, h, g, j: (b, 0, h, index, 0)  # noqa: E731
+    projection_specs = ([projection(q_block, q_index, p) for p in range(parts)]
+                        + [projection(member_block, member(groups), p) for p in range(parts)]
+                        + [projection(member_block, member(groups + 1), p) for p in range(parts)])
+    kernel = functools.partial(_kernel, parts=parts, dtype=dtype, scale=scale, eps=float(eps), qk_norm=qk_norm,
+                               causal=causal, block_k=block_k, chunk=chunk, balanced=bool(cfg.balanced_splits),
                                interpret=interpret)
     # RoPE's cos / sin at the block's positions, by XLA: the same for every layer of a step, so XLA
     # computes them once (CSE). Computed per program in the kernel (libdevice's full-range sin and
@@ -283,22 +309,22 @@ def cached_block_attention(
     outs = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, members, splits),
-        in_specs=[per_row, per_row, q_spec, part(groups), part(groups + 1), whole(head_dim), whole(head_dim),
-                  rope_spec, cache_spec, cache_spec],
+        in_specs=[per_row, per_row, *projection_specs, whole(head_dim), whole(head_dim), rope_spec, cache_spec,
+                  cache_spec],
         out_specs=[o_spec, ml_spec, ml_spec] + ([cache_spec, cache_spec] if write else []),
         out_shape=[
             jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups, head_dim), out_dtype),
             jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups), jnp.float32),
             jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups), jnp.float32),
         ] + (caches if write else []),
-        input_output_aliases={8: 3, 9: 4} if write else {},
+        input_output_aliases={3 * parts + 5: 3, 3 * parts + 6: 4} if write else {},
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="dflash_cached_attention",
-    )(starts, blk_lens, qkv, qkv, qkv, q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype), rope, k_cache, v_cache)
+    )(starts, blk_lens, *[qkv] * (3 * parts), q_norm.astype(dtype), k_norm.astype(dtype), rope, k_cache, v_cache)
     o, m, l = outs[:3]
     if write:
         k_cache, v_cache = outs[3:]
 
     o = o[:, 0] if splits == 1 else merge_splits(o, m, l, axis=1)[0]
-    return o.astype(qkv.dtype).reshape(batch, block, kv_heads * groups, head_dim), k_cache, v_cache
+    return o.astype(dtype).reshape(batch, block, kv_heads * groups, head_dim), k_cache, v_cache

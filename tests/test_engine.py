@@ -224,6 +224,37 @@ def test_pallas_attention_engine_equals_xla(models, prompts, engines):
     _assert_same_generations(got, want)
 
 
+def test_single_row_partials_engine_equals_xla(models, prompts, engines, monkeypatch):
+    """A decode token's QKV and output projections with their split-K written out, as on one GPU
+    (``layers.single_row_partials``; the GPU rule switched on here): the QKV partials summed by the
+    cached-attention kernel (interpret mode), the output projection's by XLA. The same tokens and
+    acceptance lengths as the plain engine, speculative and target-only; only single rows take it."""
+    from dflash_jax import layers
+
+    monkeypatch.setattr(layers, "_strength_reduces_single_rows", lambda: True)
+    taken = []
+    partials = layers.single_row_partials
+
+    def spy(x, w, parts, in_dims=1):
+        out = partials(x, w, parts, in_dims)
+        taken.append(None if out is None else (parts, out.shape))
+        return out
+
+    monkeypatch.setattr(layers, "single_row_partials", spy)
+    target, drafter = models
+    config = EngineConfig(max_batch_size=2, max_length=80, steps_per_sync=4, attention_impl="pallas")
+    for i, engine in enumerate((Engine(target, drafter, config), Engine(target, None, config))):
+        got = engine.generate(prompts[:1], 12)
+        _assert_same_generations(got, engines[i].generate(prompts[:1], 12))
+    hidden, kv_heads, head_dim = target.config.hidden_size, target.config.num_kv_heads, target.config.head_dim
+    groups = target.config.num_heads // kv_heads
+    assert {t for t in taken if t is not None} == {(layers.QKV_PARTIALS, (8, 2, kv_heads, groups + 2, head_dim)),
+                                                   (layers.OUTPUT_PARTIALS, (8, 2, hidden))}
+    taken.clear()  # two rows (and a verify block's, a prefill's) take the plain dots
+    Engine(target, None, config).generate(prompts[:2], 4)
+    assert taken and all(t is None for t in taken)
+
+
 def test_warmup_compiles_every_decode_batch_bucket_and_window(models, prompts):
     target, drafter = models
     engine = Engine(target, drafter, EngineConfig(max_batch_size=4, max_length=200, steps_per_sync=4))

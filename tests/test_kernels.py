@@ -11,6 +11,8 @@ code only run on the accelerators).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -263,7 +265,19 @@ def test_cached_attention_kernel_splits_of_the_context(block, balanced):
                             GpuConfig(block_k=16, num_splits=3, balanced_splits=balanced))
 
 
-def _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, config):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block", [1, 16])
+def test_cached_attention_kernel_sums_projection_partials(block, dtype):
+    """The projection given as float32 split-K partials ``[parts, rows, ...]`` (a GEMM without its
+    reduction kernel): the kernel sums them in order and rounds to the caches' dtype, so it must
+    match the reference fed the same sum (a decode token, 3 partials and a padded row; a verify
+    block, 2); bf16 partials are refused."""
+    from kernels_pallas.block_attention_gpu import GpuConfig
+
+    _check_cached_attention(3, block, 4, True, dtype, False, GpuConfig(num_splits=2), parts=3 if block == 1 else 2)
+
+
+def _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, config, parts=0):
     from flax import nnx
 
     from dflash_jax.layers import Attention, rope_inv_freq
@@ -286,6 +300,17 @@ def _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, config
     want = jax.jit(lambda *a: attn.attend_cached(*a, impl="xla", causal=causal, write=write))(
         x, starts, k_cache, v_cache, blk_lens)
     qkv = attn._qkv(x[:, 0])
+    if parts:  # x @ w as float32 partial products over slices of K, plus a padding row never read
+        w = attn.qkv_proj[...]
+        cut = np.linspace(0, hidden, parts + 1).astype(int)
+        rows = jnp.concatenate([x[:, 0], jnp.ones_like(x[:1, 0])])
+        qkv = jnp.stack([jnp.einsum("rtk,k...->rt...", rows[..., a:b], w[a:b], preferred_element_type=jnp.float32)
+                         for a, b in zip(cut[:-1], cut[1:])])
+        want = jax.jit(lambda *a: attn.attend_cached_qkv(functools.reduce(jnp.add, list(qkv))[:batch].astype(dtype),
+                                                         *a, impl="xla"))(starts, k_cache, v_cache, blk_lens)
+        with pytest.raises(ValueError, match="float32"):
+            cached_block_attention(qkv.astype(jnp.bfloat16), k_cache, v_cache, starts, blk_lens, attn.q_norm.weight[...],
+                                   attn.k_norm.weight[...], jnp.asarray(attn.inv_freq), eps=1e-6, qk_norm=qk_norm)
     ones = jnp.ones((head_dim,), dtype)
     got = jax.jit(lambda q, kc, vc: cached_block_attention(
         q, kc, vc, starts, blk_lens, attn.q_norm.weight[...] if qk_norm else ones,
@@ -305,11 +330,13 @@ def _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, config
 
 
 def test_cached_attention_kernel_lowers_for_gpus():
-    """Triton IR for cuda, built on this CPU: Qwen3-8B heads, a decode token and verify blocks."""
+    """Triton IR for cuda, built on this CPU: Qwen3-8B heads, a decode token and verify blocks, and a
+    decode token's projection as 8 float32 split-K partials (``layers.single_row_partials``)."""
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    for block in (1, 8, 16):
-        shapes = (sd((1, block, 8, 6, 128), bf), sd((1, 1152, 8, 128), bf), sd((1, 1152, 8, 128), bf),
+    for qkv in (sd((1, 1, 8, 6, 128), bf), sd((1, 8, 8, 6, 128), bf), sd((1, 16, 8, 6, 128), bf),
+                sd((8, 2, 1, 8, 6, 128), jnp.float32)):
+        shapes = (qkv, sd((1, 1152, 8, 128), bf), sd((1, 1152, 8, 128), bf),
                   sd((1,), jnp.int32), sd((1,), jnp.int32), sd((128,), bf), sd((128,), bf),
                   sd((64,), jnp.float32))
         fn = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False))

@@ -371,3 +371,49 @@ def test_drafter_serving_layout_draft_equals_training_forward(impl, bias):
     assert got.shape == want.shape
     rows = np.arange(block)[None, :] < np.asarray(valid)[:, None]  # the short block's padding slots are free
     np.testing.assert_allclose(np.asarray(got)[:, 0][rows], np.asarray(want)[:, 0][rows], atol=1e-5, rtol=1e-5)
+
+
+def test_single_row_partials_decode_step_equals_plain_dots(monkeypatch):
+    """A decode token through a fused random Qwen3 target with the QKV and output projections'
+    split-K written out (``layers.single_row_partials``, as on one GPU; the rule switched on here),
+    the QKV partials summed by the cached-attention kernel (interpret mode): the same hidden state
+    and cache as the plain dots, to float32 rounding. Each partial matters: leaving one out moves
+    the result far past that tolerance."""
+    from flax import nnx
+
+    from dflash_jax import layers
+    from dflash_jax.cache import KVCache
+    from dflash_jax.layers import fuse_projections
+    from dflash_jax.target import Target
+    from dflash_jax.tiny import tiny_target_config
+
+    cfg = tiny_target_config(num_layers=2)
+    target = fuse_projections(Target(cfg, rngs=nnx.Rngs(4)))
+    ids = jnp.asarray(np.random.RandomState(2).randint(0, cfg.vocab_size, (1, 12)), jnp.int32)
+    cache = KVCache.zeros(cfg.num_layers, 1, 64, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+    zeros = jnp.zeros((1,), jnp.int32)
+    _, _, cache = target.step(ids[:, :11], zeros, cache, prefill=True)
+
+    def decode(qkv_parts: int, output_parts: int):
+        monkeypatch.setattr(layers, "QKV_PARTIALS", qkv_parts)
+        monkeypatch.setattr(layers, "OUTPUT_PARTIALS", output_parts)
+        hidden, _, new = jax.jit(lambda c: target.step(ids[:, 11:], zeros + 11, c, attention_impl="pallas"))(cache)
+        return np.asarray(hidden), np.asarray(new.k[1])
+
+    monkeypatch.setattr(layers, "_strength_reduces_single_rows", lambda: True)
+    taken = []
+    partials = layers.single_row_partials
+    monkeypatch.setattr(layers, "single_row_partials",
+                        lambda x, w, parts, in_dims=1: taken.append(parts) or partials(x, w, parts, in_dims))
+    plain, plain_k = decode(0, 0)
+    assert taken == [0, 0] * cfg.num_layers  # asked, declined: one dot each
+    taken.clear()
+    got, got_k = decode(8, 4)
+    assert taken == [8, 4] * cfg.num_layers
+    np.testing.assert_allclose(got, plain, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got_k, plain_k, rtol=2e-5, atol=2e-5)  # the written K (normed, RoPE'd)
+
+    monkeypatch.setattr(layers, "single_row_partials", lambda x, w, parts, in_dims=1: (
+        None if (p := partials(x, w, parts, in_dims)) is None else p.at[0].set(0.0)))
+    dropped, _ = decode(8, 4)
+    assert np.max(np.abs(dropped - plain)) > 100 * 2e-5
