@@ -6,16 +6,19 @@ XLA:GPU (JAX 0.11.2) picks a matmul's split-K before autotuning, from a cost mod
 splits QKV 4 ways, the output projection 8, down 8 and gate-up not at all (read off the fusions'
 output shapes here, twenty-first session). A split written out as a batched dot
 (``bench_split_matmul.split_dot``: ``[S, rows, N]`` float32 partials, then a sum over S) is left
-as written, so the split can be chosen per projection. One row goes in as two (the second zeros),
-as ``layers.dense`` does for small weights, so that no per-split weight is small enough for XLA to
-strength-reduce the dot into a multiply and a reduction.
+as written, so the split can be chosen per projection. One row goes in as two, so that no per-split
+weight is small enough for XLA to strength-reduce the dot into a multiply and a reduction: the row
+repeated (``--pad repeat``, as ``layers.single_row_partials`` does), which XLA fuses into the GEMM,
+or a zero second row (``--pad zeros``, as ``layers.dense`` pads a small weight's row), which is a pad
+kernel of its own (twenty-third session; the twenty-first session's splits carried it).
 
-Per shape (Qwen3-8B: QKV 4096x6144, output 4096x4096, gate-up 4096x24576, down 12288x4096):
+Per shape (Qwen3-8B: QKV 4096x6144, output 4096x4096, gate-up 4096x24576, down 12288x4096; and
+``o_tp2``, the output projection's shard at TP=2, 2048x4096, under XLA's strength-reduction limit):
 
 - a chain of dots over 36 distinct weights (nothing stays in L2), each dot's input taken from the
   last one's output, as in the step;
-- variants: XLA's dot (``xla``), the same with the row padded to two (``xla2``), and written-out
-  splits ``S2``, ``S4``, ...;
+- variants: XLA's dot (``xla``), the same with a zero second row (``xla2``) or the row repeated
+  (``xla2r``), and written-out splits ``S2``, ``S4``, ... (their rows padded as ``--pad`` says);
 - all variants compiled first, then timed in interleaved rounds after a warm-up
   (``time_interleaved``: timed right after its compile, one and the same kernel read 12.7-18.1 us
   across 50 compiles, twenty-first session, call 1);
@@ -29,7 +32,10 @@ result per fusion and process), and in JAX 0.11.2 it moves the dots off Triton.
 
 Findings (docs/benchmarks.md, twenty-first session): no written-out split beats XLA's choice by more
 than the rounds' spread, and in the engine (``sweep_decode_options.py`` ``splitk:``) none helps;
-the override costs the engine's step 0.2 ms.
+the override costs the engine's step 0.2 ms. Twenty-third session: in the engine those splits had
+carried a pad kernel per projection; with the row repeated, the output projection's 8-way split
+streams 0.7 us faster than XLA's (``layers.OUTPUT_PARTIALS``). In this chain the zero row's pad
+fuses into the slice before it, so the two paddings time alike here.
 
     python bench/sweep_split_k.py --out $OUT/splitk.json       # on the GPU
     python bench/sweep_split_k.py --shapes o --override "block_m:16 block_n:64 block_k:256 split_k:1 num_stages:4 num_warps:4 num_ctas:1"
@@ -56,6 +62,7 @@ SHAPES = {  # name: (K, N, written-out splits to try)
     "qkv": (4096, 6144, (2, 8, 16)),
     "down": (12288, 4096, (4, 8, 16)),
     "gate_up": (4096, 24576, (2, 4)),
+    "o_tp2": (2048, 4096, (2, 4)),
 }
 WEIGHTS = 36
 
@@ -93,11 +100,11 @@ def matmul(x: jax.Array, w: jax.Array, split: int | None) -> jax.Array:
     return jnp.dot(x, w) if split is None else jnp.sum(split_dot(x, w, split), axis=0).astype(x.dtype)
 
 
-def variant_fn(k: int, n: int, rows: int, split: int | None):
+def variant_fn(k: int, n: int, rows: int, split: int | None, pad: str = "zeros"):
     def chain(ws, x, i):
         h = x + i.astype(x.dtype)
         for w in ws:
-            a = h if rows == 1 else jnp.concatenate([h, jnp.zeros_like(h)])
+            a = h if rows == 1 else jnp.concatenate([h, jnp.zeros_like(h)]) if pad == "zeros" else jnp.broadcast_to(h, (2, k))
             y = matmul(a, w, split)[:1]
             h = y[:, :k] if n >= k else jnp.tile(y, (1, k // n))
         return h
@@ -121,12 +128,13 @@ def run_shape(name: str, args) -> list[dict]:
     ws = [normal(kk, (k, n), jnp.bfloat16) for kk in keys[:count]]
     x = normal(keys[-1], (1, k), jnp.bfloat16, scale=1.0)
     jax.block_until_ready(ws)
-    variants = [("xla", 1, None), ("xla2", 2, None)] + [(f"S{s}", 2, s) for s in splits]
+    variants = ([("xla", 1, None, "zeros"), ("xla2", 2, None, "zeros"), ("xla2r", 2, None, "repeat")]
+                + [(f"S{s}", 2, s, args.pad) for s in splits])
     compiled = {}
     rows = {}
     options = {"xla_gpu_override_gemm_autotuner": args.override} if args.override else None
-    for label, r, split in variants:
-        fn = jax.jit(variant_fn(k, n, r, split), static_argnums=2, compiler_options=options)
+    for label, r, split, pad in variants:
+        fn = jax.jit(variant_fn(k, n, r, split, pad), static_argnums=2, compiler_options=options)
         t0 = time.perf_counter()
         exe = fn.lower(ws, x, args.inner).compile()
         compile_s = round(time.perf_counter() - t0, 2)
@@ -189,6 +197,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--inner", type=int, default=4)
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds of running every variant before timing")
+    ap.add_argument("--pad", default="repeat", choices=["repeat", "zeros"], help="the written-out splits' second row")
     ap.add_argument("--override", default="",
                     help="a TritonGemmKey textproto forced on every GEMM (xla_gpu_override_gemm_autotuner), e.g. "
                          "'block_m:16 block_n:128 block_k:128 split_k:1 num_stages:4 num_warps:4 num_ctas:1'")
