@@ -78,7 +78,9 @@ def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
     of the weight bitcast to one. A fused weight with several output dimensions (QKV ``[hidden,
     kv_heads, groups + 2, head_dim]``) then gets the GEMM XLA picks for a plain matrix; the output
     projection (``in_dims=2``) is the dot its einsum was. Every projection of the decode path goes
-    through here: one place to change how a row meets XLA's GEMMs (docs/design.md).
+    through here, but a decode token's QKV and output projections on one GPU, which go through
+    ``single_row_partials`` beside it: the two places that decide how a row meets XLA's GEMMs
+    (docs/design.md).
 
     On GPUs a single row meets a weight whose shard (``w``'s logical axes under
     ``sharding.kernel_mesh``) is under ``GPU_STRENGTH_REDUCTION_LIMIT`` elements as two rows, the
