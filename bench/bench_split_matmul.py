@@ -48,15 +48,13 @@ import bench_matvec as mv  # noqa: E402
 import kernels_pallas  # noqa: E402
 from kernels_pallas._flash import triton_params  # noqa: E402
 from kernels_pallas._pdl import signal_after  # noqa: E402
+from dflash_jax.layers import split_k_partials  # noqa: E402
 
 EPS = 1e-6
 
 
-def split_dot(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
-    """``x [rows, K] @ w [K, N]`` as ``splits`` float32 partial products ``[splits, rows, N]``."""
-    rows, k = x.shape
-    return jnp.einsum("rsk,skn->srn", x.reshape(rows, splits, k // splits), w.reshape(splits, k // splits, -1),
-                      preferred_element_type=jnp.float32)
+# ``x [rows, K] @ w [K, N]`` as ``splits`` float32 partial products ``[splits, rows, N]``: the engine's
+split_dot = split_k_partials
 
 
 def _norm_partials_kernel(h_ref, d_ref, w_ref, y_ref, s_ref, *, eps, interpret):
@@ -170,7 +168,7 @@ def main() -> None:
             want = (x @ weights[name][0]).astype(jnp.float32)
             variants = {"xla": lambda a, w: a @ w}
             for s in split_counts:
-                variants[f"split{s}"] = functools.partial(split_dot, splits=s)
+                variants[f"split{s}"] = lambda a, w, s=s: split_dot(a, w, s)
                 variants[f"split{s}+sum"] = lambda a, w, s=s: jnp.sum(split_dot(a, w, s), 0).astype(dtype)
             for vname, fn in variants.items():
                 got = jax.jit(fn)(x, weights[name][0])

@@ -136,15 +136,11 @@ def _written_out_splits(splits: dict[str, int], dense, *, keep_partials: bool):
     def patched(x, w, in_dims=1):
         value = w[...]
         k, n = math.prod(value.shape[:in_dims]), math.prod(value.shape[in_dims:])
-        rows = x.shape[:x.ndim - in_dims]
         split = splits.get(PROJECTIONS.get((k, n), ""), 0)
-        partials = layers.single_row_partials(x, w, split, in_dims)
-        if partials is None:
+        y = (layers.single_row_partials if keep_partials else layers.single_row_dot)(x, w, split, in_dims)
+        if y is None:
             return dense(x, w, in_dims)
-        partials = partials.reshape(partials.shape[:2] + (n,))
-        if keep_partials:
-            return partials
-        return jnp.sum(partials[:, :1], axis=0).astype(x.dtype).reshape(rows + value.shape[in_dims:])
+        return y.reshape(y.shape[:2] + (n,)) if keep_partials else y
 
     return patched
 

@@ -97,6 +97,15 @@ def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
     return _dot(x, value, in_dims)
 
 
+def split_k_partials(x: jax.Array, w: jax.Array, parts: int) -> jax.Array:
+    """``x [rows, K] @ w [K, N]`` with its split-K written out: one batched dot over ``parts``
+    consecutive slices of K -> float32 partial products ``[parts, rows, N]`` (their sum in order is
+    the product)."""
+    rows, k = x.shape
+    return jnp.einsum("rsk,skn->srn", x.reshape(rows, parts, k // parts), w.reshape(parts, k // parts, -1),
+                      preferred_element_type=jnp.float32)
+
+
 def single_row_partials(x: jax.Array, w: nnx.Param, parts: int, in_dims: int = 1) -> jax.Array | None:
     """``x [..., *in]`` holding one row, times ``w [*in, *out]``, on one GPU -> the product's split-K
     written out: ``parts`` float32 partial products ``[parts, 2, *out]`` over consecutive slices of
@@ -114,10 +123,17 @@ def single_row_partials(x: jax.Array, w: nnx.Param, parts: int, in_dims: int = 1
     if (parts < 2 or math.prod(x.shape[:x.ndim - in_dims]) != 1 or k % parts
             or not _strength_reduces_single_rows() or _shard_size(w) != w.size):
         return None
-    rows = jnp.broadcast_to(x.reshape(1, k), (2, k)).reshape(2, parts, k // parts)
-    partials = jnp.einsum("rsk,skn->srn", rows, value.reshape(parts, k // parts, -1),
-                          preferred_element_type=jnp.float32)
+    partials = split_k_partials(jnp.broadcast_to(x.reshape(1, k), (2, k)), value.reshape(k, -1), parts)
     return partials.reshape((parts, 2) + value.shape[in_dims:])
+
+
+def single_row_dot(x: jax.Array, w: nnx.Param, parts: int, in_dims: int = 1) -> jax.Array | None:
+    """``dense(x, w, in_dims)`` of a single row as ``single_row_partials`` summed (in ``x``'s dtype,
+    ``[..., *out]``), or None where those do not apply."""
+    partials = single_row_partials(x, w, parts, in_dims)
+    if partials is None:
+        return None
+    return jnp.sum(partials[:, :1], axis=0).astype(x.dtype).reshape(x.shape[:x.ndim - in_dims] + partials.shape[2:])
 
 
 def _strength_reduces_single_rows() -> bool:
@@ -400,10 +416,8 @@ class Attention(nnx.Module):
     def output(self, attn: jax.Array) -> jax.Array:
         """``[..., seq, heads, head_dim]`` -> ``[..., seq, hidden]`` (a decode token's on one GPU:
         ``OUTPUT_PARTIALS`` split-K partials, summed)."""
-        partials = single_row_partials(attn, self.o_proj, OUTPUT_PARTIALS, in_dims=2)
-        if partials is not None:
-            y = jnp.sum(partials[:, :1], axis=0).astype(attn.dtype).reshape(attn.shape[:-2] + partials.shape[2:])
-        else:
+        y = single_row_dot(attn, self.o_proj, OUTPUT_PARTIALS, in_dims=2)
+        if y is None:
             y = dense(attn, self.o_proj, in_dims=2)
         return y if self.o_bias is None else y + self.o_bias[...]
 
