@@ -17,6 +17,10 @@ and method: on-device loop, state donated, median of repeats) with
   and XLA's split-K reduction kernel); ``o_partials:S``: its output projection as S partials that
   XLA sums (``layers.OUTPUT_PARTIALS``, 8 by default; 0: one dot, split by XLA); ``xla_splits``:
   both as one dot, split by XLA (the engine before the twenty-third session);
+- ``pad_all:repeat`` / ``pad_all:zeros``: every one-row dot of ``layers.dense`` padded to two rows
+  (the strength-reduction limit raised past every weight), the row repeated (``dense``'s padding) or a
+  zero row (its padding before the twenty-fourth session): the cost of the padding itself, which on
+  one GPU no 8B projection needs (at TP=2 the output projection does);
 - ``partials:PROJ=S+...``: the output and down projections (``o``, ``down``) of one row written
   out as S float32 partials, which the ``add_rms_norm`` after them sums in its prologue (a prototype
   kernel): no split-K reduce kernel after either (target-only decode; verify blocks unchanged);
@@ -33,6 +37,8 @@ and method: on-device loop, state donated, median of repeats) with
   their matmuls, ``MODE`` ``concurrent``, ``stream`` or ``serial`` (``l2_prefetch.py``); e.g.
   ``l2-concurrent:o=16+qkv=8``; ``concurrent`` / ``lhs_graph``: the decode loop's CUDA graph
   ordered by data flow (the engine's default) / chained in XLA's schedule (XLA's default);
+- ``kv_prefetch``: a decode token's K/V cache pulled into L2 (priority "last") by a kernel of its own
+  beside the layer's QKV matmul, before the attention reads it (``kv_prefetch.py``);
 - ``argmax_two_stage``: the greedy argmax over the vocabulary as ``decoding._argmax_two_stage`` (the
   max of 128-wide slices first, written for XLA:CPU) instead of XLA's one (value, index) reduction;
 - ``folded_norms_cost``: the cost of RMSNorms folded into the matmuls after them (``s @ (w * W)``
@@ -75,6 +81,7 @@ import numpy as np  # noqa: E402
 import kernels_pallas  # noqa: E402
 from kernels_pallas import _pdl, cached_attention_gpu, rms_norm_gpu  # noqa: E402
 from bench_split_matmul import add_rms_norm_partials  # noqa: E402
+from kv_prefetch import kv_prefetching_cached  # noqa: E402
 from l2_prefetch import MODES as L2_MODES, prefetching_cached  # noqa: E402
 from bench_engine import (_option, hbm_roofline_s, int_fields, profile_decode, qwen3_8b, random_pair,  # noqa: E402
                           time_decode, time_decode_pipelined)
@@ -143,6 +150,17 @@ def _written_out_splits(splits: dict[str, int], dense, *, keep_partials: bool):
         return y.reshape(y.shape[:2] + (n,)) if keep_partials else y
 
     return patched
+
+
+def _zero_row_dense(x, w, in_dims=1):
+    """``layers.dense`` as it padded a single row before the twenty-fourth session: with a zero row."""
+    value = w[...]
+    rows = x.shape[:x.ndim - in_dims]
+    if math.prod(rows) == 1 and layers._strength_reduces_single_rows() and w.size < layers.GPU_STRENGTH_REDUCTION_LIMIT:
+        row = x.reshape((1,) + x.shape[x.ndim - in_dims:])
+        y = layers._dot(jnp.concatenate([row, jnp.zeros_like(row)]), value, in_dims)[:1]
+        return y.reshape(rows + value.shape[in_dims:])
+    return layers._dot(x, value, in_dims)
 
 
 def _partials_add_rms_norm(add_rms_norm):
@@ -241,18 +259,21 @@ def main() -> None:
         rms_norm_gpu.NUM_WARPS = int(name[len("norm_warps:"):]) if name.startswith("norm_warps:") else default_norm_warps
         engine_module._decode_compiler_options = lambda o=options: {**(default_options() or {}), **o} or None
         kernels_pallas.add_rms_norm_supported = (lambda *a, **k: False) if unfused_norms else supported
-        layers.GPU_STRENGTH_REDUCTION_LIMIT = 0 if name == "no_row_padding" else limit
+        layers.GPU_STRENGTH_REDUCTION_LIMIT = (0 if name == "no_row_padding" else 2**62 if kind == "pad_all"
+                                              else limit)
         layers.QKV_PARTIALS = (int(splits) if kind == "qkv_partials" else 0 if name == "xla_splits"
                                else default_qkv_partials)
         layers.OUTPUT_PARTIALS = (int(splits) if kind == "o_partials" else 0 if name == "xla_splits"
                                   else default_output_partials)
         decoding._local_argmax = decoding._argmax_two_stage if name == "argmax_two_stage" else default_argmax
         _pdl.ENABLED = name != "no_pdl_signal"
-        layers.DecoderLayer.cached = _folded_norms_cached if name == "folded_norms_cost" else default_cached
+        layers.DecoderLayer.cached = (_folded_norms_cached if name == "folded_norms_cost" else kv_prefetching_cached
+                                      if name == "kv_prefetch" else default_cached)
         if l2_mode:
             layers.DecoderLayer.cached = prefetching_cached(int_fields(splits, sep="+"), l2_mode)
         layers.dense = (_written_out_splits(int_fields(splits, sep="+"), default_dense, keep_partials=kind == "partials")
-                        if kind in ("splitk", "partials") else default_dense)
+                        if kind in ("splitk", "partials") else _zero_row_dense if name == "pad_all:zeros"
+                        else default_dense)
         layers.add_rms_norm = target_module.add_rms_norm = (_partials_add_rms_norm(default_add_rms_norm)
                                                             if name.startswith("partials:") else default_add_rms_norm)
         cfg = EngineConfig(max_batch_size=args.batch, max_length=args.context + 512, prompt_buckets=(args.context,),

@@ -84,15 +84,16 @@ def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
 
     On GPUs a single row meets a weight whose shard (``w``'s logical axes under
     ``sharding.kernel_mesh``) is under ``GPU_STRENGTH_REDUCTION_LIMIT`` elements as two rows, the
-    second zeros: XLA would otherwise run the dot as a multiply and a reduction, ~3x slower than its
-    GEMM (the TP=2 output projection: 21 us instead of 7; docs/benchmarks.md, seventh session).
-    Rows are independent: the real row gets the same product, up to the summation order of the
-    GEMM XLA picks."""
+    row repeated: XLA would otherwise run the dot as a multiply and a reduction, ~3x slower than its
+    GEMM (the TP=2 output projection: 21 us instead of 7; docs/benchmarks.md, seventh session). A
+    repeat fuses into the GEMM, where a zero row after a kernel XLA cannot fuse into is a pad kernel
+    of its own (twenty-third and twenty-fourth sessions). Rows are independent: the real row gets the
+    same product, up to the summation order of the GEMM XLA picks."""
     value = w[...]
     rows = x.shape[:x.ndim - in_dims]
     if math.prod(rows) == 1 and _strength_reduces_single_rows() and _shard_size(w) < GPU_STRENGTH_REDUCTION_LIMIT:
         row = x.reshape((1,) + x.shape[x.ndim - in_dims:])
-        y = _dot(jnp.concatenate([row, jnp.zeros_like(row)]), value, in_dims)[:1]
+        y = _dot(jnp.broadcast_to(row, (2,) + row.shape[1:]), value, in_dims)[:1]
         return y.reshape(rows + value.shape[in_dims:])
     return _dot(x, value, in_dims)
 

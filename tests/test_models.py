@@ -262,11 +262,13 @@ def test_embedding_lookup_on_a_vocab_sharded_mesh_is_exact(tp8_pair):
 
 
 def test_dense_pads_a_single_row_where_xla_gpu_would_strength_reduce_its_dot(monkeypatch):
-    """``layers.dense`` gives a one-row dot a zero second row when the weight's shard on this device
-    is under the strength-reduction limit of XLA:GPU (which makes such dots a multiply and a
+    """``layers.dense`` gives a one-row dot a second row when the weight's shard on this device is
+    under the strength-reduction limit of XLA:GPU (which makes such dots a multiply and a
     reduction, ~3x slower); the real row's result is unchanged. The shard is what counts: the
     same weight is padded on a TP=2 mesh, where each device holds half of it, and not on one
-    device. (The GPU-only rule is switched on here, with a limit scaled to a small weight.)"""
+    device. The second row repeats the first (a broadcast, which XLA fuses into the GEMM), not
+    zeros (a concatenate: a pad kernel of its own on the GPU). (The GPU-only rule is switched on
+    here, with a limit scaled to a small weight.)"""
     from flax import nnx
 
     from dflash_jax import layers, sharding
@@ -295,6 +297,7 @@ def test_dense_pads_a_single_row_where_xla_gpu_would_strength_reduce_its_dot(mon
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
             padded = "tensor<2x64xf32>" in text
             assert padded == (rows == 1 and on_mesh), (rows, on_mesh)
+            assert "concatenate" not in text
     assert sharding.local_shape(("embed", "heads", "head_dim"), (64, 8, 8)) == (64, 8, 8)  # outside the mesh
 
 
