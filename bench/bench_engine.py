@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from dflash_jax import decoding  # noqa: E402
+from dflash_jax import decoding, tail_layout  # noqa: E402
 from dflash_jax.cache import KVCache  # noqa: E402
 from dflash_jax.drafter import Drafter  # noqa: E402
 from dflash_jax import engine as engine_module  # noqa: E402
@@ -172,7 +172,62 @@ def check_tail_layout(target: Target, context: int = 256) -> dict:
             name: float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))
                         / jnp.max(jnp.abs(w.astype(jnp.float32))))
             for name, g, w in zip(("h1", "s", "h2", "qkv"), got, want)}
+    try:
+        report.update(check_attention_in_tail(target, ids, context, fused[0]))
+    except Exception as err:  # report it; the layouts' timings still run
+        report["attn_check_failed"] = repr(err)[:2000]
     print(f"tail layout check: {json.dumps(report)}", flush=True)
+    return report
+
+
+def check_attention_in_tail(target: Target, ids: jax.Array | None, context: int,
+                            fused_decode: jax.Array | None) -> dict:
+    """The layer tail's attention phase (``tail_layout.ATTENTION_IN_TAIL``) on a target in the
+    layer-tail layout: a decode pass's logits against the fused layout's ``fused_decode`` (if given),
+    and on layers 0 -> 1 the Mosaic kernel's outputs against the references fed the same inputs (the
+    attention's against ``next_attention_reference`` of the kernel's own QKV)."""
+    import kernels_pallas
+    from kernels_pallas import layer_tail_gpu, tail_attention_gpu
+
+    c = target.config
+    report = {}
+    if fused_decode is not None:
+        default = tail_layout.ATTENTION_IN_TAIL
+        tail_layout.ATTENTION_IN_TAIL = True
+        try:
+            decode = layout_logits(target, ids, context)[0]
+        finally:
+            tail_layout.ATTENTION_IN_TAIL = default
+        report["attn_decode"] = dict(
+            rel_error=float(jnp.max(jnp.abs(decode - fused_decode)) / jnp.max(jnp.abs(fused_decode))),
+            argmax_agrees=float(jnp.mean(jnp.argmax(decode, -1) == jnp.argmax(fused_decode, -1))))
+    rows, groups = 8, c.num_heads // c.num_kv_heads
+    key = jax.random.key(99)
+    ks = jax.random.split(key, 4)
+    row = lambda k, n: jnp.broadcast_to(jax.random.normal(k, (1, n), jnp.bfloat16), (rows, n))  # noqa: E731
+    a, h = row(ks[0], c.num_heads * c.head_dim), row(ks[1], c.hidden_size)
+    caches = [jax.random.normal(k, (CACHE_CAPACITY, c.num_kv_heads, c.head_dim), jnp.bfloat16) for k in ks[2:]]
+    starts = jnp.array([context + 44], jnp.int32)
+    meta, rope_table = tail_layout._attention_tables(target, starts, jnp.bfloat16)
+    tables = (meta, tail_layout._norm_tables(target.layers[1].self_attn, jnp.bfloat16), rope_table)
+    args = (a, h, *target.layers[0].tail.matrices(), target.layers[1].tail.qkv_matrix(), *caches, *tables)
+    config = kernels_pallas.layer_tail_kernel_config(rows, c.hidden_size, c.intermediate_size, args[5].shape[0],
+                                                     attention=a.shape[1], dtype=h.dtype)
+    static = dict(eps=c.rms_norm_eps, groups=groups, scale=c.head_dim ** -0.5)
+    if config is None or not layer_tail_gpu.attention_supported(rows, args[5].shape[0], c.num_kv_heads, groups,
+                                                                c.head_dim, CACHE_CAPACITY, config):
+        report["attn_kernel"] = "the kernel takes no attention phase here"
+        return report
+    got = jax.jit(lambda *x: layer_tail_gpu.layer_tail(*x, config=config, **static))(*args)
+    again = jax.jit(lambda *x: layer_tail_gpu.layer_tail(*x, config=config, **static))(*args)
+    want = jax.jit(lambda *x: layer_tail_gpu.layer_tail_reference(*x, eps=c.rms_norm_eps))(*args[:6])
+    want += jax.jit(lambda q, *x: tail_attention_gpu.next_attention_reference(q, *x, **static))(got[3], *args[6:])
+    rel = lambda g, w: float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))  # noqa: E731
+                             / jnp.max(jnp.abs(w.astype(jnp.float32))))
+    names = ("h1", "s", "h2", "qkv", "attn", "k_new", "v_new")
+    report["attn_kernel"] = {name: rel(g, w) for name, g, w in zip(names, got, want)}
+    report["attn_kernel"]["rows_equal"] = bool(jnp.all(got[4] == got[4][:1]))
+    report["attn_kernel"]["second_call_same"] = bool(all(jnp.array_equal(x, y) for x, y in zip(got[:7], again[:7])))
     return report
 
 
@@ -508,7 +563,9 @@ def main() -> None:
     ap.add_argument("--attention", default="xla", choices=["xla", "pallas"])
     ap.add_argument("--tail-layout", default="off",
                     help="EngineConfig.tail_layout, or several in turn (e.g. off,on: every batch with the fused "
-                         "layout, then the target converted, checked against it and timed again)")
+                         "layout, then the target converted, checked against it and timed again); attn: the tail "
+                         "layout with a decode token's attention in the layer tail before it "
+                         "(tail_layout.ATTENTION_IN_TAIL)")
     ap.add_argument("--reference", action="store_true", help="also time the authors' PyTorch code")
     ap.add_argument("--tau", type=float, default=6.5, help="acceptance length for projected tokens/s")
     ap.add_argument("--out", default=None)
@@ -551,12 +608,16 @@ def main() -> None:
     layouts = args.tail_layout.split(",")
     runs = [(layout, int(b)) for layout in layouts for b in args.batches.split(",")]
     for layout, batch in runs:
-        if layout == "on" and target.layers[0].tail is None and "off" in layouts:
+        if layout in ("on", "attn") and target.layers[0].tail is None and "off" in layouts:
             report["tail_layout_check"] = check_tail_layout(target)
+        tail_layout.ATTENTION_IN_TAIL = layout == "attn"  # "attn": the tail layout, the attention in the tail
+        if layout == "attn" and target.layers[0].tail is not None and "tail_layout_check" not in report:
+            report["attn_check"] = check_attention_in_tail(target, None, args.context, None)
+            print(f"attention-in-tail check: {json.dumps(report['attn_check'])}", flush=True)
         mesh = MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None
         cfg = EngineConfig(max_batch_size=batch, max_length=args.context + 512, prompt_buckets=(args.context,),
                            steps_per_sync=args.steps_per_sync, attention_impl=args.attention, mesh=mesh,
-                           decode_loop=args.decode_loop, tail_layout=layout)
+                           decode_loop=args.decode_loop, tail_layout="on" if layout == "attn" else layout)
         spec, plain = Engine(target, drafter, cfg), Engine(target, None, cfg)
         t0 = time.perf_counter()
         t_plain, _ = time_decode(plain, batch, args.context, args.steps, args.repeats)
@@ -578,7 +639,7 @@ def main() -> None:
                      hbm_roofline_step_s=roofline, target_hbm_fraction=roofline / t_plain,
                      target_step_pipelined_s=t_plain_piped, spec_step_pipelined_s=t_spec_piped,
                      target_hbm_fraction_pipelined=roofline / t_plain_piped,
-                     tail_layout=plain.tail_layout, wall_s=time.perf_counter() - t0)
+                     tail_layout=layout if plain.tail_layout else False, wall_s=time.perf_counter() - t0)
         if batch == 1 and args.collectives:
             for name, engine in (("target-only", plain), ("dflash", spec)):
                 print_collectives(engine, name, Path(args.out).with_name(f"decode_hlo_{name}.txt") if args.out else None)

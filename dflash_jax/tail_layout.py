@@ -18,7 +18,9 @@ bf16 results by a rounding, as a change of GEMM does; float32 models stay within
 
 Single device, no biases (Qwen3, Llama-3); opt-in, ``EngineConfig(tail_layout="on")``: on the
 H200 a batch-1 step is no faster than in the fused layout (docs/kernels.md, docs/benchmarks.md,
-nineteenth session). Checkpoints and training keep the separate projections.
+nineteenth session). Checkpoints and training keep the separate projections. ``ATTENTION_IN_TAIL``
+(off) also moves a single decode token's attention into the layer tail before it: correct, and
+slower on the H200 (twenty-fourth session).
 """
 
 from __future__ import annotations
@@ -32,8 +34,16 @@ from dflash_jax.attention import AttentionImpl, block_attention
 from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.layers import DecoderLayer, add_rms_norm
 from dflash_jax.model_config import TargetConfig
-from kernels_pallas.layer_tail_gpu import (GATE_UP_TILE, MAX_ROWS, ROW_MULTIPLE, fold_norm, interleave_gate_up,
-                                           normed_matmul)
+from kernels_pallas._common import default_scale
+from kernels_pallas.tail_attention_gpu import META
+from kernels_pallas.layer_tail_gpu import (GATE_UP_TILE, MAX_ROWS, ROW_MULTIPLE, WGMMA_M, fold_norm,
+                                           interleave_gate_up, normed_matmul)
+
+# A single decode token (batch 1, Qwen3's q / k norms) runs each layer's attention in the layer tail
+# before it (``kernels_pallas.layer_tail``'s attention phase): one kernel per layer instead of three,
+# but 19-23 us per layer slower on the H200 (docs/kernels.md), so off; bench/bench_engine.py's
+# ``--tail-layout attn`` switches it on for an A/B.
+ATTENTION_IN_TAIL = False
 
 
 class TailWeights(nnx.Module):
@@ -112,7 +122,28 @@ def padded_rows(rows: int, block: int, attention_impl: AttentionImpl) -> int:
 
 
 def _pad(x: jax.Array, rows: int) -> jax.Array:
-    return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+    """``x [n, ...]`` padded to ``rows`` rows with copies of its last row (a single token's padded rows
+    are then copies of it, which the layer tail's attention phase relies on)."""
+    if x.shape[0] == rows:
+        return x
+    return jnp.concatenate([x, jnp.broadcast_to(x[-1:], (rows - x.shape[0],) + x.shape[1:])])
+
+
+def _attention_tables(target, starts: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """The layer tail's attention inputs shared by every layer of a single-token step: ``meta`` (the
+    token's position first) and the RoPE table ``[64, head_dim]`` (cos | sin at that position, every
+    row the same; ``cached_attention_gpu``'s values)."""
+    attn = target.layers[0].self_attn
+    position = starts[0].astype(jnp.int32)
+    freqs = position.astype(jnp.float32) * jnp.asarray(attn.inv_freq, jnp.float32)
+    row = jnp.concatenate([jnp.cos(freqs), jnp.sin(freqs)]).astype(dtype)
+    return jnp.zeros((META,), jnp.int32).at[0].set(position), jnp.broadcast_to(row, (WGMMA_M, row.shape[0]))
+
+
+def _norm_tables(attn, dtype) -> jax.Array:
+    """``[2, 64, head_dim]``: a layer's q and k RMSNorm weights, every row the same."""
+    w = jnp.stack([attn.q_norm.weight[...], attn.k_norm.weight[...]]).astype(dtype)
+    return jnp.broadcast_to(w[:, None], (2, WGMMA_M, w.shape[-1]))
 
 
 def run_layers(target, h: jax.Array, positions: jax.Array, starts: jax.Array | None, cache: KVCache | None,
@@ -137,22 +168,38 @@ def run_layers(target, h: jax.Array, positions: jax.Array, starts: jax.Array | N
     empty = jnp.zeros((batch, 0, c.num_kv_heads, c.head_dim), h.dtype)  # prefill: no context before the block
     x = _pad(h.reshape(rows, hidden), padded)
     qkv = normed_matmul(x, layers[0].tail.qkv_matrix(), eps=eps).astype(x.dtype)
+    in_tail = (ATTENTION_IN_TAIL and decoding and rows == 1 and padded == ROW_MULTIPLE and attention_impl == "pallas"
+               and layers[0].self_attn.q_norm is not None)
+    if in_tail:
+        meta, rope_table = _attention_tables(target, starts, x.dtype)
     taps = {}
+    a = None  # the layer's attention output, when the layer tail before it ran the attention
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         qkv_blocks = qkv.reshape((padded // block, block) + kv_shape)
-        if decoding:
+        if a is None and decoding:
             out, ks[i], vs[i] = attn.attend_cached_qkv(qkv_blocks, starts, ks[i], vs[i], blk_lens[:, 0],
                                                        impl=attention_impl)
-        else:
+            a = _pad(out.reshape(rows, -1), padded)
+        elif a is None:
             q, k, v = attn.finish_qkv(qkv_blocks[:, None], positions)
             out = block_attention(q, empty, empty, jnp.zeros_like(blk_lens), k, v, blk_lens, causal=True,
                                   impl=attention_impl)
             if cache is not None:
                 ks[i], vs[i] = write_rows(ks[i], k[:, 0], starts), write_rows(vs[i], v[:, 0], starts)
-        a = _pad(out.reshape(rows, -1), padded)
+            a = _pad(out.reshape(rows, -1), padded)
         w_next = layers[i + 1].tail.qkv_matrix() if i + 1 < len(layers) else None
-        outs = kernels_pallas.layer_tail(a, x, *layer.tail.matrices(), w_next, eps=eps)
+        if in_tail and w_next is not None:
+            nxt = layers[i + 1].self_attn
+            outs = kernels_pallas.layer_tail(
+                a, x, *layer.tail.matrices(), w_next, ks[i + 1][0], vs[i + 1][0], meta, _norm_tables(nxt, x.dtype),
+                rope_table, eps=eps, groups=c.num_heads // c.num_kv_heads, scale=default_scale(c.head_dim, None))
+            a, k_new, v_new = outs[4:7]
+            new_kv = lambda t: t[:1].reshape(1, 1, c.num_kv_heads, c.head_dim)  # noqa: E731
+            ks[i + 1], vs[i + 1] = write_rows(ks[i + 1], new_kv(k_new), starts), write_rows(vs[i + 1], new_kv(v_new), starts)
+        else:
+            outs = kernels_pallas.layer_tail(a, x, *layer.tail.matrices(), w_next, eps=eps)
+            a = None
         x = outs[2]
         if w_next is not None:
             qkv = outs[3]

@@ -58,24 +58,38 @@ def layer_tail_kernel_config(rows: int, hidden: int, intermediate: int, qkv: int
     return layer_tail_gpu.config_for(rows, hidden, intermediate, qkv, attention=attention)
 
 
-@functools.partial(jax.jit, static_argnames=("eps",))
-def layer_tail(a, h, w_o, w_gu, w_d, w_qkv=None, *, eps: float):
+@functools.partial(jax.jit, static_argnames=("eps", "groups", "scale"))
+def layer_tail(a, h, w_o, w_gu, w_d, w_qkv=None, k_cache=None, v_cache=None, meta=None, norm_tables=None,
+               rope_table=None, *, eps: float, groups: int = 0, scale: float = 0.0):
     """A decoder layer from its attention output to the next layer's QKV: ``h1 = h + a @ w_o^T``,
     ``s = swiglu(norm(h1) @ w_gu^T)``, ``h2 = h1 + s @ w_d^T``, ``qkv = norm(h2) @ w_qkv^T`` with the
     norms' weights folded into ``w_gu`` and ``w_qkv`` (``layer_tail_gpu``: shapes, layout) -> ``[h1,
-    s, h2]`` plus ``qkv`` if ``w_qkv`` is given. The Mosaic GPU kernel where
-    ``layer_tail_kernel_config`` finds one, else the reference.
+    s, h2]`` plus ``qkv`` if ``w_qkv`` is given; with ``k_cache`` (a decode token's rows, all copies
+    of it) also the next layer's attention on that ``qkv``: ``attn, k_new, v_new``
+    (``layer_tail_gpu.layer_tail``'s attention phase, ``tail_attention_gpu``). The Mosaic GPU
+    kernel where ``layer_tail_kernel_config`` finds one (and, for the attention,
+    ``layer_tail_gpu.attention_supported``), else the references.
 
     Jitted, so that the identical calls of a model's layers are traced and lowered once: a decode
     step of 36 layers otherwise lowers (and compiles) 36 copies of the kernel.
     """
-    from kernels_pallas import layer_tail_gpu
+    from kernels_pallas import layer_tail_gpu, tail_attention_gpu
 
     config = layer_tail_kernel_config(h.shape[0], h.shape[1], w_d.shape[1], None if w_qkv is None else w_qkv.shape[0],
                                       attention=w_o.shape[1], dtype=h.dtype)
+    attention = (k_cache, v_cache, meta, norm_tables, rope_table)
+    if k_cache is not None and config is not None and layer_tail_gpu.attention_supported(
+            h.shape[0], w_qkv.shape[0], k_cache.shape[1], groups, k_cache.shape[2], k_cache.shape[0], config):
+        outs = layer_tail_gpu.layer_tail(a, h, w_o, w_gu, w_d, w_qkv, *attention, eps=eps, groups=groups, scale=scale,
+                                         config=config)
+        return outs[:7]  # without the split merge's scratch
     if config is None:
-        return layer_tail_gpu.layer_tail_reference(a, h, w_o, w_gu, w_d, w_qkv, eps=eps)
-    return layer_tail_gpu.layer_tail(a, h, w_o, w_gu, w_d, w_qkv, eps=eps, config=config)
+        outs = layer_tail_gpu.layer_tail_reference(a, h, w_o, w_gu, w_d, w_qkv, eps=eps)
+    else:
+        outs = layer_tail_gpu.layer_tail(a, h, w_o, w_gu, w_d, w_qkv, eps=eps, config=config)
+    if k_cache is None:
+        return outs
+    return outs + tail_attention_gpu.next_attention_reference(outs[3], *attention, groups=groups, scale=scale, eps=eps)
 
 
 def _resolve(backend: str | None, interpret: bool | None):

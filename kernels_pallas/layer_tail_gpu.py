@@ -38,6 +38,10 @@ us at one row against ~104.6-104.9 for the engine's nine kernels, 103.3 (6 stage
 mode (it has neither global semaphores nor transposed WGMMA operands): off a GPU the reference stands
 in (``kernels_pallas.layer_tail``), and ``bench/bench_persistent_layer.py`` checks the kernel against
 a float32 reference of the model's math on the device.
+
+With the next layer's caches the kernel runs a fifth phase, that layer's attention for a decode
+token (``tail_attention_gpu``: its design, measurements and reference); the QKV phase then counts
+its tiles into ready counters too.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from jax import lax
 
 from kernels_pallas._mosaic_gpu import (SMEM_BUDGET, WGMMA_M, count_into_groups, fence_proxy_async, group_tiles,
                                         reset_ready_counters, swizzled)
+from kernels_pallas.tail_attention_gpu import ATTN_KEYS, ATTN_SPLITS, META, attention_phase
 
 O, GU, D, QKV = range(4)  # the phases
 GATE_UP_TILE = 64  # weight rows of a gate-up tile: half gate, half the same units' up
@@ -129,12 +134,41 @@ def config_for(rows: int, hidden: int, intermediate: int, qkv: int | None, *,
     return None
 
 
+def attention_supported(rows: int, qkv: int, kv_heads: int, groups: int, head_dim: int, capacity: int,
+                        config: LayerConfig) -> bool:
+    """Whether the kernel can also run the next layer's attention (``layer_tail``'s ``k_cache``...):
+    a decode token (8 rows, all copies of it), 128-wide heads in ring slots of ``[64, 128]``, whole
+    tiles of cache keys, enough programs."""
+    return (rows == ROW_MULTIPLE and head_dim == 128 and qkv == kv_heads * (groups + 2) * head_dim
+            and ROW_MULTIPLE % groups == 0 and capacity % ATTN_KEYS == 0 and kv_heads * ATTN_SPLITS <= config.programs
+            and 128 in config.tile_k and config.slot() == ATTN_KEYS * head_dim
+            and config.stages // 2 >= ATTN_SPLITS - 1  # the other splits' float32 partials, in the ring
+            and (config.stages * rows + WGMMA_M - rows) * max(config.tile_k) >= 3 * WGMMA_M * head_dim)
+
+
 def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d: jax.Array,
-               w_qkv: jax.Array | None, *, eps: float, config: LayerConfig = LayerConfig()) -> list[jax.Array]:
+               w_qkv: jax.Array | None, k_cache: jax.Array | None = None, v_cache: jax.Array | None = None,
+               meta: jax.Array | None = None, norm_tables: jax.Array | None = None,
+               rope_table: jax.Array | None = None, *, eps: float, groups: int = 0, scale: float = 0.0,
+               config: LayerConfig = LayerConfig(), profile_dir: str | None = None,
+               profile_ranges: int = 0, approx_math: bool = False) -> list[jax.Array]:
     """``a [R, >= A]`` (the attention's output in its first ``A`` columns), ``h [R, H]`` (the
     residual), weights ``[N, K]``: ``w_o [H, A]``, ``w_gu [2 I, H]`` (``interleave_gate_up`` of the
     norm-folded gate and up), ``w_d [H, I]``, ``w_qkv [Q, H]`` (norm-folded; None: no next layer)
-    -> ``h1 [R, H]``, ``s [R, I]``, ``h2 [R, H]`` and ``qkv [R, Q]`` (if ``w_qkv``)."""
+    -> ``h1 [R, H]``, ``s [R, I]``, ``h2 [R, H]`` and ``qkv [R, Q]`` (if ``w_qkv``).
+
+    With ``k_cache`` (a decode token, its 8 rows all copies of it), a fifth phase runs the next
+    layer's attention on that ``qkv`` (``attention_supported``): ``k_cache, v_cache [capacity,
+    kv_heads, 128]`` are read at positions ``< meta[0]`` (the token's position; ``meta [META]``), ``norm_tables [2, 64,
+    128]`` hold the q and k RMSNorm weights and ``rope_table [64, 128]`` the token's cos | sin (every
+    row the same), ``groups`` query heads per KV head, ``scale`` the softmax scale, ``eps`` also the
+    q / k norms'. It adds ``attn [R, kv_heads * groups * 128]`` (the next layer's ``a``), ``k_new,
+    v_new [R, kv_heads * 128]`` (the token's normed, RoPE'd key and its value, for the caller to write
+    at ``meta[0]``) and two float32 scratch outputs of the split merge.
+
+    ``profile_dir``: Mosaic GPU's in-kernel profile of up to ``profile_ranges`` named ranges per
+    program (``m0``-``m3``, ``wait``, ``attention`` and its steps), for bench/ diagnostics;
+    ``approx_math``: Mosaic GPU's approximate exp, rsqrt and division (a bench/ variant)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -146,35 +180,60 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
     if not supports(rows, hidden, intermediate, None if w_qkv is None else w_qkv.shape[0], c,
                     attention=w_o.shape[1]):
         raise ValueError(f"layer_tail: rows {rows}, weights {[w.shape for w in weights]} not supported by {c}")
+    attend = k_cache is not None
+    if attend:
+        capacity, kv_heads, head_dim = k_cache.shape
+        if w_qkv is None or not attention_supported(rows, w_qkv.shape[0], kv_heads, groups, head_dim, capacity, c):
+            raise ValueError(f"layer_tail: no attention phase for rows {rows}, caches {k_cache.shape}, {c}")
+        per_head = (groups + 2) * head_dim  # a KV head's columns of the fused QKV: its queries, key, value
     outs = [w.shape[0] // (2 if j == GU else 1) for j, w in enumerate(weights)]
     ks = [w.shape[1] for w in weights]
     programs = c.programs
     tiles = [n // c.out_cols(j) for j, n in enumerate(outs)]
     k_steps = [k // c.tile_k[j] for j, k in enumerate(ks)]
     waves = [-(-t // programs) for t in tiles]
-    groups = [n // c.flag_cols for n in outs[:phases - 1]]  # the last phase has no reader here
-    base = [sum(groups[:j]) for j in range(phases - 1)]
+    read_phases = phases if attend else phases - 1  # phases whose output a later phase reads here
+    groups_per = [n // c.flag_cols for n in outs[:read_phases]]
+    base = [sum(groups_per[:j]) for j in range(read_phases)]
     bks = sorted(set(c.tile_k))
     views = {bk: i for i, bk in enumerate(bks)}
 
     def body(a_gmem, h_gmem, *refs):
-        w_gmem, y_gmem = refs[:phases], refs[phases:2 * phases]
-        w_smem, x_smem, out_smem, res_smem, w_ready, x_ready, res_ready = refs[2 * phases:]
+        w_gmem = refs[:phases]
+        extra = 5 if attend else 0
+        k_gmem, v_gmem, meta_gmem, norm_gmem, rope_gmem = refs[phases:phases + extra] if attend else (None,) * 5
+        refs = refs[phases + extra:]
+        y_gmem = refs[:phases]
+        if attend:
+            attn_gmem, k_new_gmem, v_new_gmem, o_part_gmem, ml_part_gmem = refs[phases:phases + 5]
+            refs = refs[phases + 5:]
+        else:
+            refs = refs[phases:]
+        w_smem, x_smem, out_smem, res_smem, w_ready, x_ready, res_ready = refs[:7]
         w_rings = [w_smem[views[c.tile_k[j]]] for j in range(phases)]
         x_rings = [x_smem[views[c.tile_k[j]]] for j in range(phases)]
         out_tiles = [out_smem[j] for j in range(phases)]
         x_src = [a_gmem] + list(y_gmem[:phases - 1])
         p = lax.axis_index("p")
-        ready = pl.get_global(plgpu.SemaphoreType.REGULAR((sum(groups),)))
+        ready = pl.get_global(plgpu.SemaphoreType.REGULAR((sum(groups_per),)))
         exited = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         drained = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         mine = [jnp.maximum(0, (t - p + programs - 1) // programs) for t in tiles]
         start = [0]
         for j in range(phases):
             start.append(start[-1] + mine[j] * k_steps[j])
-        steps = start[-1]
+        pre_steps = start[-1]  # the matmul phases' steps: known before the kernel reads anything
+        attn = {}  # the attention phase's schedule, known once the kernel has read the token's position
+        if attend:
+            meta_smem, ml_smem, ml_in, own_ready, meta_ready, part_ready = refs[7:]
+            kv_rings = w_smem[views[128]]  # [stages, 64, 128]: a slot holds a key tile
+            part_rings = w_smem[len(bks)]  # [stages // 2, 64, 128] float32: the merge's partials
+            own_smem = x_smem[len(bks)]  # [3, 64, 128]: the token's q, k, v heads (the x ring is idle by then)
+            head, split = p // ATTN_SPLITS, p % ATTN_SPLITS
+            attending = p < kv_heads * ATTN_SPLITS
+            arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((kv_heads,)))
 
-        def fetch_weights(step):
+        def fetch_weights(step, with_attention: bool = True):
             slot = step % c.stages
             for j in range(phases):
                 @pl.when((start[j] <= step) & (step < start[j + 1]))
@@ -183,15 +242,27 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
                     cols = pl.ds((p + i * programs) * c.tile_n[j], c.tile_n[j])
                     plgpu.copy_gmem_to_smem(w_gmem[j].at[cols, pl.ds(kk * c.tile_k[j], c.tile_k[j])],
                                             w_rings[j].at[slot, pl.ds(0, c.tile_n[j])], w_ready.at[slot])
+            if attend and with_attention:
+                @pl.when((attn["first_step"] <= step) & (step < attn["steps"]))
+                def _():
+                    i = step - attn["first_step"]
+                    pl.when(i < 2)(lambda: plgpu.copy_gmem_to_smem(norm_gmem.at[jnp.minimum(i, 1)], kv_rings.at[slot],
+                                                                   w_ready.at[slot]))
+                    pl.when(i == 2)(lambda: plgpu.copy_gmem_to_smem(rope_gmem, kv_rings.at[slot], w_ready.at[slot]))
+                    t, is_v = (i - 3) // 2, (i - 3) % 2
+                    keys = pl.ds((attn["first_tile"] + t) * ATTN_KEYS, ATTN_KEYS)
+                    pl.when((i >= 3) & (is_v == 0))(lambda: plgpu.copy_gmem_to_smem(
+                        k_gmem.at[keys, head], kv_rings.at[slot], w_ready.at[slot]))
+                    pl.when((i >= 3) & (is_v == 1))(lambda: plgpu.copy_gmem_to_smem(
+                        v_gmem.at[keys, head], kv_rings.at[slot], w_ready.at[slot]))
 
         def tiles_in_group(j: int, g):
             return group_tiles(c.flag_cols, c.out_cols(j), g)
 
-        def await_group(j: int, kk):
-            """Waits until the previous phase has stored the group that step ``kk`` of phase ``j`` reads."""
-            g = (kk * c.tile_k[j]) // c.flag_cols
+        def await_group(j: int, g):
+            """Waits until phase ``j`` has stored its column group ``g``."""
             with jax.named_scope("wait"):
-                plgpu.semaphore_wait(ready.at[base[j - 1] + g], tiles_in_group(j - 1, g), decrement=False,
+                plgpu.semaphore_wait(ready.at[base[j] + g], tiles_in_group(j, g), decrement=False,
                                      memory_scope="gpu")
                 fence_proxy_async()
 
@@ -200,18 +271,35 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
             slot, kk = step % c.stages, (step - first) % k_steps[j]
             if j > 0:
                 first_read = (step - first < k_steps[j]) & ((kk * c.tile_k[j]) % c.flag_cols == 0)
-                pl.when(first_read)(lambda: await_group(j, kk))
+                pl.when(first_read)(lambda: await_group(j - 1, (kk * c.tile_k[j]) // c.flag_cols))
             plgpu.copy_gmem_to_smem(x_src[j].at[:, pl.ds(kk * c.tile_k[j], c.tile_k[j])],
                                     x_rings[j].at[pl.ds(slot * rows, rows)], x_ready.at[slot])
 
         for step in range(c.stages - 1):
-            pl.when(step < steps)(lambda step=step: fetch_weights(step))
+            pl.when(step < pre_steps)(lambda step=step: fetch_weights(step, with_attention=False))
         # Nothing above reads what the kernel before wrote: launched early (programmatic dependent
         # launch, which JAX asks for when a kernel waits), the weight ring fills while that kernel
         # finishes, and the wait holds every read of the attention output and the residual.
         plgpu.griddepcontrol_wait()
+        if attend:
+            plgpu.copy_gmem_to_smem(meta_gmem, meta_smem, meta_ready.at[0])
+
+        def schedule_attention():
+            """The attention's steps (two norm tables, the RoPE table, then each of its key tiles' K
+            and V) join the ring after the matmuls', so that they stream in behind QKV's."""
+            plgpu.barrier_wait(meta_ready.at[0])
+            position = meta_smem[0]
+            context_tiles = (position + ATTN_KEYS - 1) // ATTN_KEYS
+            per_split = (context_tiles + ATTN_SPLITS - 1) // ATTN_SPLITS
+            first_tile = split * per_split
+            my_tiles = jnp.where(attending, jnp.clip(context_tiles - first_tile, 0, per_split), 0)
+            attn.update(position=position, first_tile=first_tile, my_tiles=my_tiles, first_step=pre_steps,
+                        steps=pre_steps + jnp.where(attending, 3 + 2 * my_tiles, 0))
 
         def run_phase(j: int):
+            if attend and j == QKV:
+                schedule_attention()
+            steps = attn["steps"] if attn else pre_steps
             first, end = start[j], start[j + 1]
             for q in range(c.stages - 1):
                 pl.when(first + q < end)(lambda q=q: fetch_x(first + q, j))
@@ -247,7 +335,8 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
                                 plgpu.wgmma(acc_refs[-1], x_tile,
                                             plgpu.transpose_ref(x_rings[j].at[pl.ds(slot * rows, rows)], (1, 0)))
                             plgpu.wgmma_wait(len(acc_refs))  # the previous step's are done: its slot is free
-                            pl.when(step + c.stages - 1 < steps)(lambda: fetch_weights(step + c.stages - 1))
+                            pl.when(step + c.stages - 1 < steps)(
+                                lambda: fetch_weights(step + c.stages - 1, with_attention=bool(attn)))
                             pl.when(step + c.stages - 1 < end)(lambda: fetch_x(step + c.stages - 1, j))
                             return carry
 
@@ -262,43 +351,78 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
                                 == plgpu.broadcasted_iota(jnp.int32, sq.shape, 1, layout=plgpu.Layout.WGMMA))
                         mean_sq = jnp.sum(jnp.where(diag, sq, 0.0), axis=1) * (1.0 / ks[j])
                         # (a [64] row vector broadcasts by broadcast_in_dim, not by a new axis, in Mosaic GPU)
-                        scale = lax.broadcast_in_dim(lax.rsqrt(mean_sq + eps), accs_out[0].shape, (0,))
+                        row_scale = lax.broadcast_in_dim(lax.rsqrt(mean_sq + eps), accs_out[0].shape, (0,))
                     if j in (O, D):
                         plgpu.barrier_wait(res_ready.at[0])
                         res = plgpu.load(res_smem, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
                         y = res + accs_out[0].astype(h.dtype).astype(jnp.float32)
                     elif j == GU:
-                        gate = (accs_out[0] * scale).astype(h.dtype).astype(jnp.float32)
-                        up = (accs_out[1] * scale).astype(h.dtype).astype(jnp.float32)
+                        gate = (accs_out[0] * row_scale).astype(h.dtype).astype(jnp.float32)
+                        up = (accs_out[1] * row_scale).astype(h.dtype).astype(jnp.float32)
                         silu = (gate / (1.0 + jnp.exp(-gate))).astype(h.dtype).astype(jnp.float32)
                         y = silu * up
                     else:
-                        y = accs_out[0] * scale
+                        y = accs_out[0] * row_scale
                     out_tiles[j][...] = y.astype(h.dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(out_tiles[j].at[pl.ds(0, rows)], y_gmem[j].at[:, out_cols])
                     plgpu.wait_smem_to_gmem(0)
-                    if j < phases - 1:
+                    if j < read_phases:
                         fence_proxy_async()
                         count_into_groups(ready, base[j], c.flag_cols, c.out_cols(j), t)
+
+        def run_attention():
+            attention_phase(
+                c, rows=rows, dtype=h.dtype, groups=groups, kv_heads=kv_heads, per_head=per_head, scale=scale,
+                eps=eps, head=head, split=split, first_tile=attn["first_tile"], my_tiles=attn["my_tiles"],
+                position=attn["position"], first_step=attn["first_step"], steps=attn["steps"], arrived=arrived,
+                fetch_weights=fetch_weights, w_ready=w_ready,
+                kv_rings=kv_rings, part_rings=part_rings, own_smem=own_smem, own_ready=own_ready, ml_smem=ml_smem,
+                ml_in=ml_in, part_ready=part_ready, qkv_gmem=y_gmem[QKV], attn_gmem=attn_gmem,
+                k_new_gmem=k_new_gmem, v_new_gmem=v_new_gmem, o_part_gmem=o_part_gmem, ml_part_gmem=ml_part_gmem,
+                await_qkv=lambda g: await_group(QKV, g))
 
         for j in range(phases):
             with jax.named_scope(f"m{j}"):
                 run_phase(j)
+        if attend:
+            with jax.named_scope("attention"):
+                pl.when(attending)(run_attention)
         reset_ready_counters(ready, exited, drained, p, programs,
-                             [tiles_in_group(j, g) for j in range(phases - 1) for g in range(groups[j])])
+                             [tiles_in_group(j, g) for j in range(read_phases) for g in range(groups_per[j])])
 
-    ring = lambda shape, minor: plgpu.SMEM(shape, h.dtype, transforms=swizzled(minor, 2))  # noqa: E731
-    scratch = (plgpu.RefUnion(*(ring((c.stages, c.slot() // bk, bk), bk) for bk in bks)),
-               plgpu.RefUnion(*(ring((c.stages * rows + WGMMA_M - rows, bk), bk) for bk in bks)),
+    ring = lambda shape, minor, dtype=h.dtype: plgpu.SMEM(shape, dtype, transforms=swizzled(minor, jnp.dtype(dtype).itemsize))  # noqa: E731
+    w_views = [ring((c.stages, c.slot() // bk, bk), bk) for bk in bks]
+    x_views = [ring((c.stages * rows + WGMMA_M - rows, bk), bk) for bk in bks]
+    if attend:
+        w_views.append(ring((c.stages // 2, WGMMA_M, head_dim), head_dim, jnp.float32))
+        x_views.append(ring((3, WGMMA_M, head_dim), head_dim))  # the token's q, k, v heads, rows repeated
+    scratch = [plgpu.RefUnion(*w_views),
+               plgpu.RefUnion(*x_views),
                plgpu.RefUnion(*(ring((WGMMA_M, c.out_cols(j)), c.out_cols(j)) for j in range(phases))),
                ring((WGMMA_M, c.out_cols(O)), c.out_cols(O)),
                plgpu.Barrier(num_arrivals=1, num_barriers=c.stages),
                plgpu.Barrier(num_arrivals=1, num_barriers=c.stages),
-               plgpu.Barrier(num_arrivals=1, num_barriers=1))
+               plgpu.Barrier(num_arrivals=1, num_barriers=1)]
     out_types = [jax.ShapeDtypeStruct((rows, n), h.dtype) for n in outs]
-    kernel = plgpu.kernel(body, out_type=out_types, scratch_types=scratch, grid=(programs,), grid_names=("p",))
-    return list(kernel(a, h, *weights))
+    inputs = [a, h, *weights]
+    if attend:
+        scratch += [plgpu.SMEM((META,), jnp.int32),
+                    plgpu.SMEM((2, WGMMA_M), jnp.float32),
+                    plgpu.SMEM((ATTN_SPLITS - 1, 2, WGMMA_M), jnp.float32),
+                    plgpu.Barrier(num_arrivals=ROW_MULTIPLE, num_barriers=3),
+                    plgpu.Barrier(num_arrivals=1, num_barriers=1),
+                    plgpu.Barrier(num_arrivals=2 * (ATTN_SPLITS - 1), num_barriers=1)]
+        out_types += [jax.ShapeDtypeStruct((rows, kv_heads * groups * head_dim), h.dtype),
+                      jax.ShapeDtypeStruct((rows, kv_heads * head_dim), h.dtype),
+                      jax.ShapeDtypeStruct((rows, kv_heads * head_dim), h.dtype),
+                      jax.ShapeDtypeStruct((ATTN_SPLITS, kv_heads, WGMMA_M, head_dim), jnp.float32),
+                      jax.ShapeDtypeStruct((ATTN_SPLITS, kv_heads, 2, WGMMA_M), jnp.float32)]
+        inputs += [k_cache, v_cache, meta, norm_tables, rope_table]
+    params = plgpu.CompilerParams(profile_space=profile_ranges, profile_dir=profile_dir or "", approx_math=approx_math)
+    kernel = plgpu.kernel(body, out_type=out_types, scratch_types=tuple(scratch), grid=(programs,), grid_names=("p",),
+                          compiler_params=params)
+    return list(kernel(*inputs))
 
 
 def _dot_nk(x: jax.Array, w: jax.Array) -> jax.Array:

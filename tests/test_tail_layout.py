@@ -17,8 +17,10 @@ from dflash_jax.checkpoint import save_target
 from dflash_jax.layers import fuse_projections
 from dflash_jax.sharding import MeshConfig
 from dflash_jax.target import Target
+from dflash_jax import tail_layout
 from dflash_jax.tail_layout import padded_rows, to_tail_layout, unsupported_reason
 from dflash_jax.tiny import tiny_target_config, write_copycat_pair
+from kernels_pallas import layer_tail_gpu, tail_attention_gpu
 from kernels_pallas.layer_tail_gpu import config_for
 
 
@@ -59,10 +61,15 @@ def copycat(tmp_path_factory):
     return write_copycat_pair(tmp_path_factory.mktemp("copycat_tail"), block_size=8)
 
 
+@pytest.mark.parametrize("attention_in_tail", [False, True])
 @pytest.mark.parametrize("speculative", [True, False])
-def test_tail_layout_engine_generates_what_the_fused_engine_generates(copycat, speculative):
+def test_tail_layout_engine_generates_what_the_fused_engine_generates(copycat, speculative, attention_in_tail,
+                                                                       monkeypatch):
     """Batch 1 pads a decode token to 8 rows and runs a verify block of 8 as it is; a batch bucket of 4
-    pads 4 decode rows to 8, and its verify blocks (32 rows) run unpadded through the reference."""
+    pads 4 decode rows to 8, and its verify blocks (32 rows) run unpadded through the reference. With
+    ``ATTENTION_IN_TAIL`` a batch-1 decode token's layers 1.. take their attention (and their cache
+    writes) from the layer tail before them (``next_attention_reference`` on the CPU)."""
+    monkeypatch.setattr(tail_layout, "ATTENTION_IN_TAIL", attention_in_tail)
     rs = np.random.RandomState(1)
     prompts = [rs.randint(0, 95, n).tolist() for n in (5, 17, 9)]
     config = dict(max_batch_size=4, max_length=80, steps_per_sync=4)
@@ -112,3 +119,53 @@ def test_layer_kernel_takes_8b_layers_at_up_to_16_rows(intermediate):
         assert config_for(24, 4096, intermediate, qkv) is None
     assert config_for(8, 4096, intermediate, 6144, attention=2048) is not None  # heads x head_dim != hidden
     assert config_for(8, 4096, intermediate + 32, 6144) is None  # ready counters need whole 2048-column groups
+
+
+def test_next_attention_reference_equals_the_models_attention():
+    """The layer tail's attention phase (its jnp reference, which the Mosaic kernel is checked
+    against on the GPU) is the model's cached attention of one token: q / k norms, RoPE at its
+    position, the cache before it and its own key (``Attention.attend_unfused``), and hands out the
+    key and value that the model writes into the cache."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = tiny_target_config(num_kv_heads=2, num_heads=8, head_dim=16)
+    target = Target(cfg, rngs=nnx.Rngs(2))
+    attn = fuse_projections(target).layers[1].self_attn
+    for w in (attn.q_norm.weight, attn.k_norm.weight):  # not all ones
+        w.set_value(1.0 + 0.3 * jax.random.normal(jax.random.key(5), w.get_value().shape))
+    groups, capacity, position = cfg.num_heads // cfg.num_kv_heads, 64, 37
+    keys = jax.random.split(jax.random.key(0), 3)
+    qkv = jax.random.normal(keys[0], (1, 1, cfg.num_kv_heads, groups + 2, cfg.head_dim))
+    caches = [jax.random.normal(k, (1, capacity, cfg.num_kv_heads, cfg.head_dim)) for k in keys[1:]]
+    starts = jnp.array([position], jnp.int32)
+    want, k_want, v_want = attn.attend_unfused(qkv, starts, *caches, jnp.ones((1,), jnp.int32), impl="xla")
+    meta, rope_table = tail_layout._attention_tables(target, starts, jnp.float32)
+    rows = jnp.broadcast_to(qkv.reshape(1, -1), (8, qkv.size))  # a decode token padded with copies of it
+    got, k_new, v_new = tail_attention_gpu.next_attention_reference(
+        rows, caches[0][0], caches[1][0], meta, tail_layout._norm_tables(attn, jnp.float32), rope_table,
+        groups=groups, scale=cfg.head_dim ** -0.5, eps=cfg.rms_norm_eps)
+    np.testing.assert_allclose(np.asarray(got), np.broadcast_to(np.asarray(want).reshape(1, -1), got.shape),
+                               atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(k_new[3]), np.asarray(k_want[0, position]).reshape(-1), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(v_new[3]), np.asarray(v_want[0, position]).reshape(-1), atol=0, rtol=0)
+
+
+def test_layer_kernel_with_the_attention_phase_lowers_for_gpus():
+    """The Mosaic kernel with the next layer's attention (no interpret mode) lowers for CUDA at the
+    8B shapes it takes, and its shape rule: a decode token's 8 rows, 128-wide heads, whole key tiles."""
+    import jax
+    import jax.numpy as jnp
+
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    config = config_for(8, 4096, 12288, 6144)
+    assert layer_tail_gpu.attention_supported(8, 6144, 8, 4, 128, 1152, config)
+    assert not layer_tail_gpu.attention_supported(16, 6144, 8, 4, 128, 1152, config)  # a verify block
+    assert not layer_tail_gpu.attention_supported(8, 6144, 8, 4, 128, 1100, config)  # not whole tiles
+    assert not layer_tail_gpu.attention_supported(8, 3072, 8, 4, 64, 1152, config)  # 64-wide heads
+    shapes = [sd((8, 4096), bf), sd((8, 4096), bf), sd((4096, 4096), bf), sd((24576, 4096), bf), sd((4096, 12288), bf),
+              sd((6144, 4096), bf), sd((1152, 8, 128), bf), sd((1152, 8, 128), bf), sd((tail_attention_gpu.META,), jnp.int32),
+              sd((2, 64, 128), bf), sd((64, 128), bf)]
+    fn = jax.jit(lambda *x: layer_tail_gpu.layer_tail(*x, eps=1e-6, groups=4, scale=128 ** -0.5, config=config))
+    text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
