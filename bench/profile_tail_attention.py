@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Where the layer tail's attention phase spends its time: one Qwen3-8B-shaped layer through
-``kernels_pallas.layer_tail_gpu.layer_tail`` with and without the next layer's attention
-(``k_cache``...), timed off a profiler trace over chained calls, then once under Mosaic GPU's
-in-kernel profile, whose named ranges (``m0``-``m3`` the matmul phases, ``a_*`` the attention's
-steps) are averaged per program.
+``kernels_pallas.layer_tail_gpu.layer_tail`` without the next layer's attention, with it, and with
+it under approximate math (``approx_math``, checked against the exact outputs first), timed by wall
+clock over repeated calls; then the two attention variants once each under Mosaic GPU's in-kernel
+profile, whose named ranges (``m0``-``m3`` the matmul phases, ``wait``, ``attention`` and its steps
+``a_*``) are averaged over the programs that ran them (docs/benchmarks.md, twenty-fourth session).
 
     python bench/profile_tail_attention.py --out-dir /tmp/tailprof     # on the GPU
 """
@@ -71,8 +72,8 @@ def main() -> None:
     approx = jax.jit(lambda *x: layer_tail_gpu.layer_tail(*x, config=config, approx_math=True, **static))
     want = attend(*tail, *attention)
     got = approx(*tail, *attention)
-    rel = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))) / jnp.max(jnp.abs(w.astype(jnp.float32))))
-           for g, w in zip(got[:7], want[:7])]
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    rel = [float(jnp.max(jnp.abs(f32(g) - f32(w))) / jnp.max(jnp.abs(f32(w)))) for g, w in zip(got[:7], want[:7])]
     print(f"approx_math against exact, per output (h1, s, h2, qkv, attn, k_new, v_new): "
           f"{', '.join(f'{r:.1e}' for r in rel)}", flush=True)
     for name, fn, args_ in (("tail", plain, tail), ("tail+attention", attend, tail + attention),

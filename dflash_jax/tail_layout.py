@@ -196,7 +196,8 @@ def run_layers(target, h: jax.Array, positions: jax.Array, starts: jax.Array | N
                 rope_table, eps=eps, groups=c.num_heads // c.num_kv_heads, scale=default_scale(c.head_dim, None))
             a, k_new, v_new = outs[4:7]
             new_kv = lambda t: t[:1].reshape(1, 1, c.num_kv_heads, c.head_dim)  # noqa: E731
-            ks[i + 1], vs[i + 1] = write_rows(ks[i + 1], new_kv(k_new), starts), write_rows(vs[i + 1], new_kv(v_new), starts)
+            ks[i + 1] = write_rows(ks[i + 1], new_kv(k_new), starts)
+            vs[i + 1] = write_rows(vs[i + 1], new_kv(v_new), starts)
         else:
             outs = kernels_pallas.layer_tail(a, x, *layer.tail.matrices(), w_next, eps=eps)
             a = None

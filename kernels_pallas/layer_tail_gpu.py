@@ -373,7 +373,7 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
 
         def run_attention():
             attention_phase(
-                c, rows=rows, dtype=h.dtype, groups=groups, kv_heads=kv_heads, per_head=per_head, scale=scale,
+                c, rows=rows, dtype=h.dtype, groups=groups, per_head=per_head, scale=scale,
                 eps=eps, head=head, split=split, first_tile=attn["first_tile"], my_tiles=attn["my_tiles"],
                 position=attn["position"], first_step=attn["first_step"], steps=attn["steps"], arrived=arrived,
                 fetch_weights=fetch_weights, w_ready=w_ready,
@@ -391,7 +391,9 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
         reset_ready_counters(ready, exited, drained, p, programs,
                              [tiles_in_group(j, g) for j in range(read_phases) for g in range(groups_per[j])])
 
-    ring = lambda shape, minor, dtype=h.dtype: plgpu.SMEM(shape, dtype, transforms=swizzled(minor, jnp.dtype(dtype).itemsize))  # noqa: E731
+    def ring(shape, minor, dtype=h.dtype):
+        return plgpu.SMEM(shape, dtype, transforms=swizzled(minor, jnp.dtype(dtype).itemsize))
+
     w_views = [ring((c.stages, c.slot() // bk, bk), bk) for bk in bks]
     x_views = [ring((c.stages * rows + WGMMA_M - rows, bk), bk) for bk in bks]
     if attend:

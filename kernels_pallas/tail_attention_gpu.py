@@ -33,12 +33,14 @@ ATTN_KEYS = 64  # cache keys per tile (one ring slot of [64, 128])
 META = 32  # int32 entries of the phase's ``meta`` (the token's position first): a TMA moves multiples of 128 bytes
 
 
-def attention_phase(c, *, rows, dtype, groups, kv_heads, per_head, scale, eps, head, split, first_tile,
-                     my_tiles, position, first_step, steps, arrived, fetch_weights, w_ready, kv_rings, part_rings, own_smem,
-                     own_ready, ml_smem, ml_in, part_ready, qkv_gmem, attn_gmem, k_new_gmem, v_new_gmem, o_part_gmem,
-                     ml_part_gmem, await_qkv):
-    """The attention phase of one program (of ``layer_tail_gpu.LayerConfig`` ``c``): KV head ``head``, context split ``split`` (its key tiles
-    ``first_tile ..`` ``+ my_tiles``, already in the weight ring behind the matmuls' steps).
+def attention_phase(c, *, rows, dtype, groups, per_head, scale, eps, head, split, first_tile, my_tiles,
+                    position, first_step, steps, arrived, fetch_weights, w_ready, kv_rings, part_rings, own_smem,
+                    own_ready, ml_smem, ml_in, part_ready, qkv_gmem, attn_gmem, k_new_gmem, v_new_gmem, o_part_gmem,
+                    ml_part_gmem, await_qkv):
+    """The attention phase of one program of ``layer_tail_gpu.layer_tail`` (``LayerConfig`` ``c``):
+    KV head ``head``, context split ``split`` (its key tiles ``first_tile ..`` ``+ my_tiles``,
+    already in the weight ring behind the matmuls' steps; ``steps`` the ring's last, ``fetch_weights``
+    its refill). The refs are the kernel's (``layer_tail``'s scratch and outputs).
 
     Rows of the ``[64, 128]`` operands: row ``8 b + i`` holds query head ``b % groups`` of the KV
     head (the token's 8 rows are copies, so a TMA of 8 rows fills 8 of them), so one WGMMA scores
@@ -56,15 +58,14 @@ def attention_phase(c, *, rows, dtype, groups, kv_heads, per_head, scale, eps, h
 
     # The token's q heads (and, in split 0, its key and value) once QKV has stored this KV head's columns.
     with jax.named_scope("a_qkv_wait"):
-        for g in {0, 1}:
-            await_qkv(jnp.minimum((col0 + g * (per_head - 1)) // c.flag_cols, (kv_heads * per_head - 1) // c.flag_cols))
-    own_parts = (0, 1, 2)
-    for part in own_parts:
+        for col in (col0, col0 + per_head - 1):  # the column groups of the head's first and last column
+            await_qkv(col // c.flag_cols)
+    for part in range(3):
         def copy(part=part):
             for b in range(WGMMA_M // rows):
                 col = col0 + (b % groups if part == 0 else groups + part - 1) * 128
-                plgpu.copy_gmem_to_smem(qkv_gmem.at[:, pl.ds(col, 128)], own_smem.at[part, pl.ds(b * rows, rows)],
-                                        own_ready.at[part])
+                plgpu.copy_gmem_to_smem(qkv_gmem.at[:, pl.ds(col, 128)],
+                                        own_smem.at[part, pl.ds(b * rows, rows)], own_ready.at[part])
         if part == 0:
             copy()
         else:

@@ -163,9 +163,9 @@ def test_layer_kernel_with_the_attention_phase_lowers_for_gpus():
     assert not layer_tail_gpu.attention_supported(16, 6144, 8, 4, 128, 1152, config)  # a verify block
     assert not layer_tail_gpu.attention_supported(8, 6144, 8, 4, 128, 1100, config)  # not whole tiles
     assert not layer_tail_gpu.attention_supported(8, 3072, 8, 4, 64, 1152, config)  # 64-wide heads
-    shapes = [sd((8, 4096), bf), sd((8, 4096), bf), sd((4096, 4096), bf), sd((24576, 4096), bf), sd((4096, 12288), bf),
-              sd((6144, 4096), bf), sd((1152, 8, 128), bf), sd((1152, 8, 128), bf), sd((tail_attention_gpu.META,), jnp.int32),
-              sd((2, 64, 128), bf), sd((64, 128), bf)]
+    shapes = [sd((8, 4096), bf), sd((8, 4096), bf), sd((4096, 4096), bf), sd((24576, 4096), bf),
+              sd((4096, 12288), bf), sd((6144, 4096), bf), sd((1152, 8, 128), bf), sd((1152, 8, 128), bf),
+              sd((tail_attention_gpu.META,), jnp.int32), sd((2, 64, 128), bf), sd((64, 128), bf)]
     fn = jax.jit(lambda *x: layer_tail_gpu.layer_tail(*x, eps=1e-6, groups=4, scale=128 ** -0.5, config=config))
     text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
