@@ -35,9 +35,9 @@ from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.layers import DecoderLayer, add_rms_norm
 from dflash_jax.model_config import TargetConfig
 from kernels_pallas._common import default_scale
-from kernels_pallas.tail_attention_gpu import META
 from kernels_pallas.layer_tail_gpu import (GATE_UP_TILE, MAX_ROWS, ROW_MULTIPLE, WGMMA_M, fold_norm,
                                            interleave_gate_up, normed_matmul)
+from kernels_pallas.tail_attention_gpu import META
 
 # A single decode token (batch 1, Qwen3's q / k norms) runs each layer's attention in the layer tail
 # before it (``kernels_pallas.layer_tail``'s attention phase): one kernel per layer instead of three,

@@ -159,12 +159,12 @@ def layer_tail(a: jax.Array, h: jax.Array, w_o: jax.Array, w_gu: jax.Array, w_d:
 
     With ``k_cache`` (a decode token, its 8 rows all copies of it), a fifth phase runs the next
     layer's attention on that ``qkv`` (``attention_supported``): ``k_cache, v_cache [capacity,
-    kv_heads, 128]`` are read at positions ``< meta[0]`` (the token's position; ``meta [META]``), ``norm_tables [2, 64,
-    128]`` hold the q and k RMSNorm weights and ``rope_table [64, 128]`` the token's cos | sin (every
-    row the same), ``groups`` query heads per KV head, ``scale`` the softmax scale, ``eps`` also the
-    q / k norms'. It adds ``attn [R, kv_heads * groups * 128]`` (the next layer's ``a``), ``k_new,
-    v_new [R, kv_heads * 128]`` (the token's normed, RoPE'd key and its value, for the caller to write
-    at ``meta[0]``) and two float32 scratch outputs of the split merge.
+    kv_heads, 128]`` are read at positions ``< meta[0]`` (the token's position; ``meta [META]``
+    int32), ``norm_tables [2, 64, 128]`` hold the q and k RMSNorm weights and ``rope_table [64, 128]``
+    the token's cos | sin (every row the same), ``groups`` query heads per KV head, ``scale`` the
+    softmax scale, ``eps`` also the q / k norms'. It adds ``attn [R, kv_heads * groups * 128]`` (the
+    next layer's ``a``), ``k_new, v_new [R, kv_heads * 128]`` (the token's normed, RoPE'd key and its
+    value, for the caller to write at ``meta[0]``) and two float32 scratch outputs of the split merge.
 
     ``profile_dir``: Mosaic GPU's in-kernel profile of up to ``profile_ranges`` named ranges per
     program (``m0``-``m3``, ``wait``, ``attention`` and its steps), for bench/ diagnostics;
