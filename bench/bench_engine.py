@@ -133,6 +133,12 @@ def layout_logits(target: Target, ids: jax.Array, context: int) -> tuple[jax.Arr
     return run(state, ids)
 
 
+def relative_error(got: jax.Array, want: jax.Array) -> float:
+    """The largest difference of ``got`` from ``want``, relative to ``want``'s largest entry (float32)."""
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
 def check_tail_layout(target: Target, context: int = 256) -> dict:
     """Puts ``target`` in the layer-tail layout (in place) and reports what that changed: the logits
     of a decode pass and of a 16-row verify block against the fused layout's (largest error relative
@@ -152,7 +158,7 @@ def check_tail_layout(target: Target, context: int = 256) -> dict:
     scale = jnp.max(jnp.abs(fused[0]))
     report = {"fused_decode_vs_verify_row0": float(jnp.max(jnp.abs(fused[0][0] - fused[1][0])) / scale)}
     for name, want, got in zip(("decode", "verify16"), fused, tail):
-        report[name] = dict(rel_error=float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))),
+        report[name] = dict(rel_error=relative_error(got, want),
                             argmax_agrees=float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(want, -1))))
     layer = target.layers[0]
     c = target.config
@@ -168,10 +174,8 @@ def check_tail_layout(target: Target, context: int = 256) -> dict:
             continue
         got = jax.jit(lambda *x, cfg=config: layer_tail_gpu.layer_tail(*x, eps=c.rms_norm_eps, config=cfg))(*args)
         want = jax.jit(lambda *x: layer_tail_gpu.layer_tail_reference(*x, eps=c.rms_norm_eps))(*args)
-        report[f"kernel_rows{rows}"] = {
-            name: float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))
-                        / jnp.max(jnp.abs(w.astype(jnp.float32))))
-            for name, g, w in zip(("h1", "s", "h2", "qkv"), got, want)}
+        report[f"kernel_rows{rows}"] = {name: relative_error(g, w)
+                                        for name, g, w in zip(("h1", "s", "h2", "qkv"), got, want)}
     try:
         report.update(check_attention_in_tail(target, ids, context, fused[0]))
     except Exception as err:  # report it; the layouts' timings still run
@@ -199,7 +203,7 @@ def check_attention_in_tail(target: Target, ids: jax.Array | None, context: int,
         finally:
             tail_layout.ATTENTION_IN_TAIL = default
         report["attn_decode"] = dict(
-            rel_error=float(jnp.max(jnp.abs(decode - fused_decode)) / jnp.max(jnp.abs(fused_decode))),
+            rel_error=relative_error(decode, fused_decode),
             argmax_agrees=float(jnp.mean(jnp.argmax(decode, -1) == jnp.argmax(fused_decode, -1))))
     rows, groups = 8, c.num_heads // c.num_kv_heads
     key = jax.random.key(99)
@@ -222,10 +226,8 @@ def check_attention_in_tail(target: Target, ids: jax.Array | None, context: int,
     again = jax.jit(lambda *x: layer_tail_gpu.layer_tail(*x, config=config, **static))(*args)
     want = jax.jit(lambda *x: layer_tail_gpu.layer_tail_reference(*x, eps=c.rms_norm_eps))(*args[:6])
     want += jax.jit(lambda q, *x: tail_attention_gpu.next_attention_reference(q, *x, **static))(got[3], *args[6:])
-    rel = lambda g, w: float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))  # noqa: E731
-                             / jnp.max(jnp.abs(w.astype(jnp.float32))))
     names = ("h1", "s", "h2", "qkv", "attn", "k_new", "v_new")
-    report["attn_kernel"] = {name: rel(g, w) for name, g, w in zip(names, got, want)}
+    report["attn_kernel"] = {name: relative_error(g, w) for name, g, w in zip(names, got, want)}
     report["attn_kernel"]["rows_equal"] = bool(jnp.all(got[4] == got[4][:1]))
     report["attn_kernel"]["second_call_same"] = bool(all(jnp.array_equal(x, y) for x, y in zip(got[:7], again[:7])))
     return report

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench_engine import relative_error  # noqa: E402
 from kernels_pallas import layer_tail_gpu, tail_attention_gpu  # noqa: E402
 
 H, I, HQ, HKV, D, CAP = 4096, 12288, 32, 8, 128, 1152
@@ -72,8 +73,7 @@ def main() -> None:
     approx = jax.jit(lambda *x: layer_tail_gpu.layer_tail(*x, config=config, approx_math=True, **static))
     want = attend(*tail, *attention)
     got = approx(*tail, *attention)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    rel = [float(jnp.max(jnp.abs(f32(g) - f32(w))) / jnp.max(jnp.abs(f32(w)))) for g, w in zip(got[:7], want[:7])]
+    rel = [relative_error(g, w) for g, w in zip(got[:7], want[:7])]
     print(f"approx_math against exact, per output (h1, s, h2, qkv, attn, k_new, v_new): "
           f"{', '.join(f'{r:.1e}' for r in rel)}", flush=True)
     for name, fn, args_ in (("tail", plain, tail), ("tail+attention", attend, tail + attention),

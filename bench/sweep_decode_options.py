@@ -152,15 +152,9 @@ def _written_out_splits(splits: dict[str, int], dense, *, keep_partials: bool):
     return patched
 
 
-def _zero_row_dense(x, w, in_dims=1):
-    """``layers.dense`` as it padded a single row before the twenty-fourth session: with a zero row."""
-    value = w[...]
-    rows = x.shape[:x.ndim - in_dims]
-    if math.prod(rows) == 1 and layers._strength_reduces_single_rows() and w.size < layers.GPU_STRENGTH_REDUCTION_LIMIT:
-        row = x.reshape((1,) + x.shape[x.ndim - in_dims:])
-        y = layers._dot(jnp.concatenate([row, jnp.zeros_like(row)]), value, in_dims)[:1]
-        return y.reshape(rows + value.shape[in_dims:])
-    return layers._dot(x, value, in_dims)
+def _row_and_zeros(row):
+    """``layers._two_rows`` as ``dense`` padded a single row before the twenty-fourth session: a zero row."""
+    return jnp.concatenate([row, jnp.zeros_like(row)])
 
 
 def _partials_add_rms_norm(add_rms_norm):
@@ -235,6 +229,7 @@ def main() -> None:
     supported = kernels_pallas.add_rms_norm_supported
     default_cached = layers.DecoderLayer.cached
     default_dense = layers.dense
+    default_two_rows = layers._two_rows
     default_add_rms_norm = layers.add_rms_norm
     default_argmax = decoding._local_argmax
     default_qkv_partials, default_output_partials = layers.QKV_PARTIALS, layers.OUTPUT_PARTIALS
@@ -272,8 +267,8 @@ def main() -> None:
         if l2_mode:
             layers.DecoderLayer.cached = prefetching_cached(int_fields(splits, sep="+"), l2_mode)
         layers.dense = (_written_out_splits(int_fields(splits, sep="+"), default_dense, keep_partials=kind == "partials")
-                        if kind in ("splitk", "partials") else _zero_row_dense if name == "pad_all:zeros"
-                        else default_dense)
+                        if kind in ("splitk", "partials") else default_dense)
+        layers._two_rows = _row_and_zeros if name == "pad_all:zeros" else default_two_rows
         layers.add_rms_norm = target_module.add_rms_norm = (_partials_add_rms_norm(default_add_rms_norm)
                                                             if name.startswith("partials:") else default_add_rms_norm)
         cfg = EngineConfig(max_batch_size=args.batch, max_length=args.context + 512, prompt_buckets=(args.context,),

@@ -93,9 +93,14 @@ def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
     rows = x.shape[:x.ndim - in_dims]
     if math.prod(rows) == 1 and _strength_reduces_single_rows() and _shard_size(w) < GPU_STRENGTH_REDUCTION_LIMIT:
         row = x.reshape((1,) + x.shape[x.ndim - in_dims:])
-        y = _dot(jnp.broadcast_to(row, (2,) + row.shape[1:]), value, in_dims)[:1]
+        y = _dot(_two_rows(row), value, in_dims)[:1]
         return y.reshape(rows + value.shape[in_dims:])
     return _dot(x, value, in_dims)
+
+
+def _two_rows(row: jax.Array) -> jax.Array:
+    """``row [1, ...]`` as the two rows ``dense`` gives XLA's GEMM in its place: the row repeated."""
+    return jnp.broadcast_to(row, (2,) + row.shape[1:])
 
 
 def split_k_partials(x: jax.Array, w: jax.Array, parts: int) -> jax.Array:

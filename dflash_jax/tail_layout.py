@@ -177,16 +177,16 @@ def run_layers(target, h: jax.Array, positions: jax.Array, starts: jax.Array | N
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         qkv_blocks = qkv.reshape((padded // block, block) + kv_shape)
-        if a is None and decoding:
-            out, ks[i], vs[i] = attn.attend_cached_qkv(qkv_blocks, starts, ks[i], vs[i], blk_lens[:, 0],
-                                                       impl=attention_impl)
-            a = _pad(out.reshape(rows, -1), padded)
-        elif a is None:
-            q, k, v = attn.finish_qkv(qkv_blocks[:, None], positions)
-            out = block_attention(q, empty, empty, jnp.zeros_like(blk_lens), k, v, blk_lens, causal=True,
-                                  impl=attention_impl)
-            if cache is not None:
-                ks[i], vs[i] = write_rows(ks[i], k[:, 0], starts), write_rows(vs[i], v[:, 0], starts)
+        if a is None:
+            if decoding:
+                out, ks[i], vs[i] = attn.attend_cached_qkv(qkv_blocks, starts, ks[i], vs[i], blk_lens[:, 0],
+                                                           impl=attention_impl)
+            else:
+                q, k, v = attn.finish_qkv(qkv_blocks[:, None], positions)
+                out = block_attention(q, empty, empty, jnp.zeros_like(blk_lens), k, v, blk_lens, causal=True,
+                                      impl=attention_impl)
+                if cache is not None:
+                    ks[i], vs[i] = write_rows(ks[i], k[:, 0], starts), write_rows(vs[i], v[:, 0], starts)
             a = _pad(out.reshape(rows, -1), padded)
         w_next = layers[i + 1].tail.qkv_matrix() if i + 1 < len(layers) else None
         if in_tail and w_next is not None:
