@@ -39,6 +39,10 @@ and method: on-device loop, state donated, median of repeats) with
   ordered by data flow (the engine's default) / chained in XLA's schedule (XLA's default);
 - ``kv_prefetch``: a decode token's K/V cache pulled into L2 (priority "last") by a kernel of its own
   beside the layer's QKV matmul, before the attention reads it (``kv_prefetch.py``);
+- ``mlp_chains:C[+P][+lag]``: a decode token's MLP as C independent chains over slices of its
+  intermediate units, branches of the decode loop's CUDA graph (``mlp_chains.py``); each chain's down
+  as P float32 split-K partials (all summed in one reduction) or XLA's dot; ``lag``: each chain starts
+  after the last one's gate-up;
 - ``argmax_two_stage``: the greedy argmax over the vocabulary as ``decoding._argmax_two_stage`` (the
   max of 128-wide slices first, written for XLA:CPU) instead of XLA's one (value, index) reduction;
 - ``folded_norms_cost``: the cost of RMSNorms folded into the matmuls after them (``s @ (w * W)``
@@ -82,6 +86,7 @@ import kernels_pallas  # noqa: E402
 from kernels_pallas import _pdl, cached_attention_gpu, rms_norm_gpu  # noqa: E402
 from bench_split_matmul import add_rms_norm_partials  # noqa: E402
 from kv_prefetch import kv_prefetching_cached  # noqa: E402
+from mlp_chains import attach_chains, chained_call, detach_chains  # noqa: E402
 from l2_prefetch import MODES as L2_MODES, prefetching_cached  # noqa: E402
 from bench_engine import (_option, hbm_roofline_s, int_fields, profile_decode, qwen3_8b, random_pair,  # noqa: E402
                           time_decode, time_decode_pipelined)
@@ -90,6 +95,7 @@ from dflash_jax import engine as engine_module  # noqa: E402
 from dflash_jax import layers  # noqa: E402
 from dflash_jax import target as target_module  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
+from dflash_jax.layers import fuse_projections  # noqa: E402
 from dflash_jax.sharding import MeshConfig  # noqa: E402
 from dflash_jax.tiny import tiny_target_config  # noqa: E402
 
@@ -232,6 +238,7 @@ def main() -> None:
     default_two_rows = layers._two_rows
     default_add_rms_norm = layers.add_rms_norm
     default_argmax = decoding._local_argmax
+    default_mlp_call = layers.MLP.__call__
     default_qkv_partials, default_output_partials = layers.QKV_PARTIALS, layers.OUTPUT_PARTIALS
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     with_dflash = set(args.dflash.split(","))
@@ -271,6 +278,14 @@ def main() -> None:
         layers._two_rows = _row_and_zeros if name == "pad_all:zeros" else default_two_rows
         layers.add_rms_norm = target_module.add_rms_norm = (_partials_add_rms_norm(default_add_rms_norm)
                                                             if name.startswith("partials:") else default_add_rms_norm)
+        detach_chains(target)
+        layers.MLP.__call__ = default_mlp_call
+        if kind == "mlp_chains":
+            chains, *rest = splits.split("+")
+            parts = next((int(r) for r in rest if r.isdigit()), 0)
+            fuse_projections(target)
+            attach_chains(target, int(chains))
+            layers.MLP.__call__ = chained_call(default_mlp_call, parts=parts, lag="lag" in rest)
         cfg = EngineConfig(max_batch_size=args.batch, max_length=args.context + 512, prompt_buckets=(args.context,),
                            steps_per_sync=8, attention_impl="pallas",
                            mesh=MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None)
