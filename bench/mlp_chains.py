@@ -44,12 +44,15 @@ def attach_chains(target, chains: int) -> None:
 
 
 def detach_chains(target) -> None:
+    """Undoes ``attach_chains`` (nothing where none are attached), leaving the modules as they were."""
     for layer in target.layers:
         mlp = layer.mlp
-        for c in range(getattr(mlp, "chains", 0) or 0):
+        if not hasattr(mlp, "chains"):
+            continue
+        for c in range(mlp.chains):
             delattr(mlp, f"chain_gu_{c}")
             delattr(mlp, f"chain_down_{c}")
-        mlp.chains = 0
+        delattr(mlp, "chains")
 
 
 def chained_call(default_call, *, parts: int, lag: bool):
@@ -58,7 +61,7 @@ def chained_call(default_call, *, parts: int, lag: bool):
     dot), every chain's products summed in float32 in one reduction."""
 
     def call(self, x: jax.Array) -> jax.Array:
-        chains = getattr(self, "chains", 0) or 0
+        chains = getattr(self, "chains", 0)
         if not chains or math.prod(x.shape[:-1]) != 1 or self.gate_up_bias is not None:
             return default_call(self, x)
         products, previous = [], None

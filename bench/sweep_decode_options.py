@@ -41,8 +41,9 @@ and method: on-device loop, state donated, median of repeats) with
   beside the layer's QKV matmul, before the attention reads it (``kv_prefetch.py``);
 - ``mlp_chains:C[+P][+lag]``: a decode token's MLP as C independent chains over slices of its
   intermediate units, branches of the decode loop's CUDA graph (``mlp_chains.py``); each chain's down
-  as P float32 split-K partials (all summed in one reduction) or XLA's dot; ``lag``: each chain starts
-  after the last one's gate-up;
+  as P float32 split-K partials (all summed in one reduction) or XLA's dot; ``lag``: each chain's
+  input behind an ``optimization_barrier`` with the last one's gate-up (meant to stagger the chains;
+  it adds no edge to the graph, twenty-fifth session);
 - ``argmax_two_stage``: the greedy argmax over the vocabulary as ``decoding._argmax_two_stage`` (the
   max of 128-wide slices first, written for XLA:CPU) instead of XLA's one (value, index) reduction;
 - ``folded_norms_cost``: the cost of RMSNorms folded into the matmuls after them (``s @ (w * W)``

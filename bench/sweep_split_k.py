@@ -9,8 +9,9 @@ output shapes here, twenty-first session). A split written out as a batched dot
 as written, so the split can be chosen per projection. One row goes in as two, so that no per-split
 weight is small enough for XLA to strength-reduce the dot into a multiply and a reduction: the row
 repeated (``--pad repeat``, as ``layers.single_row_partials`` does), which XLA fuses into the GEMM,
-or a zero second row (``--pad zeros``, as ``layers.dense`` pads a small weight's row), which is a pad
-kernel of its own (twenty-third session; the twenty-first session's splits carried it).
+or a zero second row (``--pad zeros``, as ``layers.dense`` padded a small weight's row before the
+twenty-fourth session), which is a pad kernel of its own (twenty-third session; the twenty-first
+session's splits carried it).
 
 Per shape (Qwen3-8B: QKV 4096x6144, output 4096x4096, gate-up 4096x24576, down 12288x4096; and
 ``o_tp2``, the output projection's shard at TP=2, 2048x4096, under XLA's strength-reduction limit):
