@@ -46,10 +46,11 @@ and method: on-device loop, state donated, median of repeats) with
   it adds no edge to the graph, twenty-fifth session);
 - ``argmax_two_stage``: the greedy argmax over the vocabulary as ``decoding._argmax_two_stage`` (the
   max of 128-wide slices first, written for XLA:CPU) instead of XLA's one (value, index) reduction;
-- ``folded_norms_cost``: the cost of RMSNorms folded into the matmuls after them (``s @ (w * W)``
-  scaled by ``rsqrt(mean(s^2) + eps)`` after the dot, so XLA can put the scale into the split-K
-  reduction or the SwiGLU and no norm kernel runs). Timing only: it leaves the norm weights out
-  instead of folding them into the weights, so its tokens are not the model's.
+- ``unfolded_norms``: the target's norms not folded into its matmuls (``layers.FOLD_NORMS`` off: an
+  ``add_rms_norm`` kernel before QKV and gate-up, the engine before the twenty-sixth session). The
+  variants that patch the layer's norms, dots or MLP (``unfused_norms``, ``partials:``, ``splitk:``,
+  ``l2-*``, ``kv_prefetch``, ``mlp_chains``) run unfolded too: they were written against that layer.
+  The random weights' norms are ones, so the two layouts hold the same weights.
 
 ``--pipelined N`` also times each engine's steady rate (N decode calls dispatched back to back, one
 sync: ``bench_engine.time_decode_pipelined``), which leaves out the host's dispatch that each
@@ -129,6 +130,7 @@ VARIANTS = {  # name: (XLA options, unfused norms)
     # every dot through cuBLAS (XLA's autotuner otherwise picks among its Triton GEMMs and cuBLAS)
     "cublas": ({"xla_gpu_enable_triton_gemm": False}, False),
     "cublaslt": ({"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_cublaslt": True}, False),
+    "unfolded_norms": ({}, False),
     "no_row_padding": ({}, False),  # layers.dense never pads a single row to two (GPU_STRENGTH_REDUCTION_LIMIT = 0)
     # XLA graphs a run of fewer than this many commands as plain launches (default 5 in XLA 0.11.2)
     "min_graph_1": ({"xla_gpu_graph_min_graph_size": 1}, False),
@@ -179,27 +181,6 @@ def _partials_add_rms_norm(add_rms_norm):
     return patched
 
 
-def _folded_norms_cached(self, h, delta, starts, k_cache, v_cache, blk_lens, *, attention_impl="xla",
-                         causal=True, write=True):
-    """``DecoderLayer.cached`` with the norms' row scale applied after the matmuls (``folded_norms_cost``)."""
-    def scaled_dot(s, w):  # s [..., K] @ w [K, *out] * rsqrt(mean(s^2) + eps), in float32
-        sf = s.astype(jnp.float32)
-        r = jax.lax.rsqrt(jnp.mean(sf * sf, axis=-1, keepdims=True) + self.input_layernorm.eps)
-        y = jax.lax.dot_general(s, w.reshape(w.shape[0], -1), (((s.ndim - 1,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
-        return (y * r).astype(s.dtype).reshape(s.shape[:-1] + w.shape[1:])
-
-    s = h if delta is None else h + delta
-    attn = self.self_attn
-    qkv = scaled_dot(s[:, 0], attn.qkv_proj[...])
-    out, k_cache, v_cache = attn.attend_cached_qkv(qkv, starts, k_cache, v_cache, blk_lens, impl=attention_impl,
-                                                   causal=causal, write=write)
-    s = s + attn.output(out)
-    gu = scaled_dot(s, self.mlp.gate_up_proj[...]).reshape(s.shape[:-1] + (-1, 2))
-    mlp_out = layers.dense(jax.nn.silu(gu[..., 0]) * gu[..., 1], self.mlp.down_proj)
-    return s, mlp_out, k_cache, v_cache
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=512)
@@ -216,8 +197,9 @@ def main() -> None:
                     help="also generate this many tokens per engine from one fixed prompt and compare them with "
                          "the first variant's (variants that must not change results)")
     ap.add_argument("--profile", default=None,
-                    help="trace 8 target-only steps of each variant's first run into DIR/NAME, with every kernel "
-                         "in time order (and its stream) in DIR/NAME.txt")
+                    help="trace 8 target-only steps (and 4 DFlash steps, with --dflash) of each variant's first run "
+                         "into DIR/NAME (DIR/dflash_NAME), with every kernel in time order (and its stream) in "
+                         "DIR/NAME.txt")
     ap.add_argument("--memory", action="store_true",
                     help="also print each engine's decode-step temporaries (XLA's memory analysis of the compiled loop)")
     ap.add_argument("--tiny", action="store_true")
@@ -226,6 +208,8 @@ def main() -> None:
 
     tcfg = tiny_target_config() if args.tiny else qwen3_8b(36)
     target, drafter = random_pair(tcfg)
+    assert all(bool(jnp.all(norm.weight[...] == 1)) for layer in target.layers
+               for norm in (layer.input_layernorm, layer.post_attention_layernorm))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; Triton kernels signal dependents: "
           f"{_pdl.hopper_or_later()}", flush=True)
 
@@ -270,8 +254,11 @@ def main() -> None:
                                   else default_output_partials)
         decoding._local_argmax = decoding._argmax_two_stage if name == "argmax_two_stage" else default_argmax
         _pdl.ENABLED = name != "no_pdl_signal"
-        layers.DecoderLayer.cached = (_folded_norms_cached if name == "folded_norms_cost" else kv_prefetching_cached
-                                      if name == "kv_prefetch" else default_cached)
+        layers.DecoderLayer.cached = kv_prefetching_cached if name == "kv_prefetch" else default_cached
+        layers.FOLD_NORMS = not (name in ("unfolded_norms", "unfused_norms", "kv_prefetch") or l2_mode
+                                 or kind in ("partials", "splitk", "mlp_chains"))
+        for layer in target.layers:  # unit norm weights (asserted below): folded or not, the same weights
+            layer.norms_folded = layers.FOLD_NORMS
         if l2_mode:
             layers.DecoderLayer.cached = prefetching_cached(int_fields(splits, sep="+"), l2_mode)
         layers.dense = (_written_out_splits(int_fields(splits, sep="+"), default_dense, keep_partials=kind == "partials")
@@ -307,16 +294,27 @@ def main() -> None:
                 t_spec_b2b = (time_decode_pipelined(spec, args.batch, args.context, args.steps, args.pipelined)
                               if args.pipelined else None)
                 engines.append(("DFlash", spec))
+                if args.profile and name not in results:
+                    out = Path(args.profile) / ("dflash_" + "".join(c if c.isalnum() else "_" for c in name))
+                    profile_decode(spec, args.batch, args.context, 4, str(out), top=12,
+                                   listing=out.with_suffix(".txt"))
             if args.memory:
                 for kind, engine in engines:
                     mem = engine.decode_compiled(engine.empty_state(args.batch), args.steps).memory_analysis()
                     print(f"{name} {kind}: decode temporaries {mem.temp_size_in_bytes / 2**20:.1f} MiB", flush=True)
             if args.tokens:
+                outputs = {}
                 for kind, engine in engines:
                     [result] = engine.generate([prompt], max_new_tokens=args.tokens)
+                    outputs[kind] = result.output_ids
                     first = first_tokens.setdefault(kind, result.output_ids)
                     print(f"{name} {kind}: {args.tokens} tokens {'equal' if result.output_ids == first else 'DIFFER'} "
                           "to the first variant's", flush=True)
+                if len(outputs) == 2:  # greedy speculative decoding against the same engine's target-only
+                    a, b = outputs.values()
+                    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                    print(f"{name}: DFlash tokens {'equal' if same is None else f'differ from token {same} on'} "
+                          "to target-only's", flush=True)
         except Exception as err:  # noqa: BLE001  (an option this XLA rejects fails its variant only)
             print(f"{name}: failed: {str(err).splitlines()[0][:200]}", flush=True)
             results.setdefault(name, []).append(dict(error=str(err)[:500]))

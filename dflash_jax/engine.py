@@ -25,11 +25,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dflash_jax import decoding, tail_layout
+from dflash_jax import decoding, layers, tail_layout
 from dflash_jax.batcher import ContinuousBatcher, Generation, GenerationResult
 from dflash_jax.cache import CACHE_ALIGNMENT, CACHE_AXES
 from dflash_jax.drafter import Drafter
-from dflash_jax.layers import fuse_projections
+from dflash_jax.layers import fold_norms, fuse_projections
 from dflash_jax.sharding import MeshConfig, kernel_mesh, make_mesh, named_sharding, shard_module
 from dflash_jax.target import Target
 
@@ -199,8 +199,11 @@ class Engine:
             self.attention_impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
         self._rules = config.mesh.resolved_rules() if config.mesh is not None else None
         # The serving layout: one QKV and one gate-up matmul per target layer (in place; see
-        # ``layers.fuse_projections``), and the drafter's (``Drafter.serving_layout``).
+        # ``layers.fuse_projections``), the norms before them folded in (``layers.fold_norms``), and
+        # the drafter's (``Drafter.serving_layout``).
         fuse_projections(target)
+        if layers.FOLD_NORMS:
+            fold_norms(target)
         self.tail_layout = self._use_tail_layout(target)
         if self.tail_layout:
             tail_layout.to_tail_layout(target.layers, target.config)

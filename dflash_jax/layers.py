@@ -7,6 +7,7 @@ attention projections split per head so that head counts, not flattened widths, 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -37,6 +38,13 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...], self.eps)
+
+    def row_scale(self, x: jax.Array) -> jax.Array:
+        """``x [..., dim]`` -> ``rsqrt(mean(x^2) + eps)`` float32 ``[..., 1]``: the factor ``rms_norm``
+        normalises a row by, for a norm whose weight is folded into the matmul after it
+        (``DecoderLayer.fold_norms``)."""
+        xf = x.astype(jnp.float32)
+        return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
 
 
 def add_rms_norm(h: jax.Array, delta: jax.Array | None, norm: RMSNorm, *, fused: bool) -> tuple[jax.Array, jax.Array]:
@@ -70,6 +78,9 @@ GPU_STRENGTH_REDUCTION_LIMIT = 10_000_000
 # GEMM); the output projection's partials summed by XLA (a faster GEMM than XLA's own split).
 QKV_PARTIALS = 8
 OUTPUT_PARTIALS = 8
+# The engine's serving layout folds every target layer's norm weights into its matmuls
+# (``DecoderLayer.fold_norms``): no norm kernel before a matmul at decode time.
+FOLD_NORMS = True
 
 
 def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
@@ -126,8 +137,7 @@ def single_row_partials(x: jax.Array, w: nnx.Param, parts: int, in_dims: int = 1
     session)."""
     value = w[...]
     k = math.prod(value.shape[:in_dims])
-    if (parts < 2 or math.prod(x.shape[:x.ndim - in_dims]) != 1 or k % parts
-            or not _strength_reduces_single_rows() or _shard_size(w) != w.size):
+    if parts < 2 or k % parts or not one_gpu_row(x, w, in_dims):
         return None
     partials = split_k_partials(jnp.broadcast_to(x.reshape(1, k), (2, k)), value.reshape(k, -1), parts)
     return partials.reshape((parts, 2) + value.shape[in_dims:])
@@ -140,6 +150,14 @@ def single_row_dot(x: jax.Array, w: nnx.Param, parts: int, in_dims: int = 1) -> 
     if partials is None:
         return None
     return jnp.sum(partials[:, :1], axis=0).astype(x.dtype).reshape(x.shape[:x.ndim - in_dims] + partials.shape[2:])
+
+
+def one_gpu_row(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> bool:
+    """Whether ``x [..., *in]`` is a single row meeting a whole (unsharded) weight ``w`` on a GPU:
+    a decode token on one GPU, where a matmul is weight streaming and every kernel before it is on
+    the step's critical path."""
+    return (math.prod(x.shape[:x.ndim - in_dims]) == 1 and _strength_reduces_single_rows()
+            and _shard_size(w) == w.size)
 
 
 def _strength_reduces_single_rows() -> bool:
@@ -340,7 +358,7 @@ class Attention(nnx.Module):
 
     def attend_cached(
         self, x: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
-        *, impl: AttentionImpl, causal: bool = True, write: bool = True,
+        *, impl: AttentionImpl, causal: bool = True, write: bool = True, row_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """A block per row over its KV cache (the target's: causal, the block's K/V written into it;
         the drafter's: ``causal=False, write=False``).
@@ -348,25 +366,32 @@ class Attention(nnx.Module):
         ``x [batch, 1, block, hidden]`` (normed) at positions ``starts [batch] + slot``; caches
         ``[batch, capacity, kv_heads, head_dim]``; ``blk_lens [batch]`` valid slots. Returns
         ``attn [batch, 1, block, heads, head_dim]`` and the caches, with ``write`` the block written
-        at ``starts``. In the fused layout: ``attend_cached_qkv`` of the one projection.
+        at ``starts``. In the fused layout: ``attend_cached_qkv`` of the one projection; there ``x``
+        may also be the raw residual stream, with ``row_scale [batch, 1, block, 1]`` float32 the input
+        norm's row scale (its weight folded into the projection: ``DecoderLayer.fold_norms``).
         """
         if self.qkv_proj is not None:
             qkv = self._qkv_partials(x[:, 0]) if impl == "pallas" else None
+            scale = None if row_scale is None else row_scale[:, 0, :, 0]
             return self.attend_cached_qkv(self._qkv(x[:, 0]) if qkv is None else qkv, starts, k_cache, v_cache,
-                                          blk_lens, impl=impl, causal=causal, write=write)
+                                          blk_lens, impl=impl, causal=causal, write=write, row_scale=scale)
+        if row_scale is not None:
+            raise ValueError("row_scale needs the fused serving layout (Attention.fuse)")
         positions = starts[:, None, None] + jnp.arange(x.shape[2], dtype=jnp.int32)
         return self._attend_and_write(*self.project(x, positions), starts, k_cache, v_cache, blk_lens, impl,
                                       causal, write)
 
     def attend_cached_qkv(
         self, qkv: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array,
-        *, impl: AttentionImpl, causal: bool = True, write: bool = True,
+        *, impl: AttentionImpl, causal: bool = True, write: bool = True, row_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``attend_cached`` from the raw fused projection ``qkv [rows, block, kv_heads, groups + 2,
         head_dim]``: with ``impl="pallas"`` one kernel (``kernels_pallas.cached_block_attention``)
         where it takes the shapes, else ``attend_unfused``. ``rows`` may exceed the caches' batch
         (padding after the batch's rows, never read: ``tail_layout.padded_rows``). ``qkv`` may also
-        be float32 split-K partials ``[parts, rows, ...]`` (``_qkv_partials``)."""
+        be float32 split-K partials ``[parts, rows, ...]`` (``_qkv_partials``). ``row_scale [batch,
+        block]`` float32: each slot's projection (its partials' float32 sum) times it, then rounded
+        to the caches' dtype (a folded input norm)."""
         batch, block = k_cache.shape[0], qkv.shape[-4]
         if impl == "pallas":
             import kernels_pallas
@@ -374,27 +399,32 @@ class Attention(nnx.Module):
             if kernels_pallas.cached_block_attention_supported(qkv.shape[-5:], k_cache.shape[1]):
                 ones = jnp.ones((self.head_dim,), k_cache.dtype)
 
-                def kernel(qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq):
+                def kernel(qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq, *scale):
                     attn, k_cache, v_cache = kernels_pallas.cached_block_attention(
                         qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq, eps=self.eps,
-                        qk_norm=self.q_norm is not None, causal=causal, write=write)
+                        qk_norm=self.q_norm is not None, causal=causal, write=write,
+                        row_scale=scale[0] if scale else None)
                     attn = attn.reshape(attn.shape[:3] + (-1, self.head_dim))  # [b, block, kv, groups, d]
                     return (attn, k_cache, v_cache) if write else (attn,)
 
                 # Per device under a kernel mesh: its rows and its KV heads (with their query heads).
                 per_head = (None,) * (qkv.ndim - 5) + ("batch", None, "kv_heads", None, None)
                 rows, vec = ("batch",), (None,)
-                outs = shard_kernel(kernel, (per_head, CACHE_AXES, CACHE_AXES, rows, rows, vec, vec, vec),
+                scale = () if row_scale is None else (row_scale,)
+                outs = shard_kernel(kernel, (per_head, CACHE_AXES, CACHE_AXES, rows, rows, vec, vec, vec)
+                                    + (("batch", None),) * len(scale),
                                     (per_head[-5:],) + ((CACHE_AXES, CACHE_AXES) if write else ()))(
                     qkv, k_cache, v_cache, starts, blk_lens,
                     self.q_norm.weight[...] if self.q_norm is not None else ones,
                     self.k_norm.weight[...] if self.k_norm is not None else ones,
-                    jnp.asarray(self.inv_freq, jnp.float32))
+                    jnp.asarray(self.inv_freq, jnp.float32), *scale)
                 if write:
                     k_cache, v_cache = outs[1:]
                 return outs[0].reshape(batch, 1, block, self.num_heads, self.head_dim), k_cache, v_cache
-        if qkv.ndim == 6:
-            qkv = jnp.sum(qkv, axis=0).astype(k_cache.dtype)
+        if qkv.ndim == 6 or row_scale is not None:  # the kernel's sum (in order) and row scale, in float32
+            x = qkv.astype(jnp.float32)
+            x = (functools.reduce(jnp.add, list(x)) if qkv.ndim == 6 else x)[:batch]
+            qkv = (x if row_scale is None else x * row_scale[:, :, None, None, None]).astype(k_cache.dtype)
         return self.attend_unfused(qkv[:batch], starts, k_cache, v_cache, blk_lens, impl=impl, causal=causal,
                                    write=write)
 
@@ -455,16 +485,27 @@ class MLP(nnx.Module):
             self.gate_up_bias = nnx.data(nnx.Param(b, axes=("mlp", None)))
         self.gate_proj = self.up_proj = self.gate_bias = self.up_bias = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, row_scale: jax.Array | None = None) -> jax.Array:
+        """``x [..., hidden]`` -> ``[..., hidden]``. ``row_scale [..., 1]`` float32 (the fused layout
+        only): gate and up times it (in float32, rounded again) before the SwiGLU, for a norm folded
+        into gate-up."""
         def affine(v, w, b):
             y = dense(v, w)
             return y if b is None else y + b[...]
 
+        if row_scale is not None and self.gate_up_proj is None:
+            raise ValueError("row_scale needs the fused serving layout (MLP.fuse)")
         if self.gate_up_proj is not None:
             gu = dense(x, self.gate_up_proj)
             if self.gate_up_bias is not None:
                 gu = gu + self.gate_up_bias[...]
-            h = jax.nn.silu(gu[..., 0]) * gu[..., 1]
+            gate, up = gu[..., 0], gu[..., 1]
+            if row_scale is not None:
+                # On the halves, in the SwiGLU's kernel: on the product itself, XLA fuses the scale
+                # into gate-up's GEMM, which then waits for the scale's reduction and streams 10%
+                # slower (docs/benchmarks.md, twenty-sixth session).
+                gate, up = ((v.astype(jnp.float32) * row_scale).astype(v.dtype) for v in (gate, up))
+            h = jax.nn.silu(gate) * up
         else:
             h = jax.nn.silu(affine(x, self.gate_proj, self.gate_bias)) * affine(x, self.up_proj, self.up_bias)
         return affine(h, self.down_proj, self.down_bias)
@@ -501,6 +542,8 @@ class DecoderLayer(nnx.Module):
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype=dtype)
         self.mlp = MLP(hidden, intermediate, bias=mlp_bias, dtype=dtype, rngs=rngs)
+        # Static: the norms' weights are folded into the fused QKV and gate-up weights (``fold_norms``)
+        self.norms_folded = False
         # The layer-tail serving layout (``tail_layout.to_tail_layout``): its ``TailWeights`` replace
         # the norms' weights and the matmul weights above.
         self.tail = None
@@ -541,7 +584,21 @@ class DecoderLayer(nnx.Module):
 
         Returns ``(h, delta)`` whose sum is the layer's output (the add is left to the next norm, so
         that with ``attention_impl="pallas"`` each add and its norm are one kernel) and the caches.
+
+        With the norms folded (``fold_norms``), a decode token on one GPU runs no norm before a
+        matmul: the QKV and gate-up matmuls take the residual stream itself and their products are
+        scaled per row after the dot (in the attention kernel, and in the SwiGLU's kernel), so the
+        row scale's reduction runs beside the matmul instead of before it. Blocks of several rows
+        keep the norm kernels (their weights ones): beside a matmul of 16 rows the reductions
+        slowed it by more than the norm kernel costs (docs/benchmarks.md, twenty-sixth session).
         """
+        if self.norms_folded and one_gpu_row(h, self.self_attn.qkv_proj):
+            s = h if delta is None else h + delta
+            attn, k_cache, v_cache = self.self_attn.attend_cached(
+                s, starts, k_cache, v_cache, blk_lens, impl=attention_impl, causal=causal, write=write,
+                row_scale=self.input_layernorm.row_scale(s))
+            s = s + self.self_attn.output(attn)
+            return s, self.mlp(s, row_scale=self.post_attention_layernorm.row_scale(s)), k_cache, v_cache
         fused = attention_impl == "pallas"
         h, x = add_rms_norm(h, delta, self.input_layernorm, fused=fused)
         attn, k_cache, v_cache = self.self_attn.attend_cached(x, starts, k_cache, v_cache, blk_lens,
@@ -549,11 +606,42 @@ class DecoderLayer(nnx.Module):
         h, mlp_out = self._residual_mlp(h, attn, fused)
         return h, mlp_out, k_cache, v_cache
 
+    def fold_norms(self) -> None:
+        """Switches the fused layout (``Attention.fuse``, ``MLP.fuse``), in place, to norms folded
+        into the matmuls: the input norm's weight into the QKV weight's input rows and the
+        post-attention norm's into gate-up's (``w [in, ...] * norm [in]``, rounded to the weight's
+        dtype), the norm weights set to ones. Every path computes the same function: the uncached
+        ones normalise as before (by a unit weight), ``cached`` scales the products per row instead.
+        A layer with biases, not fused, or in the layer-tail layout is left as it is.
+
+        Why: at batch 1 each RMSNorm before a matmul is a kernel on the critical path (its row scale
+        needs the whole row); folded, the matmul starts on the raw row and the scale's reduction
+        runs beside it (``cached``; docs/benchmarks.md, twenty-sixth session). Folding moves bf16
+        products by a rounding, as a change of GEMM does. Only the decode path (``cached``) scales
+        after the dot; prefill normalises before it, by a unit weight."""
+        attn, mlp = self.self_attn, self.mlp
+        if (self.norms_folded or attn.qkv_proj is None or mlp.gate_up_proj is None or attn.qkv_bias is not None
+                or mlp.gate_up_bias is not None or self.tail is not None):
+            return
+        for norm, w in ((self.input_layernorm, attn.qkv_proj), (self.post_attention_layernorm, mlp.gate_up_proj)):
+            scale = norm.weight[...].astype(jnp.float32).reshape((-1,) + (1,) * (w.ndim - 1))
+            w[...] = (w[...].astype(jnp.float32) * scale).astype(w.dtype)
+            norm.weight[...] = jnp.ones_like(norm.weight[...])
+        self.norms_folded = True
+
     def _residual_mlp(self, h: jax.Array, attn: jax.Array, fused: bool) -> tuple[jax.Array, jax.Array]:
         """``(h + output(attn), mlp(post_attention_layernorm(h + output(attn))))``: the MLP's residual
         add is the caller's."""
         h, x = add_rms_norm(h, self.self_attn.output(attn), self.post_attention_layernorm, fused=fused)
         return h, self.mlp(x)
+
+
+def fold_norms(module: nnx.Module) -> nnx.Module:
+    """Folds, in place, every fused decoder layer's norm weights into the matmuls after them
+    (``DecoderLayer.fold_norms``); idempotent."""
+    for node in [n for _, n in nnx.iter_graph(module) if isinstance(n, DecoderLayer)]:
+        node.fold_norms()
+    return module
 
 
 def fuse_projections(module: nnx.Module) -> nnx.Module:

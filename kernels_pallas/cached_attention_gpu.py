@@ -89,9 +89,11 @@ def _kernel(
     #   q [T, D] raw queries of one group member g (a single token: [G, D], all of them),
     #   k [T, D] raw key, v [T, D] value;
     # then q_norm [D], k_norm [D], rope [2, T, D / 2] float32 (RoPE's cos and sin at the block's
-    # positions), the caches k, v [C, D] (strided views of [B, C, Hkv, D]); the outputs o (like q),
-    # m [T] ([G]), l [T] ([G]); and with a write, the caches k, v aliasing the inputs.
+    # positions), with ``scaled`` the row scale [T] float32, the caches k, v [C, D] (strided views of
+    # [B, C, Hkv, D]); the outputs o (like q), m [T] ([G]), l [T] ([G]); and with a write, the caches
+    # k, v aliasing the inputs.
     parts: int,
+    scaled: bool,
     dtype: jnp.dtype,
     scale: float,
     eps: float,
@@ -110,10 +112,13 @@ def _kernel(
     so their maximum is the output.
 
     Partials are summed in split order in float32 and rounded to ``dtype`` (what XLA's split-K
-    reduction after a GEMM does), so the kernel reads the projection without that reduction kernel."""
+    reduction after a GEMM does), so the kernel reads the projection without that reduction kernel.
+    With ``scaled``, the sum (or the value) is multiplied by its slot's row scale in float32 before
+    that rounding: an RMSNorm folded into the projection (``layers.DecoderLayer.fold_norms``)."""
     q_parts, k_parts, v_parts = refs[:parts], refs[parts:2 * parts], refs[2 * parts:3 * parts]
-    (q_norm_ref, k_norm_ref, rope_ref, k_cache_ref, v_cache_ref, o_ref, m_ref, l_ref,
-     *cache_out) = refs[3 * parts:]
+    q_norm_ref, k_norm_ref, rope_ref, *refs = refs[3 * parts:]
+    scale_ref = refs.pop(0) if scaled else None
+    k_cache_ref, v_cache_ref, o_ref, m_ref, l_ref, *cache_out = refs
     j = pl.program_id(3)
     start = start_ref[()]
     blk_len = blk_len_ref[()]
@@ -121,11 +126,17 @@ def _kernel(
     half = head_dim // 2
     lo, hi = pl.ds(0, half), pl.ds(half, half)
 
+    # [T, 1]: a slot's scale for its rows of k and v, and for its query rows (a single token's G
+    # rows are all slot 0)
+    row_scale = scale_ref[...][:, None] if scaled else None
+
     def read(part_refs, cols=slice(None)):
-        """The block's projection (columns ``cols``) in ``dtype``: its value, or its partials' sum."""
-        if parts == 1:
+        """The block's projection (columns ``cols``) in ``dtype``: its value, or its partials' sum,
+        times the row scale."""
+        if parts == 1 and row_scale is None:
             return part_refs[0][:, cols].astype(dtype)
-        return functools.reduce(jnp.add, [r[:, cols] for r in part_refs]).astype(dtype)
+        x = functools.reduce(jnp.add, [r[:, cols].astype(jnp.float32) for r in part_refs])
+        return (x if row_scale is None else x * row_scale).astype(dtype)
 
     cos, sin = rope_ref[0].astype(dtype), rope_ref[1].astype(dtype)
     finish = functools.partial(_finish, cos=cos, sin=sin, qk_norm=qk_norm, eps=eps)
@@ -211,6 +222,7 @@ def cached_block_attention(
     causal: bool = True,
     write: bool = True,
     scale: float | None = None,
+    row_scale: jax.Array | None = None,
     interpret: bool | None = None,
     config: GpuConfig | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -234,6 +246,10 @@ def cached_block_attention(
       eps: the RMSNorm epsilon; qk_norm: whether q and k are normed (Qwen3) or not (Llama).
       write: write the block's K/V into the caches (the target's); False: the caches are only read
         (the drafter's, whose context K/V come from the target's hidden states instead).
+      row_scale: ``[batch, block]`` float32 or None: each slot's projection (its value, or its
+        partials' float32 sum) is multiplied by it before it is rounded to the caches' dtype: the
+        row scale ``rsqrt(mean(x^2) + eps)`` of an RMSNorm whose weight is folded into the projection
+        (``layers.DecoderLayer.fold_norms``).
       interpret: Pallas interpret mode; default: off a GPU.
       config: tile sizes (``GpuConfig``; None: defaults).
 
@@ -258,6 +274,8 @@ def cached_block_attention(
     if k_cache.shape != (batch, capacity, kv_heads, head_dim) or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache/v_cache must be {(batch, capacity, kv_heads, head_dim)}: "
                          f"{k_cache.shape} {v_cache.shape}")
+    if row_scale is not None and (row_scale.shape != (batch, block) or row_scale.dtype != jnp.float32):
+        raise ValueError(f"row_scale must be float32 {(batch, block)}: {row_scale.dtype} {row_scale.shape}")
     if not supports(qkv.shape[-5:], capacity, compiled=not interpret):
         raise ValueError(f"cached_block_attention does not take qkv {qkv.shape} with a cache of {capacity} "
                          f"positions (see cached_attention_gpu.supports)")
@@ -295,7 +313,7 @@ def cached_block_attention(
     projection_specs = ([projection(q_block, q_index, p) for p in range(parts)]
                         + [projection(member_block, member(groups), p) for p in range(parts)]
                         + [projection(member_block, member(groups + 1), p) for p in range(parts)])
-    kernel = functools.partial(_kernel, parts=parts, dtype=dtype, scale=scale, eps=float(eps), qk_norm=qk_norm,
+    kernel = functools.partial(_kernel, parts=parts, scaled=row_scale is not None, dtype=dtype, scale=scale, eps=float(eps), qk_norm=qk_norm,
                                causal=causal, block_k=block_k, chunk=chunk, balanced=bool(cfg.balanced_splits),
                                interpret=interpret)
     # RoPE's cos / sin at the block's positions, by XLA: the same for every layer of a step, so XLA
@@ -305,23 +323,28 @@ def cached_block_attention(
     freqs = positions[..., None] * inv_freq.astype(jnp.float32)  # [B, T, D/2]
     rope = jnp.stack([jnp.cos(freqs), jnp.sin(freqs)], axis=1)  # [B, 2, T, D/2]
     rope_spec = pl.BlockSpec((None, 2, block, head_dim // 2), lambda b, h, g, j: (b, 0, 0, 0))
+    scale_args, scale_specs = [], []
+    if row_scale is not None:
+        scale_args, scale_specs = [row_scale], [pl.BlockSpec((None, block), lambda b, h, g, j: (b, 0))]
     caches = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    cache_arg = 3 * parts + 5 + len(scale_args)  # k_cache's position among the inputs (v_cache's next)
     outs = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, members, splits),
-        in_specs=[per_row, per_row, *projection_specs, whole(head_dim), whole(head_dim), rope_spec, cache_spec,
-                  cache_spec],
+        in_specs=[per_row, per_row, *projection_specs, whole(head_dim), whole(head_dim), rope_spec, *scale_specs,
+                  cache_spec, cache_spec],
         out_specs=[o_spec, ml_spec, ml_spec] + ([cache_spec, cache_spec] if write else []),
         out_shape=[
             jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups, head_dim), out_dtype),
             jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups), jnp.float32),
             jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups), jnp.float32),
         ] + (caches if write else []),
-        input_output_aliases={3 * parts + 5: 3, 3 * parts + 6: 4} if write else {},
+        input_output_aliases={cache_arg: 3, cache_arg + 1: 4} if write else {},
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="dflash_cached_attention",
-    )(starts, blk_lens, *[qkv] * (3 * parts), q_norm.astype(dtype), k_norm.astype(dtype), rope, k_cache, v_cache)
+    )(starts, blk_lens, *[qkv] * (3 * parts), q_norm.astype(dtype), k_norm.astype(dtype), rope, *scale_args, k_cache,
+      v_cache)
     o, m, l = outs[:3]
     if write:
         k_cache, v_cache = outs[3:]

@@ -277,7 +277,19 @@ def test_cached_attention_kernel_sums_projection_partials(block, dtype):
     _check_cached_attention(3, block, 4, True, dtype, False, GpuConfig(num_splits=2), parts=3 if block == 1 else 2)
 
 
-def _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, config, parts=0):
+@pytest.mark.parametrize("parts", [0, 3], ids=["value", "partials"])
+@pytest.mark.parametrize("block", [1, 16])
+def test_cached_attention_kernel_scales_rows(block, parts):
+    """A row scale per slot (a folded input norm's ``rsqrt(mean(x^2) + eps)``): the kernel multiplies
+    each slot's projection (or its partials' float32 sum) by it before rounding, as the reference
+    fed the scaled projection; without it, the same call is off."""
+    from kernels_pallas.block_attention_gpu import GpuConfig
+
+    _check_cached_attention(8, block, 4, True, jnp.bfloat16, False, GpuConfig(num_splits=2), parts=parts,
+                            scaled=True)
+
+
+def _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, config, parts=0, scaled=False):
     from flax import nnx
 
     from dflash_jax.layers import Attention, rope_inv_freq
@@ -300,6 +312,11 @@ def _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, config
     want = jax.jit(lambda *a: attn.attend_cached(*a, impl="xla", causal=causal, write=write))(
         x, starts, k_cache, v_cache, blk_lens)
     qkv = attn._qkv(x[:, 0])
+    row_scale = None
+    if scaled:  # the reference fed the scaled sum, rounded once
+        row_scale = jax.random.uniform(jax.random.PRNGKey(seed + 100), (batch, block), jnp.float32, 0.3, 3.0)
+        want = jax.jit(lambda *a: attn.attend_cached_qkv(*a, impl="xla", row_scale=row_scale))(
+            qkv, starts, k_cache, v_cache, blk_lens)
     if parts:  # x @ w as float32 partial products over slices of K, plus a padding row never read
         w = attn.qkv_proj[...]
         cut = np.linspace(0, hidden, parts + 1).astype(int)
@@ -308,6 +325,10 @@ def _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, config
                          for a, b in zip(cut[:-1], cut[1:])])
         want = jax.jit(lambda *a: attn.attend_cached_qkv(functools.reduce(jnp.add, list(qkv))[:batch].astype(dtype),
                                                          *a, impl="xla"))(starts, k_cache, v_cache, blk_lens)
+        if scaled:
+            total = functools.reduce(jnp.add, list(qkv))[:batch] * row_scale[:, :, None, None, None]
+            want = jax.jit(lambda *a: attn.attend_cached_qkv(total.astype(dtype), *a, impl="xla"))(
+                starts, k_cache, v_cache, blk_lens)
         with pytest.raises(ValueError, match="float32"):
             cached_block_attention(qkv.astype(jnp.bfloat16), k_cache, v_cache, starts, blk_lens, attn.q_norm.weight[...],
                                    attn.k_norm.weight[...], jnp.asarray(attn.inv_freq), eps=1e-6, qk_norm=qk_norm)
@@ -315,8 +336,17 @@ def _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, config
     got = jax.jit(lambda q, kc, vc: cached_block_attention(
         q, kc, vc, starts, blk_lens, attn.q_norm.weight[...] if qk_norm else ones,
         attn.k_norm.weight[...] if qk_norm else ones, jnp.asarray(attn.inv_freq), eps=1e-6,
-        qk_norm=qk_norm, causal=causal, write=write, config=config))(qkv, k_cache, v_cache)
+        qk_norm=qk_norm, causal=causal, write=write, config=config, row_scale=row_scale))(qkv, k_cache, v_cache)
     assert_close(got[0][:, None], want[0], dtype)
+    if scaled:
+        unscaled = jax.jit(lambda q, kc, vc: cached_block_attention(
+            q, kc, vc, starts, blk_lens, attn.q_norm.weight[...], attn.k_norm.weight[...], jnp.asarray(attn.inv_freq),
+            eps=1e-6, qk_norm=qk_norm, config=config))(qkv, k_cache, v_cache)
+        assert not np.allclose(np.asarray(unscaled[2], np.float32), np.asarray(got[2], np.float32), atol=0.1)
+        with pytest.raises(ValueError, match="row_scale"):
+            cached_block_attention(qkv, k_cache, v_cache, starts, blk_lens, attn.q_norm.weight[...],
+                                   attn.k_norm.weight[...], jnp.asarray(attn.inv_freq), eps=1e-6, qk_norm=qk_norm,
+                                   row_scale=row_scale[:, :1].astype(jnp.bfloat16))
     if drafter:  # and the bidirectional reference differs from the causal one
         causal_out = jax.jit(lambda *a: attn.attend_cached(*a, impl="xla"))(x, starts, k_cache, v_cache, blk_lens)[0]
         assert not np.allclose(np.asarray(causal_out, np.float32), np.asarray(want[0], np.float32), atol=1e-3)

@@ -309,7 +309,7 @@ def test_fused_serving_layout_matches_transformers(bias, tmp_path, reference):
     from flax import nnx
 
     from dflash_jax.checkpoint import save_target
-    from dflash_jax.layers import fuse_projections
+    from dflash_jax.layers import fold_norms, fuse_projections
     from dflash_jax.target import Target
     from dflash_jax.tiny import tiny_target_config
 
@@ -323,8 +323,55 @@ def test_fused_serving_layout_matches_transformers(bias, tmp_path, reference):
     fused = fuse_projections(load_target(tmp_path / "t"))
     assert fused.layers[0].self_attn.q_proj is None and fused.layers[0].mlp.gate_up_proj.shape == (64, 128, 2)
     _assert_matches_transformers(fused, ref, _ids(4, 2, 17), (0, cfg.num_layers - 1))
+    # the norms folded into the matmuls (the engine's layout): the same model; a layer with biases keeps them
+    fold_norms(fused)
+    assert all(layer.norms_folded != bias for layer in fused.layers)
+    _assert_matches_transformers(fused, ref, _ids(4, 2, 17), (0, cfg.num_layers - 1))
     with pytest.raises(ValueError, match="serving layout"):
         save_target(fused, tmp_path / "again")
+
+
+def test_folded_norms_decode_step_equals_unfolded(monkeypatch):
+    """The norms folded into the matmuls (``fold_norms``), a random Qwen3 target whose norm weights are
+    not ones: a decode token on "one GPU" (the rule switched on here; its row scales applied after the
+    QKV and gate-up dots, by the cached-attention kernel in interpret mode and the SwiGLU) and a block
+    of 4 (the norm kernels, unit weights) give the unfolded layout's hidden state and caches to float32
+    rounding. Folding twice changes nothing; dropping the row scale moves the result far off."""
+    from flax import nnx
+
+    from dflash_jax import layers
+    from dflash_jax.layers import fold_norms, fuse_projections
+    from dflash_jax.target import Target
+    from dflash_jax.tiny import tiny_target_config
+
+    monkeypatch.setattr(layers, "_strength_reduces_single_rows", lambda: True)
+    cfg = tiny_target_config(num_layers=2)
+    plain = fuse_projections(Target(cfg, rngs=nnx.Rngs(6)))
+    for path, var in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
+        if "layernorm" in str(path):
+            var.set_value(1 + 0.3 * jax.random.normal(jax.random.key(len(path)), var.get_value().shape))
+    folded = fold_norms(fold_norms(nnx.clone(plain)))
+    layer = folded.layers[0]
+    assert layer.norms_folded and np.all(np.asarray(layer.input_layernorm.weight[...]) == 1)
+    np.testing.assert_allclose(np.asarray(layer.mlp.gate_up_proj[...]), np.asarray(
+        plain.layers[0].mlp.gate_up_proj[...] * plain.layers[0].post_attention_layernorm.weight[...][:, None, None]),
+        rtol=1e-6)
+    ids = jnp.asarray(np.random.RandomState(3).randint(0, cfg.vocab_size, (1, 16)), jnp.int32)
+    zeros = jnp.zeros((1,), jnp.int32)
+    cache = KVCache.zeros(cfg.num_layers, 1, 64, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+    _, _, cache = plain.step(ids[:, :11], zeros, cache, prefill=True)
+
+    def step(model, block):
+        hidden, _, new = jax.jit(lambda c: model.step(ids[:, 11:11 + block], zeros + 11, c,
+                                                      attention_impl="pallas"))(cache)
+        return np.asarray(hidden), np.asarray(new.k[1]), np.asarray(new.v[1])
+
+    for block in (1, 4):
+        for got, want in zip(step(folded, block), step(plain, block)):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    monkeypatch.setattr(layers.RMSNorm, "row_scale", lambda self, x: jnp.ones(x.shape[:-1] + (1,), jnp.float32))
+    unscaled, _, _ = step(folded, 1)
+    assert np.max(np.abs(unscaled - step(plain, 1)[0])) > 100 * 2e-5
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
