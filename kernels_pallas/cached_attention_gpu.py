@@ -313,9 +313,9 @@ def cached_block_attention(
     projection_specs = ([projection(q_block, q_index, p) for p in range(parts)]
                         + [projection(member_block, member(groups), p) for p in range(parts)]
                         + [projection(member_block, member(groups + 1), p) for p in range(parts)])
-    kernel = functools.partial(_kernel, parts=parts, scaled=row_scale is not None, dtype=dtype, scale=scale, eps=float(eps), qk_norm=qk_norm,
-                               causal=causal, block_k=block_k, chunk=chunk, balanced=bool(cfg.balanced_splits),
-                               interpret=interpret)
+    kernel = functools.partial(_kernel, parts=parts, scaled=row_scale is not None, dtype=dtype, scale=scale,
+                               eps=float(eps), qk_norm=qk_norm, causal=causal, block_k=block_k, chunk=chunk,
+                               balanced=bool(cfg.balanced_splits), interpret=interpret)
     # RoPE's cos / sin at the block's positions, by XLA: the same for every layer of a step, so XLA
     # computes them once (CSE). Computed per program in the kernel (libdevice's full-range sin and
     # cos), they cost a verify block ~3.8 us per layer (docs/benchmarks.md, fourteenth session).
