@@ -257,7 +257,7 @@ def main() -> None:
         layers.DecoderLayer.cached = kv_prefetching_cached if name == "kv_prefetch" else default_cached
         layers.FOLD_NORMS = not (name in ("unfolded_norms", "unfused_norms", "kv_prefetch") or l2_mode
                                  or kind in ("partials", "splitk", "mlp_chains"))
-        for layer in target.layers:  # unit norm weights (asserted below): folded or not, the same weights
+        for layer in target.layers:  # unit norm weights (asserted at the start): folded or not, the same weights
             layer.norms_folded = layers.FOLD_NORMS
         if l2_mode:
             layers.DecoderLayer.cached = prefetching_cached(int_fields(splits, sep="+"), l2_mode)

@@ -26,9 +26,14 @@ def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> j
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """HF's RMSNorm numerics: normalise in float32, cast back, then scale by the weight."""
+    return weight * (x.astype(jnp.float32) * row_scale(x, eps)).astype(x.dtype)
+
+
+def row_scale(x: jax.Array, eps: float) -> jax.Array:
+    """``x [..., dim]`` -> ``rsqrt(mean(x^2) + eps)`` float32 ``[..., 1]``: the factor ``rms_norm``
+    normalises a row by."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 class RMSNorm(nnx.Module):
@@ -40,11 +45,9 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps)
 
     def row_scale(self, x: jax.Array) -> jax.Array:
-        """``x [..., dim]`` -> ``rsqrt(mean(x^2) + eps)`` float32 ``[..., 1]``: the factor ``rms_norm``
-        normalises a row by, for a norm whose weight is folded into the matmul after it
-        (``DecoderLayer.fold_norms``)."""
-        xf = x.astype(jnp.float32)
-        return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        """``row_scale`` of ``x [..., dim]`` (float32 ``[..., 1]``), for a norm whose weight is folded
+        into the matmul after it (``DecoderLayer.fold_norms``)."""
+        return row_scale(x, self.eps)
 
 
 def add_rms_norm(h: jax.Array, delta: jax.Array | None, norm: RMSNorm, *, fused: bool) -> tuple[jax.Array, jax.Array]:
@@ -619,13 +622,14 @@ class DecoderLayer(nnx.Module):
         runs beside it (``cached``; docs/benchmarks.md, twenty-sixth session). Folding moves bf16
         products by a rounding, as a change of GEMM does. Only the decode path (``cached``) scales
         after the dot; prefill normalises before it, by a unit weight."""
+        from kernels_pallas.layer_tail_gpu import fold_norm
+
         attn, mlp = self.self_attn, self.mlp
         if (self.norms_folded or attn.qkv_proj is None or mlp.gate_up_proj is None or attn.qkv_bias is not None
                 or mlp.gate_up_bias is not None or self.tail is not None):
             return
         for norm, w in ((self.input_layernorm, attn.qkv_proj), (self.post_attention_layernorm, mlp.gate_up_proj)):
-            scale = norm.weight[...].astype(jnp.float32).reshape((-1,) + (1,) * (w.ndim - 1))
-            w[...] = (w[...].astype(jnp.float32) * scale).astype(w.dtype)
+            w[...] = fold_norm(norm.weight[...], w[...].reshape(w.shape[0], -1)).reshape(w.shape)
             norm.weight[...] = jnp.ones_like(norm.weight[...])
         self.norms_folded = True
 
