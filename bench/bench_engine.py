@@ -320,7 +320,7 @@ def time_draft(engine: Engine, batch: int, context: int, steps: int, repeats: in
 
         def body(i, acc):
             s = dataclasses.replace(state, starts=state.starts + (acc % 2))  # defeats loop hoisting
-            ids, _, _ = decoding.draft_block(t, d, s, block_size=block, attention_impl=engine.config.attention_impl)
+            ids, _, _ = decoding.draft_block(t, d, s, block_size=block, attention_impl=engine.attention_impl)
             return acc + ids.sum() % 7
 
         return jax.lax.fori_loop(0, steps, body, jnp.int32(0))
@@ -562,7 +562,8 @@ def main() -> None:
                     help="COLLECTIVES in the decode jit's command buffers (XLA 0.11.2 converts none of the "
                          "all-reduces, so on a mesh the loop stays on the host with it too)")
     ap.add_argument("--draft-batches", default="1,16", help="batch sizes for the draft-only breakdown")
-    ap.add_argument("--attention", default="xla", choices=["xla", "pallas"])
+    ap.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas"],
+                    help="EngineConfig.attention_impl (auto, the engine's default: pallas on GPUs and TPUs)")
     ap.add_argument("--tail-layout", default="off",
                     help="EngineConfig.tail_layout, or several in turn (e.g. off,on: every batch with the fused "
                          "layout, then the target converted, checked against it and timed again); attn: the tail "
