@@ -639,6 +639,8 @@ def main() -> None:
                      target_tok_s=batch / t_plain, spec_tok_s_random=batch * tau / t_spec,
                      spec_tok_s_projected=batch * args.tau / t_spec, step_ratio=t_spec / t_plain,
                      draft_ratio=(t_draft / t_plain) if t_draft else None,
+                     # the rest of a DFlash step: the verify pass, the commit, the drafter's context K/V
+                     verify_ratio=((t_spec - t_draft) / t_plain) if t_draft else None,
                      hbm_roofline_step_s=roofline, target_hbm_fraction=roofline / t_plain,
                      target_step_pipelined_s=t_plain_piped, spec_step_pipelined_s=t_spec_piped,
                      target_hbm_fraction_pipelined=roofline / t_plain_piped,
@@ -691,13 +693,14 @@ def main() -> None:
           f"{f', TP={args.tensor}' if args.tensor > 1 else ''}, "
           f"HBM roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s")
     print("batch | tail layout | target step ms | tok/s | % HBM roofline | DFlash step ms | step ratio | draft ratio | "
-          f"DFlash tok/s @tau={args.tau} | back to back: target step ms (% roofline), DFlash step ms, ratio")
+          f"verify ratio | DFlash tok/s @tau={args.tau} | back to back: target step ms (% roofline), DFlash step ms, "
+          "ratio")
     for batch, e in rows:
-        draft = f"{e['draft_ratio']:.2f}" if e["draft_ratio"] else "-"
+        draft, verify = (f"{e[k]:.2f}" if e.get(k) else "-" for k in ("draft_ratio", "verify_ratio"))
         print(f"{batch:5d} | {str(e['tail_layout']):>11} | {e['target_step_s'] * 1e3:14.2f} | "
               f"{e['target_tok_s']:5.0f} | "
               f"{100 * e['target_hbm_fraction']:13.0f}% | {e['spec_step_s'] * 1e3:14.2f} | {e['step_ratio']:10.2f} | "
-              f"{draft:>11} | {e['spec_tok_s_projected']:8.0f} | {e['target_step_pipelined_s'] * 1e3:.2f} "
+              f"{draft:>11} | {verify:>12} | {e['spec_tok_s_projected']:8.0f} | {e['target_step_pipelined_s'] * 1e3:.2f} "
               f"({100 * e['target_hbm_fraction_pipelined']:.1f}%), {e['spec_step_pipelined_s'] * 1e3:.2f}, "
               f"{e['spec_step_pipelined_s'] / e['target_step_pipelined_s']:.3f}")
     for batch, e in rows:
