@@ -63,9 +63,12 @@ class GpuConfig:
     # Cached kernel only: the split count is planned over the capacity, but each row's splits share
     # its actual context (``starts``) in whole tiles, rather than fixed chunks of the capacity.
     balanced_splits: bool = True
+    # Cached kernel only, blocks of several slots: group members per program (a power of two
+    # dividing the group; None: the fewest that fit the grid in one wave, ``members_per_program``).
+    members_per_program: int | None = None
 
 
-def _num_sms(cfg: GpuConfig) -> int:
+def num_sms(cfg: GpuConfig) -> int:
     if cfg.num_sms is not None:
         return cfg.num_sms
     try:
@@ -157,7 +160,7 @@ def plan(batch: int, blocks: int, kv_heads: int, ctx: int, cfg: GpuConfig):
         splits = max(1, min(cfg.num_splits, ctx_p // bk))
         chunk = round_up(-(-ctx_p // splits), bk)
         return bk, ctx_p, -(-ctx_p // chunk), chunk
-    slots = _num_sms(cfg) * cfg.ctas_per_sm
+    slots = num_sms(cfg) * cfg.ctas_per_sm
     best = None
     max_s = max(1, min(cfg.max_splits, ctx_p // max(cfg.min_chunk, bk)))
     for s in range(1, max_s + 1):

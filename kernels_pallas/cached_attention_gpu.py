@@ -28,7 +28,8 @@ rows (4 for Qwen3-8B) are repeated in registers to the 16 rows ``tl.dot`` takes.
 RoPE rotates the two halves of a head; the kernel keeps q and k as their two halves throughout
 (``q . k = q_lo . k_lo + q_hi . k_hi``), so it never concatenates in registers.
 
-Grid ``(batch, kv_heads, group members, splits)`` (one member for a single token). The split count
+Grid ``(batch, kv_heads, group members / members per program, splits)`` (one program of the whole
+group for a single token; ``members_per_program`` for a block). The split count
 comes from the wave model of the block-attention kernel (``block_attention_gpu.plan``) over the
 cache capacity, a static shape; each row's context (``starts``, dynamic) is then dealt to its splits
 in whole tiles (``GpuConfig.balanced_splits``), so a short context is not left to the first splits.
@@ -48,7 +49,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas._common import NEG, default_scale, next_pow2
 from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, triton_params
 from kernels_pallas._pdl import signal_after
-from kernels_pallas.block_attention_gpu import GpuConfig, plan
+from kernels_pallas.block_attention_gpu import GpuConfig, num_sms, plan
 
 
 DEFAULT_CONFIG = GpuConfig()  # tiles and split planning when no config is given
@@ -86,12 +87,13 @@ def _kernel(
     blk_len_ref,  # [] int32: valid slots of the block
     *refs,
     # then, each ``parts`` times (the projection's float32 split-K partials, or once its value):
-    #   q [T, D] raw queries of one group member g (a single token: [G, D], all of them),
-    #   k [T, D] raw key, v [T, D] value;
+    #   q [T, M, D] raw queries of the program's M group members (a single token: [G, D], all of
+    #   them), k [T, D] raw key, v [T, D] value;
     # then q_norm [D], k_norm [D], rope [2, T, D / 2] float32 (RoPE's cos and sin at the block's
     # positions), with ``scaled`` the row scale [T] float32, the caches k, v [C, D] (strided views of
-    # [B, C, Hkv, D]); the outputs o (like q), m [T] ([G]), l [T] ([G]); and with a write, the caches
-    # k, v aliasing the inputs.
+    # [B, C, Hkv, D]); the outputs o (like q), m [T, M] ([G]), l [T, M] ([G]); and with a write, the
+    # caches k, v aliasing the inputs.
+    members: int,
     parts: int,
     scaled: bool,
     dtype: jnp.dtype,
@@ -104,12 +106,14 @@ def _kernel(
     balanced: bool,
     interpret: bool,
 ):
-    """One program per (row, KV head, group member, split); a single token's program takes all its
-    group's rows. Tensors stay two-dimensional: Triton lowers 3-D register tensors (and reshapes
-    between them) through shared memory, which cost more than the attention itself in the first
-    version of this kernel. Fewer than 16 query rows (a single token's ``G``, a short block's
-    ``T``) are repeated to the 16 rows ``tl.dot`` needs: identical copies with identical outputs,
-    so their maximum is the output.
+    """One program per (row, KV head, ``members`` group members, split); a single token's program
+    takes all its group's rows (``members`` 0: no member axis). A program of several members loads
+    each context tile once for all of them and runs one online softmax per member, each exactly as
+    a program of one member would. Tensors stay two-dimensional: Triton lowers 3-D register
+    tensors (and reshapes between them) through shared memory, which cost more than the attention
+    itself in the first version of this kernel. Fewer than 16 query rows (a single token's ``G``,
+    a short block's ``T``) are repeated to the 16 rows ``tl.dot`` needs: identical copies with
+    identical outputs, so their maximum is the output.
 
     Partials are summed in split order in float32 and rounded to ``dtype`` (what XLA's split-K
     reduction after a GEMM does), so the kernel reads the projection without that reduction kernel.
@@ -130,12 +134,13 @@ def _kernel(
     # rows are all slot 0)
     row_scale = scale_ref[...][:, None] if scaled else None
 
-    def read(part_refs, cols=slice(None)):
-        """The block's projection (columns ``cols``) in ``dtype``: its value, or its partials' sum,
-        times the row scale."""
+    def read(part_refs, cols=slice(None), member=None):
+        """The block's projection (columns ``cols``; of group member ``member`` of the program) in
+        ``dtype``: its value, or its partials' sum, times the row scale."""
+        index = (slice(None), cols) if member is None else (slice(None), member, cols)
         if parts == 1 and row_scale is None:
-            return part_refs[0][:, cols].astype(dtype)
-        x = functools.reduce(jnp.add, [r[:, cols].astype(jnp.float32) for r in part_refs])
+            return part_refs[0][index].astype(dtype)
+        x = functools.reduce(jnp.add, [r[index].astype(jnp.float32) for r in part_refs])
         return (x if row_scale is None else x * row_scale).astype(dtype)
 
     cos, sin = rope_ref[0].astype(dtype), rope_ref[1].astype(dtype)
@@ -154,13 +159,17 @@ def _kernel(
             k_cache_out[block, hi] = k_hi
             v_cache_out[block, :] = v_blk
 
-    q_lo, q_hi = finish(read(q_parts, lo), read(q_parts, hi), q_norm_ref)
-    distinct = q_lo.shape[0]  # G rows of one slot, or T slots of one group member
-    copies = max(1, MMA_MIN // distinct)
-    if copies > 1:
-        q_lo, q_hi = (jnp.broadcast_to(x[None], (copies,) + x.shape).reshape(copies * distinct, half)
-                      for x in (q_lo, q_hi))
-    rows = q_lo.shape[0]
+    member_ids = list(range(members)) if members else [None]
+    queries = []  # per member: q's halves, normed, rotated and repeated to >= 16 rows
+    for g in member_ids:
+        q_lo, q_hi = finish(read(q_parts, lo, g), read(q_parts, hi, g), q_norm_ref)
+        distinct = q_lo.shape[0]  # G rows of one slot, or T slots of one group member
+        copies = max(1, MMA_MIN // distinct)
+        if copies > 1:
+            q_lo, q_hi = (jnp.broadcast_to(x[None], (copies,) + x.shape).reshape(copies * distinct, half)
+                          for x in (q_lo, q_hi))
+        queries.append((q_lo, q_hi))
+    rows = queries[0][0].shape[0]
 
     # The context before the block: this split's keys [j * chunk, min((j + 1) * chunk, start)).
     # Balanced: the chunk is this row's context ``start`` in whole tiles over the splits, so the
@@ -170,17 +179,18 @@ def _kernel(
         chunk = (tiles + pl.num_programs(3) - 1) // pl.num_programs(3) * block_k
     first = j * chunk
     n_keys = jnp.maximum(jnp.minimum(first + chunk, start) - first, 0)
-    carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
+    carries = tuple((jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
+                     jnp.zeros((rows,), jnp.float32)) for _ in queries)
 
-    def body(i, carry):
+    def body(i, carries):
         k0 = pl.multiple_of(first + i * block_k, block_k)
         keys = pl.ds(k0, block_k)
-        s = nt_dot(q_lo, k_cache_ref[keys, lo]) + nt_dot(q_hi, k_cache_ref[keys, hi])
+        k_tile_lo, k_tile_hi, v_tile = k_cache_ref[keys, lo], k_cache_ref[keys, hi], v_cache_ref[keys, :]
         valid = ((k0 + jnp.arange(block_k, dtype=jnp.int32)) < start)[None, :]
-        return online_update(carry, s, valid, v_cache_ref[keys, :], scale)
+        return tuple(online_update(carry, nt_dot(q_lo, k_tile_lo) + nt_dot(q_hi, k_tile_hi), valid, v_tile, scale)
+                     for carry, (q_lo, q_hi) in zip(carries, queries))
 
-    carry = lax.fori_loop(0, (n_keys + block_k - 1) // block_k, body, carry)
+    carries = lax.fori_loop(0, (n_keys + block_k - 1) // block_k, body, carries)
 
     # The block's own keys, causal or not (a row's slot is its row modulo the copies; a single token
     # sees itself): split 0 only, the others see a block of length 0.
@@ -188,16 +198,40 @@ def _kernel(
     valid = col < jnp.where(j == 0, blk_len, 0)
     if causal and slots > 1:
         valid = valid & (col <= jnp.arange(rows, dtype=jnp.int32)[:, None] % slots)
-    acc, m, l = online_update(carry, nt_dot(q_lo, k_lo) + nt_dot(q_hi, k_hi), valid, v_blk, scale)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
-    if copies > 1:
-        out = jnp.max(out.reshape(copies, distinct, head_dim), axis=0)
-        m = jnp.max(m.reshape(copies, distinct), axis=0)
-        l = jnp.max(l.reshape(copies, distinct), axis=0)
-    m_ref[...] = m
-    l_ref[...] = l
-    # out needs every load of the program: the split merge after this kernel may launch from here on
-    o_ref[...] = signal_after(out.astype(o_ref.dtype), interpret=interpret)
+    for n, (g, carry, (q_lo, q_hi)) in enumerate(zip(member_ids, carries, queries)):
+        acc, m, l = online_update(carry, nt_dot(q_lo, k_lo) + nt_dot(q_hi, k_hi), valid, v_blk, scale)
+        out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+        if rows > distinct:  # the copies' maximum
+            out = jnp.max(out.reshape(rows // distinct, distinct, head_dim), axis=0)
+            m = jnp.max(m.reshape(rows // distinct, distinct), axis=0)
+            l = jnp.max(l.reshape(rows // distinct, distinct), axis=0)
+        out = out.astype(o_ref.dtype)
+        if n == len(member_ids) - 1:
+            # the last output needs every tile's load: the split merge after this kernel may
+            # launch from here on (the members' query loads came first, in program order)
+            out = signal_after(out, interpret=interpret)
+        if g is None:
+            m_ref[...], l_ref[...], o_ref[...] = m, l, out
+        else:
+            m_ref[:, g], l_ref[:, g], o_ref[:, g, :] = m, l, out
+
+
+def members_per_program(batch: int, kv_heads: int, groups: int, splits: int, cfg: GpuConfig) -> int:
+    """Group members per program for a block of several slots: ``cfg.members_per_program``, or the
+    fewest (a power of two dividing ``groups``) with which the grid fits one wave of resident
+    programs. The splits are planned as for a single token (one program per KV head), so at long
+    contexts a program per member would make the verify block's grid ``groups`` times larger: more
+    waves, each re-reading the same context tiles. A program of several members reads them once."""
+    if cfg.members_per_program is not None:
+        m = cfg.members_per_program
+        if m < 1 or groups % m or next_pow2(m) != m:
+            raise ValueError(f"members_per_program must be a power of two dividing groups ({groups}), got {m}")
+        return m
+    slots = num_sms(cfg) * cfg.ctas_per_sm
+    m = 1
+    while m < groups and batch * kv_heads * (groups // m) * splits > slots:
+        m *= 2
+    return m
 
 
 def cached_block_attention_supported(qkv_shape: tuple[int, ...], capacity: int) -> bool:
@@ -284,8 +318,8 @@ def cached_block_attention(
     # one per KV head (its G rows). The context splits do not depend on the block: a 1-token and a
     # 16-token pass then sum every query's context in the same tiles and splits, bit for bit, so
     # greedy speculative decoding reproduces target-only decoding exactly in float32.
-    members = 1 if block == 1 else groups
     block_k, _, splits, chunk = plan(batch, 1, kv_heads, capacity, cfg)
+    per_program = 0 if block == 1 else members_per_program(batch, kv_heads, groups, splits, cfg)
     starts = starts.astype(jnp.int32)
     blk_lens = jnp.clip(blk_lens.astype(jnp.int32), 0, block)
 
@@ -294,10 +328,11 @@ def cached_block_attention(
         q_block, q_index = (None, None, None, groups, head_dim), lambda b, h, g, j: (b, 0, h, 0, 0)
         o_spec = pl.BlockSpec((None, None, None, None, groups, head_dim), lambda b, h, g, j: (b, j, 0, h, 0, 0))
         ml_spec = pl.BlockSpec((None, None, None, None, groups), lambda b, h, g, j: (b, j, 0, h, 0))
-    else:  # [T, D] blocks: group member g
-        q_block, q_index = (None, block, None, None, head_dim), lambda b, h, g, j: (b, 0, h, g, 0)
-        o_spec = pl.BlockSpec((None, None, block, None, None, head_dim), lambda b, h, g, j: (b, j, 0, h, g, 0))
-        ml_spec = pl.BlockSpec((None, None, block, None, None), lambda b, h, g, j: (b, j, 0, h, g))
+    else:  # [T, M, D] blocks: the M group members of program g
+        q_block, q_index = (None, block, None, per_program, head_dim), lambda b, h, g, j: (b, 0, h, g, 0)
+        o_spec = pl.BlockSpec((None, None, block, None, per_program, head_dim),
+                              lambda b, h, g, j: (b, j, 0, h, g, 0))
+        ml_spec = pl.BlockSpec((None, None, block, None, per_program), lambda b, h, g, j: (b, j, 0, h, g))
     per_row = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
     whole = lambda n: pl.BlockSpec((n,), lambda b, h, g, j: (0,))  # noqa: E731
     cache_spec = pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, g, j: (b, 0, h, 0))
@@ -313,9 +348,9 @@ def cached_block_attention(
     projection_specs = ([projection(q_block, q_index, p) for p in range(parts)]
                         + [projection(member_block, member(groups), p) for p in range(parts)]
                         + [projection(member_block, member(groups + 1), p) for p in range(parts)])
-    kernel = functools.partial(_kernel, parts=parts, scaled=row_scale is not None, dtype=dtype, scale=scale,
-                               eps=float(eps), qk_norm=qk_norm, causal=causal, block_k=block_k, chunk=chunk,
-                               balanced=bool(cfg.balanced_splits), interpret=interpret)
+    kernel = functools.partial(_kernel, members=per_program, parts=parts, scaled=row_scale is not None, dtype=dtype,
+                               scale=scale, eps=float(eps), qk_norm=qk_norm, causal=causal, block_k=block_k,
+                               chunk=chunk, balanced=bool(cfg.balanced_splits), interpret=interpret)
     # RoPE's cos / sin at the block's positions, by XLA: the same for every layer of a step, so XLA
     # computes them once (CSE). Computed per program in the kernel (libdevice's full-range sin and
     # cos), they cost a verify block ~3.8 us per layer (docs/benchmarks.md, fourteenth session).
@@ -330,7 +365,7 @@ def cached_block_attention(
     cache_arg = 3 * parts + 5 + len(scale_args)  # k_cache's position among the inputs (v_cache's next)
     outs = pl.pallas_call(
         kernel,
-        grid=(batch, kv_heads, members, splits),
+        grid=(batch, kv_heads, 1 if block == 1 else groups // per_program, splits),
         in_specs=[per_row, per_row, *projection_specs, whole(head_dim), whole(head_dim), rope_spec, *scale_specs,
                   cache_spec, cache_spec],
         out_specs=[o_spec, ml_spec, ml_spec] + ([cache_spec, cache_spec] if write else []),

@@ -11,6 +11,7 @@ code only run on the accelerators).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -265,6 +266,37 @@ def test_cached_attention_kernel_splits_of_the_context(block, balanced):
                             GpuConfig(block_k=16, num_splits=3, balanced_splits=balanced))
 
 
+@pytest.mark.parametrize("drafter", [False, True], ids=["verify", "draft"])
+@pytest.mark.parametrize("members", [2, 4])
+def test_cached_attention_kernel_members_per_program(members, drafter):
+    """A program of several group members (one context-tile load for all of them, one online
+    softmax each) against the reference, and against one member per program: the caches bit for
+    bit, the attention to an ulp (interpret mode on the CPU may fuse the members' ops otherwise)."""
+    config = GpuConfig(block_k=16, num_splits=3, members_per_program=members)
+    got = _check_cached_attention(9, 16, 4, True, jnp.float32, drafter, config)
+    single = _check_cached_attention(9, 16, 4, True, jnp.float32, drafter,
+                                     dataclasses.replace(config, members_per_program=1))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(single[0]), rtol=1e-6, atol=1e-7)
+    for a, b in zip(got[1:], single[1:]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_cached_attention_members_per_program_fill_one_wave():
+    """The fewest members per program that fit a verify block's grid in one wave of resident
+    programs (132 SMs x 2): Qwen3-8B heads (8 KV heads, groups of 4)."""
+    from kernels_pallas.cached_attention_gpu import members_per_program
+
+    cfg = GpuConfig(num_sms=132)
+    assert members_per_program(1, 8, 4, 4, cfg) == 1  # context 512: 4 splits, 128 programs
+    assert members_per_program(1, 8, 4, 18, cfg) == 4  # context 4096: 18 splits, 576 -> 144
+    assert members_per_program(16, 8, 4, 2, cfg) == 4  # batch 16 at 512: 1024 -> 256
+    assert members_per_program(4, 8, 4, 2, cfg) == 1  # 256 fit
+    assert members_per_program(64, 8, 4, 2, cfg) == 4  # never more than the group
+    assert members_per_program(64, 8, 4, 2, dataclasses.replace(cfg, members_per_program=2)) == 2
+    with pytest.raises(ValueError, match="members_per_program"):
+        members_per_program(1, 8, 4, 4, dataclasses.replace(cfg, members_per_program=3))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("block", [1, 16])
 def test_cached_attention_kernel_sums_projection_partials(block, dtype):
@@ -352,11 +384,12 @@ def _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, config
         assert not np.allclose(np.asarray(causal_out, np.float32), np.asarray(want[0], np.float32), atol=1e-3)
         for got_cache, before in zip(got[1:], (k_cache, v_cache)):
             np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(before))
-        return
+        return got
     for got_cache, want_cache, before in zip(got[1:], want[1:], (k_cache, v_cache)):
         assert_close(got_cache, want_cache, dtype)  # the block written at each row's start
         # and nothing else touched (row 1's context before its start, bit for bit)
         np.testing.assert_array_equal(np.asarray(got_cache)[1, :37], np.asarray(before)[1, :37])
+    return got
 
 
 def test_cached_attention_kernel_lowers_for_gpus():
@@ -369,9 +402,12 @@ def test_cached_attention_kernel_lowers_for_gpus():
         shapes = (qkv, sd((1, 1152, 8, 128), bf), sd((1, 1152, 8, 128), bf),
                   sd((1,), jnp.int32), sd((1,), jnp.int32), sd((128,), bf), sd((128,), bf),
                   sd((64,), jnp.float32))
-        fn = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False))
-        text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-        assert "dflash_cached_attention" in text and "triton" in text
+        for members in (None, 4) if qkv.shape[-4] > 1 else (None,):  # a block: also 4 members per program
+            config = GpuConfig(members_per_program=members)
+            fn = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False,
+                                                           config=config))
+            text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+            assert "dflash_cached_attention" in text and "triton" in text
 
 
 # -- the fused residual add + RMSNorm ---------------------------------------------------------------
