@@ -314,10 +314,11 @@ def cached_block_attention(
         raise ValueError(f"cached_block_attention does not take qkv {qkv.shape} with a cache of {capacity} "
                          f"positions (see cached_attention_gpu.supports)")
     scale = default_scale(head_dim, scale)
-    # A verify block gets one program per group member (its [T, D] query matrix); a single token
-    # one per KV head (its G rows). The context splits do not depend on the block: a 1-token and a
-    # 16-token pass then sum every query's context in the same tiles and splits, bit for bit, so
-    # greedy speculative decoding reproduces target-only decoding exactly in float32.
+    # A single token gets one program per KV head (its G rows); a verify block one per
+    # ``per_program`` group members (a [T, D] query matrix each). The context splits do not depend
+    # on the block: a 1-token and a 16-token pass then sum every query's context in the same tiles
+    # and splits, bit for bit, so greedy speculative decoding reproduces target-only decoding
+    # exactly in float32.
     block_k, _, splits, chunk = plan(batch, 1, kv_heads, capacity, cfg)
     per_program = 0 if block == 1 else members_per_program(batch, kv_heads, groups, splits, cfg)
     starts = starts.astype(jnp.int32)
