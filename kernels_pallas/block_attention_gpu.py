@@ -68,7 +68,12 @@ class GpuConfig:
     members_per_program: int | None = None
 
 
-def num_sms(cfg: GpuConfig) -> int:
+def resident_programs(cfg: GpuConfig) -> int:
+    """Programs that run at once, one wave: ``ctas_per_sm`` per streaming multiprocessor."""
+    return _num_sms(cfg) * cfg.ctas_per_sm
+
+
+def _num_sms(cfg: GpuConfig) -> int:
     if cfg.num_sms is not None:
         return cfg.num_sms
     try:
@@ -160,7 +165,7 @@ def plan(batch: int, blocks: int, kv_heads: int, ctx: int, cfg: GpuConfig):
         splits = max(1, min(cfg.num_splits, ctx_p // bk))
         chunk = round_up(-(-ctx_p // splits), bk)
         return bk, ctx_p, -(-ctx_p // chunk), chunk
-    slots = num_sms(cfg) * cfg.ctas_per_sm
+    slots = resident_programs(cfg)
     best = None
     max_s = max(1, min(cfg.max_splits, ctx_p // max(cfg.min_chunk, bk)))
     for s in range(1, max_s + 1):

@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas._common import NEG, default_scale, next_pow2
 from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, triton_params
 from kernels_pallas._pdl import signal_after
-from kernels_pallas.block_attention_gpu import GpuConfig, num_sms, plan
+from kernels_pallas.block_attention_gpu import GpuConfig, plan, resident_programs
 
 
 DEFAULT_CONFIG = GpuConfig()  # tiles and split planning when no config is given
@@ -227,8 +227,7 @@ def members_per_program(batch: int, kv_heads: int, groups: int, splits: int, cfg
         if m < 1 or groups % m or next_pow2(m) != m:
             raise ValueError(f"members_per_program must be a power of two dividing groups ({groups}), got {m}")
         return m
-    slots = num_sms(cfg) * cfg.ctas_per_sm
-    m = 1
+    slots, m = resident_programs(cfg), 1
     while m < groups and batch * kv_heads * (groups // m) * splits > slots:
         m *= 2
     return m
