@@ -5,8 +5,10 @@ Default: a Qwen3-8B-shaped target (36 layers, hidden 4096, GQA 32/8, vocab 15193
 weights) and a 5-layer B=16 drafter, seq_len 4096, 512 anchors, loss_chunk 64: one jitted step
 (frozen target forward + drafter forward/backward + AdamW) per micro-batch, the target's layers
 stacked and run under ``lax.scan`` as in ``train.py`` (``--unrolled-target``: the 36 layers unrolled,
-for comparison). Variants = every ``--batch`` x ``--attention-impl`` (the drafter's attention; the
-target's full-sequence attention is always XLA's). Each row is printed when it finishes and written
+for comparison). Variants = every ``--batch`` x ``--attention-impl`` (the drafter's attention; with
+"pallas" the target's full-sequence attention is a library flash attention, cuDNN's on GPUs, with
+"xla" the reference) x ``--target-attention`` ("reference": the target's attention the reference
+even with "pallas", the step before the library's). Each row is printed when it finishes and written
 to ``--out/<variant>.json``; a variant that fails (e.g. out of memory) writes its error and the
 next one runs.
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import platform
 import statistics
@@ -52,6 +55,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_prefill import prompt_attention_way  # noqa: E402
 from dflash_jax.drafter import Drafter  # noqa: E402
 from dflash_jax.model_config import DrafterConfig, TargetConfig, default_target_layer_ids  # noqa: E402
 from dflash_jax.target import Target, init_stacked, stack_layers, unstack_layers  # noqa: E402
@@ -194,6 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU-sized shapes (smoke test)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--attention-impl", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"])
+    ap.add_argument("--target-attention", nargs="+", default=["library"], choices=["library", "reference"],
+                    help="with --attention-impl pallas: the target's prompt attention (bench_prefill.py)")
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--anchors", type=int, default=None)
     ap.add_argument("--loss-chunk", type=int, default=None)
@@ -234,15 +240,20 @@ def main(argv=None) -> int:
     rows = 0
     failures = 0
     for batch in args.batch:
-        for impl in args.attention_impl:
-            name = f"b{batch}_{impl}" + ("_unrolled" if args.unrolled_target else "")
+        for impl, way in itertools.product(args.attention_impl, args.target_attention):
+            if impl == "xla" and way == "reference" and "library" in args.target_attention:
+                continue  # with "xla" the target's attention is the reference either way
+            name = (f"b{batch}_{impl}" + ("_target_reference" if way == "reference" and impl == "pallas" else "")
+                    + ("_unrolled" if args.unrolled_target else ""))
             if args.time_limit is not None and time.perf_counter() - start > args.time_limit:
                 print(f"{name:<14} skipped: --time-limit {args.time_limit:.0f} s reached", flush=True)
                 continue
             print(f"{name:<14} compiling ...", flush=True)  # so that a run cut short shows where
             try:
-                row = bench_one(models, batch=batch, seq=seq, anchors=anchors, chunk=chunk, impl=impl,
-                                steps=args.steps, warmup=args.warmup, abstract=args.compile_only)
+                with prompt_attention_way(way):  # the step is traced and compiled inside
+                    row = bench_one(models, batch=batch, seq=seq, anchors=anchors, chunk=chunk, impl=impl,
+                                    steps=args.steps, warmup=args.warmup, abstract=args.compile_only)
+                row["target_attention"] = way if impl == "pallas" else "reference"
             except Exception as err:  # noqa: BLE001  (e.g. out of memory: record it, run the next variant)
                 failures += 1
                 row = {"batch": batch, "attention": impl, "error": f"{type(err).__name__}: {err}"[:2000]}

@@ -26,6 +26,9 @@ def main() -> None:
     ap.add_argument("--cpu-devices", type=int, default=0, help="fake CPU devices (smoke test)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="bfloat16: prefill takes the library's flash attention on GPUs (per device on a mesh); "
+                         "the engines then agree up to bf16 rounding, not bit for bit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.cpu_devices:
@@ -34,6 +37,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
@@ -60,8 +64,9 @@ def main() -> None:
             variants.append((f"data={n // 2} x tensor=2, pallas", "pallas", MeshConfig(data=n // 2, fsdp=1, tensor=2)))
     report, want = {}, None
     for name, impl, mesh in variants:
-        target = Target(tcfg, rngs=nnx.Rngs(0))  # each engine fuses and shards its own copy
-        drafter = Drafter(dcfg, rngs=nnx.Rngs(1))
+        dtype = jnp.dtype(args.dtype)
+        target = Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0))  # each engine fuses and shards its own copy
+        drafter = Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))
         engine = Engine(target, drafter, EngineConfig(max_batch_size=args.prompts, max_length=128, steps_per_sync=4,
                                                       attention_impl=impl, mesh=mesh))
         engine.generate(prompts, args.new_tokens)  # compiles every attention window it needs

@@ -10,7 +10,10 @@ Every attention in the project is this shape:
   (``ctx_len = anchor``) plus its own block.
 
 ``block_attention`` dispatches between this pure-jnp reference (``impl="xla"``) and the Pallas kernels
-in ``kernels_pallas`` (``impl="pallas"``); both compute exactly the function documented here.
+in ``kernels_pallas`` (``impl="pallas"``); both compute exactly the function documented here. The
+Pallas kernels hold a block's query rows in one program, tiled for draft and verify blocks of up to
+16 slots; a prompt (one causal block per row with no context: prefill, the frozen target's forward
+in training) takes ``prompt_attention`` instead, a library's flash attention (cuDNN's on GPUs).
 """
 
 from __future__ import annotations
@@ -115,7 +118,10 @@ def block_attention(
     scale: float | None = None,
     impl: AttentionImpl = "xla",
 ) -> jax.Array:
-    """``block_attention_reference`` computed by ``impl`` ("xla": the reference; "pallas": a kernel)."""
+    """``block_attention_reference`` computed by ``impl`` ("xla": the reference; "pallas": a kernel,
+    or for a prompt, one causal block per row with no context, ``prompt_attention``)."""
+    if impl == "pallas" and causal and q.shape[1] == 1 and k_ctx.shape[1] == 0:
+        return prompt_attention(q[:, 0], k_blk[:, 0], v_blk[:, 0], blk_lens[:, 0], scale=scale)[:, None]
     if impl == "xla":
         return block_attention_reference(
             q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale
@@ -141,3 +147,52 @@ def block_attention(
             k_blk, v_blk, blk_lens)
         return out.reshape(q.shape)
     raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")
+
+
+def library_flash_attention_available(dtype) -> bool:
+    """Whether ``prompt_attention`` runs a library flash attention here (a GPU, 16-bit inputs: cuDNN's
+    fused attention takes no float32) rather than the reference."""
+    return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def prompt_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lens: jax.Array,
+    *,
+    scale: float | None = None,
+    implementation: Literal["cudnn", "xla"] | None = None,
+) -> jax.Array:
+    """``block_attention_reference`` of one causal block per row with no context (a prompt):
+    ``q [batch, seq, q_heads, head_dim]``, ``k, v [batch, seq, kv_heads, head_dim]``, ``lens [batch]``
+    valid slots -> ``[batch, seq, q_heads, head_dim]``.
+
+    ``jax.nn.dot_product_attention`` computes it in ``implementation``: by default "cudnn" (a flash
+    attention: O(seq) memory, the causal half of the score tiles skipped) where
+    ``library_flash_attention_available``, else the reference itself, whose dense float32 scores
+    take ``batch * q_heads * seq**2 * 4`` bytes (34 GB per layer at 16,384 tokens). Slot ``i`` sees
+    the valid slots ``j <= i``, as in the reference; a row of ``lens == 0`` gets zeros.
+    """
+    if implementation is None:
+        if not library_flash_attention_available(q.dtype):
+            empty = jnp.zeros((k.shape[0], 0) + k.shape[2:], k.dtype)
+            zeros = jnp.zeros((q.shape[0], 1), jnp.int32)
+            return block_attention_reference(q[:, None], empty, empty, zeros, k[:, None], v[:, None], lens[:, None],
+                                             causal=True, scale=scale)[:, 0]
+        implementation = "cudnn"
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+
+    def attend(q, k, v, lens):
+        b, s, kv, g, d = q.shape
+        # A row of no valid key: the library is handed one, and the row is zeroed after.
+        out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, scale=scale, is_causal=True,
+                                           key_value_seq_lengths=jnp.maximum(lens, 1), implementation=implementation)
+        return (jnp.where((lens > 0)[:, None, None, None], out, 0).astype(q.dtype).reshape(q.shape),)
+
+    # Per device under a kernel mesh, as the Pallas kernels: rows on ``batch``, query heads by KV head.
+    rows, kv_rows = ("batch", None, "kv_heads", None, None), ("batch", None, "kv_heads", None)
+    (out,) = shard_kernel(attend, (rows, kv_rows, kv_rows, ("batch",)), (rows,))(
+        q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim), k, v, lens)
+    return out.reshape(q.shape)

@@ -189,9 +189,11 @@ def prefill(
     capacity: int,
     max_steps: int,
     mask_token_id: int,
+    attention_impl: AttentionImpl = "xla",
 ) -> DecodeState:
     """Runs the padded prompts ``ids [batch, P]`` (lengths ``lens``, stop ids ``stop_ids [batch, n_stop]``)
-    and samples the first token.
+    and samples the first token. ``attention_impl="pallas"``: a prompt longer than the kernels' blocks
+    takes a library flash attention (``attention.prompt_attention``).
 
     Fills the target cache with the prompt, the drafter's context cache with the prompt's taps, and
     commits the target's argmax after each row's last prompt token. Rows hold ``capacity + 1``
@@ -202,10 +204,8 @@ def prefill(
     tap_layers = drafter.config.target_layer_ids if drafter is not None else ()
     target_cache, draft_cache = new_caches(target, drafter, batch, plen)
     zeros = jnp.zeros((batch,), jnp.int32)
-    # The prompt is one causal block of up to thousands of tokens: the Pallas kernel is tiled for
-    # draft/verify blocks of B <= 16 rows, so prefill attention stays on the XLA path.
     hidden, taps, target_cache = target.step(ids, zeros, target_cache, blk_lens=lens, tap_layers=tap_layers,
-                                             attention_impl="xla", prefill=True)
+                                             attention_impl=attention_impl, prefill=True)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
     first = greedy_argmax(target.head(last))
 

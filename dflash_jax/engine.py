@@ -294,7 +294,8 @@ class Engine:
         target, drafter = self._models(target_state, drafter_state)
         # Every step commits >= 1 token, so max_length bounds the steps of any row.
         state = decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, capacity=self.capacity,
-                                 max_steps=self.config.max_length, mask_token_id=self._mask_id)
+                                 max_steps=self.config.max_length, mask_token_id=self._mask_id,
+                                 attention_impl=self.attention_impl)
         first = jnp.take_along_axis(state.tokens, lens[:, None], axis=1)[:, 0]
         return self._constrain(state), first
 

@@ -113,15 +113,81 @@ def test_forward_gpu_split_k(splits, causal):
     assert plan(1, 512, 8, 4096, GpuConfig())[2] == 1
 
 
-def test_forward_empty_context_array_via_dflash_jax():
-    """ctx = 0 (prefill: a causal block with no context at all), through attention.py's dispatch."""
-    args = make_inputs(20, blocks=1, block=6, q_heads=4, kv_heads=2, ctx=1)
+def _library_attention_via_xla(monkeypatch) -> list[str]:
+    """Makes ``attention.prompt_attention`` take its library path on the CPU: the library's flash
+    attention is asked for (recorded) and ``jax.nn.dot_product_attention``'s XLA implementation runs
+    in its place, so that everything around the call (layout, GQA heads, lengths, zero rows,
+    sharding) is checked against the reference. The cuDNN kernel itself runs on GPUs only
+    (``bench/bench_prefill.py`` checks it there)."""
+    from dflash_jax import attention
+
+    asked = []
+    library = jax.nn.dot_product_attention
+
+    def recorded(*args, implementation=None, **kw):
+        asked.append(implementation)
+        return library(*args, implementation="xla", **kw)
+
+    monkeypatch.setattr(attention, "library_flash_attention_available", lambda dtype: True)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recorded)
+    return asked
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prompt_attention_library_path_equals_reference(monkeypatch, dtype):
+    """ctx = 0 and one causal block (a prompt): ``impl="pallas"`` hands it to a library flash
+    attention; rows of full, partial, one and zero valid slots, GQA 4."""
+    asked = _library_attention_via_xla(monkeypatch)
+    args = make_inputs(20, batch=4, blocks=1, block=40, q_heads=8, kv_heads=2, ctx=1, dtype=dtype)
     q, _, _, _, kb, vb, _ = args
-    empty = jnp.zeros((2, 0, 2, 16), jnp.float32)
-    cl = jnp.zeros((2, 1), jnp.int32)
-    bl = jnp.array([[6], [3]], jnp.int32)
+    empty = jnp.zeros((4, 0, 2, 16), dtype)
+    cl = jnp.zeros((4, 1), jnp.int32)
+    bl = jnp.array([[40], [23], [1], [0]], jnp.int32)
     got = jax.jit(lambda *a: dispatch(*a, causal=True, impl="pallas"))(q, empty, empty, cl, kb, vb, bl)
-    assert_close(got, run_reference(q, empty, empty, cl, kb, vb, bl, causal=True), jnp.float32)
+    assert asked == ["cudnn"]
+    want = run_reference(q, empty, empty, cl, kb, vb, bl, causal=True)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype)
+    np.testing.assert_array_equal(np.asarray(got[3], np.float32), 0.0)  # no key at all: zeros
+    # negative control: without the causal mask the rows differ visibly
+    other = run_reference(q, empty, empty, cl, kb, vb, bl, causal=False)
+    assert np.max(np.abs(np.asarray(got, np.float32) - np.asarray(other, np.float32))) > 5e-2
+
+
+def test_prompt_attention_library_path_sharded(monkeypatch):
+    """The library call per device on a data x tensor mesh (rows on ``data``, KV heads with their
+    query heads on ``tensor``) equals the reference on one device."""
+    from dflash_jax import attention, sharding
+    from dflash_jax.sharding import MeshConfig, make_mesh
+
+    asked = _library_attention_via_xla(monkeypatch)
+    q, _, _, _, kb, vb, _ = make_inputs(21, batch=2, blocks=1, block=24, q_heads=8, kv_heads=4, ctx=1)
+    lens = jnp.array([24, 9], jnp.int32)
+    want = attention.prompt_attention(q[:, 0], kb[:, 0], vb[:, 0], lens, implementation="xla")
+    asked.clear()
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4), jax.devices()[:8])
+    with sharding.kernel_mesh(mesh):
+        got = jax.jit(lambda *a: attention.prompt_attention(*a))(q[:, 0], kb[:, 0], vb[:, 0], lens)
+        text = jax.jit(lambda *a: attention.prompt_attention(*a)).lower(q[:, 0], kb[:, 0], vb[:, 0], lens).as_text()
+    assert set(asked) == {"cudnn"}
+    assert "shard_map" in text or "sdy.manual_computation" in text  # run per device, not gathered
+    assert_close(got, want, jnp.float32)
+    empty = jnp.zeros((2, 0, 4, 16), jnp.float32)
+    assert_close(got, run_reference(q, empty, empty, jnp.zeros((2, 1), jnp.int32), kb, vb, lens[:, None],
+                                    causal=True)[:, 0], jnp.float32)
+
+
+def test_prompt_attention_without_library_is_the_reference():
+    """Off a GPU (and for float32 anywhere) a prompt runs the reference itself."""
+    from dflash_jax import attention
+
+    assert not attention.library_flash_attention_available(jnp.bfloat16)  # the suite runs on the CPU
+    q, _, _, _, kb, vb, _ = make_inputs(22, batch=2, blocks=1, block=20, q_heads=4, kv_heads=2, ctx=1)
+    lens = jnp.array([20, 7], jnp.int32)
+    empty = jnp.zeros((2, 0, 2, 16), jnp.float32)
+    want = run_reference(q, empty, empty, jnp.zeros((2, 1), jnp.int32), kb, vb, lens[:, None], causal=True)
+    np.testing.assert_array_equal(np.asarray(attention.prompt_attention(q[:, 0], kb[:, 0], vb[:, 0], lens)),
+                                  np.asarray(want[:, 0]))
 
 
 @pytest.mark.parametrize("case", [FWD_CASES[1], FWD_CASES[2], FWD_CASES[5]],

@@ -112,14 +112,14 @@ def target_shell(graph: TargetGraph, params: TargetParams) -> Target:
 def target_forward(graph: TargetGraph, params: TargetParams, ids: jax.Array, spec: StepSpec) -> _Forward:
     """Taps ``[batch, seq, n_taps * hidden]`` (and the logits when distilling), no gradient."""
     distill = spec.kind != "ce"
-    # The target's attention is always the XLA reference: its block is the whole sequence (as in
-    # prefill), and the Pallas kernel is tiled for blocks of <= 16 rows. ``spec.attention_impl``
-    # is the drafter's.
+    # The target's block is the whole sequence (as in prefill): with ``spec.attention_impl="pallas"``
+    # it takes a library flash attention (``attention.prompt_attention``), the drafter's the kernel.
+    impl = spec.attention_impl
     if isinstance(graph, ScanGraph):
         logits, taps = scanned_forward(graph, params, ids, tap_layers=spec.target_layer_ids, logits=distill,
-                                       attention_impl="xla")
+                                       attention_impl=impl)
     else:
-        logits, taps = nnx.merge(graph, params).forward(ids, tap_layers=spec.target_layer_ids, attention_impl="xla")
+        logits, taps = nnx.merge(graph, params).forward(ids, tap_layers=spec.target_layer_ids, attention_impl=impl)
     teacher = jax.lax.stop_gradient(logits) if distill else None
     return _Forward(jax.lax.stop_gradient(taps), teacher)
 
