@@ -301,6 +301,9 @@ def test_shipped_configs_load(name):
         assert (cfg.drafter.block_size, cfg.drafter.num_layers, cfg.optim.lr, cfg.optim.warmup_ratio,
                 cfg.data.seq_len, cfg.loss.num_anchors) == (16, 5, 6e-4, 0.04, 4096, 512)
         assert cfg.gamma(16) == 7.0
+        # the kernels (the drafter's Pallas kernel, the target's flash attention) on accelerators
+        assert cfg.model.attention_impl == "auto"
+        assert cfg.model.resolved_attention_impl() == "xla"  # the suite runs on the CPU
 
 
 @pytest.mark.parametrize("kind,weighting", [("kl", "dpace")])

@@ -11,6 +11,8 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
+import jax
+
 from dflash_jax.config import ConfigError, load_config, save_config
 from dflash_jax.sharding import MeshConfig
 
@@ -25,7 +27,15 @@ class ModelConfig:
     tokenizer: str | None = None  # tokenizer directory; None: the target's directory
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # activations / matmul inputs
     target_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the frozen target's weights
-    attention_impl: Literal["xla", "pallas"] = "xla"
+    # "pallas": the drafter's attention the Pallas kernel, the frozen target's a library flash
+    # attention (cuDNN's on GPUs); "xla": both the reference; "auto": pallas on GPUs and TPUs.
+    attention_impl: Literal["xla", "pallas", "auto"] = "auto"
+
+    def resolved_attention_impl(self) -> str:
+        """``attention_impl`` with "auto" decided for this platform."""
+        if self.attention_impl != "auto":
+            return self.attention_impl
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
 
     def validate(self) -> None:
         if not self.target:

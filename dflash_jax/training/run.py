@@ -58,7 +58,7 @@ def step_spec(config: TrainConfig, dcfg: DrafterConfig) -> StepSpec:
         dpace_alpha=config.loss.dpace_alpha,
         loss_chunk=config.loss.loss_chunk,
         compute_dtype=_DTYPES[config.model.compute_dtype],
-        attention_impl=config.model.attention_impl,
+        attention_impl=config.model.resolved_attention_impl(),
         seed=config.seed,
     )
 
