@@ -29,6 +29,14 @@ from dflash_jax.sharding import shard_kernel
 
 AttentionImpl = Literal["xla", "pallas"]
 
+def resolve_attention_impl(impl: str) -> AttentionImpl:
+    """A configured ``attention_impl`` ("xla", "pallas" or "auto") for this platform: "auto" is the
+    kernels on GPUs and TPUs, the reference elsewhere."""
+    if impl == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+    return impl
+
+
 _MASKED = -1e30  # finite, so that fully masked rows give zeros rather than NaN
 
 

@@ -192,8 +192,8 @@ def prefill(
     attention_impl: AttentionImpl = "xla",
 ) -> DecodeState:
     """Runs the padded prompts ``ids [batch, P]`` (lengths ``lens``, stop ids ``stop_ids [batch, n_stop]``)
-    and samples the first token. ``attention_impl="pallas"``: a prompt longer than the kernels' blocks
-    takes a library flash attention (``attention.prompt_attention``).
+    and samples the first token. With ``attention_impl="pallas"`` the prompt's attention is a library's
+    flash attention (``attention.prompt_attention``).
 
     Fills the target cache with the prompt, the drafter's context cache with the prompt's taps, and
     commits the target's argmax after each row's last prompt token. Rows hold ``capacity + 1``

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dflash_jax import decoding, layers, tail_layout
+from dflash_jax.attention import resolve_attention_impl
 from dflash_jax.batcher import ContinuousBatcher, Generation, GenerationResult
 from dflash_jax.cache import CACHE_ALIGNMENT, CACHE_AXES
 from dflash_jax.drafter import Drafter
@@ -194,9 +195,7 @@ class Engine:
         # divisor of the capacity (16 keys for 1025) or pads a copy of every cache buffer per call.
         self.capacity = -(-(config.max_length + self.block_size) // CACHE_ALIGNMENT) * CACHE_ALIGNMENT
         self.mesh = mesh if mesh is not None else (make_mesh(config.mesh) if config.mesh is not None else None)
-        self.attention_impl = config.attention_impl
-        if self.attention_impl == "auto":
-            self.attention_impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+        self.attention_impl = resolve_attention_impl(config.attention_impl)
         self._rules = config.mesh.resolved_rules() if config.mesh is not None else None
         # The serving layout: one QKV and one gate-up matmul per target layer (in place; see
         # ``layers.fuse_projections``), the norms before them folded in (``layers.fold_norms``), and

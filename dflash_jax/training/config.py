@@ -11,8 +11,6 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-import jax
-
 from dflash_jax.config import ConfigError, load_config, save_config
 from dflash_jax.sharding import MeshConfig
 
@@ -31,11 +29,6 @@ class ModelConfig:
     # attention (cuDNN's on GPUs); "xla": both the reference; "auto": pallas on GPUs and TPUs.
     attention_impl: Literal["xla", "pallas", "auto"] = "auto"
 
-    def resolved_attention_impl(self) -> str:
-        """``attention_impl`` with "auto" decided for this platform."""
-        if self.attention_impl != "auto":
-            return self.attention_impl
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
 
     def validate(self) -> None:
         if not self.target:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax.attention import resolve_attention_impl
 from dflash_jax.model_config import DrafterConfig, TargetConfig, default_target_layer_ids
 from dflash_jax.target import Target, unstack_layers
 from dflash_jax.training import parallel
@@ -58,7 +59,7 @@ def step_spec(config: TrainConfig, dcfg: DrafterConfig) -> StepSpec:
         dpace_alpha=config.loss.dpace_alpha,
         loss_chunk=config.loss.loss_chunk,
         compute_dtype=_DTYPES[config.model.compute_dtype],
-        attention_impl=config.model.resolved_attention_impl(),
+        attention_impl=resolve_attention_impl(config.model.attention_impl),
         seed=config.seed,
     )
 
