@@ -66,6 +66,9 @@ class GpuConfig:
     # Cached kernel only, blocks of several slots: group members per program (a power of two
     # dividing the group; None: the fewest that fit the grid in one wave, ``members_per_program``).
     members_per_program: int | None = None
+    # Cached kernel only, programs of several members: their queries as one [block * members, D]
+    # matrix (one dot per tile, one online softmax) instead of one per member. Opt-in: unmeasured.
+    stacked_members: bool = False
 
 
 def resident_programs(cfg: GpuConfig) -> int:

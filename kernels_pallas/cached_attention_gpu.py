@@ -94,6 +94,7 @@ def _kernel(
     # [B, C, Hkv, D]); the outputs o (like q), m [T, M] ([G]), l [T, M] ([G]); and with a write, the
     # caches k, v aliasing the inputs.
     members: int,
+    stacked: bool,
     parts: int,
     scaled: bool,
     dtype: jnp.dtype,
@@ -109,9 +110,12 @@ def _kernel(
     """One program per (row, KV head, ``members`` group members, split); a single token's program
     takes all its group's rows (``members`` 0: no member axis). A program of several members loads
     each context tile once for all of them and runs one online softmax per member, each exactly as
-    a program of one member would. Tensors stay two-dimensional: Triton lowers 3-D register
-    tensors (and reshapes between them) through shared memory, which cost more than the attention
-    itself in the first version of this kernel. Fewer than 16 query rows (a single token's ``G``,
+    a program of one member would. With ``stacked`` the members' queries are instead one
+    ``[T * M, D]`` matrix (row ``t * M + m``): one dot per tile and one online softmax over all
+    rows (each row's arithmetic unchanged), at the price of a 3-D load and reshape in the prologue.
+    Otherwise tensors stay two-dimensional: Triton lowers 3-D register tensors (and reshapes
+    between them) through shared memory, which cost more than the attention itself in the first
+    version of this kernel. Fewer than 16 query rows (a single token's ``G``,
     a short block's ``T``) are repeated to the 16 rows ``tl.dot`` needs: identical copies with
     identical outputs, so their maximum is the output.
 
@@ -135,13 +139,18 @@ def _kernel(
     row_scale = scale_ref[...][:, None] if scaled else None
 
     def read(part_refs, cols=slice(None), member=None):
-        """The block's projection (columns ``cols``; of group member ``member`` of the program) in
-        ``dtype``: its value, or its partials' sum, times the row scale."""
-        index = (slice(None), cols) if member is None else (slice(None), member, cols)
+        """The block's projection (columns ``cols``; of group member ``member`` of the program, or
+        ``"all"``: its members stacked, ``[T * M, cols]``) in ``dtype``: its value, or its partials'
+        sum, times the row scale."""
+        index = ((slice(None), cols) if member is None else
+                 (slice(None), slice(None), cols) if member == "all" else (slice(None), member, cols))
+        scale_rows = row_scale if member != "all" or row_scale is None else row_scale[:, :, None]
         if parts == 1 and row_scale is None:
-            return part_refs[0][index].astype(dtype)
-        x = functools.reduce(jnp.add, [r[index].astype(jnp.float32) for r in part_refs])
-        return (x if row_scale is None else x * row_scale).astype(dtype)
+            x = part_refs[0][index].astype(dtype)
+        else:
+            x = functools.reduce(jnp.add, [r[index].astype(jnp.float32) for r in part_refs])
+            x = (x if scale_rows is None else x * scale_rows).astype(dtype)
+        return x.reshape(-1, x.shape[-1]) if member == "all" else x
 
     cos, sin = rope_ref[0].astype(dtype), rope_ref[1].astype(dtype)
     finish = functools.partial(_finish, cos=cos, sin=sin, qk_norm=qk_norm, eps=eps)
@@ -159,11 +168,18 @@ def _kernel(
             k_cache_out[block, hi] = k_hi
             v_cache_out[block, :] = v_blk
 
-    member_ids = list(range(members)) if members else [None]
-    queries = []  # per member: q's halves, normed, rotated and repeated to >= 16 rows
+    member_ids = ["all"] if stacked else list(range(members)) if members else [None]
+    per_slot = members if stacked else 1  # query rows per slot in a program's query matrix
+    if stacked:  # each slot's cos / sin for its M stacked rows
+        cos, sin = (jnp.broadcast_to(x[:, None, :], (slots, members, half)).reshape(slots * members, half)
+                    for x in (cos, sin))
+        finish_q = functools.partial(_finish, cos=cos, sin=sin, qk_norm=qk_norm, eps=eps)
+    else:
+        finish_q = finish
+    queries = []  # per member (or once, stacked): q's halves, normed, rotated and repeated to >= 16 rows
     for g in member_ids:
-        q_lo, q_hi = finish(read(q_parts, lo, g), read(q_parts, hi, g), q_norm_ref)
-        distinct = q_lo.shape[0]  # G rows of one slot, or T slots of one group member
+        q_lo, q_hi = finish_q(read(q_parts, lo, g), read(q_parts, hi, g), q_norm_ref)
+        distinct = q_lo.shape[0]  # G rows of one slot, T slots of one group member, or T * M stacked
         copies = max(1, MMA_MIN // distinct)
         if copies > 1:
             q_lo, q_hi = (jnp.broadcast_to(x[None], (copies,) + x.shape).reshape(copies * distinct, half)
@@ -197,7 +213,7 @@ def _kernel(
     col = jnp.arange(slots, dtype=jnp.int32)[None, :]
     valid = col < jnp.where(j == 0, blk_len, 0)
     if causal and slots > 1:
-        valid = valid & (col <= jnp.arange(rows, dtype=jnp.int32)[:, None] % slots)
+        valid = valid & (col <= (jnp.arange(rows, dtype=jnp.int32)[:, None] % distinct) // per_slot)
     for n, (g, carry, (q_lo, q_hi)) in enumerate(zip(member_ids, carries, queries)):
         acc, m, l = online_update(carry, nt_dot(q_lo, k_lo) + nt_dot(q_hi, k_hi), valid, v_blk, scale)
         out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
@@ -212,6 +228,9 @@ def _kernel(
             out = signal_after(out, interpret=interpret)
         if g is None:
             m_ref[...], l_ref[...], o_ref[...] = m, l, out
+        elif g == "all":
+            m_ref[...], l_ref[...] = m.reshape(slots, members), l.reshape(slots, members)
+            o_ref[...] = out.reshape(slots, members, head_dim)
         else:
             m_ref[:, g], l_ref[:, g], o_ref[:, g, :] = m, l, out
 
@@ -348,7 +367,8 @@ def cached_block_attention(
     projection_specs = ([projection(q_block, q_index, p) for p in range(parts)]
                         + [projection(member_block, member(groups), p) for p in range(parts)]
                         + [projection(member_block, member(groups + 1), p) for p in range(parts)])
-    kernel = functools.partial(_kernel, members=per_program, parts=parts, scaled=row_scale is not None, dtype=dtype,
+    kernel = functools.partial(_kernel, members=per_program, stacked=bool(cfg.stacked_members) and per_program > 1,
+                               parts=parts, scaled=row_scale is not None, dtype=dtype,
                                scale=scale, eps=float(eps), qk_norm=qk_norm, causal=causal, block_k=block_k,
                                chunk=chunk, balanced=bool(cfg.balanced_splits), interpret=interpret)
     # RoPE's cos / sin at the block's positions, by XLA: the same for every layer of a step, so XLA

@@ -333,15 +333,17 @@ def test_cached_attention_kernel_splits_of_the_context(block, balanced):
 
 
 @pytest.mark.parametrize("drafter", [False, True], ids=["verify", "draft"])
-@pytest.mark.parametrize("members", [2, 4])
-def test_cached_attention_kernel_members_per_program(members, drafter):
-    """A program of several group members (one context-tile load for all of them, one online
-    softmax each) against the reference, and against one member per program: the caches bit for
+@pytest.mark.parametrize("members,stacked,block", [(2, False, 16), (4, False, 16), (4, True, 16), (2, True, 4)],
+                         ids=["2", "4", "4-stacked", "2-stacked-short-block"])
+def test_cached_attention_kernel_members_per_program(members, stacked, block, drafter):
+    """A program of several group members (one context-tile load for all of them; one online
+    softmax each, or with ``stacked_members`` one over their stacked rows, a short block's rows
+    repeated to 16) against the reference, and against one member per program: the caches bit for
     bit, the attention to an ulp (interpret mode on the CPU may fuse the members' ops otherwise)."""
-    config = GpuConfig(block_k=16, num_splits=3, members_per_program=members)
-    got = _check_cached_attention(9, 16, 4, True, jnp.float32, drafter, config)
-    single = _check_cached_attention(9, 16, 4, True, jnp.float32, drafter,
-                                     dataclasses.replace(config, members_per_program=1))
+    config = GpuConfig(block_k=16, num_splits=3, members_per_program=members, stacked_members=stacked)
+    got = _check_cached_attention(9, block, 4, True, jnp.float32, drafter, config)
+    single = _check_cached_attention(9, block, 4, True, jnp.float32, drafter,
+                                     dataclasses.replace(config, members_per_program=1, stacked_members=False))
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(single[0]), rtol=1e-6, atol=1e-7)
     for a, b in zip(got[1:], single[1:]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -468,8 +470,9 @@ def test_cached_attention_kernel_lowers_for_gpus():
         shapes = (qkv, sd((1, 1152, 8, 128), bf), sd((1, 1152, 8, 128), bf),
                   sd((1,), jnp.int32), sd((1,), jnp.int32), sd((128,), bf), sd((128,), bf),
                   sd((64,), jnp.float32))
-        for members in (None, 4) if qkv.shape[-4] > 1 else (None,):  # a block: also 4 members per program
-            config = GpuConfig(members_per_program=members)
+        # a block: also 4 members per program, one online softmax each or stacked
+        for members, stacked in ((None, False), (4, False), (4, True)) if qkv.shape[-4] > 1 else ((None, False),):
+            config = GpuConfig(members_per_program=members, stacked_members=stacked)
             fn = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False,
                                                            config=config))
             text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
