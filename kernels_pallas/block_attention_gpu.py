@@ -67,7 +67,8 @@ class GpuConfig:
     # dividing the group; None: the fewest that fit the grid in one wave, ``members_per_program``).
     members_per_program: int | None = None
     # Cached kernel only, programs of several members: their queries as one [block * members, D]
-    # matrix (one dot per tile, one online softmax) instead of one per member. Opt-in: unmeasured.
+    # matrix (one dot per tile, one online softmax) instead of one per member. Opt-in: measured once
+    # (docs/kernels.md); it changes how a verify block's attention rounds against a single token's.
     stacked_members: bool = False
 
 
