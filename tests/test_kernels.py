@@ -349,6 +349,13 @@ def test_cached_attention_kernel_members_per_program(members, stacked, block, dr
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_cached_attention_kernel_stacked_members_scaled_partials():
+    """Stacked members reading float32 split-K partials times a row scale per slot (each slot's
+    scale broadcast over its stacked rows) against the reference fed the scaled sum."""
+    config = GpuConfig(block_k=16, num_splits=2, members_per_program=4, stacked_members=True)
+    _check_cached_attention(10, 16, 4, True, jnp.bfloat16, False, config, parts=2, scaled=True)
+
+
 def test_cached_attention_members_per_program_fill_one_wave():
     """The fewest members per program that fit a verify block's grid in one wave of resident
     programs (132 SMs x 2): Qwen3-8B heads (8 KV heads, groups of 4)."""
