@@ -133,6 +133,18 @@ def layout_logits(target: Target, ids: jax.Array, context: int) -> tuple[jax.Arr
     return run(state, ids)
 
 
+def median_time(fn: Callable, *args, repeats: int) -> tuple[float, float]:
+    """Seconds per call of ``fn(*args)`` after a warm-up call (which compiles): (median, min) over
+    ``repeats`` calls, each ended by ``block_until_ready``."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
 def relative_error(got: jax.Array, want: jax.Array) -> float:
     """The largest difference of ``got`` from ``want``, relative to ``want``'s largest entry (float32)."""
     got, want = got.astype(jnp.float32), want.astype(jnp.float32)

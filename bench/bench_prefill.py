@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench_engine import qwen3_8b, relative_error  # noqa: E402
+from bench_engine import median_time, qwen3_8b, relative_error  # noqa: E402
 from dflash_jax import attention  # noqa: E402
 from dflash_jax.engine import Engine, EngineConfig  # noqa: E402
 from dflash_jax.target import Target  # noqa: E402
@@ -44,19 +43,12 @@ from dflash_jax.tiny import tiny_target_config  # noqa: E402
 WAYS = ("library", "reference")
 
 
-@contextlib.contextmanager
-def prompt_attention_way(way: str):
+def prompt_attention_way(way: str) -> contextlib.AbstractContextManager:
     """While tracing inside it, a prompt's attention is the library's (where this device has one) or
     the reference (``attention.library_flash_attention_available`` switched off)."""
     if way == "library":
-        yield
-        return
-    available = attention.library_flash_attention_available
-    attention.library_flash_attention_available = lambda dtype: False
-    try:
-        yield
-    finally:
-        attention.library_flash_attention_available = available
+        return contextlib.nullcontext()
+    return mock.patch.object(attention, "library_flash_attention_available", lambda dtype: False)
 
 
 def compiled_prompt_attention(way: str, *args: jax.Array) -> Callable:
@@ -66,23 +58,22 @@ def compiled_prompt_attention(way: str, *args: jax.Array) -> Callable:
         return jax.jit(lambda q, k, v, lens: attention.prompt_attention(q, k, v, lens)).lower(*args).compile()
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    jax.block_until_ready(fn())  # warm-up (and compile)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+def random_qkv(seed: int, rows: int, length: int, heads: int, kv_heads: int, head_dim: int, dtype):
+    """Random ``q [rows, length, heads, head_dim]`` and ``k, v [rows, length, kv_heads, head_dim]``."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (jax.random.normal(ks[0], (rows, length, heads, head_dim), dtype),
+            *(jax.random.normal(key, (rows, length, kv_heads, head_dim), dtype) for key in ks[1:]))
+
+
+def failure(err: Exception) -> dict:
+    """A variant's row when it fails (the reference's scores may not fit the device)."""
+    return {"error": f"{type(err).__name__}: {err}"[:300]}
 
 
 def check_library(heads: int, kv_heads: int, head_dim: int, length: int, dtype) -> dict:
     """``prompt_attention`` (library) against the reference on random data, 3 rows of lengths
     ``length``, ``length // 3`` and 1."""
-    ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    q = jax.random.normal(ks[0], (3, length, heads, head_dim), dtype)
-    k = jax.random.normal(ks[1], (3, length, kv_heads, head_dim), dtype)
-    v = jax.random.normal(ks[2], (3, length, kv_heads, head_dim), dtype)
+    q, k, v = random_qkv(0, 3, length, heads, kv_heads, head_dim, dtype)
     lens = jnp.array([length, length // 3, 1], jnp.int32)
     got = compiled_prompt_attention("library", q, k, v, lens)(q, k, v, lens)
     want = compiled_prompt_attention("reference", q, k, v, lens)(q, k, v, lens)
@@ -101,11 +92,7 @@ def check_mesh(heads: int, kv_heads: int, head_dim: int, length: int, dtype) -> 
     from dflash_jax.sharding import MeshConfig, make_mesh
 
     n = jax.device_count()
-    ks = jax.random.split(jax.random.PRNGKey(1), 3)
-    rows = 2
-    q = jax.random.normal(ks[0], (rows, length, heads, head_dim), dtype)
-    k = jax.random.normal(ks[1], (rows, length, kv_heads, head_dim), dtype)
-    v = jax.random.normal(ks[2], (rows, length, kv_heads, head_dim), dtype)
+    q, k, v = random_qkv(1, 2, length, heads, kv_heads, head_dim, dtype)
     lens = jnp.array([length, length // 2], jnp.int32)
     want = np.asarray(compiled_prompt_attention("library", q, k, v, lens)(q, k, v, lens), np.float32)
     report = {}
@@ -121,20 +108,16 @@ def check_mesh(heads: int, kv_heads: int, head_dim: int, length: int, dtype) -> 
 def time_attention(heads: int, kv_heads: int, head_dim: int, length: int, batch: int, dtype, repeats: int) -> dict:
     """One layer's prompt attention at ``length`` both ways: ms and TFLOP/s of the causal half
     (``2 * batch * heads * length**2 * head_dim`` FLOPs)."""
-    ks = jax.random.split(jax.random.PRNGKey(length), 3)
-    q = jax.random.normal(ks[0], (batch, length, heads, head_dim), dtype)
-    k = jax.random.normal(ks[1], (batch, length, kv_heads, head_dim), dtype)
-    v = jax.random.normal(ks[2], (batch, length, kv_heads, head_dim), dtype)
+    q, k, v = random_qkv(length, batch, length, heads, kv_heads, head_dim, dtype)
     lens = jnp.full((batch,), length, jnp.int32)
     flops = 2 * batch * heads * length**2 * head_dim
     row = {"length": length, "batch": batch}
     for way in WAYS:
         try:
-            fn = compiled_prompt_attention(way, q, k, v, lens)
-            ms = median_ms(lambda: fn(q, k, v, lens), repeats)
+            ms = median_time(compiled_prompt_attention(way, q, k, v, lens), q, k, v, lens, repeats=repeats)[0] * 1e3
             row[way] = {"ms": ms, "tflops": flops / ms / 1e9}
-        except Exception as err:  # noqa: BLE001  (the reference's scores may not fit)
-            row[way] = {"error": f"{type(err).__name__}: {err}"[:300]}
+        except Exception as err:  # noqa: BLE001
+            row[way] = failure(err)
     return row
 
 
@@ -147,12 +130,13 @@ def time_prefill(engines: dict[str, Engine], length: int, batch: int, vocab: int
     for way, engine in engines.items():
         try:
             with prompt_attention_way(way):  # the engine traces its prefill on the first call of a shape
-                ms = median_ms(lambda: engine.prefill(prompts, [1] * batch, [()] * batch)[1], repeats)
+                ms = median_time(lambda: engine.prefill(prompts, [1] * batch, [()] * batch)[1],
+                                 repeats=repeats)[0] * 1e3
             state, first = engine.prefill(prompts, [1] * batch, [()] * batch)
             outs[way] = (np.asarray(first), state.target_cache.k[-1][:, :length])
             row[way] = {"ms": ms, "tokens_per_s": batch * length / ms * 1e3}
-        except Exception as err:  # noqa: BLE001  (the reference's scores may not fit)
-            row[way] = {"error": f"{type(err).__name__}: {err}"[:300]}
+        except Exception as err:  # noqa: BLE001
+            row[way] = failure(err)
     if len(outs) == 2:
         (f_lib, k_lib), (f_ref, k_ref) = outs["library"], outs["reference"]
         row["first_tokens_equal"] = int(np.sum(f_lib == f_ref))  # of the batch's rows

@@ -28,7 +28,6 @@ import argparse
 import functools
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,6 +38,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plt  # noqa: E402
 
+from bench_engine import median_time  # noqa: E402
 from kernels_pallas._flash import triton_params  # noqa: E402
 
 SLOTS = 8
@@ -166,17 +166,6 @@ def matmul_chain(x: jax.Array, ws, *, small, loops: int) -> jax.Array:
     return jax.lax.fori_loop(0, loops, one_pass, x)
 
 
-def _median_time(fn, *args, repeats: int) -> tuple[float, float]:
-    """Seconds per call of ``fn(*args)`` after a warm-up: (median, min) over ``repeats`` calls."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
-
-
 def probe_launch(spin_us: float, repeats: int, options: dict) -> None:
     """Part 1: when B starts relative to A's end, for every (A triggers, B waits) pair."""
     x = jnp.arange(SLOTS, dtype=jnp.int32)
@@ -213,7 +202,7 @@ def time_chains(units: int, loops: int, repeats: int, options: dict) -> None:
     for name, small, w in variants:
         fn = jax.jit(functools.partial(matmul_chain, small=small, loops=loops), compiler_options=options)
         try:
-            median, best = _median_time(fn, x, w, repeats=repeats)
+            median, best = median_time(fn, x, w, repeats=repeats)
         except Exception as e:  # noqa: BLE001
             print(f"{name:12s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
@@ -243,9 +232,9 @@ def time_loop_overhead(repeats: int, options: dict) -> None:
         for k in (1, 8, 64, 256):
             n = max(8, 512 // k)
             try:
-                t_loop, _ = _median_time(jax.jit(functools.partial(looped, k=k), compiler_options=opts), x,
+                t_loop, _ = median_time(jax.jit(functools.partial(looped, k=k), compiler_options=opts), x,
                                          jnp.int32(n), repeats=repeats)
-                t_flat, _ = _median_time(jax.jit(functools.partial(unrolled, total=n * k), compiler_options=opts), x,
+                t_flat, _ = median_time(jax.jit(functools.partial(unrolled, total=n * k), compiler_options=opts), x,
                                          jnp.int32(n), repeats=repeats)
             except Exception as e:  # noqa: BLE001
                 print(f"{opts_name} k={k}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)

@@ -29,6 +29,7 @@ from dflash_jax.sharding import shard_kernel
 
 AttentionImpl = Literal["xla", "pallas"]
 
+
 def resolve_attention_impl(impl: str) -> AttentionImpl:
     """A configured ``attention_impl`` ("xla", "pallas" or "auto") for this platform: "auto" is the
     kernels on GPUs and TPUs, the reference elsewhere."""

@@ -115,9 +115,9 @@ def _kernel(
     rows (each row's arithmetic unchanged), at the price of a 3-D load and reshape in the prologue.
     Otherwise tensors stay two-dimensional: Triton lowers 3-D register tensors (and reshapes
     between them) through shared memory, which cost more than the attention itself in the first
-    version of this kernel. Fewer than 16 query rows (a single token's ``G``,
-    a short block's ``T``) are repeated to the 16 rows ``tl.dot`` needs: identical copies with
-    identical outputs, so their maximum is the output.
+    version of this kernel. Fewer than 16 query rows (a single token's ``G``, a short block's
+    ``T``) are repeated to the 16 rows ``tl.dot`` needs: identical copies with identical outputs,
+    so their maximum is the output.
 
     Partials are summed in split order in float32 and rounded to ``dtype`` (what XLA's split-K
     reduction after a GEMM does), so the kernel reads the projection without that reduction kernel.

@@ -29,7 +29,6 @@ class ModelConfig:
     # attention (cuDNN's on GPUs); "xla": both the reference; "auto": pallas on GPUs and TPUs.
     attention_impl: Literal["xla", "pallas", "auto"] = "auto"
 
-
     def validate(self) -> None:
         if not self.target:
             raise ValueError("model.target (the target's directory) is required")
