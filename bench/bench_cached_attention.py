@@ -70,7 +70,7 @@ def fused(attn: Attention, qkv, k_cache, v_cache, starts, blk_lens, config=None,
 
 
 def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, out_dir: str,
-                   sweep: dict[str, dict]) -> list[dict]:
+                   sweep: dict[str, dict], blocks: tuple[int, ...] = (1, 16), anatomy: bool = True) -> list[dict]:
     """GPU time of the fused kernel alone, per variant, read off a profiler trace (no harness in it):
     what the ~8.7 us per layer of the engine's batch-1 attention is made of. Variants: the tile
     config, the context length (0 = the fixed cost of a program), the q/k norm, the cache write.
@@ -80,21 +80,23 @@ def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, ou
     (layer 0), and for determinism: 20 calls of one layer must give bit-identical outputs (a
     variant that merges its splits across programs could race).
 
-    ``sweep``: tile configs by name (``GpuConfig`` fields; ``{}`` is the default)."""
+    ``sweep``: tile configs by name (``GpuConfig`` fields; ``{}`` is the default); ``blocks``: the
+    query slots per row; ``anatomy``: also the context, norm and write variants of the first config."""
     kv_heads, head_dim = attn.num_kv_heads, attn.head_dim
     groups = attn.num_heads // kv_heads
     configs = {name: GpuConfig(**kw) for name, kw in sweep.items()}
     rows = []
-    for block in (1, 16):
+    for block in blocks:
         keys = jax.random.split(jax.random.key(block), 3)
         qkvs = jax.random.normal(keys[0], (layers, 1, block, kv_heads, groups + 2, head_dim), jnp.bfloat16)
         shape = (layers, 1, capacity, kv_heads, head_dim)
         k_all, v_all = (jax.random.normal(k, shape, jnp.bfloat16) for k in keys[1:])
         variants = [(name, cfg, context, True, True) for name, cfg in configs.items()]
         best = configs[next(iter(configs))]
-        variants += [(f"context={c}", best, c, True, True) for c in (0, 64, 1024) if c + block <= capacity]
-        variants += [("no q/k norm", best, context, False, True), ("no cache write", best, context, True, False),
-                     ("context=0, no norm, no write", best, 0, False, False)]
+        if anatomy:
+            variants += [(f"context={c}", best, c, True, True) for c in (0, 64, 1024) if c + block <= capacity]
+            variants += [("no q/k norm", best, context, False, True), ("no cache write", best, context, True, False),
+                         ("context=0, no norm, no write", best, 0, False, False)]
         for name, cfg, ctx, qk_norm, write in variants:
             def one(q, k, v, s, b, cfg=cfg, qk_norm=qk_norm, write=write):
                 return fused(attn, q, k, v, s, b, cfg, qk_norm=qk_norm, write=write)
@@ -166,6 +168,9 @@ def main() -> None:
                     "min_chunk=64,num_stages=2;min_chunk=64,num_warps=8;num_splits=8",
                     help="--kernel-profile's tile configs, ';'-separated (the first also runs the context, "
                          "norm and write variants)")
+    ap.add_argument("--blocks", default="1,16", help="--kernel-profile's query slots per row, comma-separated")
+    ap.add_argument("--no-anatomy", action="store_true",
+                    help="--kernel-profile: only the --sweep configs (no context, norm and write variants)")
     args = ap.parse_args()
     dtype = jnp.bfloat16
     layers = 2 if args.tiny else args.layers
@@ -179,7 +184,8 @@ def main() -> None:
 
     if args.kernel_profile:
         sweep = {name: {} if name == "default" else int_fields(name) for name in args.sweep.split(";")}
-        rows = kernel_profile(attn, min(layers, 8), capacity, context, args.kernel_profile, sweep)
+        rows = kernel_profile(attn, min(layers, 8), capacity, context, args.kernel_profile, sweep,
+                              tuple(int(b) for b in args.blocks.split(",")), anatomy=not args.no_anatomy)
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=2))
         return

@@ -11,10 +11,12 @@ The same measurement as the build's eval stage, on whatever device JAX picks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
@@ -22,6 +24,8 @@ import jax  # noqa: E402
 from dflash_jax import embedded  # noqa: E402
 from dflash_jax.embedded_build import evaluate  # noqa: E402
 from dflash_jax.tokenizer import Tokenizer  # noqa: E402
+from bench_engine import int_fields  # noqa: E402
+from kernels_pallas import cached_attention_gpu  # noqa: E402
 
 
 def main() -> None:
@@ -30,8 +34,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--attention-config", default="", metavar="FIELD=N,...",
+                    help="the cached-attention kernel's tile fields (GpuConfig), e.g. stacked_members=1,"
+                         "members_per_program=2 (GPUs: the engine's kernels)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.attention_config:
+        cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(cached_attention_gpu.DEFAULT_CONFIG,
+                                                                  **int_fields(args.attention_config))
     tok = Tokenizer(embedded.DEFAULT_TARGET)
     prompts = [tok.encode(t, add_special_tokens=False) for t in embedded.heldout_prompts(args.prompts)]
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"

@@ -1,9 +1,9 @@
 """Prefill cost: a prompt's attention by the library flash kernel against the reference.
 
 A prompt is one causal block per row with no context; with ``attention_impl="pallas"`` it takes
-``attention.prompt_attention`` (cuDNN's flash attention on GPUs), else the reference, whose dense
-float32 scores grow with the square of the prompt. Three parts, on a Qwen3-8B-shaped target with
-random bf16 weights:
+``attention.prompt_attention`` (cuDNN's flash attention on GPUs, JAX's Pallas one on TPUs), else
+the reference, whose dense float32 scores grow with the square of the prompt. Three parts, on a
+Qwen3-8B-shaped target with random bf16 weights:
 
 1. correctness on this device: ``prompt_attention`` against the reference at 8B head shapes, rows
    of full, partial and one valid slot (the relative error); with several devices, the library
@@ -45,10 +45,10 @@ WAYS = ("library", "reference")
 
 def prompt_attention_way(way: str) -> contextlib.AbstractContextManager:
     """While tracing inside it, a prompt's attention is the library's (where this device has one) or
-    the reference (``attention.library_flash_attention_available`` switched off)."""
+    the reference (``attention.library_flash_attention`` switched off)."""
     if way == "library":
         return contextlib.nullcontext()
-    return mock.patch.object(attention, "library_flash_attention_available", lambda dtype: False)
+    return mock.patch.object(attention, "library_flash_attention", lambda dtype, head_dim: None)
 
 
 def compiled_prompt_attention(way: str, *args: jax.Array) -> Callable:
@@ -78,7 +78,7 @@ def check_library(heads: int, kv_heads: int, head_dim: int, length: int, dtype) 
     got = compiled_prompt_attention("library", q, k, v, lens)(q, k, v, lens)
     want = compiled_prompt_attention("reference", q, k, v, lens)(q, k, v, lens)
     valid = [(0, length), (1, length // 3), (2, 1)]
-    return {"library": attention.library_flash_attention_available(dtype), "length": length,
+    return {"library": attention.library_flash_attention(dtype, head_dim), "length": length,
             "rel_err": relative_error(got, want),
             "rel_err_valid_rows": [relative_error(got[r, :n], want[r, :n]) for r, n in valid],
             "max_abs_err": float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))}
@@ -186,7 +186,7 @@ def main() -> None:
     heads, kv, dim = tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim
     dev = jax.devices()[0]
     print(f"jax {jax.__version__}, {dev.device_kind}; library flash attention here: "
-          f"{attention.library_flash_attention_available(dtype)}", flush=True)
+          f"{attention.library_flash_attention(dtype, dim)}", flush=True)
     report = {"device": dev.device_kind, "jax": jax.__version__, "layers": tcfg.num_layers, "batch": args.batch}
 
     parts = set(args.parts.split(","))

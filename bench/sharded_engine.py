@@ -14,6 +14,7 @@ of the batch (a tiny model: a check of the sharded kernels, not a performance fi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -29,6 +30,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="bfloat16: prefill takes the library's flash attention on GPUs (per device on a mesh); "
                          "the engines then agree up to bf16 rounding, not bit for bit")
+    ap.add_argument("--attention-config", action="append", default=[], metavar="FIELD=N,...",
+                    help="also run the one-device kernel engine with these cached-attention tile fields "
+                         "(GpuConfig, e.g. stacked_members=1,members_per_program=4); repeatable")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.cpu_devices:
@@ -46,6 +50,10 @@ def main() -> None:
     from dflash_jax.sharding import MeshConfig
     from dflash_jax.target import Target
     from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
+    from kernels_pallas import cached_attention_gpu
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_engine import int_fields
 
     n = len(jax.devices())
     print(f"jax {jax.__version__}: {n} x {jax.devices()[0].device_kind}", flush=True)
@@ -56,7 +64,9 @@ def main() -> None:
     prompts = [rng.integers(0, tcfg.vocab_size - 1, size=int(rng.integers(8, 40))).tolist()
                for _ in range(args.prompts)]
 
+    default_attention = cached_attention_gpu.DEFAULT_CONFIG
     variants = [("one device, xla", "xla", None), ("one device, pallas", "pallas", None)]
+    variants += [(f"one device, pallas {fields}", "pallas", None) for fields in args.attention_config]
     if n > 1:
         variants += [(f"tensor={n}, pallas", "pallas", MeshConfig(data=1, fsdp=1, tensor=n)),
                      (f"data={n}, pallas", "pallas", MeshConfig(data=n, fsdp=1, tensor=1))]
@@ -64,6 +74,9 @@ def main() -> None:
             variants.append((f"data={n // 2} x tensor=2, pallas", "pallas", MeshConfig(data=n // 2, fsdp=1, tensor=2)))
     report, want = {}, None
     for name, impl, mesh in variants:
+        fields = name.partition("pallas ")[2]
+        overrides = int_fields(fields) if fields else {}
+        cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(default_attention, **overrides)
         dtype = jnp.dtype(args.dtype)
         target = Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0))  # each engine fuses and shards its own copy
         drafter = Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))

@@ -158,10 +158,22 @@ def block_attention(
     raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")
 
 
-def library_flash_attention_available(dtype) -> bool:
-    """Whether ``prompt_attention`` runs a library flash attention here (a GPU, 16-bit inputs: cuDNN's
-    fused attention takes no float32) rather than the reference."""
-    return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+TPU_FLASH_BLOCK = 128  # the Pallas TPU flash attention's default tiles; a prompt is padded to a multiple
+
+
+def library_flash_attention(dtype, head_dim: int) -> Literal["cudnn", "tpu_flash"] | None:
+    """The library flash attention ``prompt_attention`` runs here for 16-bit inputs, or None (the
+    reference): cuDNN's fused attention on GPUs (it takes no float32), JAX's Pallas TPU flash
+    attention on TPUs for head dims of whole 128-lane tiles (every Qwen3 and Llama-3 size; others
+    were never run on a TPU). Float32 keeps the reference everywhere, for the exactness tests."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return None
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return "cudnn"
+    if backend == "tpu" and head_dim % 128 == 0:
+        return "tpu_flash"
+    return None
 
 
 def prompt_attention(
@@ -171,33 +183,37 @@ def prompt_attention(
     lens: jax.Array,
     *,
     scale: float | None = None,
-    implementation: Literal["cudnn", "xla"] | None = None,
+    implementation: Literal["cudnn", "tpu_flash", "xla"] | None = None,
 ) -> jax.Array:
     """``block_attention_reference`` of one causal block per row with no context (a prompt):
     ``q [batch, seq, q_heads, head_dim]``, ``k, v [batch, seq, kv_heads, head_dim]``, ``lens [batch]``
     valid slots -> ``[batch, seq, q_heads, head_dim]``.
 
-    ``jax.nn.dot_product_attention`` computes it in ``implementation``: by default "cudnn" (a flash
-    attention: O(seq) memory, the causal half of the score tiles skipped) where
-    ``library_flash_attention_available``, else the reference itself, whose dense float32 scores
-    take ``batch * q_heads * seq**2 * 4`` bytes (34 GB per layer at 16,384 tokens). Slot ``i`` sees
-    the valid slots ``j <= i``, as in the reference; a row of ``lens == 0`` gets zeros.
+    A flash attention (O(seq) memory, the causal half of the score tiles skipped) in
+    ``implementation``, by default ``library_flash_attention``'s: "cudnn" or "xla" through
+    ``jax.nn.dot_product_attention``, "tpu_flash" through ``tpu_flash_attention``; where there is
+    none, the reference itself, whose dense float32 scores take ``batch * q_heads * seq**2 * 4``
+    bytes (34 GB per layer at 16,384 tokens). Slot ``i`` sees the valid slots ``j <= i``, as in the
+    reference; a row of ``lens == 0`` gets zeros.
     """
+    batch, seq, heads, head_dim = q.shape
     if implementation is None:
-        if not library_flash_attention_available(q.dtype):
+        implementation = library_flash_attention(q.dtype, head_dim)
+        if implementation is None:
             empty = jnp.zeros((k.shape[0], 0) + k.shape[2:], k.dtype)
             zeros = jnp.zeros((q.shape[0], 1), jnp.int32)
             return block_attention_reference(q[:, None], empty, empty, zeros, k[:, None], v[:, None], lens[:, None],
                                              causal=True, scale=scale)[:, 0]
-        implementation = "cudnn"
-    batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
 
     def attend(q, k, v, lens):
         b, s, kv, g, d = q.shape
-        # A row of no valid key: the library is handed one, and the row is zeroed after.
-        out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, scale=scale, is_causal=True,
-                                           key_value_seq_lengths=jnp.maximum(lens, 1), implementation=implementation)
+        if implementation == "tpu_flash":
+            out = tpu_flash_attention(q, k, v, lens, scale=scale)
+        else:  # a row of no valid key: the library is handed one, and the row is zeroed after
+            out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, scale=scale, is_causal=True,
+                                               key_value_seq_lengths=jnp.maximum(lens, 1),
+                                               implementation=implementation)
         return (jnp.where((lens > 0)[:, None, None, None], out, 0).astype(q.dtype).reshape(q.shape),)
 
     # Per device under a kernel mesh, as the Pallas kernels: rows on ``batch``, query heads by KV head.
@@ -205,3 +221,31 @@ def prompt_attention(
     (out,) = shard_kernel(attend, (rows, kv_rows, kv_rows, ("batch",)), (rows,))(
         q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim), k, v, lens)
     return out.reshape(q.shape)
+
+
+def tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Array, *,
+                        scale: float | None = None) -> jax.Array:
+    """A prompt's causal attention by JAX's Pallas TPU flash attention: ``q [batch, seq, kv_heads,
+    groups, head_dim]``, ``k, v [batch, seq, kv_heads, head_dim]``, ``lens [batch]`` -> ``[batch,
+    seq, kv_heads * groups, head_dim]``, slot ``i`` over the valid slots ``j <= i`` (a row of
+    ``lens == 0`` unspecified).
+
+    The kernel takes heads-major ``[batch, heads, seq, head_dim]`` with as many K/V heads as query
+    heads, in tiles of ``TPU_FLASH_BLOCK`` slots: the prompt is padded to whole tiles and each KV
+    head repeated for its group. Its segment ids carry the lengths: every query slot is in segment
+    1, a key slot only while valid (0 past ``lens`` and in the tiles' padding). Runs on TPUs, and
+    elsewhere only under ``pltpu.force_tpu_interpret_mode`` (the tests)."""
+    from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds, flash_attention
+
+    b, s, kv, g, d = q.shape
+    padded = -(-s // TPU_FLASH_BLOCK) * TPU_FLASH_BLOCK
+
+    def heads_major(x: jax.Array) -> jax.Array:  # [b, s, heads, d] -> [b, heads, padded, d]
+        return jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    valid_keys = (jnp.arange(padded)[None] < lens[:, None]).astype(jnp.int32)
+    segments = SegmentIds(q=jnp.ones_like(valid_keys), kv=valid_keys)
+    out = flash_attention(heads_major(q.reshape(b, s, kv * g, d)), jnp.repeat(heads_major(k), g, axis=1),
+                          jnp.repeat(heads_major(v), g, axis=1), segment_ids=segments, causal=True,
+                          sm_scale=1.0 / math.sqrt(d) if scale is None else scale)
+    return out.transpose(0, 2, 1, 3)[:, :s]

@@ -407,7 +407,8 @@ class Attention(nnx.Module):
                         qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq, eps=self.eps,
                         qk_norm=self.q_norm is not None, causal=causal, write=write,
                         row_scale=scale[0] if scale else None)
-                    attn = attn.reshape(attn.shape[:3] + (-1, self.head_dim))  # [b, block, kv, groups, d]
+                    # [b, block, kv, groups, d] by this shard's KV heads (whole where replicated)
+                    attn = attn.reshape(attn.shape[:2] + (qkv.shape[-3], -1, self.head_dim))
                     return (attn, k_cache, v_cache) if write else (attn,)
 
                 # Per device under a kernel mesh: its rows and its KV heads (with their query heads).

@@ -67,9 +67,10 @@ class GpuConfig:
     # dividing the group; None: the fewest that fit the grid in one wave, ``members_per_program``).
     members_per_program: int | None = None
     # Cached kernel only, programs of several members: their queries as one [block * members, D]
-    # matrix (one dot per tile, one online softmax) instead of one per member. Opt-in: measured once
-    # (docs/kernels.md); it changes how a verify block's attention rounds against a single token's.
-    stacked_members: bool = False
+    # matrix (one dot per tile, one online softmax) instead of one per member: the verify block's
+    # kernel 15% faster at 16,384 tokens, the DFlash step 4-6% at long contexts or batch 16
+    # (docs/benchmarks.md, twenty-ninth session). In bf16 it rounds differently from a single token.
+    stacked_members: bool = True
 
 
 def resident_programs(cfg: GpuConfig) -> int:

@@ -1,5 +1,7 @@
 """The batched engine against `dflash.model.dflash_generate` and against target-only greedy decoding."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,8 @@ from dflash_jax.cache import CACHE_AXES
 from dflash_jax.decoding import greedy_accept, greedy_argmax
 from dflash_jax.engine import window_buckets
 from dflash_jax.sharding import MeshConfig, make_mesh, named_sharding
-from dflash_jax.tiny import write_copycat_pair
+from dflash_jax.tiny import (random_drafter, random_target, tiny_drafter_config, tiny_target_config,
+                              write_copycat_pair)
 
 MAX_NEW = 40
 
@@ -211,6 +214,49 @@ def test_sharded_pallas_engine_equals_single_device(pair, prompts, engines, monk
     kv = target.config.num_kv_heads
     local = [s for s in per_device if s[0] == 1 and s[2] == kv // 2]
     assert local and len(local) * 2 == len(per_device)
+
+
+def test_pallas_engine_with_more_tensor_devices_than_kv_heads():
+    """8 query heads over 2 KV heads on a 1 x 8 mesh: the KV heads (and the caches) stay whole on
+    every device while the query heads could split eight ways; the cached-attention kernel's output
+    must keep its [kv_heads, groups] layout through ``shard_kernel`` (it was regrouped by query head,
+    so its replicated KV axis came back eight times over). Same tokens as one device with XLA."""
+    tcfg = tiny_target_config(num_heads=8, num_kv_heads=2, head_dim=8)
+    dcfg = tiny_drafter_config(tcfg, num_layers=2, block_size=8)
+    target, drafter = random_target(tcfg, std=0.5), random_drafter(dcfg, std=0.5)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
+    config = EngineConfig(max_batch_size=2, max_length=48, steps_per_sync=4, attention_impl="xla")
+    want = Engine(target, drafter, config).generate(prompts, 12)
+    sharded = Engine(target, drafter, dataclasses.replace(config, attention_impl="pallas",
+                                                          mesh=MeshConfig(data=1, fsdp=1, tensor=8)))
+    assert sharded.mesh.shape["tensor"] == 8
+    _assert_same_generations(sharded.generate(prompts, 12), want)
+
+
+def test_engine_with_tpu_flash_prefill_equals_xla(models, prompts, engines, monkeypatch):
+    """The engine with its prompts' attention by JAX's Pallas TPU flash attention (TPU interpret mode
+    on the CPU; prompts of 2-30 tokens in the kernel's 128-slot tiles) gives the XLA engine's tokens
+    and acceptance lengths."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from dflash_jax import attention
+
+    flash, calls = attention.tpu_flash_attention, []
+
+    def interpreted(*args, **kwargs):  # only this kernel: the decode kernels keep their GPU interpret mode
+        calls.append(args[0].shape)
+        with pltpu.force_tpu_interpret_mode():
+            return flash(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "library_flash_attention", lambda dtype, head_dim: "tpu_flash")
+    monkeypatch.setattr(attention, "tpu_flash_attention", interpreted)
+    spec, _ = engines
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(max_batch_size=2, max_length=80, steps_per_sync=4,
+                                                  attention_impl="pallas"))
+    got = engine.generate(prompts[:3], 12)
+    assert calls  # every target layer's prompt attention
+    _assert_same_generations(got, spec.generate(prompts[:3], 12))
 
 
 def test_pallas_attention_engine_equals_xla(models, prompts, engines):

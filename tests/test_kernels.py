@@ -114,7 +114,7 @@ def test_forward_gpu_split_k(splits, causal):
 
 
 def _library_attention_via_xla(monkeypatch) -> list[str]:
-    """Makes ``attention.prompt_attention`` take its library path on the CPU: the library's flash
+    """Makes ``attention.prompt_attention`` take its cuDNN path on the CPU: the library's flash
     attention is asked for (recorded) and ``jax.nn.dot_product_attention``'s XLA implementation runs
     in its place, so that everything around the call (layout, GQA heads, lengths, zero rows,
     sharding) is checked against the reference. The cuDNN kernel itself runs on GPUs only
@@ -128,23 +128,47 @@ def _library_attention_via_xla(monkeypatch) -> list[str]:
         asked.append(implementation)
         return library(*args, implementation="xla", **kw)
 
-    monkeypatch.setattr(attention, "library_flash_attention_available", lambda dtype: True)
+    monkeypatch.setattr(attention, "library_flash_attention", lambda dtype, head_dim: "cudnn")
     monkeypatch.setattr(jax.nn, "dot_product_attention", recorded)
     return asked
 
 
+def _tpu_flash_attention_interpreted(monkeypatch) -> list[jax.Array]:
+    """Makes ``attention.prompt_attention`` take its TPU path on the CPU: JAX's Pallas TPU flash
+    attention itself, in TPU interpret mode (the caller enters ``pltpu.force_tpu_interpret_mode``);
+    records the ``lens`` of every call."""
+    from dflash_jax import attention
+
+    calls = []
+    flash = attention.tpu_flash_attention
+
+    def recorded(q, k, v, lens, **kw):
+        calls.append(lens)
+        return flash(q, k, v, lens, **kw)
+
+    monkeypatch.setattr(attention, "library_flash_attention", lambda dtype, head_dim: "tpu_flash")
+    monkeypatch.setattr(attention, "tpu_flash_attention", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("library", ["cudnn", "tpu_flash"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_prompt_attention_library_path_equals_reference(monkeypatch, dtype):
+def test_prompt_attention_library_path_equals_reference(monkeypatch, dtype, library):
     """ctx = 0 and one causal block (a prompt): ``impl="pallas"`` hands it to a library flash
-    attention; rows of full, partial, one and zero valid slots, GQA 4."""
-    asked = _library_attention_via_xla(monkeypatch)
+    attention (cuDNN's, XLA's implementation in its place; the Pallas TPU one, interpreted); rows of
+    full, partial, one and zero valid slots, GQA 4, a prompt of 40 slots (the TPU kernel's tiles are
+    128): equal to the reference at every slot, the padding's included."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    calls = (_library_attention_via_xla if library == "cudnn" else _tpu_flash_attention_interpreted)(monkeypatch)
     args = make_inputs(20, batch=4, blocks=1, block=40, q_heads=8, kv_heads=2, ctx=1, dtype=dtype)
     q, _, _, _, kb, vb, _ = args
     empty = jnp.zeros((4, 0, 2, 16), dtype)
     cl = jnp.zeros((4, 1), jnp.int32)
     bl = jnp.array([[40], [23], [1], [0]], jnp.int32)
-    got = jax.jit(lambda *a: dispatch(*a, causal=True, impl="pallas"))(q, empty, empty, cl, kb, vb, bl)
-    assert asked == ["cudnn"]
+    with pltpu.force_tpu_interpret_mode():
+        got = jax.jit(lambda *a: dispatch(*a, causal=True, impl="pallas"))(q, empty, empty, cl, kb, vb, bl)
+    assert len(calls) == 1 and (library == "tpu_flash" or calls == ["cudnn"])
     want = run_reference(q, empty, empty, cl, kb, vb, bl, causal=True)
     assert got.dtype == dtype
     assert_close(got, want, dtype)
@@ -154,34 +178,49 @@ def test_prompt_attention_library_path_equals_reference(monkeypatch, dtype):
     assert np.max(np.abs(np.asarray(got, np.float32) - np.asarray(other, np.float32))) > 5e-2
 
 
-def test_prompt_attention_library_path_sharded(monkeypatch):
+@pytest.mark.parametrize("library", ["cudnn", "tpu_flash"])
+def test_prompt_attention_library_path_sharded(monkeypatch, library):
     """The library call per device on a data x tensor mesh (rows on ``data``, KV heads with their
     query heads on ``tensor``) equals the reference on one device."""
+    from jax.experimental.pallas import tpu as pltpu
+
     from dflash_jax import attention, sharding
     from dflash_jax.sharding import MeshConfig, make_mesh
 
-    asked = _library_attention_via_xla(monkeypatch)
+    calls = (_library_attention_via_xla if library == "cudnn" else _tpu_flash_attention_interpreted)(monkeypatch)
     q, _, _, _, kb, vb, _ = make_inputs(21, batch=2, blocks=1, block=24, q_heads=8, kv_heads=4, ctx=1)
     lens = jnp.array([24, 9], jnp.int32)
-    want = attention.prompt_attention(q[:, 0], kb[:, 0], vb[:, 0], lens, implementation="xla")
-    asked.clear()
     mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4), jax.devices()[:8])
-    with sharding.kernel_mesh(mesh):
+    with sharding.kernel_mesh(mesh), pltpu.force_tpu_interpret_mode():
         got = jax.jit(lambda *a: attention.prompt_attention(*a))(q[:, 0], kb[:, 0], vb[:, 0], lens)
         text = jax.jit(lambda *a: attention.prompt_attention(*a)).lower(q[:, 0], kb[:, 0], vb[:, 0], lens).as_text()
-    assert set(asked) == {"cudnn"}
+    assert calls and (library == "tpu_flash" or set(calls) == {"cudnn"})
     assert "shard_map" in text or "sdy.manual_computation" in text  # run per device, not gathered
-    assert_close(got, want, jnp.float32)
+    if library == "tpu_flash":
+        assert (1,) in [x.shape for x in calls]  # traced per device on one row (and once whole, for its shapes)
     empty = jnp.zeros((2, 0, 4, 16), jnp.float32)
     assert_close(got, run_reference(q, empty, empty, jnp.zeros((2, 1), jnp.int32), kb, vb, lens[:, None],
                                     causal=True)[:, 0], jnp.float32)
 
 
-def test_prompt_attention_without_library_is_the_reference():
-    """Off a GPU (and for float32 anywhere) a prompt runs the reference itself."""
+def test_library_flash_attention_rule(monkeypatch):
+    """Which flash attention a prompt gets: cuDNN's on GPUs and the Pallas TPU one on TPUs (head dims
+    of whole 128-lane tiles), for 16-bit inputs; the reference for float32 and on the CPU."""
     from dflash_jax import attention
 
-    assert not attention.library_flash_attention_available(jnp.bfloat16)  # the suite runs on the CPU
+    for backend, dtype, head_dim, want in [("gpu", jnp.bfloat16, 64, "cudnn"), ("gpu", jnp.float16, 128, "cudnn"),
+                                           ("gpu", jnp.float32, 128, None), ("tpu", jnp.bfloat16, 128, "tpu_flash"),
+                                           ("tpu", jnp.bfloat16, 256, "tpu_flash"), ("tpu", jnp.bfloat16, 64, None),
+                                           ("tpu", jnp.float32, 128, None), ("cpu", jnp.bfloat16, 128, None)]:
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert attention.library_flash_attention(dtype, head_dim) == want, (backend, dtype, head_dim)
+
+
+def test_prompt_attention_without_library_is_the_reference():
+    """Off a GPU or TPU (and for float32 anywhere) a prompt runs the reference itself."""
+    from dflash_jax import attention
+
+    assert attention.library_flash_attention(jnp.bfloat16, 128) is None  # the suite runs on the CPU
     q, _, _, _, kb, vb, _ = make_inputs(22, batch=2, blocks=1, block=20, q_heads=4, kv_heads=2, ctx=1)
     lens = jnp.array([20, 7], jnp.int32)
     empty = jnp.zeros((2, 0, 2, 16), jnp.float32)
