@@ -9,6 +9,7 @@ of the batch (a tiny model: a check of the sharded kernels, not a performance fi
 
     python bench/sharded_engine.py --out $OUT/sharded.json        # on a machine of 2+ GPUs
     python bench/sharded_engine.py --cpu-devices 8                 # CPU smoke test (interpret)
+    python bench/sharded_engine.py --attention-config stacked_members=1,members_per_program=4   # + a tile config
 """
 
 from __future__ import annotations
