@@ -50,3 +50,25 @@ def reference():
             return dm.DFlashDraftModel.from_pretrained(path, dtype=torch.float32).eval()
 
     return Oracles
+
+
+@pytest.fixture
+def tpu_flash_interpreted(monkeypatch):
+    """Prompts take their TPU path on the CPU: ``attention.library_flash_attention`` says
+    "tpu_flash", and JAX's Pallas TPU flash attention runs in TPU interpret mode (entered around
+    that kernel only: the GPU kernels keep their own interpret mode). Yields the ``lens`` of every
+    call (a call traced per device under a kernel mesh sees its shard's rows)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from dflash_jax import attention
+
+    calls, flash = [], attention.tpu_flash_attention
+
+    def interpreted(q, k, v, lens, **kwargs):
+        calls.append(lens)
+        with pltpu.force_tpu_interpret_mode():
+            return flash(q, k, v, lens, **kwargs)
+
+    monkeypatch.setattr(attention, "library_flash_attention", lambda dtype, head_dim: "tpu_flash")
+    monkeypatch.setattr(attention, "tpu_flash_attention", interpreted)
+    return calls

@@ -233,29 +233,16 @@ def test_pallas_engine_with_more_tensor_devices_than_kv_heads():
     _assert_same_generations(sharded.generate(prompts, 12), want)
 
 
-def test_engine_with_tpu_flash_prefill_equals_xla(models, prompts, engines, monkeypatch):
+def test_engine_with_tpu_flash_prefill_equals_xla(models, prompts, engines, tpu_flash_interpreted):
     """The engine with its prompts' attention by JAX's Pallas TPU flash attention (TPU interpret mode
     on the CPU; prompts of 2-30 tokens in the kernel's 128-slot tiles) gives the XLA engine's tokens
     and acceptance lengths."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    from dflash_jax import attention
-
-    flash, calls = attention.tpu_flash_attention, []
-
-    def interpreted(*args, **kwargs):  # only this kernel: the decode kernels keep their GPU interpret mode
-        calls.append(args[0].shape)
-        with pltpu.force_tpu_interpret_mode():
-            return flash(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "library_flash_attention", lambda dtype, head_dim: "tpu_flash")
-    monkeypatch.setattr(attention, "tpu_flash_attention", interpreted)
     spec, _ = engines
     target, drafter = models
     engine = Engine(target, drafter, EngineConfig(max_batch_size=2, max_length=80, steps_per_sync=4,
                                                   attention_impl="pallas"))
     got = engine.generate(prompts[:3], 12)
-    assert calls  # every target layer's prompt attention
+    assert tpu_flash_interpreted  # every target layer's prompt attention
     _assert_same_generations(got, spec.generate(prompts[:3], 12))
 
 

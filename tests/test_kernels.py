@@ -133,41 +133,21 @@ def _library_attention_via_xla(monkeypatch) -> list[str]:
     return asked
 
 
-def _tpu_flash_attention_interpreted(monkeypatch) -> list[jax.Array]:
-    """Makes ``attention.prompt_attention`` take its TPU path on the CPU: JAX's Pallas TPU flash
-    attention itself, in TPU interpret mode (the caller enters ``pltpu.force_tpu_interpret_mode``);
-    records the ``lens`` of every call."""
-    from dflash_jax import attention
-
-    calls = []
-    flash = attention.tpu_flash_attention
-
-    def recorded(q, k, v, lens, **kw):
-        calls.append(lens)
-        return flash(q, k, v, lens, **kw)
-
-    monkeypatch.setattr(attention, "library_flash_attention", lambda dtype, head_dim: "tpu_flash")
-    monkeypatch.setattr(attention, "tpu_flash_attention", recorded)
-    return calls
-
-
 @pytest.mark.parametrize("library", ["cudnn", "tpu_flash"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_prompt_attention_library_path_equals_reference(monkeypatch, dtype, library):
+def test_prompt_attention_library_path_equals_reference(monkeypatch, request, dtype, library):
     """ctx = 0 and one causal block (a prompt): ``impl="pallas"`` hands it to a library flash
     attention (cuDNN's, XLA's implementation in its place; the Pallas TPU one, interpreted); rows of
     full, partial, one and zero valid slots, GQA 4, a prompt of 40 slots (the TPU kernel's tiles are
     128): equal to the reference at every slot, the padding's included."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    calls = (_library_attention_via_xla if library == "cudnn" else _tpu_flash_attention_interpreted)(monkeypatch)
+    calls = (_library_attention_via_xla(monkeypatch) if library == "cudnn"
+             else request.getfixturevalue("tpu_flash_interpreted"))
     args = make_inputs(20, batch=4, blocks=1, block=40, q_heads=8, kv_heads=2, ctx=1, dtype=dtype)
     q, _, _, _, kb, vb, _ = args
     empty = jnp.zeros((4, 0, 2, 16), dtype)
     cl = jnp.zeros((4, 1), jnp.int32)
     bl = jnp.array([[40], [23], [1], [0]], jnp.int32)
-    with pltpu.force_tpu_interpret_mode():
-        got = jax.jit(lambda *a: dispatch(*a, causal=True, impl="pallas"))(q, empty, empty, cl, kb, vb, bl)
+    got = jax.jit(lambda *a: dispatch(*a, causal=True, impl="pallas"))(q, empty, empty, cl, kb, vb, bl)
     assert len(calls) == 1 and (library == "tpu_flash" or calls == ["cudnn"])
     want = run_reference(q, empty, empty, cl, kb, vb, bl, causal=True)
     assert got.dtype == dtype
@@ -179,19 +159,18 @@ def test_prompt_attention_library_path_equals_reference(monkeypatch, dtype, libr
 
 
 @pytest.mark.parametrize("library", ["cudnn", "tpu_flash"])
-def test_prompt_attention_library_path_sharded(monkeypatch, library):
+def test_prompt_attention_library_path_sharded(monkeypatch, request, library):
     """The library call per device on a data x tensor mesh (rows on ``data``, KV heads with their
     query heads on ``tensor``) equals the reference on one device."""
-    from jax.experimental.pallas import tpu as pltpu
-
     from dflash_jax import attention, sharding
     from dflash_jax.sharding import MeshConfig, make_mesh
 
-    calls = (_library_attention_via_xla if library == "cudnn" else _tpu_flash_attention_interpreted)(monkeypatch)
+    calls = (_library_attention_via_xla(monkeypatch) if library == "cudnn"
+             else request.getfixturevalue("tpu_flash_interpreted"))
     q, _, _, _, kb, vb, _ = make_inputs(21, batch=2, blocks=1, block=24, q_heads=8, kv_heads=4, ctx=1)
     lens = jnp.array([24, 9], jnp.int32)
     mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4), jax.devices()[:8])
-    with sharding.kernel_mesh(mesh), pltpu.force_tpu_interpret_mode():
+    with sharding.kernel_mesh(mesh):
         got = jax.jit(lambda *a: attention.prompt_attention(*a))(q[:, 0], kb[:, 0], vb[:, 0], lens)
         text = jax.jit(lambda *a: attention.prompt_attention(*a)).lower(q[:, 0], kb[:, 0], vb[:, 0], lens).as_text()
     assert calls and (library == "tpu_flash" or set(calls) == {"cudnn"})

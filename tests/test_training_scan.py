@@ -39,6 +39,21 @@ def test_scanned_forward_equals_target_forward(target, taps):
             assert got_logits is None
 
 
+def test_scanned_forward_with_tpu_flash_attention(target, tpu_flash_interpreted):
+    """Training's target forward with ``attention_impl="pallas"`` on a TPU: each scanned layer's
+    prompt attention is JAX's Pallas TPU flash attention (interpret mode), and the taps and logits
+    equal the XLA forward's."""
+    graph, params = stack_layers(target)
+    ids = _ids()
+    want_logits, want_taps = jax.jit(lambda p: scanned_forward(graph, p, ids, tap_layers=(1, 3), logits=True))(params)
+    got_logits, got_taps = jax.jit(lambda p: scanned_forward(graph, p, ids, tap_layers=(1, 3), logits=True,
+                                                             attention_impl="pallas"))(params)
+    assert tpu_flash_interpreted  # traced once, in the scan's body
+    # float32: an online softmax rounds unlike the exact one (taps differ by <= 2e-5, logits reach ~12)
+    np.testing.assert_allclose(np.asarray(got_taps), np.asarray(want_taps), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), rtol=1e-4, atol=1e-4)
+
+
 def _scan_lengths(fn, *args):
     return [eqn.params["length"] for eqn in jax.make_jaxpr(fn)(*args).eqns if eqn.primitive.name == "scan"]
 
