@@ -214,5 +214,6 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
 
+
 if __name__ == "__main__":
     main()

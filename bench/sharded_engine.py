@@ -66,19 +66,20 @@ def main() -> None:
                for _ in range(args.prompts)]
 
     default_attention = cached_attention_gpu.DEFAULT_CONFIG
-    variants = [("one device, xla", "xla", None), ("one device, pallas", "pallas", None)]
-    variants += [(f"one device, pallas {fields}", "pallas", None) for fields in args.attention_config]
+    # (name, attention impl, mesh, the cached-attention kernel's tile fields)
+    variants = [("one device, xla", "xla", None, {}), ("one device, pallas", "pallas", None, {})]
+    variants += [(f"one device, pallas {fields}", "pallas", None, int_fields(fields))
+                 for fields in args.attention_config]
     if n > 1:
-        variants += [(f"tensor={n}, pallas", "pallas", MeshConfig(data=1, fsdp=1, tensor=n)),
-                     (f"data={n}, pallas", "pallas", MeshConfig(data=n, fsdp=1, tensor=1))]
+        variants += [(f"tensor={n}, pallas", "pallas", MeshConfig(data=1, fsdp=1, tensor=n), {}),
+                     (f"data={n}, pallas", "pallas", MeshConfig(data=n, fsdp=1, tensor=1), {})]
         if n >= 4:
-            variants.append((f"data={n // 2} x tensor=2, pallas", "pallas", MeshConfig(data=n // 2, fsdp=1, tensor=2)))
+            variants.append((f"data={n // 2} x tensor=2, pallas", "pallas",
+                             MeshConfig(data=n // 2, fsdp=1, tensor=2), {}))
+    dtype = jnp.dtype(args.dtype)
     report, want = {}, None
-    for name, impl, mesh in variants:
-        fields = name.partition("pallas ")[2]
-        overrides = int_fields(fields) if fields else {}
-        cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(default_attention, **overrides)
-        dtype = jnp.dtype(args.dtype)
+    for name, impl, mesh, tile_fields in variants:
+        cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(default_attention, **tile_fields)
         target = Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0))  # each engine fuses and shards its own copy
         drafter = Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))
         engine = Engine(target, drafter, EngineConfig(max_batch_size=args.prompts, max_length=128, steps_per_sync=4,

@@ -13,7 +13,8 @@ Every attention in the project is this shape:
 in ``kernels_pallas`` (``impl="pallas"``); both compute exactly the function documented here. The
 Pallas kernels hold a block's query rows in one program, tiled for draft and verify blocks of up to
 16 slots; a prompt (one causal block per row with no context: prefill, the frozen target's forward
-in training) takes ``prompt_attention`` instead, a library's flash attention (cuDNN's on GPUs).
+in training) takes ``prompt_attention`` instead, a library's flash attention (cuDNN's on GPUs, JAX's
+Pallas one on TPUs).
 """
 
 from __future__ import annotations

@@ -333,10 +333,11 @@ def cached_block_attention(
                          f"positions (see cached_attention_gpu.supports)")
     scale = default_scale(head_dim, scale)
     # A single token gets one program per KV head (its G rows); a verify block one per
-    # ``per_program`` group members (a [T, D] query matrix each). The context splits do not depend
-    # on the block: a 1-token and a 16-token pass then sum every query's context in the same tiles
-    # and splits, bit for bit, so greedy speculative decoding reproduces target-only decoding
-    # exactly in float32.
+    # ``per_program`` group members (a [T, D] query matrix each, or with ``stacked_members`` one
+    # [T * per_program, D] matrix). The context splits do not depend on the block: a 1-token and a
+    # 16-token pass then sum every query's context in the same tiles and splits, so greedy
+    # speculative decoding reproduces target-only decoding exactly in float32 (stacked, the dots
+    # round at their own shape: float32 tokens unchanged on the H200, docs/benchmarks.md).
     block_k, _, splits, chunk = plan(batch, 1, kv_heads, capacity, cfg)
     per_program = 0 if block == 1 else members_per_program(batch, kv_heads, groups, splits, cfg)
     starts = starts.astype(jnp.int32)

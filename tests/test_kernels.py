@@ -113,7 +113,8 @@ def test_forward_gpu_split_k(splits, causal):
     assert plan(1, 512, 8, 4096, GpuConfig())[2] == 1
 
 
-def _library_attention_via_xla(monkeypatch) -> list[str]:
+@pytest.fixture
+def cudnn_via_xla(monkeypatch) -> list[str]:
     """Makes ``attention.prompt_attention`` take its cuDNN path on the CPU: the library's flash
     attention is asked for (recorded) and ``jax.nn.dot_product_attention``'s XLA implementation runs
     in its place, so that everything around the call (layout, GQA heads, lengths, zero rows,
@@ -135,13 +136,12 @@ def _library_attention_via_xla(monkeypatch) -> list[str]:
 
 @pytest.mark.parametrize("library", ["cudnn", "tpu_flash"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_prompt_attention_library_path_equals_reference(monkeypatch, request, dtype, library):
+def test_prompt_attention_library_path_equals_reference(request, dtype, library):
     """ctx = 0 and one causal block (a prompt): ``impl="pallas"`` hands it to a library flash
     attention (cuDNN's, XLA's implementation in its place; the Pallas TPU one, interpreted); rows of
     full, partial, one and zero valid slots, GQA 4, a prompt of 40 slots (the TPU kernel's tiles are
     128): equal to the reference at every slot, the padding's included."""
-    calls = (_library_attention_via_xla(monkeypatch) if library == "cudnn"
-             else request.getfixturevalue("tpu_flash_interpreted"))
+    calls = request.getfixturevalue("cudnn_via_xla" if library == "cudnn" else "tpu_flash_interpreted")
     args = make_inputs(20, batch=4, blocks=1, block=40, q_heads=8, kv_heads=2, ctx=1, dtype=dtype)
     q, _, _, _, kb, vb, _ = args
     empty = jnp.zeros((4, 0, 2, 16), dtype)
@@ -159,14 +159,13 @@ def test_prompt_attention_library_path_equals_reference(monkeypatch, request, dt
 
 
 @pytest.mark.parametrize("library", ["cudnn", "tpu_flash"])
-def test_prompt_attention_library_path_sharded(monkeypatch, request, library):
+def test_prompt_attention_library_path_sharded(request, library):
     """The library call per device on a data x tensor mesh (rows on ``data``, KV heads with their
     query heads on ``tensor``) equals the reference on one device."""
     from dflash_jax import attention, sharding
     from dflash_jax.sharding import MeshConfig, make_mesh
 
-    calls = (_library_attention_via_xla(monkeypatch) if library == "cudnn"
-             else request.getfixturevalue("tpu_flash_interpreted"))
+    calls = request.getfixturevalue("cudnn_via_xla" if library == "cudnn" else "tpu_flash_interpreted")
     q, _, _, _, kb, vb, _ = make_inputs(21, batch=2, blocks=1, block=24, q_heads=8, kv_heads=4, ctx=1)
     lens = jnp.array([24, 9], jnp.int32)
     mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4), jax.devices()[:8])

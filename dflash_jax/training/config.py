@@ -26,7 +26,8 @@ class ModelConfig:
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # activations / matmul inputs
     target_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the frozen target's weights
     # "pallas": the drafter's attention the Pallas kernel, the frozen target's a library flash
-    # attention (cuDNN's on GPUs); "xla": both the reference; "auto": pallas on GPUs and TPUs.
+    # attention (cuDNN's on GPUs, JAX's Pallas one on TPUs); "xla": both the reference; "auto": pallas
+    # on GPUs and TPUs.
     attention_impl: Literal["xla", "pallas", "auto"] = "auto"
 
     def validate(self) -> None:
