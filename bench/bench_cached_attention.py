@@ -70,7 +70,8 @@ def fused(attn: Attention, qkv, k_cache, v_cache, starts, blk_lens, config=None,
 
 
 def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, out_dir: str,
-                   sweep: dict[str, dict], blocks: tuple[int, ...] = (1, 16), anatomy: bool = True) -> list[dict]:
+                   sweep: dict[str, dict], blocks: tuple[int, ...] = (1, 16), anatomy: bool = True,
+                   batch: int = 1) -> list[dict]:
     """GPU time of the fused kernel alone, per variant, read off a profiler trace (no harness in it):
     what the ~8.7 us per layer of the engine's batch-1 attention is made of. Variants: the tile
     config, the context length (0 = the fixed cost of a program), the q/k norm, the cache write.
@@ -81,15 +82,16 @@ def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, ou
     variant that merges its splits across programs could race).
 
     ``sweep``: tile configs by name (``GpuConfig`` fields; ``{}`` is the default); ``blocks``: the
-    query slots per row; ``anatomy``: also the context, norm and write variants of the first config."""
+    query slots per row; ``anatomy``: also the context, norm and write variants of the first config;
+    ``batch``: rows per call (each with the same context)."""
     kv_heads, head_dim = attn.num_kv_heads, attn.head_dim
     groups = attn.num_heads // kv_heads
     configs = {name: GpuConfig(**kw) for name, kw in sweep.items()}
     rows = []
     for block in blocks:
         keys = jax.random.split(jax.random.key(block), 3)
-        qkvs = jax.random.normal(keys[0], (layers, 1, block, kv_heads, groups + 2, head_dim), jnp.bfloat16)
-        shape = (layers, 1, capacity, kv_heads, head_dim)
+        qkvs = jax.random.normal(keys[0], (layers, batch, block, kv_heads, groups + 2, head_dim), jnp.bfloat16)
+        shape = (layers, batch, capacity, kv_heads, head_dim)
         k_all, v_all = (jax.random.normal(k, shape, jnp.bfloat16) for k in keys[1:])
         variants = [(name, cfg, context, True, True) for name, cfg in configs.items()]
         best = configs[next(iter(configs))]
@@ -101,7 +103,7 @@ def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, ou
             def one(q, k, v, s, b, cfg=cfg, qk_norm=qk_norm, write=write):
                 return fused(attn, q, k, v, s, b, cfg, qk_norm=qk_norm, write=write)
 
-            starts, blk_lens = jnp.full((1,), ctx, jnp.int32), jnp.full((1,), block, jnp.int32)
+            starts, blk_lens = jnp.full((batch,), ctx, jnp.int32), jnp.full((batch,), block, jnp.int32)
             error, deterministic = None, None
             if qk_norm:
                 single = jax.jit(lambda q, k, v, one=one, s=starts, b=blk_lens: one(q, k, v, s, b)[0])
@@ -128,7 +130,7 @@ def kernel_profile(attn: Attention, layers: int, capacity: int, context: int, ou
                 continue
             kernel = {n: statistics.median(d) for n, d in durs.items() if "cached_attention" in n}
             others = sum(sum(d) for n, d in durs.items() if n not in kernel) / (3 * layers)
-            row = dict(block=block, variant=name, kernel_us=max(kernel.values(), default=float("nan")),
+            row = dict(batch=batch, block=block, variant=name, kernel_us=max(kernel.values(), default=float("nan")),
                        other_us_per_layer=others, error=error, deterministic=deterministic)
             rows.append(row)
             check = "" if error is None else (f"  error {error:.1e}{'' if error < 1e-2 else ' MISMATCH'}"
@@ -169,6 +171,7 @@ def main() -> None:
                     help="--kernel-profile's tile configs, ';'-separated (the first also runs the context, "
                          "norm and write variants)")
     ap.add_argument("--blocks", default="1,16", help="--kernel-profile's query slots per row, comma-separated")
+    ap.add_argument("--batch", type=int, default=1, help="--kernel-profile's rows per call")
     ap.add_argument("--no-anatomy", action="store_true",
                     help="--kernel-profile: only the --sweep configs (no context, norm and write variants)")
     args = ap.parse_args()
@@ -185,7 +188,8 @@ def main() -> None:
     if args.kernel_profile:
         sweep = {name: {} if name == "default" else int_fields(name) for name in args.sweep.split(";")}
         rows = kernel_profile(attn, min(layers, 8), capacity, context, args.kernel_profile, sweep,
-                              tuple(int(b) for b in args.blocks.split(",")), anatomy=not args.no_anatomy)
+                              tuple(int(b) for b in args.blocks.split(",")), anatomy=not args.no_anatomy,
+                              batch=args.batch)
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=2))
         return

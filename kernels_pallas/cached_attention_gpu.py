@@ -252,6 +252,24 @@ def members_per_program(batch: int, kv_heads: int, groups: int, splits: int, cfg
     return m
 
 
+def fitted_stages(cfg: GpuConfig, *, block_k: int, head_dim: int, held_rows: int, dot_rows: int,
+                  itemsize: int) -> int:
+    """The most software-pipelining stages, at most ``cfg.num_stages``, with which ``cfg.ctas_per_sm``
+    programs fit one SM's shared memory (``cfg.shared_memory_per_sm``), as Triton lays a program
+    out: per stage a K and a V tile ``[block_k, head_dim]``; once the query operands of all its
+    rows ``[held_rows, head_dim]`` and the probabilities of one dot ``[dot_rows, block_k]``. Stages
+    only pipeline the loads, so the arithmetic does not change with them. ``cfg.fit_stages`` off:
+    ``cfg.num_stages``."""
+    stages = cfg.num_stages
+    if not cfg.fit_stages:
+        return stages
+    fixed = (held_rows * head_dim + dot_rows * block_k) * itemsize
+    per_stage = 2 * block_k * head_dim * itemsize
+    while stages > 1 and cfg.ctas_per_sm * (fixed + stages * per_stage) > cfg.shared_memory_per_sm:
+        stages -= 1
+    return stages
+
+
 def cached_block_attention_supported(qkv_shape: tuple[int, ...], capacity: int) -> bool:
     """Whether ``cached_block_attention`` runs for these shapes on this platform (GPUs, and the CPU
     in interpret mode; TPUs take the unfused path)."""
@@ -368,7 +386,14 @@ def cached_block_attention(
     projection_specs = ([projection(q_block, q_index, p) for p in range(parts)]
                         + [projection(member_block, member(groups), p) for p in range(parts)]
                         + [projection(member_block, member(groups + 1), p) for p in range(parts)])
-    kernel = functools.partial(_kernel, members=per_program, stacked=bool(cfg.stacked_members) and per_program > 1,
+    stacked = bool(cfg.stacked_members) and per_program > 1
+    if block == 1:  # the group's rows, repeated to the 16 rows of a dot
+        held_rows = dot_rows = max(MMA_MIN, groups)
+    else:  # every member's [T, D] queries, one [T * M, D] dot when stacked
+        held_rows, dot_rows = block * per_program, block * (per_program if stacked else 1)
+    stages = fitted_stages(cfg, block_k=block_k, head_dim=head_dim, held_rows=held_rows, dot_rows=dot_rows,
+                           itemsize=jnp.dtype(dtype).itemsize)
+    kernel = functools.partial(_kernel, members=per_program, stacked=stacked,
                                parts=parts, scaled=row_scale is not None, dtype=dtype,
                                scale=scale, eps=float(eps), qk_norm=qk_norm, causal=causal, block_k=block_k,
                                chunk=chunk, balanced=bool(cfg.balanced_splits), interpret=interpret)
@@ -396,7 +421,7 @@ def cached_block_attention(
             jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups), jnp.float32),
         ] + (caches if write else []),
         input_output_aliases={cache_arg: 3, cache_arg + 1: 4} if write else {},
-        compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
+        compiler_params=triton_params(cfg.num_warps, stages),
         interpret=interpret,
         name="dflash_cached_attention",
     )(starts, blk_lens, *[qkv] * (3 * parts), q_norm.astype(dtype), k_norm.astype(dtype), rope, *scale_args, k_cache,

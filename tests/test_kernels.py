@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -387,6 +388,35 @@ def test_cached_attention_members_per_program_fill_one_wave():
     assert members_per_program(64, 8, 4, 2, dataclasses.replace(cfg, members_per_program=2)) == 2
     with pytest.raises(ValueError, match="members_per_program"):
         members_per_program(1, 8, 4, 4, dataclasses.replace(cfg, members_per_program=3))
+
+
+def test_cached_attention_stages_fit_two_programs_per_sm():
+    """Pipelining stages: the most (<= 3) with which two programs fit an H200 SM's 228 KiB of shared
+    memory, Qwen3-8B heads in bf16 (64-key tiles: 32 KiB of K/V per stage); and the verify block of
+    batch 16 (4 stacked members per program, 64 query rows) compiled with 2, a decode token with 3."""
+    from kernels_pallas.cached_attention_gpu import fitted_stages
+
+    cfg = GpuConfig()
+    fit = lambda held, dot, itemsize=2, cfg=cfg: fitted_stages(  # noqa: E731
+        cfg, block_k=64, head_dim=128, held_rows=held, dot_rows=dot, itemsize=itemsize)
+    assert fit(16, 16) == 3  # a decode token (its 4 rows repeated to 16), or one member of a block
+    assert fit(32, 32) == 3  # 2 stacked members: 2 x 108 KiB fit
+    assert fit(64, 64) == 2  # 4 stacked members: 2 x 120 KiB do not
+    assert fit(64, 16) == 3  # 4 members one after the other: the probabilities of one 16-row dot
+    assert fit(16, 16, itemsize=4) == 1  # float32: 64 KiB per stage
+    assert fit(64, 64, cfg=dataclasses.replace(cfg, fit_stages=False)) == 3
+    assert fit(64, 64, cfg=dataclasses.replace(cfg, ctas_per_sm=1)) == 3
+
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    for batch, block, config, stages in ((16, 16, cfg, 2), (16, 1, cfg, 3),
+                                         (16, 16, dataclasses.replace(cfg, fit_stages=False), 3)):
+        shapes = (sd((batch, block, 8, 6, 128), bf), sd((batch, 1152, 8, 128), bf), sd((batch, 1152, 8, 128), bf),
+                  sd((batch,), jnp.int32), sd((batch,), jnp.int32), sd((128,), bf), sd((128,), bf),
+                  sd((64,), jnp.float32))
+        fn = jax.jit(lambda *a, config=config: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False,
+                                                                      config=dataclasses.replace(config, num_sms=132)))
+        text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        assert set(re.findall(r"num_stages = (\d+)", text)) == {str(stages)}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
