@@ -252,16 +252,16 @@ def members_per_program(batch: int, kv_heads: int, groups: int, splits: int, cfg
     return m
 
 
-def fitted_stages(cfg: GpuConfig, *, block_k: int, head_dim: int, held_rows: int, dot_rows: int,
+def fitted_stages(cfg: GpuConfig, *, programs: int, block_k: int, head_dim: int, held_rows: int, dot_rows: int,
                   itemsize: int) -> int:
     """The most software-pipelining stages, at most ``cfg.num_stages``, with which ``cfg.ctas_per_sm``
     programs fit one SM's shared memory (``cfg.shared_memory_per_sm``), as Triton lays a program
     out: per stage a K and a V tile ``[block_k, head_dim]``; once the query operands of all its
     rows ``[held_rows, head_dim]`` and the probabilities of one dot ``[dot_rows, block_k]``. Stages
-    only pipeline the loads, so the arithmetic does not change with them. ``cfg.fit_stages`` off:
-    ``cfg.num_stages``."""
+    only pipeline the loads, so the arithmetic does not change with them. ``cfg.num_stages`` when
+    the grid's ``programs`` need no more than one SM each, or ``cfg.fit_stages`` is off."""
     stages = cfg.num_stages
-    if not cfg.fit_stages:
+    if not cfg.fit_stages or programs <= resident_programs(cfg) // cfg.ctas_per_sm:
         return stages
     fixed = (held_rows * head_dim + dot_rows * block_k) * itemsize
     per_stage = 2 * block_k * head_dim * itemsize
@@ -391,8 +391,9 @@ def cached_block_attention(
         held_rows = dot_rows = max(MMA_MIN, groups)
     else:  # every member's [T, D] queries, one [T * M, D] dot when stacked
         held_rows, dot_rows = block * per_program, block * (per_program if stacked else 1)
-    stages = fitted_stages(cfg, block_k=block_k, head_dim=head_dim, held_rows=held_rows, dot_rows=dot_rows,
-                           itemsize=jnp.dtype(dtype).itemsize)
+    programs = batch * kv_heads * (1 if block == 1 else groups // per_program) * splits
+    stages = fitted_stages(cfg, programs=programs, block_k=block_k, head_dim=head_dim, held_rows=held_rows,
+                           dot_rows=dot_rows, itemsize=jnp.dtype(dtype).itemsize)
     kernel = functools.partial(_kernel, members=per_program, stacked=stacked,
                                parts=parts, scaled=row_scale is not None, dtype=dtype,
                                scale=scale, eps=float(eps), qk_norm=qk_norm, causal=causal, block_k=block_k,

@@ -392,18 +392,20 @@ def test_cached_attention_members_per_program_fill_one_wave():
 
 def test_cached_attention_stages_fit_two_programs_per_sm():
     """Pipelining stages: the most (<= 3) with which two programs fit an H200 SM's 228 KiB of shared
-    memory, Qwen3-8B heads in bf16 (64-key tiles: 32 KiB of K/V per stage); and the verify block of
-    batch 16 (4 stacked members per program, 64 query rows) compiled with 2, a decode token with 3."""
+    memory, Qwen3-8B heads in bf16 (64-key tiles: 32 KiB of K/V per stage), where the grid needs two
+    per SM; and the verify block of batch 16 (256 programs of 4 stacked members, 64 query rows)
+    compiled with 2, a decode token with 3."""
     from kernels_pallas.cached_attention_gpu import fitted_stages
 
-    cfg = GpuConfig()
-    fit = lambda held, dot, itemsize=2, cfg=cfg: fitted_stages(  # noqa: E731
-        cfg, block_k=64, head_dim=128, held_rows=held, dot_rows=dot, itemsize=itemsize)
+    cfg = GpuConfig(num_sms=132)
+    fit = lambda held, dot, itemsize=2, cfg=cfg, programs=256: fitted_stages(  # noqa: E731
+        cfg, programs=programs, block_k=64, head_dim=128, held_rows=held, dot_rows=dot, itemsize=itemsize)
     assert fit(16, 16) == 3  # a decode token (its 4 rows repeated to 16), or one member of a block
     assert fit(32, 32) == 3  # 2 stacked members: 2 x 108 KiB fit
     assert fit(64, 64) == 2  # 4 stacked members: 2 x 120 KiB do not
     assert fit(64, 16) == 3  # 4 members one after the other: the probabilities of one 16-row dot
     assert fit(16, 16, itemsize=4) == 1  # float32: 64 KiB per stage
+    assert fit(16, 16, itemsize=4, programs=132) == 3  # one program per SM: nothing to fit
     assert fit(64, 64, cfg=dataclasses.replace(cfg, fit_stages=False)) == 3
     assert fit(64, 64, cfg=dataclasses.replace(cfg, ctas_per_sm=1)) == 3
 
