@@ -72,9 +72,9 @@ class GpuConfig:
     # (docs/benchmarks.md, twenty-ninth session). In bf16 it rounds differently from a single token.
     stacked_members: bool = True
     # Cached kernel only: fewer software-pipelining stages than ``num_stages`` where ``ctas_per_sm``
-    # programs would not fit one SM's shared memory (``cached_attention_gpu.fitted_stages``): at
-    # three stages a verify block's programs of 64 stacked query rows ran one per SM, and with two
-    # the kernel took 14-23% less time (docs/benchmarks.md, thirtieth session).
+    # programs would not fit one SM's shared memory (``cached_attention_gpu.fitted_stages``): a
+    # verify block's programs of 64 stacked query rows do not fit two per SM at three stages, and
+    # with two the kernel took 7-23% less time (docs/benchmarks.md, thirtieth session).
     fit_stages: bool = True
     shared_memory_per_sm: int = 228 * 1024  # bytes; H100 / H200 (sm_90)
 

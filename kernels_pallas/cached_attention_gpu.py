@@ -40,6 +40,7 @@ measurements: docs/kernels.md.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -391,8 +392,8 @@ def cached_block_attention(
         held_rows = dot_rows = max(MMA_MIN, groups)
     else:  # every member's [T, D] queries, one [T * M, D] dot when stacked
         held_rows, dot_rows = block * per_program, block * (per_program if stacked else 1)
-    programs = batch * kv_heads * (1 if block == 1 else groups // per_program) * splits
-    stages = fitted_stages(cfg, programs=programs, block_k=block_k, head_dim=head_dim, held_rows=held_rows,
+    grid = (batch, kv_heads, 1 if block == 1 else groups // per_program, splits)
+    stages = fitted_stages(cfg, programs=math.prod(grid), block_k=block_k, head_dim=head_dim, held_rows=held_rows,
                            dot_rows=dot_rows, itemsize=jnp.dtype(dtype).itemsize)
     kernel = functools.partial(_kernel, members=per_program, stacked=stacked,
                                parts=parts, scaled=row_scale is not None, dtype=dtype,
@@ -412,7 +413,7 @@ def cached_block_attention(
     cache_arg = 3 * parts + 5 + len(scale_args)  # k_cache's position among the inputs (v_cache's next)
     outs = pl.pallas_call(
         kernel,
-        grid=(batch, kv_heads, 1 if block == 1 else groups // per_program, splits),
+        grid=grid,
         in_specs=[per_row, per_row, *projection_specs, whole(head_dim), whole(head_dim), rope_spec, *scale_specs,
                   cache_spec, cache_spec],
         out_specs=[o_spec, ml_spec, ml_spec] + ([cache_spec, cache_spec] if write else []),
