@@ -238,6 +238,8 @@ def tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Arra
     elsewhere only under ``pltpu.force_tpu_interpret_mode`` (the tests)."""
     from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds, flash_attention
 
+    from kernels_pallas._common import default_scale
+
     b, s, kv, g, d = q.shape
     padded = -(-s // TPU_FLASH_BLOCK) * TPU_FLASH_BLOCK
 
@@ -248,5 +250,5 @@ def tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Arra
     segments = SegmentIds(q=jnp.ones_like(valid_keys), kv=valid_keys)
     out = flash_attention(heads_major(q.reshape(b, s, kv * g, d)), jnp.repeat(heads_major(k), g, axis=1),
                           jnp.repeat(heads_major(v), g, axis=1), segment_ids=segments, causal=True,
-                          sm_scale=1.0 / math.sqrt(d) if scale is None else scale)
+                          sm_scale=default_scale(d, scale))
     return out.transpose(0, 2, 1, 3)[:, :s]

@@ -81,10 +81,10 @@ class GpuConfig:
 
 def resident_programs(cfg: GpuConfig) -> int:
     """Programs that run at once, one wave: ``ctas_per_sm`` per streaming multiprocessor."""
-    return _num_sms(cfg) * cfg.ctas_per_sm
+    return num_sms(cfg) * cfg.ctas_per_sm
 
 
-def _num_sms(cfg: GpuConfig) -> int:
+def num_sms(cfg: GpuConfig) -> int:
     if cfg.num_sms is not None:
         return cfg.num_sms
     try:

@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas._common import NEG, default_scale, next_pow2
 from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, triton_params
 from kernels_pallas._pdl import signal_after
-from kernels_pallas.block_attention_gpu import GpuConfig, plan, resident_programs
+from kernels_pallas.block_attention_gpu import GpuConfig, num_sms, plan, resident_programs
 
 
 DEFAULT_CONFIG = GpuConfig()  # tiles and split planning when no config is given
@@ -262,7 +262,7 @@ def fitted_stages(cfg: GpuConfig, *, programs: int, block_k: int, head_dim: int,
     only pipeline the loads, so the arithmetic does not change with them. ``cfg.num_stages`` when
     the grid's ``programs`` need no more than one SM each, or ``cfg.fit_stages`` is off."""
     stages = cfg.num_stages
-    if not cfg.fit_stages or programs <= resident_programs(cfg) // cfg.ctas_per_sm:
+    if not cfg.fit_stages or programs <= num_sms(cfg):
         return stages
     fixed = (held_rows * head_dim + dot_rows * block_k) * itemsize
     per_stage = 2 * block_k * head_dim * itemsize
@@ -388,10 +388,10 @@ def cached_block_attention(
                         + [projection(member_block, member(groups), p) for p in range(parts)]
                         + [projection(member_block, member(groups + 1), p) for p in range(parts)])
     stacked = bool(cfg.stacked_members) and per_program > 1
-    if block == 1:  # the group's rows, repeated to the 16 rows of a dot
-        held_rows = dot_rows = max(MMA_MIN, groups)
-    else:  # every member's [T, D] queries, one [T * M, D] dot when stacked
-        held_rows, dot_rows = block * per_program, block * (per_program if stacked else 1)
+    # A dot's query rows, repeated to the 16 an MMA takes (as ``_kernel`` does): a single token's
+    # group, a member's [T, D] queries or the stacked [T * M, D]; unstacked, a program holds M of them.
+    dot_rows = max(MMA_MIN, groups if block == 1 else block * (per_program if stacked else 1))
+    held_rows = dot_rows if block == 1 or stacked else dot_rows * per_program
     grid = (batch, kv_heads, 1 if block == 1 else groups // per_program, splits)
     stages = fitted_stages(cfg, programs=math.prod(grid), block_k=block_k, head_dim=head_dim, held_rows=held_rows,
                            dot_rows=dot_rows, itemsize=jnp.dtype(dtype).itemsize)
