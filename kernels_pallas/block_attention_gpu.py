@@ -77,6 +77,12 @@ class GpuConfig:
     # with two the kernel took 7-23% less time (docs/benchmarks.md, thirtieth session).
     fit_stages: bool = True
     shared_memory_per_sm: int = 228 * 1024  # bytes; H100 / H200 (sm_90)
+    # Cached kernel only: context keys per tile where the batch's (row, KV head) pairs alone number
+    # at least a quarter of the SMs (0 or None: ``block_k`` everywhere; ``cached_attention_gpu.
+    # batch_tiles``). Such grids are bound by throughput, not by one program's latency: smaller tiles
+    # cut a program's shared memory and registers; the DFlash step 0.5-1.4% faster at batch 8-32
+    # (docs/benchmarks.md, thirty-first session). With few rows 64-key tiles halve the loop's trips.
+    wide_batch_block_k: int | None = 32
 
 
 def resident_programs(cfg: GpuConfig) -> int:

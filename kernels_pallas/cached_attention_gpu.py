@@ -33,12 +33,14 @@ group for a single token; ``members_per_program`` for a block). The split count
 comes from the wave model of the block-attention kernel (``block_attention_gpu.plan``) over the
 cache capacity, a static shape; each row's context (``starts``, dynamic) is then dealt to its splits
 in whole tiles (``GpuConfig.balanced_splits``), so a short context is not left to the first splits.
+Tiles hold 64 context keys, 32 where the batch alone fills a quarter of the SMs (``batch_tiles``).
 Split-K partials are merged by ``_flash.merge_splits``. Forward only (inference). Design notes and
 measurements: docs/kernels.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -253,6 +255,17 @@ def members_per_program(batch: int, kv_heads: int, groups: int, splits: int, cfg
     return m
 
 
+def batch_tiles(cfg: GpuConfig, *, batch: int, kv_heads: int) -> GpuConfig:
+    """``cfg`` with ``cfg.wide_batch_block_k`` keys per context tile where ``batch * kv_heads`` (a
+    decode token's programs before any split) reach a quarter of the SMs, else ``cfg`` itself. A
+    rule of the batch alone, so a decode token and a verify block of the same batch sum the context
+    in the same tiles (float32 speculative decoding reproduces target-only decoding); batch 1 keeps
+    64-key tiles, with which its latency-bound token kernel runs fewer loop trips."""
+    if not cfg.wide_batch_block_k or 4 * batch * kv_heads < num_sms(cfg):
+        return cfg
+    return dataclasses.replace(cfg, block_k=cfg.wide_batch_block_k)
+
+
 def fitted_stages(cfg: GpuConfig, *, programs: int, block_k: int, head_dim: int, held_rows: int, dot_rows: int,
                   itemsize: int) -> int:
     """The most software-pipelining stages, at most ``cfg.num_stages``, with which ``cfg.ctas_per_sm``
@@ -357,6 +370,7 @@ def cached_block_attention(
     # 16-token pass then sum every query's context in the same tiles and splits, so greedy
     # speculative decoding reproduces target-only decoding exactly in float32 (stacked, the dots
     # round at their own shape: float32 tokens unchanged on the H200, docs/benchmarks.md).
+    cfg = batch_tiles(cfg, batch=batch, kv_heads=kv_heads)
     block_k, _, splits, chunk = plan(batch, 1, kv_heads, capacity, cfg)
     per_program = 0 if block == 1 else members_per_program(batch, kv_heads, groups, splits, cfg)
     starts = starts.astype(jnp.int32)

@@ -393,8 +393,8 @@ def test_cached_attention_members_per_program_fill_one_wave():
 def test_cached_attention_stages_fit_two_programs_per_sm():
     """Pipelining stages: the most (<= 3) with which two programs fit an H200 SM's 228 KiB of shared
     memory, Qwen3-8B heads in bf16 (64-key tiles: 32 KiB of K/V per stage), where the grid needs two
-    per SM; and the verify block of batch 16 (256 programs of 4 stacked members, 64 query rows)
-    compiled with 2, a decode token with 3."""
+    per SM; and the verify block of 4,096 tokens at batch 1 (144 programs of 4 stacked members, 64
+    query rows) compiled with 2, a decode token with 3."""
     from kernels_pallas.cached_attention_gpu import fitted_stages
 
     cfg = GpuConfig(num_sms=132)
@@ -410,15 +410,39 @@ def test_cached_attention_stages_fit_two_programs_per_sm():
     assert fit(64, 64, cfg=dataclasses.replace(cfg, ctas_per_sm=1)) == 3
 
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    for batch, block, config, stages in ((16, 16, cfg, 2), (16, 1, cfg, 3),
-                                         (16, 16, dataclasses.replace(cfg, fit_stages=False), 3)):
-        shapes = (sd((batch, block, 8, 6, 128), bf), sd((batch, 1152, 8, 128), bf), sd((batch, 1152, 8, 128), bf),
-                  sd((batch,), jnp.int32), sd((batch,), jnp.int32), sd((128,), bf), sd((128,), bf),
-                  sd((64,), jnp.float32))
+    for block, config, stages in ((16, cfg, 2), (1, cfg, 3), (16, dataclasses.replace(cfg, fit_stages=False), 3)):
+        shapes = (sd((1, block, 8, 6, 128), bf), sd((1, 4608, 8, 128), bf), sd((1, 4608, 8, 128), bf),
+                  sd((1,), jnp.int32), sd((1,), jnp.int32), sd((128,), bf), sd((128,), bf), sd((64,), jnp.float32))
         fn = jax.jit(lambda *a, config=config: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False,
                                                                       config=dataclasses.replace(config, num_sms=132)))
         text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
         assert set(re.findall(r"num_stages = (\d+)", text)) == {str(stages)}
+
+
+def test_cached_attention_tiles_by_batch(monkeypatch):
+    """Context tiles chosen by the batch alone: 32 keys where the rows' KV heads (a decode token's
+    programs before any split) reach a quarter of the SMs (8 KV heads on 132 SMs: batch >= 5), 64
+    below, and the same for a decode token and a verify block of one batch, as the kernel plans
+    them; with ``wide_batch_block_k=None`` always ``block_k``."""
+    from kernels_pallas import cached_attention_gpu
+    from kernels_pallas.cached_attention_gpu import batch_tiles
+
+    cfg = GpuConfig(num_sms=132)
+    tiles = lambda batch, cfg=cfg: batch_tiles(cfg, batch=batch, kv_heads=8).block_k  # noqa: E731
+    assert [tiles(b) for b in (1, 2, 4, 5, 8, 16, 32)] == [64, 64, 64, 32, 32, 32, 32]
+    assert tiles(16, dataclasses.replace(cfg, wide_batch_block_k=None)) == 64
+    assert batch_tiles(cfg, batch=1, kv_heads=8) is cfg
+
+    planned, plan = [], cached_attention_gpu.plan
+    monkeypatch.setattr(cached_attention_gpu, "plan", lambda *a: planned.append(a[-1].block_k) or plan(*a))
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    for batch, block in ((16, 1), (16, 16), (1, 1), (1, 16)):
+        shapes = (sd((batch, block, 8, 6, 128), bf), sd((batch, 1152, 8, 128), bf), sd((batch, 1152, 8, 128), bf),
+                  sd((batch,), jnp.int32), sd((batch,), jnp.int32), sd((128,), bf), sd((128,), bf),
+                  sd((64,), jnp.float32))
+        fn = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False, config=cfg))
+        fn.trace(*shapes)
+    assert planned == [32, 32, 64, 64]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
