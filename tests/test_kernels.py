@@ -390,6 +390,16 @@ def test_cached_attention_members_per_program_fill_one_wave():
         members_per_program(1, 8, 4, 4, dataclasses.replace(cfg, members_per_program=3))
 
 
+def _qwen3_8b_attention_args(batch: int, block: int, capacity: int = 1152, qkv=None) -> tuple:
+    """``cached_block_attention``'s positional arguments as abstract bf16 shapes at Qwen3-8B's heads
+    (8 KV heads, groups of 4, head_dim 128): qkv (or ``qkv`` given), the caches, starts, block
+    lengths, the q / k norm weights and RoPE's inverse frequencies."""
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    cache = sd((batch, capacity, 8, 128), bf)
+    return (sd((batch, block, 8, 6, 128), bf) if qkv is None else qkv, cache, cache, sd((batch,), jnp.int32),
+            sd((batch,), jnp.int32), sd((128,), bf), sd((128,), bf), sd((64,), jnp.float32))
+
+
 def test_cached_attention_stages_fit_two_programs_per_sm():
     """Pipelining stages: the most (<= 3) with which two programs fit an H200 SM's 228 KiB of shared
     memory, Qwen3-8B heads in bf16 (64-key tiles: 32 KiB of K/V per stage), where the grid needs two
@@ -409,13 +419,10 @@ def test_cached_attention_stages_fit_two_programs_per_sm():
     assert fit(64, 64, cfg=dataclasses.replace(cfg, fit_stages=False)) == 3
     assert fit(64, 64, cfg=dataclasses.replace(cfg, ctas_per_sm=1)) == 3
 
-    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     for block, config, stages in ((16, cfg, 2), (1, cfg, 3), (16, dataclasses.replace(cfg, fit_stages=False), 3)):
-        shapes = (sd((1, block, 8, 6, 128), bf), sd((1, 4608, 8, 128), bf), sd((1, 4608, 8, 128), bf),
-                  sd((1,), jnp.int32), sd((1,), jnp.int32), sd((128,), bf), sd((128,), bf), sd((64,), jnp.float32))
         fn = jax.jit(lambda *a, config=config: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False,
                                                                       config=dataclasses.replace(config, num_sms=132)))
-        text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        text = fn.trace(*_qwen3_8b_attention_args(1, block, 4608)).lower(lowering_platforms=("cuda",)).as_text()
         assert set(re.findall(r"num_stages = (\d+)", text)) == {str(stages)}
 
 
@@ -435,13 +442,9 @@ def test_cached_attention_tiles_by_batch(monkeypatch):
 
     planned, plan = [], cached_attention_gpu.plan
     monkeypatch.setattr(cached_attention_gpu, "plan", lambda *a: planned.append(a[-1].block_k) or plan(*a))
-    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     for batch, block in ((16, 1), (16, 16), (1, 1), (1, 16)):
-        shapes = (sd((batch, block, 8, 6, 128), bf), sd((batch, 1152, 8, 128), bf), sd((batch, 1152, 8, 128), bf),
-                  sd((batch,), jnp.int32), sd((batch,), jnp.int32), sd((128,), bf), sd((128,), bf),
-                  sd((64,), jnp.float32))
         fn = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False, config=cfg))
-        fn.trace(*shapes)
+        fn.trace(*_qwen3_8b_attention_args(batch, block))
     assert planned == [32, 32, 64, 64]
 
 
@@ -547,9 +550,7 @@ def test_cached_attention_kernel_lowers_for_gpus():
     bf = jnp.bfloat16
     for qkv in (sd((1, 1, 8, 6, 128), bf), sd((1, 8, 8, 6, 128), bf), sd((1, 16, 8, 6, 128), bf),
                 sd((8, 2, 1, 8, 6, 128), jnp.float32)):
-        shapes = (qkv, sd((1, 1152, 8, 128), bf), sd((1, 1152, 8, 128), bf),
-                  sd((1,), jnp.int32), sd((1,), jnp.int32), sd((128,), bf), sd((128,), bf),
-                  sd((64,), jnp.float32))
+        shapes = _qwen3_8b_attention_args(1, 1, qkv=qkv)
         # a block: also 4 members per program, one online softmax each or stacked
         for members, stacked in ((None, False), (4, False), (4, True)) if qkv.shape[-4] > 1 else ((None, False),):
             config = GpuConfig(members_per_program=members, stacked_members=stacked)
@@ -614,8 +615,7 @@ def test_gpu_kernels_signal_dependents_on_hopper(monkeypatch, hopper):
     norm = jax.jit(lambda h, d, w: norm_kernel(h, d, w, eps=1e-6, interpret=False)).trace(
         sd((1, 1, 4096), bf), sd((1, 1, 4096), bf), sd((4096,), bf))
     attention = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False)).trace(
-        sd((1, 1, 8, 6, 128), bf), sd((1, 1152, 8, 128), bf), sd((1, 1152, 8, 128), bf), sd((1,), jnp.int32),
-        sd((1,), jnp.int32), sd((128,), bf), sd((128,), bf), sd((64,), jnp.float32))
+        *_qwen3_8b_attention_args(1, 1))
     for traced in (norm, attention):
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("griddepcontrol.launch_dependents") == (1 if hopper else 0)
