@@ -46,6 +46,8 @@ and method: on-device loop, state donated, median of repeats) with
   it adds no edge to the graph, twenty-fifth session);
 - ``argmax_two_stage``: the greedy argmax over the vocabulary as ``decoding._argmax_two_stage`` (the
   max of 128-wide slices first, written for XLA:CPU) instead of XLA's one (value, index) reduction;
+- ``fixed_loop``: the engine's decode loop as a fixed number of steps (``EngineConfig.decode_loop``
+  ``fixed``, the GPU mesh's loop) instead of a ``while`` that reads its condition after every step;
 - ``unfolded_norms``: the target's norms not folded into its matmuls (``layers.FOLD_NORMS`` off: an
   ``add_rms_norm`` kernel before QKV and gate-up, the engine before the twenty-sixth session). The
   variants that patch the layer's norms, dots or MLP (``unfused_norms``, ``partials:``, ``splitk:``,
@@ -202,6 +204,8 @@ def main() -> None:
                          "DIR/NAME.txt")
     ap.add_argument("--memory", action="store_true",
                     help="also print each engine's decode-step temporaries (XLA's memory analysis of the compiled loop)")
+    ap.add_argument("--hlo", default=None,
+                    help="write each variant's compiled target-only decode loop (optimised HLO) to DIR/NAME.hlo")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -276,6 +280,7 @@ def main() -> None:
             layers.MLP.__call__ = chained_call(default_mlp_call, parts=parts, lag="lag" in rest)
         cfg = EngineConfig(max_batch_size=args.batch, max_length=args.context + 512, prompt_buckets=(args.context,),
                            steps_per_sync=8, attention_impl="pallas",
+                           decode_loop="fixed" if name == "fixed_loop" else "auto",
                            mesh=MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None)
         t0 = time.perf_counter()
         try:
@@ -283,6 +288,10 @@ def main() -> None:
             t_plain, _ = time_decode(plain, args.batch, args.context, args.steps, args.repeats)
             t_plain_b2b = (time_decode_pipelined(plain, args.batch, args.context, args.steps, args.pipelined)
                            if args.pipelined else None)
+            if args.hlo and name not in results:
+                Path(args.hlo).mkdir(parents=True, exist_ok=True)
+                hlo = plain.decode_hlo(plain.empty_state(args.batch), args.steps)
+                (Path(args.hlo) / ("".join(c if c.isalnum() else "_" for c in name) + ".hlo")).write_text(hlo)
             if args.profile and name not in results:
                 out = Path(args.profile) / "".join(c if c.isalnum() else "_" for c in name)
                 profile_decode(plain, args.batch, args.context, 8, str(out), top=12, listing=out.with_suffix(".txt"))

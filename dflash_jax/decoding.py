@@ -106,14 +106,23 @@ def greedy_accept(draft: jax.Array, posterior: jax.Array, valid: jax.Array) -> j
     ``draft [batch, B-1]`` (slots 1..B-1), ``posterior [batch, B]`` (target argmax per slot),
     ``valid [batch]`` (slots of the block that exist) -> ``acc [batch]`` int32 in ``[0, valid - 1]``.
     """
-    slots = jnp.arange(1, draft.shape[1] + 1)
-    match = (draft == posterior[:, :-1]) & (slots[None, :] < valid[:, None])
-    return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    # This and the commit's helpers below run once per step, outside the models: over the block's
+    # static slots, as elementwise ops, they fuse into the commit's few kernels instead of adding a
+    # scan or a reduction kernel each (docs/benchmarks.md, thirty-second session).
+    acc = jnp.zeros(valid.shape, jnp.int32)
+    leading = jnp.ones(valid.shape, bool)
+    for slot in range(1, draft.shape[1] + 1):
+        leading = leading & (draft[:, slot - 1] == posterior[:, slot - 1]) & (slot < valid)
+        acc = acc + leading
+    return acc
 
 
 def is_stop(ids: jax.Array, stop_ids: jax.Array) -> jax.Array:
     """Whether each of ``ids [batch, n]`` is one of its row's ``stop_ids [batch, n_stop]`` -> ``[batch, n]``."""
-    return jnp.any(ids[:, :, None] == stop_ids[:, None, :], axis=-1)
+    hit = jnp.zeros(ids.shape, bool)
+    for k in range(stop_ids.shape[1]):
+        hit = hit | (ids == stop_ids[:, k:k + 1])
+    return hit
 
 
 def commit(
@@ -127,28 +136,33 @@ def commit(
     """
     batch, block = block_ids.shape
     active = ~state.done
-    bonus = jnp.take_along_axis(posterior, acc[:, None], axis=1)[:, 0]
-    slot = jnp.arange(block + 1)[None, :]
-    window = jnp.concatenate([block_ids, jnp.zeros((batch, 1), block_ids.dtype)], axis=1)
-    window = jnp.where(slot == acc[:, None] + 1, bonus[:, None], window)
-    old = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (block + 1,)))(state.tokens, state.starts)
-    window = jnp.where(active[:, None] & (slot <= acc[:, None] + 1), window, old)
-    tokens = write_rows(state.tokens, window, state.starts)
+    bonus = posterior[:, 0]
+    for slot in range(1, block):
+        bonus = jnp.where(acc == slot, posterior[:, slot], bonus)
+    # The tokens after the anchor (already at ``start``): slot j + 1 of the block, the bonus at
+    # slot acc + 1. Only slots up to acc + 1 of an active row change.
+    drafts = jnp.concatenate([block_ids[:, 1:], jnp.zeros((batch, 1), block_ids.dtype)], axis=1)
+    slot = jnp.arange(block)[None, :]
+    new = jnp.where(slot == acc[:, None], bonus[:, None], drafts)
+    after = state.starts + 1
+    old = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (block,)))(state.tokens, after)
+    tokens = write_rows(state.tokens, jnp.where(active[:, None] & (slot <= acc[:, None]), new, old), after)
 
     produced = jnp.minimum(acc + 1, state.max_lens - state.starts - 1)
-    new = window[:, 1:]  # the tokens at start + 1 ..
-    stops = is_stop(new, state.stop_ids) & (jnp.arange(block)[None, :] < produced[:, None])
-    has_stop = jnp.any(stops, axis=1)
-    produced = jnp.where(has_stop, jnp.argmax(stops, axis=1) + 1, produced)
+    stops = is_stop(new, state.stop_ids) & (slot < produced[:, None])
+    first_stop = jnp.full((batch,), block + 1, jnp.int32)
+    for j in reversed(range(block)):
+        first_stop = jnp.where(stops[:, j], j + 1, first_stop)
+    has_stop = first_stop <= block
+    produced = jnp.where(has_stop, first_stop, produced)
     produced = jnp.where(active, produced, 0).astype(jnp.int32)
     starts = state.starts + produced
     done = state.done | has_stop | (starts + 1 >= state.max_lens)
 
+    # A row's next free column, clamped: rows commit >= 1 token a step, so a row never takes more
+    # than max_length - 1 steps and the column is free even for a done row, which writes its 0 there.
     step_col = jnp.minimum(state.num_steps, state.accepted.shape[1] - 1)
-    rows = jnp.arange(batch)
-    accepted = state.accepted.at[rows, step_col].set(
-        jnp.where(active, produced, state.accepted[rows, step_col])
-    )
+    accepted = write_rows(state.accepted, produced[:, None], step_col)
     new_state = dataclasses.replace(
         state, tokens=tokens, starts=starts, done=done, accepted=accepted,
         num_steps=state.num_steps + active.astype(jnp.int32),
@@ -339,4 +353,5 @@ def target_only_step(
     posterior = greedy_argmax(target.head(hidden))
     acc = jnp.zeros_like(starts)
     new_state, _ = commit(state, anchor, posterior, acc)
-    return dataclasses.replace(new_state, target_cache=target_cache)
+    # Target-only rows report no acceptance lengths (``batcher``): the step leaves them unwritten.
+    return dataclasses.replace(new_state, accepted=state.accepted, target_cache=target_cache)

@@ -10,7 +10,7 @@ import torch
 
 from dflash_jax import ContinuousBatcher, Engine, EngineConfig, load_drafter, load_target, sharding
 from dflash_jax.cache import CACHE_AXES
-from dflash_jax.decoding import greedy_accept, greedy_argmax
+from dflash_jax.decoding import DecodeState, commit, greedy_accept, greedy_argmax
 from dflash_jax.engine import window_buckets
 from dflash_jax.sharding import MeshConfig, make_mesh, named_sharding
 from dflash_jax.tiny import (random_drafter, random_target, tiny_drafter_config, tiny_target_config,
@@ -132,6 +132,37 @@ def test_greedy_accept_counts_leading_matches_within_the_valid_block():
     posterior = jnp.array([[5, 6, 7, 8], [5, 6, 7, 8], [0, 2, 3, 4], [5, 6, 7, 8]])
     valid = jnp.array([4, 4, 4, 3])
     np.testing.assert_array_equal(greedy_accept(draft, posterior, valid), [3, 1, 0, 2])
+
+
+def test_commit_writes_accepted_tokens_and_cuts_at_stops_and_max_length():
+    """Four rows of one step, block 4, each drafting [anchor 12, 20, 21, 22] against the target's
+    [20, 21, 30, 31] (two drafts accepted, bonus 30): a plain row, a row whose second new token is
+    one of its stop ids, a row cut by its max_length, and a done row, which must not change."""
+    tokens = np.full((4, 10), 7, np.int32)
+    tokens[:, :3] = [10, 11, 12]
+    accepted = np.zeros((4, 6), np.int32)
+    accepted[3, :3] = [1, 2, 1]
+    state = DecodeState(
+        tokens=jnp.asarray(tokens), starts=jnp.full((4,), 2, jnp.int32), max_lens=jnp.array([10, 10, 5, 10]),
+        done=jnp.array([False, False, False, True]), num_steps=jnp.array([1, 1, 1, 3]),
+        accepted=jnp.asarray(accepted), stop_ids=jnp.array([[-1, -1], [-1, 21], [-1, -1], [-1, -1]]),
+        target_cache=None, draft_cache=None,
+    )
+    block_ids = jnp.tile(jnp.array([[12, 20, 21, 22]]), (4, 1))
+    posterior = jnp.tile(jnp.array([[20, 21, 30, 31]]), (4, 1))
+    acc = greedy_accept(block_ids[:, 1:], posterior, jnp.full((4,), 4))
+    np.testing.assert_array_equal(acc, [2, 2, 2, 2])
+    new, produced = commit(state, block_ids, posterior, acc)
+    np.testing.assert_array_equal(produced, [3, 2, 2, 0])
+    np.testing.assert_array_equal(new.starts, [5, 4, 4, 2])
+    np.testing.assert_array_equal(new.done, [False, True, True, True])
+    np.testing.assert_array_equal(new.num_steps, [2, 2, 2, 3])
+    np.testing.assert_array_equal(new.tokens[0], [10, 11, 12, 20, 21, 30, 7, 7, 7, 7])
+    for row in (1, 2):  # the committed tokens; later positions are never read
+        np.testing.assert_array_equal(new.tokens[row, :5], [10, 11, 12, 20, 21])
+    np.testing.assert_array_equal(new.tokens[3], tokens[3])
+    np.testing.assert_array_equal(new.accepted, [[0, 3, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0],
+                                                 [1, 2, 1, 0, 0, 0]])
 
 
 def test_bad_requests_are_clear_errors(engines):
