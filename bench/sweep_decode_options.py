@@ -282,6 +282,7 @@ def main() -> None:
                            steps_per_sync=8, attention_impl="pallas",
                            decode_loop="fixed" if name == "fixed_loop" else "auto",
                            mesh=MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None)
+        stem = "".join(c if c.isalnum() else "_" for c in name)  # the variant's output files
         t0 = time.perf_counter()
         try:
             plain = Engine(target, None, cfg)
@@ -291,9 +292,9 @@ def main() -> None:
             if args.hlo and name not in results:
                 Path(args.hlo).mkdir(parents=True, exist_ok=True)
                 hlo = plain.decode_hlo(plain.empty_state(args.batch), args.steps)
-                (Path(args.hlo) / ("".join(c if c.isalnum() else "_" for c in name) + ".hlo")).write_text(hlo)
+                (Path(args.hlo) / f"{stem}.hlo").write_text(hlo)
             if args.profile and name not in results:
-                out = Path(args.profile) / "".join(c if c.isalnum() else "_" for c in name)
+                out = Path(args.profile) / stem
                 profile_decode(plain, args.batch, args.context, 8, str(out), top=12, listing=out.with_suffix(".txt"))
             t_spec = t_spec_b2b = None
             engines = [("target-only", plain)]
@@ -304,7 +305,7 @@ def main() -> None:
                               if args.pipelined else None)
                 engines.append(("DFlash", spec))
                 if args.profile and name not in results:
-                    out = Path(args.profile) / ("dflash_" + "".join(c if c.isalnum() else "_" for c in name))
+                    out = Path(args.profile) / f"dflash_{stem}"
                     profile_decode(spec, args.batch, args.context, 4, str(out), top=12,
                                    listing=out.with_suffix(".txt"))
             if args.memory:

@@ -55,6 +55,12 @@ def write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array) -> jax.A
     return jax.vmap(one)(buffer, update, starts)
 
 
+def read_rows(buffer: jax.Array, starts: jax.Array, n: int) -> jax.Array:
+    """Positions ``[starts, starts + n)`` of ``buffer [batch, capacity, ...]`` per row -> ``[batch, n, ...]``:
+    the read that ``write_rows`` at the same ``starts`` writes back."""
+    return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, n, axis=0))(buffer, starts)
+
+
 def write_all_layers(cache: KVCache, k: jax.Array, v: jax.Array, starts: jax.Array) -> KVCache:
     """Writes ``k, v [layers, batch, n, kv_heads, head_dim]`` for all layers at per-row ``starts``."""
     return KVCache(tuple(write_rows(c, u, starts) for c, u in zip(cache.k, k)),
@@ -75,8 +81,5 @@ def write_back(cache: KVCache, window: KVCache, starts: jax.Array, n: int) -> KV
     ``starts + n <= window capacity``; others (done rows) get stale values past ``starts``, which are
     never read.
     """
-    def block(x: jax.Array) -> jax.Array:
-        return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, n, axis=0))(x, starts)
-
-    return KVCache(tuple(write_rows(c, block(w), starts) for c, w in zip(cache.k, window.k)),
-                   tuple(write_rows(c, block(w), starts) for c, w in zip(cache.v, window.v)))
+    return KVCache(tuple(write_rows(c, read_rows(w, starts, n), starts) for c, w in zip(cache.k, window.k)),
+                   tuple(write_rows(c, read_rows(w, starts, n), starts) for c, w in zip(cache.v, window.v)))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from dflash_jax import sharding
 from dflash_jax.attention import AttentionImpl
-from dflash_jax.cache import KVCache, read_window, write_all_layers, write_back, write_rows
+from dflash_jax.cache import KVCache, read_rows, read_window, write_all_layers, write_back, write_rows
 from dflash_jax.drafter import Drafter
 from dflash_jax.target import Target
 
@@ -145,7 +145,7 @@ def commit(
     slot = jnp.arange(block)[None, :]
     new = jnp.where(slot == acc[:, None], bonus[:, None], drafts)
     after = state.starts + 1
-    old = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (block,)))(state.tokens, after)
+    old = read_rows(state.tokens, after, block)
     tokens = write_rows(state.tokens, jnp.where(active[:, None] & (slot <= acc[:, None]), new, old), after)
 
     produced = jnp.minimum(acc + 1, state.max_lens - state.starts - 1)
