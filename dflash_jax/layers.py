@@ -303,7 +303,7 @@ class Attention(nnx.Module):
         ``QKV_PARTIALS`` float32 split-K partials ``[S, 2, 1, kv_heads, groups + 2, head_dim]``
         (``single_row_partials``), which ``cached_block_attention`` sums; else None (``_qkv``). Only
         a single row: as 8 partials, a 16-row verify block cost the DFlash step 5% (docs/benchmarks.md,
-        twenty-third session)."""
+        twenty-third session), a batch-1 verify block alone as 2 or 4, 0.4-0.9% (thirty-third)."""
         if self.qkv_bias is not None:
             return None
         partials = single_row_partials(x, self.qkv_proj, QKV_PARTIALS)
