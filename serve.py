@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, help="draft block size (at most the drafter's)")
     g.add_argument("--batch-size", type=int, help="requests decoding at once (engine.max_batch_size)")
     g.add_argument("--max-length", type=int, help="prompt plus generated tokens per request")
+    g.add_argument("--compilation-cache", metavar="DIR",
+                   help="save compiled programs to DIR and load them on the next start (engine.compilation_cache_dir)")
     g.add_argument("--max-new-tokens", type=int,
                    help="default number of tokens to generate (batch mode: for lines without max_new_tokens; "
                         "server: for requests without max_tokens)")
@@ -94,7 +96,8 @@ def load_settings(args: argparse.Namespace):
     flags: dict[str, dict[str, Any]] = {
         "model": {"target": args.target, "draft": args.draft, "no_draft": args.no_draft,
                   "tokenizer": args.tokenizer, "dtype": args.dtype},
-        "engine": {"block_size": args.block_size, "max_batch_size": args.batch_size, "max_length": args.max_length},
+        "engine": {"block_size": args.block_size, "max_batch_size": args.batch_size, "max_length": args.max_length,
+                   "compilation_cache_dir": args.compilation_cache},
     }
     if args.command == "generate":
         flags["generate"] = {"max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos}
@@ -133,6 +136,13 @@ def load_engine(cfg):
     from dflash_jax.checkpoint import load_drafter, load_target
     from dflash_jax.engine import Engine
 
+    if cfg.engine.compilation_cache_dir is not None:  # checked before the weights take minutes to load
+        from dflash_jax.compile_cache import use_compilation_cache
+
+        try:
+            use_compilation_cache(cfg.engine.compilation_cache_dir)
+        except ValueError as err:
+            raise CLIError(f"engine.{err}") from None
     t0 = time.perf_counter()
     try:
         target = load_target(cfg.model.target, dtype=cfg.model.dtype)
@@ -300,6 +310,10 @@ def run_generate(cfg, input_path: Path, output_path: Path, progress: bool = True
         "block_size": engine.block_size,
         "output": str(output_path),
     }
+    if cfg.engine.compilation_cache_dir is not None:
+        from dflash_jax.compile_cache import cache_report
+
+        summary["compilation_cache"] = cache_report()
     print(json.dumps(summary), file=sys.stderr)
     return summary
 
@@ -315,7 +329,14 @@ def run_serve(cfg) -> None:
     tokenizer = load_tokenizer(cfg, required=True)
     engine, target = load_engine(cfg)
     if s.warmup:
-        log.info("compiled the engine for batch 1 and %d in %.1f s", cfg.engine.max_batch_size, engine.warmup())
+        seconds = engine.warmup()
+        cached = ""
+        if cfg.engine.compilation_cache_dir is not None:
+            from dflash_jax.compile_cache import cache_report
+
+            c = cache_report()
+            cached = f" ({c['loaded']} programs loaded from the compilation cache {c['dir']}, {c['compiled']} compiled)"
+        log.info("compiled the engine for batch 1 and %d in %.1f s%s", cfg.engine.max_batch_size, seconds, cached)
     name = cfg.model.name or Path(cfg.model.target).resolve().name
     app = create_app(
         engine, tokenizer,

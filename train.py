@@ -31,14 +31,24 @@ def _train(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    from dflash_jax.compile_cache import cache_report, use_compilation_cache
     from dflash_jax.training.run import train
 
+    if config.compilation_cache_dir is not None:  # checked before the target loads
+        try:
+            use_compilation_cache(config.compilation_cache_dir)
+        except ValueError as err:
+            print(f"config error: {err}", file=sys.stderr)
+            return 2
     try:
         result = train(config, resume=True if args.resume else None, max_steps=args.max_steps)
     except (FileNotFoundError, FileExistsError) as err:  # --resume without a checkpoint, missing files
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps({"steps": result["steps"], "train": result["train"], "eval": result["eval"]}, default=float))
+    summary = {"steps": result["steps"], "train": result["train"], "eval": result["eval"]}
+    if config.compilation_cache_dir is not None:
+        summary["compilation_cache"] = cache_report()
+    print(json.dumps(summary, default=float))
     return 0
 
 

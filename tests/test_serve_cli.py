@@ -180,6 +180,9 @@ def test_settings_file_set_and_flags(tmp_path, capsys):
     cfg.write_text("engine: {max_batch_size: 0}\n")
     assert serve.main(["--config", str(cfg), "--target", "/t", "--no-draft"]) == 2
     assert "max_batch_size must be >= 1" in capsys.readouterr().err
+    cfg.write_text("engine: {compilation_cache_dir: ''}\n")
+    assert serve.main(["--config", str(cfg), "--target", "/t", "--no-draft"]) == 2
+    assert "compilation_cache_dir must be a directory or null" in capsys.readouterr().err
 
 
 def _free_port() -> int:
@@ -239,3 +242,50 @@ def test_serve_sigterm_finishes_requests_in_flight(models, tmp_path):
     assert len(ids) == 12 and events[-2]["choices"][0]["finish_reason"] == "length"
     text = log_path.read_text()
     assert "scheduler drained" in text
+
+
+def test_generate_with_compilation_cache(models, tmp_path):
+    """A second run loads every program the first compiled from ``--compilation-cache`` and writes the
+    same tokens; a directory that cannot be created is an error naming the setting, before loading."""
+    target_dir, drafter_dir = models
+    src = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt_ids": [5, 6, 7]}, {"prompt_ids": [9] * 12}])
+
+    def generate(cache: Path, output: Path) -> subprocess.CompletedProcess:
+        return run_cli("generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--input", str(src),
+                       "--output", str(output), "--max-new-tokens", "8", "--batch-size", "2",
+                       "--compilation-cache", str(cache), *ENGINE_FLAGS)
+
+    cache, runs = tmp_path / "xla_cache", []
+    for name in ("first", "second"):
+        r = generate(cache, tmp_path / f"{name}.jsonl")
+        assert r.returncode == 0, r.stderr
+        runs.append(json.loads(r.stderr.strip().splitlines()[-1])["compilation_cache"])
+    first, second = runs
+    assert first["dir"] == str(cache)
+    assert first["loaded"] == 0 and first["compiled"] > 5 and any(cache.iterdir())
+    assert second == {**first, "loaded": first["compiled"], "compiled": 0}
+    outputs = [[row["output_ids"] for row in read_jsonl(tmp_path / f"{name}.jsonl")] for name in ("first", "second")]
+    assert outputs[0] == outputs[1] and all(outputs[0])
+
+    not_a_dir = tmp_path / "a_file"
+    not_a_dir.write_text("")
+    r = generate(not_a_dir / "sub", tmp_path / "never.jsonl")
+    assert r.returncode == 2
+    assert f"engine.compilation_cache_dir '{not_a_dir / 'sub'}': cannot create it" in r.stderr
+    assert "loaded" not in r.stderr and not (tmp_path / "never.jsonl").exists()
+
+
+def test_one_compilation_cache_directory_per_process(tmp_path):
+    """JAX opens its persistent cache once: asking for a second directory is an error, not ignored."""
+    import jax
+
+    from dflash_jax.compile_cache import use_compilation_cache
+
+    assert jax.config.jax_compilation_cache_dir is None  # the suite compiles without a cache
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "first"))
+    try:
+        with pytest.raises(ValueError, match="already caches compiled programs in .*first"):
+            use_compilation_cache(tmp_path / "second")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+    assert not (tmp_path / "second").exists()

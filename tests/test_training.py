@@ -292,6 +292,13 @@ def test_cli_rejects_unknown_keys(tmp_path, capsys):
 
     assert train_cli.main(["--config", str(REPO / "configs" / "train_tiny.yaml"), "optim.lrr=1"]) == 2
     assert "lrr" in capsys.readouterr().err
+    # A compilation cache that cannot be created fails before the target loads, naming the field.
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert train_cli.main(["--config", str(REPO / "configs" / "train_tiny.yaml"),
+                           f"compilation_cache_dir={blocker / 'cache'}", f"output_dir={tmp_path / 'run'}"]) == 2
+    assert "config error: compilation_cache_dir" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("name", ["train_tiny", "qwen3_8b_b16", "qwen3_4b_b16", "llama3.1_8b_b16"])

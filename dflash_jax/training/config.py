@@ -150,8 +150,13 @@ class TrainConfig:
     log_every: int = 10  # optimizer steps between metric lines
     progress: bool = True  # tqdm bar
     tensorboard: bool = True
+    # Compiled programs saved here and loaded by a resumed run instead of compiled again
+    # (``dflash_jax.compile_cache``; writable by you alone). None: compile in every run.
+    compilation_cache_dir: str | None = None
 
     def validate(self) -> None:
+        if self.compilation_cache_dir is not None and not self.compilation_cache_dir.strip():
+            raise ValueError("compilation_cache_dir must be a directory or null, got an empty string")
         if self.steps < 1 or self.save_every < 1 or self.keep < 1 or self.log_every < 1:
             raise ValueError("steps, save_every, keep and log_every must be >= 1")
         if self.data.batch_size % 1:

@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.attention import resolve_attention_impl
+from dflash_jax.compile_cache import use_compilation_cache
 from dflash_jax.model_config import DrafterConfig, TargetConfig, default_target_layer_ids
 from dflash_jax.target import Target, unstack_layers
 from dflash_jax.training import parallel
@@ -155,6 +156,8 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
     from dflash_jax.checkpoint import load_drafter
 
     parallel.maybe_initialize_distributed(config.mesh)
+    if config.compilation_cache_dir is not None:
+        use_compilation_cache(config.compilation_cache_dir)
     mesh = parallel.make_mesh(config.mesh, devices)
     run_dir = Path(config.output_dir)
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)

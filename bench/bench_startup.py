@@ -1,0 +1,209 @@
+"""Startup benchmark: what a server pays before its first request, with and without the persistent
+compilation cache (``EngineConfig.compilation_cache_dir``), and whether a program loaded from the
+cache runs as fast as, and computes the same as, the one compiled for it.
+
+Each run is a fresh process (the cache matters between processes): it builds the Qwen3-8B-shaped
+random bf16 target and 5-layer block-16 drafter of ``bench_engine.py``, then for a DFlash engine and
+a target-only engine with serve.py's default shapes (8 rows, 2048 positions) times ``Engine.warmup``
+(what ``serve.py`` runs before it binds), the back-to-back batch-1 decode step from a 512-token
+context, and generates 48 tokens from a fixed prompt. Runs share one cache directory, in order:
+``none`` (no cache), ``cold`` (an empty cache: compile and save), ``warm`` (load).
+
+    python bench/bench_startup.py --runs none,cold,warm,warm --out $OUT/startup.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONTEXT, STEPS, CALLS = 512, 16, 10
+_DECODE_FLAGS = ["--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+                 "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"]
+_NO_XLA_CACHES = {"JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none"}
+# run kind: (whether the process uses the compilation cache, XLA_FLAGS added to its environment,
+# other environment variables)
+RUNS = {
+    "none": (False, [], {}),
+    "cold": (True, [], {}),
+    "warm": (True, [], {}),
+    # the decode jit's XLA options as the process's flags: does a loaded program take them from there?
+    "warm-decode-flags": (True, _DECODE_FLAGS, {}),
+    # no executable cache, only XLA's per-fusion autotuning results of the earlier runs
+    "autotune": (False, ["--xla_gpu_per_fusion_autotune_cache_dir={cache}/xla_gpu_per_fusion_autotune_cache_dir"], {}),
+    # executables only: without the XLA autotuning cache JAX otherwise keeps beside them
+    "cold-exec": (True, [], _NO_XLA_CACHES),
+    "warm-exec": (True, [], _NO_XLA_CACHES),
+    # a warm run that first autotunes GEMMs of its own (autotune_fresh_gemms)
+    "warm-pre-autotune": (True, [], {"BENCH_PRE_AUTOTUNE": "1"}),
+}
+
+
+def autotune_fresh_gemms(hidden: int, intermediate: int) -> float:
+    """Compiles and runs GEMMs of shapes no engine program has (5-row blocks), so that XLA autotunes
+    in this process even when every engine program comes from the cache; returns the seconds."""
+    import jax
+    import jax.numpy as jnp
+
+    t0, key = time.perf_counter(), jax.random.key(5)
+    for n, k in ((hidden, 3 * hidden // 2), (hidden, hidden), (intermediate, hidden), (hidden, 2 * intermediate)):
+        a = jax.random.normal(key, (5, n), jnp.bfloat16)
+        b = jax.random.normal(key, (n, k), jnp.bfloat16)
+        jax.block_until_ready(jax.jit(jnp.dot)(a, b))
+    return time.perf_counter() - t0
+
+
+def child(cache: str | None, layers: int, tiny: bool, pre_autotune: bool = False) -> dict:
+    """One process's startup and step times (printed as one JSON line by ``--child``)."""
+    sys.path[:0] = [str(HERE.parent), str(HERE)]
+    t_start = time.perf_counter()
+    import jax
+
+    from bench_engine import qwen3_8b, random_pair, time_decode_pipelined
+    from dflash_jax.compile_cache import cache_counts
+    from dflash_jax.engine import Engine, EngineConfig
+    from dflash_jax.tiny import tiny_target_config
+
+    t0 = time.perf_counter()
+    target, drafter = random_pair(tiny_target_config(num_layers=layers) if tiny else qwen3_8b(layers))
+    jax.block_until_ready(jax.tree.leaves(target))
+    out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, cache=cache,
+               import_s=t0 - t_start, init_s=time.perf_counter() - t0)
+    if pre_autotune:
+        out["pre_autotune_s"] = autotune_fresh_gemms(target.config.hidden_size, target.config.intermediate_size)
+    prompt = [(7 * i + 3) % (target.config.vocab_size - 1) for i in range(40)]
+    config = EngineConfig(max_batch_size=8, max_length=2048, compilation_cache_dir=cache)
+    for name, draft in (("dflash", drafter), ("target_only", None)):
+        before = cache_counts()
+        t0 = time.perf_counter()
+        engine = Engine(target, draft, config)
+        built = time.perf_counter() - t0
+        warmup = engine.warmup()
+        counts = cache_counts() - before
+        step = time_decode_pipelined(engine, 1, CONTEXT, STEPS, CALLS)
+        results = [engine.generate([prompt], max_new_tokens=48)[0] for _ in range(3)]
+        out[name] = dict(engine_s=built, warmup_s=warmup, loaded=counts.loaded, compiled=counts.compiled,
+                         step_ms=step * 1e3, dispatch_ms=dispatch_seconds(engine) * 1e3,
+                         ttft_ms=min(r.time_to_first_token for r in results) * 1e3,
+                         output_ids=list(map(int, results[0].output_ids)),
+                         acceptance_lengths=list(map(int, results[0].acceptance_lengths)))
+        del engine
+    out["total_s"] = time.perf_counter() - t_start
+    return out
+
+
+def dispatch_seconds(engine, calls: int = 5) -> float:
+    """Median seconds until a decode call of ``STEPS`` steps returns to the host. A call whose loop
+    runs in the CUDA graph returns at once; one whose loop condition the host reads after every
+    step returns when the loop is done."""
+    import jax
+
+    from bench_engine import warmed_state
+
+    state, times = warmed_state(engine, 1, CONTEXT, STEPS, seed=11), []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        state, _ = engine.decode(state, n_steps=STEPS)
+        times.append(time.perf_counter() - t0)
+        jax.block_until_ready(state.starts)
+    return sorted(times)[len(times) // 2]
+
+
+def gpu_state() -> str | None:
+    """Temperature, clocks and power of GPU 0 as nvidia-smi reports them (None without nvidia-smi)."""
+    query = "temperature.gpu,clocks.sm,clocks.mem,power.draw,clocks_throttle_reasons.active"
+    try:
+        proc = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i", "0"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() or None
+
+
+def dir_stats(path: Path) -> tuple[int, float]:
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files) / 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default="none,cold,warm,warm", help="processes in order: none | cold | warm")
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--cache-dir", default=None, help="the cache directory (default: a new temporary one)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per process")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        pre = os.environ.get("BENCH_PRE_AUTOTUNE") == "1"
+        print("RESULT " + json.dumps(child(args.child or None, args.layers, args.tiny, pre)), flush=True)
+        return
+
+    cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="dflash_startup_"))
+    runs, report = args.runs.split(","), dict(config=vars(args), cache_dir=str(cache), runs=[])
+    for kind in runs:
+        if kind not in RUNS:
+            raise SystemExit(f"--runs: unknown run {kind!r} ({', '.join(RUNS)})")
+        if kind.startswith("cold") and cache.exists() and any(cache.iterdir()):
+            raise SystemExit(f"--runs: a cold run needs an empty cache, {cache} has files")
+        uses_cache, flags, extra_env = RUNS[kind]
+        env = {**os.environ, **extra_env}
+        if flags:
+            env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip().replace("{cache}", str(cache))
+        cmd = [sys.executable, __file__, "--child", str(cache) if uses_cache else "", "--layers", str(args.layers)]
+        cmd += ["--tiny"] if args.tiny else []
+        before = gpu_state()
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        except subprocess.TimeoutExpired:
+            print(f"{kind}: timed out after {args.timeout:.0f} s", flush=True)
+            break
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(f"{kind}: failed ({proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            break
+        run = dict(kind=kind, process_s=time.perf_counter() - t0, gpu_before=before, gpu_after=gpu_state(),
+                   **json.loads(lines[-1][len("RESULT "):]))
+        if kind != "none":
+            run["cache_files"], run["cache_mb"] = dir_stats(cache)
+        report["runs"].append(run)
+        d, t = run["dflash"], run["target_only"]
+        print(f"{kind}: process {run['process_s']:.1f} s (init {run['init_s']:.1f}); warmup DFlash "
+              f"{d['warmup_s']:.1f} s ({d['loaded']} loaded, {d['compiled']} compiled), target-only "
+              f"{t['warmup_s']:.1f} s ({t['loaded']} loaded, {t['compiled']} compiled); step {t['step_ms']:.3f} / "
+              f"{d['step_ms']:.3f} ms; decode call returns after {t['dispatch_ms']:.2f} / {d['dispatch_ms']:.2f} ms; "
+              f"TTFT {t['ttft_ms']:.1f} / {d['ttft_ms']:.1f} ms; GPU before / after: {before} / {run['gpu_after']}",
+              flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2))
+
+    done = report["runs"]
+    if not done:
+        return
+    first = done[0]
+    print(f"\n{first['device']}, jax {first['jax']}; warm-up = Engine.warmup() for batch 1 and 8, max_length 2048; "
+          f"step = back-to-back batch-1 decode step, context {CONTEXT}")
+    print("| run | process s | warm-up DFlash s | warm-up target-only s | loaded / compiled | target-only ms | "
+          "DFlash ms | ratio | call returns ms (target-only / DFlash) | TTFT ms | tokens as run 1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for i, run in enumerate(done, 1):
+        d, t = run["dflash"], run["target_only"]
+        same = all(run[k]["output_ids"] == first[k]["output_ids"] for k in ("dflash", "target_only")) and \
+            run["dflash"]["acceptance_lengths"] == first["dflash"]["acceptance_lengths"]
+        print(f"| {i} {run['kind']} | {run['process_s']:.1f} | {d['warmup_s']:.1f} | {t['warmup_s']:.1f} | "
+              f"{d['loaded'] + t['loaded']} / {d['compiled'] + t['compiled']} | {t['step_ms']:.3f} | "
+              f"{d['step_ms']:.3f} | {d['step_ms'] / t['step_ms']:.3f} | {t['dispatch_ms']:.2f} / {d['dispatch_ms']:.2f} | "
+              f"{t['ttft_ms']:.1f} / {d['ttft_ms']:.1f} | {'yes' if same else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
