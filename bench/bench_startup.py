@@ -7,7 +7,8 @@ random bf16 target and 5-layer block-16 drafter of ``bench_engine.py``, then for
 a target-only engine with serve.py's default shapes (8 rows, 2048 positions) times ``Engine.warmup``
 (what ``serve.py`` runs before it binds), the back-to-back batch-1 decode step from a 512-token
 context, and generates 48 tokens from a fixed prompt. Runs share one cache directory, in order:
-``none`` (no cache), ``cold`` (an empty cache: compile and save), ``warm`` (load).
+``none`` (no cache), ``cold`` (an empty cache: compile and save), ``warm`` (load), and the
+diagnostic kinds of ``RUNS``.
 
     python bench/bench_startup.py --runs none,cold,warm,warm --out $OUT/startup.json
 """
@@ -134,7 +135,7 @@ def dir_stats(path: Path) -> tuple[int, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default="none,cold,warm,warm", help="processes in order: none | cold | warm")
+    ap.add_argument("--runs", default="none,cold,warm,warm", help=f"processes in order, of: {', '.join(RUNS)}")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--cache-dir", default=None, help="the cache directory (default: a new temporary one)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per process")

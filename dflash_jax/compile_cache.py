@@ -5,8 +5,8 @@ there (``jax_persistent_cache_enable_xla_caches``), which programs compiled anew
 
 What it buys and costs, measured (docs/benchmarks.md, thirty-fourth session; Qwen3-8B shapes):
 - on the H200, ``Engine.warmup`` (what ``serve.py`` runs before it binds: batch 1 and 8) took
-  13-25 s per engine instead of 36-73 s; on the CPU a tiny training run's compile went from ~20 s
-  to ~4 s on resume;
+  13-25 s per engine instead of 36-73 s; on the CPU the tiny training recipe's second start took
+  8 s instead of 25 s;
 - every process that reused the cache ran the same decode step to within 0.1%, where processes that
   compiled (and autotuned) for themselves spread by up to 3% (DFlash 5.36-5.52 ms on one machine);
 - but slower than those processes on the same machine: target-only steps by 3.0-3.3% (4.24
@@ -51,6 +51,13 @@ def _count(event: str, **_) -> None:
     if event in _counts:
         with _lock:
             _counts[event] += 1
+
+
+def check_setting(directory: str | None) -> None:
+    """The config check of a ``compilation_cache_dir`` field (``EngineConfig``, ``TrainConfig``):
+    null, or a path that is not blank."""
+    if directory is not None and not directory.strip():
+        raise ValueError("compilation_cache_dir must be a directory or null, got an empty string")
 
 
 def use_compilation_cache(directory: str | os.PathLike) -> Path:

@@ -29,7 +29,7 @@ from dflash_jax import decoding, layers, tail_layout
 from dflash_jax.attention import resolve_attention_impl
 from dflash_jax.batcher import ContinuousBatcher, Generation, GenerationResult
 from dflash_jax.cache import CACHE_ALIGNMENT, CACHE_AXES
-from dflash_jax.compile_cache import use_compilation_cache
+from dflash_jax.compile_cache import check_setting as check_cache_setting, use_compilation_cache
 from dflash_jax.drafter import Drafter
 from dflash_jax.layers import fold_norms, fuse_projections
 from dflash_jax.sharding import MeshConfig, kernel_mesh, make_mesh, named_sharding, shard_module
@@ -66,7 +66,7 @@ class EngineConfig:
     tail_layout: str = "off"
     # A directory for the persistent compilation cache (``dflash_jax.compile_cache``): the engine's
     # programs are saved there and loaded by the next process instead of compiled again. Process-wide.
-    # On the H200 it cut an 8B engine's warm-up ~3x, and decode steps ran 3% slower in the processes
+    # On the H200 it cut an 8B engine's warm-up ~3x, and decode steps ran 2-3% slower in the processes
     # that reused it (docs/benchmarks.md, thirty-fourth session). None: compile in every process.
     compilation_cache_dir: str | None = None
 
@@ -90,8 +90,7 @@ class EngineConfig:
             raise ValueError(f"steps_per_sync must be >= 1, got {self.steps_per_sync}")
         if self.decode_loop not in ("until_done", "fixed", "auto"):
             raise ValueError(f"decode_loop must be 'until_done', 'fixed' or 'auto', got {self.decode_loop!r}")
-        if self.compilation_cache_dir is not None and not self.compilation_cache_dir.strip():
-            raise ValueError("compilation_cache_dir must be a directory or null, got an empty string")
+        check_cache_setting(self.compilation_cache_dir)
         if self.prompt_buckets is not None and (not self.prompt_buckets or min(self.prompt_buckets) < 1):
             raise ValueError(f"prompt_buckets must be positive lengths, got {self.prompt_buckets}")
 

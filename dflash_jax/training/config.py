@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
+from dflash_jax.compile_cache import check_setting as check_cache_setting
 from dflash_jax.config import ConfigError, load_config, save_config
 from dflash_jax.sharding import MeshConfig
 
@@ -155,8 +156,7 @@ class TrainConfig:
     compilation_cache_dir: str | None = None
 
     def validate(self) -> None:
-        if self.compilation_cache_dir is not None and not self.compilation_cache_dir.strip():
-            raise ValueError("compilation_cache_dir must be a directory or null, got an empty string")
+        check_cache_setting(self.compilation_cache_dir)
         if self.steps < 1 or self.save_every < 1 or self.keep < 1 or self.log_every < 1:
             raise ValueError("steps, save_every, keep and log_every must be >= 1")
         if self.data.batch_size % 1:
