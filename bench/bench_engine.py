@@ -435,11 +435,25 @@ def profile_generate(engine: Engine, context: int, new_tokens: int, out_dir: str
     print(f"generate profile: TTFT {res.time_to_first_token * 1e3:.1f} ms; {len(rows)} events in {listing}", flush=True)
 
 
+def attention_layers(engine: Engine) -> int:
+    """Attention kernels a decode step launches: one per target layer, one per drafter layer."""
+    return engine.target.config.num_layers + (engine.drafter.config.num_layers if engine.drafter is not None else 0)
+
+
+def traced_steps(launches: dict[str, int], layers: int, steps: int) -> float:
+    """How many decode steps a trace holds, from its attention kernels' launches (``launches``: per
+    kernel name) and ``layers`` attention kernels a step (``attention_layers``); ``steps`` when no
+    kernel is named for attention. When the loop runs in a CUDA graph the profiler sees one of its
+    iterations per call, not all ``steps`` (docs/benchmarks.md, thirty-fifth session)."""
+    found = sum(n for name, n in launches.items() if "attention" in name)
+    return found / layers if found else steps
+
+
 def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir: str, top: int = 30,
                    listing: Path | None = None) -> None:
-    """Traces ``steps`` decode steps (jax.profiler, Perfetto JSON) and prints the GPU time per kernel
-    name per step: where a step's time goes. ``listing``: also write every kernel of the trace, in
-    launch order, to this file."""
+    """Traces a call of ``steps`` decode steps (jax.profiler, Perfetto JSON) and prints the GPU time
+    per kernel name per traced step (``traced_steps``): where a step's time goes. ``listing``: also
+    write every kernel of the trace, in launch order, to this file."""
     state = synthetic_state(engine, batch, context, seed=batch + 7)
     state, _ = engine.decode(state, n_steps=steps)
     jax.block_until_ready(state.starts)
@@ -454,10 +468,6 @@ def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir
     for e in events:
         if on_gpu(e, procs):
             lines.setdefault((e["pid"], e["tid"]), []).append(e)
-    for key, evs in lines.items():
-        total = sum(e["dur"] for e in evs)
-        print(f"profile line {procs[key[0]]!r} / {threads.get(key, key[1])!r}: {len(evs)} events, "
-              f"{total / steps / 1e3:.3f} ms per step", flush=True)
     if not lines:
         return
     key = max(lines, key=lambda k: len(lines[k]))  # the kernel line
@@ -465,6 +475,13 @@ def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir
     for e in lines[key]:
         n, t = by_name.get(e["name"], (0, 0.0))
         by_name[e["name"]] = (n + 1, t + e["dur"])
+    traced = traced_steps({name: n for name, (n, _) in by_name.items()}, attention_layers(engine), steps)
+    print(f"profile: the trace holds {traced:.1f} of the call's {steps} steps", flush=True)
+    for line, evs in lines.items():
+        total = sum(e["dur"] for e in evs)
+        print(f"profile line {procs[line[0]]!r} / {threads.get(line, line[1])!r}: {len(evs)} events, "
+              f"{total / traced / 1e3:.3f} ms per step", flush=True)
+    steps = traced
     print(f"top kernels of {threads.get(key, key[1])!r} (us per step, launches per step):", flush=True)
     for name, (n, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"  {t / steps:9.1f} us  {n / steps:6.1f}x  {name[:110]}", flush=True)

@@ -8,9 +8,12 @@ a target-only engine with serve.py's default shapes (8 rows, 2048 positions) tim
 (what ``serve.py`` runs before it binds), the back-to-back batch-1 decode step from a 512-token
 context, and generates 48 tokens from a fixed prompt. Runs share one cache directory, in order:
 ``none`` (no cache), ``cold`` (an empty cache: compile and save), ``warm`` (load), and the
-diagnostic kinds of ``RUNS``.
+diagnostic kinds of ``RUNS``. For why processes differ: ``--profile`` traces each run's decode and
+compares its kernels, the time they overlap and the gaps between them; ``--dump`` has XLA write the
+decode programs it compiles; ``--serialize`` writes the executables themselves.
 
     python bench/bench_startup.py --runs none,cold,warm,warm --out $OUT/startup.json
+    python bench/bench_startup.py --runs cold,autotune,warm --layers 8 --profile /tmp/prof --dump /tmp/dump
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ CONTEXT, STEPS, CALLS = 512, 16, 10
 _DECODE_FLAGS = ["--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
                  "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"]
 _NO_XLA_CACHES = {"JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none"}
+_CACHED_AUTOTUNING = "--xla_gpu_per_fusion_autotune_cache_dir={cache}/xla_gpu_per_fusion_autotune_cache_dir"
 # run kind: (whether the process uses the compilation cache, XLA_FLAGS added to its environment,
 # other environment variables)
 RUNS = {
@@ -38,7 +42,9 @@ RUNS = {
     # the decode jit's XLA options as the process's flags: does a loaded program take them from there?
     "warm-decode-flags": (True, _DECODE_FLAGS, {}),
     # no executable cache, only XLA's per-fusion autotuning results of the earlier runs
-    "autotune": (False, ["--xla_gpu_per_fusion_autotune_cache_dir={cache}/xla_gpu_per_fusion_autotune_cache_dir"], {}),
+    "autotune": (False, [_CACHED_AUTOTUNING], {}),
+    # the same with XLA's early launch signal in its Triton GEMMs off (xla_gpu_enable_pdl_launch)
+    "autotune-nolaunch": (False, [_CACHED_AUTOTUNING, "--xla_gpu_enable_pdl_launch=false"], {}),
     # executables only: without the XLA autotuning cache JAX otherwise keeps beside them
     "cold-exec": (True, [], _NO_XLA_CACHES),
     "warm-exec": (True, [], _NO_XLA_CACHES),
@@ -61,8 +67,12 @@ def autotune_fresh_gemms(hidden: int, intermediate: int) -> float:
     return time.perf_counter() - t0
 
 
-def child(cache: str | None, layers: int, tiny: bool, pre_autotune: bool = False) -> dict:
-    """One process's startup and step times (printed as one JSON line by ``--child``)."""
+def child(cache: str | None, layers: int, tiny: bool, pre_autotune: bool = False, profile: str | None = None,
+          serialize: str | None = None) -> dict:
+    """One process's startup and step times (printed as one JSON line by ``--child``). ``profile``: a
+    directory for a trace of each engine's batch-1 decode; the result then holds each kernel's GPU time
+    per step and the device addresses of the weights and caches. ``serialize``: a directory for each
+    engine's batch-1 decode executable as JAX serializes it (``serialized_decode``)."""
     sys.path[:0] = [str(HERE.parent), str(HERE)]
     t_start = time.perf_counter()
     import jax
@@ -89,15 +99,71 @@ def child(cache: str | None, layers: int, tiny: bool, pre_autotune: bool = False
         warmup = engine.warmup()
         counts = cache_counts() - before
         step = time_decode_pipelined(engine, 1, CONTEXT, STEPS, CALLS)
+        traced = profile_kernels(engine, f"{profile}/{name}") if profile else {}
+        if serialize:
+            traced.update(serialized_decode(engine, Path(serialize) / f"{name}.bin"))
         results = [engine.generate([prompt], max_new_tokens=48)[0] for _ in range(3)]
         out[name] = dict(engine_s=built, warmup_s=warmup, loaded=counts.loaded, compiled=counts.compiled,
                          step_ms=step * 1e3, dispatch_ms=dispatch_seconds(engine) * 1e3,
                          ttft_ms=min(r.time_to_first_token for r in results) * 1e3,
                          output_ids=list(map(int, results[0].output_ids)),
-                         acceptance_lengths=list(map(int, results[0].acceptance_lengths)))
+                         acceptance_lengths=list(map(int, results[0].acceptance_lengths)), **traced)
         del engine
     out["total_s"] = time.perf_counter() - t_start
     return out
+
+
+def profile_kernels(engine, out_dir: str, calls: int = 3) -> dict:
+    """Each kernel's GPU time per batch-1 decode step (us) in a trace of ``calls`` synchronised calls of
+    ``STEPS`` steps; per step, the GPU spans' sum, their union and the gaps under 100 us between them
+    (sum minus union: the time kernels overlap, as XLA's programmatic dependent launch lets them);
+    and where the buffers lie: the lowest and highest device address of the weights and of the decode
+    state."""
+    import jax
+
+    from bench_engine import _load_trace, attention_layers, gpu_span_durations, on_gpu, traced_steps, warmed_state
+
+    state = warmed_state(engine, 1, CONTEXT, STEPS, seed=13)
+
+    def run():
+        nonlocal state
+        state, _ = engine.decode(state, n_steps=STEPS)
+        jax.block_until_ready(state.starts)
+
+    spans = gpu_span_durations(run, out_dir, calls) or {}
+    per_step = traced_steps({name: len(d) for name, d in spans.items()}, attention_layers(engine), calls * STEPS)
+    kernels = {name: [len(d) / per_step, sum(d) / per_step] for name, d in spans.items()}
+    covered = idle = 0.0  # gaps of 100 us and more are the syncs between calls
+    loaded = _load_trace(out_dir) if spans else None
+    if loaded is not None:
+        events, procs, _ = loaded
+        end = None
+        for e in sorted((e for e in events if on_gpu(e, procs)), key=lambda e: e["ts"]):
+            if end is not None and 0 < e["ts"] - end < 100:
+                idle += e["ts"] - end
+            covered += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end or e["ts"]))
+            end = max(end or 0.0, e["ts"] + e["dur"])
+
+    def span(arrays) -> list[int]:
+        pointers = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(arrays) if hasattr(a, "unsafe_buffer_pointer")]
+        return [min(pointers), max(pointers)] if pointers else []
+
+    return dict(kernels=kernels, traced_steps=per_step, gpu_busy_us=sum(t for _, t in kernels.values()),
+                gpu_covered_us=covered / per_step, gpu_idle_us=idle / per_step,
+                weights_at=span(engine._target_state + list(engine._drafter_state)), state_at=span(state))
+
+
+def serialized_decode(engine, path: Path) -> dict:
+    """Writes the batch-1 decode executable, serialized, to ``path`` (do two processes run the same
+    bytes?); returns its size and hash."""
+    import hashlib
+
+    from jax.experimental.serialize_executable import serialize
+
+    payload, _, _ = serialize(engine.decode_compiled(engine.empty_state(1), STEPS))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(payload)
+    return dict(serialized_bytes=len(payload), serialized_sha=hashlib.sha256(payload).hexdigest()[:16])
 
 
 def dispatch_seconds(engine, calls: int = 5) -> float:
@@ -141,11 +207,18 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300, help="seconds per process")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="a directory: trace each run's batch-1 decode and compare "
+                    "its kernels' GPU time with the first run's")
+    ap.add_argument("--dump", default=None, help="a directory: XLA dumps the decode programs each run compiles "
+                    "(optimised HLO, thunk sequences, autotuning results) under DIR/<n>_<run>")
+    ap.add_argument("--serialize", default=None, help="a directory: write each run's batch-1 decode executables, "
+                    "serialized, under DIR/<n>_<run> and report their hashes")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         pre = os.environ.get("BENCH_PRE_AUTOTUNE") == "1"
-        print("RESULT " + json.dumps(child(args.child or None, args.layers, args.tiny, pre)), flush=True)
+        print("RESULT " + json.dumps(child(args.child or None, args.layers, args.tiny, pre, args.profile,
+                                           args.serialize)), flush=True)
         return
 
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="dflash_startup_"))
@@ -156,11 +229,16 @@ def main() -> None:
         if kind.startswith("cold") and cache.exists() and any(cache.iterdir()):
             raise SystemExit(f"--runs: a cold run needs an empty cache, {cache} has files")
         uses_cache, flags, extra_env = RUNS[kind]
-        env = {**os.environ, **extra_env}
+        env, tag = {**os.environ, **extra_env}, f"{len(report['runs']) + 1}_{kind}"
+        if args.dump:
+            flags = [*flags, f"--xla_dump_to={args.dump}/{tag}",
+                     "--xla_dump_hlo_module_re=jit__decode_fn"]
         if flags:
             env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip().replace("{cache}", str(cache))
         cmd = [sys.executable, __file__, "--child", str(cache) if uses_cache else "", "--layers", str(args.layers)]
         cmd += ["--tiny"] if args.tiny else []
+        cmd += ["--profile", f"{args.profile}/{tag}"] if args.profile else []
+        cmd += ["--serialize", f"{args.serialize}/{tag}"] if args.serialize else []
         before = gpu_state()
         t0 = time.perf_counter()
         try:
@@ -204,7 +282,33 @@ def main() -> None:
               f"{d['loaded'] + t['loaded']} / {d['compiled'] + t['compiled']} | {t['step_ms']:.3f} | "
               f"{d['step_ms']:.3f} | {d['step_ms'] / t['step_ms']:.3f} | {t['dispatch_ms']:.2f} / {d['dispatch_ms']:.2f} | "
               f"{t['ttft_ms']:.1f} / {d['ttft_ms']:.1f} | {'yes' if same else 'NO'} |")
+    if args.profile:
+        compare_kernels(done)
+
+
+def compare_kernels(runs: list[dict], top: int = 14) -> None:
+    """Each traced kernel's GPU time per step in every run, as a ratio to the first run: are the
+    slower processes' kernels all slower (bandwidth, placement) or some (other programs), or is the
+    time between kernels?"""
+    for engine in ("target_only", "dflash"):
+        base = runs[0][engine].get("kernels")
+        if not base:
+            continue
+        print(f"\n{engine}: GPU us per step, kernels summed / covered / idle between: " + ", ".join(
+            f"{r['kind']} {r[engine]['gpu_busy_us']:.1f} / {r[engine]['gpu_covered_us']:.1f} / "
+            f"{r[engine]['gpu_idle_us']:.1f}" for r in runs)
+              + "; weights at " + ", ".join(f"{r['kind']} {[hex(p) for p in r[engine]['weights_at']]}" for r in runs)
+              + "; state at " + ", ".join(f"{r['kind']} {[hex(p) for p in r[engine]['state_at']]}" for r in runs))
+        print("| kernel | launches / step | " + " | ".join(f"{i} {r['kind']} us" for i, r in enumerate(runs, 1))
+              + " | " + " | ".join(f"{i} / 1" for i in range(2, len(runs) + 1)) + " |")
+        print("|---|---:|" + "---:|" * (2 * len(runs) - 1))
+        for name, (count, t) in sorted(base.items(), key=lambda kv: -kv[1][1])[:top]:
+            times = [r[engine]["kernels"].get(name, [0, float("nan")])[1] for r in runs]
+            print(f"| {name[:60]} | {count:.1f} | " + " | ".join(f"{x:.1f}" for x in times) + " | "
+                  + " | ".join(f"{x / t:.3f}" for x in times[1:]) + " |")
 
 
 if __name__ == "__main__":
     main()
+
+

@@ -11,8 +11,10 @@ What it buys and costs, measured (docs/benchmarks.md, thirty-fourth session; Qwe
   compiled (and autotuned) for themselves spread by up to 3% (DFlash 5.36-5.52 ms on one machine);
 - but slower than those processes on the same machine: target-only steps by 3.0-3.3% (4.24
   against 4.10 ms), DFlash steps by 2.3-3.0%, whether the process loaded the programs or compiled
-  them with the cached autotuning results. So a server that restarts often gains; one that runs
-  for days keeps the cache off (the default).
+  them with the cached autotuning results. They run byte-identical executables from the same device
+  addresses, each kernel as fast; what they lose is overlap between kernels (~80 us more gaps per
+  36-layer step, thirty-fifth session), for a reason in the process's runtime state not yet found.
+  So a server that restarts often gains; one that runs for days keeps the cache off (the default).
 
 The directory holds executable code: whoever can write to it can run code in the process that
 loads it, so it should be writable by its owner alone.
