@@ -59,11 +59,14 @@ def test_speculative_decoding_is_exact_and_fast(pair):
     target, drafter, tok = pair
     prompts = [tok.encode(p, add_special_tokens=False) for p in heldout_prompts(4)]
     stop = list(target.config.eos_token_ids)
-    spec = [dj.generate(target, drafter, [p], max_new_tokens=64, stop_token_ids=stop)[0] for p in prompts]
-    plain = [dj.generate(target, None, [p], max_new_tokens=64, stop_token_ids=stop)[0] for p in prompts]
+    config = dj.EngineConfig(max_batch_size=len(prompts), max_length=max(map(len, prompts)) + 64)
+    spec = dj.Engine(target, drafter, config).generate(prompts, 64, stop)
+    plain = dj.Engine(target, None, config).generate(prompts, 64, stop)
     for a, b in zip(spec, plain):
         assert a.output_ids == b.output_ids
         assert len(a.output_ids) > 0
+    alone = dj.generate(target, drafter, prompts[1:2], max_new_tokens=64, stop_token_ids=stop)[0]  # the one-call API
+    assert (alone.output_ids, alone.acceptance_lengths) == (spec[1].output_ids, spec[1].acceptance_lengths)
     lengths = [n for r in spec for n in r.acceptance_lengths]
     tau = float(np.mean(lengths))
     assert tau >= MIN_TAU, f"tau {tau:.2f} on held-out prompts (lengths {lengths})"

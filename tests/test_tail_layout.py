@@ -61,28 +61,31 @@ def copycat(tmp_path_factory):
     return write_copycat_pair(tmp_path_factory.mktemp("copycat_tail"), block_size=8)
 
 
-@pytest.mark.parametrize("attention_in_tail", [False, True])
 @pytest.mark.parametrize("speculative", [True, False])
-def test_tail_layout_engine_generates_what_the_fused_engine_generates(copycat, speculative, attention_in_tail,
-                                                                       monkeypatch):
+def test_tail_layout_engine_generates_what_the_fused_engine_generates(copycat, speculative, monkeypatch):
     """Batch 1 pads a decode token to 8 rows and runs a verify block of 8 as it is; a batch bucket of 4
     pads 4 decode rows to 8, and its verify blocks (32 rows) run unpadded through the reference. With
     ``ATTENTION_IN_TAIL`` a batch-1 decode token's layers 1.. take their attention (and their cache
-    writes) from the layer tail before them (``next_attention_reference`` on the CPU)."""
-    monkeypatch.setattr(tail_layout, "ATTENTION_IN_TAIL", attention_in_tail)
+    writes) from the layer tail before them (``next_attention_reference`` on the CPU); no other
+    batch changes with it, so it runs batch 1 only."""
     rs = np.random.RandomState(1)
     prompts = [rs.randint(0, 95, n).tolist() for n in (5, 17, 9)]
+    batches = (prompts[:1], prompts)
     config = dict(max_batch_size=4, max_length=80, steps_per_sync=4)
     drafter = lambda: load_drafter(copycat[1]) if speculative else None  # noqa: E731
     fused = Engine(load_target(copycat[0]), drafter(), EngineConfig(**config))
-    tail = Engine(load_target(copycat[0]), drafter(), EngineConfig(**config, attention_impl="pallas", tail_layout="on"))
-    assert tail.tail_layout and not fused.tail_layout
-    for batch in (prompts[:1], prompts):
-        got, want = tail.generate(batch, 16), fused.generate(batch, 16)
-        assert [g.output_ids for g in got] == [w.output_ids for w in want]
-        assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in want]
+    want = [fused.generate(batch, 16) for batch in batches]
     if speculative:
-        assert max(max(g.acceptance_lengths) for g in got) > 1  # drafts were accepted
+        assert max(max(w.acceptance_lengths) for w in want[1]) > 1  # drafts were accepted
+    for attention_in_tail, runs in ((False, 2), (True, 1)):
+        monkeypatch.setattr(tail_layout, "ATTENTION_IN_TAIL", attention_in_tail)
+        tail = Engine(load_target(copycat[0]), drafter(),
+                      EngineConfig(**config, attention_impl="pallas", tail_layout="on"))
+        assert tail.tail_layout and not fused.tail_layout
+        for batch, expected in list(zip(batches, want))[:runs]:
+            got = tail.generate(batch, 16)
+            assert [g.output_ids for g in got] == [w.output_ids for w in expected], attention_in_tail
+            assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in expected], attention_in_tail
 
 
 def test_tail_layout_choice_and_its_errors(copycat, tmp_path):
