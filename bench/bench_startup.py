@@ -49,7 +49,11 @@ RUNS = {
     "cold-exec": (True, [], _NO_XLA_CACHES),
     "warm-exec": (True, [], _NO_XLA_CACHES),
     # a warm run that first autotunes GEMMs of its own (autotune_fresh_gemms)
-    "warm-pre-autotune": (True, [], {"BENCH_PRE_AUTOTUNE": "1"}),
+    "warm-pre-autotune": (True, [], {"BENCH_PRE_AUTOTUNE": "other"}),
+    # an executables-only warm run that first compiles the engines' batch-1 decode step as a fixed
+    # loop, a program the cache does not hold, so that XLA measures the engines' own GEMM fusions in
+    # the process (autotune_engine_gemms); then it loads everything else
+    "warm-exec-self-autotune": (True, [], {**_NO_XLA_CACHES, "BENCH_PRE_AUTOTUNE": "engine"}),
 }
 
 
@@ -67,12 +71,29 @@ def autotune_fresh_gemms(hidden: int, intermediate: int) -> float:
     return time.perf_counter() - t0
 
 
-def child(cache: str | None, layers: int, tiny: bool, pre_autotune: bool = False, profile: str | None = None,
+def autotune_engine_gemms(target, drafter, config) -> float:
+    """Compiles the batch-1 decode step of a DFlash and a target-only engine as a fixed loop (the same
+    GEMM fusions as the engines' own decode, in a program of another cache key), so that XLA measures
+    those fusions in this process while the engines' programs still come from the cache; returns the
+    seconds."""
+    import dataclasses
+
+    from dflash_jax.engine import Engine
+
+    t0 = time.perf_counter()
+    for draft in (drafter, None):
+        probe = Engine(target, draft, dataclasses.replace(config, decode_loop="fixed"))
+        probe.decode_compiled(probe.empty_state(1), 2)
+    return time.perf_counter() - t0
+
+
+def child(cache: str | None, layers: int, tiny: bool, pre_autotune: str | None = None, profile: str | None = None,
           serialize: str | None = None) -> dict:
     """One process's startup and step times (printed as one JSON line by ``--child``). ``profile``: a
     directory for a trace of each engine's batch-1 decode; the result then holds each kernel's GPU time
     per step and the device addresses of the weights and caches. ``serialize``: a directory for each
-    engine's batch-1 decode executable as JAX serializes it (``serialized_decode``)."""
+    engine's batch-1 decode executable as JAX serializes it (``serialized_decode``). ``pre_autotune``:
+    "other" (``autotune_fresh_gemms``) or "engine" (``autotune_engine_gemms``) before the engines."""
     sys.path[:0] = [str(HERE.parent), str(HERE)]
     t_start = time.perf_counter()
     import jax
@@ -87,10 +108,14 @@ def child(cache: str | None, layers: int, tiny: bool, pre_autotune: bool = False
     jax.block_until_ready(jax.tree.leaves(target))
     out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, cache=cache,
                import_s=t0 - t_start, init_s=time.perf_counter() - t0)
-    if pre_autotune:
-        out["pre_autotune_s"] = autotune_fresh_gemms(target.config.hidden_size, target.config.intermediate_size)
     prompt = [(7 * i + 3) % (target.config.vocab_size - 1) for i in range(40)]
     config = EngineConfig(max_batch_size=8, max_length=2048, compilation_cache_dir=cache)
+    if pre_autotune == "other":
+        out["pre_autotune_s"] = autotune_fresh_gemms(target.config.hidden_size, target.config.intermediate_size)
+    elif pre_autotune == "engine":
+        before = cache_counts()
+        out["pre_autotune_s"] = autotune_engine_gemms(target, drafter, config)
+        out["pre_autotune_compiled"] = (cache_counts() - before).compiled
     for name, draft in (("dflash", drafter), ("target_only", None)):
         before = cache_counts()
         t0 = time.perf_counter()
@@ -216,7 +241,7 @@ def main() -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        pre = os.environ.get("BENCH_PRE_AUTOTUNE") == "1"
+        pre = os.environ.get("BENCH_PRE_AUTOTUNE")
         print("RESULT " + json.dumps(child(args.child or None, args.layers, args.tiny, pre, args.profile,
                                            args.serialize)), flush=True)
         return
@@ -256,6 +281,9 @@ def main() -> None:
             run["cache_files"], run["cache_mb"] = dir_stats(cache)
         report["runs"].append(run)
         d, t = run["dflash"], run["target_only"]
+        if "pre_autotune_s" in run:
+            print(f"{kind}: autotuning beforehand took {run['pre_autotune_s']:.1f} s "
+                  f"({run.get('pre_autotune_compiled', '-')} programs compiled)", flush=True)
         print(f"{kind}: process {run['process_s']:.1f} s (init {run['init_s']:.1f}); warmup DFlash "
               f"{d['warmup_s']:.1f} s ({d['loaded']} loaded, {d['compiled']} compiled), target-only "
               f"{t['warmup_s']:.1f} s ({t['loaded']} loaded, {t['compiled']} compiled); step {t['step_ms']:.3f} / "
