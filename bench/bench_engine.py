@@ -367,9 +367,10 @@ def on_gpu(event: dict, procs: dict) -> bool:
     return event.get("ph") == "X" and "GPU" in str(procs.get(event.get("pid"), ""))
 
 
-def gpu_span_durations(run: Callable[[], None], out_dir: str, calls: int = 3) -> dict[str, list[float]] | None:
+def gpu_spans(run: Callable[[], None], out_dir: str, calls: int = 3) -> list[dict] | None:
     """Runs ``run`` (one synchronised call) once, then ``calls`` times under a profiler trace into
-    ``out_dir``: the durations (us) of the trace's GPU spans, by kernel name (None: no trace written)."""
+    ``out_dir``: the trace's GPU spans (Perfetto events: ``name``, ``ts``, ``dur`` in us), in trace
+    order (None: no trace written)."""
     run()
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
         for _ in range(calls):
@@ -378,11 +379,21 @@ def gpu_span_durations(run: Callable[[], None], out_dir: str, calls: int = 3) ->
     if loaded is None:
         return None
     events, procs, _ = loaded
+    return [e for e in events if on_gpu(e, procs)]
+
+
+def durations_by_name(spans: list[dict]) -> dict[str, list[float]]:
+    """The durations (us) of trace spans (``gpu_spans``), by kernel name."""
     durations: dict[str, list[float]] = {}
-    for e in events:
-        if on_gpu(e, procs):
-            durations.setdefault(e["name"], []).append(e["dur"])
+    for e in spans:
+        durations.setdefault(e["name"], []).append(e["dur"])
     return durations
+
+
+def gpu_span_durations(run: Callable[[], None], out_dir: str, calls: int = 3) -> dict[str, list[float]] | None:
+    """``gpu_spans``' durations (us) by kernel name (None: no trace written)."""
+    spans = gpu_spans(run, out_dir, calls)
+    return None if spans is None else durations_by_name(spans)
 
 
 def kernel_time(run: Callable[[], None], out_dir: str, per: int, calls: int = 3) -> tuple[float, str]:
@@ -481,10 +492,9 @@ def profile_decode(engine: Engine, batch: int, context: int, steps: int, out_dir
         total = sum(e["dur"] for e in evs)
         print(f"profile line {procs[line[0]]!r} / {threads.get(line, line[1])!r}: {len(evs)} events, "
               f"{total / traced / 1e3:.3f} ms per step", flush=True)
-    steps = traced
     print(f"top kernels of {threads.get(key, key[1])!r} (us per step, launches per step):", flush=True)
     for name, (n, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
-        print(f"  {t / steps:9.1f} us  {n / steps:6.1f}x  {name[:110]}", flush=True)
+        print(f"  {t / traced:9.1f} us  {n / traced:6.1f}x  {name[:110]}", flush=True)
     # One middle layer's kernels in launch order: from one attention kernel to the next.
     ordered = sorted(lines[key], key=lambda e: e["ts"])
     if listing is not None:  # every GPU line, in time order: what the streams do alongside the kernel line

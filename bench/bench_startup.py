@@ -146,7 +146,7 @@ def profile_kernels(engine, out_dir: str, calls: int = 3) -> dict:
     state."""
     import jax
 
-    from bench_engine import _load_trace, attention_layers, gpu_span_durations, on_gpu, traced_steps, warmed_state
+    from bench_engine import attention_layers, durations_by_name, gpu_spans, traced_steps, warmed_state
 
     state = warmed_state(engine, 1, CONTEXT, STEPS, seed=13)
 
@@ -155,19 +155,17 @@ def profile_kernels(engine, out_dir: str, calls: int = 3) -> dict:
         state, _ = engine.decode(state, n_steps=STEPS)
         jax.block_until_ready(state.starts)
 
-    spans = gpu_span_durations(run, out_dir, calls) or {}
-    per_step = traced_steps({name: len(d) for name, d in spans.items()}, attention_layers(engine), calls * STEPS)
-    kernels = {name: [len(d) / per_step, sum(d) / per_step] for name, d in spans.items()}
+    spans = gpu_spans(run, out_dir, calls) or []
+    by_name = durations_by_name(spans)
+    per_step = traced_steps({name: len(d) for name, d in by_name.items()}, attention_layers(engine), calls * STEPS)
+    kernels = {name: [len(d) / per_step, sum(d) / per_step] for name, d in by_name.items()}
     covered = idle = 0.0  # gaps of 100 us and more are the syncs between calls
-    loaded = _load_trace(out_dir) if spans else None
-    if loaded is not None:
-        events, procs, _ = loaded
-        end = None
-        for e in sorted((e for e in events if on_gpu(e, procs)), key=lambda e: e["ts"]):
-            if end is not None and 0 < e["ts"] - end < 100:
-                idle += e["ts"] - end
-            covered += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end or e["ts"]))
-            end = max(end or 0.0, e["ts"] + e["dur"])
+    end = None
+    for e in sorted(spans, key=lambda e: e["ts"]):
+        if end is not None and 0 < e["ts"] - end < 100:
+            idle += e["ts"] - end
+        covered += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end or e["ts"]))
+        end = max(end or 0.0, e["ts"] + e["dur"])
 
     def span(arrays) -> list[int]:
         pointers = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(arrays) if hasattr(a, "unsafe_buffer_pointer")]
@@ -338,5 +336,3 @@ def compare_kernels(runs: list[dict], top: int = 14) -> None:
 
 if __name__ == "__main__":
     main()
-
-
