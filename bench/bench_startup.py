@@ -10,10 +10,16 @@ context, and generates 48 tokens from a fixed prompt. Runs share one cache direc
 ``none`` (no cache), ``cold`` (an empty cache: compile and save), ``warm`` (load), and the
 diagnostic kinds of ``RUNS``. For why processes differ: ``--profile`` traces each run's decode and
 compares its kernels, the time they overlap and the gaps between them; ``--dump`` has XLA write the
-decode programs it compiles; ``--serialize`` writes the executables themselves.
+decode programs it compiles; ``--serialize`` writes the executables themselves; ``--vmodule`` with
+``--logs`` keeps XLA's verbose log of the named source files (are the CUDA graphs re-recorded between
+the timed calls?) and, with ``cuda_command_buffer=2`` in it, reads the graphs of each timed decode
+back through the driver API (``graph_census``: nodes, programmatic edges); ``--context`` records the
+CUDA context's settings (``context_state``).
 
     python bench/bench_startup.py --runs none,cold,warm,warm --out $OUT/startup.json
     python bench/bench_startup.py --runs cold,autotune,warm --layers 8 --profile /tmp/prof --dump /tmp/dump
+    python bench/bench_startup.py --runs cold,warm --layers 8 --vmodule command_buffer_thunk=3,cuda_command_buffer=2 \
+        --logs /tmp/logs --context
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ RUNS = {
     "warm-exec": (True, [], _NO_XLA_CACHES),
     # a warm run that first autotunes GEMMs of its own (autotune_fresh_gemms)
     "warm-pre-autotune": (True, [], {"BENCH_PRE_AUTOTUNE": "other"}),
+    # a warm run whose CUDA modules load every kernel when loaded, not at its first launch
+    "warm-eager": (True, [], {"CUDA_MODULE_LOADING": "EAGER"}),
+    # a warm run that first sets the CUDA context's cache configuration and limits as the first run
+    # had them at its timed decode (context_state)
+    "warm-context-as-first": (True, [], {"BENCH_CONTEXT": "first"}),
     # an executables-only warm run that first compiles the engines' batch-1 decode step as a fixed
     # loop, a program the cache does not hold, so that XLA measures the engines' own GEMM fusions in
     # the process (autotune_engine_gemms); then it loads everything else
@@ -103,11 +114,19 @@ def child(cache: str | None, layers: int, tiny: bool, pre_autotune: str | None =
     from dflash_jax.engine import Engine, EngineConfig
     from dflash_jax.tiny import tiny_target_config
 
+    # BENCH_CONTEXT: unset, nothing; "{}", record the context before each timed decode; an earlier
+    # run's context, first set this process's to it
+    context_to_apply = json.loads(os.environ.get("BENCH_CONTEXT") or "{}")
+    if context_to_apply:
+        jax.devices()  # the primary context exists once the backend is up
+        context_to_apply = context_state(apply=context_to_apply)
     t0 = time.perf_counter()
     target, drafter = random_pair(tiny_target_config(num_layers=layers) if tiny else qwen3_8b(layers))
     jax.block_until_ready(jax.tree.leaves(target))
     out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, cache=cache,
                import_s=t0 - t_start, init_s=time.perf_counter() - t0)
+    if context_to_apply:
+        out["context_applied"] = context_to_apply
     prompt = [(7 * i + 3) % (target.config.vocab_size - 1) for i in range(40)]
     config = EngineConfig(max_batch_size=8, max_length=2048, compilation_cache_dir=cache)
     if pre_autotune == "other":
@@ -123,7 +142,11 @@ def child(cache: str | None, layers: int, tiny: bool, pre_autotune: str | None =
         built = time.perf_counter() - t0
         warmup = engine.warmup()
         counts = cache_counts() - before
+        context = context_state() if "BENCH_CONTEXT" in os.environ else None
+        log_from = mark_phase(f"{name} timed decode start")
         step = time_decode_pipelined(engine, 1, CONTEXT, STEPS, CALLS)
+        mark_phase(f"{name} timed decode end")
+        graphs = graph_census(log_from)
         traced = profile_kernels(engine, f"{profile}/{name}") if profile else {}
         if serialize:
             traced.update(serialized_decode(engine, Path(serialize) / f"{name}.bin"))
@@ -133,9 +156,115 @@ def child(cache: str | None, layers: int, tiny: bool, pre_autotune: str | None =
                          ttft_ms=min(r.time_to_first_token for r in results) * 1e3,
                          output_ids=list(map(int, results[0].output_ids)),
                          acceptance_lengths=list(map(int, results[0].acceptance_lengths)), **traced)
+        if graphs:
+            out[name]["graphs"] = graphs
+        if context:
+            out[name]["context"] = context
         del engine
     out["total_s"] = time.perf_counter() - t_start
     return out
+
+
+def mark_phase(text: str) -> int:
+    """Writes a BENCH_PHASE line to stderr (the run's log, beside XLA's); returns the log's size
+    before it (where the phase's log lines start) when stderr is a file, else 0."""
+    sys.stderr.flush()
+    try:
+        offset = os.lseek(2, 0, os.SEEK_END)
+    except OSError:  # a pipe
+        offset = 0
+    print(f"BENCH_PHASE {text}", file=sys.stderr, flush=True)
+    return offset
+
+
+_LIMITS = ("stack_size", "printf_fifo_size", "malloc_heap_size", "dev_runtime_sync_depth",
+           "dev_runtime_pending_launch_count", "max_l2_fetch_granularity", "persisting_l2_cache_size")
+
+
+def context_state(apply: dict | None = None) -> dict:
+    """The CUDA primary context's settings that outlive a kernel (its cache configuration, flags,
+    limits such as the per-thread stack that local memory is sized by, the module loading mode),
+    read through the driver API; with ``apply`` (an earlier process's state), first sets its cache
+    configuration and limits to those. Could compiling and autotuning leave a
+    context that runs the same graph differently?"""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    cuda.cuDeviceGet(ctypes.byref(device), 0)
+    cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
+    cuda.cuCtxPushCurrent_v2(context)
+    try:
+        if apply:
+            if apply["cache_config"] >= 0:
+                cuda.cuCtxSetCacheConfig(apply["cache_config"])
+            for i, name in enumerate(_LIMITS):
+                if apply["limits"].get(name) is not None:
+                    cuda.cuCtxSetLimit(i, ctypes.c_size_t(apply["limits"][name]))
+        cache_config, flags, mode = ctypes.c_int(-1), ctypes.c_uint(0), ctypes.c_int(-1)
+        cuda.cuCtxGetCacheConfig(ctypes.byref(cache_config))
+        cuda.cuCtxGetFlags(ctypes.byref(flags))
+        cuda.cuModuleGetLoadingMode(ctypes.byref(mode))
+        limits = {}
+        for i, name in enumerate(_LIMITS):
+            value = ctypes.c_size_t(0)
+            limits[name] = value.value if cuda.cuCtxGetLimit(ctypes.byref(value), i) == 0 else None
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+    finally:
+        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        cuda.cuDevicePrimaryCtxRelease_v2(device)
+    return dict(cache_config=cache_config.value, flags=flags.value, module_loading=mode.value, limits=limits,
+                free_mb=free.value >> 20)
+
+
+def graph_census(log_from: int) -> list[dict]:
+    """The CUDA graphs XLA created since ``log_from`` in this process's log (their handles, which
+    XLA logs with ``cuda_command_buffer=2``), read back through the driver API: their nodes, kernel
+    nodes, and edges by type: programmatic edges (XLA's programmatic dependent launch in a graph:
+    the kernel after the edge may start before the one before it ends) against full ones. Empty
+    unless stderr is the run's log file (``--logs``)."""
+    import ctypes
+    import re
+
+    try:
+        with open("/proc/self/fd/2", "rb") as log:
+            log.seek(log_from)
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return []
+    # a new executable evicts every other executable's graphs: only those created since are alive
+    text = text[text.rfind("Evict command buffer thunk command buffers") + 1:]
+    handles = re.findall(r"Created (conditional )?CUDA graph (0x[0-9a-f]+)", text)
+    if not handles:
+        return []
+    cuda = ctypes.CDLL("libcuda.so.1")
+    size = ctypes.c_size_t
+    census = []
+    for conditional, handle in handles:
+        graph = ctypes.c_void_p(int(handle, 16))
+        n_nodes = size(0)
+        if cuda.cuGraphGetNodes(graph, None, ctypes.byref(n_nodes)) != 0:
+            census.append(dict(graph=handle, error="cuGraphGetNodes failed (destroyed?)"))
+            continue
+        nodes = (ctypes.c_void_p * n_nodes.value)()
+        cuda.cuGraphGetNodes(graph, nodes, ctypes.byref(n_nodes))
+        kinds = []
+        for node in nodes:
+            kind = ctypes.c_int(-1)
+            cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+            kinds.append(kind.value)
+        n_edges = size(0)
+        cuda.cuGraphGetEdges_v2(graph, None, None, None, ctypes.byref(n_edges))
+        sources, targets = (ctypes.c_void_p * n_edges.value)(), (ctypes.c_void_p * n_edges.value)()
+        data = (ctypes.c_uint8 * (8 * n_edges.value))()  # CUgraphEdgeData: from_port, to_port, type, 5 reserved
+        cuda.cuGraphGetEdges_v2(graph, sources, targets, data, ctypes.byref(n_edges))
+        types = [(data[8 * i], data[8 * i + 2]) for i in range(n_edges.value)]
+        census.append(dict(graph=handle, conditional_body=bool(conditional), nodes=len(kinds),
+                           kernel_nodes=kinds.count(0), edges=len(types),
+                           programmatic_edges=sum(t == 1 for _, t in types),
+                           programmatic_port_edges=sum(port == 1 for port, _ in types)))
+    return census
 
 
 def profile_kernels(engine, out_dir: str, calls: int = 3) -> dict:
@@ -236,14 +365,24 @@ def main() -> None:
                     "(optimised HLO, thunk sequences, autotuning results) under DIR/<n>_<run>")
     ap.add_argument("--serialize", default=None, help="a directory: write each run's batch-1 decode executables, "
                     "serialized, under DIR/<n>_<run> and report their hashes")
+    ap.add_argument("--vmodule", default=None, help="XLA's verbose logging for these source files in every run "
+                    "(TF_CPP_VMODULE, e.g. command_buffer_thunk=3,gpu_command_buffer=5); needs --logs")
+    ap.add_argument("--logs", default=None, help="a directory: each run's stderr as DIR/<n>_<run>.log, with "
+                    "BENCH_PHASE lines around the timed decode")
+    ap.add_argument("--context", action="store_true", help="record the CUDA context's settings before each "
+                    "timed decode (context_state)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
+        if os.environ.get("BENCH_LOG"):  # XLA's log and the phase marks into one file the census can read
+            os.dup2(os.open(os.environ["BENCH_LOG"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 2)
         pre = os.environ.get("BENCH_PRE_AUTOTUNE")
         print("RESULT " + json.dumps(child(args.child or None, args.layers, args.tiny, pre, args.profile,
                                            args.serialize)), flush=True)
         return
 
+    if args.vmodule and not args.logs:
+        raise SystemExit("--vmodule: the verbose log goes to each run's stderr; give --logs DIR to keep it")
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="dflash_startup_"))
     runs, report = args.runs.split(","), dict(config=vars(args), cache_dir=str(cache), runs=[])
     for kind in runs:
@@ -253,9 +392,23 @@ def main() -> None:
             raise SystemExit(f"--runs: a cold run needs an empty cache, {cache} has files")
         uses_cache, flags, extra_env = RUNS[kind]
         env, tag = {**os.environ, **extra_env}, f"{len(report['runs']) + 1}_{kind}"
+        if env.get("BENCH_CONTEXT") == "first":
+            first = report["runs"][0]["target_only"].get("context") if report["runs"] else None
+            if not first:
+                raise SystemExit(f"--runs: {kind} needs an earlier run and --context")
+            env["BENCH_CONTEXT"] = json.dumps(first)
+        elif args.context:
+            env["BENCH_CONTEXT"] = "{}"
         if args.dump:
             flags = [*flags, f"--xla_dump_to={args.dump}/{tag}",
                      "--xla_dump_hlo_module_re=jit__decode_fn"]
+        if args.vmodule:
+            env.update(TF_CPP_VMODULE=args.vmodule, TF_CPP_MIN_LOG_LEVEL="0")
+        log = Path(args.logs) / f"{tag}.log" if args.logs else None
+        if log:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.unlink(missing_ok=True)
+            env["BENCH_LOG"] = str(log)
         if flags:
             env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip().replace("{cache}", str(cache))
         cmd = [sys.executable, __file__, "--child", str(cache) if uses_cache else "", "--layers", str(args.layers)]
@@ -271,7 +424,8 @@ def main() -> None:
             break
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
-            print(f"{kind}: failed ({proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            errors = log.read_text(errors="replace") if log and log.exists() else proc.stderr
+            print(f"{kind}: failed ({proc.returncode})\n{errors[-3000:]}", flush=True)
             break
         run = dict(kind=kind, process_s=time.perf_counter() - t0, gpu_before=before, gpu_after=gpu_state(),
                    **json.loads(lines[-1][len("RESULT "):]))
@@ -310,6 +464,60 @@ def main() -> None:
               f"{t['ttft_ms']:.1f} / {d['ttft_ms']:.1f} | {'yes' if same else 'NO'} |")
     if args.profile:
         compare_kernels(done)
+    if args.logs:
+        compare_logs([Path(args.logs) / f"{i}_{run['kind']}.log" for i, run in enumerate(done, 1)])
+        for i, run in enumerate(done, 1):
+            for engine in ("target_only", "dflash"):
+                for g in run[engine].get("graphs", []):
+                    print(f"{i} {run['kind']} {engine}: graph {g}")
+    for i, run in enumerate(done, 1):
+        if "context_applied" in run:
+            print(f"{i} {run['kind']}: context applied at start {run['context_applied']}")
+        for engine in ("target_only", "dflash"):
+            if "context" in run[engine]:
+                print(f"{i} {run['kind']} {engine}: context {run[engine]['context']}")
+
+
+# what XLA logs about its command buffers (CUDA graphs), by TF_CPP_VMODULE source file and level
+LOG_EVENTS = {
+    "graph instantiated": "Instantiated executable graph",  # gpu_command_buffer=5
+    "recorded at initialisation": "Initialize command buffer on device",  # command_buffer_thunk=3
+    "run as thunks (warm-up)": "Executing warm up iteration",  # command_buffer_thunk=2
+    "re-recorded (buffers moved)": "Create/Update command buffer by recoding",  # command_buffer_thunk=3
+    "launched": "Execute command buffer",  # command_buffer_thunk=3
+    "kernel nodes added": "Add kernel node",  # cuda_command_buffer=2
+    "kernel nodes updated": "Set kernel node params",  # cuda_command_buffer=2
+    "graphs evicted": "Evicted ",  # command_buffer_thunk=3
+}
+
+
+def log_events(path: Path) -> dict[str, dict[str, int]]:
+    """Counts of ``LOG_EVENTS`` in one run's log, inside each timed decode (between its
+    BENCH_PHASE lines) and in the rest of the process."""
+    counts: dict[str, dict[str, int]] = {}
+    phase = "rest"
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("BENCH_PHASE "):
+            _, name, *_, edge = line.split()
+            phase = f"{name} timed" if edge == "start" else "rest"
+            continue
+        for event, needle in LOG_EVENTS.items():
+            if needle in line:
+                bucket = counts.setdefault(phase, {})
+                bucket[event] = bucket.get(event, 0) + 1
+    return counts
+
+
+def compare_logs(paths: list[Path]) -> None:
+    """Per run, what XLA did with its CUDA graphs during each timed decode and outside them."""
+    per_run = [(path.stem, log_events(path)) for path in paths if path.exists()]
+    phases = sorted({phase for _, counts in per_run for phase in counts})
+    print("\n| run | phase | " + " | ".join(LOG_EVENTS) + " |")
+    print("|---|---|" + "---:|" * len(LOG_EVENTS))
+    for run, counts in per_run:
+        for phase in phases:
+            row = counts.get(phase, {})
+            print(f"| {run} | {phase} | " + " | ".join(str(row.get(e, 0)) for e in LOG_EVENTS) + " |")
 
 
 def compare_kernels(runs: list[dict], top: int = 14) -> None:

@@ -1,7 +1,9 @@
 """The persistent compilation cache: programs a process compiles are saved to a directory, and a
 later process that compiles the same program (same HLO, compiler options, JAX/XLA version and kind
 of device) loads it from there instead. JAX also keeps XLA's per-fusion GEMM autotuning results
-there (``jax_persistent_cache_enable_xla_caches``), which programs compiled anew reuse.
+there (``jax_persistent_cache_enable_xla_caches``), which programs compiled anew reuse. Beside it,
+``compile_seconds`` counts the time a process spends compiling, with or without the cache (for
+summaries such as ``serve.py generate``'s).
 
 What it buys and costs, measured (docs/benchmarks.md, thirty-fourth session; Qwen3-8B shapes):
 - on the H200, ``Engine.warmup`` (what ``serve.py`` runs before it binds: batch 1 and 8) took
@@ -13,7 +15,9 @@ What it buys and costs, measured (docs/benchmarks.md, thirty-fourth session; Qwe
   against 4.10 ms), DFlash steps by 2.3-3.0%, whether the process loaded the programs or compiled
   them with the cached autotuning results. They run byte-identical executables from the same device
   addresses, each kernel as fast; what they lose is overlap between kernels (~80 us more gaps per
-  36-layer step, thirty-fifth session), for a reason in the process's runtime state not yet found.
+  36-layer step, thirty-fifth session). Their CUDA graphs (nodes, dependencies, programmatic edges)
+  and CUDA context settings read back the same as well (thirty-sixth session): the cause lies below
+  what the driver API shows.
   So a server that restarts often gains; one that runs for days keeps the cache off (the default).
 
 The directory holds executable code: whoever can write to it can run code in the process that
@@ -53,6 +57,35 @@ def _count(event: str, **_) -> None:
     if event in _counts:
         with _lock:
             _counts[event] += 1
+
+
+# JAX's duration events of a program's first call: tracing, lowering, XLA compilation (or cache retrieval)
+_COMPILE_EVENTS = frozenset({"/jax/core/compile/jaxpr_trace_duration",
+                             "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                             "/jax/core/compile/backend_compile_duration"})
+_compile_time = {"seconds": 0.0, "tracking": False}
+
+
+def _add_compile_time(event: str, duration: float, **_) -> None:
+    if event in _COMPILE_EVENTS:
+        with _lock:
+            _compile_time["seconds"] += duration
+
+
+def track_compile_time() -> None:
+    """Starts counting the seconds this process spends tracing, lowering and compiling programs
+    (``compile_seconds``); with the persistent cache, a loaded program counts its retrieval."""
+    with _lock:
+        if not _compile_time["tracking"]:
+            jax.monitoring.register_event_duration_secs_listener(_add_compile_time)
+            _compile_time["tracking"] = True
+
+
+def compile_seconds() -> float:
+    """Seconds spent compiling since ``track_compile_time`` (0 before); subtract two readings for
+    what happened between them."""
+    with _lock:
+        return _compile_time["seconds"]
 
 
 def check_setting(directory: str | None) -> None:
