@@ -11,8 +11,10 @@ Settings come from ``--config`` (default ``configs/serve.yaml`` beside this file
 Batch mode: each input line is a JSON object with one of ``prompt_ids`` (token ids), ``prompt`` (text,
 encoded with the tokenizer's special tokens) or ``messages`` (the chat template is applied), and an
 optional ``max_new_tokens``; other fields are copied to the output. Each output line adds
-``output_ids``, ``text``, ``finish_reason``, ``num_prompt_tokens``, ``num_output_tokens``,
-``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token``.
+``output_ids``, ``text``, ``finish_reason``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_steps``,
+``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token``. A JSON summary
+goes to stderr; its ``compile_seconds`` (the engine compiles for the shapes it meets: the first
+prompts' times to first token include it) is part of ``wall_seconds``.
 """
 
 from __future__ import annotations
@@ -72,11 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", help="the served model id (default: the target directory's name)")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     gen = sub.add_parser("generate", parents=[common], help="batch generation over a JSONL file")
-    gen.add_argument("--input", required=True, help="JSONL prompts")
-    gen.add_argument("--output", required=True, help="JSONL results (written when all prompts are done)")
+    gen.add_argument("--input", help="JSONL prompts (or generate.input in the config)")
+    gen.add_argument("--output", help="JSONL results, written when all prompts are done (or generate.output)")
     gen.add_argument("--ignore-eos", action="store_true", default=None,
                      help="generate exactly max_new_tokens per prompt")
-    gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    gen.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
     demo = sub.add_parser("demo", help="self-check: DFlash vs target-only on the embedded default pair")
     demo.add_argument("--prompts", type=int, default=8)
     demo.add_argument("--max-new-tokens", type=int, default=96)
@@ -100,7 +102,9 @@ def load_settings(args: argparse.Namespace):
                    "compilation_cache_dir": args.compilation_cache},
     }
     if args.command == "generate":
-        flags["generate"] = {"max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos}
+        flags["generate"] = {"max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
+                             "input": args.input, "output": args.output,
+                             "progress": None if args.no_progress is None else not args.no_progress}
     else:
         flags["server"] = {"host": args.host, "port": args.port, "api_key": args.api_key,
                            "default_max_tokens": args.max_new_tokens, "log_level": args.log_level}
@@ -121,6 +125,10 @@ def load_settings(args: argparse.Namespace):
     if not m.no_draft and not m.draft:
         raise CLIError("no drafter: pass --draft DIR (or set model.draft in the config), "
                        "or --no-draft for target-only decoding")
+    if args.command == "generate":
+        for name in ("input", "output"):
+            if getattr(cfg.generate, name) is None:
+                raise CLIError(f"no {name} file: pass --{name} FILE (or set generate.{name} in the config)")
     for name, value in (("--target", m.target), ("--draft", None if m.no_draft else m.draft),
                         ("--tokenizer", m.tokenizer)):
         if value is not None and not Path(value).is_dir():
@@ -143,6 +151,7 @@ def load_engine(cfg):
             use_compilation_cache(cfg.engine.compilation_cache_dir)
         except ValueError as err:
             raise CLIError(f"engine.{err}") from None
+    check_block_size(cfg)
     t0 = time.perf_counter()
     try:
         target = load_target(cfg.model.target, dtype=cfg.model.dtype)
@@ -154,6 +163,27 @@ def load_engine(cfg):
              "" if drafter is None else f" with drafter {cfg.model.draft} (block size {engine.block_size})",
              time.perf_counter() - t0)
     return engine, target
+
+
+def check_block_size(cfg) -> None:
+    """``engine.block_size`` against the drafter's, from its config.json, before any weights load."""
+    from dflash_jax.model_config import load_drafter_config
+
+    block = cfg.engine.block_size
+    if block is None:
+        return
+    if cfg.model.no_draft:
+        log.warning("engine.block_size (--block-size) %d is ignored: target-only decoding drafts no blocks", block)
+        return
+    if not (Path(cfg.model.draft) / "config.json").exists():  # an Orbax checkpoint: the engine checks
+        return
+    try:
+        drafter_block = load_drafter_config(cfg.model.draft).block_size
+    except ValueError as err:
+        raise CLIError(f"cannot read the drafter's config: {err}") from None
+    if block > drafter_block:
+        raise CLIError(f"engine.block_size (--block-size) {block} exceeds the drafter's block size {drafter_block} "
+                       f"({cfg.model.draft}/config.json): it may only lower it")
 
 
 def load_tokenizer(cfg, required: bool):
@@ -231,9 +261,13 @@ def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int
     return ids, max_new
 
 
-def run_generate(cfg, input_path: Path, output_path: Path, progress: bool = True) -> dict[str, Any]:
+def run_generate(cfg) -> dict[str, Any]:
     from tqdm import tqdm
 
+    from dflash_jax.compile_cache import compile_seconds, track_compile_time
+
+    track_compile_time()
+    input_path, output_path = Path(cfg.generate.input), Path(cfg.generate.output)
     rows = read_jsonl(input_path)
     needs_tokenizer = any("prompt" in r or "messages" in r for _, r in rows)
     tokenizer = load_tokenizer(cfg, required=needs_tokenizer)
@@ -261,7 +295,9 @@ def run_generate(cfg, input_path: Path, output_path: Path, progress: bool = True
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     draft_steps = committed = 0  # over the finished prompts, for the progress bar
     t0 = time.perf_counter()
-    with tqdm(total=len(prompts), unit="prompt", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+    compiling = compile_seconds()
+    with tqdm(total=len(prompts), unit="prompt", disable=not cfg.generate.progress, file=sys.stderr,
+              dynamic_ncols=True) as bar:
 
         def finished(_: int, res: Any) -> None:
             nonlocal draft_steps, committed
@@ -277,12 +313,12 @@ def run_generate(cfg, input_path: Path, output_path: Path, progress: bool = True
     for i, res in zip(order, out):
         results[i] = res
     wall = time.perf_counter() - t0
+    compiling = compile_seconds() - compiling
 
     tmp = output_path.with_name(output_path.name + ".tmp")
     output_path.parent.mkdir(parents=True, exist_ok=True)
     with tmp.open("w", encoding="utf-8") as f:
         for (_, row), ids, res in zip(rows, prompts, results):
-            acc = list(res.acceptance_lengths)
             out = dict(row)
             out.update(
                 output_ids=list(res.output_ids),
@@ -290,8 +326,9 @@ def run_generate(cfg, input_path: Path, output_path: Path, progress: bool = True
                 finish_reason=res.finish_reason,
                 num_prompt_tokens=len(ids),
                 num_output_tokens=len(res.output_ids),
-                acceptance_lengths=acc,
-                tau=(sum(acc) / len(acc)) if acc else 1.0,
+                num_steps=res.num_steps,
+                acceptance_lengths=list(res.acceptance_lengths),
+                tau=res.tau,
                 time_to_first_token=float(res.time_to_first_token),
                 time_per_output_token=float(res.time_per_output_token),
             )
@@ -305,6 +342,9 @@ def run_generate(cfg, input_path: Path, output_path: Path, progress: bool = True
         "output_tokens": n_out,
         "wall_seconds": round(wall, 3),
         "tokens_per_second": round(n_out / wall, 2) if wall > 0 else None,
+        # tracing and compiling the engine's programs for the shapes this run met, part of wall_seconds
+        "compile_seconds": round(compiling, 3),
+        "tokens_per_second_excluding_compile": round(n_out / (wall - compiling), 2) if wall > compiling else None,
         "tau": round(sum(sum(r.acceptance_lengths) for r in results) / steps, 4) if steps else 1.0,
         "drafter": None if cfg.model.no_draft else cfg.model.draft,
         "block_size": engine.block_size,
@@ -348,7 +388,9 @@ def run_serve(cfg) -> None:
         max_waiting=s.max_waiting_requests,
         batch_wait_s=s.batch_wait_ms / 1000.0,
         stop_token_ids=stop_ids(cfg, tokenizer, target),
-        info={"drafter": None if cfg.model.no_draft else str(cfg.model.draft), "block_size": engine.block_size,
+        # the drafter directory's name: a model card should not tell clients the server's file system
+        info={"drafter": None if cfg.model.no_draft else Path(cfg.model.draft).resolve().name,
+              "block_size": engine.block_size,
               "max_batch_size": cfg.engine.max_batch_size},
     )
     if s.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
@@ -372,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_settings(args)
         if args.command == "generate":
-            run_generate(cfg, Path(args.input), Path(args.output), progress=not args.no_progress)
+            run_generate(cfg)
         else:
             run_serve(cfg)
     except (CLIError, ConfigError) as err:

@@ -60,14 +60,11 @@ class GenerationResult:
     finish_reason: str               # "stop" | "length"
     time_to_first_token: float       # seconds from submission to the first token on the host
     time_per_output_token: float     # seconds: time from the first token to the last / generated tokens
+    num_steps: int                   # decode steps that committed this row's tokens (the prefill's first excluded)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_ids)
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.acceptance_lengths)
 
     @property
     def tau(self) -> float:
@@ -308,6 +305,7 @@ class ContinuousBatcher:
             finish_reason="stop" if out and out[-1] in g.stop_token_ids else "length",
             time_to_first_token=g.first_token_time - g.submitted,
             time_per_output_token=(now - g.first_token_time) / max(1, len(out)),
+            num_steps=steps,
         )
         self._rows[self._rows.index(g)] = None
         if g.on_finish is not None:

@@ -575,6 +575,8 @@ def generate(target: Target, drafter: Drafter | None, prompts, max_new_tokens, s
     Builds, and so compiles, a new ``Engine`` on every call: for more than one call, build an
     ``Engine`` once and call its ``generate`` (six prompts of the embedded pair on the CPU: 60 s as
     twelve one-prompt calls of this function, 9 s as one batch through two engines)."""
+    if not prompts:
+        return []
     lengths = [len(p) for p in prompts]
     most_new = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
     config.setdefault("max_length", max(lengths) + most_new)

@@ -67,6 +67,7 @@ def test_speculative_decoding_is_exact_and_fast(pair):
         assert len(a.output_ids) > 0
     alone = dj.generate(target, drafter, prompts[1:2], max_new_tokens=64, stop_token_ids=stop)[0]  # the one-call API
     assert (alone.output_ids, alone.acceptance_lengths) == (spec[1].output_ids, spec[1].acceptance_lengths)
+    assert dj.generate(target, drafter, [], max_new_tokens=64) == []  # no prompts, nothing to build
     lengths = [n for r in spec for n in r.acceptance_lengths]
     tau = float(np.mean(lengths))
     assert tau >= MIN_TAU, f"tau {tau:.2f} on held-out prompts (lengths {lengths})"

@@ -106,6 +106,9 @@ def test_speculative_equals_target_only_greedy(engines, prompts):
         assert len(g.output_ids) <= m
         assert w.acceptance_lengths == []
         assert sum(g.acceptance_lengths) + 1 == len(g.output_ids)
+        # The prefill commits the first token, each decode step the next acc + 1 (target-only: one).
+        assert g.num_steps == len(g.acceptance_lengths) and w.num_steps == len(w.output_ids) - 1
+        assert w.tau == 1.0
 
 
 def test_target_only_equals_transformers_greedy(engines, prompts, pair, reference):

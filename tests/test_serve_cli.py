@@ -68,6 +68,8 @@ def test_generate_end_to_end(models, tmp_path):
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stderr.strip().splitlines()[-1])
     assert summary["prompts"] == 4 and summary["block_size"] == 8 and summary["tau"] >= 1.0
+    assert 0 < summary["compile_seconds"] < summary["wall_seconds"]  # this process compiled its programs
+    assert summary["tokens_per_second_excluding_compile"] > summary["tokens_per_second"]
     assert "prompt/s" in r.stderr  # the tqdm bar
 
     rows = read_jsonl(out_draft)
@@ -88,15 +90,31 @@ def test_generate_end_to_end(models, tmp_path):
         assert row["text"] == tok.decode(row["output_ids"])
         acc = row["acceptance_lengths"]
         assert acc and all(1 <= a <= 8 for a in acc) and sum(acc) <= row["num_output_tokens"]
-        assert row["tau"] == pytest.approx(sum(acc) / len(acc))
+        assert row["tau"] == pytest.approx(sum(acc) / len(acc)) and row["num_steps"] == len(acc)
         assert row["time_to_first_token"] > 0 and row["time_per_output_token"] > 0
 
-    # Target-only: the same tokens (greedy speculative decoding is lossless), no acceptance lengths.
-    r = run_cli("generate", *common, "--no-draft", "--output", str(out_plain))
+    # Target-only: the same tokens (greedy speculative decoding is lossless), no acceptance lengths,
+    # one decode step per token after the prefill's; the settings file holds what the flags can.
+    settings = tmp_path / "generate.yaml"
+    settings.write_text(f"model: {{target: {target_dir}, no_draft: true}}\n"
+                        f"generate: {{input: {src}, output: {out_plain}, progress: false}}\n")
+    r = run_cli("generate", "--config", str(settings), "--max-new-tokens", "8", "--batch-size", "4", *ENGINE_FLAGS)
     assert r.returncode == 0, r.stderr
+    assert "prompt/s" not in r.stderr  # progress: false
     plain = read_jsonl(out_plain)
     assert [p["output_ids"] for p in plain] == [row["output_ids"] for row in rows]
     assert all(p["acceptance_lengths"] == [] and p["tau"] == 1.0 for p in plain)
+    assert all(p["num_steps"] == p["num_output_tokens"] - 1 for p in plain)
+
+    # A lower block size drafts shorter blocks, to the same tokens.
+    out_block = tmp_path / "block4.jsonl"
+    r = run_cli("generate", *common, "--draft", str(drafter_dir), "--block-size", "4", "--no-progress",
+                "--output", str(out_block))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stderr.strip().splitlines()[-1])["block_size"] == 4
+    short = read_jsonl(out_block)
+    assert [b["output_ids"] for b in short] == [row["output_ids"] for row in rows]
+    assert all(1 <= a <= 4 for b in short for a in b["acceptance_lengths"])
 
 
 @pytest.mark.parametrize(
@@ -153,6 +171,14 @@ def test_missing_models_and_files(models, tmp_path, capsys, monkeypatch):
     assert serve.main(["generate", "--target", str(target_dir), "--draft", str(target_dir), "--input", str(src),
                        "--output", out, *ENGINE_FLAGS]) == 2  # a target is not a drafter
     assert "cannot load the models" in capsys.readouterr().err
+    assert serve.main(["generate", "--target", str(target_dir), "--no-draft", "--output", out]) == 2
+    assert "no input file: pass --input FILE (or set generate.input in the config)" in capsys.readouterr().err
+    # A block size above the drafter's is refused before any weights load.
+    assert serve.main(["generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--block-size", "16",
+                       "--input", str(src), "--output", out, *ENGINE_FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert "--block-size) 16 exceeds the drafter's block size 8" in err and "cannot load" not in err
+    assert not Path(out).exists()
 
 
 def test_settings_file_set_and_flags(tmp_path, capsys):

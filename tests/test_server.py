@@ -165,6 +165,29 @@ def test_completion_token_ids_and_several_prompts(fake, tokenizer):
     assert len(r.json()["choices"][0]["token_ids"]) == 16
 
 
+def test_stop_token_ids_end_generation_besides_the_models_own(fake, tokenizer):
+    engine, client, _ = fake
+    ids = [30, 31, 32]
+    free = engine.reference(ids, 12, tokenizer.stop_token_ids)
+    stop = next(t for t in free[1:] if t not in tokenizer.stop_token_ids and t != free[0])
+    stops = list(tokenizer.stop_token_ids) + [stop]
+    want = engine.reference(ids, 12, stops)
+    assert want[-1] == stop and len(want) < len(free)
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "stop_token_ids": [stop],
+                                             "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["token_ids"] == want and choice["finish_reason"] == "stop"
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "stop_token_ids": [stop],
+                                                  "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == engine.reference(tokenizer.apply_chat_template(messages), 12, stops)
+    # With ignore_eos the request's own stop ids still end generation.
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "stop_token_ids": [stop],
+                                             "ignore_eos": True, "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == engine.reference(ids, 12, [stop])
+
+
 def test_chat_completion(fake, tokenizer):
     engine, client, _ = fake
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
@@ -200,6 +223,14 @@ def test_streaming_equals_non_streamed(fake, tokenizer):
         assert finish[c["index"]] == c["finish_reason"]
     assert len(events) > 6  # tokens arrive in several chunks
     assert events[-2]["choices"] == [] and events[-2]["usage"] == plain["usage"]
+    # Each choice's finish chunk carries its decoding statistics, as the plain response's dflash list.
+    streamed = {e["dflash"][0]["index"]: e["dflash"][0] for e in events[:-1] if "dflash" in e}
+    assert sorted(streamed) == [0, 1]
+    for want in plain["dflash"]:
+        got = streamed[want["index"]]
+        assert {k: got[k] for k in ("tau", "num_steps", "acceptance_lengths")} == \
+            {k: want[k] for k in ("tau", "num_steps", "acceptance_lengths")}
+        assert got["time_to_first_token"] > 0 and got["time_per_output_token"] > 0
 
     messages = [{"role": "user", "content": "Tell me a story 🙂"}]
     chat = {"messages": messages, "max_tokens": 30, "return_token_ids": True}
@@ -293,6 +324,11 @@ BAD_COMPLETIONS = [
     ({"prompt": list(range(10, 10 + MAX_LENGTH))}, "context_length_exceeded", "prompt"),
     ({"prompt": "word " * 200}, "context_length_exceeded", "prompt"),
     ({"prompt": [10, 11], "max_tokens": MAX_LENGTH}, "context_length_exceeded", "max_tokens"),
+    ({"prompt": "hi", "stop_token_ids": "2"}, "invalid_type", "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [1, 2.5]}, "invalid_type", "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [-1]}, "invalid_token_id", "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [MODEL_VOCAB]}, "invalid_token_id", "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": list(range(100, 117))}, "too_many_stop_token_ids", "stop_token_ids"),
 ]
 
 GOOD_MSG = [{"role": "user", "content": "hi"}]

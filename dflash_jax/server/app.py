@@ -7,10 +7,12 @@ server-sent events in OpenAI's chunk format ending with ``data: [DONE]``), ``GET
 Bad input is answered 400 with an OpenAI error body naming the problem, and the server keeps serving.
 With an API key, the ``/v1`` endpoints need ``Authorization: Bearer <key>``. Decoding is greedy.
 
-Extensions (as in vLLM): ``ignore_eos``, ``return_token_ids`` (adds ``token_ids`` to each choice and
-``prompt_token_ids`` to the response), ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``)
-and ``add_generation_prompt`` for chat. Non-streamed responses carry a ``dflash`` list with each choice's
-acceptance statistics (tau, steps, time to first token, time per output token).
+Extensions (as in vLLM): ``ignore_eos``, ``stop_token_ids`` (token ids that end generation besides the
+model's own), ``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids`` to the
+response), ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``) and ``add_generation_prompt``
+for chat. Responses carry a ``dflash`` list with each choice's decoding statistics (tau, steps,
+acceptance lengths, time to first token, time per output token); a stream, with each choice's finish
+chunk.
 """
 
 from __future__ import annotations
@@ -204,10 +206,24 @@ class _Job:
             r.cancel()
 
 
-def _submit(ctx: ServerContext, prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool) -> _Job:
+def _stop_ids(ctx: ServerContext, params: P.CommonParams) -> tuple[int, ...]:
+    """The model's stop ids (unless ``ignore_eos``) and the request's ``stop_token_ids``."""
+    bad = [t for t in params.stop_token_ids if t >= ctx.vocab_size]
+    if bad:
+        raise P.invalid(f"'stop_token_ids' has ids outside the vocabulary [0, {ctx.vocab_size}): {bad[:5]}",
+                        param="stop_token_ids", code="invalid_token_id")
+    stop = tuple(dict.fromkeys((() if params.ignore_eos else ctx.stop_token_ids) + params.stop_token_ids))
+    limit = ctx.scheduler.engine.max_stop_ids
+    if len(stop) > limit:
+        raise P.invalid(f"{len(stop)} distinct stop token ids (the model's and 'stop_token_ids'); the engine takes at "
+                        f"most {limit}", param="stop_token_ids", code="too_many_stop_token_ids")
+    return stop
+
+
+def _submit(ctx: ServerContext, prompts: list[list[int]], max_tokens: list[int], params: P.CommonParams) -> _Job:
+    stop = _stop_ids(ctx, params)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    stop = () if ignore_eos else ctx.stop_token_ids
     reqs = []
     try:
         for i, (ids, m) in enumerate(zip(prompts, max_tokens)):
@@ -244,12 +260,12 @@ async def _collect(job: _Job) -> list[Any]:
 
 
 def _stats(index: int, res: Any) -> dict[str, Any]:
-    acc = list(res.acceptance_lengths)
+    """A choice's decoding statistics (the ``dflash`` field of a response, and of a stream's finish chunk)."""
     return {
         "index": index,
-        "tau": (sum(acc) / len(acc)) if acc else 1.0,  # 1.0 for target-only decoding, as in the engine
-        "num_steps": len(acc),
-        "acceptance_lengths": acc,
+        "tau": float(res.tau),  # 1.0 for target-only decoding
+        "num_steps": int(res.num_steps),
+        "acceptance_lengths": list(res.acceptance_lengths),
         "time_to_first_token": float(res.time_to_first_token),
         "time_per_output_token": float(res.time_per_output_token),
     }
@@ -270,7 +286,7 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
         prompts.append(ids)
     where = (lambda i: "the prompt") if len(prompts) == 1 else (lambda i: f"prompt[{i}]")
     max_tokens = [_check_prompt(ctx, ids, params.max_tokens, where(i)) for i, ids in enumerate(prompts)]
-    job = _submit(ctx, prompts, max_tokens, params.ignore_eos)
+    job = _submit(ctx, prompts, max_tokens, params)
     rid, created = P.new_id("cmpl"), P.now()
     if params.stream:
         return _stream(ctx, job, params, rid, created, chat=False)
@@ -307,7 +323,7 @@ async def _chat(ctx: ServerContext, request: Request) -> Response:
     if not ids:
         raise P.invalid("the messages render to an empty prompt", param="messages", code="empty_prompt")
     max_tokens = _check_prompt(ctx, ids, params.max_tokens, "the chat prompt", param="messages")
-    job = _submit(ctx, [ids], [max_tokens], params.ignore_eos)
+    job = _submit(ctx, [ids], [max_tokens], params)
     rid, created = P.new_id("chatcmpl"), P.now()
     if params.stream:
         return _stream(ctx, job, params, rid, created, chat=True)
@@ -371,7 +387,7 @@ def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, cre
                     if text or rest:
                         yield chunk([piece(i, text, rest, None)])
                     completion_tokens += len(out)
-                    yield chunk([piece(i, None, None, payload.finish_reason)])
+                    yield chunk([piece(i, None, None, payload.finish_reason)], dflash=[_stats(i, payload)])
                 elif kind == "error":
                     err = _engine_error(payload)
                     yield P.sse(err.body())

@@ -135,6 +135,7 @@ class CommonParams:
     return_token_ids: bool
     seed: int | None
     user: str | None
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's extension: ids that end generation besides the model's
 
 
 @dataclasses.dataclass
@@ -156,7 +157,7 @@ _COMMON_FIELDS = frozenset(
     {
         "model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k", "n", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "seed", "user", "ignore_eos",
-        "return_token_ids",
+        "return_token_ids", "stop_token_ids",
     }
 )
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
@@ -227,13 +228,17 @@ def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
         if stop:  # "" and [] mean no stop strings
             raise unsupported("stop", stop, "stop strings are not implemented (generation ends at the model's "
                                             "end-of-sequence tokens or max_tokens)")
+    stop_token_ids = _expect(body, "stop_token_ids", _token_list, "an array of token ids")
+    if stop_token_ids and min(stop_token_ids) < 0:
+        raise invalid(f"'stop_token_ids' must be token ids >= 0, got {stop_token_ids[:8]}", param="stop_token_ids",
+                      code="invalid_token_id")
     seed = _expect(body, "seed", _is_int, "an integer")
     user = _expect(body, "user", lambda v: isinstance(v, str), "a string")
     ignore_eos = _bool(body, "ignore_eos")
     return_token_ids = _bool(body, "return_token_ids")
     return CommonParams(
         model=model, max_tokens=max_tokens, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos,
-        return_token_ids=return_token_ids, seed=seed, user=user,
+        return_token_ids=return_token_ids, seed=seed, user=user, stop_token_ids=tuple(stop_token_ids or ()),
     )
 
 

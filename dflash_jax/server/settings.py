@@ -5,7 +5,7 @@ The YAML file (``configs/serve.yaml``) has four sections; command-line flags ove
     model:    target, draft, no_draft, tokenizer, dtype, name, stop_token_ids
     engine:   dflash_jax.engine.EngineConfig (max_batch_size, max_length, prompt_buckets, block_size, ...)
     server:   host, port, api_key, default_max_tokens, max_waiting_requests, batch_wait_ms, ...
-    generate: max_new_tokens, chat_template_kwargs, ignore_eos (batch mode)
+    generate: input, output, progress, max_new_tokens, chat_template_kwargs, ignore_eos (batch mode)
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ class ServerSettings:
 
 @dataclasses.dataclass(frozen=True)
 class GenerateSettings:
+    input: str | None = None         # JSONL prompts (--input)
+    output: str | None = None        # JSONL results, written when every prompt is done (--output)
+    progress: bool = True            # a progress bar on stderr (--no-progress)
     max_new_tokens: int = 256        # default for input lines without max_new_tokens
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {enable_thinking: false}
     ignore_eos: bool = False         # generate exactly max_new_tokens (benchmarks)
@@ -67,6 +70,9 @@ class GenerateSettings:
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("input", "output"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise ValueError(f"{name} must be a file or null, got an empty string")
 
 
 @dataclasses.dataclass(frozen=True)
