@@ -460,7 +460,8 @@ def main() -> None:
             run["dflash"]["acceptance_lengths"] == first["dflash"]["acceptance_lengths"]
         print(f"| {i} {run['kind']} | {run['process_s']:.1f} | {d['warmup_s']:.1f} | {t['warmup_s']:.1f} | "
               f"{d['loaded'] + t['loaded']} / {d['compiled'] + t['compiled']} | {t['step_ms']:.3f} | "
-              f"{d['step_ms']:.3f} | {d['step_ms'] / t['step_ms']:.3f} | {t['dispatch_ms']:.2f} / {d['dispatch_ms']:.2f} | "
+              f"{d['step_ms']:.3f} | {d['step_ms'] / t['step_ms']:.3f} | "
+              f"{t['dispatch_ms']:.2f} / {d['dispatch_ms']:.2f} | "
               f"{t['ttft_ms']:.1f} / {d['ttft_ms']:.1f} | {'yes' if same else 'NO'} |")
     if args.profile:
         compare_kernels(done)

@@ -59,7 +59,7 @@ class GenerationResult:
     num_prompt_tokens: int
     finish_reason: str               # "stop" | "length"
     time_to_first_token: float       # seconds from submission to the first token on the host
-    time_per_output_token: float     # seconds: time from the first token to the last / generated tokens
+    time_per_output_token: float     # seconds: time from the first token to the last / the tokens after the first
     num_steps: int                   # decode steps that committed this row's tokens (the prefill's first excluded)
 
     @property
@@ -304,7 +304,7 @@ class ContinuousBatcher:
             num_prompt_tokens=len(g.prompt_ids),
             finish_reason="stop" if out and out[-1] in g.stop_token_ids else "length",
             time_to_first_token=g.first_token_time - g.submitted,
-            time_per_output_token=(now - g.first_token_time) / max(1, len(out)),
+            time_per_output_token=(now - g.first_token_time) / max(1, len(out) - 1),
             num_steps=steps,
         )
         self._rows[self._rows.index(g)] = None

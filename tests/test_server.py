@@ -433,6 +433,28 @@ def test_api_key(tokenizer):
         assert client.get("/health").status_code == 200  # probes need no key
 
 
+def test_unexpected_error_is_500_counted_and_the_server_keeps_serving(tokenizer):
+    """A bug in a handler (here the tokenizer raising) answers 500 with an OpenAI error body, shows in
+    the request metrics, and the next request is served."""
+
+    class Flaky:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def encode(self, text, **kwargs):
+            if text == "boom":
+                raise RuntimeError("tokenizer bug")
+            return tokenizer.encode(text, **kwargs)
+
+    engine = FakeEngine(MODEL_VOCAB, token_range=(0, TOKENIZER_VOCAB))
+    app = create_app(engine, Flaky(), model_name="tiny", max_length=MAX_LENGTH, vocab_size=MODEL_VOCAB)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+        err = assert_error(client.post("/v1/completions", json={"prompt": "boom"}), 500, "internal_error")
+        assert "tokenizer bug" in err["message"] and err["type"] == "server_error"
+        assert client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 3}).status_code == 200
+        assert 'endpoint="/v1/completions",status="500"} 1' in client.get("/metrics").text
+
+
 def test_scheduler_admits_requests_at_host_syncs_and_drains():
     from dflash_jax.server.scheduler import Scheduler, SchedulerClosed
 

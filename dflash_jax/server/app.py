@@ -119,9 +119,7 @@ def create_app(
                             headers=getattr(exc, "headers", None))
 
     async def server_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(P.error_body(f"internal server error: {type(exc).__name__}: {exc}", type="server_error",
-                                         code="internal_error"), status_code=500)
+        return _internal_error(request, exc)
 
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
@@ -136,6 +134,12 @@ def _json(data: Any, status: int = 200) -> JSONResponse:
     return JSONResponse(data, status_code=status)
 
 
+def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path)
+    return JSONResponse(P.error_body(f"internal server error: {type(exc).__name__}: {exc}", type="server_error",
+                                     code="internal_error"), status_code=500)
+
+
 def _endpoint(ctx: ServerContext, name: str, handler, *, auth: bool = False):
     async def endpoint(request: Request) -> Response:
         try:
@@ -144,6 +148,8 @@ def _endpoint(ctx: ServerContext, name: str, handler, *, auth: bool = False):
             response = await handler(ctx, request)
         except P.APIError as err:
             response = _json(err.body(), err.status)
+        except Exception as exc:  # a bug: answered 500 and counted, and the server keeps serving
+            response = _internal_error(request, exc)
         ctx.metrics.http(name, response.status_code)
         return response
 
