@@ -16,6 +16,7 @@ import pytest
 import tokenizer_fixtures as tf
 
 from dflash_jax.server import ServerThread, create_app
+from dflash_jax.server.metrics import LATENCY_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
 from dflash_jax.server.testing import FakeEngine, GatedEngine
 from dflash_jax.tokenizer import Tokenizer
 
@@ -417,6 +418,17 @@ def test_metrics(fake):
     assert values['dflash_generation_tokens_per_second{model="tiny"}'] > 0
     assert values['dflash_http_requests_total{model="tiny",endpoint="/v1/completions",status="200"}'] >= 1
     assert "# TYPE dflash_generation_tokens_total counter" in r.text
+    # Latency histograms: cumulative buckets ending in +Inf = _count, observations that fit their bounds.
+    for name, bounds in (("dflash_time_to_first_token_seconds", TTFT_BUCKETS),
+                         ("dflash_time_per_output_token_seconds", TPOT_BUCKETS),
+                         ("dflash_request_latency_seconds", LATENCY_BUCKETS)):
+        assert f"# TYPE {name} histogram" in r.text
+        buckets = [values[f'{name}_bucket{{model="tiny",le="{b}"}}'] for b in (*map(repr, bounds), "+Inf")]
+        count, total = values[f'{name}_count{{model="tiny"}}'], values[f'{name}_sum{{model="tiny"}}']
+        assert buckets == sorted(buckets) and buckets[-1] == count >= 1 and total > 0
+    # The fake engine's requests take milliseconds: every time to first token is under 5 s.
+    assert values['dflash_time_to_first_token_seconds_bucket{model="tiny",le="5.0"}'] == \
+        values['dflash_time_to_first_token_seconds_count{model="tiny"}']
 
 
 def test_api_key(tokenizer):

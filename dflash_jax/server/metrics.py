@@ -1,10 +1,40 @@
-"""Server metrics: thread-safe counters per request and per engine step, in Prometheus' text format."""
+"""Server metrics: thread-safe counters and latency histograms per request and per engine step, in
+Prometheus' text format."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 from typing import Any
+
+# Histogram bounds in seconds (Prometheus' ``le``; ``+Inf`` is implied), as vLLM's.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 1.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+class Histogram:
+    """Observations counted into fixed buckets, with their sum (not thread-safe: ``Metrics`` locks)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def samples(self, labels: str) -> list[tuple[str, str, float]]:
+        """(suffix, labels, value) of the ``_bucket`` (cumulative), ``_sum`` and ``_count`` series."""
+        out, running = [], 0
+        for bound, n in zip((*map(repr, self.bounds), "+Inf"), self.counts):
+            running += n
+            out.append(("_bucket", f'{labels},le="{bound}"', running))
+        return out + [("_sum", labels, self.sum), ("_count", labels, self.count)]
 
 
 class Metrics:
@@ -24,8 +54,9 @@ class Metrics:
         self.engine_step_rows = 0  # sum over those steps of the requests holding rows
         self.engine_seconds = 0.0
         self.queue_wait_seconds = 0.0
-        self.ttft_seconds = 0.0
-        self.ttft_count = 0
+        self.ttft = Histogram(TTFT_BUCKETS)         # from the request's arrival
+        self.tpot = Histogram(TPOT_BUCKETS)         # per request, over the tokens after the first
+        self.latency = Histogram(LATENCY_BUCKETS)   # from arrival to the last token
         self.waiting = 0
         self.running = 0
 
@@ -43,8 +74,11 @@ class Metrics:
             self.draft_steps += len(result.acceptance_lengths)
             self.accepted_tokens += sum(result.acceptance_lengths)
             self.queue_wait_seconds += queue_wait
-            self.ttft_seconds += float(result.time_to_first_token)
-            self.ttft_count += 1
+            ttft, tpot = float(result.time_to_first_token), float(result.time_per_output_token)
+            self.ttft.observe(ttft)
+            if len(result.output_ids) > 1:
+                self.tpot.observe(tpot)
+            self.latency.observe(ttft + tpot * max(1, len(result.output_ids) - 1))
 
     def request_failed(self) -> None:
         with self._lock:
@@ -74,6 +108,12 @@ class Metrics:
             lines.append(f"# TYPE {name} {kind}")
             for labels, value in samples:
                 lines.append(f"{name}{{{labels}}} {_num(value)}")
+
+        def histogram(name: str, help_: str, h: Histogram) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} histogram")
+            for suffix, labels, value in h.samples(label):
+                lines.append(f"{name}{suffix}{{{labels}}} {_num(value)}")
 
         with self._lock:
             http = sorted(self.http_requests.items())
@@ -109,10 +149,13 @@ class Metrics:
             metric("dflash_generation_tokens_per_second", "gauge",
                    "Tokens generated per second of engine time since start.",
                    [(label, self.generation_tokens / self.engine_seconds if self.engine_seconds else 0.0)])
-            metric("dflash_time_to_first_token_seconds_sum", "counter",
-                   "Sum of times to first token (from the request's arrival).", [(label, self.ttft_seconds)])
-            metric("dflash_time_to_first_token_seconds_count", "counter", "Number of times to first token summed.",
-                   [(label, self.ttft_count)])
+            histogram("dflash_time_to_first_token_seconds", "Time to first token, from the request's arrival.",
+                      self.ttft)
+            histogram("dflash_time_per_output_token_seconds",
+                      "Per request, seconds from the first token to the last over the tokens after the first.",
+                      self.tpot)
+            histogram("dflash_request_latency_seconds", "Seconds from a request's arrival to its last token.",
+                      self.latency)
             metric("dflash_queue_wait_seconds_total", "counter", "Seconds requests waited for a row.",
                    [(label, self.queue_wait_seconds)])
             metric("dflash_requests_waiting", "gauge", "Requests waiting for a row.", [(label, self.waiting)])
