@@ -223,16 +223,15 @@ def graph_census(log_from: int) -> list[dict]:
     XLA logs with ``cuda_command_buffer=2``), read back through the driver API: their nodes, kernel
     nodes, and edges by type: programmatic edges (XLA's programmatic dependent launch in a graph:
     the kernel after the edge may start before the one before it ends) against full ones. Empty
-    unless stderr is the run's log file (``--logs``)."""
+    without the run's log file (``--logs``: BENCH_LOG)."""
     import ctypes
     import re
 
-    try:
-        with open("/proc/self/fd/2", "rb") as log:
-            log.seek(log_from)
-            text = log.read().decode(errors="replace")
-    except OSError:
+    if not os.environ.get("BENCH_LOG"):  # stderr is the parent's pipe: no log to read back
         return []
+    with open(os.environ["BENCH_LOG"], "rb") as log:
+        log.seek(log_from)
+        text = log.read().decode(errors="replace")
     # a new executable evicts every other executable's graphs: only those created since are alive
     text = text[text.rfind("Evict command buffer thunk command buffers") + 1:]
     handles = re.findall(r"Created (conditional )?CUDA graph (0x[0-9a-f]+)", text)

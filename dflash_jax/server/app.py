@@ -214,7 +214,7 @@ class _Job:
 
 def _stop_ids(ctx: ServerContext, params: P.CommonParams) -> tuple[int, ...]:
     """The model's stop ids (unless ``ignore_eos``) and the request's ``stop_token_ids``."""
-    bad = [t for t in params.stop_token_ids if t >= ctx.vocab_size]
+    bad = [t for t in params.stop_token_ids if not 0 <= t < ctx.vocab_size]
     if bad:
         raise P.invalid(f"'stop_token_ids' has ids outside the vocabulary [0, {ctx.vocab_size}): {bad[:5]}",
                         param="stop_token_ids", code="invalid_token_id")

@@ -228,10 +228,8 @@ def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
         if stop:  # "" and [] mean no stop strings
             raise unsupported("stop", stop, "stop strings are not implemented (generation ends at the model's "
                                             "end-of-sequence tokens or max_tokens)")
+    # their range (the vocabulary) is checked by the app, as a prompt's
     stop_token_ids = _expect(body, "stop_token_ids", _token_list, "an array of token ids")
-    if stop_token_ids and min(stop_token_ids) < 0:
-        raise invalid(f"'stop_token_ids' must be token ids >= 0, got {stop_token_ids[:8]}", param="stop_token_ids",
-                      code="invalid_token_id")
     seed = _expect(body, "seed", _is_int, "an integer")
     user = _expect(body, "user", lambda v: isinstance(v, str), "a string")
     ignore_eos = _bool(body, "ignore_eos")
