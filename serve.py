@@ -385,6 +385,7 @@ def run_serve(cfg) -> None:
         vocab_size=target.config.vocab_size,
         default_max_tokens=s.default_max_tokens,
         api_key=api_key,
+        metrics_api_key=s.metrics_api_key,
         max_waiting=s.max_waiting_requests,
         batch_wait_s=s.batch_wait_ms / 1000.0,
         stop_token_ids=stop_ids(cfg, tokenizer, target),

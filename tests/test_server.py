@@ -443,6 +443,13 @@ def test_api_key(tokenizer):
         assert client.post("/v1/completions", json=body, headers=ok).status_code == 200
         assert client.get("/v1/models", headers=ok).status_code == 200
         assert client.get("/health").status_code == 200  # probes need no key
+        assert client.get("/metrics").status_code == 200  # nor scrapers, by default
+    app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH, api_key="s3cret",
+                     metrics_api_key=True)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+        assert_error(client.get("/metrics"), 401, "invalid_api_key")
+        assert "dflash_http_requests_total" in client.get("/metrics", headers=ok).text
+        assert client.get("/health").status_code == 200
 
 
 def test_unexpected_error_is_500_counted_and_the_server_keeps_serving(tokenizer):

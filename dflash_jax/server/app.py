@@ -64,6 +64,7 @@ def create_app(
     vocab_size: int | None = None,
     default_max_tokens: int = 256,
     api_key: str | None = None,
+    metrics_api_key: bool = False,
     max_waiting: int = 1024,
     batch_wait_s: float = 0.0,
     stop_token_ids: Sequence[int] | None = None,
@@ -108,7 +109,8 @@ def create_app(
         Route("/v1/chat/completions", _endpoint(ctx, "/v1/chat/completions", _chat, auth=True), methods=["POST"]),
         Route("/v1/models", _endpoint(ctx, "/v1/models", _models, auth=True), methods=["GET"]),
         Route("/health", _endpoint(ctx, "/health", _health), methods=["GET"]),
-        Route("/metrics", _endpoint(ctx, "/metrics", _metrics), methods=["GET"]),
+        # open by default, as vLLM's: scrapers rarely carry a key, and it shows only counts and latencies
+        Route("/metrics", _endpoint(ctx, "/metrics", _metrics, auth=metrics_api_key), methods=["GET"]),
     ]
 
     async def http_error(request: Request, exc: HTTPException) -> Response:

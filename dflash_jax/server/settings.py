@@ -40,6 +40,7 @@ class ServerSettings:
     host: str = "127.0.0.1"          # loopback unless told otherwise
     port: int = 8000
     api_key: str | None = None       # Bearer key for /v1/*; the DFLASH_API_KEY variable when null
+    metrics_api_key: bool = False    # require the key on /metrics too (Prometheus then needs authorization)
     default_max_tokens: int = 256    # for requests without max_tokens (capped by the maximum length)
     max_waiting_requests: int = 1024  # beyond this, requests are answered 503
     batch_wait_ms: float = 0.0       # idle engine: the first requests wait this long to share a prefill
