@@ -29,8 +29,7 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
     """Greedy generation with and without the drafter (batch 1: latency mode), timed after warm-up."""
     config = EngineConfig(max_batch_size=1, max_length=max(map(len, prompts)) + max_new_tokens, steps_per_sync=8)
     spec, plain = Engine(target, drafter, config), Engine(target, None, config)
-    for engine in (spec, plain):  # compile every prompt-length bucket and decode window outside the timed runs
-        engine.generate(prompts, 2)
+    for engine in (spec, plain):  # every prompt bucket and decode window compiled outside the timed runs
         engine.warmup([1])
     t0 = time.perf_counter()
     fast = spec.generate(prompts, max_new_tokens, stop_token_ids)

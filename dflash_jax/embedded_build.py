@@ -243,8 +243,7 @@ def evaluate(target_dir, drafter_dir, prompts: list[list[int]], max_new_tokens: 
     cfg = EngineConfig(max_batch_size=1, max_length=max_len, steps_per_sync=8, block_size=block_size)
     spec = Engine(target, drafter, cfg)
     plain = Engine(target, None, dataclasses.replace(cfg, block_size=None))
-    for engine in (spec, plain):  # compile every prompt-length bucket and decode window outside the timed runs
-        engine.generate(prompts, 4)
+    for engine in (spec, plain):  # every prompt bucket and decode window compiled outside the timed runs
         engine.warmup([1])
 
     def run(engine):

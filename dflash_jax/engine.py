@@ -14,8 +14,10 @@ decode call reads a power-of-two window of the caches that covers its rows.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import time
 from typing import Callable, Sequence
 
@@ -424,16 +426,23 @@ class Engine:
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                 stop_token_ids: Sequence[Sequence[int]]) -> tuple[decoding.DecodeState, jax.Array]:
         """Runs ``prompts`` (token-id lists that ``ContinuousBatcher.submit`` checked) in a batch of
-        their own: a power of two of rows (padding rows done), the prompt bucket of the longest.
+        their own: ``prefill_rows`` rows (padding rows done), the prompt bucket of the longest.
 
         ``stop_token_ids``: each prompt's stop ids (at most ``max_stop_ids``). Returns the rows, for
         ``admit`` (their caches hold just the prompt bucket), and ``first [rows]``, each row's first
         generated token, a copy that stays readable after the rows are admitted.
         """
+        return self._prefill(self._target_state, self._drafter_state,
+                             *self._prefill_inputs(prompts, max_new_tokens, stop_token_ids))
+
+    def _prefill_inputs(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                        stop_token_ids: Sequence[Sequence[int]]) -> tuple[jax.Array, ...]:
+        """``_prefill``'s arguments after the weights: ids ``[rows, bucket]``, lengths, max lengths
+        and stop ids ``[rows, max_stop_ids]``, placed as the jit takes them."""
         n = len(prompts)
         if n > self.config.max_batch_size:
             raise ValueError(f"{n} prompts exceed max_batch_size={self.config.max_batch_size}")
-        batch = min(_next_pow2(n), _next_pow2(self.config.max_batch_size))
+        batch = self.prefill_rows(n)
         lens = [len(p) for p in prompts]
         plen = self._prompt_bucket(max(lens))
         ids = np.zeros((batch, plen), np.int32)
@@ -446,8 +455,24 @@ class Engine:
         max_lens = np.ones((batch,), np.int32)  # padding rows: done at once
         max_lens[:n] = [min(l + m, self.config.max_length) for l, m in zip(lens, max_new_tokens)]
         put = self._put_batch
-        return self._prefill(self._target_state, self._drafter_state, put(ids), put(row_lens), put(max_lens),
-                             put(stop_ids))
+        return put(ids), put(row_lens), put(max_lens), put(stop_ids)
+
+    def prefill_rows(self, prompts: int) -> int:
+        """The rows of a prefill of ``prompts`` prompts: a power of two, at most the batch's."""
+        return min(_next_pow2(prompts), _next_pow2(self.config.max_batch_size))
+
+    def prompt_buckets(self) -> list[tuple[int, int]]:
+        """``(bucket, shortest prompt in it)`` for every prompt bucket that a prompt the engine
+        admits (1 to ``max_length - 1`` tokens) can fall in."""
+        buckets, n = [], 1
+        while n < self.config.max_length:
+            try:
+                bucket = self._prompt_bucket(n)
+            except ValueError:  # past the largest configured bucket: such prompts are refused
+                break
+            buckets.append((bucket, n))
+            n = bucket + 1
+        return buckets
 
     def state_rows(self, live: int) -> int:
         """The rows of a running state that holds ``live`` requests: one for a lone request, else
@@ -478,27 +503,49 @@ class Engine:
         release[list(slots)] = True
         return self._release(state, release)
 
-    def warmup(self, batch_sizes: Sequence[int] | None = None) -> float:
-        """Compiles what requests of up to ``batch_sizes`` prompts at a time run (default: 1 and
-        ``max_batch_size``), so the first requests do not wait for XLA; returns the seconds spent.
+    def warmup(self, batch_sizes: Sequence[int] | None = None, *, threads: int | None = None) -> float:
+        """Compiles everything that requests of up to ``batch_sizes`` prompts at a time run (default:
+        1 and ``max_batch_size``), so no request waits for XLA once serving starts; returns the
+        seconds spent.
 
-        Per size: its prefill (smallest prompt bucket) and that of one prompt, admitting them into a
-        running state of its row count, decode at every attention window, and resizing that state
-        to the other sizes' row counts. Decode shapes do not depend on the prompt; prefill compiles
-        once more per new prompt bucket.
+        A shape compiled while serving stalls every running request for its compile (seconds for
+        an 8B model), and a server meets many: a prefill per row count (``prefill_rows`` of any
+        group of waiting prompts) and prompt bucket, and an admission per prefill and running
+        state. So: decode at every attention window for each running state's row count (first,
+        so that its GEMM autotuning runs alone); then every prefill shape, compiled on ``threads``
+        threads at once (default: up to 8; XLA compiles outside the GIL); then each run once and
+        admitted into the states it can join, which compiles the admissions, and the states
+        resized into each other.
         """
         t0 = time.perf_counter()
         sizes = sorted({1, self.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
-        all_rows = {self.state_rows(size) for size in sizes}
-        for size in sizes:
-            rows = self.state_rows(size)
-            state = self.empty_state(rows)
-            for n in sorted({1, size}):
-                fresh, _ = self.prefill([[0]] * n, [2] * n, [()] * n)
-                state = self.admit(state, fresh, range(n))
+        states = {rows: self.empty_state(rows) for rows in sorted({self.state_rows(size) for size in sizes})}
+        for rows, state in states.items():
             for window in self.windows:  # a fixed loop compiles per step count: the serving one
                 state, _ = self.decode(state, n_steps=None if self.fixed_loop else 0, window=window)
-            for other in all_rows - {rows}:
+            states[rows] = state
+        shapes = [(rows, bucket, shortest) for rows in sorted({self.prefill_rows(n) for n in range(1, max(sizes) + 1)})
+                  for bucket, shortest in self.prompt_buckets()]
+
+        def dummy(rows: int, shortest: int) -> tuple[list[list[int]], list[int], list[tuple]]:
+            return [[0] * shortest] * rows, [2] * rows, [()] * rows
+
+        def compile_prefill(shape: tuple[int, int, int]) -> None:
+            rows, _, shortest = shape
+            self._prefill.lower(self._target_state, self._drafter_state,
+                                *self._prefill_inputs(*dummy(rows, shortest))).compile()
+
+        workers = threads or min(8, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(shapes)))) as pool:
+            list(pool.map(compile_prefill, shapes))  # re-raises a failed compile
+        for rows, _, shortest in shapes:
+            fresh, _ = self.prefill(*dummy(rows, shortest))
+            joins = states if rows == 1 else {max(states): states[max(states)]}  # a lone prompt joins either
+            for state_rows, state in joins.items():
+                if state_rows >= rows:
+                    states[state_rows] = self.admit(state, fresh, range(rows))
+        for rows, state in states.items():
+            for other in set(states) - {rows}:
                 jax.block_until_ready(self.resize(state, [0], rows=other).starts)
             jax.block_until_ready(state.starts)
         return time.perf_counter() - t0

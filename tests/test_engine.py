@@ -322,17 +322,34 @@ def test_single_row_partials_engine_equals_xla(models, prompts, engines, monkeyp
     assert taken and all(t is None for t in taken)
 
 
-def test_warmup_compiles_every_decode_batch_bucket_and_window(models, prompts):
+def test_warmup_compiles_everything_serving_runs(models):
+    """After ``warmup``, requests of every prompt bucket, admitted alone, two at once and into
+    running rows, the running state moving between one row and two, one request cancelled and one
+    needing the whole cache, compile nothing: a shape compiled while serving stalls every running
+    request for its compile."""
     target, drafter = models
-    engine = Engine(target, drafter, EngineConfig(max_batch_size=4, max_length=200, steps_per_sync=4))
-    assert engine.windows == (64, 128, 256)  # capacity 200 + 8, rounded up to whole tiles
+    engine = Engine(target, drafter, EngineConfig(max_batch_size=2, max_length=100, steps_per_sync=4))
+    assert engine.windows == (64, 128)  # capacity 100 + 8, rounded up to whole tiles
+    assert engine.prompt_buckets() == [(16, 1), (32, 17), (64, 33), (128, 65)]
     assert engine.warmup() > 0
-    compiled = engine._decode._cache_size()
-    engine.generate(prompts[:1], 6)    # batch bucket 1, the 64-position window
-    engine.generate(prompts[:4], 6)    # batch bucket 4
-    engine.generate(prompts[:1], 150)  # rows that need the whole capacity
-    # One decode variant per batch bucket and attention window; none compiled after warm-up.
-    assert engine._decode._cache_size() == compiled == 2 * len(engine.windows)
+    phases = {name: getattr(engine, f"_{name}") for name in ("prefill", "admit", "resize", "release", "empty",
+                                                                  "decode")}
+    compiled = {name: fn._cache_size() for name, fn in phases.items()}
+    # Per running state (1 or 2 rows): decode at every window; prefills of 1 and 2 rows per bucket.
+    assert compiled["decode"] == 2 * len(engine.windows) and compiled["prefill"] == 2 * 4
+    rs = np.random.RandomState(4)
+    prompt = lambda n: rs.randint(0, 95, n).tolist()  # noqa: E731
+    batcher = ContinuousBatcher(engine)
+    lone = batcher.submit(prompt(3), 90)  # 1 row, bucket 16; grows into the whole cache
+    batcher.step()
+    joining = [batcher.submit(prompt(n), 6) for n in (40, 70, 20)]  # into the running batch, one by one
+    batcher.step()
+    joining[2].cancel()
+    batcher.run()
+    pair = [batcher.submit(prompt(n), 6) for n in (30, 99)]  # a prefill of 2 rows, the last bucket
+    batcher.run()
+    assert {name: fn._cache_size() for name, fn in phases.items()} == compiled
+    assert len(lone.result.output_ids) == 90 and all(g.result is not None for g in joining[:2] + pair)
 
 
 def test_greedy_argmax_is_argmax_with_ties_nans_and_infinities():
