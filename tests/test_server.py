@@ -613,6 +613,27 @@ def test_disconnected_stream_frees_its_row(tokenizer):
         assert metrics['dflash_requests_running{model="tiny"}'] == 0
 
 
+def test_disconnected_plain_request_frees_its_row(tokenizer):
+    """A client that goes away before its (non-streamed) answer cancels the request too: its row is
+    released instead of generating for nobody while the next request waits."""
+    engine = FakeEngine(MODEL_VOCAB, max_batch_size=1, max_length=MAX_LENGTH, block_size=1, steps_per_sync=1,
+                        step_time_s=0.05, draft=False, token_range=(0, TOKENIZER_VOCAB))
+    app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        body = {"prompt": [10, 11], "max_tokens": 60, "ignore_eos": True}  # 60 steps of 50 ms if left to run
+        with pytest.raises(httpx.ReadTimeout):  # httpx closes the connection: the client is gone
+            httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+        t0 = time.monotonic()
+        r = client.post("/v1/completions", json={"prompt": [20, 21], "max_tokens": 3, "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == engine.reference([20, 21], 3)
+        assert time.monotonic() - t0 < 2.0
+        assert engine.released == [0]
+        metrics = metric_values(client)
+        assert metrics['dflash_requests_cancelled_total{model="tiny"}'] == 1
+        assert metrics['dflash_requests_finished_total{model="tiny",finish_reason="length"}'] == 1
+        assert metrics['dflash_http_requests_total{model="tiny",endpoint="/v1/completions",status="499"}'] == 1
+
+
 # ----------------------------------------------------------------------------------------- real engine
 
 

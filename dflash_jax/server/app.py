@@ -249,20 +249,42 @@ def _engine_error(err: Exception) -> P.APIError:
                       code="engine_error")
 
 
-async def _collect(job: _Job) -> list[Any]:
+async def _results(job: _Job) -> list[Any]:
     results: list[Any] = [None] * len(job.requests)
     pending = len(job.requests)
-    try:
-        while pending:
-            tag, kind, payload = await job.queue.get()
-            if kind == "done":
-                results[tag] = payload
-                pending -= 1
-            elif kind == "error":
-                raise _engine_error(payload)
-    finally:
-        job.cancel()
+    while pending:
+        tag, kind, payload = await job.queue.get()
+        if kind == "done":
+            results[tag] = payload
+            pending -= 1
+        elif kind == "error":
+            raise _engine_error(payload)
     return results
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away. The body has been read, so the next ASGI message is the
+    disconnect (uvicorn sends it when the connection closes, or once the response is sent)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(job: _Job, request: Request) -> list[Any]:
+    """The job's results. A client that goes away cancels the job, as a stream's does (Starlette
+    watches for the disconnect only while it streams): its rows are released at the next host sync
+    instead of generating for nobody."""
+    results = asyncio.ensure_future(_results(job))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((results, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        results.cancel()
+        job.cancel()
+    if not results.done() or results.cancelled():
+        # Nobody reads this answer; its status (nginx's "client closed request") is for the metrics.
+        raise P.APIError("the client disconnected before the response", status=499, code="client_disconnected")
+    return results.result()
 
 
 def _stats(index: int, res: Any) -> dict[str, Any]:
@@ -296,7 +318,7 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
     rid, created = P.new_id("cmpl"), P.now()
     if params.stream:
         return _stream(ctx, job, params, rid, created, chat=False)
-    results = await _collect(job)
+    results = await _collect(job, request)
     choices = []
     for i, res in enumerate(results):
         choice = {"index": i, "text": ctx.tokenizer.decode(res.output_ids), "logprobs": None,
@@ -333,7 +355,7 @@ async def _chat(ctx: ServerContext, request: Request) -> Response:
     rid, created = P.new_id("chatcmpl"), P.now()
     if params.stream:
         return _stream(ctx, job, params, rid, created, chat=True)
-    (res,) = await _collect(job)
+    (res,) = await _collect(job, request)
     choice = {"index": 0, "message": {"role": "assistant", "content": ctx.tokenizer.decode(res.output_ids)},
               "logprobs": None, "finish_reason": res.finish_reason}
     if params.return_token_ids:
