@@ -294,6 +294,13 @@ BAD_COMPLETIONS = [
     (b"{bad json", "invalid_json", None),
     (b"[1, 2]", "invalid_json", None),
     (b"", "invalid_json", None),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "invalid_json", None),  # deeper than Python recurses
+    (rb'{"prompt": "a\ud800b"}', "invalid_json", "prompt"),  # a lone surrogate: valid JSON, no character
+    (rb'{"prompt": ["hi", "\udc00"]}', "invalid_json", "prompt"),
+    (rb'{"prompt": "hi", "\udc00": 1}', "invalid_json", "\ufffd"),
+    (b'{"prompt": "\xed\xa0\x80"}', "invalid_json", None),  # an encoded surrogate is no UTF-8
+    ('{"prompt": "hi"}'.encode("utf-16"), "invalid_json", None),  # JSON over HTTP is UTF-8
+    (b"null", "invalid_json", None),
     ({"prompt": "hi", "foo": 1}, "unknown_field", "foo"),
     ({}, "missing_field", "prompt"),
     ({"prompt": 5}, "invalid_type", "prompt"),
@@ -355,6 +362,8 @@ BAD_CHATS = [
     ({"messages": GOOD_MSG, "chat_template_kwargs": {"messages": []}}, "invalid_value", "chat_template_kwargs"),
     ({"messages": GOOD_MSG, "max_completion_tokens": -1}, "invalid_value", "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "word " * 200}]}, "context_length_exceeded", "messages"),
+    (rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}', "invalid_json",
+     "messages"),
 ]
 
 
@@ -388,6 +397,9 @@ def test_bad_input_is_400_and_the_server_keeps_serving(fake, tokenizer):
     r = client.post("/v1/completions", json={"prompt": [10, 11, 12], "max_tokens": 5, "return_token_ids": True})
     assert r.status_code == 200
     assert r.json()["choices"][0]["token_ids"] == expected(engine, tokenizer, [10, 11, 12], 5)[0]
+    # Surrogate pairs (an emoji, as ASCII-only JSON writers send it) are one character, not an error.
+    r = _post(client, "/v1/completions", rb'{"prompt": "\ud83d\ude42 hi", "max_tokens": 2, "return_token_ids": true}')
+    assert r.status_code == 200 and r.json()["choices"][0]["prompt_token_ids"] == tokenizer.encode("\U0001f642 hi")
     metrics = client.get("/metrics").text
     assert 'dflash_http_requests_total{model="tiny",endpoint="/v1/completions",status="400"}' in metrics
 

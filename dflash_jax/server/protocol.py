@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 import uuid
 from typing import Any
@@ -64,12 +65,44 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise invalid("the request body is empty; expected a JSON object", code="invalid_json")
     try:
-        data = json.loads(raw)
+        # JSON over HTTP is UTF-8 (json.loads would take bytes in UTF-16 or 32, and encoded surrogates)
+        text = raw.decode("utf-8-sig")
+        data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise invalid(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:  # json's parser recurses per level of nesting
+        raise invalid("the request body nests arrays or objects too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise invalid(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+        raise invalid(f"the request body must be a JSON object, got {_type_name(data)}", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(text):  # rare: only then look for a lone one
+        for key, value in data.items():
+            if _has_lone_surrogate(key) or _has_lone_surrogate(value):
+                name = _SURROGATE.sub("\ufffd", key)
+                raise invalid(f"'{name}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
+                              "which is not a character", param=name, code="invalid_json")
     return data
+
+
+# JSON's \uXXXX escapes of UTF-16 surrogates: a pair parses to one character, a lone one to a lone
+# surrogate, which is no character (neither the tokenizer nor a UTF-8 response can take it).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a string in ``value`` (object keys included) holds a lone surrogate."""
+    stack = [value]
+    while stack:  # no recursion: the parsed body may nest as deeply as json took
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 # ----------------------------------------------------------------------------------------- type checks
