@@ -360,6 +360,7 @@ BAD_CHATS = [
     ({"messages": GOOD_MSG, "response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
     ({"messages": GOOD_MSG, "chat_template_kwargs": "x"}, "invalid_type", "chat_template_kwargs"),
     ({"messages": GOOD_MSG, "chat_template_kwargs": {"messages": []}}, "invalid_value", "chat_template_kwargs"),
+    ({"messages": GOOD_MSG, "chat_template_kwargs": {"self": 1}}, "invalid_value", "chat_template_kwargs"),
     ({"messages": GOOD_MSG, "max_completion_tokens": -1}, "invalid_value", "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "word " * 200}]}, "context_length_exceeded", "messages"),
     (rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}', "invalid_json",

@@ -387,8 +387,10 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     if ptc:
         raise unsupported("parallel_tool_calls", ptc, "tool calling is not implemented")
     kwargs = _expect(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    # What the server sets itself, and the names of the tokenizer's (and jinja's) own parameters:
+    # the kwargs are passed on as keyword arguments, and a second 'self' is a TypeError.
     reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt", "tools", "documents", "chat_template",
-                                    "tokenize"})
+                                    "tokenize", "self"})
     if reserved:
         raise invalid(f"'chat_template_kwargs' must not set {reserved}", param="chat_template_kwargs")
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
