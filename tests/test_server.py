@@ -444,6 +444,23 @@ def test_metrics(fake):
         values['dflash_time_to_first_token_seconds_count{model="tiny"}']
 
 
+def test_request_body_limit(tokenizer):
+    """A body over max_request_bytes is refused 413 before it is read whole (bodies are parsed and
+    tokenized on the event loop: one huge prompt stalled every stream and the scheduler), whether its
+    length is declared or it comes in chunks; the server keeps serving."""
+    engine = FakeEngine(MODEL_VOCAB, token_range=(0, TOKENIZER_VOCAB))
+    app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH, max_request_bytes=1000)
+    big = json.dumps({"prompt": "word " * 400, "max_tokens": 2}).encode()
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            assert_error(client.post(path, content=big), 413, "request_too_large", None, "1000 bytes")
+            chunks = (big[i: i + 100] for i in range(0, len(big), 100))  # no Content-Length: chunked
+            assert_error(client.post(path, content=chunks), 413, "request_too_large", None)
+        r = client.post("/v1/completions", json={"prompt": "word " * 10, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert metric_values(client)['dflash_http_requests_total{model="tiny",endpoint="/v1/completions",status="413"}'] == 2
+
+
 def test_api_key(tokenizer):
     engine = FakeEngine(MODEL_VOCAB, token_range=(0, TOKENIZER_VOCAB))
     app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH, api_key="s3cret")

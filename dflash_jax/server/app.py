@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -36,6 +36,10 @@ from dflash_jax.server.scheduler import QueueFull, Scheduler, SchedulerClosed, a
 from dflash_jax.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError
 
 log = logging.getLogger("dflash_jax.server")
+
+# Request bodies up to 2 MiB by default (TGI's payload limit is 2 MB): a prompt of 32k tokens is
+# ~150 kB of text.
+MAX_REQUEST_BYTES = 2 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -50,6 +54,7 @@ class ServerContext:
     max_length: int  # prompt + generated tokens
     vocab_size: int
     default_max_tokens: int
+    max_request_bytes: int
     api_key: str | None
     stop_token_ids: tuple[int, ...]
     info: dict[str, Any]
@@ -63,6 +68,7 @@ def create_app(
     max_length: int = 2048,
     vocab_size: int | None = None,
     default_max_tokens: int = 256,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
     api_key: str | None = None,
     max_waiting: int = 1024,
     batch_wait_s: float = 0.0,
@@ -86,6 +92,7 @@ def create_app(
         max_length=max_length,
         vocab_size=vocab_size if vocab_size is not None else tokenizer.vocab_size,
         default_max_tokens=default_max_tokens,
+        max_request_bytes=max_request_bytes,
         api_key=api_key or None,
         stop_token_ids=tuple(tokenizer.stop_token_ids if stop_token_ids is None else stop_token_ids),
         info=dict(info or {}),
@@ -167,8 +174,33 @@ def _check_auth(ctx: ServerContext, request: Request) -> None:
         )
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    return P.parse_json_body(await request.body())
+async def _body(ctx: ServerContext, request: Request) -> dict[str, Any]:
+    """The request's JSON object; a body over ``max_request_bytes`` is refused before it is read whole.
+
+    Bodies are parsed and tokenized on the event loop, holding the GIL (tokenizers' encode does), so
+    without a limit one huge prompt stalled every stream and the scheduler's host loop (a 20 MB
+    prompt: 30 s on a 2-core machine), and a body of any size was held in memory.
+    """
+    limit = ctx.max_request_bytes
+    too_large = P.APIError(f"the request body is larger than the server's limit of {limit} bytes", status=413,
+                           code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:
+        raise _client_gone() from None
+    return P.parse_json_body(bytes(body))
+
+
+def _client_gone() -> P.APIError:
+    # Nobody reads this answer; its status (nginx's "client closed request") is for the metrics.
+    return P.APIError("the client disconnected before the response", status=499, code="client_disconnected")
 
 
 def _check_model(ctx: ServerContext, model: str | None) -> None:
@@ -282,8 +314,7 @@ async def _collect(job: _Job, request: Request) -> list[Any]:
         results.cancel()
         job.cancel()
     if not results.done() or results.cancelled():
-        # Nobody reads this answer; its status (nginx's "client closed request") is for the metrics.
-        raise P.APIError("the client disconnected before the response", status=499, code="client_disconnected")
+        raise _client_gone()
     return results.result()
 
 
@@ -303,7 +334,7 @@ def _stats(index: int, res: Any) -> dict[str, Any]:
 
 
 async def _completions(ctx: ServerContext, request: Request) -> Response:
-    req = P.parse_completion_request(await _body(request))
+    req = P.parse_completion_request(await _body(ctx, request))
     params = req.params
     _check_model(ctx, params.model)
     prompts: list[list[int]] = []
@@ -336,7 +367,7 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
 
 
 async def _chat(ctx: ServerContext, request: Request) -> Response:
-    req = P.parse_chat_request(await _body(request))
+    req = P.parse_chat_request(await _body(ctx, request))
     params = req.params
     _check_model(ctx, params.model)
     try:
