@@ -757,3 +757,20 @@ def test_real_engine_bad_input_then_good(real):
                                              "return_token_ids": True})
     assert r.json()["choices"][0]["token_ids"] == alone["ids"].output_ids
     assert "dflash_draft_steps_total" in client.get("/metrics").text
+
+
+def test_real_engine_prompt_over_the_largest_bucket_is_400(real):
+    """A prompt that fits the maximum length but not the engine's largest prompt bucket (32 here) is
+    refused up front, naming the limit: it reached the prefill, which raised (a 500, and a prefill
+    fails every request admitted with it)."""
+    tok, prompts, alone, client, srv, app = real
+    long_prompt = list(range(10, 50))  # 40 tokens: < MAX_LENGTH (64), > the bucket (32)
+    failed = app.state.ctx.metrics.requests_failed
+    assert_error(client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 4}), 400,
+                 "context_length_exceeded", "prompt", "32")
+    assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 30}],
+                                                          "max_tokens": 4}), 400, "context_length_exceeded", "messages")
+    assert app.state.ctx.metrics.requests_failed == failed  # nothing reached the engine
+    r = client.post("/v1/completions", json={"prompt": prompts["ids"], "max_tokens": MAX_TOKENS,
+                                             "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == alone["ids"].output_ids
