@@ -313,6 +313,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "max_tokens": 2.5}, "invalid_type", "max_tokens"),
     ({"prompt": "hi", "stream": "yes"}, "invalid_type", "stream"),
     ({"prompt": "hi", "stream_options": {"foo": True}}, "unknown_field", "stream_options"),
+    ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "invalid_type", "stream_options"),
     ({"prompt": "hi", "temperature": 0.7}, "unsupported_parameter", "temperature"),
     ({"prompt": "hi", "temperature": -1}, "invalid_value", "temperature"),
     ({"prompt": "hi", "top_p": 0.9}, "unsupported_parameter", "top_p"),

@@ -220,9 +220,12 @@ def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
         bad = sorted(set(opts) - {"include_usage"})
         if bad:
             raise invalid(f"unknown field(s) {bad} in 'stream_options'", param="stream_options", code="unknown_field")
-        include_usage = _bool(opts, "include_usage")
-        if not isinstance(include_usage, bool):  # pragma: no cover - _bool checks
-            raise invalid("'stream_options.include_usage' must be a boolean", param="stream_options")
+        include_usage = opts.get("include_usage")
+        if include_usage is None:
+            include_usage = False
+        elif not isinstance(include_usage, bool):  # named as a field of stream_options, the request's param
+            raise invalid(f"'stream_options.include_usage' must be a boolean, got {_type_name(include_usage)}",
+                          param="stream_options", code="invalid_type")
 
     # Sampling: greedy only. Values that mean greedy are accepted.
     temperature = _expect(body, "temperature", _is_number, "a number")
