@@ -387,6 +387,7 @@ def run_serve(cfg) -> None:
         api_key=api_key,
         metrics_api_key=s.metrics_api_key,
         max_waiting=s.max_waiting_requests,
+        max_request_bytes=s.max_request_bytes,
         batch_wait_s=s.batch_wait_ms / 1000.0,
         stop_token_ids=stop_ids(cfg, tokenizer, target),
         # the drafter directory's name: a model card should not tell clients the server's file system

@@ -25,8 +25,8 @@ reused.
 
 The engine is anything with ``Engine``'s slot interface: ``config`` (``max_batch_size``,
 ``max_length``, ``steps_per_sync``), ``block_size``, ``vocab_size``, ``speculative``,
-``max_stop_ids``, ``state_rows``, ``empty_state``, ``prefill``, ``admit``, ``resize``, ``release``
-and ``decode`` (``dflash_jax.server.testing.FakeEngine`` is a host-only one).
+``max_stop_ids``, ``max_prompt_length``, ``state_rows``, ``empty_state``, ``prefill``, ``admit``,
+``resize``, ``release`` and ``decode`` (``dflash_jax.server.testing.FakeEngine`` is a host-only one).
 """
 
 from __future__ import annotations
@@ -165,8 +165,9 @@ class ContinuousBatcher:
         vocab = self.engine.vocab_size
         if not prompt:
             raise ValueError(f"{name} is empty")
-        if len(prompt) >= config.max_length:
-            raise ValueError(f"{name} has {len(prompt)} tokens; the engine's max_length is {config.max_length}")
+        if len(prompt) > self.engine.max_prompt_length:
+            raise ValueError(f"{name} has {len(prompt)} tokens; the engine takes prompts of up to "
+                             f"{self.engine.max_prompt_length} (its max_length is {config.max_length})")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens for {name} must be >= 1, got {max_new_tokens}")
         if min(prompt) < 0 or max(prompt) >= vocab:

@@ -250,6 +250,9 @@ class Engine:
         self.speculative = drafter is not None
         # Stop ids per row: a fixed size, so that no request's stop ids recompile anything.
         self.max_stop_ids = 16
+        # The longest prompt: room for the first generated token, and the largest prompt bucket (a
+        # longer prompt would fail its prefill, and with it every prompt prefilled beside it).
+        self.max_prompt_length = min(config.max_length - 1, max(config.prompt_buckets or (config.max_length,)))
         # The XLA attention computes over every cache position it is given, so decode calls read a
         # bucketed prefix of the caches that covers the live rows; the Pallas kernels skip positions
         # past each row's length themselves and always get the whole cache (one compiled variant).

@@ -294,6 +294,13 @@ BAD_COMPLETIONS = [
     (b"{bad json", "invalid_json", None),
     (b"[1, 2]", "invalid_json", None),
     (b"", "invalid_json", None),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "invalid_json", None),  # deeper than Python recurses
+    (rb'{"prompt": "a\ud800b"}', "invalid_json", "prompt"),  # a lone surrogate: valid JSON, no character
+    (rb'{"prompt": ["hi", "\udc00"]}', "invalid_json", "prompt"),
+    (rb'{"prompt": "hi", "\udc00": 1}', "invalid_json", "\ufffd"),
+    (b'{"prompt": "\xed\xa0\x80"}', "invalid_json", None),  # an encoded surrogate is no UTF-8
+    ('{"prompt": "hi"}'.encode("utf-16"), "invalid_json", None),  # JSON over HTTP is UTF-8
+    (b"null", "invalid_json", None),
     ({"prompt": "hi", "foo": 1}, "unknown_field", "foo"),
     ({}, "missing_field", "prompt"),
     ({"prompt": 5}, "invalid_type", "prompt"),
@@ -306,6 +313,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "max_tokens": 2.5}, "invalid_type", "max_tokens"),
     ({"prompt": "hi", "stream": "yes"}, "invalid_type", "stream"),
     ({"prompt": "hi", "stream_options": {"foo": True}}, "unknown_field", "stream_options"),
+    ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "invalid_type", "stream_options"),
     ({"prompt": "hi", "temperature": 0.7}, "unsupported_parameter", "temperature"),
     ({"prompt": "hi", "temperature": -1}, "invalid_value", "temperature"),
     ({"prompt": "hi", "top_p": 0.9}, "unsupported_parameter", "top_p"),
@@ -353,8 +361,11 @@ BAD_CHATS = [
     ({"messages": GOOD_MSG, "response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
     ({"messages": GOOD_MSG, "chat_template_kwargs": "x"}, "invalid_type", "chat_template_kwargs"),
     ({"messages": GOOD_MSG, "chat_template_kwargs": {"messages": []}}, "invalid_value", "chat_template_kwargs"),
+    ({"messages": GOOD_MSG, "chat_template_kwargs": {"self": 1}}, "invalid_value", "chat_template_kwargs"),
     ({"messages": GOOD_MSG, "max_completion_tokens": -1}, "invalid_value", "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "word " * 200}]}, "context_length_exceeded", "messages"),
+    (rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}', "invalid_json",
+     "messages"),
 ]
 
 
@@ -388,6 +399,9 @@ def test_bad_input_is_400_and_the_server_keeps_serving(fake, tokenizer):
     r = client.post("/v1/completions", json={"prompt": [10, 11, 12], "max_tokens": 5, "return_token_ids": True})
     assert r.status_code == 200
     assert r.json()["choices"][0]["token_ids"] == expected(engine, tokenizer, [10, 11, 12], 5)[0]
+    # Surrogate pairs (an emoji, as ASCII-only JSON writers send it) are one character, not an error.
+    r = _post(client, "/v1/completions", rb'{"prompt": "\ud83d\ude42 hi", "max_tokens": 2, "return_token_ids": true}')
+    assert r.status_code == 200 and r.json()["choices"][0]["prompt_token_ids"] == tokenizer.encode("\U0001f642 hi")
     metrics = client.get("/metrics").text
     assert 'dflash_http_requests_total{model="tiny",endpoint="/v1/completions",status="400"}' in metrics
 
@@ -429,6 +443,23 @@ def test_metrics(fake):
     # The fake engine's requests take milliseconds: every time to first token is under 5 s.
     assert values['dflash_time_to_first_token_seconds_bucket{model="tiny",le="5.0"}'] == \
         values['dflash_time_to_first_token_seconds_count{model="tiny"}']
+
+
+def test_request_body_limit(tokenizer):
+    """A body over max_request_bytes is refused 413 before it is read whole (bodies are parsed and
+    tokenized on the event loop: one huge prompt stalled every stream and the scheduler), whether its
+    length is declared or it comes in chunks; the server keeps serving."""
+    engine = FakeEngine(MODEL_VOCAB, token_range=(0, TOKENIZER_VOCAB))
+    app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH, max_request_bytes=1000)
+    big = json.dumps({"prompt": "word " * 400, "max_tokens": 2}).encode()
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            assert_error(client.post(path, content=big), 413, "request_too_large", None, "1000 bytes")
+            chunks = (big[i: i + 100] for i in range(0, len(big), 100))  # no Content-Length: chunked
+            assert_error(client.post(path, content=chunks), 413, "request_too_large", None)
+        r = client.post("/v1/completions", json={"prompt": "word " * 10, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert metric_values(client)['dflash_http_requests_total{model="tiny",endpoint="/v1/completions",status="413"}'] == 2
 
 
 def test_api_key(tokenizer):
@@ -620,6 +651,27 @@ def test_disconnected_stream_frees_its_row(tokenizer):
         assert metrics['dflash_requests_running{model="tiny"}'] == 0
 
 
+def test_disconnected_plain_request_frees_its_row(tokenizer):
+    """A client that goes away before its (non-streamed) answer cancels the request too: its row is
+    released instead of generating for nobody while the next request waits."""
+    engine = FakeEngine(MODEL_VOCAB, max_batch_size=1, max_length=MAX_LENGTH, block_size=1, steps_per_sync=1,
+                        step_time_s=0.05, draft=False, token_range=(0, TOKENIZER_VOCAB))
+    app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        body = {"prompt": [10, 11], "max_tokens": 60, "ignore_eos": True}  # 60 steps of 50 ms if left to run
+        with pytest.raises(httpx.ReadTimeout):  # httpx closes the connection: the client is gone
+            httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+        t0 = time.monotonic()
+        r = client.post("/v1/completions", json={"prompt": [20, 21], "max_tokens": 3, "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == engine.reference([20, 21], 3)
+        assert time.monotonic() - t0 < 2.0
+        assert engine.released == [0]
+        metrics = metric_values(client)
+        assert metrics['dflash_requests_cancelled_total{model="tiny"}'] == 1
+        assert metrics['dflash_requests_finished_total{model="tiny",finish_reason="length"}'] == 1
+        assert metrics['dflash_http_requests_total{model="tiny",endpoint="/v1/completions",status="499"}'] == 1
+
+
 # ----------------------------------------------------------------------------------------- real engine
 
 
@@ -713,3 +765,20 @@ def test_real_engine_bad_input_then_good(real):
                                              "return_token_ids": True})
     assert r.json()["choices"][0]["token_ids"] == alone["ids"].output_ids
     assert "dflash_draft_steps_total" in client.get("/metrics").text
+
+
+def test_real_engine_prompt_over_the_largest_bucket_is_400(real):
+    """A prompt that fits the maximum length but not the engine's largest prompt bucket (32 here) is
+    refused up front, naming the limit: it reached the prefill, which raised (a 500, and a prefill
+    fails every request admitted with it)."""
+    tok, prompts, alone, client, srv, app = real
+    long_prompt = list(range(10, 50))  # 40 tokens: < MAX_LENGTH (64), > the bucket (32)
+    failed = app.state.ctx.metrics.requests_failed
+    assert_error(client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 4}), 400,
+                 "context_length_exceeded", "prompt", "32")
+    assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 30}],
+                                                          "max_tokens": 4}), 400, "context_length_exceeded", "messages")
+    assert app.state.ctx.metrics.requests_failed == failed  # nothing reached the engine
+    r = client.post("/v1/completions", json={"prompt": prompts["ids"], "max_tokens": MAX_TOKENS,
+                                             "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == alone["ids"].output_ids

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -36,6 +36,10 @@ from dflash_jax.server.scheduler import QueueFull, Scheduler, SchedulerClosed, a
 from dflash_jax.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError
 
 log = logging.getLogger("dflash_jax.server")
+
+# Request bodies up to 2 MiB by default (TGI's payload limit is 2 MB): a prompt of 32k tokens is
+# ~150 kB of text.
+MAX_REQUEST_BYTES = 2 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -50,6 +54,7 @@ class ServerContext:
     max_length: int  # prompt + generated tokens
     vocab_size: int
     default_max_tokens: int
+    max_request_bytes: int
     api_key: str | None
     stop_token_ids: tuple[int, ...]
     info: dict[str, Any]
@@ -63,6 +68,7 @@ def create_app(
     max_length: int = 2048,
     vocab_size: int | None = None,
     default_max_tokens: int = 256,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
     api_key: str | None = None,
     metrics_api_key: bool = False,
     max_waiting: int = 1024,
@@ -87,6 +93,7 @@ def create_app(
         max_length=max_length,
         vocab_size=vocab_size if vocab_size is not None else tokenizer.vocab_size,
         default_max_tokens=default_max_tokens,
+        max_request_bytes=max_request_bytes,
         api_key=api_key or None,
         stop_token_ids=tuple(tokenizer.stop_token_ids if stop_token_ids is None else stop_token_ids),
         info=dict(info or {}),
@@ -169,8 +176,33 @@ def _check_auth(ctx: ServerContext, request: Request) -> None:
         )
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    return P.parse_json_body(await request.body())
+async def _body(ctx: ServerContext, request: Request) -> dict[str, Any]:
+    """The request's JSON object; a body over ``max_request_bytes`` is refused before it is read whole.
+
+    Bodies are parsed and tokenized on the event loop, holding the GIL (tokenizers' encode does), so
+    without a limit one huge prompt stalled every stream and the scheduler's host loop (a 20 MB
+    prompt: 30 s on a 2-core machine), and a body of any size was held in memory.
+    """
+    limit = ctx.max_request_bytes
+    too_large = P.APIError(f"the request body is larger than the server's limit of {limit} bytes", status=413,
+                           code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:
+        raise _client_gone() from None
+    return P.parse_json_body(bytes(body))
+
+
+def _client_gone() -> P.APIError:
+    # Nobody reads this answer; its status (nginx's "client closed request") is for the metrics.
+    return P.APIError("the client disconnected before the response", status=499, code="client_disconnected")
 
 
 def _check_model(ctx: ServerContext, model: str | None) -> None:
@@ -191,6 +223,10 @@ def _check_prompt(ctx: ServerContext, ids: list[int], max_tokens: int | None, wh
         raise P.invalid(
             f"{where} has {n} tokens, but the maximum length is {ctx.max_length} tokens (prompt plus output), "
             "which leaves no room to generate", param=param, code="context_length_exceeded")
+    longest = ctx.scheduler.engine.max_prompt_length  # the engine's largest prompt bucket can be shorter
+    if n > longest:
+        raise P.invalid(f"{where} has {n} tokens, but this server takes prompts of at most {longest} tokens",
+                        param=param, code="context_length_exceeded")
     if max_tokens is None:
         return min(ctx.default_max_tokens, ctx.max_length - n)
     if n + max_tokens > ctx.max_length:
@@ -251,20 +287,41 @@ def _engine_error(err: Exception) -> P.APIError:
                       code="engine_error")
 
 
-async def _collect(job: _Job) -> list[Any]:
+async def _results(job: _Job) -> list[Any]:
     results: list[Any] = [None] * len(job.requests)
     pending = len(job.requests)
-    try:
-        while pending:
-            tag, kind, payload = await job.queue.get()
-            if kind == "done":
-                results[tag] = payload
-                pending -= 1
-            elif kind == "error":
-                raise _engine_error(payload)
-    finally:
-        job.cancel()
+    while pending:
+        tag, kind, payload = await job.queue.get()
+        if kind == "done":
+            results[tag] = payload
+            pending -= 1
+        elif kind == "error":
+            raise _engine_error(payload)
     return results
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away. The body has been read, so the next ASGI message is the
+    disconnect (uvicorn sends it when the connection closes, or once the response is sent)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(job: _Job, request: Request) -> list[Any]:
+    """The job's results. A client that goes away cancels the job, as a stream's does (Starlette
+    watches for the disconnect only while it streams): its rows are released at the next host sync
+    instead of generating for nobody."""
+    results = asyncio.ensure_future(_results(job))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((results, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        results.cancel()
+        job.cancel()
+    if not results.done() or results.cancelled():
+        raise _client_gone()
+    return results.result()
 
 
 def _stats(index: int, res: Any) -> dict[str, Any]:
@@ -283,7 +340,7 @@ def _stats(index: int, res: Any) -> dict[str, Any]:
 
 
 async def _completions(ctx: ServerContext, request: Request) -> Response:
-    req = P.parse_completion_request(await _body(request))
+    req = P.parse_completion_request(await _body(ctx, request))
     params = req.params
     _check_model(ctx, params.model)
     prompts: list[list[int]] = []
@@ -298,7 +355,7 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
     rid, created = P.new_id("cmpl"), P.now()
     if params.stream:
         return _stream(ctx, job, params, rid, created, chat=False)
-    results = await _collect(job)
+    results = await _collect(job, request)
     choices = []
     for i, res in enumerate(results):
         choice = {"index": i, "text": ctx.tokenizer.decode(res.output_ids), "logprobs": None,
@@ -316,7 +373,7 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
 
 
 async def _chat(ctx: ServerContext, request: Request) -> Response:
-    req = P.parse_chat_request(await _body(request))
+    req = P.parse_chat_request(await _body(ctx, request))
     params = req.params
     _check_model(ctx, params.model)
     try:
@@ -335,7 +392,7 @@ async def _chat(ctx: ServerContext, request: Request) -> Response:
     rid, created = P.new_id("chatcmpl"), P.now()
     if params.stream:
         return _stream(ctx, job, params, rid, created, chat=True)
-    (res,) = await _collect(job)
+    (res,) = await _collect(job, request)
     choice = {"index": 0, "message": {"role": "assistant", "content": ctx.tokenizer.decode(res.output_ids)},
               "logprobs": None, "finish_reason": res.finish_reason}
     if params.return_token_ids:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 import uuid
 from typing import Any
@@ -64,12 +65,44 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise invalid("the request body is empty; expected a JSON object", code="invalid_json")
     try:
-        data = json.loads(raw)
+        # JSON over HTTP is UTF-8 (json.loads would take bytes in UTF-16 or 32, and encoded surrogates)
+        text = raw.decode("utf-8-sig")
+        data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise invalid(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:  # json's parser recurses per level of nesting
+        raise invalid("the request body nests arrays or objects too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise invalid(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+        raise invalid(f"the request body must be a JSON object, got {_type_name(data)}", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(text):  # rare: only then look for a lone one
+        for key, value in data.items():
+            if _has_lone_surrogate(key) or _has_lone_surrogate(value):
+                name = _SURROGATE.sub("\ufffd", key)
+                raise invalid(f"'{name}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
+                              "which is not a character", param=name, code="invalid_json")
     return data
+
+
+# JSON's \uXXXX escapes of UTF-16 surrogates: a pair parses to one character, a lone one to a lone
+# surrogate, which is no character (neither the tokenizer nor a UTF-8 response can take it).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a string in ``value`` (object keys included) holds a lone surrogate."""
+    stack = [value]
+    while stack:  # no recursion: the parsed body may nest as deeply as json took
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 # ----------------------------------------------------------------------------------------- type checks
@@ -187,9 +220,12 @@ def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
         bad = sorted(set(opts) - {"include_usage"})
         if bad:
             raise invalid(f"unknown field(s) {bad} in 'stream_options'", param="stream_options", code="unknown_field")
-        include_usage = _bool(opts, "include_usage")
-        if not isinstance(include_usage, bool):  # pragma: no cover - _bool checks
-            raise invalid("'stream_options.include_usage' must be a boolean", param="stream_options")
+        include_usage = opts.get("include_usage")
+        if include_usage is None:
+            include_usage = False
+        elif not isinstance(include_usage, bool):  # named as a field of stream_options, the request's param
+            raise invalid(f"'stream_options.include_usage' must be a boolean, got {_type_name(include_usage)}",
+                          param="stream_options", code="invalid_type")
 
     # Sampling: greedy only. Values that mean greedy are accepted.
     temperature = _expect(body, "temperature", _is_number, "a number")
@@ -354,8 +390,10 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     if ptc:
         raise unsupported("parallel_tool_calls", ptc, "tool calling is not implemented")
     kwargs = _expect(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    # What the server sets itself, and the names of the tokenizer's (and jinja's) own parameters:
+    # the kwargs are passed on as keyword arguments, and a second 'self' is a TypeError.
     reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt", "tools", "documents", "chat_template",
-                                    "tokenize"})
+                                    "tokenize", "self"})
     if reserved:
         raise invalid(f"'chat_template_kwargs' must not set {reserved}", param="chat_template_kwargs")
     add_generation_prompt = _bool(body, "add_generation_prompt", True)

@@ -43,6 +43,7 @@ class ServerSettings:
     metrics_api_key: bool = False    # require the key on /metrics too (Prometheus then needs authorization)
     default_max_tokens: int = 256    # for requests without max_tokens (capped by the maximum length)
     max_waiting_requests: int = 1024  # beyond this, requests are answered 503
+    max_request_bytes: int = 2 * 1024 * 1024  # larger request bodies are answered 413
     batch_wait_ms: float = 0.0       # idle engine: the first requests wait this long to share a prefill
     graceful_shutdown_timeout_s: float | None = None  # None: wait for every request in flight
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
@@ -55,6 +56,8 @@ class ServerSettings:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
 
