@@ -217,6 +217,8 @@ def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
         rows = list(iter_jsonl(path))
     except (FileNotFoundError, ValueError) as err:
         raise CLIError(str(err)) from None
+    except OSError as err:  # a directory, no permission
+        raise CLIError(f"{path}: cannot read: {err.strerror or err}") from None
     if not rows:
         raise CLIError(f"{path}: no prompts")
     return rows

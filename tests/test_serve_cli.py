@@ -143,6 +143,33 @@ def test_bad_line_names_file_and_line(models, tmp_path, capsys, bad, message):
     assert not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b'{"prompt": "\xff"}\n', "not UTF-8 text: byte 0xff at column 13"),
+        # Lone surrogates: an extra field would fail the output's write at the end; a prompt, its encoding.
+        (b'{"prompt": "a", "id": "\\ud800"}\n', "a string has a lone surrogate"),
+        (b'{"prompt": "\\udc00 a"}\n', "a string has a lone surrogate"),
+    ],
+)
+def test_undecodable_line_names_file_and_line(tmp_path, capsys, raw, message):
+    """Checked while reading the input, before any model loads (so no models are needed here)."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'\xef\xbb\xbf{"prompt": "\\ud83d\\ude00 fine"}\n\n' + raw)  # a BOM and a surrogate pair are fine
+    rc = serve.main(["generate", "--target", str(tmp_path), "--no-draft", "--input", str(src),
+                     "--output", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{src}:3: {message}" in err, err
+    assert serve.main(["generate", "--target", str(tmp_path), "--no-draft", "--input", str(tmp_path),
+                       "--output", str(tmp_path / "out.jsonl")]) == 2
+    assert f"{tmp_path}: cannot read: Is a directory" in capsys.readouterr().err
+
+    from dflash_jax.jsonl import iter_jsonl
+
+    src.write_bytes(b'\xef\xbb\xbf{"prompt": "\\ud83d\\ude00"}\r\n')
+    assert list(iter_jsonl(src)) == [(1, {"prompt": "\U0001f600"})]
+
+
 def test_token_ids_outside_vocabulary(models, tmp_path, capsys):
     target_dir, drafter_dir = models
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [1, 2]}, {"prompt_ids": [MODEL_VOCAB]}])
