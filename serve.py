@@ -224,6 +224,22 @@ def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
     return rows
 
 
+def check_output(input_path: Path, output_path: Path) -> None:
+    """Fails now, not after the whole run, where the results could not be written: the output's folder
+    is created; an output that is a folder or the input itself (which it would replace) is an error."""
+    where = f"generate.output (--output) {output_path}"
+    if output_path.is_dir():
+        raise CLIError(f"{where}: is a directory")
+    if output_path.exists() and output_path.samefile(input_path):
+        raise CLIError(f"{where}: is the input file, which the results would replace")
+    try:
+        output_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CLIError(f"{where}: cannot create its directory: {err}") from None
+    if not os.access(output_path.parent, os.W_OK):
+        raise CLIError(f"{where}: its directory {output_path.parent} is not writable")
+
+
 def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int], int]:
     """(prompt token ids, max_new_tokens) of one input line."""
     from dflash_jax.tokenizer import ChatTemplateError, TokenizerError
@@ -283,6 +299,7 @@ def run_generate(cfg) -> dict[str, Any]:
                            "(prompt plus output): raise --max-length")
         prompts.append(ids)
         max_new.append(min(m, max_length - len(ids)))
+    check_output(input_path, output_path)
 
     engine, target = load_engine(cfg)
     vocab = target.config.vocab_size
@@ -318,7 +335,6 @@ def run_generate(cfg) -> dict[str, Any]:
     compiling = compile_seconds() - compiling
 
     tmp = output_path.with_name(output_path.name + ".tmp")
-    output_path.parent.mkdir(parents=True, exist_ok=True)
     with tmp.open("w", encoding="utf-8") as f:
         for (_, row), ids, res in zip(rows, prompts, results):
             out = dict(row)

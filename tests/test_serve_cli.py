@@ -170,6 +170,23 @@ def test_undecodable_line_names_file_and_line(tmp_path, capsys, raw, message):
     assert list(iter_jsonl(src)) == [(1, {"prompt": "\U0001f600"})]
 
 
+def test_unwritable_output_is_refused_before_loading(tmp_path, capsys):
+    """The output is written when every prompt is done: where it cannot be, the run stops at the start.
+    (``--target`` holds no model: the checks come before any model loads.)"""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [1, 2]}])
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for output, message in ((a_file / "out.jsonl", "cannot create its directory"),
+                            (tmp_path, "is a directory"),
+                            (src, "is the input file, which the results would replace")):
+        rc = serve.main(["generate", "--target", str(tmp_path), "--no-draft", "--input", str(src),
+                         "--output", str(output)])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"generate.output (--output) {output}: {message}" in err, err
+        assert "cannot load the models" not in err
+    assert json.loads(src.read_text()) == {"prompt_ids": [1, 2]}
+
+
 def test_token_ids_outside_vocabulary(models, tmp_path, capsys):
     target_dir, drafter_dir = models
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [1, 2]}, {"prompt_ids": [MODEL_VOCAB]}])
