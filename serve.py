@@ -297,6 +297,8 @@ def run_generate(cfg) -> dict[str, Any]:
         if len(ids) >= max_length:
             raise CLIError(f"{where}: the prompt has {len(ids)} tokens; the maximum length is {max_length} "
                            "(prompt plus output): raise --max-length")
+        if (too_long := cfg.engine.prompt_bucket_error(len(ids))) is not None:
+            raise CLIError(f"{where}: the prompt has {len(ids)} tokens, {too_long} (engine.prompt_buckets)")
         prompts.append(ids)
         max_new.append(min(m, max_length - len(ids)))
     check_output(input_path, output_path)

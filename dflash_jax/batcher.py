@@ -167,6 +167,8 @@ class ContinuousBatcher:
             raise ValueError(f"{name} is empty")
         if len(prompt) >= config.max_length:
             raise ValueError(f"{name} has {len(prompt)} tokens; the engine's max_length is {config.max_length}")
+        if (too_long := config.prompt_bucket_error(len(prompt))) is not None:
+            raise ValueError(f"{name} has {len(prompt)} tokens, {too_long}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens for {name} must be >= 1, got {max_new_tokens}")
         if min(prompt) < 0 or max(prompt) >= vocab:

@@ -94,6 +94,13 @@ class EngineConfig:
         if self.prompt_buckets is not None and (not self.prompt_buckets or min(self.prompt_buckets) < 1):
             raise ValueError(f"prompt_buckets must be positive lengths, got {self.prompt_buckets}")
 
+    def prompt_bucket_error(self, n: int) -> str | None:
+        """Why a prompt of ``n`` tokens fits none of ``prompt_buckets`` (None if one fits). Checked when a
+        prompt is submitted: its prefill would fail, and with it every prompt prefilled in its batch."""
+        if self.prompt_buckets is not None and n > max(self.prompt_buckets):
+            return f"more than the largest prompt bucket, {max(self.prompt_buckets)}"
+        return None
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

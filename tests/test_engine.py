@@ -178,6 +178,18 @@ def test_bad_requests_are_clear_errors(engines):
         spec.generate([[1, 500]], 4)
 
 
+def test_prompt_beyond_the_largest_bucket_is_refused_at_submission(models):
+    """Refused when submitted (no compile here): in the prefill it failed every prompt prefilled with it,
+    and ``Engine.generate`` raised only after every other prompt had run."""
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(max_batch_size=2, max_length=80, prompt_buckets=(8, 16)))
+    batcher = ContinuousBatcher(engine)
+    batcher.submit([1] * 16, 4)
+    with pytest.raises(ValueError, match="the prompt has 17 tokens, more than the largest prompt bucket, 16"):
+        batcher.submit([1] * 17, 4)
+    assert batcher.waiting == 1
+
+
 @pytest.mark.parametrize("mesh,decode_loop", [(dict(data=1, tensor=8), "auto"), (dict(data=2, tensor=4), "auto"),
                                               (dict(data=2, tensor=4), "fixed")])
 def test_sharded_engine_equals_single_device(mesh, decode_loop, pair, prompts, engines):

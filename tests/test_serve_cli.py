@@ -130,6 +130,8 @@ def test_generate_end_to_end(models, tmp_path):
         ({"messages": "hi"}, "'messages' must be a non-empty list"),
         ({"prompt": "hi", "max_new_tokens": 0}, "'max_new_tokens' must be a positive integer"),
         ({"prompt": "word " * 100}, "the maximum length is 64"),
+        ({"prompt_ids": [1] * 33}, "the prompt has 33 tokens, more than the largest prompt bucket, 32 "
+                                   "(engine.prompt_buckets)"),  # it failed the run after the other prompts
     ],
 )
 def test_bad_line_names_file_and_line(models, tmp_path, capsys, bad, message):
