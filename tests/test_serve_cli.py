@@ -257,6 +257,23 @@ def test_settings_file_set_and_flags(tmp_path, capsys):
     assert "compilation_cache_dir must be a directory or null" in capsys.readouterr().err
 
 
+def test_unreadable_settings_and_bad_overrides_are_errors(tmp_path, capsys):
+    """A settings file that cannot be read or decoded and an override that is not YAML: usage errors
+    naming the file or the override, not tracebacks."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_bytes(b"model: {name: \xff}\n")
+    for argv, message in ((["--config", str(cfg)], f"{cfg}: invalid YAML: unacceptable character"),
+                          (["--config", str(tmp_path)], f"{tmp_path}: cannot read: Is a directory"),
+                          (["--set", "engine.prompt_buckets=[16, 32"],
+                           "override 'engine.prompt_buckets=[16, 32': invalid YAML value")):
+        assert serve.main([*argv, "--target", "/t", "--no-draft"]) == 2
+        err = capsys.readouterr().err
+        assert f"serve.py: error: {message}" in err, err
+    cfg.write_bytes(b"\xef\xbb\xbfmodel: {name: served}\n")  # a BOM is fine
+    settings = serve.load_settings(serve.parse_args(["--config", str(cfg), "--target", str(tmp_path), "--no-draft"]))
+    assert settings.model.name == "served"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
