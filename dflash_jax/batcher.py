@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -41,6 +42,15 @@ import numpy as np
 
 if TYPE_CHECKING:
     from dflash_jax.engine import Engine, RowSnapshot
+
+
+def _integers(values: Any, what: str) -> list[int]:
+    """``values`` as Python ints, refusing what is not an integer (numpy's are): ``int()`` truncated
+    token ids like 1.5 to 1 and read strings ("7", and "hello" failed as a bad literal)."""
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise ValueError(f"{what} must be integers (token ids), got {values!r:.100}") from None
 
 
 def _start_transfer(tree: Any) -> None:
@@ -160,8 +170,10 @@ class ContinuousBatcher:
         ``name`` names the prompt in errors.
         """
         config = self.engine.config
-        prompt = [int(t) for t in prompt_ids]
-        stops = tuple(sorted({int(t) for t in stop_token_ids or ()}))
+        prompt = _integers(prompt_ids, name)
+        stops = tuple(sorted(set(_integers(() if stop_token_ids is None else stop_token_ids, "stop_token_ids"))))
+        if not isinstance(max_new_tokens, (int, np.integer)):  # int() truncated 4.5
+            raise ValueError(f"max_new_tokens for {name} must be an integer, got {max_new_tokens!r}")
         vocab = self.engine.vocab_size
         if not prompt:
             raise ValueError(f"{name} is empty")

@@ -538,7 +538,7 @@ class Engine:
         prompt ``index`` since the previous call (streaming); ``on_done(index, result)`` when prompt
         ``index`` finishes.
         """
-        if isinstance(max_new_tokens, int):
+        if np.ndim(max_new_tokens) == 0:  # one value for every prompt (numpy's integers too; submit checks it)
             max_new = [max_new_tokens] * len(prompts)
         else:
             max_new = list(max_new_tokens)
@@ -582,11 +582,19 @@ def generate(target: Target, drafter: Drafter | None, prompts, max_new_tokens, s
     Builds, and so compiles, a new ``Engine`` on every call: for more than one call, build an
     ``Engine`` once and call its ``generate`` (six prompts of the embedded pair on the CPU: 60 s as
     twelve one-prompt calls of this function, 9 s as one batch through two engines)."""
+    prompts = list(prompts)  # a generator or an array too
     if not prompts:
         return []
-    lengths = [len(p) for p in prompts]
-    most_new = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
-    config.setdefault("max_length", max(lengths) + most_new)
+    try:
+        lengths = [len(p) for p in prompts]
+    except TypeError:
+        raise TypeError("prompts must be a list of token-id lists, one per prompt (e.g. [[1, 2, 3]])") from None
+    news = [max_new_tokens] if np.ndim(max_new_tokens) == 0 else list(max_new_tokens)
+    # Room for at least one new token (and EngineConfig's minimum of 2): from a value below 1 or not an
+    # integer, or an empty prompt, the engine was refused (max_length < 2 or shorter than the prompt)
+    # before Engine.generate could name the bad value and its prompt.
+    most_new = max((n for n in news if isinstance(n, (int, np.integer))), default=1)
+    config.setdefault("max_length", max(2, max(lengths) + max(1, int(most_new))))
     config.setdefault("max_batch_size", max(1, len(prompts)))
     engine = Engine(target, drafter, EngineConfig(block_size=block_size, **config))
     return engine.generate(prompts, max_new_tokens, stop_token_ids)
