@@ -42,6 +42,14 @@ class CLIError(Exception):
 # ----------------------------------------------------------------------------------------- arguments
 
 
+def positive_int(text: str) -> int:
+    """An argparse type for counts that must be at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("model and engine")
@@ -80,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="generate exactly max_new_tokens per prompt")
     gen.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
     demo = sub.add_parser("demo", help="self-check: DFlash vs target-only on the embedded default pair")
-    demo.add_argument("--prompts", type=int, default=8)
-    demo.add_argument("--max-new-tokens", type=int, default=96)
+    # checked here: the demo has no settings file to validate them (--prompts -2 ran all but two prompts)
+    demo.add_argument("--prompts", type=positive_int, default=8)
+    demo.add_argument("--max-new-tokens", type=positive_int, default=96)
     return parser
 
 

@@ -274,6 +274,16 @@ def test_unreadable_settings_and_bad_overrides_are_errors(tmp_path, capsys):
     assert settings.model.name == "served"
 
 
+@pytest.mark.parametrize("argv", [["--prompts", "0"], ["--prompts", "-2"], ["--max-new-tokens", "0"]])
+def test_demo_refuses_counts_below_one(argv, capsys):
+    """Refused by the parser (--prompts 0 was a traceback, -2 ran all but two prompts, --max-new-tokens 0
+    a traceback after loading the pair)."""
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["demo", *argv])
+    assert exit_.value.code == 2
+    assert f"argument {argv[0]}: must be a positive integer, got {int(argv[1])}" in capsys.readouterr().err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
