@@ -12,7 +12,8 @@ Batch mode: each input line is a JSON object with one of ``prompt_ids`` (token i
 encoded with the tokenizer's special tokens) or ``messages`` (the chat template is applied), and an
 optional ``max_new_tokens``; other fields are copied to the output. Each output line adds
 ``output_ids``, ``text``, ``finish_reason``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_steps``,
-``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token``. A JSON summary
+``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token`` (an input field
+of one of these names is an error, not overwritten). A JSON summary
 goes to stderr; its ``compile_seconds`` (the engine compiles for the shapes it meets: the first
 prompts' times to first token include it) is part of ``wall_seconds``.
 """
@@ -33,6 +34,11 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "configs" / "serve.yaml"
 
 log = logging.getLogger("dflash_jax.serve")
+
+
+# The fields run_generate adds to each output line.
+OUTPUT_FIELDS = ("output_ids", "text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_steps",
+                 "acceptance_lengths", "tau", "time_to_first_token", "time_per_output_token")
 
 
 class CLIError(Exception):
@@ -257,6 +263,10 @@ def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int
     if len(given) != 1:
         raise CLIError(f"{where}: needs exactly one of 'prompt_ids', 'prompt' or 'messages'"
                        + (f", got {given}" if given else ""))
+    clash = [k for k in OUTPUT_FIELDS if k in row]
+    if clash:  # the output line would silently replace them
+        raise CLIError(f"{where}: field(s) {clash} are written by the output; rename them (or drop them, if "
+                       "this is an earlier run's output)")
     key = given[0]
     value = row[key]
     if key == "prompt_ids":

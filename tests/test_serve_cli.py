@@ -75,6 +75,7 @@ def test_generate_end_to_end(models, tmp_path):
     rows = read_jsonl(out_draft)
     assert [row["id"] for row in rows] == ["text", "chat", "ids", "long"]  # input order
     assert rows[2]["category"] == "kept"  # other fields are copied
+    assert set(rows[2]) == {"id", "prompt_ids", "category", *serve.OUTPUT_FIELDS}
     want_prompt = [
         tok.encode("Hello, world"),
         tok.apply_chat_template(LINES[1]["messages"]),
@@ -130,6 +131,8 @@ def test_generate_end_to_end(models, tmp_path):
         ({"messages": "hi"}, "'messages' must be a non-empty list"),
         ({"prompt": "hi", "max_new_tokens": 0}, "'max_new_tokens' must be a positive integer"),
         ({"prompt": "word " * 100}, "the maximum length is 64"),
+        ({"prompt": "hi", "text": "a reference answer", "tau": 2},  # were replaced by the output's
+         "field(s) ['text', 'tau'] are written by the output"),
         ({"prompt_ids": [1] * 33}, "the prompt has 33 tokens, more than the largest prompt bucket, 32 "
                                    "(engine.prompt_buckets)"),  # it failed the run after the other prompts
     ],
