@@ -10,7 +10,8 @@ Settings come from ``--config`` (default ``configs/serve.yaml`` beside this file
 
 Batch mode: each input line is a JSON object with one of ``prompt_ids`` (token ids), ``prompt`` (text,
 encoded with the tokenizer's special tokens) or ``messages`` (the chat template is applied), and an
-optional ``max_new_tokens``; other fields are copied to the output. Each output line adds
+optional ``max_new_tokens`` (the prompt plus it must fit ``--max-length``; the default,
+``--max-new-tokens``, is capped to fit); other fields are copied to the output. Each output line adds
 ``output_ids``, ``text``, ``finish_reason``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_steps``,
 ``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token`` (an input field
 of one of these names is an error, not overwritten). A JSON summary
@@ -318,8 +319,13 @@ def run_generate(cfg) -> dict[str, Any]:
                            "(prompt plus output): raise --max-length")
         if (too_long := cfg.engine.prompt_bucket_error(len(ids))) is not None:
             raise CLIError(f"{where}: the prompt has {len(ids)} tokens, {too_long} (engine.prompt_buckets)")
+        room = max_length - len(ids)
+        if "max_new_tokens" in row and m > room:  # as the server's max_tokens; only the default is capped
+            raise CLIError(f"{where}: the prompt has {len(ids)} tokens and 'max_new_tokens' is {m}: {len(ids) + m} "
+                           f"tokens exceed the maximum length {max_length} (prompt plus output): lower it to at "
+                           f"most {room} or raise --max-length")
         prompts.append(ids)
-        max_new.append(min(m, max_length - len(ids)))
+        max_new.append(min(m, room))
     check_output(input_path, output_path)
 
     engine, target = load_engine(cfg)

@@ -131,6 +131,8 @@ def test_generate_end_to_end(models, tmp_path):
         ({"messages": "hi"}, "'messages' must be a non-empty list"),
         ({"prompt": "hi", "max_new_tokens": 0}, "'max_new_tokens' must be a positive integer"),
         ({"prompt": "word " * 100}, "the maximum length is 64"),
+        ({"prompt_ids": [1] * 10, "max_new_tokens": 60}, "the prompt has 10 tokens and 'max_new_tokens' is 60: 70 "
+                                                         "tokens exceed the maximum length 64"),  # was cut to 54
         ({"prompt": "hi", "text": "a reference answer", "tau": 2},  # were replaced by the output's
          "field(s) ['text', 'tau'] are written by the output"),
         ({"prompt_ids": [1] * 33}, "the prompt has 33 tokens, more than the largest prompt bucket, 32 "
