@@ -335,6 +335,9 @@ def run_generate(cfg) -> dict[str, Any]:
         if bad:
             raise CLIError(f"{input_path}:{lineno}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     stops = [] if cfg.generate.ignore_eos else stop_ids(cfg, tokenizer, target)
+    if len(set(stops)) > engine.max_stop_ids:  # else every prompt's submission raises, as a traceback
+        raise CLIError(f"{len(set(stops))} distinct stop ids (model.stop_token_ids, or the tokenizer's); the engine "
+                       f"takes at most {engine.max_stop_ids}")
 
     # Shortest first: prompts admitted together have similar lengths (less prefill padding). Rows
     # are reused as soon as they free; outputs keep the input order.

@@ -194,12 +194,17 @@ def test_unwritable_output_is_refused_before_loading(tmp_path, capsys):
     assert json.loads(src.read_text()) == {"prompt_ids": [1, 2]}
 
 
-def test_token_ids_outside_vocabulary(models, tmp_path, capsys):
+def test_token_ids_outside_vocabulary_and_too_many_stop_ids(models, tmp_path, capsys):
     target_dir, drafter_dir = models
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [1, 2]}, {"prompt_ids": [MODEL_VOCAB]}])
     rc = serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(src),
                      "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
     assert rc == 2 and f"{src}:2: token ids outside the vocabulary" in capsys.readouterr().err
+    write_jsonl(src, [{"prompt_ids": [1, 2]}])
+    rc = serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(src), "--set",
+                     f"model.stop_token_ids={list(range(17))}", "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
+    assert rc == 2 and "17 distinct stop ids (model.stop_token_ids, or the tokenizer's); the engine takes at most 16" \
+        in capsys.readouterr().err  # it was a traceback
 
 
 def test_missing_models_and_files(models, tmp_path, capsys, monkeypatch):
