@@ -10,9 +10,11 @@ Settings come from ``--config`` (default ``configs/serve.yaml`` beside this file
 
 Batch mode: each input line is a JSON object with one of ``prompt_ids`` (token ids), ``prompt`` (text,
 encoded with the tokenizer's special tokens) or ``messages`` (the chat template is applied), and an
-optional ``max_new_tokens``; other fields are copied to the output. Each output line adds
+optional ``max_new_tokens`` (the prompt plus it must fit ``--max-length``; the default,
+``--max-new-tokens``, is capped to fit); other fields are copied to the output. Each output line adds
 ``output_ids``, ``text``, ``finish_reason``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_steps``,
-``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token``. A JSON summary
+``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token`` (an input field
+of one of these names is an error, not overwritten). A JSON summary
 goes to stderr; its ``compile_seconds`` (the engine compiles for the shapes it meets: the first
 prompts' times to first token include it) is part of ``wall_seconds``.
 """
@@ -35,11 +37,24 @@ DEFAULT_CONFIG = HERE / "configs" / "serve.yaml"
 log = logging.getLogger("dflash_jax.serve")
 
 
+# The fields run_generate adds to each output line.
+OUTPUT_FIELDS = ("output_ids", "text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_steps",
+                 "acceptance_lengths", "tau", "time_to_first_token", "time_per_output_token")
+
+
 class CLIError(Exception):
     """A usage or input error: printed as ``serve.py: error: ...`` with exit status 2."""
 
 
 # ----------------------------------------------------------------------------------------- arguments
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for counts that must be at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="generate exactly max_new_tokens per prompt")
     gen.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
     demo = sub.add_parser("demo", help="self-check: DFlash vs target-only on the embedded default pair")
-    demo.add_argument("--prompts", type=int, default=8)
-    demo.add_argument("--max-new-tokens", type=int, default=96)
+    # checked here: the demo has no settings file to validate them (--prompts -2 ran all but two prompts)
+    demo.add_argument("--prompts", type=positive_int, default=8)
+    demo.add_argument("--max-new-tokens", type=positive_int, default=96)
     return parser
 
 
@@ -217,9 +233,27 @@ def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
         rows = list(iter_jsonl(path))
     except (FileNotFoundError, ValueError) as err:
         raise CLIError(str(err)) from None
+    except OSError as err:  # a directory, no permission
+        raise CLIError(f"{path}: cannot read: {err.strerror or err}") from None
     if not rows:
         raise CLIError(f"{path}: no prompts")
     return rows
+
+
+def check_output(input_path: Path, output_path: Path) -> None:
+    """Fails now, not after the whole run, where the results could not be written: the output's folder
+    is created; an output that is a folder or the input itself (which it would replace) is an error."""
+    where = f"generate.output (--output) {output_path}"
+    if output_path.is_dir():
+        raise CLIError(f"{where}: is a directory")
+    if output_path.exists() and output_path.samefile(input_path):
+        raise CLIError(f"{where}: is the input file, which the results would replace")
+    try:
+        output_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CLIError(f"{where}: cannot create its directory: {err}") from None
+    if not os.access(output_path.parent, os.W_OK):
+        raise CLIError(f"{where}: its directory {output_path.parent} is not writable")
 
 
 def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int], int]:
@@ -230,6 +264,10 @@ def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int
     if len(given) != 1:
         raise CLIError(f"{where}: needs exactly one of 'prompt_ids', 'prompt' or 'messages'"
                        + (f", got {given}" if given else ""))
+    clash = [k for k in OUTPUT_FIELDS if k in row]
+    if clash:  # the output line would silently replace them
+        raise CLIError(f"{where}: field(s) {clash} are written by the output; rename them (or drop them, if "
+                       "this is an earlier run's output)")
     key = given[0]
     value = row[key]
     if key == "prompt_ids":
@@ -279,8 +317,16 @@ def run_generate(cfg) -> dict[str, Any]:
         if len(ids) >= max_length:
             raise CLIError(f"{where}: the prompt has {len(ids)} tokens; the maximum length is {max_length} "
                            "(prompt plus output): raise --max-length")
+        if (too_long := cfg.engine.prompt_bucket_error(len(ids))) is not None:
+            raise CLIError(f"{where}: the prompt has {len(ids)} tokens, {too_long} (engine.prompt_buckets)")
+        room = max_length - len(ids)
+        if "max_new_tokens" in row and m > room:  # as the server's max_tokens; only the default is capped
+            raise CLIError(f"{where}: the prompt has {len(ids)} tokens and 'max_new_tokens' is {m}: {len(ids) + m} "
+                           f"tokens exceed the maximum length {max_length} (prompt plus output): lower it to at "
+                           f"most {room} or raise --max-length")
         prompts.append(ids)
-        max_new.append(min(m, max_length - len(ids)))
+        max_new.append(min(m, room))
+    check_output(input_path, output_path)
 
     engine, target = load_engine(cfg)
     vocab = target.config.vocab_size
@@ -289,6 +335,9 @@ def run_generate(cfg) -> dict[str, Any]:
         if bad:
             raise CLIError(f"{input_path}:{lineno}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     stops = [] if cfg.generate.ignore_eos else stop_ids(cfg, tokenizer, target)
+    if len(set(stops)) > engine.max_stop_ids:  # else every prompt's submission raises, as a traceback
+        raise CLIError(f"{len(set(stops))} distinct stop ids (model.stop_token_ids, or the tokenizer's); the engine "
+                       f"takes at most {engine.max_stop_ids}")
 
     # Shortest first: prompts admitted together have similar lengths (less prefill padding). Rows
     # are reused as soon as they free; outputs keep the input order.
@@ -316,7 +365,6 @@ def run_generate(cfg) -> dict[str, Any]:
     compiling = compile_seconds() - compiling
 
     tmp = output_path.with_name(output_path.name + ".tmp")
-    output_path.parent.mkdir(parents=True, exist_ok=True)
     with tmp.open("w", encoding="utf-8") as f:
         for (_, row), ids, res in zip(rows, prompts, results):
             out = dict(row)

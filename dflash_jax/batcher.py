@@ -25,14 +25,15 @@ reused.
 
 The engine is anything with ``Engine``'s slot interface: ``config`` (``max_batch_size``,
 ``max_length``, ``steps_per_sync``), ``block_size``, ``vocab_size``, ``speculative``,
-``max_stop_ids``, ``max_prompt_length``, ``state_rows``, ``empty_state``, ``prefill``, ``admit``,
-``resize``, ``release`` and ``decode`` (``dflash_jax.server.testing.FakeEngine`` is a host-only one).
+``max_stop_ids``, ``state_rows``, ``empty_state``, ``prefill``, ``admit``, ``resize``, ``release``
+and ``decode`` (``dflash_jax.server.testing.FakeEngine`` is a host-only one).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -41,6 +42,15 @@ import numpy as np
 
 if TYPE_CHECKING:
     from dflash_jax.engine import Engine, RowSnapshot
+
+
+def _integers(values: Any, what: str) -> list[int]:
+    """``values`` as Python ints, refusing what is not an integer (numpy's are): ``int()`` truncated
+    token ids like 1.5 to 1 and read strings ("7", and "hello" failed as a bad literal)."""
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise ValueError(f"{what} must be integers (token ids), got {values!r:.100}") from None
 
 
 def _start_transfer(tree: Any) -> None:
@@ -160,14 +170,17 @@ class ContinuousBatcher:
         ``name`` names the prompt in errors.
         """
         config = self.engine.config
-        prompt = [int(t) for t in prompt_ids]
-        stops = tuple(sorted({int(t) for t in stop_token_ids or ()}))
+        prompt = _integers(prompt_ids, name)
+        stops = tuple(sorted(set(_integers(() if stop_token_ids is None else stop_token_ids, "stop_token_ids"))))
+        if not isinstance(max_new_tokens, (int, np.integer)):  # int() truncated 4.5
+            raise ValueError(f"max_new_tokens for {name} must be an integer, got {max_new_tokens!r}")
         vocab = self.engine.vocab_size
         if not prompt:
             raise ValueError(f"{name} is empty")
-        if len(prompt) > self.engine.max_prompt_length:
-            raise ValueError(f"{name} has {len(prompt)} tokens; the engine takes prompts of up to "
-                             f"{self.engine.max_prompt_length} (its max_length is {config.max_length})")
+        if len(prompt) >= config.max_length:
+            raise ValueError(f"{name} has {len(prompt)} tokens; the engine's max_length is {config.max_length}")
+        if (too_long := config.prompt_bucket_error(len(prompt))) is not None:
+            raise ValueError(f"{name} has {len(prompt)} tokens, {too_long}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens for {name} must be >= 1, got {max_new_tokens}")
         if min(prompt) < 0 or max(prompt) >= vocab:

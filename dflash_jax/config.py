@@ -122,7 +122,10 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {override!r}: invalid YAML value: {err}") from None
 
 
 def config_from_dict(cls: type[C], data: dict[str, Any], *, source: str = "") -> C:
@@ -136,10 +139,12 @@ def load_config(cls: type[C], path: str | Path | None, overrides: list[str] | tu
     source = "<defaults>"
     if path is not None:
         source = str(path)
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
+        try:  # bytes: YAML's reader decodes them (UTF-8 or UTF-16, a BOM) and reports bad ones as YAMLError
+            loaded = yaml.safe_load(Path(path).read_bytes())
         except FileNotFoundError:
             raise ConfigError(f"{path}: config file not found") from None
+        except OSError as err:  # a directory, no permission
+            raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: invalid YAML: {err}") from None
         if loaded is None:

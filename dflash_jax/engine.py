@@ -96,6 +96,20 @@ class EngineConfig:
         if self.prompt_buckets is not None and (not self.prompt_buckets or min(self.prompt_buckets) < 1):
             raise ValueError(f"prompt_buckets must be positive lengths, got {self.prompt_buckets}")
 
+    @property
+    def max_prompt_length(self) -> int:
+        """The longest prompt an engine admits: room for one generated token, within the largest
+        prompt bucket."""
+        longest = self.max_length - 1
+        return longest if self.prompt_buckets is None else min(longest, max(self.prompt_buckets))
+
+    def prompt_bucket_error(self, n: int) -> str | None:
+        """Why a prompt of ``n`` tokens fits none of ``prompt_buckets`` (None if one fits). Checked when a
+        prompt is submitted: its prefill would fail, and with it every prompt prefilled in its batch."""
+        if self.prompt_buckets is not None and n > max(self.prompt_buckets):
+            return f"more than the largest prompt bucket, {max(self.prompt_buckets)}"
+        return None
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -250,9 +264,6 @@ class Engine:
         self.speculative = drafter is not None
         # Stop ids per row: a fixed size, so that no request's stop ids recompile anything.
         self.max_stop_ids = 16
-        # The longest prompt: room for the first generated token, and the largest prompt bucket (a
-        # longer prompt would fail its prefill, and with it every prompt prefilled beside it).
-        self.max_prompt_length = min(config.max_length - 1, max(config.prompt_buckets or (config.max_length,)))
         # The XLA attention computes over every cache position it is given, so decode calls read a
         # bucketed prefix of the caches that covers the live rows; the Pallas kernels skip positions
         # past each row's length themselves and always get the whole cache (one compiled variant).
@@ -466,13 +477,10 @@ class Engine:
 
     def prompt_buckets(self) -> list[tuple[int, int]]:
         """``(bucket, shortest prompt in it)`` for every prompt bucket that a prompt the engine
-        admits (1 to ``max_length - 1`` tokens) can fall in."""
+        admits (1 to ``config.max_prompt_length`` tokens) can fall in."""
         buckets, n = [], 1
-        while n < self.config.max_length:
-            try:
-                bucket = self._prompt_bucket(n)
-            except ValueError:  # past the largest configured bucket: such prompts are refused
-                break
+        while n <= self.config.max_prompt_length:
+            bucket = self._prompt_bucket(n)
             buckets.append((bucket, n))
             n = bucket + 1
         return buckets
@@ -581,7 +589,7 @@ class Engine:
         prompt ``index`` since the previous call (streaming); ``on_done(index, result)`` when prompt
         ``index`` finishes.
         """
-        if isinstance(max_new_tokens, int):
+        if np.ndim(max_new_tokens) == 0:  # one value for every prompt (numpy's integers too; submit checks it)
             max_new = [max_new_tokens] * len(prompts)
         else:
             max_new = list(max_new_tokens)
@@ -625,11 +633,19 @@ def generate(target: Target, drafter: Drafter | None, prompts, max_new_tokens, s
     Builds, and so compiles, a new ``Engine`` on every call: for more than one call, build an
     ``Engine`` once and call its ``generate`` (six prompts of the embedded pair on the CPU: 60 s as
     twelve one-prompt calls of this function, 9 s as one batch through two engines)."""
+    prompts = list(prompts)  # a generator or an array too
     if not prompts:
         return []
-    lengths = [len(p) for p in prompts]
-    most_new = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
-    config.setdefault("max_length", max(lengths) + most_new)
+    try:
+        lengths = [len(p) for p in prompts]
+    except TypeError:
+        raise TypeError("prompts must be a list of token-id lists, one per prompt (e.g. [[1, 2, 3]])") from None
+    news = [max_new_tokens] if np.ndim(max_new_tokens) == 0 else list(max_new_tokens)
+    # Room for at least one new token (and EngineConfig's minimum of 2): from a value below 1 or not an
+    # integer, or an empty prompt, the engine was refused (max_length < 2 or shorter than the prompt)
+    # before Engine.generate could name the bad value and its prompt.
+    most_new = max((n for n in news if isinstance(n, (int, np.integer))), default=1)
+    config.setdefault("max_length", max(2, max(lengths) + max(1, int(most_new))))
     config.setdefault("max_batch_size", max(1, len(prompts)))
     engine = Engine(target, drafter, EngineConfig(block_size=block_size, **config))
     return engine.generate(prompts, max_new_tokens, stop_token_ids)

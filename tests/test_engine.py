@@ -178,6 +178,40 @@ def test_bad_requests_are_clear_errors(engines):
         spec.generate([[1, 500]], 4)
 
 
+def test_generate_refuses_bad_arguments_naming_them(models):
+    """``dflash_jax.generate``'s bad arguments are errors that name them, raised before anything compiles.
+    Token ids and max_new_tokens went through ``int()`` (1.5 ran as 1), a max_new_tokens below 1 sized the
+    engine before it was checked ("max_length must be >= 2"), a flat list failed on ``len(1)``."""
+    import dflash_jax
+
+    target, drafter = models
+    for kwargs, error, message in (
+        (dict(prompts=[[1.5, 2]]), ValueError, r"prompt 0 must be integers \(token ids\), got \[1.5, 2\]"),
+        (dict(prompts=["hello"]), ValueError, "prompt 0 must be integers"),
+        (dict(prompts=[1, 2, 3]), TypeError, "prompts must be a list of token-id lists"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens for prompt 0 must be >= 1, got 0"),
+        (dict(max_new_tokens=-5), ValueError, "max_new_tokens for prompt 0 must be >= 1, got -5"),
+        (dict(max_new_tokens=4.5), ValueError, "max_new_tokens for prompt 0 must be an integer, got 4.5"),
+        (dict(stop_token_ids=0), ValueError, "stop_token_ids must be integers"),  # `0 or ()`: it was ignored
+        (dict(prompts=[[]], max_new_tokens=1), ValueError, "prompt 0 is empty"),
+    ):
+        args = dict(prompts=[[1, 2, 3]], max_new_tokens=4) | kwargs
+        with pytest.raises(error, match=message):
+            dflash_jax.generate(target, drafter, **args)
+
+
+def test_prompt_beyond_the_largest_bucket_is_refused_at_submission(models):
+    """Refused when submitted (no compile here): in the prefill it failed every prompt prefilled with it,
+    and ``Engine.generate`` raised only after every other prompt had run."""
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(max_batch_size=2, max_length=80, prompt_buckets=(8, 16)))
+    batcher = ContinuousBatcher(engine)
+    batcher.submit([1] * 16, 4)
+    with pytest.raises(ValueError, match="the prompt has 17 tokens, more than the largest prompt bucket, 16"):
+        batcher.submit([1] * 17, 4)
+    assert batcher.waiting == 1
+
+
 @pytest.mark.parametrize("mesh,decode_loop", [(dict(data=1, tensor=8), "auto"), (dict(data=2, tensor=4), "auto"),
                                               (dict(data=2, tensor=4), "fixed")])
 def test_sharded_engine_equals_single_device(mesh, decode_loop, pair, prompts, engines):

@@ -75,6 +75,7 @@ def test_generate_end_to_end(models, tmp_path):
     rows = read_jsonl(out_draft)
     assert [row["id"] for row in rows] == ["text", "chat", "ids", "long"]  # input order
     assert rows[2]["category"] == "kept"  # other fields are copied
+    assert set(rows[2]) == {"id", "prompt_ids", "category", *serve.OUTPUT_FIELDS}
     want_prompt = [
         tok.encode("Hello, world"),
         tok.apply_chat_template(LINES[1]["messages"]),
@@ -130,6 +131,12 @@ def test_generate_end_to_end(models, tmp_path):
         ({"messages": "hi"}, "'messages' must be a non-empty list"),
         ({"prompt": "hi", "max_new_tokens": 0}, "'max_new_tokens' must be a positive integer"),
         ({"prompt": "word " * 100}, "the maximum length is 64"),
+        ({"prompt_ids": [1] * 10, "max_new_tokens": 60}, "the prompt has 10 tokens and 'max_new_tokens' is 60: 70 "
+                                                         "tokens exceed the maximum length 64"),  # was cut to 54
+        ({"prompt": "hi", "text": "a reference answer", "tau": 2},  # were replaced by the output's
+         "field(s) ['text', 'tau'] are written by the output"),
+        ({"prompt_ids": [1] * 33}, "the prompt has 33 tokens, more than the largest prompt bucket, 32 "
+                                   "(engine.prompt_buckets)"),  # it failed the run after the other prompts
     ],
 )
 def test_bad_line_names_file_and_line(models, tmp_path, capsys, bad, message):
@@ -143,12 +150,61 @@ def test_bad_line_names_file_and_line(models, tmp_path, capsys, bad, message):
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_token_ids_outside_vocabulary(models, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b'{"prompt": "\xff"}\n', "not UTF-8 text: byte 0xff at column 13"),
+        # Lone surrogates: an extra field would fail the output's write at the end; a prompt, its encoding.
+        (b'{"prompt": "a", "id": "\\ud800"}\n', "a string has a lone surrogate"),
+        (b'{"prompt": "\\udc00 a"}\n', "a string has a lone surrogate"),
+    ],
+)
+def test_undecodable_line_names_file_and_line(tmp_path, capsys, raw, message):
+    """Checked while reading the input, before any model loads (so no models are needed here)."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'\xef\xbb\xbf{"prompt": "\\ud83d\\ude00 fine"}\n\n' + raw)  # a BOM and a surrogate pair are fine
+    rc = serve.main(["generate", "--target", str(tmp_path), "--no-draft", "--input", str(src),
+                     "--output", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{src}:3: {message}" in err, err
+    assert serve.main(["generate", "--target", str(tmp_path), "--no-draft", "--input", str(tmp_path),
+                       "--output", str(tmp_path / "out.jsonl")]) == 2
+    assert f"{tmp_path}: cannot read: Is a directory" in capsys.readouterr().err
+
+    from dflash_jax.jsonl import iter_jsonl
+
+    src.write_bytes(b'\xef\xbb\xbf{"prompt": "\\ud83d\\ude00"}\r\n')
+    assert list(iter_jsonl(src)) == [(1, {"prompt": "\U0001f600"})]
+
+
+def test_unwritable_output_is_refused_before_loading(tmp_path, capsys):
+    """The output is written when every prompt is done: where it cannot be, the run stops at the start.
+    (``--target`` holds no model: the checks come before any model loads.)"""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [1, 2]}])
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for output, message in ((a_file / "out.jsonl", "cannot create its directory"),
+                            (tmp_path, "is a directory"),
+                            (src, "is the input file, which the results would replace")):
+        rc = serve.main(["generate", "--target", str(tmp_path), "--no-draft", "--input", str(src),
+                         "--output", str(output)])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"generate.output (--output) {output}: {message}" in err, err
+        assert "cannot load the models" not in err
+    assert json.loads(src.read_text()) == {"prompt_ids": [1, 2]}
+
+
+def test_token_ids_outside_vocabulary_and_too_many_stop_ids(models, tmp_path, capsys):
     target_dir, drafter_dir = models
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [1, 2]}, {"prompt_ids": [MODEL_VOCAB]}])
     rc = serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(src),
                      "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
     assert rc == 2 and f"{src}:2: token ids outside the vocabulary" in capsys.readouterr().err
+    write_jsonl(src, [{"prompt_ids": [1, 2]}])
+    rc = serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(src), "--set",
+                     f"model.stop_token_ids={list(range(17))}", "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
+    assert rc == 2 and "17 distinct stop ids (model.stop_token_ids, or the tokenizer's); the engine takes at most 16" \
+        in capsys.readouterr().err  # it was a traceback
 
 
 def test_missing_models_and_files(models, tmp_path, capsys, monkeypatch):
@@ -209,6 +265,33 @@ def test_settings_file_set_and_flags(tmp_path, capsys):
     cfg.write_text("engine: {compilation_cache_dir: ''}\n")
     assert serve.main(["--config", str(cfg), "--target", "/t", "--no-draft"]) == 2
     assert "compilation_cache_dir must be a directory or null" in capsys.readouterr().err
+
+
+def test_unreadable_settings_and_bad_overrides_are_errors(tmp_path, capsys):
+    """A settings file that cannot be read or decoded and an override that is not YAML: usage errors
+    naming the file or the override, not tracebacks."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_bytes(b"model: {name: \xff}\n")
+    for argv, message in ((["--config", str(cfg)], f"{cfg}: invalid YAML: unacceptable character"),
+                          (["--config", str(tmp_path)], f"{tmp_path}: cannot read: Is a directory"),
+                          (["--set", "engine.prompt_buckets=[16, 32"],
+                           "override 'engine.prompt_buckets=[16, 32': invalid YAML value")):
+        assert serve.main([*argv, "--target", "/t", "--no-draft"]) == 2
+        err = capsys.readouterr().err
+        assert f"serve.py: error: {message}" in err, err
+    cfg.write_bytes(b"\xef\xbb\xbfmodel: {name: served}\n")  # a BOM is fine
+    settings = serve.load_settings(serve.parse_args(["--config", str(cfg), "--target", str(tmp_path), "--no-draft"]))
+    assert settings.model.name == "served"
+
+
+@pytest.mark.parametrize("argv", [["--prompts", "0"], ["--prompts", "-2"], ["--max-new-tokens", "0"]])
+def test_demo_refuses_counts_below_one(argv, capsys):
+    """Refused by the parser (--prompts 0 was a traceback, -2 ran all but two prompts, --max-new-tokens 0
+    a traceback after loading the pair)."""
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["demo", *argv])
+    assert exit_.value.code == 2
+    assert f"argument {argv[0]}: must be a positive integer, got {int(argv[1])}" in capsys.readouterr().err
 
 
 def _free_port() -> int:

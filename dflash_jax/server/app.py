@@ -223,7 +223,7 @@ def _check_prompt(ctx: ServerContext, ids: list[int], max_tokens: int | None, wh
         raise P.invalid(
             f"{where} has {n} tokens, but the maximum length is {ctx.max_length} tokens (prompt plus output), "
             "which leaves no room to generate", param=param, code="context_length_exceeded")
-    longest = ctx.scheduler.engine.max_prompt_length  # the engine's largest prompt bucket can be shorter
+    longest = ctx.scheduler.engine.config.max_prompt_length  # the engine's largest prompt bucket can be shorter
     if n > longest:
         raise P.invalid(f"{where} has {n} tokens, but this server takes prompts of at most {longest} tokens",
                         param=param, code="context_length_exceeded")

@@ -52,7 +52,6 @@ class FakeEngine:
         self.block_size = block_size
         self.speculative = draft
         self.max_stop_ids = 16
-        self.max_prompt_length = max_length - 1  # no prompt buckets
         self.step_time_s = step_time_s   # sleeps this long per decode step (the device's work)
         self.fail_on_token = fail_on_token  # a prompt containing this id makes its prefill raise
         lo, hi = token_range or (0, vocab_size)
