@@ -424,7 +424,8 @@ def run_serve(cfg) -> None:
 
             c = cache_report()
             cached = f" ({c['loaded']} programs loaded from the compilation cache {c['dir']}, {c['compiled']} compiled)"
-        log.info("compiled the engine for batch 1 and %d in %.1f s%s", cfg.engine.max_batch_size, seconds, cached)
+        log.info("compiled the engine for up to %d requests at a time and prompt buckets %s in %.1f s%s",
+                 cfg.engine.max_batch_size, [b for b, _ in engine.prompt_buckets()], seconds, cached)
     name = cfg.model.name or Path(cfg.model.target).resolve().name
     app = create_app(
         engine, tokenizer,
@@ -443,6 +444,7 @@ def run_serve(cfg) -> None:
               "block_size": engine.block_size,
               "max_batch_size": cfg.engine.max_batch_size},
     )
+    sys.setswitchinterval(s.gil_switch_interval_ms / 1000)
     if s.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("binding %s without an API key: anyone who can reach it can use it", s.host)
     log.info("serving %r on http://%s:%d", name, s.host, s.port)

@@ -7,8 +7,9 @@ handed over at once, no HTTP), then serves the same engine with ``create_app`` u
 ``/v1/completions`` requests sent at once (token-id prompts, ``ignore_eos``, ``max_tokens`` M), so
 both sides generate the same tokens through the same compiled programs. Reported per load: tokens/s
 both ways and their ratio (the price of the server: the event loop, the scheduler thread, detokenizing,
-SSE, admission at host syncs), the median time to first token, and the engine's busy fraction of
-the round's wall time from ``/metrics``.
+SSE, admission at host syncs), the median time to first token, the engine's busy fraction of
+the round's wall time from ``/metrics``, and the first round's tokens/s and TTFT (shapes compiled
+while serving show there; ``--legacy-warmup`` warms up as before the thirty-seventh session).
 
     python bench/bench_server.py --model 8b --concurrency 1,16 --out $OUT/server.json   # Qwen3-8B shapes
     python bench/bench_server.py --model embedded --concurrency 1,16                    # the shipped pair
@@ -36,6 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_jax.server.settings import ServerSettings  # noqa: E402
 
 MODES = ("target-only", "dflash")
 
@@ -87,21 +90,44 @@ def timed_generate(engine, prompts: list[list[int]], max_tokens: int, repeats: i
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
 
 
+def legacy_warmup(engine) -> None:
+    """The warm-up before the thirty-seventh session, for comparison: decode at every window, and
+    prefills of 1 and ``max_batch_size`` prompts at the smallest prompt bucket only."""
+    sizes = sorted({1, engine.config.max_batch_size})
+    for size in sizes:
+        state = engine.empty_state(engine.state_rows(size))
+        for n in sorted({1, size}):
+            fresh, _ = engine.prefill([[0]] * n, [2] * n, [()] * n)
+            state = engine.admit(state, fresh, range(n))
+        for window in engine.windows:
+            state, _ = engine.decode(state, n_steps=None if engine.fixed_loop else 0, window=window)
+        for other in {engine.state_rows(s) for s in sizes} - {engine.state_rows(size)}:
+            engine.resize(state, [0], rows=other)
+        state.starts.block_until_ready()
+
+
 def serve_child(spec: dict) -> None:
     """Builds the engine, times ``Engine.generate`` per load, writes ``spec['ready']``, then serves."""
     from dflash_jax.server import create_app, run_server
 
+    sys.setswitchinterval(spec["switch_interval_ms"] / 1000)
     concurrency = spec["concurrency"]
     engine, tokenizer, prompt_source = build_engine(spec["model"], spec["mode"], max(concurrency),
                                                     spec["prompt_len"] + spec["max_tokens"] + 16, spec["layers"])
     t0 = time.perf_counter()
-    engine.warmup()
+    if spec["legacy_warmup"]:
+        legacy_warmup(engine)
+    else:
+        engine.warmup()
     warmup_s = time.perf_counter() - t0
     print(f"[{spec['mode']}] warm-up {warmup_s:.1f} s, prompt buckets {[b for b, _ in engine.prompt_buckets()]}",
           flush=True)
     loads = {}
     for n in concurrency:
         prompts = prompt_source(n, spec["prompt_len"])
+        if spec["legacy_warmup"]:  # the server meets its shapes first, as a fresh server's first users do
+            loads[n] = {"prompts": prompts, "tokens": 0, "tokens_per_s": float("nan")}
+            continue
         loads[n] = {"prompts": prompts, **timed_generate(engine, prompts, spec["max_tokens"], spec["repeats"])}
         print(f"[{spec['mode']}] engine, {n} prompts: {loads[n]['tokens_per_s']:.0f} tok/s", flush=True)
     app = create_app(engine, tokenizer, model_name="bench", max_length=engine.config.max_length,
@@ -183,6 +209,7 @@ def run_mode(args, mode: str, port: int) -> dict:
         ready = Path(tmp) / "ready.json"
         spec = {"model": args.model, "mode": mode, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
                 "max_tokens": args.max_tokens, "repeats": args.repeats, "layers": args.layers, "port": port,
+                "legacy_warmup": args.legacy_warmup, "switch_interval_ms": args.switch_interval_ms,
                 "ready": str(ready)}
         proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)])
         url = f"http://127.0.0.1:{port}"
@@ -191,12 +218,13 @@ def run_mode(args, mode: str, port: int) -> dict:
             rows = []
             for n in args.concurrency:
                 load = info["loads"][str(n)]
-                asyncio.run(http_round(url, load["prompts"], args.max_tokens))  # any shapes left to compile
+                first = asyncio.run(http_round(url, load["prompts"], args.max_tokens))  # any shapes left to compile
                 rounds = [asyncio.run(http_round(url, load["prompts"], args.max_tokens)) for _ in range(args.repeats)]
                 best = sorted(rounds, key=lambda r: r["wall_s"])[len(rounds) // 2]  # the median round
                 rows.append({"mode": mode, "concurrency": n, "engine_tokens_per_s": load["tokens_per_s"],
                              "engine_tokens": load["tokens"], **{f"server_{k}": v for k, v in best.items()},
-                             "server_over_engine": best["tokens_per_s"] / load["tokens_per_s"]})
+                             "server_over_engine": best["tokens_per_s"] / load["tokens_per_s"],
+                             **{f"first_round_{k}": v for k, v in first.items()}})
                 print(f"[{mode}] server, {n} streams: {best['tokens_per_s']:.0f} tok/s", flush=True)
             return {"warmup_s": info["warmup_s"], "block_size": info["block_size"],
                     "prompt_buckets": info["prompt_buckets"], "rows": rows}
@@ -218,6 +246,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--port", type=int, default=8431)
+    ap.add_argument("--switch-interval-ms", type=float, default=ServerSettings().gil_switch_interval_ms,
+                    help="the serving process's sys.setswitchinterval, as server.gil_switch_interval_ms (default: "
+                         "serve.py's)")
+    ap.add_argument("--legacy-warmup", action="store_true",
+                    help="warm up as before the thirty-seventh session (no engine timings): what compiling "
+                         "while serving costs")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -234,14 +268,18 @@ def main() -> None:
         results["modes"][mode] = run_mode(args, mode, args.port + i)
     print(f"\n{args.model}, prompts of {args.prompt_len} tokens, {args.max_tokens} new tokens, median of "
           f"{args.repeats} rounds")
-    print("mode | streams | engine tok/s | server tok/s | server / engine | engine busy | TTFT median ms | tau")
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+    print("mode | warm-up s | streams | engine tok/s | server tok/s | server / engine | engine busy | TTFT median ms "
+          "| tau | first round: tok/s, TTFT median ms")
     for mode, res in results["modes"].items():
         for r in res["rows"]:
-            ttft = r["server_ttft_median_s"]
             tau = r["server_tau_mean"]
-            print(f"{mode} | {r['concurrency']} | {r['engine_tokens_per_s']:.0f} | {r['server_tokens_per_s']:.0f} | "
-                  f"{r['server_over_engine']:.3f} | {r['server_busy_fraction']:.1%} | "
-                  f"{'-' if ttft is None else f'{ttft * 1e3:.1f}'} | {'-' if tau is None else f'{tau:.2f}'}")
+            print(f"{mode} | {res['warmup_s']:.1f} | {r['concurrency']} | {r['engine_tokens_per_s']:.0f} | "
+                  f"{r['server_tokens_per_s']:.0f} | {r['server_over_engine']:.3f} | {r['server_busy_fraction']:.1%} | "
+                  f"{ms(r['server_ttft_median_s'])} | {'-' if tau is None else f'{tau:.2f}'} | "
+                  f"{r['first_round_tokens_per_s']:.0f}, {ms(r['first_round_ttft_median_s'])}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1))
