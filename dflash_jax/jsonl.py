@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,10 +38,29 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise ValueError(f"{path}:{lineno}: invalid JSON: {err}") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            if "\\u" in line:  # only \u escapes make surrogates, and the check re-encodes the record
-                try:
-                    json.dumps(record, ensure_ascii=False).encode("utf-8")
-                except UnicodeEncodeError:
-                    raise ValueError(f"{path}:{lineno}: a string has a lone surrogate escape (\\ud800-\\udfff "
-                                     "without its pair): not valid Unicode text") from None
+            if "\\u" in line and has_lone_surrogate(record):  # only \u escapes make surrogates
+                raise ValueError(f"{path}:{lineno}: a string has a lone surrogate escape (\\ud800-\\udfff "
+                                 "without its pair): not valid Unicode text")
             yield lineno, record
+
+
+# json.loads joins an escaped pair into one character: a surrogate left in a string is a lone one.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """Whether a string in parsed JSON ``value`` (object keys included) holds a lone UTF-16 surrogate:
+    valid JSON (a ``\\ud800`` escape without its pair) but no character, so neither a tokenizer nor
+    UTF-8 output can take it."""
+    stack = [value]
+    while stack:  # no recursion: parsed JSON may nest as deeply as json's parser took
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False

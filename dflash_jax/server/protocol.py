@@ -16,6 +16,8 @@ import time
 import uuid
 from typing import Any
 
+from dflash_jax.jsonl import has_lone_surrogate
+
 # ----------------------------------------------------------------------------------------- errors
 
 
@@ -76,33 +78,15 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise invalid(f"the request body must be a JSON object, got {_type_name(data)}", code="invalid_json")
     if _SURROGATE_ESCAPE.search(text):  # rare: only then look for a lone one
         for key, value in data.items():
-            if _has_lone_surrogate(key) or _has_lone_surrogate(value):
-                name = _SURROGATE.sub("\ufffd", key)
+            if has_lone_surrogate(key) or has_lone_surrogate(value):
+                name = key.encode("utf-8", "backslashreplace").decode("utf-8")
                 raise invalid(f"'{name}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
                               "which is not a character", param=name, code="invalid_json")
     return data
 
 
-# JSON's \uXXXX escapes of UTF-16 surrogates: a pair parses to one character, a lone one to a lone
-# surrogate, which is no character (neither the tokenizer nor a UTF-8 response can take it).
+# JSON's \uXXXX escapes of UTF-16 surrogates: only they can make a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _has_lone_surrogate(value: Any) -> bool:
-    """Whether a string in ``value`` (object keys included) holds a lone surrogate."""
-    stack = [value]
-    while stack:  # no recursion: the parsed body may nest as deeply as json took
-        v = stack.pop()
-        if isinstance(v, str):
-            if _SURROGATE.search(v):
-                return True
-        elif isinstance(v, dict):
-            stack.extend(v)
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return False
 
 
 # ----------------------------------------------------------------------------------------- type checks

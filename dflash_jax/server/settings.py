@@ -50,7 +50,7 @@ class ServerSettings:
     warmup: bool = True              # compile every shape requests can meet before accepting them
     # Python's GIL switch interval while serving (its default is 5 ms): after each device wait the
     # scheduler thread waits up to this long for the GIL while the event loop streams; on the H200 a
-    # small model served 16-26% more tokens/s at 0.2 ms than at 5 (docs/benchmarks.md).
+    # small model served 1-26% more tokens/s at 0.2 ms than at 5, by load (docs/benchmarks.md).
     gil_switch_interval_ms: float = 0.2
 
     def validate(self) -> None:
