@@ -128,6 +128,8 @@ def load_settings(args: argparse.Namespace):
     path = args.config if args.config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     cfg = load_serve_config(path, args.overrides, flags)
     m = cfg.model
+    if m.no_draft and m.draft:
+        log.warning("model.draft %s is ignored: --no-draft (model.no_draft) decodes target-only", m.draft)
     if not m.target:  # the embedded default pair shipped in models/embedded
         from dflash_jax import embedded
 
@@ -411,9 +413,12 @@ def run_generate(cfg) -> dict[str, Any]:
 
 def run_serve(cfg) -> None:
     from dflash_jax.server import create_app, run_server
+    from dflash_jax.server.settings import api_key_problem
 
     s = cfg.server
     api_key = s.api_key or os.environ.get("DFLASH_API_KEY") or None
+    if api_key is not None and (problem := api_key_problem(api_key)):
+        raise CLIError(f"{'server.api_key' if s.api_key else 'DFLASH_API_KEY'} {problem}")
     tokenizer = load_tokenizer(cfg, required=True)
     engine, target = load_engine(cfg)
     if s.warmup:

@@ -237,7 +237,7 @@ def test_missing_models_and_files(models, tmp_path, capsys, monkeypatch):
     assert not Path(out).exists()
 
 
-def test_settings_file_set_and_flags(tmp_path, capsys):
+def test_settings_file_set_and_flags(tmp_path, capsys, monkeypatch):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("model: {target: /t, draft: /d}\nserver: {port: 9000, batch_wait_ms: 1.0}\n"
                    "engine: {max_batch_size: 4, steps_per_sync: 2}\n")
@@ -265,6 +265,12 @@ def test_settings_file_set_and_flags(tmp_path, capsys):
     cfg.write_text("engine: {compilation_cache_dir: ''}\n")
     assert serve.main(["--config", str(cfg), "--target", "/t", "--no-draft"]) == 2
     assert "compilation_cache_dir must be a directory or null" in capsys.readouterr().err
+    # An API key no client could send in a header: refused before any model loads.
+    assert serve.main(["--target", "/t", "--no-draft", "--api-key", " s3cret"]) == 2
+    assert "flags.server: api_key must be printable ASCII" in capsys.readouterr().err
+    monkeypatch.setenv("DFLASH_API_KEY", "cl\u00e9")
+    assert serve.main(["--target", str(tmp_path), "--no-draft"]) == 2
+    assert "DFLASH_API_KEY must be printable ASCII" in capsys.readouterr().err
 
 
 def test_unreadable_settings_and_bad_overrides_are_errors(tmp_path, capsys):

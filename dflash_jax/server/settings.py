@@ -35,6 +35,14 @@ class ModelSettings:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
 
 
+def api_key_problem(key: str) -> str | None:
+    """Why ``key`` could never match a client's ``Authorization`` header, or None: HTTP headers are
+    read as latin-1 (a non-ASCII key arrives other than it was sent), and the token is stripped."""
+    if not key or not key.isascii() or not key.isprintable() or key != key.strip():
+        return "must be printable ASCII without surrounding spaces (clients send it in an HTTP header)"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"          # loopback unless told otherwise
@@ -54,6 +62,8 @@ class ServerSettings:
     gil_switch_interval_ms: float = 0.2
 
     def validate(self) -> None:
+        if self.api_key and (problem := api_key_problem(self.api_key)):  # '' is no key, as null
+            raise ValueError(f"api_key {problem}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.default_max_tokens < 1:
@@ -107,4 +117,5 @@ def load_serve_config(path: str | Path | None, overrides: list[str] | tuple[str,
     return config_from_dict(ServeConfig, data, source=f"{path or '<defaults>'} + flags")
 
 
-__all__ = ["ServeConfig", "ModelSettings", "ServerSettings", "GenerateSettings", "load_serve_config", "ConfigError"]
+__all__ = ["api_key_problem", "ServeConfig", "ModelSettings", "ServerSettings", "GenerateSettings", "load_serve_config",
+           "ConfigError"]
