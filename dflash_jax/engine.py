@@ -525,8 +525,8 @@ class Engine:
         state. So: decode at every attention window for each running state's row count (first,
         so that its GEMM autotuning runs alone); then every prefill shape, compiled on ``threads``
         threads at once (default: up to 8; XLA compiles outside the GIL); then each run once and
-        admitted into the states it can join, which compiles the admissions, and the states
-        resized into each other.
+        admitted into the states it can join, which compiles the admissions; the states resized
+        into each other, and a row of each released (a cancelled request's).
         """
         t0 = time.perf_counter()
         sizes = sorted({1, self.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
@@ -558,7 +558,7 @@ class Engine:
         for rows, state in states.items():
             for other in set(states) - {rows}:
                 jax.block_until_ready(self.resize(state, [0], rows=other).starts)
-            jax.block_until_ready(state.starts)
+            jax.block_until_ready(self.release(state, [0]).starts)  # a cancelled request's row
         return time.perf_counter() - t0
 
     # -- host side -----------------------------------------------------------------------------

@@ -369,8 +369,9 @@ def test_warmup_compiles_everything_serving_runs(models):
     phases = {name: getattr(engine, f"_{name}") for name in ("prefill", "admit", "resize", "release", "empty",
                                                                   "decode")}
     compiled = {name: fn._cache_size() for name, fn in phases.items()}
-    # Per running state (1 or 2 rows): decode at every window; prefills of 1 and 2 rows per bucket.
-    assert compiled["decode"] == 2 * len(engine.windows) and compiled["prefill"] == 2 * 4
+    # Per running state (1 or 2 rows): decode at every window, a release; prefills of 1 and 2 rows per bucket.
+    assert compiled["decode"] == 2 * len(engine.windows) and compiled["release"] == 2
+    assert compiled["prefill"] == 2 * 4
     rs = np.random.RandomState(4)
     prompt = lambda n: rs.randint(0, 95, n).tolist()  # noqa: E731
     batcher = ContinuousBatcher(engine)
@@ -378,12 +379,14 @@ def test_warmup_compiles_everything_serving_runs(models):
     batcher.step()
     joining = [batcher.submit(prompt(n), 6) for n in (40, 70, 20)]  # into the running batch, one by one
     batcher.step()
-    joining[2].cancel()
+    joining[0].cancel()  # running: its row is released
+    joining[2].cancel()  # still waiting
     batcher.run()
     pair = [batcher.submit(prompt(n), 6) for n in (30, 99)]  # a prefill of 2 rows, the last bucket
     batcher.run()
     assert {name: fn._cache_size() for name, fn in phases.items()} == compiled
-    assert len(lone.result.output_ids) == 90 and all(g.result is not None for g in joining[:2] + pair)
+    assert joining[0].admitted is not None and joining[0].result is None and joining[2].admitted is None
+    assert len(lone.result.output_ids) == 90 and all(g.result is not None for g in joining[1:2] + pair)
 
 
 def test_greedy_argmax_is_argmax_with_ties_nans_and_infinities():
