@@ -360,10 +360,10 @@ def test_warmup_compiles_everything_serving_runs(models):
     """After ``warmup``, requests of every prompt bucket, admitted alone, two at once and into
     running rows, the running state moving between one row and two, one request cancelled and one
     needing the whole cache, compile nothing: a shape compiled while serving stalls every running
-    request for its compile."""
-    target, drafter = models
-    engine = Engine(target, drafter, EngineConfig(max_batch_size=2, max_length=100, steps_per_sync=4))
-    assert engine.windows == (64, 128)  # capacity 100 + 8, rounded up to whole tiles
+    request for its compile. Target-only: a drafter adds no shapes, only compile time."""
+    target, _ = models
+    engine = Engine(target, None, EngineConfig(max_batch_size=2, max_length=100, steps_per_sync=4))
+    assert engine.windows == (64, 128)  # capacity 100 + 1, rounded up to whole tiles
     assert engine.prompt_buckets() == [(16, 1), (32, 17), (64, 33), (128, 65)]
     assert engine.warmup() > 0
     phases = {name: getattr(engine, f"_{name}") for name in ("prefill", "admit", "resize", "release", "empty",
