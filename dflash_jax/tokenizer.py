@@ -426,6 +426,12 @@ class Tokenizer:
         return self._special_id("pad_token")
 
     @property
+    def cleans_up_spaces(self) -> bool:
+        """Whether ``decode`` removes spaces before punctuation (``clean_up_tokenization_spaces``, which
+        transformers applies to WordPiece and Unigram models only)."""
+        return self._clean_up_spaces
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce (base vocabulary plus added tokens)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -443,31 +449,45 @@ class IncrementalDetokenizer:
 
     Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or while the decoded text
     is not an extension of what was already sent; ``finish()`` sends the rest.
+
+    Each call decodes a window, the ids of the last chunk sent plus the new ones, and sends what the
+    new ones add to the chunk's text (as TGI's and vLLM's detokenizers do): decoding every id each
+    time made a stream quadratic in its length, on the event loop and holding the GIL (8,192 tokens
+    in chunks of 8: 1.0 s). A window starts where an earlier one ended, at a character boundary, so
+    a decoder's treatment of a sequence's first token (Metaspace drops its space) applies to both
+    texts alike. Tokenizers that clean up spaces (``clean_up_tokenization_spaces`` on a WordPiece or
+    Unigram model) rewrite text across chunk boundaries, so for them each call decodes every id.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.sent = ""
+        self._windowed = not tokenizer.cleans_up_spaces
+        self._start = 0    # the window's first id: where the last chunk sent began (0 unwindowed)
+        self._read = 0     # ids before this are sent
+        self._before = ""  # ids[_start:_read] decoded
 
     def add(self, new_ids: Sequence[int]) -> str:
         if not new_ids:
             return ""
         self.ids.extend(int(i) for i in new_ids)
-        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
-        if text.endswith("\ufffd") or not text.startswith(self.sent):
-            return ""
-        delta = text[len(self.sent) :]
-        self.sent = text
-        return delta
+        return self._send(final=False)
 
     def finish(self) -> str:
-        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
-        if not text.startswith(self.sent):  # cannot take back what was sent; send nothing more
+        return self._send(final=True)
+
+    def _send(self, final: bool) -> str:
+        text = self.tokenizer.decode(self.ids[self._start:], self.skip_special_tokens)
+        # Not an extension (a decoder rewrote sent text): what was sent cannot be taken back.
+        if not text.startswith(self._before) or (not final and text.endswith("\ufffd")):
             return ""
-        delta = text[len(self.sent) :]
-        self.sent = text
+        delta = text[len(self._before):]
+        if self._windowed:  # the next window starts with this chunk, decoded on its own
+            self._start, self._read = self._read, len(self.ids)
+            self._before = self.tokenizer.decode(self.ids[self._start:], self.skip_special_tokens)
+        else:
+            self._read, self._before = len(self.ids), text
         return delta
 
     @property

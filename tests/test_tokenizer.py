@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import tokenizer_fixtures as tf
@@ -200,17 +201,25 @@ def test_chat_template_jinja_file_wins(tmp_path):
     assert ours.apply_chat_template(messages) == _hf_chat_ids(hf, messages)
 
 
-def test_incremental_detokenizer_joins_to_decode(pair):
+@pytest.mark.parametrize("windowed", [True, False])
+def test_incremental_detokenizer_joins_to_decode(pair, windowed):
+    """Chunk by chunk, the deltas join to the whole decode, on a window of recent ids (or, for
+    tokenizers that clean up spaces, every id)."""
     for name in sorted(WRITERS):
         ours, _ = pair(name)
-        for text in TEXTS:
+        for text in TEXTS + ["".join(TEXTS) * 3]:
             ids = ours.encode(text, add_special_tokens=False)
             for step in (1, 2, 5):
                 detok = IncrementalDetokenizer(ours)
+                detok._windowed = windowed
+                decoded: list[int] = []
+                detok.tokenizer = SimpleNamespace(decode=lambda i, skip: decoded.append(len(i)) or ours.decode(i, skip))
                 pieces = [detok.add(ids[i : i + step]) for i in range(0, len(ids), step)]
                 pieces.append(detok.finish())
                 assert "".join(pieces) == ours.decode(ids), (name, text, step)
                 assert not any("\ufffd" in p for p in pieces) or "\ufffd" in ours.decode(ids)
+                if windowed and len(ids) > 200:  # windows (longer only while a character is incomplete)
+                    assert max(decoded) <= 8 * step + 24 < len(ids) // 4, (name, step, max(decoded), len(ids))
 
 
 # --------------------------------------------------------------------------- errors name the file and field
