@@ -1,0 +1,50 @@
+#!/usr/bin/env python
+"""What streaming a long output costs the server's event loop: ``IncrementalDetokenizer`` over the
+embedded tokenizer, a long text's ids sent in chunks (one chunk per stream per host sync), against
+decoding every id at every chunk (what it did before the thirty-seventh session).
+
+    python bench/bench_detokenizer.py --lengths 1024,4096,8192 --chunk 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_jax import embedded  # noqa: E402
+from dflash_jax.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int) -> str:
+    return "".join(detok.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)) + detok.finish()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="1024,4096,8192")
+    ap.add_argument("--chunk", type=int, default=8, help="ids per chunk (a host sync's tokens for one stream)")
+    args = ap.parse_args()
+    tokenizer = Tokenizer(embedded.DEFAULT_TARGET)
+    text = "\n".join(embedded.heldout_prompts())
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    print("ids | windowed: ms, us per chunk | every id decoded: ms, us per chunk")
+    for n in (int(x) for x in args.lengths.split(",")):
+        sample = (ids * (n // len(ids) + 1))[:n]
+        row = []
+        for windowed in (True, False):
+            detok = IncrementalDetokenizer(tokenizer)
+            detok._windowed = windowed
+            t0 = time.perf_counter()
+            out = stream(detok, sample, args.chunk)
+            seconds = time.perf_counter() - t0
+            assert out == tokenizer.decode(sample)
+            row.append(f"{seconds * 1e3:.1f}, {seconds / (n / args.chunk) * 1e6:.0f}")
+        print(f"{n} | {row[0]} | {row[1]}")
+
+
+if __name__ == "__main__":
+    main()
