@@ -551,10 +551,8 @@ class Engine:
             list(pool.map(compile_prefill, shapes))  # re-raises a failed compile
         for rows, _, shortest in shapes:
             fresh, _ = self.prefill(*dummy(rows, shortest))
-            joins = states if rows == 1 else {max(states): states[max(states)]}  # a lone prompt joins either
-            for state_rows, state in joins.items():
-                if state_rows >= rows:
-                    states[state_rows] = self.admit(state, fresh, range(rows))
+            for joined in list(states) if rows == 1 else [max(states)]:  # a lone prompt joins either state
+                states[joined] = self.admit(states[joined], fresh, range(rows))
         for rows, state in states.items():
             for other in set(states) - {rows}:
                 jax.block_until_ready(self.resize(state, [0], rows=other).starts)
