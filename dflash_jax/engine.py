@@ -104,10 +104,11 @@ class EngineConfig:
         return longest if self.prompt_buckets is None else min(longest, max(self.prompt_buckets))
 
     def prompt_bucket_error(self, n: int) -> str | None:
-        """Why a prompt of ``n`` tokens fits none of ``prompt_buckets`` (None if one fits). Checked when a
-        prompt is submitted: its prefill would fail, and with it every prompt prefilled in its batch."""
-        if self.prompt_buckets is not None and n > max(self.prompt_buckets):
-            return f"more than the largest prompt bucket, {max(self.prompt_buckets)}"
+        """Why a prompt of ``n`` tokens, shorter than ``max_length``, fits none of ``prompt_buckets`` (None
+        if one fits). Checked when a prompt is submitted, after ``max_length``: its prefill would fail,
+        and with it every prompt prefilled in its batch."""
+        if self.max_prompt_length < n < self.max_length:  # only the buckets end prompts before max_length - 1
+            return f"more than the largest prompt bucket, {self.max_prompt_length}"
         return None
 
 
