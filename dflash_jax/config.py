@@ -9,6 +9,7 @@ types, then calls the class's ``validate()`` if it has one.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import types
 import typing
 from pathlib import Path
@@ -67,7 +68,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy's integers too
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
@@ -110,6 +111,23 @@ def _build(cls: type[C], data: dict[str, Any], where: str) -> C:
         except ValueError as err:
             raise ConfigError(f"{where or cls.__name__}: {err}") from None
     return obj
+
+
+def check_field_types(config: Any, where: str = "") -> None:
+    """Raises ``ConfigError`` naming the field where a config dataclass built in Python, not loaded
+    through this module, holds a value its annotation does not allow (``max_length=100.5``, a list
+    where a tuple keeps the config hashable); nested configs are checked too. YAML's conveniences
+    (a number written as a string, a list for a tuple) are for files, not for Python callers."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        name = f"{where}.{f.name}" if where else f.name
+        if dataclasses.is_dataclass(value):
+            check_field_types(value, name)
+        converted = _convert(value, hints[f.name], name)
+        if type(converted) is not type(value) and not (type(converted) is float and type(value) is int):
+            tp, _ = _strip_optional(hints[f.name])
+            raise ConfigError(f"{name}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
 def _apply_override(data: dict[str, Any], override: str) -> None:

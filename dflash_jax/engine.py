@@ -32,6 +32,7 @@ from dflash_jax.attention import resolve_attention_impl
 from dflash_jax.batcher import ContinuousBatcher, Generation, GenerationResult
 from dflash_jax.cache import CACHE_ALIGNMENT, CACHE_AXES
 from dflash_jax.compile_cache import check_setting as check_cache_setting, use_compilation_cache
+from dflash_jax.config import check_field_types
 from dflash_jax.drafter import Drafter
 from dflash_jax.layers import fold_norms, fuse_projections
 from dflash_jax.sharding import MeshConfig, kernel_mesh, make_mesh, named_sharding, shard_module
@@ -73,6 +74,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
 
     def validate(self) -> None:
+        check_field_types(self)  # a config built in Python skips the YAML loader's checks
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_length < 2:

@@ -23,6 +23,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dflash_jax.config import check_field_types
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
@@ -51,6 +53,7 @@ class MeshConfig:
     distributed: bool = False  # call jax.distributed.initialize() first (multi-host)
 
     def validate(self) -> None:
+        check_field_types(self)
         sizes = [self.data, self.fsdp, self.tensor]
         if sum(s == -1 for s in sizes) > 1:
             raise ValueError("at most one of data/fsdp/tensor may be -1")

@@ -2,7 +2,12 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The suite compiles far more than it runs: XLA:CPU with LLVM's optimisations off compiles about a
+# third faster (the whole suite ~30% shorter on 2 cores; the few step-heavy tests run ~2x slower).
+# Both flags reach the subprocesses the tests start, through the environment.
+_TEST_XLA_FLAGS = {"--xla_force_host_platform_device_count": "8", "--xla_backend_optimization_level": "0"}
+_flags = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join([_flags, *(f"{k}={v}" for k, v in _TEST_XLA_FLAGS.items() if k not in _flags)]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -55,3 +55,27 @@ def test_bad_override_and_missing_file(tmp_path):
         load_config(Recipe, None, ["optim.lr"])
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(Recipe, tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_batch_size="4"), r"max_batch_size: expected an integer, got '4'"),
+    (dict(max_length=100.5), r"max_length: expected an integer, got 100.5"),
+    (dict(max_length=True), r"max_length: expected an integer, got True"),
+    (dict(prompt_buckets=[16, 32]), r"prompt_buckets: expected tuple, got \[16, 32\]"),
+    (dict(prompt_buckets=(16, "32")), r"prompt_buckets\[1\]: expected an integer, got '32'"),
+    (dict(mesh=MeshConfig(tensor="2")), r"mesh.tensor: expected an integer, got '2'"),
+])
+def test_configs_built_in_python_are_type_checked(kwargs, message):
+    """What the Python API builds directly gets the YAML loader's field checks, by name."""
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**kwargs).validate()
+
+
+def test_python_built_configs_take_integers_of_any_kind():
+    import numpy as np
+
+    EngineConfig(max_batch_size=np.int64(4), prompt_buckets=(16, 32), mesh=MeshConfig(tensor=2)).validate()
+    assert load_config(Optim, None, ["lr=1"]) == Optim(lr=1.0)
+    from dflash_jax.config import check_field_types
+
+    check_field_types(Optim(lr=1))  # an int where a float is annotated

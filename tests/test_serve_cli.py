@@ -314,7 +314,7 @@ def test_serve_sigterm_finishes_requests_in_flight(models, tmp_path):
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, str(REPO / "serve.py"), "--target", str(target_dir), "--draft", str(drafter_dir),
-             "--port", str(port), "--api-key", "k", *ENGINE_FLAGS],
+             "--port", str(port), "--api-key", "k", "--batch-size", "2", *ENGINE_FLAGS],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
