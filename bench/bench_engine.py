@@ -537,7 +537,7 @@ def host_overhead(engine: Engine, context: int, new_tokens: int, device_step: fl
     np.asarray(first)
     prefill = time.perf_counter() - t0
     steps = max(1, res.num_steps if engine.drafter is not None else res.num_output_tokens - 1)
-    decode = res.time_per_output_token * res.num_output_tokens
+    decode = res.time_per_output_token * max(1, res.num_output_tokens - 1)  # its span: first token to last
     return dict(ttft_s=res.time_to_first_token, prefill_s=prefill, wall_s=wall, steps=steps, wall_per_step_s=decode / steps,
                 device_per_step_s=device_step, host_overhead_per_step_s=decode / steps - device_step)
 
