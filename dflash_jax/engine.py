@@ -541,19 +541,19 @@ class Engine:
         shapes = [(rows, bucket, shortest) for rows in sorted({self.prefill_rows(n) for n in range(1, max(sizes) + 1)})
                   for bucket, shortest in self.prompt_buckets()]
 
-        def dummy(rows: int, shortest: int) -> tuple[list[list[int]], list[int], list[tuple]]:
-            return [[0] * shortest] * rows, [2] * rows, [()] * rows
+        # Each shape's dummy prompts (its shortest prompt, on every row), placed once: compiled, then run.
+        inputs = {(rows, bucket): self._prefill_inputs([[0] * shortest] * rows, [2] * rows, [()] * rows)
+                  for rows, bucket, shortest in shapes}
+        weights = (self._target_state, self._drafter_state)
 
-        def compile_prefill(shape: tuple[int, int, int]) -> None:
-            rows, _, shortest = shape
-            self._prefill.lower(self._target_state, self._drafter_state,
-                                *self._prefill_inputs(*dummy(rows, shortest))).compile()
+        def compile_prefill(shape: tuple[int, int]) -> None:
+            self._prefill.lower(*weights, *inputs[shape]).compile()
 
         workers = threads or min(8, os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(shapes)))) as pool:
-            list(pool.map(compile_prefill, shapes))  # re-raises a failed compile
-        for rows, _, shortest in shapes:
-            fresh, _ = self.prefill(*dummy(rows, shortest))
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(inputs)))) as pool:
+            list(pool.map(compile_prefill, inputs))  # re-raises a failed compile
+        for (rows, bucket), args in inputs.items():
+            fresh, _ = self._prefill(*weights, *args)
             for joined in list(states) if rows == 1 else [max(states)]:  # a lone prompt joins either state
                 states[joined] = self.admit(states[joined], fresh, range(rows))
         for rows, state in states.items():
