@@ -505,6 +505,50 @@ def test_unexpected_error_is_500_counted_and_the_server_keeps_serving(tokenizer)
         assert 'endpoint="/v1/completions",status="500"} 1' in client.get("/metrics").text
 
 
+def test_a_full_queue_refuses_a_request_whole_and_keeps_serving(tokenizer):
+    """With ``max_waiting`` requests queued, a request of several prompts that does not fit is
+    answered 503 before any of its prompts is queued: none of them runs, none holds a place, and a
+    request that fits the queue's room is still taken and served."""
+    engine = FakeEngine(MODEL_VOCAB, max_batch_size=1, max_length=MAX_LENGTH, token_range=(0, TOKENIZER_VOCAB))
+    gated = GatedEngine(engine)
+    gated.gate.clear()
+    app = create_app(gated, tokenizer, model_name="tiny", max_length=MAX_LENGTH, max_waiting=2)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as client, \
+            concurrent.futures.ThreadPoolExecutor(4) as pool:
+        def post(prompt):
+            return pool.submit(httpx.post, srv.url + "/v1/completions",
+                               json={"prompt": prompt, "max_tokens": 3, "return_token_ids": True}, timeout=60)
+
+        def waiting() -> float:
+            return metric_values(client)['dflash_requests_waiting{model="tiny"}']
+
+        try:
+            running = post([1, 2])  # taken by the worker, which waits at the gate in its prefill
+            assert gated.entered.wait(10)
+            queued = post([3, 4])
+            deadline = time.monotonic() + 10
+            while waiting() < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            err = assert_error(client.post("/v1/completions", json={"prompt": [[5, 6], [7, 8]], "max_tokens": 3}),
+                               503, "server_overloaded")
+            assert "room for 1 more, not 2" in err["message"]
+            assert waiting() == 1  # the refused request's prompts left nothing behind
+            fits = post([9, 10])  # the queue's last place
+            while waiting() < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            gated.gate.set()  # also when an assertion failed: the server must stop
+        for future, prompt in ((running, [1, 2]), (queued, [3, 4]), (fits, [9, 10])):
+            r = future.result()
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == engine.reference(prompt, 3)
+        ran = [list(prompt) for group in engine.prefills for prompt in group]
+        assert [1, 2] in ran and [5, 6] not in ran and [7, 8] not in ran  # the refused prompts never ran
+        assert client.post("/v1/completions", json={"prompt": [[5, 6], [7, 8]], "max_tokens": 3}).status_code == 200
+
+
 def test_scheduler_admits_requests_at_host_syncs_and_drains():
     from dflash_jax.server.scheduler import Scheduler, SchedulerClosed
 

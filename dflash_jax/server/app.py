@@ -268,13 +268,10 @@ def _submit(ctx: ServerContext, prompts: list[list[int]], max_tokens: list[int],
     stop = _stop_ids(ctx, params)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    reqs = []
     try:
-        for i, (ids, m) in enumerate(zip(prompts, max_tokens)):
-            reqs.append(ctx.scheduler.submit(ids, m, asyncio_sink(loop, queue, i), stop_token_ids=stop))
+        reqs = ctx.scheduler.submit_all([(ids, m, asyncio_sink(loop, queue, i))
+                                         for i, (ids, m) in enumerate(zip(prompts, max_tokens))], stop_token_ids=stop)
     except (QueueFull, SchedulerClosed) as err:
-        for r in reqs:
-            r.cancel()
         raise P.APIError(f"the server cannot take the request now: {err}", status=503, type="server_error",
                          code="server_overloaded" if isinstance(err, QueueFull) else "shutting_down") from None
     return _Job(queue=queue, requests=reqs, prompt_ids=prompts)

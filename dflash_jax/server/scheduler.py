@@ -128,23 +128,34 @@ class Scheduler:
         sink: Sink,
         stop_token_ids: Sequence[int] | None = None,
     ) -> Request:
-        req = Request(
-            prompt_ids=[int(t) for t in prompt_ids],
-            max_new_tokens=int(max_new_tokens),
-            stop_token_ids=None if stop_token_ids is None else tuple(int(t) for t in stop_token_ids),
-            sink=sink,
-        )
+        return self.submit_all([(prompt_ids, max_new_tokens, sink)], stop_token_ids)[0]
+
+    def submit_all(
+        self,
+        prompts: Sequence[tuple[Sequence[int], int, Sink]],
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[Request]:
+        """Queues the prompts of one HTTP request, each ``(prompt_ids, max_new_tokens, sink)``, all
+        together or none: a request whose prompts do not all fit the waiting queue is refused whole
+        (``QueueFull``), so none of them runs, and none holds a place in the queue that the next
+        request could take."""
+        stops = None if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
+        reqs = [Request(prompt_ids=[int(t) for t in ids], max_new_tokens=int(m), stop_token_ids=stops, sink=sink)
+                for ids, m, sink in prompts]
         with self._cond:
             if self._closing:
                 raise SchedulerClosed("the server is shutting down")
-            if len(self._queue) >= self.max_waiting:
-                raise QueueFull(f"{len(self._queue)} requests are already waiting")
-            req.id = next(self._ids)
-            self.submitted += 1
-            self._queue.append(req)
+            if len(self._queue) + len(reqs) > self.max_waiting:
+                room = max(0, self.max_waiting - len(self._queue))
+                raise QueueFull(f"{len(self._queue)} requests are already waiting"
+                                + (f"; room for {room} more, not {len(reqs)}" if len(reqs) > 1 else ""))
+            for req in reqs:
+                req.id = next(self._ids)
+                self._queue.append(req)
+            self.submitted += len(reqs)
             self.metrics.waiting = len(self._queue)
             self._cond.notify_all()
-        return req
+        return reqs
 
     # ---------------------------------------------------------------- worker
 
