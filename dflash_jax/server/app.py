@@ -33,13 +33,12 @@ from starlette.routing import Route
 from dflash_jax.server import protocol as P
 from dflash_jax.server.metrics import Metrics
 from dflash_jax.server.scheduler import QueueFull, Scheduler, SchedulerClosed, asyncio_sink
+from dflash_jax.server.settings import ServerSettings
 from dflash_jax.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError
 
 log = logging.getLogger("dflash_jax.server")
 
-# Request bodies up to 2 MiB by default (TGI's payload limit is 2 MB): a prompt of 32k tokens is
-# ~150 kB of text.
-MAX_REQUEST_BYTES = 2 * 1024 * 1024
+_DEFAULTS = ServerSettings()  # create_app's defaults are serve.py's: one place for each
 
 
 @dataclasses.dataclass
@@ -67,12 +66,12 @@ def create_app(
     model_name: str = "dflash",
     max_length: int = 2048,
     vocab_size: int | None = None,
-    default_max_tokens: int = 256,
-    max_request_bytes: int = MAX_REQUEST_BYTES,
+    default_max_tokens: int = _DEFAULTS.default_max_tokens,
+    max_request_bytes: int = _DEFAULTS.max_request_bytes,
     api_key: str | None = None,
-    metrics_api_key: bool = False,
-    max_waiting: int = 1024,
-    batch_wait_s: float = 0.0,
+    metrics_api_key: bool = _DEFAULTS.metrics_api_key,
+    max_waiting: int = _DEFAULTS.max_waiting_requests,
+    batch_wait_s: float = _DEFAULTS.batch_wait_ms / 1000,
     stop_token_ids: Sequence[int] | None = None,
     info: dict[str, Any] | None = None,
 ) -> Starlette:

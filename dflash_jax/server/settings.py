@@ -51,7 +51,9 @@ class ServerSettings:
     metrics_api_key: bool = False    # require the key on /metrics too (Prometheus then needs authorization)
     default_max_tokens: int = 256    # for requests without max_tokens (capped by the maximum length)
     max_waiting_requests: int = 1024  # beyond this, requests are answered 503
-    max_request_bytes: int = 2 * 1024 * 1024  # larger request bodies are answered 413
+    # Larger request bodies are answered 413. 2 MiB, as TGI's payload limit: a prompt of 32k tokens
+    # is ~150 kB of text.
+    max_request_bytes: int = 2 * 1024 * 1024
     batch_wait_ms: float = 0.0       # idle engine: the first requests wait this long to share a prefill
     graceful_shutdown_timeout_s: float | None = None  # None: wait for every request in flight
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
