@@ -77,7 +77,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
                 return float(value)
             except ValueError:
                 raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's floats too
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
     if tp is str:
@@ -125,7 +125,7 @@ def check_field_types(config: Any, where: str = "") -> None:
         if dataclasses.is_dataclass(value):
             check_field_types(value, name)
         converted = _convert(value, hints[f.name], name)
-        if type(converted) is not type(value) and not (type(converted) is float and type(value) is int):
+        if type(converted) is not type(value) and not (type(converted) is float and isinstance(value, numbers.Real)):
             tp, _ = _strip_optional(hints[f.name])
             raise ConfigError(f"{name}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
 

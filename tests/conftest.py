@@ -3,7 +3,7 @@
 import os
 
 # The suite compiles far more than it runs: XLA:CPU with LLVM's optimisations off compiles about a
-# third faster (the whole suite ~30% shorter on 2 cores; the few step-heavy tests run ~2x slower).
+# third faster (the whole suite 20-25% shorter on 2 cores; the few step-heavy tests run ~2x slower).
 # Both flags reach the subprocesses the tests start, through the environment.
 _TEST_XLA_FLAGS = {"--xla_force_host_platform_device_count": "8", "--xla_backend_optimization_level": "0"}
 _flags = os.environ.get("XLA_FLAGS", "")

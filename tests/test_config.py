@@ -71,7 +71,7 @@ def test_configs_built_in_python_are_type_checked(kwargs, message):
         EngineConfig(**kwargs).validate()
 
 
-def test_python_built_configs_take_integers_of_any_kind():
+def test_python_built_configs_take_numbers_of_any_kind():
     import numpy as np
 
     EngineConfig(max_batch_size=np.int64(4), prompt_buckets=(16, 32), mesh=MeshConfig(tensor=2)).validate()
@@ -79,3 +79,6 @@ def test_python_built_configs_take_integers_of_any_kind():
     from dflash_jax.config import check_field_types
 
     check_field_types(Optim(lr=1))  # an int where a float is annotated
+    check_field_types(Optim(lr=np.float32(1e-3), steps=np.int32(3)))  # numpy's numbers
+    with pytest.raises(ConfigError, match=r"lr: expected float, got '1e-3'"):
+        check_field_types(Optim(lr="1e-3"))  # YAML's string-as-number is for files only
