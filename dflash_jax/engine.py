@@ -538,12 +538,11 @@ class Engine:
             for window in self.windows:  # a fixed loop compiles per step count: the serving one
                 state, _ = self.decode(state, n_steps=None if self.fixed_loop else 0, window=window)
             states[rows] = state
-        shapes = [(rows, bucket, shortest) for rows in sorted({self.prefill_rows(n) for n in range(1, max(sizes) + 1)})
-                  for bucket, shortest in self.prompt_buckets()]
-
-        # Each shape's dummy prompts (its shortest prompt, on every row), placed once: compiled, then run.
+        # Each prefill shape (rows, bucket) with its dummy prompts (the bucket's shortest prompt on every
+        # row), placed once: compiled, then run.
         inputs = {(rows, bucket): self._prefill_inputs([[0] * shortest] * rows, [2] * rows, [()] * rows)
-                  for rows, bucket, shortest in shapes}
+                  for rows in sorted({self.prefill_rows(n) for n in range(1, max(sizes) + 1)})
+                  for bucket, shortest in self.prompt_buckets()}
         weights = (self._target_state, self._drafter_state)
 
         def compile_prefill(shape: tuple[int, int]) -> None:
