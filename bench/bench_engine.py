@@ -145,6 +145,31 @@ def median_time(fn: Callable, *args, repeats: int) -> tuple[float, float]:
     return statistics.median(times), min(times)
 
 
+def card_streaming_rate(repeats: int, *, passes: int = 8, gemvs: int = 8, vocab: int = 151936,
+                        hidden: int = 4096) -> dict[str, float]:
+    """This card's weight-streaming rate, to tell a slower card from slower code: bytes per second
+    of ``passes`` rounds of a chain of ``gemvs`` dependent one-row GEMVs over distinct
+    ``[hidden, vocab]`` bf16 weights (the LM head's shape, far larger than L2), XLA's dots streaming
+    weights back to back as a decode step's do, with no kernel boundary costs to speak of.
+
+    A call runs ~10 ms of kernels, so its dispatch and sync stay under 1%; median of ``repeats``
+    calls, each ended by ``block_until_ready``; random weights, not zeros."""
+    key = jax.random.key(11)
+    weights = [jax.random.normal(jax.random.fold_in(key, i), (hidden, vocab), jnp.bfloat16) for i in range(gemvs)]
+    row = jax.random.normal(key, (1, hidden), jnp.bfloat16)
+
+    @jax.jit
+    def chain(row, weights):
+        for _ in range(passes):
+            for w in weights:  # each GEMV waits for the last
+                row = (row @ w)[:, :hidden] * jnp.bfloat16(0.01)
+        return row
+
+    t_chain, _ = median_time(chain, row, weights, repeats=repeats)
+    del weights
+    return {"gemv_bytes_per_s": passes * gemvs * hidden * vocab * 2 / t_chain, "gemv_chain_s": t_chain}
+
+
 def relative_error(got: jax.Array, want: jax.Array) -> float:
     """The largest difference of ``got`` from ``want``, relative to ``want``'s largest entry (float32)."""
     got, want = got.astype(jnp.float32), want.astype(jnp.float32)
@@ -646,6 +671,10 @@ def main() -> None:
           f"drafter {dbytes / 1e9:.2f} GB", flush=True)
 
     rows, report = [], dict(config=vars(args), target_gb=tbytes / 1e9, drafter_gb=dbytes / 1e9, batches={})
+    card = None if args.tiny else card_streaming_rate(max(5, 4 * args.repeats))
+    if card:
+        report["card"] = card
+        print(f"this card streams weights through XLA's GEMVs at {card['gemv_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     draft_batches = {int(b) for b in args.draft_batches.split(",") if b}
     layouts = args.tail_layout.split(",")
     runs = [(layout, int(b)) for layout in layouts for b in args.batches.split(",")]
@@ -742,6 +771,12 @@ def main() -> None:
               f"{draft:>11} | {verify:>12} | {e['spec_tok_s_projected']:8.0f} | {e['target_step_pipelined_s'] * 1e3:.2f} "
               f"({100 * e['target_hbm_fraction_pipelined']:.1f}%), {e['spec_step_pipelined_s'] * 1e3:.2f}, "
               f"{e['spec_step_pipelined_s'] / e['target_step_pipelined_s']:.3f}")
+    if card:
+        print(f"this card's GEMV chain streams {card['gemv_bytes_per_s'] / 1e12:.2f} TB/s; the back-to-back target "
+              "step reads its bytes at")
+        for batch, e in rows:
+            rate = e["hbm_roofline_step_s"] * HBM_BYTES_PER_S / e["target_step_pipelined_s"]  # bytes per second
+            print(f"  batch {batch}: {rate / 1e12:.2f} TB/s, {rate / card['gemv_bytes_per_s']:.1%} of that")
     for batch, e in rows:
         for key, mode in (("host", "DFlash"), ("host_target_only", "target-only")):
             h = e.get(key)
