@@ -422,6 +422,8 @@ def run_serve(cfg) -> None:
     tokenizer = load_tokenizer(cfg, required=True)
     engine, target = load_engine(cfg)
     if s.warmup:
+        log.info("compiling every shape a request can meet before serving (server.warmup: false skips it, and "
+                 "requests then wait for their compiles)")
         seconds = engine.warmup()
         cached = ""
         if cfg.engine.compilation_cache_dir is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import os
 import time
 from typing import Callable, Sequence
@@ -37,6 +38,8 @@ from dflash_jax.drafter import Drafter
 from dflash_jax.layers import fold_norms, fuse_projections
 from dflash_jax.sharding import MeshConfig, kernel_mesh, make_mesh, named_sharding, shard_module
 from dflash_jax.target import Target
+
+log = logging.getLogger("dflash_jax.engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -534,6 +537,9 @@ class Engine:
         t0 = time.perf_counter()
         sizes = sorted({1, self.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
         states = {rows: self.empty_state(rows) for rows in sorted({self.state_rows(size) for size in sizes})}
+        # Minutes for a large model (or on a CPU) with nothing else to show for them: say what is compiling.
+        log.info("warm-up: compiling decode for running states of %s rows at %d attention windows",
+                 list(states), len(self.windows))
         for rows, state in states.items():
             for window in self.windows:  # a fixed loop compiles per step count: the serving one
                 state, _ = self.decode(state, n_steps=None if self.fixed_loop else 0, window=window)
@@ -548,9 +554,14 @@ class Engine:
         def compile_prefill(shape: tuple[int, int]) -> None:
             self._prefill.lower(*weights, *inputs[shape]).compile()
 
-        workers = threads or min(8, os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(inputs)))) as pool:
+        workers = max(1, min(threads or min(8, os.cpu_count() or 1), len(inputs)))
+        log.info("warm-up: decode compiled after %.1f s; compiling %d prefill shapes (%d prompt counts x %d prompt "
+                 "buckets) on %d threads", time.perf_counter() - t0, len(inputs), len({r for r, _ in inputs}),
+                 len({b for _, b in inputs}), workers)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             list(pool.map(compile_prefill, inputs))  # re-raises a failed compile
+        log.info("warm-up: prefills compiled after %.1f s; compiling the admissions, resizes and releases",
+                 time.perf_counter() - t0)
         for (rows, bucket), args in inputs.items():
             fresh, _ = self._prefill(*weights, *args)
             for joined in list(states) if rows == 1 else [max(states)]:  # a lone prompt joins either state

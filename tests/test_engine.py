@@ -1,6 +1,7 @@
 """The batched engine against `dflash.model.dflash_generate` and against target-only greedy decoding."""
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -356,16 +357,22 @@ def test_single_row_partials_engine_equals_xla(models, prompts, engines, monkeyp
     assert taken and all(t is None for t in taken)
 
 
-def test_warmup_compiles_everything_serving_runs(models):
+def test_warmup_compiles_everything_serving_runs(models, caplog):
     """After ``warmup``, requests of every prompt bucket, admitted alone, two at once and into
     running rows, the running state moving between one row and two, one request cancelled and one
     needing the whole cache, compile nothing: a shape compiled while serving stalls every running
-    request for its compile. Target-only: a drafter adds no shapes, only compile time."""
+    request for its compile. Target-only: a drafter adds no shapes, only compile time. The warm-up
+    logs what it compiles as it goes (minutes of silence otherwise, for a large model)."""
     target, _ = models
     engine = Engine(target, None, EngineConfig(max_batch_size=2, max_length=100, steps_per_sync=4))
     assert engine.windows == (64, 128)  # capacity 100 + 1, rounded up to whole tiles
     assert engine.prompt_buckets() == [(16, 1), (32, 17), (64, 33), (128, 65)]
-    assert engine.warmup() > 0
+    with caplog.at_level(logging.INFO, logger="dflash_jax.engine"):
+        assert engine.warmup() > 0
+    progress = [r.getMessage() for r in caplog.records if r.name == "dflash_jax.engine"]
+    assert len(progress) == 3
+    assert "decode for running states of [1, 2] rows at 2 attention windows" in progress[0]
+    assert "8 prefill shapes (2 prompt counts x 4 prompt buckets)" in progress[1]
     phases = {name: getattr(engine, f"_{name}") for name in ("prefill", "admit", "resize", "release", "empty",
                                                                   "decode")}
     compiled = {name: fn._cache_size() for name, fn in phases.items()}
