@@ -2,9 +2,10 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
-from dflash_jax.config import ConfigError, load_config, save_config
+from dflash_jax.config import ConfigError, check_field_types, load_config, save_config
 from dflash_jax.engine import EngineConfig
 from dflash_jax.sharding import MeshConfig
 
@@ -72,12 +73,8 @@ def test_configs_built_in_python_are_type_checked(kwargs, message):
 
 
 def test_python_built_configs_take_numbers_of_any_kind():
-    import numpy as np
-
     EngineConfig(max_batch_size=np.int64(4), prompt_buckets=(16, 32), mesh=MeshConfig(tensor=2)).validate()
     assert load_config(Optim, None, ["lr=1"]) == Optim(lr=1.0)
-    from dflash_jax.config import check_field_types
-
     check_field_types(Optim(lr=1))  # an int where a float is annotated
     check_field_types(Optim(lr=np.float32(1e-3), steps=np.int32(3)))  # numpy's numbers
     with pytest.raises(ConfigError, match=r"lr: expected float, got '1e-3'"):
