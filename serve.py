@@ -11,7 +11,9 @@ Settings come from ``--config`` (default ``configs/serve.yaml`` beside this file
 Batch mode: each input line is a JSON object with one of ``prompt_ids`` (token ids), ``prompt`` (text,
 encoded with the tokenizer's special tokens) or ``messages`` (the chat template is applied), and an
 optional ``max_new_tokens`` (the prompt plus it must fit ``--max-length``; the default,
-``--max-new-tokens``, is capped to fit); other fields are copied to the output. Each output line adds
+``--max-new-tokens``, is capped to fit) and ``stop`` (stop strings, a string or a list; default
+``generate.stop``: the text is cut before the first, the ids after the one that completed it); other
+fields are copied to the output. Each output line adds
 ``output_ids``, ``text``, ``finish_reason``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_steps``,
 ``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token`` (an input field
 of one of these names is an error, not overwritten). A JSON summary
@@ -258,8 +260,9 @@ def check_output(input_path: Path, output_path: Path) -> None:
         raise CLIError(f"{where}: its directory {output_path.parent} is not writable")
 
 
-def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int], int]:
-    """(prompt token ids, max_new_tokens) of one input line."""
+def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int], int, tuple[str, ...]]:
+    """(prompt token ids, max_new_tokens, stop strings) of one input line."""
+    from dflash_jax.text_stream import parse_stop_strings
     from dflash_jax.tokenizer import ChatTemplateError, TokenizerError
 
     given = [k for k in ("prompt_ids", "prompt", "messages") if k in row]
@@ -298,24 +301,33 @@ def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int
     max_new = row.get("max_new_tokens", cfg.generate.max_new_tokens)
     if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
         raise CLIError(f"{where}: 'max_new_tokens' must be a positive integer, got {max_new!r}")
-    return ids, max_new
+    try:
+        stop = parse_stop_strings(row["stop"]) if "stop" in row else cfg.generate.stop
+    except (TypeError, ValueError) as err:
+        raise CLIError(f"{where}: {err}") from None
+    if stop and tokenizer is None:
+        raise CLIError(f"{where}: stop strings need a tokenizer (tokenizer.json in the target or --tokenizer)")
+    return ids, max_new, stop
 
 
 def run_generate(cfg) -> dict[str, Any]:
     from tqdm import tqdm
 
     from dflash_jax.compile_cache import compile_seconds, track_compile_time
+    from dflash_jax.text_stream import TextStream, finish_text
 
     track_compile_time()
     input_path, output_path = Path(cfg.generate.input), Path(cfg.generate.output)
     rows = read_jsonl(input_path)
-    needs_tokenizer = any("prompt" in r or "messages" in r for _, r in rows)
+    needs_tokenizer = bool(cfg.generate.stop) or any("prompt" in r or "messages" in r or r.get("stop")
+                                                      for _, r in rows)
     tokenizer = load_tokenizer(cfg, required=needs_tokenizer)
     max_length = cfg.engine.max_length
-    prompts, max_new = [], []
+    prompts, max_new, texts = [], [], []
     for lineno, row in rows:
         where = f"{input_path}:{lineno}"
-        ids, m = prompt_of(row, where, tokenizer, cfg)
+        ids, m, stop = prompt_of(row, where, tokenizer, cfg)
+        texts.append(TextStream(tokenizer, stop) if stop else None)
         if len(ids) >= max_length:
             raise CLIError(f"{where}: the prompt has {len(ids)} tokens; the maximum length is {max_length} "
                            "(prompt plus output): raise --max-length")
@@ -359,7 +371,7 @@ def run_generate(cfg) -> dict[str, Any]:
                 bar.set_postfix(tau=f"{committed / draft_steps:.2f}")
 
         out = engine.generate([prompts[i] for i in order], [max_new[i] for i in order], stop_token_ids=stops,
-                              on_done=finished)
+                              on_done=finished, stop_checks=[None if texts[i] is None else texts[i].add for i in order])
     results: list[Any] = [None] * len(prompts)
     for i, res in zip(order, out):
         results[i] = res
@@ -368,14 +380,17 @@ def run_generate(cfg) -> dict[str, Any]:
 
     tmp = output_path.with_name(output_path.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
-        for (_, row), ids, res in zip(rows, prompts, results):
+        for (_, row), ids, res, stream in zip(rows, prompts, results, texts):
             out = dict(row)
+            output_ids, finish = list(res.output_ids), res.finish_reason
+            if stream is not None:  # the text and ids that the stop strings leave
+                output_ids, _, finish = finish_text(stream, res)
             out.update(
-                output_ids=list(res.output_ids),
-                text=tokenizer.decode(res.output_ids) if tokenizer is not None else None,
-                finish_reason=res.finish_reason,
+                output_ids=output_ids,
+                text=stream.text if stream is not None else tokenizer.decode(res.output_ids) if tokenizer else None,
+                finish_reason=finish,
                 num_prompt_tokens=len(ids),
-                num_output_tokens=len(res.output_ids),
+                num_output_tokens=len(output_ids),
                 num_steps=res.num_steps,
                 acceptance_lengths=list(res.acceptance_lengths),
                 tau=res.tau,

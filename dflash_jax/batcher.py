@@ -3,13 +3,19 @@
 ``ContinuousBatcher`` owns the running ``DecodeState`` (a few row slots, one request each) and a queue
 of pending requests. Every ``step`` is one host sync:
 
-1. rows of cancelled requests are released (marked done on device); pending requests are admitted
-   into free rows: the state is first moved to the engine's row count for its live requests (one
-   row for a lone request), then one prefill of just the new prompts is scattered into free slots,
-   and their first tokens (the prefill's) are read and streamed at once;
+1. rows of cancelled requests, and of requests that a stop check ended, are released (marked done
+   on device); pending requests are admitted into free rows: the state is first moved to the
+   engine's row count for its live requests (one row for a lone request), then one prefill of just
+   the new prompts is scattered into free slots, and their first tokens (the prefill's) are read
+   and streamed at once;
 2. the next decode call is dispatched, its attention window covering every live row;
 3. the snapshot of the *previous* call is read while the device runs the new one: new tokens stream
    to their requests, and rows that finished become ``GenerationResult``s and free slots.
+
+A request's ``StopCheck`` sees its tokens before they stream and may end it at any of them (stop
+strings: ``dflash_jax.text_stream``): the result is cut there, as the device cuts a block at a stop
+token, and the row, still decoding on the device, is released at the next step. The call already
+in flight runs it once more, for nothing.
 
 The first tokens are read as soon as the prefill has run, before the admission and the next decode
 call are dispatched, at the price of a short device idle per admission: read later, they arrived
@@ -82,6 +88,12 @@ class GenerationResult:
         return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 1.0
 
 
+# Called with each chunk of a generation's new token ids, before ``on_tokens``: None to go on, or how
+# many of them to keep, ending the generation after them (finish_reason "stop"; a stop string, say,
+# as ``dflash_jax.text_stream.TextStream.add`` finds them).
+StopCheck = Callable[[list[int]], "int | None"]
+
+
 @dataclasses.dataclass(eq=False)
 class Generation:
     """One request in a ``ContinuousBatcher``: what it asks for, how far it got, how it ended."""
@@ -92,14 +104,17 @@ class Generation:
     on_tokens: Callable[[list[int]], None] | None
     on_finish: Callable[[Generation], None] | None  # once, with ``result`` or ``error`` set
     submitted: float                 # perf_counter time the request arrived
+    stop_check: StopCheck | None = None
     admitted: float | None = None    # perf_counter time it got a row
     first_token_time: float | None = None
     result: GenerationResult | None = None
     error: Exception | None = None
     cancelled: bool = False
-    # The host's view of the row: tokens before position ``emitted`` went to ``on_tokens``; the
-    # anchor was at ``start`` after the first ``seen_calls`` decode calls (it may be further now).
+    # The host's view of the row: tokens before position ``emitted`` went to ``on_tokens`` (the
+    # generated ones are ``output_ids``); the anchor was at ``start`` after the first ``seen_calls``
+    # decode calls (it may be further now).
     emitted: int = 0
+    output_ids: list[int] = dataclasses.field(default_factory=list)
     start: int = 0
     seen_calls: int = 0
 
@@ -121,6 +136,20 @@ class _Call:
     index: int                       # 1 for the batcher's first call
 
 
+def cut_acceptance(accepted: Sequence[int], tokens: int) -> list[int]:
+    """The per-step acceptance lengths of the steps that committed the first ``tokens`` tokens after the
+    prefill's, the last step's cut to what it adds: ``[3, 4, 2]`` cut at 5 tokens is ``[3, 2]``."""
+    out: list[int] = []
+    for n in accepted:
+        if tokens <= 0:
+            break
+        out.append(min(int(n), tokens))
+        tokens -= out[-1]
+    if tokens > 0:
+        raise ValueError(f"{sum(out)} tokens committed in {len(out)} steps, fewer than the {sum(out) + tokens} asked")
+    return out
+
+
 class ContinuousBatcher:
     """Admits requests into the free rows of one running batch between decode calls (see the module
     docstring). Not thread-safe: one thread submits and steps (``Generation.cancel`` excepted)."""
@@ -132,6 +161,7 @@ class ContinuousBatcher:
         self._state: Any = None                   # the running state; None when no row is live
         self._in_flight: _Call | None = None
         self._calls = 0
+        self._unreleased: list[int] = []  # slots of rows ended on the host (stop checks), live on the device
 
     @property
     def running(self) -> int:
@@ -159,15 +189,18 @@ class ContinuousBatcher:
         *,
         on_tokens: Callable[[list[int]], None] | None = None,
         on_finish: Callable[[Generation], None] | None = None,
+        stop_check: StopCheck | None = None,
         submitted: float | None = None,
         name: str = "the prompt",
     ) -> Generation:
         """Queues a greedy generation of up to ``max_new_tokens`` after ``prompt_ids``.
 
         ``on_tokens(new_ids)`` gets the tokens committed since the last call at every host sync;
-        ``on_finish(generation)`` is called once when it ends. ``submitted``: when the request
-        arrived (``time.perf_counter``; default now), the start of its time to first token.
-        ``name`` names the prompt in errors.
+        ``on_finish(generation)`` is called once when it ends. ``stop_check`` (``StopCheck``) may end
+        it earlier, at a token of the host's choosing: its row is released at the next step, and its
+        result is cut after that token (acceptance lengths too, as at a stop token).
+        ``submitted``: when the request arrived (``time.perf_counter``; default now), the start of
+        its time to first token. ``name`` names the prompt in errors.
         """
         config = self.engine.config
         prompt = _integers(prompt_ids, name)
@@ -190,7 +223,7 @@ class ContinuousBatcher:
                              f"{self.engine.max_stop_ids}")
         generation = Generation(
             prompt_ids=prompt, max_len=min(len(prompt) + int(max_new_tokens), config.max_length),
-            stop_token_ids=stops, on_tokens=on_tokens, on_finish=on_finish,
+            stop_token_ids=stops, on_tokens=on_tokens, on_finish=on_finish, stop_check=stop_check,
             submitted=time.perf_counter() if submitted is None else submitted,
         )
         self._pending.append(generation)
@@ -209,22 +242,25 @@ class ContinuousBatcher:
         state is dropped. Pending requests stay queued either way.
         """
         try:
-            self._release_cancelled()
+            self._release_given_up()
             admitted = self._admit()
             if admitted is not None:
                 self._read_first_tokens(*admitted)
+                self._release_given_up()  # rows that their first token ended: before a call runs them
             previous, self._in_flight = self._in_flight, self._dispatch()
             if previous is not None:
                 self._read(previous)
         except Exception as err:  # noqa: BLE001 - reported to every request it touched
             failed = [g for g in self._rows if g is not None and not g.finished]
-            self._state, self._rows, self._in_flight = None, [], None
+            self._state, self._rows, self._in_flight, self._unreleased = None, [], None, []
             self._fail(failed, err)
 
     # -- the phases of a step ----------------------------------------------------------------------
 
-    def _release_cancelled(self) -> None:
-        slots = [i for i, g in enumerate(self._rows) if g is not None and g.cancelled]
+    def _release_given_up(self) -> None:
+        """Releases the rows of cancelled requests and of those that a stop check ended."""
+        slots = sorted({i for i, g in enumerate(self._rows) if g is not None and g.cancelled} | set(self._unreleased))
+        self._unreleased = []
         if slots:
             self._state = self.engine.release(self._state, slots)
             for i in slots:
@@ -288,9 +324,7 @@ class ContinuousBatcher:
             if g.cancelled:
                 continue
             g.first_token_time = now
-            g.emitted += 1
-            if g.on_tokens is not None:
-                g.on_tokens([int(token)])
+            self._deliver(g, [int(token)], None, 0, now)
 
     def _read(self, call: _Call) -> None:
         """Streams the tokens ``call`` committed and retires the rows it finished."""
@@ -302,26 +336,60 @@ class ContinuousBatcher:
             g.start, g.seen_calls = int(snap.starts[row]), call.index
             upto = min(g.start + 1, g.max_len)
             if upto > g.emitted:
-                new = snap.tokens[row, g.emitted: upto].tolist()
-                g.emitted = upto
-                if g.on_tokens is not None:
-                    g.on_tokens(new)
-            if snap.done[row]:
+                self._deliver(g, snap.tokens[row, g.emitted: upto].tolist(), snap, row, now)
+            if snap.done[row] and not g.finished:
                 self._retire(g, snap, row, now)
 
-    def _retire(self, g: Generation, snap: RowSnapshot, row: int, now: float) -> None:
-        out = snap.tokens[row, len(g.prompt_ids): g.emitted].tolist()
-        steps = int(snap.num_steps[row])
+    def _deliver(self, g: Generation, new: list[int], snap: RowSnapshot | None, row: int, now: float) -> None:
+        """Passes ``g``'s new tokens through its stop check to ``on_tokens``; ends ``g`` if the check
+        says so. ``snap``: the snapshot they come from (None for the prefill's first token)."""
+        keep = None
+        if g.stop_check is not None:
+            try:
+                keep = g.stop_check(new)
+                if keep is not None and not (isinstance(keep, int) and 1 <= keep <= len(new)):
+                    raise ValueError(f"a stop check kept {keep!r} of {len(new)} new tokens")
+            except Exception as err:  # noqa: BLE001 - fails this request alone
+                self._end_on_host(g)
+                self._fail([g], err)
+                return
+            new = new[:keep]
+        g.emitted += len(new)
+        g.output_ids.extend(new)
+        if g.on_tokens is not None:
+            g.on_tokens(new)
+        if keep is not None:
+            self._end_on_host(g)
+            self._retire(g, snap, row, now, stopped=True)
+
+    def _end_on_host(self, g: Generation) -> None:
+        """Frees ``g``'s row, still live on the device: it is released at the next step."""
+        slot = self._rows.index(g)
+        self._rows[slot] = None
+        self._unreleased.append(slot)
+
+    def _retire(self, g: Generation, snap: RowSnapshot | None, row: int, now: float, stopped: bool = False) -> None:
+        out = list(g.output_ids)
+        if not stopped:
+            steps = int(snap.num_steps[row])
+            accepted = snap.accepted[row, :steps].tolist()
+        elif self.engine.speculative:  # cut after the stop check's last token, as at a stop token
+            history = [] if snap is None else snap.accepted[row, :int(snap.num_steps[row])]
+            accepted = cut_acceptance(history, len(out) - 1)
+            steps = len(accepted)
+        else:
+            accepted, steps = [], len(out) - 1
         g.result = GenerationResult(
             output_ids=out,
-            acceptance_lengths=snap.accepted[row, :steps].tolist() if self.engine.speculative else [],
+            acceptance_lengths=accepted if self.engine.speculative else [],
             num_prompt_tokens=len(g.prompt_ids),
-            finish_reason="stop" if out and out[-1] in g.stop_token_ids else "length",
+            finish_reason="stop" if stopped or (out and out[-1] in g.stop_token_ids) else "length",
             time_to_first_token=g.first_token_time - g.submitted,
             time_per_output_token=(now - g.first_token_time) / max(1, len(out) - 1),
             num_steps=steps,
         )
-        self._rows[self._rows.index(g)] = None
+        if g in self._rows:
+            self._rows[self._rows.index(g)] = None
         if g.on_finish is not None:
             g.on_finish(g)
 

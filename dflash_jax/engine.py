@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from dflash_jax import decoding, layers, tail_layout
 from dflash_jax.attention import resolve_attention_impl
-from dflash_jax.batcher import ContinuousBatcher, Generation, GenerationResult
+from dflash_jax.batcher import ContinuousBatcher, Generation, GenerationResult, StopCheck
 from dflash_jax.cache import CACHE_ALIGNMENT, CACHE_AXES
 from dflash_jax.compile_cache import check_setting as check_cache_setting, use_compilation_cache
 from dflash_jax.config import check_field_types
@@ -592,13 +592,15 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         on_tokens: Callable[[int, list[int]], None] | None = None,
         on_done: Callable[[int, GenerationResult], None] | None = None,
+        stop_checks: Sequence[StopCheck | None] | None = None,
     ) -> list[GenerationResult]:
         """Greedy generation for every prompt (token-id lists) through ``max_batch_size`` row slots:
         a prompt takes the first row that frees, so more prompts than slots flow through continuously.
 
         ``on_tokens(index, new_ids)`` is called at every host sync with the tokens committed for
         prompt ``index`` since the previous call (streaming); ``on_done(index, result)`` when prompt
-        ``index`` finishes.
+        ``index`` finishes. ``stop_checks``: one per prompt (or None), each ending its generation on
+        the host (``dflash_jax.batcher.StopCheck``; stop strings: ``dflash_jax.text_stream.TextStream.add``).
         """
         if np.ndim(max_new_tokens) == 0:  # one value for every prompt (numpy's integers too; submit checks it)
             max_new = [max_new_tokens] * len(prompts)
@@ -611,12 +613,15 @@ class Engine:
             if generation.result is not None:
                 on_done(index, generation.result)
 
+        checks = [None] * len(prompts) if stop_checks is None else list(stop_checks)
+        if len(checks) != len(prompts):
+            raise ValueError(f"stop_checks has {len(checks)} entries for {len(prompts)} prompts")
         batcher = ContinuousBatcher(self)
         generations = [
-            batcher.submit(p, m, stop_token_ids, name=f"prompt {i}",
+            batcher.submit(p, m, stop_token_ids, name=f"prompt {i}", stop_check=check,
                            on_tokens=None if on_tokens is None else functools.partial(on_tokens, i),
                            on_finish=None if on_done is None else functools.partial(finished, i))
-            for i, (p, m) in enumerate(zip(prompts, max_new))
+            for i, (p, m, check) in enumerate(zip(prompts, max_new, checks))
         ]
         batcher.run()
         for generation in generations:

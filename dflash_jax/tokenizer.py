@@ -447,8 +447,8 @@ class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of text deltas whose concatenation equals
     ``tokenizer.decode(all_ids)``.
 
-    Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or while the decoded text
-    is not an extension of what was already sent; ``finish()`` sends the rest.
+    Text is held back while it is not an extension of what was already sent, and an incomplete UTF-8
+    sequence at its end (U+FFFD) until it completes; ``finish()`` sends the rest.
 
     Each call decodes a window, the ids of the last chunk sent plus the new ones, and sends what the
     new ones add to the chunk's text (as TGI's and vLLM's detokenizers do): decoding every id each
@@ -477,13 +477,27 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         return self._send(final=True)
 
+    def mark(self) -> tuple[int, int, int, str]:
+        """The stream's position, for ``rewind``."""
+        return len(self.ids), self._start, self._read, self._before
+
+    def rewind(self, mark: tuple[int, int, int, str]) -> None:
+        """Forgets the ids added since ``mark`` (their text must not have been used)."""
+        n, self._start, self._read, self._before = mark
+        del self.ids[n:]
+
     def _send(self, final: bool) -> str:
         text = self.tokenizer.decode(self.ids[self._start:], self.skip_special_tokens)
         # Not an extension (a decoder rewrote sent text): what was sent cannot be taken back.
-        if not text.startswith(self._before) or (not final and text.endswith("\ufffd")):
+        if not text.startswith(self._before):
             return ""
-        delta = text[len(self._before):]
-        if self._windowed:  # the next window starts with this chunk, decoded on its own
+        # An incomplete character (U+FFFD) at the end waits; the text before it goes now (a stop
+        # string there must be seen with the ids that completed it: dflash_jax.text_stream).
+        end = len(text) if final else len(text.rstrip("\ufffd"))
+        delta = text[len(self._before): end]
+        if end < len(text):  # the window keeps its start until its last character is complete
+            self._before = text[:max(end, len(self._before))]
+        elif self._windowed:  # the next window starts with this chunk, decoded on its own
             self._start, self._read = self._read, len(self.ids)
             self._before = self.tokenizer.decode(self.ids[self._start:], self.skip_special_tokens)
         else:

@@ -107,15 +107,25 @@ def test_generate_end_to_end(models, tmp_path):
     assert all(p["acceptance_lengths"] == [] and p["tau"] == 1.0 for p in plain)
     assert all(p["num_steps"] == p["num_output_tokens"] - 1 for p in plain)
 
-    # A lower block size drafts shorter blocks, to the same tokens.
+    # A lower block size drafts shorter blocks, to the same tokens; a line's stop strings cut its
+    # text before the first of them and its tokens after the one that completed it.
+    text = rows[3]["text"]
+    stop = next(text[at: at + 2] for at in range(len(text) // 3, len(text) - 2)
+                if text[at: at + 2].strip() and "\ufffd" not in text[at: at + 2])
+    kept, want, _ = tf.stop_string_reference(tok, rows[3]["output_ids"], [stop])
+    assert kept < len(rows[3]["output_ids"])
+    stopped = write_jsonl(tmp_path / "stop.jsonl", LINES[:4] + [{**LINES[4], "stop": [stop, "never here"]}])
     out_block = tmp_path / "block4.jsonl"
-    r = run_cli("generate", *common, "--draft", str(drafter_dir), "--block-size", "4", "--no-progress",
-                "--output", str(out_block))
+    r = run_cli("generate", *common[:2], "--input", str(stopped), *common[4:], "--draft", str(drafter_dir),
+                "--block-size", "4", "--no-progress", "--output", str(out_block))
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stderr.strip().splitlines()[-1])["block_size"] == 4
     short = read_jsonl(out_block)
-    assert [b["output_ids"] for b in short] == [row["output_ids"] for row in rows]
+    assert [b["output_ids"] for b in short[:3]] == [row["output_ids"] for row in rows[:3]]
     assert all(1 <= a <= 4 for b in short for a in b["acceptance_lengths"])
+    assert short[3]["output_ids"] == rows[3]["output_ids"][:kept] and short[3]["text"] == want
+    assert short[3]["finish_reason"] == "stop" and short[3]["num_output_tokens"] == kept
+    assert sum(short[3]["acceptance_lengths"]) + 1 == kept
 
 
 @pytest.mark.parametrize(
@@ -130,6 +140,8 @@ def test_generate_end_to_end(models, tmp_path):
         ({"prompt": ""}, "'prompt' must be a non-empty string"),
         ({"messages": "hi"}, "'messages' must be a non-empty list"),
         ({"prompt": "hi", "max_new_tokens": 0}, "'max_new_tokens' must be a positive integer"),
+        ({"prompt": "hi", "stop": 5}, "'stop' must be a string or an array of strings"),
+        ({"prompt": "hi", "stop": ["\n", ""]}, "'stop[1]' is empty"),
         ({"prompt": "word " * 100}, "the maximum length is 64"),
         ({"prompt_ids": [1] * 10, "max_new_tokens": 60}, "the prompt has 10 tokens and 'max_new_tokens' is 60: 70 "
                                                          "tokens exceed the maximum length 64"),  # was cut to 54

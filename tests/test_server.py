@@ -189,6 +189,44 @@ def test_stop_token_ids_end_generation_besides_the_models_own(fake, tokenizer):
     assert r.json()["choices"][0]["token_ids"] == engine.reference(ids, 12, [stop])
 
 
+def test_stop_strings_cut_the_text_and_end_the_row(fake, tokenizer):
+    """A stop string ends a choice at the token that completes it: the text is cut before it, streamed
+    or not, and the freed row serves the next request."""
+    engine, client, _ = fake
+    ids = tokenizer.encode("Hello, world")
+    free = engine.reference(ids, 16, tokenizer.stop_token_ids)
+    text = tokenizer.decode(free)
+    stops = {text[at: at + 2] for at in range(1, len(text) - 2)
+             if text[at: at + 2].strip() and "\ufffd" not in text[at: at + 2]}
+    cuts = set()
+    for stop in sorted(stops)[:8]:  # ends at several tokens, inside and at the end of a host sync's chunk
+        kept, want, found = tf.stop_string_reference(tokenizer, free, [stop])
+        assert found == stop
+        cuts.add(kept)
+        body = {"prompt": ids, "max_tokens": 16, "stop": [stop, "never in this text"], "return_token_ids": True}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == (want, free[:kept], "stop")
+        assert r.json()["usage"]["completion_tokens"] == kept
+        stats = r.json()["dflash"][0]
+        assert sum(stats["acceptance_lengths"]) + 1 == kept and stats["num_steps"] == len(stats["acceptance_lengths"])
+        texts, streamed, finish = join_stream(stream(client, "/v1/completions", {**body, "stop": stop}), chat=False)
+        assert (texts[0], streamed[0], finish[0]) == (want, free[:kept], "stop")
+    assert len(cuts) >= 4
+
+    messages = [{"role": "user", "content": "Say something."}]
+    free = engine.reference(tokenizer.apply_chat_template(messages), 16, tokenizer.stop_token_ids)
+    kept, want, _ = tf.stop_string_reference(tokenizer, free, [stop])
+    chat = {"messages": messages, "max_tokens": 16, "stop": stop, "return_token_ids": True}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.json()["choices"][0]["message"]["content"] == want and r.json()["choices"][0]["token_ids"] == free[:kept]
+    texts, streamed, _ = join_stream(stream(client, "/v1/chat/completions", chat), chat=True)
+    assert (texts[0], streamed[0]) == (want, free[:kept])
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 16, "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == engine.reference(ids, 16, tokenizer.stop_token_ids)
+
+
 def test_chat_completion(fake, tokenizer):
     engine, client, _ = fake
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
@@ -323,7 +361,11 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "presence_penalty": 0.5}, "unsupported_parameter", "presence_penalty"),
     ({"prompt": "hi", "frequency_penalty": 1}, "unsupported_parameter", "frequency_penalty"),
     ({"prompt": "hi", "repetition_penalty": 1.1}, "unsupported_parameter", "repetition_penalty"),
-    ({"prompt": "hi", "stop": ["\n"]}, "unsupported_parameter", "stop"),
+    ({"prompt": "hi", "stop": 5}, "invalid_type", "stop"),
+    ({"prompt": "hi", "stop": ["\n", 5]}, "invalid_type", "stop"),
+    ({"prompt": "hi", "stop": ["\n", ""]}, "invalid_value", "stop"),
+    ({"prompt": "hi", "stop": [str(i) for i in range(17)]}, "invalid_value", "stop"),
+    ({"prompt": "hi", "stop": "x" * 1001}, "invalid_value", "stop"),
     ({"prompt": "hi", "logprobs": 1}, "unsupported_parameter", "logprobs"),
     ({"prompt": "hi", "echo": True}, "unsupported_parameter", "echo"),
     ({"prompt": "hi", "logit_bias": {"1": 5}}, "unsupported_parameter", "logit_bias"),
@@ -704,6 +746,52 @@ def test_disconnected_client_frees_its_row(tokenizer, stream):
             assert metrics['dflash_http_requests_total{model="tiny",endpoint="/v1/completions",status="499"}'] == 1
 
 
+def test_stop_checks_end_rows_on_the_host():
+    """A stop check ends its row at the token it names: the result is cut there (acceptance lengths as
+    at a stop token), the row is released at the next step and reused; a failing check fails its own
+    request alone."""
+    from dflash_jax.batcher import ContinuousBatcher, cut_acceptance
+
+    engine = FakeEngine(100, max_batch_size=2, max_length=64, block_size=4, steps_per_sync=2)
+
+    def stop_after(n):
+        seen = [0]
+
+        def check(ids):
+            if seen[0] + len(ids) >= n:
+                return n - seen[0]
+            seen[0] += len(ids)
+            return None
+        return check
+
+    def broken(ids):
+        raise RuntimeError("a broken stop check")
+
+    prompts = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]]
+    full = ContinuousBatcher(engine)
+    alone = [full.submit(p, 20) for p in prompts]
+    full.run()
+    batcher = ContinuousBatcher(engine)
+    engine.released.clear()
+    stops = [1, 7, None, 13, "broken"]
+    gens = [batcher.submit(p, 20, stop_check=broken if n == "broken" else None if n is None else stop_after(n))
+            for p, n in zip(prompts, stops)]
+    batcher.run()
+    for g, a, n in zip(gens, alone, stops):
+        if n == "broken":
+            assert isinstance(g.error, RuntimeError) and g.result is None
+            continue
+        if n is None:
+            assert g.result.output_ids == a.result.output_ids and g.result.finish_reason == "length"
+            continue
+        res = g.result
+        assert res.output_ids == a.result.output_ids[:n] and res.finish_reason == "stop"
+        assert res.acceptance_lengths == cut_acceptance(a.result.acceptance_lengths, n - 1)
+        assert res.num_steps == len(res.acceptance_lengths)
+    assert len(engine.released) == 4  # the rows of the three stopped requests and the failed one
+    assert batcher.idle and batcher.running == 0
+
+
 # ----------------------------------------------------------------------------------------- real engine
 
 
@@ -771,6 +859,27 @@ def test_real_engine_streaming(real):
                                                 "return_token_ids": True})
     texts, ids, _ = join_stream(events, chat=False)
     assert ids[0] == alone["ids"].output_ids and texts[0] == tok.decode(alone["ids"].output_ids)
+
+
+def test_real_engine_stop_strings(real):
+    """Stop strings on the real engine: the tokens and acceptance lengths of the request alone, cut at
+    the token that completes the stop string, streamed or not."""
+    from dflash_jax.batcher import cut_acceptance
+
+    tok, prompts, alone, client, _, _ = real
+    out = alone["hello"].output_ids
+    text = tok.decode(out)
+    stop = next(text[at: at + 3] for at in range(len(text) // 3, len(text) - 3)
+                if text[at: at + 3].strip() and "\ufffd" not in text[at: at + 3])
+    kept, want, _ = tf.stop_string_reference(tok, out, [stop])
+    assert kept < len(out)
+    body = {"prompt": "Hello, world", "max_tokens": MAX_TOKENS, "stop": stop, "return_token_ids": True}
+    r = client.post("/v1/completions", json=body)
+    (choice,) = r.json()["choices"]
+    assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == (want, out[:kept], "stop")
+    assert r.json()["dflash"][0]["acceptance_lengths"] == cut_acceptance(alone["hello"].acceptance_lengths, kept - 1)
+    texts, ids, finish = join_stream(stream(client, "/v1/completions", body), chat=False)
+    assert (texts[0], ids[0], finish[0]) == (want, out[:kept], "stop")
 
 
 def test_real_engine_concurrent_requests(real):

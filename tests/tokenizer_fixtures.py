@@ -14,7 +14,8 @@
 Every writer takes ``vocab_size`` (the total number of ids, special tokens included; at least ~300, the
 byte alphabet plus special tokens) so the tokenizer fits a tiny model's embedding table, and returns the
 directory. ``write_tiny_models_with_tokenizer(dir)`` writes a tiny target + drafter (``dflash_jax.tiny``)
-with a Qwen tokenizer in the target directory.
+with a Qwen tokenizer in the target directory. ``stop_string_reference`` is where stop strings end a
+generation, by brute force.
 """
 
 from __future__ import annotations
@@ -378,3 +379,18 @@ def write_tiny_models_with_tokenizer(directory, *, model_vocab_size: int = 520, 
     target_dir, drafter_dir = write_tiny_pair(directory, target_overrides=overrides, **tiny_kwargs)
     write_qwen_tokenizer(target_dir, vocab_size=tokenizer_vocab_size)
     return Path(target_dir), Path(drafter_dir)
+
+
+def stop_string_reference(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, str | None]:
+    """(ids kept, text, the stop string) of a generation of ``ids`` with ``stops``: the first prefix of
+    the ids whose whole decode holds a stop string, its text cut before it (all of them and their
+    text if none does)."""
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k])
+        if text.endswith("\ufffd"):  # an incomplete character: its text is not out yet
+            continue
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if hits:
+            at, stop = min(hits)
+            return k, text[:at], stop
+    return len(ids), tokenizer.decode(ids), None

@@ -7,12 +7,13 @@ server-sent events in OpenAI's chunk format ending with ``data: [DONE]``), ``GET
 Bad input is answered 400 with an OpenAI error body naming the problem, and the server keeps serving.
 With an API key, the ``/v1`` endpoints need ``Authorization: Bearer <key>``. Decoding is greedy.
 
-Extensions (as in vLLM): ``ignore_eos``, ``stop_token_ids`` (token ids that end generation besides the
-model's own), ``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids`` to the
-response), ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``) and ``add_generation_prompt``
-for chat. Responses carry a ``dflash`` list with each choice's decoding statistics (tau, steps,
-acceptance lengths, time to first token, time per output token); a stream, with each choice's finish
-chunk.
+``stop`` strings end a choice where its text completes one (the text is cut before it; the tokens
+run through the one that completed it): ``dflash_jax.text_stream``. Extensions (as in vLLM):
+``ignore_eos``, ``stop_token_ids`` (token ids that end generation besides the model's own),
+``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids`` to the response),
+``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``) and ``add_generation_prompt`` for chat.
+Responses carry a ``dflash`` list with each choice's decoding statistics (tau, steps, acceptance
+lengths, time to first token, time per output token); a stream, with each choice's finish chunk.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from starlette.routing import Route
 
 from dflash_jax.server import protocol as P
 from dflash_jax.server.metrics import Metrics
-from dflash_jax.server.scheduler import QueueFull, Scheduler, SchedulerClosed, asyncio_sink
+from dflash_jax.server.scheduler import QueueFull, Scheduler, SchedulerClosed, Sink, asyncio_sink
 from dflash_jax.server.settings import ServerSettings
-from dflash_jax.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError
+from dflash_jax.text_stream import TextStream, finish_text
+from dflash_jax.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
 log = logging.getLogger("dflash_jax.server")
 
@@ -238,11 +240,12 @@ def _check_prompt(ctx: ServerContext, ids: list[int], max_tokens: int | None, wh
 
 @dataclasses.dataclass
 class _Job:
-    """One request's rows on the scheduler and the queue their events arrive on."""
+    """One request's rows on the scheduler, the queue their events arrive on and their texts."""
 
     queue: asyncio.Queue
     requests: list
     prompt_ids: list[list[int]]
+    texts: list[TextStream]
 
     def cancel(self) -> None:
         for r in self.requests:
@@ -264,16 +267,43 @@ def _stop_ids(ctx: ServerContext, params: P.CommonParams) -> tuple[int, ...]:
 
 
 def _submit(ctx: ServerContext, prompts: list[list[int]], max_tokens: list[int], params: P.CommonParams) -> _Job:
+    """Queues the prompts, each with the ``TextStream`` of its choice's text. With stop strings the
+    text is decoded on the scheduler's thread, where the stream is the row's stop check, and each
+    ``("tokens", ...)`` event carries ``(ids, text)``; without, on the event loop (``_tokens_event``)."""
     stop = _stop_ids(ctx, params)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
+    texts = [TextStream(ctx.tokenizer, params.stop) for _ in prompts]
+    sinks = [asyncio_sink(loop, queue, i) for i in range(len(prompts))]
+    if params.stop:
+        sinks = [_text_sink(text, sink) for text, sink in zip(texts, sinks)]
     try:
-        reqs = ctx.scheduler.submit_all([(ids, m, asyncio_sink(loop, queue, i))
-                                         for i, (ids, m) in enumerate(zip(prompts, max_tokens))], stop_token_ids=stop)
+        reqs = ctx.scheduler.submit_all(
+            [(ids, m, sink) for ids, m, sink in zip(prompts, max_tokens, sinks)], stop_token_ids=stop,
+            stop_checks=[text.add for text in texts] if params.stop else None)
     except (QueueFull, SchedulerClosed) as err:
         raise P.APIError(f"the server cannot take the request now: {err}", status=503, type="server_error",
                          code="server_overloaded" if isinstance(err, QueueFull) else "shutting_down") from None
-    return _Job(queue=queue, requests=reqs, prompt_ids=prompts)
+    return _Job(queue=queue, requests=reqs, prompt_ids=prompts, texts=texts)
+
+
+def _text_sink(text: TextStream, sink: Sink) -> Sink:
+    """``sink`` with each chunk's text beside its ids, taken right after the stop check decoded it."""
+
+    def send(kind: str, payload: Any) -> None:
+        sink(kind, (payload, text.take()) if kind == "tokens" else payload)
+
+    return send
+
+
+def _tokens_event(text: TextStream, payload: Any) -> tuple[list[int], str]:
+    """A ``("tokens", ...)`` event's ids and text. Without stop strings the text is decoded here, on
+    the event loop: on the scheduler's thread it cost a host-bound server (8 streams, no device
+    work) ~15% of its tokens/s."""
+    if text.stop:
+        return payload
+    text.add(payload)
+    return payload, text.take()
 
 
 def _engine_error(err: Exception) -> P.APIError:
@@ -352,17 +382,18 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
     if params.stream:
         return _stream(ctx, job, params, rid, created, chat=False)
     results = await _collect(job, request)
-    choices = []
-    for i, res in enumerate(results):
-        choice = {"index": i, "text": ctx.tokenizer.decode(res.output_ids), "logprobs": None,
-                  "finish_reason": res.finish_reason}
+    choices, completion_tokens = [], 0
+    for i, (res, text) in enumerate(zip(results, job.texts)):
+        out, _, finish = finish_text(text, res)
+        completion_tokens += len(out)
+        choice = {"index": i, "text": text.text, "logprobs": None, "finish_reason": finish}
         if params.return_token_ids:
-            choice["token_ids"] = list(res.output_ids)
+            choice["token_ids"] = out
             choice["prompt_token_ids"] = prompts[i]
         choices.append(choice)
     body = {
         "id": rid, "object": "text_completion", "created": created, "model": ctx.model_name, "choices": choices,
-        "usage": P.usage(sum(len(p) for p in prompts), sum(len(r.output_ids) for r in results)),
+        "usage": P.usage(sum(len(p) for p in prompts), completion_tokens),
         "dflash": [_stats(i, r) for i, r in enumerate(results)],
     }
     return _json(body)
@@ -389,13 +420,14 @@ async def _chat(ctx: ServerContext, request: Request) -> Response:
     if params.stream:
         return _stream(ctx, job, params, rid, created, chat=True)
     (res,) = await _collect(job, request)
-    choice = {"index": 0, "message": {"role": "assistant", "content": ctx.tokenizer.decode(res.output_ids)},
-              "logprobs": None, "finish_reason": res.finish_reason}
+    out, _, finish = finish_text(job.texts[0], res)
+    choice = {"index": 0, "message": {"role": "assistant", "content": job.texts[0].text},
+              "logprobs": None, "finish_reason": finish}
     if params.return_token_ids:
-        choice["token_ids"] = list(res.output_ids)
+        choice["token_ids"] = out
     body = {
         "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name, "choices": [choice],
-        "usage": P.usage(len(ids), len(res.output_ids)),
+        "usage": P.usage(len(ids), len(out)),
         "dflash": [_stats(0, res)],
     }
     if params.return_token_ids:
@@ -423,8 +455,7 @@ def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, cre
         return c
 
     async def events() -> AsyncIterator[bytes]:
-        detoks = [IncrementalDetokenizer(ctx.tokenizer) for _ in range(n)]
-        sent: list[list[int]] = [[] for _ in range(n)]
+        sent = [0] * n  # token ids streamed per choice
         completion_tokens = 0
         pending = n
         try:
@@ -434,21 +465,18 @@ def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, cre
             while pending:
                 i, kind, payload = await job.queue.get()
                 if kind == "tokens":
-                    sent[i].extend(payload)
-                    text = detoks[i].add(payload)
+                    ids, text = _tokens_event(job.texts[i], payload)
+                    sent[i] += len(ids)
                     if text or params.return_token_ids:
-                        yield chunk([piece(i, text, list(payload), None)])
+                        yield chunk([piece(i, text, list(ids), None)])
                 elif kind == "done":
                     pending -= 1
-                    out = list(payload.output_ids)
-                    # The result is authoritative: send what on_tokens did not (all of it for engines
-                    # that do not stream).
-                    rest = out[len(sent[i]):] if out[: len(sent[i])] == sent[i] else []
-                    text = detoks[i].add(rest) + detoks[i].finish()
+                    out, text, finish = finish_text(job.texts[i], payload)
+                    rest = out[sent[i]:]
                     if text or rest:
                         yield chunk([piece(i, text, rest, None)])
                     completion_tokens += len(out)
-                    yield chunk([piece(i, None, None, payload.finish_reason)], dflash=[_stats(i, payload)])
+                    yield chunk([piece(i, None, None, finish)], dflash=[_stats(i, payload)])
                 elif kind == "error":
                     err = _engine_error(payload)
                     yield P.sse(err.body())

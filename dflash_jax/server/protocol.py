@@ -1,8 +1,8 @@
 """OpenAI-style request parsing and validation, response bodies and error bodies.
 
 Requests are parsed strictly: unknown fields, ill-typed fields and sampling settings this server does
-not implement (it decodes greedily: temperature > 0, top_p < 1, n > 1, penalties, stop strings,
-logprobs, ...) are errors that name the field. Every error becomes an OpenAI error body
+not implement (it decodes greedily: temperature > 0, top_p < 1, n > 1, penalties, logprobs, ...)
+are errors that name the field. Every error becomes an OpenAI error body
 ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
 """
 
@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from dflash_jax.jsonl import has_lone_surrogate
+from dflash_jax.text_stream import parse_stop_strings
 
 # ----------------------------------------------------------------------------------------- errors
 
@@ -153,6 +154,7 @@ class CommonParams:
     seed: int | None
     user: str | None
     stop_token_ids: tuple[int, ...] = ()  # vLLM's extension: ids that end generation besides the model's
+    stop: tuple[str, ...] = ()  # strings that end generation, left out of the text (dflash_jax.text_stream)
 
 
 @dataclasses.dataclass
@@ -240,14 +242,7 @@ def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
     logit_bias = _expect(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
     if logit_bias:
         raise unsupported("logit_bias", logit_bias, "logit biases are not implemented")
-    stop = body.get("stop")
-    if stop is not None:
-        if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
-            raise invalid(f"'stop' must be a string or an array of strings, got {_type_name(stop)}", param="stop",
-                          code="invalid_type")
-        if stop:  # "" and [] mean no stop strings
-            raise unsupported("stop", stop, "stop strings are not implemented (generation ends at the model's "
-                                            "end-of-sequence tokens or max_tokens)")
+    stop = _stop_strings(body.get("stop"))
     # their range (the vocabulary) is checked by the app, as a prompt's
     stop_token_ids = _expect(body, "stop_token_ids", _token_list, "an array of token ids")
     seed = _expect(body, "seed", _is_int, "an integer")
@@ -257,7 +252,17 @@ def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
     return CommonParams(
         model=model, max_tokens=max_tokens, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos,
         return_token_ids=return_token_ids, seed=seed, user=user, stop_token_ids=tuple(stop_token_ids or ()),
+        stop=stop,
     )
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    try:
+        return parse_stop_strings(stop)
+    except TypeError as err:
+        raise invalid(f"{err}, got {_type_name(stop)}", param="stop", code="invalid_type") from None
+    except ValueError as err:
+        raise invalid(str(err), param="stop") from None
 
 
 def _token_list(value: Any) -> bool:

@@ -7,6 +7,7 @@ While the engine is idle, the first requests may wait ``batch_wait_s`` for compa
 
 Tokens flow back through each request's ``sink(kind, payload)``, called on the worker thread:
 ``("tokens", ids)`` at every host sync, then ``("done", GenerationResult)`` or ``("error", exception)``.
+A request's ``stop_check`` (stop strings) runs there too, before its sink gets the tokens.
 A cancelled request (its client went away) gets nothing more, and its row is released at the next
 host sync. :func:`asyncio_sink` turns that into an ``asyncio.Queue`` on the server's event loop
 through ``loop.call_soon_threadsafe``.
@@ -26,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from dflash_jax.batcher import ContinuousBatcher, Generation
+from dflash_jax.batcher import ContinuousBatcher, Generation, StopCheck
 from dflash_jax.server.metrics import Metrics
 
 log = logging.getLogger("dflash_jax.server")
@@ -48,6 +49,7 @@ class Request:
     max_new_tokens: int
     stop_token_ids: tuple[int, ...] | None
     sink: Sink
+    stop_check: StopCheck | None = None  # run on the worker thread (see ``ContinuousBatcher.submit``)
     id: int = 0
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
@@ -127,21 +129,27 @@ class Scheduler:
         max_new_tokens: int,
         sink: Sink,
         stop_token_ids: Sequence[int] | None = None,
+        stop_check: StopCheck | None = None,
     ) -> Request:
-        return self.submit_all([(prompt_ids, max_new_tokens, sink)], stop_token_ids)[0]
+        return self.submit_all([(prompt_ids, max_new_tokens, sink)], stop_token_ids, [stop_check])[0]
 
     def submit_all(
         self,
         prompts: Sequence[tuple[Sequence[int], int, Sink]],
         stop_token_ids: Sequence[int] | None = None,
+        stop_checks: Sequence[StopCheck | None] | None = None,
     ) -> list[Request]:
         """Queues the prompts of one HTTP request, each ``(prompt_ids, max_new_tokens, sink)``, all
         together or none: a request whose prompts do not all fit the waiting queue is refused whole
         (``QueueFull``), so none of them runs, and none holds a place in the queue that the next
-        request could take."""
+        request could take. ``stop_checks``: one per prompt, or None."""
         stops = None if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
-        reqs = [Request(prompt_ids=[int(t) for t in ids], max_new_tokens=int(m), stop_token_ids=stops, sink=sink)
-                for ids, m, sink in prompts]
+        checks = [None] * len(prompts) if stop_checks is None else list(stop_checks)
+        if len(checks) != len(prompts):
+            raise ValueError(f"{len(checks)} stop checks for {len(prompts)} prompts")
+        reqs = [Request(prompt_ids=[int(t) for t in ids], max_new_tokens=int(m), stop_token_ids=stops, sink=sink,
+                        stop_check=check)
+                for (ids, m, sink), check in zip(prompts, checks)]
         with self._cond:
             if self._closing:
                 raise SchedulerClosed("the server is shutting down")
@@ -225,7 +233,7 @@ class Scheduler:
         try:
             req.generation = self._batcher.submit(
                 req.prompt_ids, req.max_new_tokens, req.stop_token_ids, on_tokens=on_tokens, on_finish=on_finish,
-                submitted=req.arrival)
+                stop_check=req.stop_check, submitted=req.arrival)
         except ValueError as err:  # a request the engine cannot take (the app checks most of them first)
             self.metrics.request_failed()
             _safe(req.sink, "error", err)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from dflash_jax.config import ConfigError, config_from_dict, config_to_dict, load_config
 from dflash_jax.engine import EngineConfig
+from dflash_jax.text_stream import parse_stop_strings
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -88,10 +89,12 @@ class GenerateSettings:
     max_new_tokens: int = 256        # default for input lines without max_new_tokens
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {enable_thinking: false}
     ignore_eos: bool = False         # generate exactly max_new_tokens (benchmarks)
+    stop: tuple[str, ...] = ()       # stop strings for input lines without 'stop' (the text is cut before them)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        parse_stop_strings(list(self.stop), "stop")
         for name in ("input", "output"):
             if getattr(self, name) is not None and not getattr(self, name).strip():
                 raise ValueError(f"{name} must be a file or null, got an empty string")
