@@ -214,6 +214,17 @@ def test_stop_strings_cut_the_text_and_end_the_row(fake, tokenizer):
         texts, streamed, finish = join_stream(stream(client, "/v1/completions", {**body, "stop": stop}), chat=False)
         assert (texts[0], streamed[0], finish[0]) == (want, free[:kept], "stop")
     assert len(cuts) >= 4
+    # Several prompts: each choice ends at its own stop (or runs to max_tokens); the rows end apart.
+    other = [200, 201]
+    other_free = engine.reference(other, 16, tokenizer.stop_token_ids)
+    kept, want, _ = tf.stop_string_reference(tokenizer, free, [stop])
+    other_kept, other_want, _ = tf.stop_string_reference(tokenizer, other_free, [stop])
+    body = {"prompt": [ids, other], "max_tokens": 16, "stop": stop, "return_token_ids": True}
+    r = client.post("/v1/completions", json=body)
+    got = [(c["text"], c["token_ids"]) for c in r.json()["choices"]]
+    assert got == [(want, free[:kept]), (other_want, other_free[:other_kept])]
+    texts, streamed, _ = join_stream(stream(client, "/v1/completions", body), chat=False)
+    assert [(texts[i], streamed[i]) for i in (0, 1)] == got
 
     messages = [{"role": "user", "content": "Say something."}]
     free = engine.reference(tokenizer.apply_chat_template(messages), 16, tokenizer.stop_token_ids)
