@@ -46,7 +46,8 @@ MODES = ("target-only", "dflash")
 # ------------------------------------------------------------------------------------------ the server
 
 
-def build_engine(model: str, mode: str, max_batch: int, max_length: int, layers: int):
+def build_engine(model: str, mode: str, max_batch: int, max_length: int, layers: int,
+                 max_steps_per_sync: int | None = None):
     """``(engine, tokenizer, prompt source)``: ``prompts(n, length)`` returns n token-id prompts."""
     import jax.numpy as jnp
     import numpy as np
@@ -74,7 +75,8 @@ def build_engine(model: str, mode: str, max_batch: int, max_length: int, layers:
             rng = np.random.default_rng(0)
             return [rng.integers(16, tokenizer.vocab_size, length).tolist() for _ in range(n)]
     engine = Engine(target, None if mode == "target-only" else drafter,
-                    EngineConfig(max_batch_size=max_batch, max_length=max_length))
+                    EngineConfig(max_batch_size=max_batch, max_length=max_length,
+                                 max_steps_per_sync=max_steps_per_sync))
     return engine, tokenizer, prompts
 
 
@@ -113,7 +115,8 @@ def serve_child(spec: dict) -> None:
     sys.setswitchinterval(spec["switch_interval_ms"] / 1000)
     concurrency = spec["concurrency"]
     engine, tokenizer, prompt_source = build_engine(spec["model"], spec["mode"], max(concurrency),
-                                                    spec["prompt_len"] + spec["max_tokens"] + 16, spec["layers"])
+                                                    spec["prompt_len"] + spec["max_tokens"] + 16, spec["layers"],
+                                                    spec["max_steps_per_sync"])
     t0 = time.perf_counter()
     if spec["legacy_warmup"]:
         legacy_warmup(engine)
@@ -210,7 +213,7 @@ def run_mode(args, mode: str, port: int) -> dict:
         spec = {"model": args.model, "mode": mode, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
                 "max_tokens": args.max_tokens, "repeats": args.repeats, "layers": args.layers, "port": port,
                 "legacy_warmup": args.legacy_warmup, "switch_interval_ms": args.switch_interval_ms,
-                "ready": str(ready)}
+                "max_steps_per_sync": args.max_steps_per_sync, "ready": str(ready)}
         proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)])
         url = f"http://127.0.0.1:{port}"
         try:
@@ -252,6 +255,8 @@ def main() -> None:
     ap.add_argument("--legacy-warmup", action="store_true",
                     help="warm up as before the thirty-seventh session (no engine timings): what compiling "
                          "while serving costs")
+    ap.add_argument("--max-steps-per-sync", type=int, default=None,
+                    help="EngineConfig.max_steps_per_sync: calls grow while the device outruns the host")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

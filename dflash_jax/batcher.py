@@ -59,6 +59,11 @@ def _integers(values: Any, what: str) -> list[int]:
         raise ValueError(f"{what} must be integers (token ids), got {values!r:.100}") from None
 
 
+def _is_ready(tree: Any) -> bool:
+    """Whether the computation behind ``tree``'s device arrays has finished (host arrays are)."""
+    return all(leaf.is_ready() for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array))
+
+
 def _start_transfer(tree: Any) -> None:
     """Asks for device arrays on the host as early as possible: a copy requested only when they are
     read could be queued behind the work dispatched in between (on a GPU the device-to-host copies
@@ -111,12 +116,12 @@ class Generation:
     error: Exception | None = None
     cancelled: bool = False
     # The host's view of the row: tokens before position ``emitted`` went to ``on_tokens`` (the
-    # generated ones are ``output_ids``); the anchor was at ``start`` after the first ``seen_calls``
-    # decode calls (it may be further now).
+    # generated ones are ``output_ids``); the anchor was at ``start`` after the first ``seen_steps``
+    # decode steps the batcher dispatched (it may be further now).
     emitted: int = 0
     output_ids: list[int] = dataclasses.field(default_factory=list)
     start: int = 0
-    seen_calls: int = 0
+    seen_steps: int = 0
 
     def cancel(self) -> None:
         """Gives the request up at the next step, with no further callbacks (from any thread)."""
@@ -133,7 +138,7 @@ class _Call:
 
     snapshot: RowSnapshot
     rows: tuple[Generation | None, ...]
-    index: int                       # 1 for the batcher's first call
+    steps_end: int                   # the steps dispatched by the batcher up to and with this call
 
 
 def cut_acceptance(accepted: Sequence[int], tokens: int) -> list[int]:
@@ -160,7 +165,9 @@ class ContinuousBatcher:
         self._rows: list[Generation | None] = []  # the request in each row of the running state
         self._state: Any = None                   # the running state; None when no row is live
         self._in_flight: _Call | None = None
-        self._calls = 0
+        self._steps_dispatched = 0
+        self.steps_per_call = engine.config.steps_per_sync  # the next call's (see ``_adapt_steps``)
+        self._last_read: float | None = None
         self._unreleased: list[int] = []  # slots of rows ended on the host (stop checks), live on the device
 
     @property
@@ -247,7 +254,7 @@ class ContinuousBatcher:
             if admitted is not None:
                 self._read_first_tokens(*admitted)
                 self._release_given_up()  # rows that their first token ended: before a call runs them
-            previous, self._in_flight = self._in_flight, self._dispatch()
+            previous, self._in_flight = self._in_flight, self._dispatch(admitted=admitted is not None)
             if previous is not None:
                 self._read(previous)
         except Exception as err:  # noqa: BLE001 - reported to every request it touched
@@ -298,25 +305,46 @@ class ContinuousBatcher:
         now = time.perf_counter()
         for slot, g in zip(slots, group):  # before the admission: if it fails, step() fails them too
             self._rows[slot] = g
-            g.admitted, g.emitted, g.start, g.seen_calls = now, len(g.prompt_ids), len(g.prompt_ids), self._calls
+            g.admitted, g.emitted, g.start, g.seen_steps = (now, len(g.prompt_ids), len(g.prompt_ids),
+                                                            self._steps_dispatched)
         self._state = self.engine.admit(self._state, fresh, slots)
         return first, group
 
-    def _dispatch(self) -> _Call | None:
-        """Dispatches the next decode call over the live rows (None if there are none)."""
+    def _dispatch(self, admitted: bool = False) -> _Call | None:
+        """Dispatches the next decode call over the live rows (None if there are none). ``admitted``:
+        this step admitted requests, waiting for their prefill and so for the call in flight."""
         live = [g for g in self._rows if g is not None]
         if not live:
             return None
-        block = self.engine.block_size
-        per_call = self.engine.config.steps_per_sync * block
-        index = self._calls + 1
-        # A row advances at most ``per_call`` positions per call since its start was last seen, and
-        # its last step starts at max_len - 2, writing a block up to max_len - 2 + block.
-        window = max(min(g.start + (index - g.seen_calls) * per_call, g.max_len - 2 + block) for g in live)
-        self._state, snapshot = self.engine.decode(self._state, window=window)
+        if not admitted and self._in_flight is not None and _is_ready(self._in_flight.snapshot):
+            self._adapt_steps(device_idle=True)
+        block, steps = self.engine.block_size, self.steps_per_call
+        end = self._steps_dispatched + steps
+        # A row advances at most ``block`` positions per step dispatched since its start was last
+        # seen, and its last step starts at max_len - 2, writing a block up to max_len - 2 + block.
+        window = max(min(g.start + (end - g.seen_steps) * block, g.max_len - 2 + block) for g in live)
+        self._state, snapshot = self.engine.decode(self._state, steps, window=window)
         _start_transfer(snapshot)
-        self._calls = index
-        return _Call(snapshot, tuple(self._rows), index)
+        self._steps_dispatched = end
+        return _Call(snapshot, tuple(self._rows), end)
+
+    def _adapt_steps(self, *, device_idle: bool = False, waited: float = 0.0, period: float = 0.0) -> None:
+        """With ``max_steps_per_sync`` set, sizes the next calls to what the host can keep up with.
+
+        A call that has finished when the host dispatches the next means the device idles while the
+        host works through a sync (a small model's server streaming to many clients): the next calls
+        run twice the steps, so the host syncs half as often per token. A host that spent over 60% of
+        the last sync period waiting on the device would still be ahead with half the steps: they
+        halve, back towards ``steps_per_sync`` (finer streaming, sooner admissions). Between the two
+        (the host busy for 40-100% of a call) nothing changes, so the size does not oscillate.
+        """
+        config = self.engine.config
+        if config.max_steps_per_sync is None:
+            return
+        if device_idle:
+            self.steps_per_call = min(2 * self.steps_per_call, config.max_steps_per_sync)
+        elif period > 0 and waited > 0.6 * period:
+            self.steps_per_call = max(self.steps_per_call // 2, config.steps_per_sync)
 
     def _read_first_tokens(self, tokens: np.ndarray, group: list[Generation]) -> None:
         now = time.perf_counter()
@@ -328,12 +356,16 @@ class ContinuousBatcher:
 
     def _read(self, call: _Call) -> None:
         """Streams the tokens ``call`` committed and retires the rows it finished."""
+        t0 = time.perf_counter()
         snap = jax.device_get(call.snapshot)
         now = time.perf_counter()
+        if self._last_read is not None:
+            self._adapt_steps(waited=now - t0, period=now - self._last_read)
+        self._last_read = now
         for row, g in enumerate(call.rows):
             if g is None or g.finished:
                 continue
-            g.start, g.seen_calls = int(snap.starts[row]), call.index
+            g.start, g.seen_steps = int(snap.starts[row]), call.steps_end
             upto = min(g.start + 1, g.max_len)
             if upto > g.emitted:
                 self._deliver(g, snap.tokens[row, g.emitted: upto].tolist(), snap, row, now)

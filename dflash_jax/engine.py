@@ -52,6 +52,11 @@ class EngineConfig:
     block_size: int | None = None    # None: the drafter's; may only lower it
     attention_impl: str = "auto"     # "xla" | "pallas" | "auto": pallas on GPUs/TPUs, else xla
     steps_per_sync: int = 8          # decode steps per device call between host syncs
+    # None: every call runs steps_per_sync steps. Else the host loop doubles a call's steps, up to
+    # this, while the device finishes each call before the host dispatches the next (a small model's
+    # server, its host busy streaming), and halves them back once the host is well ahead
+    # (``ContinuousBatcher._adapt_steps``). Ignored with a fixed decode loop (a program per step count).
+    max_steps_per_sync: int | None = None
     # "until_done": a decode call stops early once every row is done (XLA evaluates the loop's
     # condition after each step); "fixed": it always runs its steps (a known trip count, which XLA
     # runs without reading a condition, so the call returns to the host at once); "auto": fixed on
@@ -95,6 +100,9 @@ class EngineConfig:
             raise ValueError("tail_layout 'on' needs attention_impl 'pallas' or 'auto'")
         if self.steps_per_sync < 1:
             raise ValueError(f"steps_per_sync must be >= 1, got {self.steps_per_sync}")
+        if self.max_steps_per_sync is not None and self.max_steps_per_sync < self.steps_per_sync:
+            raise ValueError(f"max_steps_per_sync ({self.max_steps_per_sync}) must be >= steps_per_sync "
+                             f"({self.steps_per_sync}), or null")
         if self.decode_loop not in ("until_done", "fixed", "auto"):
             raise ValueError(f"decode_loop must be 'until_done', 'fixed' or 'auto', got {self.decode_loop!r}")
         check_cache_setting(self.compilation_cache_dir)
@@ -278,6 +286,11 @@ class Engine:
         self.fixed_loop = config.decode_loop == "fixed" or (
             config.decode_loop == "auto" and self.mesh is not None and self.mesh.size > 1
             and jax.default_backend() == "gpu")
+        if self.fixed_loop and config.max_steps_per_sync is not None:
+            log.warning("max_steps_per_sync %d is ignored: this engine's decode loop is fixed (a program per step "
+                        "count), so every call runs steps_per_sync %d", config.max_steps_per_sync,
+                        config.steps_per_sync)
+            self.config = config = dataclasses.replace(config, max_steps_per_sync=None)
         self.windows = (window_buckets(self.capacity) if self.attention_impl == "xla" and not self.fixed_loop
                         else (self.capacity,))
         self._n_steps: dict[int, jax.Array] = {}

@@ -76,19 +76,20 @@ class TextStream:
         if not self.stop:
             self._append(ids)
             return None
-        mark, before = self._detok.mark(), len(self._text)
+        mark, before, seen = self._detok.mark(), len(self._text), self.num_ids
         self._append(ids)
         if self._find(before) is None:
             return None
-        # The id that completed it: the chunk again, one id at a time (once per generation).
-        self._detok.rewind(mark)
-        self._text, self.num_ids = self._text[:before], self.num_ids - len(ids)
+        # The id that completed it: the chunk's shortest prefix whose text holds a stop string, each
+        # prefix added from the same state as the chunk, so decoded in the same window (once per
+        # generation). The whole chunk is the last prefix tried.
         for keep in range(1, len(ids) + 1):
-            scanned = len(self._text)
-            self._append(ids[keep - 1: keep])
-            if self._cut_at_stop(scanned):
+            self._detok.rewind(mark)
+            self._text, self.num_ids = self._text[:before], seen
+            self._append(ids[:keep])
+            if self._cut_at_stop(before):
                 return keep
-        return None  # id by id, the text never held it (not seen with any of the test tokenizers)
+        raise AssertionError("unreachable: the whole chunk held a stop string")
 
     def take(self) -> str:
         """The text decoded since the last ``take`` that no stop string can remove (while a stop string

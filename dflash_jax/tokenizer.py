@@ -455,7 +455,7 @@ class IncrementalDetokenizer:
     time made a stream quadratic in its length, on the event loop and holding the GIL (8,192 tokens
     in chunks of 8: 1.0 s). A window starts where an earlier one ended, at a character boundary, so
     a decoder's treatment of a sequence's first token (Metaspace drops its space) applies to both
-    texts alike. Tokenizers that clean up spaces (``clean_up_tokenization_spaces`` on a WordPiece or
+    texts alike (never at a chunk without text: skipped special tokens). Tokenizers that clean up spaces (``clean_up_tokenization_spaces`` on a WordPiece or
     Unigram model) rewrite text across chunk boundaries, so for them each call decodes every id.
     """
 
@@ -497,10 +497,12 @@ class IncrementalDetokenizer:
         delta = text[len(self._before): end]
         if end < len(text):  # the window keeps its start until its last character is complete
             self._before = text[:max(end, len(self._before))]
-        elif self._windowed:  # the next window starts with this chunk, decoded on its own
-            self._start, self._read = self._read, len(self.ids)
-            self._before = self.tokenizer.decode(self.ids[self._start:], self.skip_special_tokens)
-        else:
+            return delta
+        chunk = self.tokenizer.decode(self.ids[self._read:], self.skip_special_tokens) if self._windowed else ""
+        if chunk:  # the next window starts with this chunk, decoded on its own
+            self._start, self._read, self._before = self._read, len(self.ids), chunk
+        else:  # unwindowed, or a chunk with no text (skipped special tokens): a window starting there
+            # would make the next id the decoder's first, whose space Metaspace and Strip decoders drop
             self._read, self._before = len(self.ids), text
         return delta
 

@@ -477,6 +477,32 @@ def test_windowed_decode_equals_dflash_generate_and_greedy(long_engines, prompts
     assert set(spec_windows) == {64, 128} and set(plain_windows) == {64}
 
 
+def test_adaptive_steps_per_call_keep_the_tokens(long_engines, prompts, reference_runs, monkeypatch):
+    """Calls whose steps grow (max_steps_per_sync, as when the device outruns the host; forced here)
+    still read windows that cover their rows: the same tokens and acceptance lengths as the
+    reference, in calls of up to 16 steps (the host's waits on this CPU halve them at times)."""
+    import dataclasses
+
+    import dflash_jax.batcher as batcher
+
+    spec, _ = long_engines
+    runs, stops = reference_runs
+    monkeypatch.setattr(spec, "config", dataclasses.replace(spec.config, max_steps_per_sync=16))
+    monkeypatch.setattr(batcher, "_is_ready", lambda tree: True)
+    steps = []
+    decode = spec.decode
+
+    def spy(state, n_steps=None, *, window=None):
+        steps.append(n_steps)
+        return decode(state, n_steps, window=window)
+
+    monkeypatch.setattr(spec, "decode", spy)
+    batch = spec.generate(prompts, MAX_NEW, stop_token_ids=stops)
+    for i, got in enumerate(batch):
+        assert (got.output_ids, got.acceptance_lengths) == runs[(i, True)]
+    assert steps[:3] == [4, 8, 16] and max(steps) == 16
+
+
 def _running_state(engine, prompt, max_new):
     """A one-row running state holding ``prompt`` (no stop ids), admitted as the batcher does."""
     fresh, _ = engine.prefill([prompt], [max_new], [()])

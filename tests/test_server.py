@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 import tokenizer_fixtures as tf
 
@@ -801,6 +802,50 @@ def test_stop_checks_end_rows_on_the_host():
         assert res.num_steps == len(res.acceptance_lengths)
     assert len(engine.released) == 4  # the rows of the three stopped requests and the failed one
     assert batcher.idle and batcher.running == 0
+
+
+def test_adaptive_steps_grow_while_the_device_idles_and_shrink_when_the_host_waits():
+    """With max_steps_per_sync, a call that is done when the next is dispatched (always, for the
+    host-only FakeEngine) doubles the steps of the next, up to the cap; a host that waited on the
+    device for over 60% of a sync period halves them, down to steps_per_sync. The tokens stay each
+    request's own."""
+    import dataclasses
+
+    from dflash_jax.batcher import ContinuousBatcher
+
+    engine = FakeEngine(100, max_batch_size=2, max_length=64, block_size=4, steps_per_sync=2)
+    steps = []
+    decode = engine.decode
+
+    def spy(state, n_steps=None, *, window=None):
+        steps.append(n_steps)
+        # The window covers every live row's reach in this call (a block per step).
+        live = ~state.done
+        reach = np.minimum(state.starts + n_steps * engine.block_size, state.max_lens - 2 + engine.block_size)
+        assert window >= reach[live].max(initial=0)
+        return decode(state, n_steps, window=window)
+
+    engine.decode = spy
+    fixed = ContinuousBatcher(engine)
+    gens = [fixed.submit(p, 40) for p in ([1, 2], [3, 4], [5, 6])]
+    fixed.run()
+    assert set(steps) == {2}
+    want = [g.result.output_ids for g in gens]
+
+    engine.config = dataclasses.replace(engine.config, max_steps_per_sync=16)
+    steps.clear()
+    adaptive = ContinuousBatcher(engine)
+    gens = [adaptive.submit(p, 40) for p in ([1, 2], [3, 4], [5, 6])]
+    adaptive.run()
+    assert [g.result.output_ids for g in gens] == want
+    assert steps[:5] == [2, 4, 8, 16, 16]
+    adaptive._adapt_steps(waited=0.7, period=1.0)
+    assert adaptive.steps_per_call == 8
+    adaptive._adapt_steps(waited=0.5, period=1.0)  # busy for half a call: a halved call would starve
+    assert adaptive.steps_per_call == 8
+    for _ in range(3):
+        adaptive._adapt_steps(waited=0.9, period=1.0)
+    assert adaptive.steps_per_call == 2
 
 
 # ----------------------------------------------------------------------------------------- real engine

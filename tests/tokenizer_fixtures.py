@@ -383,12 +383,10 @@ def write_tiny_models_with_tokenizer(directory, *, model_vocab_size: int = 520, 
 
 def stop_string_reference(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, str | None]:
     """(ids kept, text, the stop string) of a generation of ``ids`` with ``stops``: the first prefix of
-    the ids whose whole decode holds a stop string, its text cut before it (all of them and their
-    text if none does)."""
+    the ids whose decode (less an incomplete last character) holds a stop string, its text cut before
+    it (all of them and their text if none does)."""
     for k in range(1, len(ids) + 1):
-        text = tokenizer.decode(ids[:k])
-        if text.endswith("\ufffd"):  # an incomplete character: its text is not out yet
-            continue
+        text = tokenizer.decode(ids[:k]).rstrip("\ufffd")  # an incomplete character: not out yet
         hits = [(text.find(s), s) for s in stops if s in text]
         if hits:
             at, stop = min(hits)
