@@ -130,6 +130,22 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
+# transformers' clean_up_tokenization (``clean_up_tokenization_spaces``), applied in this order.
+_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+            (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def _cleanup_tail(text: str) -> int:
+    """Characters at the end of ``text`` that begin a cleanup pattern, which later text may complete."""
+    held = 0
+    for old, _ in _CLEANUP:
+        for n in range(min(len(old) - 1, len(text)), held, -1):
+            if text.endswith(old[:n]):
+                held = n
+                break
+    return held
+
+
 class Tokenizer:
     """The tokenizer and chat template of an HF model directory (see the module docstring)."""
 
@@ -377,18 +393,8 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         if self._clean_up_spaces:
-            text = (
-                text.replace(" .", ".")
-                .replace(" ?", "?")
-                .replace(" !", "!")
-                .replace(" ,", ",")
-                .replace(" ' ", "'")
-                .replace(" n't", "n't")
-                .replace(" 'm", "'m")
-                .replace(" 's", "'s")
-                .replace(" 've", "'ve")
-                .replace(" 're", "'re")
-            )
+            for old, new in _CLEANUP:
+                text = text.replace(old, new)
         return text
 
     def token_to_id(self, token: str) -> int | None:
@@ -455,8 +461,10 @@ class IncrementalDetokenizer:
     time made a stream quadratic in its length, on the event loop and holding the GIL (8,192 tokens
     in chunks of 8: 1.0 s). A window starts where an earlier one ended, at a character boundary, so
     a decoder's treatment of a sequence's first token (Metaspace drops its space) applies to both
-    texts alike (never at a chunk without text: skipped special tokens). Tokenizers that clean up spaces (``clean_up_tokenization_spaces`` on a WordPiece or
-    Unigram model) rewrite text across chunk boundaries, so for them each call decodes every id.
+    texts alike (never at a chunk without text: skipped special tokens). Tokenizers that clean up
+    spaces (``clean_up_tokenization_spaces`` on a WordPiece or Unigram model) rewrite text across
+    chunk boundaries, so for them each call decodes every id, and a tail that may begin a cleanup
+    pattern (`` '``) waits for the text after it.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
@@ -494,6 +502,8 @@ class IncrementalDetokenizer:
         # An incomplete character (U+FFFD) at the end waits; the text before it goes now (a stop
         # string there must be seen with the ids that completed it: dflash_jax.text_stream).
         end = len(text) if final else len(text.rstrip("\ufffd"))
+        if not self._windowed and not final:  # the cleanup may yet rewrite a tail that begins a pattern
+            end -= _cleanup_tail(text[:end])
         delta = text[len(self._before): end]
         if end < len(text):  # the window keeps its start until its last character is complete
             self._before = text[:max(end, len(self._before))]

@@ -14,8 +14,9 @@
 Every writer takes ``vocab_size`` (the total number of ids, special tokens included; at least ~300, the
 byte alphabet plus special tokens) so the tokenizer fits a tiny model's embedding table, and returns the
 directory. ``write_tiny_models_with_tokenizer(dir)`` writes a tiny target + drafter (``dflash_jax.tiny``)
-with a Qwen tokenizer in the target directory. ``stop_string_reference`` is where stop strings end a
-generation, by brute force.
+with a Qwen tokenizer in the target directory. ``write_wordpiece_cleanup_tokenizer(dir)`` is a
+WordPiece tokenizer whose decode cleans up spaces. ``stop_string_reference`` is where stop strings end
+a generation, by brute force.
 """
 
 from __future__ import annotations
@@ -379,6 +380,24 @@ def write_tiny_models_with_tokenizer(directory, *, model_vocab_size: int = 520, 
     target_dir, drafter_dir = write_tiny_pair(directory, target_overrides=overrides, **tiny_kwargs)
     write_qwen_tokenizer(target_dir, vocab_size=tokenizer_vocab_size)
     return Path(target_dir), Path(drafter_dir)
+
+
+def write_wordpiece_cleanup_tokenizer(directory) -> Path:
+    """A tiny WordPiece tokenizer with ``clean_up_tokenization_spaces`` (BERT-era: its decode joins
+    tokens with spaces, then the cleanup removes those before punctuation and contractions)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "a": 1, "'": 2, "b": 3, ".": 4, "n't": 5, "do": 6, "s": 7, "?": 8, "go": 9, ",": 10,
+             "##es": 11, "m": 12, "ve": 13}
+    tok = HFTokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    tok.decoder = decoders.WordPiece()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    _write_json(directory / "tokenizer_config.json", {"clean_up_tokenization_spaces": True})
+    return directory
 
 
 def stop_string_reference(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, str | None]:
