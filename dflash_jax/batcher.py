@@ -8,7 +8,8 @@ of pending requests. Every ``step`` is one host sync:
    engine's row count for its live requests (one row for a lone request), then one prefill of just
    the new prompts is scattered into free slots, and their first tokens (the prefill's) are read
    and streamed at once;
-2. the next decode call is dispatched, its attention window covering every live row;
+2. the next decode call is dispatched, its attention window covering every live row (with the
+   engine's ``max_steps_per_sync``, its step count follows the host: ``_adapt_steps``);
 3. the snapshot of the *previous* call is read while the device runs the new one: new tokens stream
    to their requests, and rows that finished become ``GenerationResult``s and free slots.
 
@@ -379,7 +380,7 @@ class ContinuousBatcher:
         if g.stop_check is not None:
             try:
                 keep = g.stop_check(new)
-                if keep is not None and not (isinstance(keep, int) and 1 <= keep <= len(new)):
+                if keep is not None and not (type(keep) is int and 1 <= keep <= len(new)):
                     raise ValueError(f"a stop check kept {keep!r} of {len(new)} new tokens")
             except Exception as err:  # noqa: BLE001 - fails this request alone
                 self._end_on_host(g)
