@@ -317,7 +317,8 @@ class ContinuousBatcher:
         live = [g for g in self._rows if g is not None]
         if not live:
             return None
-        if not admitted and self._in_flight is not None and _is_ready(self._in_flight.snapshot):
+        if (self.engine.config.max_steps_per_sync is not None and not admitted and self._in_flight is not None
+                and _is_ready(self._in_flight.snapshot)):
             self._adapt_steps(device_idle=True)
         block, steps = self.engine.block_size, self.steps_per_call
         end = self._steps_dispatched + steps
@@ -330,7 +331,8 @@ class ContinuousBatcher:
         return _Call(snapshot, tuple(self._rows), end)
 
     def _adapt_steps(self, *, device_idle: bool = False, waited: float = 0.0, period: float = 0.0) -> None:
-        """With ``max_steps_per_sync`` set, sizes the next calls to what the host can keep up with.
+        """Sizes the next calls to what the host can keep up with (for ``max_steps_per_sync``; the
+        callers check it is set, before they look at the device).
 
         A call that has finished when the host dispatches the next means the device idles while the
         host works through a sync (a small model's server streaming to many clients): the next calls
@@ -340,8 +342,6 @@ class ContinuousBatcher:
         (the host busy for 40-100% of a call) nothing changes, so the size does not oscillate.
         """
         config = self.engine.config
-        if config.max_steps_per_sync is None:
-            return
         if device_idle:
             self.steps_per_call = min(2 * self.steps_per_call, config.max_steps_per_sync)
         elif period > 0 and waited > 0.6 * period:
@@ -360,7 +360,7 @@ class ContinuousBatcher:
         t0 = time.perf_counter()
         snap = jax.device_get(call.snapshot)
         now = time.perf_counter()
-        if self._last_read is not None:
+        if self._last_read is not None and self.engine.config.max_steps_per_sync is not None:
             self._adapt_steps(waited=now - t0, period=now - self._last_read)
         self._last_read = now
         for row, g in enumerate(call.rows):
@@ -421,7 +421,7 @@ class ContinuousBatcher:
             time_per_output_token=(now - g.first_token_time) / max(1, len(out) - 1),
             num_steps=steps,
         )
-        if g in self._rows:
+        if not stopped:  # a stopped row was freed by ``_end_on_host``, to be released
             self._rows[self._rows.index(g)] = None
         if g.on_finish is not None:
             g.on_finish(g)

@@ -77,19 +77,27 @@ class TextStream:
             self._append(ids)
             return None
         mark, before, seen = self._detok.mark(), len(self._text), self.num_ids
-        self._append(ids)
-        if self._find(before) is None:
-            return None
-        # The id that completed it: the chunk's shortest prefix whose text holds a stop string, each
-        # prefix added from the same state as the chunk, so decoded in the same window (once per
-        # generation). The whole chunk is the last prefix tried.
-        for keep in range(1, len(ids) + 1):
+
+        def holds(keep: int) -> bool:
+            """Whether the text holds a stop string with the chunk's first ``keep`` ids, added from the
+            chunk's own state, so decoded in the chunk's window."""
             self._detok.rewind(mark)
             self._text, self.num_ids = self._text[:before], seen
             self._append(ids[:keep])
-            if self._cut_at_stop(before):
-                return keep
-        raise AssertionError("unreachable: the whole chunk held a stop string")
+            return self._find(before) is not None
+
+        if not holds(len(ids)):
+            return None
+        # The id that completed it: the chunk's shortest prefix whose text holds a stop string, by
+        # bisection (a longer prefix's text extends a shorter one's; once per generation). Trying
+        # one prefix after another cost a 1,024-id chunk 0.6 s on the host.
+        lo, hi = 0, len(ids)  # holds(hi); not holds(lo)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+        holds(hi)
+        self._cut_at_stop(before)
+        return hi
 
     def take(self) -> str:
         """The text decoded since the last ``take`` that no stop string can remove (while a stop string

@@ -299,7 +299,7 @@ def _text_sink(text: TextStream, sink: Sink) -> Sink:
 def _tokens_event(text: TextStream, payload: Any) -> tuple[list[int], str]:
     """A ``("tokens", ...)`` event's ids and text. Without stop strings the text is decoded here, on
     the event loop: on the scheduler's thread it cost a host-bound server (8 streams, no device
-    work) ~15% of its tokens/s."""
+    work) 3-19% of its tokens/s (docs/benchmarks.md, fortieth session)."""
     if text.stop:
         return payload
     text.add(payload)
