@@ -14,6 +14,7 @@ while serving show there; ``--legacy-warmup`` warms up as before the thirty-seve
     python bench/bench_server.py --model 8b --concurrency 1,16 --out $OUT/server.json   # Qwen3-8B shapes
     python bench/bench_server.py --model embedded --concurrency 1,16                    # the shipped pair
     python bench/bench_server.py --model tiny --concurrency 1,4 --max-tokens 16         # a CPU smoke test
+    python bench/bench_server.py --model 8b --modes dflash --concurrency 1,8 --stop "@@never@@"  # + stop strings
 
 ``8b`` and ``tiny`` are random weights under the embedded pair's tokenizer (4,096 ids): the LM head's
 columns past the tokenizer are zeroed, as a real checkpoint's padded vocabulary is never predicted,
@@ -149,9 +150,11 @@ def metric(text: str, name: str) -> float:
     return float(match.group(1)) if match else float("nan")
 
 
-async def one_stream(client, prompt: list[int], max_tokens: int) -> dict:
+async def one_stream(client, prompt: list[int], max_tokens: int, stop: str | None = None) -> dict:
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    if stop is not None:
+        body["stop"] = [stop]
     t0 = time.perf_counter()
     first, tokens, stats = None, 0, None
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -172,14 +175,14 @@ async def one_stream(client, prompt: list[int], max_tokens: int) -> dict:
     return {"ttft_s": first, "tokens": tokens, "latency_s": time.perf_counter() - t0, "stats": stats}
 
 
-async def http_round(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+async def http_round(url: str, prompts: list[list[int]], max_tokens: int, stop: str | None = None) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         busy0 = metric((await client.get("/metrics")).text, "dflash_engine_busy_seconds_total")
         t0 = time.perf_counter()
-        streams = await asyncio.gather(*(one_stream(client, p, max_tokens) for p in prompts))
+        streams = await asyncio.gather(*(one_stream(client, p, max_tokens, stop) for p in prompts))
         wall = time.perf_counter() - t0
         busy = metric((await client.get("/metrics")).text, "dflash_engine_busy_seconds_total") - busy0
     tokens = sum(s["tokens"] for s in streams)
@@ -219,16 +222,24 @@ def run_mode(args, mode: str, port: int) -> dict:
         try:
             info = wait_ready(proc, ready, url, args.start_timeout)
             rows = []
+            stops = [None] if args.stop is None else [None, args.stop]
             for n in args.concurrency:
                 load = info["loads"][str(n)]
                 first = asyncio.run(http_round(url, load["prompts"], args.max_tokens))  # any shapes left to compile
-                rounds = [asyncio.run(http_round(url, load["prompts"], args.max_tokens)) for _ in range(args.repeats)]
-                best = sorted(rounds, key=lambda r: r["wall_s"])[len(rounds) // 2]  # the median round
-                rows.append({"mode": mode, "concurrency": n, "engine_tokens_per_s": load["tokens_per_s"],
-                             "engine_tokens": load["tokens"], **{f"server_{k}": v for k, v in best.items()},
-                             "server_over_engine": best["tokens_per_s"] / load["tokens_per_s"],
-                             **{f"first_round_{k}": v for k, v in first.items()}})
-                print(f"[{mode}] server, {n} streams: {best['tokens_per_s']:.0f} tok/s", flush=True)
+                rounds = {stop: [] for stop in stops}
+                for _ in range(args.repeats):  # with --stop, rounds with and without it interleaved
+                    for stop in stops:
+                        rounds[stop].append(asyncio.run(http_round(url, load["prompts"], args.max_tokens, stop)))
+                for stop, runs in rounds.items():
+                    best = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]  # the median round
+                    rows.append({"mode": mode, "concurrency": n, "stop": stop,
+                                 "engine_tokens_per_s": load["tokens_per_s"], "engine_tokens": load["tokens"],
+                                 **{f"server_{k}": v for k, v in best.items()},
+                                 "server_over_engine": best["tokens_per_s"] / load["tokens_per_s"],
+                                 "server_rounds_tokens_per_s": [r["tokens_per_s"] for r in runs],
+                                 **{f"first_round_{k}": v for k, v in first.items()}})
+                    print(f"[{mode}] server, {n} streams{'' if stop is None else ', stop string'}: "
+                          f"{best['tokens_per_s']:.0f} tok/s", flush=True)
             return {"warmup_s": info["warmup_s"], "block_size": info["block_size"],
                     "prompt_buckets": info["prompt_buckets"], "rows": rows}
         finally:
@@ -257,6 +268,9 @@ def main() -> None:
                          "while serving costs")
     ap.add_argument("--max-steps-per-sync", type=int, default=None,
                     help="EngineConfig.max_steps_per_sync: calls grow while the device outruns the host")
+    ap.add_argument("--stop", default=None,
+                    help="also time rounds whose requests carry this stop string (one that never occurs), "
+                         "interleaved with plain rounds on the same server: the cost of matching stop strings")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -276,12 +290,13 @@ def main() -> None:
     def ms(seconds: float | None) -> str:
         return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
-    print("mode | warm-up s | streams | engine tok/s | server tok/s | server / engine | engine busy | TTFT median ms "
+    print("mode | warm-up s | streams | stop string | engine tok/s | server tok/s | server / engine | engine busy | TTFT median ms "
           "| tau | first round: tok/s, TTFT median ms")
     for mode, res in results["modes"].items():
         for r in res["rows"]:
             tau = r["server_tau_mean"]
-            print(f"{mode} | {res['warmup_s']:.1f} | {r['concurrency']} | {r['engine_tokens_per_s']:.0f} | "
+            print(f"{mode} | {res['warmup_s']:.1f} | {r['concurrency']} | {'-' if r['stop'] is None else 'yes'} | "
+                  f"{r['engine_tokens_per_s']:.0f} | "
                   f"{r['server_tokens_per_s']:.0f} | {r['server_over_engine']:.3f} | {r['server_busy_fraction']:.1%} | "
                   f"{ms(r['server_ttft_median_s'])} | {'-' if tau is None else f'{tau:.2f}'} | "
                   f"{r['first_round_tokens_per_s']:.0f}, {ms(r['first_round_ttft_median_s'])}")

@@ -100,6 +100,14 @@ class GenerationResult:
 StopCheck = Callable[[list[int]], "int | None"]
 
 
+def stop_checks_per_prompt(stop_checks: Sequence[StopCheck | None] | None, prompts: int) -> list[StopCheck | None]:
+    """One stop check (or None) per prompt: ``stop_checks`` as a list, or Nones when it is None."""
+    checks = [None] * prompts if stop_checks is None else list(stop_checks)
+    if len(checks) != prompts:
+        raise ValueError(f"stop_checks has {len(checks)} entries for {prompts} prompts")
+    return checks
+
+
 @dataclasses.dataclass(eq=False)
 class Generation:
     """One request in a ``ContinuousBatcher``: what it asks for, how far it got, how it ended."""

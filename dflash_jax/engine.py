@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from dflash_jax import decoding, layers, tail_layout
 from dflash_jax.attention import resolve_attention_impl
-from dflash_jax.batcher import ContinuousBatcher, Generation, GenerationResult, StopCheck
+from dflash_jax.batcher import ContinuousBatcher, Generation, GenerationResult, StopCheck, stop_checks_per_prompt
 from dflash_jax.cache import CACHE_ALIGNMENT, CACHE_AXES
 from dflash_jax.compile_cache import check_setting as check_cache_setting, use_compilation_cache
 from dflash_jax.config import check_field_types
@@ -626,9 +626,7 @@ class Engine:
             if generation.result is not None:
                 on_done(index, generation.result)
 
-        checks = [None] * len(prompts) if stop_checks is None else list(stop_checks)
-        if len(checks) != len(prompts):
-            raise ValueError(f"stop_checks has {len(checks)} entries for {len(prompts)} prompts")
+        checks = stop_checks_per_prompt(stop_checks, len(prompts))
         batcher = ContinuousBatcher(self)
         generations = [
             batcher.submit(p, m, stop_token_ids, name=f"prompt {i}", stop_check=check,

@@ -763,6 +763,7 @@ def test_stop_checks_end_rows_on_the_host():
     at a stop token), the row is released at the next step and reused; a failing check fails its own
     request alone."""
     from dflash_jax.batcher import ContinuousBatcher, cut_acceptance
+    from dflash_jax.server.scheduler import Scheduler
 
     engine = FakeEngine(100, max_batch_size=2, max_length=64, block_size=4, steps_per_sync=2)
 
@@ -802,6 +803,8 @@ def test_stop_checks_end_rows_on_the_host():
         assert res.num_steps == len(res.acceptance_lengths)
     assert len(engine.released) == 4  # the rows of the three stopped requests and the failed one
     assert batcher.idle and batcher.running == 0
+    with pytest.raises(ValueError, match="stop_checks has 1 entries for 2 prompts"):
+        Scheduler(engine).submit_all([([1, 2], 4, lambda *a: None)] * 2, stop_checks=[None])
 
 
 def test_adaptive_steps_grow_while_the_device_idles_and_shrink_when_the_host_waits():

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from dflash_jax.batcher import ContinuousBatcher, Generation, StopCheck
+from dflash_jax.batcher import ContinuousBatcher, Generation, StopCheck, stop_checks_per_prompt
 from dflash_jax.server.metrics import Metrics
 
 log = logging.getLogger("dflash_jax.server")
@@ -144,9 +144,7 @@ class Scheduler:
         (``QueueFull``), so none of them runs, and none holds a place in the queue that the next
         request could take. ``stop_checks``: one per prompt, or None."""
         stops = None if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
-        checks = [None] * len(prompts) if stop_checks is None else list(stop_checks)
-        if len(checks) != len(prompts):
-            raise ValueError(f"{len(checks)} stop checks for {len(prompts)} prompts")
+        checks = stop_checks_per_prompt(stop_checks, len(prompts))
         reqs = [Request(prompt_ids=[int(t) for t in ids], max_new_tokens=int(m), stop_token_ids=stops, sink=sink,
                         stop_check=check)
                 for (ids, m, sink), check in zip(prompts, checks)]
