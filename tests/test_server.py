@@ -387,6 +387,9 @@ BAD_COMPLETIONS = [
     ({"prompt": list(range(10, 10 + MAX_LENGTH))}, "context_length_exceeded", "prompt"),
     ({"prompt": "word " * 200}, "context_length_exceeded", "prompt"),
     ({"prompt": [10, 11], "max_tokens": MAX_LENGTH}, "context_length_exceeded", "max_tokens"),
+    ({"prompt": [10, 11], "max_tokens": int("9" * 4300)}, "context_length_exceeded", "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": ' + b"1" * 4301 + b"}", "invalid_json", None),  # past Python's digit limit
+    ({"prompt": [[1]] * 1025}, "too_many_prompts", "prompt"),  # more than the server queues (1,024): never fits
     ({"prompt": "hi", "stop_token_ids": "2"}, "invalid_type", "stop_token_ids"),
     ({"prompt": "hi", "stop_token_ids": [1, 2.5]}, "invalid_type", "stop_token_ids"),
     ({"prompt": "hi", "stop_token_ids": [-1]}, "invalid_token_id", "stop_token_ids"),
@@ -418,6 +421,7 @@ BAD_CHATS = [
     ({"messages": GOOD_MSG, "chat_template_kwargs": {"self": 1}}, "invalid_value", "chat_template_kwargs"),
     ({"messages": GOOD_MSG, "max_completion_tokens": -1}, "invalid_value", "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "word " * 200}]}, "context_length_exceeded", "messages"),
+    ({"messages": GOOD_MSG, "max_completion_tokens": MAX_LENGTH}, "context_length_exceeded", "max_completion_tokens"),
     (rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}', "invalid_json",
      "messages"),
 ]
@@ -445,6 +449,9 @@ def test_bad_input_is_400_and_the_server_keeps_serving(fake, tokenizer):
     assert "temperature" in err["message"] and "greed" in err["message"]
     err = assert_error(_post(client, "/v1/completions", {"prompt": "hi", "foo": 1, "bar": 2}), 400)
     assert "'bar'" in err["message"] and "'foo'" in err["message"]
+    err = assert_error(_post(client, "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}),
+                       400, "invalid_value", "stream_options")
+    assert "'stream': true" in err["message"]
     # Other statuses keep the OpenAI error body.
     assert_error(_post(client, "/v1/completions", {"prompt": "hi", "model": "gpt-4"}), 404, "model_not_found", "model")
     assert_error(client.get("/v1/completions"), 405, "method_not_allowed")

@@ -212,9 +212,10 @@ def _check_model(ctx: ServerContext, model: str | None) -> None:
                          status=404, param="model", code="model_not_found")
 
 
-def _check_prompt(ctx: ServerContext, ids: list[int], max_tokens: int | None, where: str = "the prompt",
+def _check_prompt(ctx: ServerContext, ids: list[int], params: P.CommonParams, where: str = "the prompt",
                   param: str = "prompt") -> int:
     """Checks token ids and lengths; returns the number of tokens to generate."""
+    max_tokens, name = params.max_tokens, params.max_tokens_param
     bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
     if bad:
         raise P.invalid(f"{where} has token ids outside the vocabulary [0, {ctx.vocab_size}): {bad[:5]}",
@@ -230,11 +231,11 @@ def _check_prompt(ctx: ServerContext, ids: list[int], max_tokens: int | None, wh
                         param=param, code="context_length_exceeded")
     if max_tokens is None:
         return min(ctx.default_max_tokens, ctx.max_length - n)
-    if n + max_tokens > ctx.max_length:
+    if max_tokens > ctx.max_length - n:  # no sum to print: max_tokens may have thousands of digits
         raise P.invalid(
-            f"{where} has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} tokens exceed the maximum "
-            f"length of {ctx.max_length}; lower max_tokens to at most {ctx.max_length - n}",
-            param="max_tokens", code="context_length_exceeded")
+            f"{where} has {n} tokens and {name} is {max_tokens}: together over the maximum length of "
+            f"{ctx.max_length} tokens; lower {name} to at most {ctx.max_length - n}",
+            param=name, code="context_length_exceeded")
     return max_tokens
 
 
@@ -375,8 +376,11 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
         if not ids:
             raise P.invalid("'prompt' encodes to no tokens", param="prompt", code="empty_prompt")
         prompts.append(ids)
+    if len(prompts) > ctx.scheduler.max_waiting:  # a 503 would tell the client to retry what never fits
+        raise P.invalid(f"'prompt' has {len(prompts)} prompts; this server queues at most "
+                        f"{ctx.scheduler.max_waiting} at once", param="prompt", code="too_many_prompts")
     where = (lambda i: "the prompt") if len(prompts) == 1 else (lambda i: f"prompt[{i}]")
-    max_tokens = [_check_prompt(ctx, ids, params.max_tokens, where(i)) for i, ids in enumerate(prompts)]
+    max_tokens = [_check_prompt(ctx, ids, params, where(i)) for i, ids in enumerate(prompts)]
     job = _submit(ctx, prompts, max_tokens, params)
     rid, created = P.new_id("cmpl"), P.now()
     if params.stream:
@@ -414,7 +418,7 @@ async def _chat(ctx: ServerContext, request: Request) -> Response:
                         code="chat_template_error") from None
     if not ids:
         raise P.invalid("the messages render to an empty prompt", param="messages", code="empty_prompt")
-    max_tokens = _check_prompt(ctx, ids, params.max_tokens, "the chat prompt", param="messages")
+    max_tokens = _check_prompt(ctx, ids, params, "the chat prompt", param="messages")
     job = _submit(ctx, [ids], [max_tokens], params)
     rid, created = P.new_id("chatcmpl"), P.now()
     if params.stream:

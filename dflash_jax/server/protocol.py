@@ -71,7 +71,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         # JSON over HTTP is UTF-8 (json.loads would take bytes in UTF-16 or 32, and encoded surrogates)
         text = raw.decode("utf-8-sig")
         data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's digit limit
         raise invalid(f"the request body is not valid JSON: {err}", code="invalid_json") from None
     except RecursionError:  # json's parser recurses per level of nesting
         raise invalid("the request body nests arrays or objects too deeply", code="invalid_json") from None
@@ -155,6 +155,7 @@ class CommonParams:
     user: str | None
     stop_token_ids: tuple[int, ...] = ()  # vLLM's extension: ids that end generation besides the model's
     stop: tuple[str, ...] = ()  # strings that end generation, left out of the text (dflash_jax.text_stream)
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came from (chat: or max_completion_tokens)
 
 
 @dataclasses.dataclass
@@ -191,13 +192,13 @@ GREEDY = "this server decodes greedily"
 def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
     model = _expect(body, "model", lambda v: isinstance(v, str), "a string")
 
-    max_tokens = None
+    max_tokens, max_tokens_param = None, max_tokens_fields[0]
     for name in max_tokens_fields:  # the later name wins (max_completion_tokens over max_tokens)
         value = _expect(body, name, _is_int, "an integer")
         if value is not None:
             if value < 1:
                 raise invalid(f"'{name}' must be at least 1, got {value}", param=name)
-            max_tokens = value
+            max_tokens, max_tokens_param = value, name
 
     stream = _bool(body, "stream")
     include_usage = False
@@ -212,6 +213,8 @@ def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
         elif not isinstance(include_usage, bool):  # named as a field of stream_options, the request's param
             raise invalid(f"'stream_options.include_usage' must be a boolean, got {_type_name(include_usage)}",
                           param="stream_options", code="invalid_type")
+        if not stream:  # as OpenAI's and vLLM's: the options of a stream that was not asked for
+            raise invalid("'stream_options' is only allowed with 'stream': true", param="stream_options")
 
     # Sampling: greedy only. Values that mean greedy are accepted.
     temperature = _expect(body, "temperature", _is_number, "a number")
@@ -252,7 +255,7 @@ def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
     return CommonParams(
         model=model, max_tokens=max_tokens, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos,
         return_token_ids=return_token_ids, seed=seed, user=user, stop_token_ids=tuple(stop_token_ids or ()),
-        stop=stop,
+        stop=stop, max_tokens_param=max_tokens_param,
     )
 
 
