@@ -4,6 +4,7 @@ embedded tokenizer, a long text's ids sent in chunks (one chunk per stream per h
 decoding every id at every chunk (what it did before the thirty-seventh session).
 
     python bench/bench_detokenizer.py --lengths 1024,4096,8192 --chunk 8
+    python bench/bench_detokenizer.py --lone-bytes --chunk 1     # one undecodable byte id, over and over
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="1024,4096,8192")
     ap.add_argument("--chunk", type=int, default=8, help="ids per chunk (a host sync's tokens for one stream)")
+    ap.add_argument("--lone-bytes", action="store_true",
+                    help="the ids: one id that decodes to a lone UTF-8 lead byte, repeated (text never completes)")
     args = ap.parse_args()
     tokenizer = Tokenizer(embedded.DEFAULT_TARGET)
-    text = "\n".join(embedded.heldout_prompts())
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    if args.lone_bytes:
+        ids = [next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i], False) == "\ufffd")]
+    else:
+        ids = tokenizer.encode("\n".join(embedded.heldout_prompts()), add_special_tokens=False)
     print("ids | windowed: ms, us per chunk | every id decoded: ms, us per chunk")
     for n in (int(x) for x in args.lengths.split(",")):
         sample = (ids * (n // len(ids) + 1))[:n]

@@ -135,6 +135,21 @@ _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), ("
             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
+def _uses_decoder(decoder: Any, kind: str) -> bool:
+    """Whether a ``tokenizers`` decoder is ``kind`` or a ``Sequence`` holding one."""
+    if decoder is None:
+        return False
+
+    def walk(node: Any) -> bool:
+        return isinstance(node, dict) and (node.get("type") == kind or any(walk(d) for d in node.get("decoders", ())))
+
+    return walk(json.loads(decoder.__getstate__()))
+
+
+_MAX_PENDING = 3  # U+FFFD at a text's end that may still become a character: an incomplete sequence's bytes
+_MAX_MARKS = 4     # chunk boundaries an IncrementalDetokenizer keeps while a character is incomplete
+
+
 def _cleanup_tail(text: str) -> int:
     """Characters at the end of ``text`` that begin a cleanup pattern, which later text may complete."""
     held = 0
@@ -235,6 +250,7 @@ class Tokenizer:
         clean = cfg.get("clean_up_tokenization_spaces", False)
         # transformers skips the (WordPiece-era) cleanup for BPE models.
         self._clean_up_spaces = bool(clean) and type(self._tok.model).__name__ != "BPE"
+        self._byte_fallback = _uses_decoder(self._tok.decoder, "ByteFallback")
 
         self._chat_templates, self._chat_template_source = self._load_chat_templates(cfg, cfg_path)
 
@@ -438,6 +454,12 @@ class Tokenizer:
         return self._clean_up_spaces
 
     @property
+    def byte_fallback(self) -> bool:
+        """Whether the decoder turns byte tokens (``<0xE4>``) into text (SentencePiece's byte fallback): a
+        run of them that is not valid UTF-8 as a whole decodes to one U+FFFD per byte."""
+        return self._byte_fallback
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce (base vocabulary plus added tokens)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -465,6 +487,13 @@ class IncrementalDetokenizer:
     spaces (``clean_up_tokenization_spaces`` on a WordPiece or Unigram model) rewrite text across
     chunk boundaries, so for them each call decodes every id, and a tail that may begin a cleanup
     pattern (`` '``) waits for the text after it.
+
+    While the text ends with an incomplete character the window cannot start after it, so a long run
+    of undecodable bytes (a lone UTF-8 lead byte per id: a model gone astray, random weights) grew one
+    window without end, quadratic again (8,192 such ids: 1.0 s in chunks of 8, 10.5 s one by one; now
+    0.02 and 0.1 s). Only the last ``_MAX_PENDING`` U+FFFD can still become a character (not so with
+    byte fallback, where the whole run waits as before), so the window moves to a recent chunk
+    boundary whose text is all sent and splits its text exactly (``_move_pending_window``).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
@@ -475,6 +504,11 @@ class IncrementalDetokenizer:
         self._start = 0    # the window's first id: where the last chunk sent began (0 unwindowed)
         self._read = 0     # ids before this are sent
         self._before = ""  # ids[_start:_read] decoded
+        # While a character is incomplete: (ids, the window's text) at the last few chunk boundaries.
+        self._pending_marks: tuple[tuple[int, str], ...] = ()
+        # Byte fallback decodes an incomplete run of byte tokens to one U+FFFD per byte, all of which
+        # the next byte may turn into characters: the whole trailing run of U+FFFD waits, as it is.
+        self._max_pending = None if getattr(tokenizer, "byte_fallback", False) else _MAX_PENDING
 
     def add(self, new_ids: Sequence[int]) -> str:
         if not new_ids:
@@ -485,13 +519,13 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         return self._send(final=True)
 
-    def mark(self) -> tuple[int, int, int, str]:
+    def mark(self) -> tuple:
         """The stream's position, for ``rewind``."""
-        return len(self.ids), self._start, self._read, self._before
+        return len(self.ids), self._start, self._read, self._before, self._pending_marks
 
-    def rewind(self, mark: tuple[int, int, int, str]) -> None:
+    def rewind(self, mark: tuple) -> None:
         """Forgets the ids added since ``mark`` (their text must not have been used)."""
-        n, self._start, self._read, self._before = mark
+        n, self._start, self._read, self._before, self._pending_marks = mark
         del self.ids[n:]
 
     def _send(self, final: bool) -> str:
@@ -501,13 +535,19 @@ class IncrementalDetokenizer:
             return ""
         # An incomplete character (U+FFFD) at the end waits; the text before it goes now (a stop
         # string there must be seen with the ids that completed it: dflash_jax.text_stream).
-        end = len(text) if final else len(text.rstrip("\ufffd"))
+        end = len(text)
+        if not final:  # an incomplete UTF-8 sequence decodes to one U+FFFD (byte-level BPE)
+            pending = len(text) - len(text.rstrip("\ufffd"))
+            end -= pending if self._max_pending is None else min(self._max_pending, pending)
         if not self._windowed and not final:  # the cleanup may yet rewrite a tail that begins a pattern
             end -= _cleanup_tail(text[:end])
         delta = text[len(self._before): end]
         if end < len(text):  # the window keeps its start until its last character is complete
             self._before = text[:max(end, len(self._before))]
+            if self._windowed and self._max_pending is not None:
+                self._move_pending_window(text)
             return delta
+        self._pending_marks = ()
         chunk = self.tokenizer.decode(self.ids[self._read:], self.skip_special_tokens) if self._windowed else ""
         if chunk:  # the next window starts with this chunk, decoded on its own
             self._start, self._read, self._before = self._read, len(self.ids), chunk
@@ -515,6 +555,26 @@ class IncrementalDetokenizer:
             # would make the next id the decoder's first, whose space Metaspace and Strip decoders drop
             self._read, self._before = len(self.ids), text
         return delta
+
+    def _move_pending_window(self, text: str) -> None:
+        """Starts the window (whose text is ``text``, sent up to ``len(_before)``) at a recent chunk
+        boundary ``s`` whose text ``head`` was all sent, if ``text`` is exactly ``head +
+        decode(ids[s:])``: no character spans ``s`` (an incomplete one before it was ended by the bytes
+        after it) and no decoder treats the id at ``s`` as a sequence's first (Metaspace). Else the
+        window keeps its start, as before. Then records this call's boundary."""
+        decodes = 0
+        for s, head in reversed(self._pending_marks):  # the latest first; two short decodes at most
+            if len(head) > len(self._before) or not text.startswith(head) or decodes == 2:
+                continue
+            decodes += 1
+            tail = self.tokenizer.decode(self.ids[s:], self.skip_special_tokens)
+            if tail and head + tail == text:
+                self._start = self._read = s
+                self._before, text = self._before[len(head):], tail
+                self._pending_marks = tuple((n, t[len(head):]) for n, t in self._pending_marks
+                                            if n > s and t.startswith(head))
+                break
+        self._pending_marks = (self._pending_marks + ((len(self.ids), text),))[-_MAX_MARKS:]
 
     @property
     def text(self) -> str:

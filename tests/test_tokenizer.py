@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -220,6 +221,66 @@ def test_incremental_detokenizer_joins_to_decode(pair, windowed):
                 assert not any("\ufffd" in p for p in pieces) or "\ufffd" in ours.decode(ids)
                 if windowed and len(ids) > 200:  # windows (longer only while a character is incomplete)
                     assert max(decoded) <= 8 * step + 24 < len(ids) // 4, (name, step, max(decoded), len(ids))
+
+
+def test_incremental_detokenizer_over_undecodable_bytes(pair):
+    """Random ids rich in lone UTF-8 lead, continuation and multi-byte pieces, special tokens and
+    text, in random chunks: the deltas join to the whole decode, and a long run of undecodable
+    bytes keeps the windows short (it grew one window without end: quadratic)."""
+    rng = random.Random(7)
+    for name in sorted(WRITERS):
+        ours, _ = pair(name)
+        vocab = ours.vocab_size
+        pieces = {i: ours.decode([i], False) for i in range(vocab)}
+        odd = [i for i, t in pieces.items() if "\ufffd" in t]  # byte pieces of multi-byte characters
+        special = [i for i in range(vocab) if ours.decode([i], True) == "" and pieces[i]]
+        plain = [i for i in range(vocab) if i not in odd and i not in special]
+        runs = [[rng.choice(odd[:3] or plain)] * 300] * 2  # one lone byte, over and over
+        for _ in range(12):
+            runs.append([rng.choice(odd or plain) if rng.random() < 0.6 else
+                         rng.choice(special or plain) if rng.random() < 0.2 else rng.choice(plain)
+                         for _ in range(rng.randint(1, 120))])
+        for ids in runs:
+            for skip in (True, False):
+                detok = IncrementalDetokenizer(ours, skip)
+                decoded: list[int] = []
+                detok.tokenizer = SimpleNamespace(decode=lambda i, sk: decoded.append(len(i)) or ours.decode(i, sk))
+                out, at, steady = [], 0, rng.random() < 0.3  # chunks of one id, or of 1 to 9
+                while at < len(ids):
+                    step = 1 if steady else rng.randint(1, 9)
+                    out.append(detok.add(ids[at: at + step]))
+                    at += step
+                out.append(detok.finish())
+                assert "".join(out) == ours.decode(ids, skip), (name, skip, ids)
+                if len(set(ids)) == 1 and odd:
+                    assert max(decoded) <= 40, (name, max(decoded))
+
+
+def test_incremental_detokenizer_with_byte_fallback(tmp_path):
+    """Byte fallback spells a character as byte tokens and decodes an incomplete run to one U+FFFD per
+    byte, all of which the next byte can complete: the whole trailing run waits (and the window with
+    it), so characters spelled in bytes, in random chunks, join to the whole decode."""
+    ours = Tokenizer(tf.write_byte_fallback_tokenizer(tmp_path / "bf"))
+    assert ours.byte_fallback and not Tokenizer(tf.write_wordpiece_cleanup_tokenizer(tmp_path / "wp")).byte_fallback
+    vocab = ours._tok.get_vocab()
+    assert ours.decode([vocab["<0xE4>"], vocab["<0xB8>"]]) == "\ufffd\ufffd"
+    rng = random.Random(3)
+    words = [vocab[w] for w in ("▁hello", "▁world", "b", "x", "</s>")]
+    for _ in range(200):
+        ids: list[int] = []
+        while len(ids) < 40:
+            ids += ([vocab[f"<0x{b:02X}>"] for b in rng.choice("中é€😀").encode()] if rng.random() < 0.5
+                    else [rng.choice(words)])
+        for skip in (True, False):
+            detok = IncrementalDetokenizer(ours, skip)
+            out, at = [], 0
+            while at < len(ids):
+                step = rng.randint(1, 6)
+                out.append(detok.add(ids[at: at + step]))
+                at += step
+            out.append(detok.finish())
+            assert "".join(out) == ours.decode(ids, skip), ids
+            assert not any("\ufffd" in piece for piece in out)
 
 
 # --------------------------------------------------------------------------- errors name the file and field

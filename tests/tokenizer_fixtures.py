@@ -400,6 +400,30 @@ def write_wordpiece_cleanup_tokenizer(directory) -> Path:
     return directory
 
 
+def write_byte_fallback_tokenizer(directory) -> Path:
+    """A tiny SentencePiece-style BPE with byte fallback (Llama 2's decoder): a character outside the
+    vocabulary is spelled as byte tokens ``<0xE4><0xB8><0xAD>``, and a run of them that is not valid
+    UTF-8 decodes to one U+FFFD per byte."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for word in ["▁hello", "▁world", "▁a", "b", "▁", "x"]:
+        vocab[word] = len(vocab)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    _write_json(directory / "tokenizer_config.json", {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                                                      "clean_up_tokenization_spaces": False})
+    return directory
+
+
 def stop_string_reference(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, str, str | None]:
     """(ids kept, text, the stop string) of a generation of ``ids`` with ``stops``: the first prefix of
     the ids whose decode (less an incomplete last character) holds a stop string, its text cut before
