@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,9 @@ def load_tokenizer(cfg, required: bool):
 
 def stop_ids(cfg, tokenizer, target) -> list[int]:
     if cfg.model.stop_token_ids is not None:
+        vocab = target.config.vocab_size
+        if bad := [t for t in cfg.model.stop_token_ids if not 0 <= t < vocab]:
+            raise CLIError(f"model.stop_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return list(cfg.model.stop_token_ids)
     if tokenizer is not None:
         return list(tokenizer.stop_token_ids)
@@ -310,11 +314,36 @@ def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int
     return ids, max_new, stop
 
 
+def _write_results(f, rows, prompts, results, texts, tokenizer) -> None:
+    """Each input line with its generation's fields, one JSON line per prompt, into ``f`` (closed after)."""
+    from dflash_jax.text_stream import finish_text
+
+    with f:
+        for (_, row), ids, res, stream in zip(rows, prompts, results, texts):
+            out = dict(row)
+            output_ids, finish = list(res.output_ids), res.finish_reason
+            if stream is not None:  # the text and ids that the stop strings leave
+                output_ids, _, finish = finish_text(stream, res)
+            out.update(
+                output_ids=output_ids,
+                text=stream.text if stream is not None else tokenizer.decode(res.output_ids) if tokenizer else None,
+                finish_reason=finish,
+                num_prompt_tokens=len(ids),
+                num_output_tokens=len(output_ids),
+                num_steps=res.num_steps,
+                acceptance_lengths=list(res.acceptance_lengths),
+                tau=res.tau,
+                time_to_first_token=float(res.time_to_first_token),
+                time_per_output_token=float(res.time_per_output_token),
+            )
+            f.write(json.dumps(out, ensure_ascii=False) + "\n")
+
+
 def run_generate(cfg) -> dict[str, Any]:
     from tqdm import tqdm
 
     from dflash_jax.compile_cache import compile_seconds, track_compile_time
-    from dflash_jax.text_stream import TextStream, finish_text
+    from dflash_jax.text_stream import TextStream
 
     track_compile_time()
     input_path, output_path = Path(cfg.generate.input), Path(cfg.generate.output)
@@ -378,27 +407,19 @@ def run_generate(cfg) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     compiling = compile_seconds() - compiling
 
-    tmp = output_path.with_name(output_path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for (_, row), ids, res, stream in zip(rows, prompts, results, texts):
-            out = dict(row)
-            output_ids, finish = list(res.output_ids), res.finish_reason
-            if stream is not None:  # the text and ids that the stop strings leave
-                output_ids, _, finish = finish_text(stream, res)
-            out.update(
-                output_ids=output_ids,
-                text=stream.text if stream is not None else tokenizer.decode(res.output_ids) if tokenizer else None,
-                finish_reason=finish,
-                num_prompt_tokens=len(ids),
-                num_output_tokens=len(output_ids),
-                num_steps=res.num_steps,
-                acceptance_lengths=list(res.acceptance_lengths),
-                tau=res.tau,
-                time_to_first_token=float(res.time_to_first_token),
-                time_per_output_token=float(res.time_per_output_token),
-            )
-            f.write(json.dumps(out, ensure_ascii=False) + "\n")
-    tmp.replace(output_path)
+    # A fresh temporary name beside the output (renamed over it once whole): a fixed one such as
+    # "out.jsonl.tmp" could be the input, or anybody's file, and would be overwritten.
+    fd, tmp_name = tempfile.mkstemp(dir=output_path.parent, prefix=f".{output_path.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
+    try:
+        _write_results(os.fdopen(fd, "w", encoding="utf-8"), rows, prompts, results, texts, tokenizer)
+        umask = os.umask(0)  # mkstemp's file is private (0600): the output gets a new file's usual mode
+        os.umask(umask)
+        tmp.chmod(0o666 & ~umask)
+        tmp.replace(output_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
     n_out = sum(len(r.output_ids) for r in results)
     steps = sum(len(r.acceptance_lengths) for r in results)
@@ -494,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CLIError, ConfigError) as err:
         print(f"serve.py: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: batch mode leaves its output as it was (it is written at the end)
+        print("serve.py: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -33,11 +33,38 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+@dataclasses.dataclass(frozen=True)
+class _Override:
+    """A ``key=value`` override's value: YAML's reading of it, and its text for a string field (YAML
+    reads ``api_key=12345`` as an integer, ``name=on`` as a boolean)."""
+
+    parsed: Any
+    text: str
+
+    def __repr__(self) -> str:  # as errors show a value
+        return repr(self.parsed)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with the overrides inside it (a key of a free-form mapping) as YAML read them."""
+    if isinstance(value, _Override):
+        return _plain(value.parsed)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _convert(value: Any, tp: Any, where: str) -> Any:
     tp, optional = _strip_optional(tp)
+    if isinstance(value, _Override):
+        value = value.text if tp is str and isinstance(value.parsed, (bool, int, float)) else value.parsed
     if value is None:
         if optional:
             return None
+        if dataclasses.is_dataclass(tp):  # a section written with no keys (``model:``): its defaults
+            return _build(tp, {}, where)
         raise ConfigError(f"{where}: must not be null")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
@@ -60,9 +87,9 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
+        return _plain(value)
     if tp is Any:
-        return value
+        return _plain(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -89,7 +116,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
 
 def _build(cls: type[C], data: dict[str, Any], where: str) -> C:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)  # YAML keys may be numbers too
     if unknown:
         raise ConfigError(
             f"{where}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(fields)}"
@@ -137,13 +164,19 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     parts = key.strip().split(".")
     node = data
     for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
+        child = node.get(part)
+        if isinstance(child, _Override):  # an earlier override gave the whole section
+            child = child.parsed
+        if child is None:  # absent, or written with no keys or as null (an optional section left off)
+            child = {}
+        if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {part!r} is not a section")
+        node[part] = node = child
     try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        parsed = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"override {override!r}: invalid YAML value: {err}") from None
+    node[parts[-1]] = _Override(parsed, raw.strip())
 
 
 def config_from_dict(cls: type[C], data: dict[str, Any], *, source: str = "") -> C:

@@ -79,3 +79,37 @@ def test_python_built_configs_take_numbers_of_any_kind():
     check_field_types(Optim(lr=np.float32(1e-3), steps=np.int32(3)))  # numpy's numbers
     with pytest.raises(ConfigError, match=r"lr: expected float, got '1e-3'"):
         check_field_types(Optim(lr="1e-3"))  # YAML's string-as-number is for files only
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    api_key: str | None = None
+    name: str = "x"
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    optim: Optim = dataclasses.field(default_factory=Optim)
+    mesh: MeshConfig | None = None
+
+
+def test_overrides_keep_their_text_for_strings_and_fill_empty_sections(tmp_path):
+    """YAML reads ``12345`` as a number and ``on`` as a boolean: a string field takes the text as
+    written. A section left empty or null takes its defaults (or an override's keys); a free-form
+    mapping's keys are set as YAML reads them; numeric keys are named in errors, not a TypeError."""
+    cfg = load_config(Served, None, ["api_key=12345", "name=on", "optim.steps=3", "kwargs.enable_thinking=false",
+                                     "kwargs.depth=2"])
+    assert cfg.api_key == "12345" and cfg.name == "on" and cfg.optim.steps == 3
+    assert cfg.kwargs == {"enable_thinking": False, "depth": 2}
+    path = tmp_path / "s.yaml"
+    path.write_text("optim:\nmesh: null\n")
+    assert load_config(Served, path) == Served()
+    assert load_config(Served, path, ["mesh.tensor=2", "optim.lr=0.5"]) == Served(mesh=MeshConfig(tensor=2),
+                                                                                   optim=Optim(lr=0.5))
+    assert load_config(Served, None, ["optim={lr: 2}", "optim.steps=4"]).optim == Optim(lr=2.0, steps=4)
+    with pytest.raises(ConfigError, match=r"optim.steps: expected an integer, got 'x'"):
+        load_config(Served, None, ["optim.steps=x"])
+    with pytest.raises(ConfigError, match=r"name: expected a string, got \{'x': 1\}"):
+        load_config(Served, None, ["name.x=1"])
+    with pytest.raises(ConfigError, match=r"'name' is not a section"):
+        load_config(Served, None, ["name=a", "name.x=1"])
+    path.write_text("name: a\n1: b\nfoo: c\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \[1, 'foo'\]"):
+        load_config(Served, path)

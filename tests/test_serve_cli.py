@@ -217,6 +217,32 @@ def test_token_ids_outside_vocabulary_and_too_many_stop_ids(models, tmp_path, ca
                      f"model.stop_token_ids={list(range(17))}", "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
     assert rc == 2 and "17 distinct stop ids (model.stop_token_ids, or the tokenizer's); the engine takes at most 16" \
         in capsys.readouterr().err  # it was a traceback
+    rc = serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(src), "--set",
+                     "model.stop_token_ids=[3, -1]", "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
+    assert rc == 2 and "model.stop_token_ids has ids outside the vocabulary" in capsys.readouterr().err
+
+
+def test_output_replaced_whole_through_a_fresh_temporary_file(models, tmp_path, capsys):
+    """The results go to a fresh temporary file beside the output, renamed over it: an input named like
+    the fixed temporary name that was used (``out.jsonl.tmp``) is kept, and nothing else is left."""
+    target_dir, _ = models
+    src = write_jsonl(tmp_path / "out.jsonl.tmp", [{"prompt_ids": [1, 2], "max_new_tokens": 2}])
+    before = src.read_bytes()
+    (tmp_path / "out.jsonl").write_text("old results\n")
+    rc = serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(src),
+                     "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
+    assert rc == 0, capsys.readouterr().err
+    assert src.read_bytes() == before
+    rows = read_jsonl(tmp_path / "out.jsonl")
+    assert len(rows) == 1 and len(rows[0]["output_ids"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.tmp"]
+    assert (tmp_path / "out.jsonl").stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_missing_models_and_files(models, tmp_path, capsys, monkeypatch):
