@@ -23,6 +23,9 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many more optimizer steps")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=0.0003 steps=100")
     args = parser.parse_args(argv)
+    if args.max_steps is not None and args.max_steps < 1:
+        print(f"error: --max-steps must be >= 1, got {args.max_steps}", file=sys.stderr)
+        return 2
 
     from dflash_jax.training.config import ConfigError, load_train_config
 
@@ -32,6 +35,10 @@ def _train(argv: list[str]) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     from dflash_jax.compile_cache import cache_report, use_compilation_cache
+    from dflash_jax.model_config import ModelConfigError
+    from dflash_jax.tokenizer import TokenizerError
+    from dflash_jax.training.checkpointing import CheckpointError
+    from dflash_jax.training.data import DataError
     from dflash_jax.training.run import train
 
     if config.compilation_cache_dir is not None:  # checked before the target loads
@@ -42,7 +49,11 @@ def _train(argv: list[str]) -> int:
             return 2
     try:
         result = train(config, resume=True if args.resume else None, max_steps=args.max_steps)
-    except (FileNotFoundError, FileExistsError) as err:  # --resume without a checkpoint, missing files
+    except ConfigError as err:  # a setting that conflicts with the target, the drafter or the run's saved config
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    # --resume without a checkpoint, missing files, bad model/tokenizer/data files, a damaged checkpoint
+    except (FileNotFoundError, FileExistsError, ModelConfigError, TokenizerError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     summary = {"steps": result["steps"], "train": result["train"], "eval": result["eval"]}
@@ -59,9 +70,19 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     args = parser.parse_args(argv)
-    from dflash_jax.training.checkpointing import export_checkpoint
+    from pathlib import Path
 
-    out = export_checkpoint(args.checkpoint, args.output, step=args.step, dtype=args.dtype)
+    from dflash_jax.model_config import ModelConfigError
+    from dflash_jax.training.checkpointing import CheckpointError, export_checkpoint
+
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        print(f"error: --output {args.output}: exists and is not a directory", file=sys.stderr)
+        return 2
+    try:
+        out = export_checkpoint(args.checkpoint, args.output, step=args.step, dtype=args.dtype)
+    except (FileNotFoundError, CheckpointError, ModelConfigError) as err:  # ModelConfigError: a bad drafter_config.json
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {out}/config.json and {out}/model.safetensors")
     return 0
 

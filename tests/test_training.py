@@ -373,3 +373,145 @@ def test_serve_generate_output_is_training_data(tmp_path):
     path.write_text(json.dumps({"messages": messages + [{"role": "assistant", "content": "1 2 3"}]}) + "\n"
                     + json.dumps({"prompt_ids": [4, 5]}) + "\n")
     assert read_prompts(path, tok) == [prompt, [4, 5]]
+
+
+@pytest.mark.parametrize("override,field", [
+    ("optim.lr=.nan", "optim.lr"), ("optim.lr=.inf", "optim.lr"), ("optim.b1=5", "optim.b1"),
+    ("optim.eps=-1", "optim.eps"), ("optim.clip_norm=-1", "optim.clip_norm"),
+    ("optim.weight_decay=-1", "optim.weight_decay"), ("optim.min_lr_ratio=-3", "optim.min_lr_ratio"),
+    ("data.prefetch=-1", "data.prefetch"), ("data.worker_count=-1", "data.worker_count"),
+    ("data.max_examples=-1", "data.max_examples"), ("eval.num_prompts=-1", "num_prompts"),
+    ("model.target=tiny:foo", "model.target"), ("model.target=pattern:abc", "model.target"),
+    ("data.self_generated.num_examples=-5", "data.self_generated.num_examples"),
+    ("loss.loss_chunk=-1", "loss.loss_chunk"), ("drafter.mask_token_id=-1", "drafter.mask_token_id"),
+])
+def test_config_rejects_out_of_range_values(override, field):
+    from dflash_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_train_config(REPO / "configs" / "train_tiny.yaml", [override])
+
+
+def _cli(argv, capsys):
+    """``train.py`` in-process: ``(exit status, last stderr line)``."""
+    import train as train_cli
+
+    rc = train_cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    return rc, err[-1] if err else ""
+
+
+def test_cli_setup_errors_are_one_line(tmp_path, capsys):
+    """User mistakes found while a run is set up exit 2 with a one-line error naming the field or
+    file, not a traceback; nothing is written to output_dir."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2, 3]}\nnot json\n')
+    base = ["--config", str(REPO / "configs" / "train_tiny.yaml"), f"output_dir={tmp_path / 'run'}", "steps=2"]
+    for extra, want in [
+        (["data.seq_len=4"], "config error: data.seq_len=4"),
+        (["drafter.mask_token_id=null"], "config error: drafter.mask_token_id"),
+        (["drafter.mask_token_id=100000"], "error: drafter: dflash_config.mask_token_id=100000"),
+        (["drafter.target_layer_ids=[0,99]"], "error: drafter: target_layer_ids [99]"),
+        (["model.target=/nonexistent"], "error: model.target: /nonexistent"),
+        (["data.self_generated.num_examples=0", f"data.train_files=[{bad}]"], f"error: {bad}:2: invalid JSON"),
+        (["--max-steps", "-3"], "error: --max-steps"),
+    ]:
+        rc, line = _cli(base + extra, capsys)
+        assert (rc, line[:len(want)]) == (2, want), (extra, line)
+    assert not (tmp_path / "run").exists()
+
+
+def _snapshot(run_dir):
+    return {str(p.relative_to(run_dir)): p.read_bytes() if p.is_file() else None for p in Path(run_dir).rglob("*")}
+
+
+@pytest.fixture
+def run_copy(resumed_runs, tmp_path):
+    """A copy of the finished 6-step run (checkpoints 3, 4, 6) to damage or resume wrongly."""
+    import shutil
+
+    split = resumed_runs[1]
+    run = tmp_path / "run"
+    shutil.copytree(split.output_dir, run)
+    (tmp_path / "cli.yaml").write_text((run / "config.yaml").read_text())
+    return run, ["--config", str(tmp_path / "cli.yaml"), f"output_dir={run}"]
+
+
+def test_resume_refuses_a_changed_config(run_copy, capsys):
+    """A resume whose config changes what the saved state is (drafter shape, mask id, optimizer
+    structure) or asks for fewer steps than done is refused before anything is loaded or written."""
+    from dflash_jax.training.run import check_resume
+
+    run, base = run_copy
+    before = _snapshot(run)
+    for extra, fields in [
+        (["drafter.num_layers=3"], ["drafter.num_layers"]),
+        (["optim.grad_accum=1"], ["optim.grad_accum"]),
+        (["drafter.block_size=4", "drafter.mask_token_id=90"], ["drafter.block_size", "drafter.mask_token_id"]),
+        (["model.target=pattern:3:1"], ["model.target"]),
+    ]:
+        rc, line = _cli(base + ["steps=8"] + extra, capsys)
+        assert rc == 2 and line.startswith("config error: output_dir"), line
+        assert all(f"{f} (run:" in line for f in fields), line
+    rc, line = _cli(base + ["steps=5"], capsys)
+    assert rc == 2 and "steps=5 is below the step 6" in line, line
+    assert _snapshot(run) == before
+    # What only changes how the run continues, logs, saves and evaluates may change.
+    cfg = load_train_config(run / "config.yaml", ["steps=9", "log_every=1", "save_every=3", "keep=5",
+                                                  "eval.num_prompts=2", "loss.loss_chunk=4", f"output_dir={run}"])
+    assert check_resume(cfg, run, None) == 6
+
+
+def test_damaged_latest_checkpoint_names_it_and_the_intact_ones(run_copy, tmp_path, capsys):
+    run, base = run_copy
+    for f in (run / "checkpoints" / "6" / "params").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[:10])
+    before = _snapshot(run)
+    want = f"error: {run / 'checkpoints' / '6'}: checkpoint step 6 cannot be read"
+    rc, line = _cli(base + ["steps=8"], capsys)
+    assert rc == 2 and line.startswith(want) and "steps 3, 4" in line and "resume from step 4" in line, line
+    rc, line = _cli(["export", "--checkpoint", str(run), "--output", str(tmp_path / "out")], capsys)
+    assert rc == 2 and line.startswith(want), line
+    assert _snapshot(run) == before  # nothing deleted or rewritten
+    # An empty step directory (a partial copy) is reported the same way.
+    emptied = tmp_path / "emptied"
+    emptied.mkdir()
+    for item in (run / "checkpoints" / "6").iterdir():
+        item.rename(emptied / item.name)
+    rc, line = _cli(["export", "--checkpoint", str(run), "--output", str(tmp_path / "out")], capsys)
+    assert rc == 2 and line.startswith(want), line
+    # The earlier checkpoints are intact.
+    assert _cli(["export", "--checkpoint", str(run), "--step", "4", "--output", str(tmp_path / "out")], capsys)[0] == 0
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_export_errors(run_copy, tmp_path, capsys):
+    run, _ = run_copy
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for args, want in [
+        (["--checkpoint", str(tmp_path / "nonexistent")], "not a training run directory"),
+        (["--checkpoint", str(run), "--step", "999"], "no checkpoint of step 999 (steps: [3, 4, 6])"),
+        (["--checkpoint", str(run), "--output", str(a_file)], "exists and is not a directory"),
+        (["--checkpoint", str(run / "checkpoints" / "4"), "--step", "6"], "is the checkpoint of step 4, but step 6"),
+    ]:
+        if "--output" not in args:
+            args = args + ["--output", str(tmp_path / "out")]
+        rc, line = _cli(["export"] + args, capsys)
+        assert rc == 2 and line.startswith("error: ") and want in line, (args, line)
+    assert not (tmp_path / "out").exists()
+
+
+def test_pretrain_input_errors(tmp_path, capsys):
+    from dflash_jax.config import ConfigError
+    from dflash_jax.training.pretrain import load_pretrain_config, main
+
+    config = REPO / "configs" / "embedded_target.yaml"
+    (tmp_path / "empty").mkdir()
+    for override, want in [("export_dtype=foo", "export_dtype"), (f"data.corpus={tmp_path / 'nope'}", "data.corpus"),
+                           (f"data.corpus={tmp_path / 'empty'}", "holds no .py or .txt files")]:
+        with pytest.raises(ConfigError, match=want):
+            load_pretrain_config(config, [override, "tokenizer=x"])
+    assert main(["--config", str(config), f"tokenizer={tmp_path / 'no_tok'}", f"output_dir={tmp_path / 'out'}"]) == 2
+    assert "no_tok" in capsys.readouterr().err

@@ -35,6 +35,34 @@ DRAFTER_CONFIG = "drafter_config.json"
 CHECKPOINTS = "checkpoints"
 
 
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used as asked (unreadable, or a step that contradicts its path)."""
+
+
+def step_dirs(run_dir: str | Path) -> list[int]:
+    """The finalized step directories of a run, found without Orbax and without creating anything
+    (an interrupted save's temporary directory has a non-numeric name)."""
+    directory = Path(run_dir) / CHECKPOINTS
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def _unreadable(directory: Path, step: int, err: Exception) -> CheckpointError:
+    reason = (str(err).splitlines() or [""])[0].split(" See full")[0][:160]
+    earlier = [s for s in step_dirs(directory.parent) if s < step]
+    bad = directory / str(step)
+    if "do not match" in reason:  # Orbax's tree-structure mismatch: readable, but another state's shape
+        return CheckpointError(f"{bad}: checkpoint step {step} does not fit the drafter and optimizer of this "
+                               f"config ({reason})")
+    if earlier:
+        hint = (f"the earlier checkpoints (steps {', '.join(map(str, earlier))}) are untouched: move {bad} out of "
+                f"{directory} to resume from step {earlier[-1]}, or export one with --step")
+    else:
+        hint = "there is no earlier checkpoint"
+    return CheckpointError(f"{bad}: checkpoint step {step} cannot be read ({type(err).__name__}: {reason}); {hint}")
+
+
 def _abstract(tree):
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
 
@@ -95,7 +123,10 @@ class Checkpointer:
         )
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-        restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+        except Exception as err:  # damaged files fail in Orbax/TensorStore with untyped errors (plain Exception)
+            raise _unreadable(self.directory, step, err) from err
         new_state = type(state)(
             params=restored.params,
             opt_state=restored.opt_state,
@@ -142,6 +173,8 @@ def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype
     ``ckpt_dir`` may be the run directory, its ``checkpoints/`` directory or one ``checkpoints/<step>``.
     """
     run_dir, path_step = _resolve(ckpt_dir)
+    if step is not None and path_step is not None and step != path_step:
+        raise CheckpointError(f"{ckpt_dir} is the checkpoint of step {path_step}, but step {step} was asked for")
     step = step if step is not None else path_step
     config = load_drafter_config_from_run(run_dir)
     dt = _DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -155,11 +188,17 @@ def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype
             step = manager.latest_step()
             if step is None:
                 raise FileNotFoundError(f"{run_dir / CHECKPOINTS}: no finished checkpoint")
+        elif step not in manager.all_steps():
+            raise FileNotFoundError(f"{run_dir / CHECKPOINTS}: no checkpoint of step {step} "
+                                    f"(steps: {list(manager.all_steps()) or 'none'})")
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
             params,
         )
-        restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+        except Exception as err:  # as in Checkpointer.restore: damaged files give untyped errors
+            raise _unreadable(run_dir / CHECKPOINTS, step, err) from err
     finally:
         manager.close()
     loaded = jax.tree.map(lambda x: jnp.asarray(x, dt), restored.params)

@@ -8,6 +8,7 @@ checkpoints (``<output_dir>/config.yaml``) so that a run can always be reproduce
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +18,24 @@ from dflash_jax.sharding import MeshConfig
 
 # Slot-weight decay gamma of the published recipe, by block size.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def check_target_spec(spec: str, field: str = "model.target") -> None:
+    """Rejects a malformed ``tiny:`` / ``pattern:`` spec at load time (an HF directory is checked
+    when the run starts)."""
+    if not spec.startswith(("tiny:", "pattern:")):
+        return
+    kind, *parts = spec.split(":")
+    if kind == "tiny":
+        usage, numbers = "tiny:<qwen3|llama>[:seed]", parts[1:]
+        if parts[0] not in ("", "qwen3", "llama"):
+            raise ValueError(f"{field}={spec!r}: unknown tiny model type {parts[0]!r}; expected {usage}")
+    else:
+        usage, numbers = "pattern:<period>[:seed]", parts
+        if parts[0].isdigit() and int(parts[0]) < 1:
+            raise ValueError(f"{field}={spec!r}: the period must be >= 1")
+    if len(parts) > 2 or not all(n.isdigit() for n in numbers):
+        raise ValueError(f"{field}={spec!r}: expected {usage} (non-negative integers)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +53,7 @@ class ModelConfig:
     def validate(self) -> None:
         if not self.target:
             raise ValueError("model.target (the target's directory) is required")
+        check_target_spec(self.target)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +71,8 @@ class DrafterShape:
             raise ValueError("drafter.num_layers must be >= 1")
         if self.block_size < 2:
             raise ValueError("drafter.block_size must be >= 2")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ValueError(f"drafter.mask_token_id must be >= 0, got {self.mask_token_id}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +88,13 @@ class SelfGeneratedConfig:
     new_tokens: int = 56
     eval_prompts: int = 8  # extra held-out prompts for the tau evaluation
     seed: int = 1234
+
+    def validate(self) -> None:
+        if self.num_examples < 0 or self.eval_prompts < 0:
+            raise ValueError("data.self_generated.num_examples and eval_prompts must be >= 0 (0: off), got "
+                             f"{self.num_examples} and {self.eval_prompts}")
+        if self.prompt_len < 1 or self.new_tokens < 1 or self.seed < 0:
+            raise ValueError("data.self_generated: prompt_len and new_tokens must be >= 1 and seed >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +118,13 @@ class DataConfig:
                              "(or data.self_generated.num_examples > 0)")
         if self.seq_len < 2 or self.batch_size < 1:
             raise ValueError("data.seq_len must be >= 2 and data.batch_size >= 1")
+        if self.worker_count < 0 or self.prefetch < 0:
+            raise ValueError(f"data.worker_count and data.prefetch must be >= 0 (0: off), got "
+                             f"{self.worker_count} and {self.prefetch}")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise ValueError(f"data.max_examples must be >= 1 (or null: all), got {self.max_examples}")
+        if self.seed < 0:
+            raise ValueError(f"data.seed must be >= 0, got {self.seed}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +141,10 @@ class LossConfig:
             raise ValueError("loss.num_anchors must be >= 1")
         if not 0.0 < self.dpace_alpha <= 1.0:
             raise ValueError("loss.dpace_alpha must be in (0, 1]")
-        if self.gamma is not None and self.gamma <= 0:
+        if self.gamma is not None and not (self.gamma > 0 and math.isfinite(self.gamma)):
             raise ValueError("loss.gamma must be > 0")
+        if self.loss_chunk < 0:
+            raise ValueError(f"loss.loss_chunk must be >= 0 (0: unchunked), got {self.loss_chunk}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +160,21 @@ class OptimConfig:
     grad_accum: int = 1  # micro-batches per optimizer step (optax.MultiSteps)
 
     def validate(self) -> None:
-        if self.lr <= 0 or not 0 <= self.warmup_ratio < 1 or self.grad_accum < 1:
-            raise ValueError("optim: lr > 0, 0 <= warmup_ratio < 1, grad_accum >= 1")
+        # NaN fails every comparison, so each check is written to pass only for good values.
+        checks = [
+            ("lr", self.lr > 0 and math.isfinite(self.lr), "a finite number > 0"),
+            ("warmup_ratio", 0 <= self.warmup_ratio < 1, "in [0, 1)"),
+            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("weight_decay", self.weight_decay >= 0 and math.isfinite(self.weight_decay), "a finite number >= 0"),
+            ("b1", 0 <= self.b1 < 1, "in [0, 1)"),
+            ("b2", 0 <= self.b2 < 1, "in [0, 1)"),
+            ("eps", self.eps > 0 and math.isfinite(self.eps), "a finite number > 0"),
+            ("clip_norm", self.clip_norm >= 0 and math.isfinite(self.clip_norm), "a finite number >= 0 (0: no clipping)"),
+            ("grad_accum", self.grad_accum >= 1, ">= 1"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"optim.{name} must be {rule}, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +183,11 @@ class EvalConfig:
     num_prompts: int = 8
     max_new_tokens: int = 128
     at_start: bool = False  # also evaluate the untrained drafter
+
+    def validate(self) -> None:
+        if self.every < 0 or self.num_prompts < 0 or self.max_new_tokens < 1:
+            raise ValueError(f"eval: every and num_prompts must be >= 0 and max_new_tokens >= 1, got "
+                             f"{self.every}, {self.num_prompts} and {self.max_new_tokens}")
 
 
 @dataclasses.dataclass(frozen=True)

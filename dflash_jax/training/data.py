@@ -43,6 +43,10 @@ from dflash_jax.training.config import DataConfig
 _ANSWER_KEYS = ("response", "completion", "output", "answer")
 
 
+class DataError(ValueError):
+    """A data file (or the records given) cannot be used: the message names the file and line."""
+
+
 class TokenizerLike(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
@@ -54,11 +58,14 @@ class TokenizerLike(Protocol):
 def read_jsonl(paths: Sequence[str | Path], max_examples: int | None = None) -> list[dict]:
     """All records of the JSONL files (blank lines skipped); errors name the file and line."""
     records: list[dict] = []
-    for path in paths:
-        for _, record in iter_jsonl(path):
-            records.append(record)
-            if max_examples is not None and len(records) >= max_examples:
-                return records
+    try:
+        for path in paths:
+            for _, record in iter_jsonl(path):
+                records.append(record)
+                if max_examples is not None and len(records) >= max_examples:
+                    return records
+    except ValueError as err:  # iter_jsonl's "path:line: ..." errors: a bad line in the user's file
+        raise DataError(str(err)) from None
     return records
 
 
@@ -212,7 +219,7 @@ def build_dataset(
     if records is None:
         records = read_jsonl(config.train_files, config.max_examples)
     if not records:
-        raise ValueError(f"no records in {list(config.train_files)}")
+        raise DataError(f"data.train_files: no records in {list(config.train_files)}")
     seq_len = config.seq_len
     ds = grain.MapDataset.source(records)
     if process_count > 1:
@@ -261,5 +268,5 @@ def read_prompts(path: str | Path, tokenizer: TokenizerLike | None, limit: int |
         elif "text" in record:
             prompts.append(list(tokenizer.encode(record["text"], add_special_tokens=True)))
         else:
-            raise ValueError(f"{path}: a prompt record needs prompt_ids, prompt, messages, input_ids or text")
+            raise DataError(f"{path}: a prompt record needs prompt_ids, prompt, messages, input_ids or text")
     return prompts

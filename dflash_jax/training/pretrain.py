@@ -29,6 +29,10 @@ from dflash_jax.config import ConfigError, load_config, save_config
 from dflash_jax.training.config import OptimConfig
 
 
+CORPUS_SUFFIXES = (".py", ".txt")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetShapeConfig:
     vocab_size: int = 0  # 0: the tokenizer's vocabulary size
@@ -52,6 +56,16 @@ class PretrainDataConfig:
     batch_size: int = 16
     eval_windows: int = 64  # fixed held-out windows for the eval loss ("stdlib" corpus only)
 
+    def validate(self) -> None:
+        if self.seq_len < 1 or self.batch_size < 1 or self.eval_windows < 0:
+            raise ValueError("data.seq_len and data.batch_size must be >= 1 and data.eval_windows >= 0")
+        if self.corpus != "stdlib":
+            root = Path(self.corpus)
+            if not root.is_dir():
+                raise ValueError(f"data.corpus: {self.corpus}: no such directory (or \"stdlib\")")
+            if not any(p.suffix in CORPUS_SUFFIXES and p.is_file() for p in root.rglob("*")):
+                raise ValueError(f"data.corpus: {self.corpus}: holds no {' or '.join(CORPUS_SUFFIXES)} files")
+
 
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
@@ -72,6 +86,10 @@ class PretrainConfig:
             raise ValueError("tokenizer (a directory with tokenizer.json) is required")
         if self.steps < 1 or self.log_every < 1:
             raise ValueError("steps and log_every must be >= 1")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (0: only at the end), got {self.eval_every}")
+        if self.export_dtype not in EXPORT_DTYPES:  # checked now, not after the whole run has trained
+            raise ValueError(f"export_dtype must be one of {list(EXPORT_DTYPES)}, got {self.export_dtype!r}")
 
 
 def load_pretrain_config(path, overrides=()) -> PretrainConfig:
@@ -100,7 +118,8 @@ def corpus(config: PretrainConfig, split: str) -> list[str]:
     if split != "train":
         return []
     root = Path(config.data.corpus)
-    return [p.read_text(encoding="utf-8", errors="replace") for p in sorted(root.rglob("*")) if p.suffix in (".py", ".txt")]
+    return [p.read_text(encoding="utf-8", errors="replace") for p in sorted(root.rglob("*"))
+            if p.suffix in CORPUS_SUFFIXES and p.is_file()]
 
 
 def sample_windows(stream: np.ndarray, batch: int, length: int, rng: np.random.Generator) -> np.ndarray:
@@ -188,6 +207,10 @@ def pretrain(config: PretrainConfig) -> dict:
     print(f"corpus: {len(train)} train tokens, {len(held)} held-out tokens "
           f"({time.time() - t0:.1f}s); unigram entropy {h_uni:.3f} nats", flush=True)
 
+    if len(train) <= config.data.seq_len + 1:
+        raise ConfigError(f"data.corpus: {config.data.corpus}: {len(train)} tokens, too few for one window of "
+                          f"data.seq_len + 1 = {config.data.seq_len + 1}")
+
     target = build_target(config, vocab, eos_ids)
     graphdef, params, rest = nnx.split(target, nnx.Param, ...)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
@@ -257,7 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    pretrain(config)
+    from dflash_jax.tokenizer import TokenizerError
+
+    try:
+        pretrain(config)
+    except ConfigError as err:  # a corpus too small for data.seq_len
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except TokenizerError as err:  # a missing or malformed tokenizer directory
+        print(f"error: tokenizer: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -14,10 +14,11 @@ from flax import nnx
 
 from dflash_jax.attention import resolve_attention_impl
 from dflash_jax.compile_cache import use_compilation_cache
+from dflash_jax.config import ConfigError, config_to_dict
 from dflash_jax.model_config import DrafterConfig, TargetConfig, default_target_layer_ids
 from dflash_jax.target import Target, unstack_layers
 from dflash_jax.training import parallel
-from dflash_jax.training.checkpointing import Checkpointer, save_drafter_config
+from dflash_jax.training.checkpointing import Checkpointer, CheckpointError, save_drafter_config, step_dirs
 from dflash_jax.training.config import TrainConfig, save_train_config
 from dflash_jax.training.data import build_dataset, read_prompts
 from dflash_jax.training.monitor import Monitor, train_flops_per_sequence
@@ -33,7 +34,7 @@ def fresh_drafter_config(target: TargetConfig, config: TrainConfig) -> DrafterCo
     """A drafter shaped like one target layer, with the run's depth, block size, mask id and taps."""
     shape = config.drafter
     if shape.mask_token_id is None:
-        raise ValueError("drafter.mask_token_id is required to train a fresh drafter")
+        raise ConfigError("drafter.mask_token_id is required to train a fresh drafter")
     ids = shape.target_layer_ids or default_target_layer_ids(target.num_layers, shape.num_layers)
     cfg = DrafterConfig(
         vocab_size=target.vocab_size, hidden_size=target.hidden_size,
@@ -63,6 +64,62 @@ def step_spec(config: TrainConfig, dcfg: DrafterConfig) -> StepSpec:
         attention_impl=resolve_attention_impl(config.model.attention_impl),
         seed=config.seed,
     )
+
+
+# Fields a resumed run may change: how long it runs and how it logs, saves, evaluates, shards and
+# compiles. Every other field defines the saved state (drafter shape, optimizer and its schedule,
+# data order and iterator state, loss) and must equal the run's config.yaml.
+RESUME_MAY_CHANGE = ("steps", "save_every", "keep", "log_every", "progress", "tensorboard", "compilation_cache_dir",
+                     "output_dir", "eval.", "mesh.", "model.attention_impl", "data.eval_prompts", "loss.loss_chunk")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_resume(config: TrainConfig, run_dir: Path, resume: bool | None) -> int | None:
+    """The step a run in ``run_dir`` resumes from (None: a fresh start), checked before anything is
+    loaded or written: a changed config would fail in Orbax's restore, or worse restore and then
+    overwrite config.yaml and drafter_config.json, which the kept checkpoints are exported with."""
+    import yaml
+
+    steps = step_dirs(run_dir)
+    if not steps:
+        if resume:
+            raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+        return None
+    latest = steps[-1]
+    if resume is False:
+        raise FileExistsError(f"{run_dir} already has checkpoints (latest step {latest}); "
+                              "pick another output_dir or resume")
+    saved_path = run_dir / "config.yaml"
+    if saved_path.exists():
+        try:
+            saved = yaml.safe_load(saved_path.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{saved_path}: invalid YAML: {err}") from None
+        # Round-tripped through YAML so that tuples and lists, ints and floats compare as saved.
+        new = _flat(yaml.safe_load(yaml.safe_dump(config_to_dict(config))))
+        old = _flat(saved) if isinstance(saved, dict) else {}
+        changed = [f"{k} (run: {old[k]!r}, now: {new[k]!r})" for k in sorted(set(old) & set(new))
+                   if old[k] != new[k] and not k.startswith(RESUME_MAY_CHANGE)]
+        if changed:
+            raise ConfigError(
+                f"output_dir {run_dir} holds a run (latest step {latest}) whose config.yaml differs in fields that "
+                f"define its saved state: {'; '.join(changed)}. Resume with the run's config (only "
+                f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUME_MAY_CHANGE)} "
+                "may change) or pick another output_dir"
+            )
+    if config.steps < latest:
+        raise ConfigError(f"steps={config.steps} is below the step {latest} that the run in {run_dir} has reached; "
+                          f"resume with steps >= {latest}")
+    return latest
 
 
 @dataclasses.dataclass
@@ -160,6 +217,11 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
         use_compilation_cache(config.compilation_cache_dir)
     mesh = parallel.make_mesh(config.mesh, devices)
     run_dir = Path(config.output_dir)
+    if checkpoint:
+        check_resume(config, run_dir, resume)
+    spec = config.model.target
+    if not spec.startswith(("tiny:", "pattern:")) and not Path(spec).is_dir():
+        raise FileNotFoundError(f"model.target: {spec}: no such directory")
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
 
     target = load_target_any(config.model.target, config.model.target_dtype)
@@ -172,12 +234,12 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
         drafter = Drafter(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(config.drafter.init_seed))
     dcfg = drafter.config
     if dcfg.num_target_layers != target.config.num_layers or dcfg.vocab_size != target.config.vocab_size:
-        raise ValueError(
-            f"drafter (num_target_layers={dcfg.num_target_layers}, vocab={dcfg.vocab_size}) does not fit the "
+        raise ConfigError(
+            f"model.drafter: the drafter (num_target_layers={dcfg.num_target_layers}, vocab={dcfg.vocab_size}) does not fit the "
             f"target ({target.config.num_layers} layers, vocab {target.config.vocab_size})"
         )
     if config.data.seq_len < dcfg.block_size + 1:
-        raise ValueError(f"data.seq_len={config.data.seq_len} must exceed the block size {dcfg.block_size}")
+        raise ConfigError(f"data.seq_len={config.data.seq_len} must exceed the block size {dcfg.block_size}")
 
     drafter_graphdef, params, drafter_rest = split_drafter(drafter)
     params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
@@ -222,14 +284,13 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
     if checkpoint:
         checkpointer = Checkpointer(run_dir, keep=config.keep)
         latest = checkpointer.latest_step()
-        if latest is not None:
-            if resume is False:
-                raise FileExistsError(f"{run_dir} already has checkpoints (latest step {latest}); "
-                                      "pick another output_dir or resume")
-            state, meta = checkpointer.restore(latest, state, data_iter)
+        if latest is not None:  # check_resume allowed it
+            try:
+                state, meta = checkpointer.restore(latest, state, data_iter)
+            except CheckpointError:
+                checkpointer.close()
+                raise
             state = jax.device_put(state, state_sh)
-        elif resume:
-            raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
         if jax.process_index() == 0:
             save_train_config(config, run_dir)
             save_drafter_config(run_dir, dcfg)
@@ -278,6 +339,8 @@ def train(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
           max_steps: int | None = None) -> dict[str, Any]:
     """Trains to ``config.steps`` optimizer steps (or stops after ``max_steps`` more, for tests:
     the run is then left resumable). Returns the last logged train and eval metrics."""
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     session = setup(config, tokenizer=tokenizer, records=records, resume=resume)
     cfg = config
     accum = cfg.optim.grad_accum
