@@ -1,12 +1,12 @@
 """dflash-jax: train and serve DFlash block-diffusion speculative-decoding drafters in JAX/Flax."""
 
-from dflash_jax.api import draft_logits, target_forward
-from dflash_jax.batcher import ContinuousBatcher, GenerationResult
-from dflash_jax.checkpoint import load_drafter, load_target, save_drafter, save_target
-from dflash_jax.drafter import Drafter
-from dflash_jax.engine import Engine, EngineConfig, generate
-from dflash_jax.model_config import DrafterConfig, TargetConfig
-from dflash_jax.target import Target
+from dflash_jax.models.api import draft_logits, target_forward
+from dflash_jax.runtime.batcher import ContinuousBatcher, GenerationResult
+from dflash_jax.io.checkpoint import load_drafter, load_target, save_drafter, save_target
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.runtime.engine import Engine, EngineConfig, generate
+from dflash_jax.models.config import DrafterConfig, TargetConfig
+from dflash_jax.models.target import Target
 
 __all__ = [
     "ContinuousBatcher", "Drafter", "DrafterConfig", "Engine", "EngineConfig", "GenerationResult", "Target",

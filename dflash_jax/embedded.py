@@ -26,8 +26,8 @@ def available() -> bool:
 
 def load_default(dtype: str = "float32", orbax: bool = False):
     """``(target, drafter, tokenizer)`` of the embedded default."""
-    from dflash_jax.checkpoint import load_drafter, load_target
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.io.checkpoint import load_drafter, load_target
+    from dflash_jax.io.tokenizer import Tokenizer
 
     if not available():
         raise FileNotFoundError(f"{EMBEDDED_DIR}: the embedded default pair is missing "

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dflash_jax.config import check_field_types
+from dflash_jax.io.config import check_field_types
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -225,7 +225,7 @@ def hlo_collectives(hlo_text: str) -> list[Collective]:
     """The collectives of a compiled program's HLO text (``jax.jit(f).lower(...).compile().as_text()``):
     what a step on a mesh moves between devices, one entry per result (an asynchronous
     ``all-gather-start`` counts by its gathered outputs). A weight or a whole row of logits among
-    them is a partitioning defect (docs/benchmarks.md, sixth session)."""
+    them is a partitioning defect (docs/performance.md)."""
     found = []
     for line in hlo_text.splitlines():
         m = _COLLECTIVE.search(line)

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.checkpoint import save_drafter, save_target
-from dflash_jax.drafter import Drafter
-from dflash_jax.model_config import DrafterConfig, TargetConfig, default_target_layer_ids, freeze_rope_scaling
-from dflash_jax.target import Target
+from dflash_jax.io.checkpoint import save_drafter, save_target
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.config import DrafterConfig, TargetConfig, default_target_layer_ids, freeze_rope_scaling
+from dflash_jax.models.target import Target
 
 
 def tiny_target_config(model_type: str = "qwen3", **overrides) -> TargetConfig:

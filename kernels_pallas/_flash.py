@@ -52,7 +52,7 @@ def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, axis: int):
 
     Written as elementwise ops over the (few, static) splits rather than reductions over their
     axis: XLA then fuses the whole merge into one kernel, where reductions made it two or three
-    (each ~1.3 us per layer at batch 1, docs/benchmarks.md). The normalisation is the last op
+    (each ~1.3 us per layer at batch 1, docs/performance.md). The normalisation is the last op
     (``sum_j o_j w_j / l``, not ``sum_j o_j (w_j / l)``): with the division inside, XLA split a
     verify block's merge in two kernels (a division, then the sum).
     """

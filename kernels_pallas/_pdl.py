@@ -4,7 +4,7 @@ On Hopper and later GPUs XLA launches its own kernels with PDL: such a kernel ma
 the kernel it depends on has finished, once every program of that kernel has issued
 ``griddepcontrol.launch_dependents`` or exited, and it waits on ``griddepcontrol.wait`` (which
 returns when that kernel has finished and its writes are visible) before it reads. XLA launches no
-Pallas Triton kernel that way (docs/benchmarks.md, twentieth session), but a Triton kernel can still
+Pallas Triton kernel that way (docs/performance.md), but a Triton kernel can still
 signal, so that the XLA kernel after it is launched early and has its programs resident when the
 signal's kernel ends, instead of paying the launch then.
 
@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-ENABLED = True  # bench/sweep_decode_options.py switches it off for an A/B in one process
-
 
 def hopper_or_later() -> bool:
     """Whether the default device is a CUDA GPU of compute capability 9.0 or more (``griddepcontrol``
@@ -38,8 +35,8 @@ def signal_after(y: jax.Array, *, interpret: bool) -> jax.Array:
     """Inside a Pallas Triton kernel: ``y`` (16- or 32-bit elements) unchanged, each element passed
     through an inline ``griddepcontrol.launch_dependents``. Compute ``y`` from every value the program
     reads and store it after: the signal then follows the last read and precedes the store. A no-op
-    in interpret mode, off a Hopper-or-later GPU, or with ``ENABLED`` off."""
-    if interpret or not (ENABLED and hopper_or_later()):
+    in interpret mode and off a Hopper-or-later GPU."""
+    if interpret or not hopper_or_later():
         return y
     from jax.experimental.pallas import triton as plt
 

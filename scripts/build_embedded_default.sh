@@ -5,4 +5,4 @@
 # (tokenizer|target|answers|drafter|eval) to redo one and those after it. Work files: runs/embedded_build/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python -m dflash_jax.embedded_build --output models/embedded --work runs/embedded_build "$@"
+exec python -m dflash_jax.training.embedded_build --output models/embedded --work runs/embedded_build "$@"

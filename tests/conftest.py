@@ -65,7 +65,7 @@ def tpu_flash_interpreted(monkeypatch):
     call (a call traced per device under a kernel mesh sees its shard's rows)."""
     from jax.experimental.pallas import tpu as pltpu
 
-    from dflash_jax import attention
+    from dflash_jax.ops import attention
 
     calls, flash = [], attention.tpu_flash_attention
 

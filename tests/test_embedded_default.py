@@ -23,7 +23,7 @@ MIN_TAU = 3.0  # the shipped pair measures ~5.5 on 24 held-out prompts (docs/emb
 @pytest.fixture(scope="module")
 def pair():
     import dflash_jax as dj
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.io.tokenizer import Tokenizer
 
     return dj.load_target(DEFAULT_TARGET), dj.load_drafter(DEFAULT_DRAFTER), Tokenizer(DEFAULT_TARGET)
 

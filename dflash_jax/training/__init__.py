@@ -13,7 +13,7 @@ __all__ = ["load_drafter_from_orbax", "train"]
 
 def __getattr__(name):  # light package import: modules load on first use
     if name == "load_drafter_from_orbax":
-        from dflash_jax.training.checkpointing import load_drafter_from_orbax
+        from dflash_jax.io.orbax import load_drafter_from_orbax
 
         return load_drafter_from_orbax
     if name == "train":

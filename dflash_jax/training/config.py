@@ -1,4 +1,4 @@
-"""``TrainConfig``: every knob of a drafter training run, loaded through ``dflash_jax.config``.
+"""``TrainConfig``: every knob of a drafter training run, loaded through ``dflash_jax.io.config``.
 
 ``load_train_config(path, overrides)`` reads a YAML recipe plus ``key=value`` overrides
 (``optim.lr=3e-4``); unknown keys are errors. The resolved config is written beside the
@@ -12,8 +12,8 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from dflash_jax.compile_cache import check_setting as check_cache_setting
-from dflash_jax.config import ConfigError, load_config, save_config
+from dflash_jax.runtime.compile_cache import check_setting as check_cache_setting
+from dflash_jax.io.config import ConfigError, load_config, save_config
 from dflash_jax.sharding import MeshConfig
 
 # Slot-weight decay gamma of the published recipe, by block size.
@@ -208,7 +208,7 @@ class TrainConfig:
     progress: bool = True  # tqdm bar
     tensorboard: bool = True
     # Compiled programs saved here and loaded by a resumed run instead of compiled again
-    # (``dflash_jax.compile_cache``; writable by you alone). None: compile in every run.
+    # (``dflash_jax.runtime.compile_cache``; writable by you alone). None: compile in every run.
     compilation_cache_dir: str | None = None
 
     def validate(self) -> None:

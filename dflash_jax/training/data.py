@@ -25,7 +25,7 @@ shuffled with a seed, repeated with a fresh shuffle each epoch, tokenized lazily
 
 The tokenizer is duck-typed: anything with ``encode(text, add_special_tokens=...)`` and
 ``apply_chat_template(messages, add_generation_prompt=..., tokenize=True)`` returning ids works
-(``dflash_jax.tokenizer.Tokenizer`` in production, a tiny stand-in in tests).
+(``dflash_jax.io.tokenizer.Tokenizer`` in production, a tiny stand-in in tests).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import grain
 import grain.experimental as grain_exp
 import numpy as np
 
-from dflash_jax.jsonl import iter_jsonl
+from dflash_jax.io.jsonl import iter_jsonl
 from dflash_jax.training.config import DataConfig
 
 _ANSWER_KEYS = ("response", "completion", "output", "answer")

@@ -10,12 +10,12 @@ import numpy as np
 
 def speculative_tau(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                     stop_token_ids: Sequence[int] | None = None) -> dict[str, float]:
-    """Runs ``dflash_jax.engine.generate`` (greedy) and returns ``{"tau", "tokens"}``.
+    """Runs ``dflash_jax.runtime.engine.generate`` (greedy) and returns ``{"tau", "tokens"}``.
 
     ``tau`` pools all prompts: total committed tokens / total draft-verify steps, when the engine
     reports them, else the mean of the per-prompt ``.tau``.
     """
-    from dflash_jax.engine import generate
+    from dflash_jax.runtime.engine import generate
 
     results = generate(target, drafter, [list(p) for p in prompts], max_new_tokens, stop_token_ids)
     taus = [float(r.tau) for r in results]

@@ -2,13 +2,13 @@
 
     python -m dflash_jax.training.pretrain --config configs/embedded_target.yaml [key=value ...]
 
-The embedded default's target (``dflash_jax.embedded_build``) is trained with this on the running
+The embedded default's target (``dflash_jax.training.embedded_build``) is trained with this on the running
 interpreter's standard-library sources. The corpus is tokenized once into a single token stream
 (files joined by the tokenizer's EOS); every step samples ``batch_size`` random windows of
 ``seq_len + 1`` tokens (numpy, seeded by ``seed`` and the step). The step is one jitted function:
 ``Target.forward(ids)`` -> logits -> mean CE -> AdamW (``dflash_jax.training.optim``: warmup, cosine,
 clipping), float32 throughout. At the end the model is written in HF format with
-``dflash_jax.checkpoint.save_target`` (plus the tokenizer files) to ``export_dir``; metrics go to
+``dflash_jax.io.checkpoint.save_target`` (plus the tokenizer files) to ``export_dir``; metrics go to
 ``<output_dir>/metrics.jsonl`` and the resolved config to ``<output_dir>/config.yaml``.
 
 There is no mid-run checkpoint / resume: the embedded target trains in about ten CPU minutes.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_jax.config import ConfigError, load_config, save_config
+from dflash_jax.io.config import ConfigError, load_config, save_config
 from dflash_jax.training.config import OptimConfig
 
 
@@ -51,7 +51,7 @@ class TargetShapeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PretrainDataConfig:
-    corpus: str = "stdlib"  # "stdlib": the train split of dflash_jax.embedded_build; else a directory of .py/.txt files
+    corpus: str = "stdlib"  # "stdlib": the train split of dflash_jax.training.embedded_build; else a directory of .py/.txt files
     seq_len: int = 256
     batch_size: int = 16
     eval_windows: int = 64  # fixed held-out windows for the eval loss ("stdlib" corpus only)
@@ -112,7 +112,7 @@ def token_stream(texts, tokenizer, eos_id: int) -> np.ndarray:
 
 def corpus(config: PretrainConfig, split: str) -> list[str]:
     if config.data.corpus == "stdlib":
-        from dflash_jax.embedded_build import corpus_texts
+        from dflash_jax.training.embedded_build import corpus_texts
 
         return corpus_texts(split)
     if split != "train":
@@ -142,8 +142,8 @@ def build_target(config: PretrainConfig, vocab_size: int, eos_ids: tuple[int, ..
     import jax.numpy as jnp
     from flax import nnx
 
-    from dflash_jax.model_config import TargetConfig
-    from dflash_jax.target import Target
+    from dflash_jax.models.config import TargetConfig
+    from dflash_jax.models.target import Target
 
     m = config.model
     tcfg = TargetConfig(
@@ -185,8 +185,8 @@ def pretrain(config: PretrainConfig) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from dflash_jax.checkpoint import save_target
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.io.checkpoint import save_target
+    from dflash_jax.io.tokenizer import Tokenizer
     from dflash_jax.training.optim import lr_schedule, make_optimizer
 
     out_dir = Path(config.output_dir)
@@ -259,7 +259,7 @@ def pretrain(config: PretrainConfig) -> dict:
 
     trained = nnx.merge(graphdef, params, rest)
     save_target(trained, export_dir, dtype=None if config.export_dtype == "float32" else config.export_dtype)
-    from dflash_jax.embedded_build import copy_tokenizer
+    from dflash_jax.training.embedded_build import copy_tokenizer
 
     copy_tokenizer(config.tokenizer, export_dir)
     summary = {"params": n_params, "train_tokens": int(len(train)), "unigram_entropy": h_uni,
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    from dflash_jax.tokenizer import TokenizerError
+    from dflash_jax.io.tokenizer import TokenizerError
 
     try:
         pretrain(config)

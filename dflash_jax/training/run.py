@@ -12,13 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.attention import resolve_attention_impl
-from dflash_jax.compile_cache import use_compilation_cache
-from dflash_jax.config import ConfigError, config_to_dict
-from dflash_jax.model_config import DrafterConfig, TargetConfig, default_target_layer_ids
-from dflash_jax.target import Target, unstack_layers
+from dflash_jax.ops.config import OpsConfig, resolve_attention_impl
+from dflash_jax.runtime.compile_cache import use_compilation_cache
+from dflash_jax.io.config import ConfigError, config_to_dict
+from dflash_jax.models.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.models.target import Target, unstack_layers
 from dflash_jax.training import parallel
-from dflash_jax.training.checkpointing import Checkpointer, CheckpointError, save_drafter_config, step_dirs
+from dflash_jax.io.orbax import CheckpointError, step_dirs
+from dflash_jax.training.checkpointing import Checkpointer, save_drafter_config
 from dflash_jax.training.config import TrainConfig, save_train_config
 from dflash_jax.training.data import build_dataset, read_prompts
 from dflash_jax.training.monitor import Monitor, train_flops_per_sequence
@@ -61,7 +62,7 @@ def step_spec(config: TrainConfig, dcfg: DrafterConfig) -> StepSpec:
         dpace_alpha=config.loss.dpace_alpha,
         loss_chunk=config.loss.loss_chunk,
         compute_dtype=_DTYPES[config.model.compute_dtype],
-        attention_impl=resolve_attention_impl(config.model.attention_impl),
+        ops=OpsConfig(attention=resolve_attention_impl(config.model.attention_impl)),
         seed=config.seed,
     )
 
@@ -177,7 +178,7 @@ class Session:
 def _load_tokenizer(config: TrainConfig):
     if config.model.target.startswith(("tiny:", "pattern:")) and not config.model.tokenizer:
         return None  # tiny random targets have no tokenizer: pre-tokenized / self-generated data only
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.io.tokenizer import Tokenizer
 
     return Tokenizer(config.model.tokenizer or config.model.target)
 
@@ -201,7 +202,7 @@ def load_target_any(spec: str, dtype: str):
         kind = parts[1] or "qwen3"
         seed = int(parts[2]) if len(parts) > 2 else 0
         return random_target(tiny_target_config(kind), seed=seed, dtype=_DTYPES[dtype])
-    from dflash_jax.checkpoint import load_target
+    from dflash_jax.io.checkpoint import load_target
 
     return load_target(spec, dtype=dtype)
 
@@ -210,7 +211,7 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
           checkpoint: bool = True, devices=None) -> Session:
     """Builds a session; resumes from the latest checkpoint of ``output_dir`` when there is one
     (``resume=True`` requires one, ``resume=False`` refuses to reuse a directory with checkpoints)."""
-    from dflash_jax.checkpoint import load_drafter
+    from dflash_jax.io.checkpoint import load_drafter
 
     parallel.maybe_initialize_distributed(config.mesh)
     if config.compilation_cache_dir is not None:
@@ -229,7 +230,7 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
         drafter = load_drafter(config.model.drafter, dtype="float32")
     else:
         dcfg = fresh_drafter_config(target.config, config)
-        from dflash_jax.drafter import Drafter
+        from dflash_jax.models.drafter import Drafter
 
         drafter = Drafter(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(config.drafter.init_seed))
     dcfg = drafter.config

@@ -21,7 +21,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int, exclude: tuple[in
 def self_generated(target, cfg: SelfGeneratedConfig, *, exclude: tuple[int, ...] = (), batch: int = 64):
     """``(records, eval_prompts)``: ``{"input_ids", "loss_mask"}`` records (the prompt unsupervised,
     the target's greedy continuation supervised) and held-out prompts (token ids)."""
-    from dflash_jax.engine import generate
+    from dflash_jax.runtime.engine import generate
 
     total = cfg.num_examples + cfg.eval_prompts
     prompts = random_prompts(total, cfg.prompt_len, target.config.vocab_size, cfg.seed, exclude)

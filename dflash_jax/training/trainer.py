@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dflash_jax.target import ScanGraph, ScanParams, Target, scanned_forward, stack_layers
+from dflash_jax.ops.config import XLA, OpsConfig
+from dflash_jax.models.target import ScanGraph, ScanParams, Target, scanned_forward, stack_layers
 from dflash_jax.training import anchors as anc
 from dflash_jax.training.losses import LossSums, finalize, loss_sums
 
@@ -57,7 +58,7 @@ class StepSpec:
     dpace_alpha: float = 0.5
     loss_chunk: int = 0
     compute_dtype: Any = jnp.bfloat16
-    attention_impl: str = "xla"
+    ops: OpsConfig = XLA
     seed: int = 0
 
 
@@ -112,14 +113,13 @@ def target_shell(graph: TargetGraph, params: TargetParams) -> Target:
 def target_forward(graph: TargetGraph, params: TargetParams, ids: jax.Array, spec: StepSpec) -> _Forward:
     """Taps ``[batch, seq, n_taps * hidden]`` (and the logits when distilling), no gradient."""
     distill = spec.kind != "ce"
-    # The target's block is the whole sequence (as in prefill): with ``spec.attention_impl="pallas"``
+    # The target's block is the whole sequence (as in prefill): with the kernels on (``spec.ops``)
     # it takes a library flash attention (``attention.prompt_attention``), the drafter's the kernel.
-    impl = spec.attention_impl
     if isinstance(graph, ScanGraph):
         logits, taps = scanned_forward(graph, params, ids, tap_layers=spec.target_layer_ids, logits=distill,
-                                       attention_impl=impl)
+                                       ops=spec.ops)
     else:
-        logits, taps = nnx.merge(graph, params).forward(ids, tap_layers=spec.target_layer_ids, attention_impl=impl)
+        logits, taps = nnx.merge(graph, params).forward(ids, tap_layers=spec.target_layer_ids, ops=spec.ops)
     teacher = jax.lax.stop_gradient(logits) if distill else None
     return _Forward(jax.lax.stop_gradient(taps), teacher)
 
@@ -131,7 +131,7 @@ def anchor_block_hidden(drafter, target, block_ids, positions, ctx_lens, blk_len
     embeds = jax.lax.stop_gradient(target.embed(block_ids)).astype(spec.compute_dtype)
     ctx_pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
     k_ctx, v_ctx = drafter.context_kv(taps.astype(spec.compute_dtype), ctx_pos)
-    return drafter(embeds, positions, k_ctx, v_ctx, ctx_lens, blk_lens, attention_impl=spec.attention_impl)
+    return drafter(embeds, positions, k_ctx, v_ctx, ctx_lens, blk_lens, ops=spec.ops)
 
 
 def drafter_loss(

@@ -1,0 +1,269 @@
+"""The one attention primitive of dflash-jax: blocks of queries over a shared context plus their own block.
+
+Every attention in the project is this shape:
+
+- drafting: one block of B queries per row, the row's committed context (its drafter cache) plus
+  the block's own K/V, no mask inside the block (the drafter is bidirectional);
+- verifying: the same block in the target, causal inside the block;
+- prefill: the padded prompt is one causal block with an empty context;
+- training: every anchor block of a sequence sees the context strictly before its anchor
+  (``ctx_len = anchor``) plus its own block.
+
+``block_attention`` dispatches between this pure-jnp reference and the Pallas kernels in
+``kernels_pallas`` (``OpsConfig.attention``); both compute exactly the function documented here. The
+Pallas kernels hold a block's query rows in one program, tiled for draft and verify blocks of up to
+16 slots; a prompt (one causal block per row with no context: prefill, the frozen target's forward
+in training) takes ``prompt_attention`` instead, a library's flash attention (cuDNN's on GPUs, JAX's
+Pallas one on TPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.ops.cache import CACHE_AXES, write_rows
+from dflash_jax.ops.config import XLA, OpsConfig
+from dflash_jax.ops.norms import rms_norm
+from dflash_jax.ops.rope import apply_rope
+from dflash_jax.sharding import shard_kernel
+from kernels_pallas.block_attention.reference import block_attention_reference
+
+
+def block_attention(
+    q: jax.Array,
+    k_ctx: jax.Array,
+    v_ctx: jax.Array,
+    ctx_lens: jax.Array,
+    k_blk: jax.Array,
+    v_blk: jax.Array,
+    blk_lens: jax.Array,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    ops: OpsConfig = XLA,
+) -> jax.Array:
+    """``block_attention_reference`` computed as ``ops`` says (the reference, or with the kernels on
+    a Pallas kernel, or for a prompt, one causal block per row with no context, ``prompt_attention``)."""
+    if ops.kernels and causal and q.shape[1] == 1 and k_ctx.shape[1] == 0:
+        return prompt_attention(q[:, 0], k_blk[:, 0], v_blk[:, 0], blk_lens[:, 0], scale=scale)[:, None]
+    if not ops.kernels:
+        return block_attention_reference(
+            q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale
+        )
+    from kernels_pallas.block_attention import block_attention as pallas_block_attention
+
+    # Per device under a kernel mesh: rows on ``batch``, heads by their KV head (the query
+    # heads as [kv_heads, groups], so a device's query heads are those of its KV heads).
+    batch, blocks, block, heads, head_dim = q.shape
+    kv_heads = k_ctx.shape[2]
+
+    def kernel(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens):
+        b, n, s, kv, g, d = q.shape
+        out = pallas_block_attention(q.reshape(b, n, s, kv * g, d), k_ctx, v_ctx, ctx_lens, k_blk, v_blk,
+                                     blk_lens, causal=causal, scale=scale)
+        return (out.reshape(q.shape),)
+
+    rows, kv_rows = ("batch", None, None, "kv_heads", None, None), ("batch", None, None, "kv_heads", None)
+    lens = ("batch", None)
+    (out,) = shard_kernel(kernel, (rows, CACHE_AXES, CACHE_AXES, lens, kv_rows, kv_rows, lens), (rows,))(
+        q.reshape(batch, blocks, block, kv_heads, heads // kv_heads, head_dim), k_ctx, v_ctx, ctx_lens,
+        k_blk, v_blk, blk_lens)
+    return out.reshape(q.shape)
+
+
+TPU_FLASH_BLOCK = 128  # the Pallas TPU flash attention's default tiles; a prompt is padded to a multiple
+
+
+def library_flash_attention(dtype, head_dim: int) -> Literal["cudnn", "tpu_flash"] | None:
+    """The library flash attention ``prompt_attention`` runs here for 16-bit inputs, or None (the
+    reference): cuDNN's fused attention on GPUs (it takes no float32), JAX's Pallas TPU flash
+    attention on TPUs for head dims of whole 128-lane tiles (every Qwen3 and Llama-3 size; others
+    were never run on a TPU). Float32 keeps the reference everywhere, for the exactness tests."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return None
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return "cudnn"
+    if backend == "tpu" and head_dim % 128 == 0:
+        return "tpu_flash"
+    return None
+
+
+def prompt_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lens: jax.Array,
+    *,
+    scale: float | None = None,
+    implementation: Literal["cudnn", "tpu_flash", "xla"] | None = None,
+) -> jax.Array:
+    """``block_attention_reference`` of one causal block per row with no context (a prompt):
+    ``q [batch, seq, q_heads, head_dim]``, ``k, v [batch, seq, kv_heads, head_dim]``, ``lens [batch]``
+    valid slots -> ``[batch, seq, q_heads, head_dim]``.
+
+    A flash attention (O(seq) memory, the causal half of the score tiles skipped) in
+    ``implementation``, by default ``library_flash_attention``'s: "cudnn" or "xla" through
+    ``jax.nn.dot_product_attention``, "tpu_flash" through ``tpu_flash_attention``; where there is
+    none, the reference itself, whose dense float32 scores take ``batch * q_heads * seq**2 * 4``
+    bytes (34 GB per layer at 16,384 tokens). Slot ``i`` sees the valid slots ``j <= i``, as in the
+    reference; a row of ``lens == 0`` gets zeros.
+    """
+    batch, seq, heads, head_dim = q.shape
+    if implementation is None:
+        implementation = library_flash_attention(q.dtype, head_dim)
+        if implementation is None:
+            empty = jnp.zeros((k.shape[0], 0) + k.shape[2:], k.dtype)
+            zeros = jnp.zeros((q.shape[0], 1), jnp.int32)
+            return block_attention_reference(q[:, None], empty, empty, zeros, k[:, None], v[:, None], lens[:, None],
+                                             causal=True, scale=scale)[:, 0]
+    kv_heads = k.shape[2]
+
+    def attend(q, k, v, lens):
+        b, s, kv, g, d = q.shape
+        if implementation == "tpu_flash":
+            out = tpu_flash_attention(q, k, v, lens, scale=scale)
+        else:  # a row of no valid key: the library is handed one, and the row is zeroed after
+            out = jax.nn.dot_product_attention(q.reshape(b, s, kv * g, d), k, v, scale=scale, is_causal=True,
+                                               key_value_seq_lengths=jnp.maximum(lens, 1),
+                                               implementation=implementation)
+        return (jnp.where((lens > 0)[:, None, None, None], out, 0).astype(q.dtype).reshape(q.shape),)
+
+    # Per device under a kernel mesh, as the Pallas kernels: rows on ``batch``, query heads by KV head.
+    rows, kv_rows = ("batch", None, "kv_heads", None, None), ("batch", None, "kv_heads", None)
+    (out,) = shard_kernel(attend, (rows, kv_rows, kv_rows, ("batch",)), (rows,))(
+        q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim), k, v, lens)
+    return out.reshape(q.shape)
+
+
+def tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Array, *,
+                        scale: float | None = None) -> jax.Array:
+    """A prompt's causal attention by JAX's Pallas TPU flash attention: ``q [batch, seq, kv_heads,
+    groups, head_dim]``, ``k, v [batch, seq, kv_heads, head_dim]``, ``lens [batch]`` -> ``[batch,
+    seq, kv_heads * groups, head_dim]``, slot ``i`` over the valid slots ``j <= i`` (a row of
+    ``lens == 0`` unspecified).
+
+    The kernel takes heads-major ``[batch, heads, seq, head_dim]`` with as many K/V heads as query
+    heads, in tiles of ``TPU_FLASH_BLOCK`` slots: the prompt is padded to whole tiles and each KV
+    head repeated for its group. Its segment ids carry the lengths: every query slot is in segment
+    1, a key slot only while valid (0 past ``lens`` and in the tiles' padding). Runs on TPUs, and
+    elsewhere only under ``pltpu.force_tpu_interpret_mode`` (the tests)."""
+    from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds, flash_attention
+
+    from kernels_pallas._common import default_scale
+
+    b, s, kv, g, d = q.shape
+    padded = -(-s // TPU_FLASH_BLOCK) * TPU_FLASH_BLOCK
+
+    def heads_major(x: jax.Array) -> jax.Array:  # [b, s, heads, d] -> [b, heads, padded, d]
+        return jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    valid_keys = (jnp.arange(padded)[None] < lens[:, None]).astype(jnp.int32)
+    segments = SegmentIds(q=jnp.ones_like(valid_keys), kv=valid_keys)
+    out = flash_attention(heads_major(q.reshape(b, s, kv * g, d)), jnp.repeat(heads_major(k), g, axis=1),
+                          jnp.repeat(heads_major(v), g, axis=1), segment_ids=segments, causal=True,
+                          sm_scale=default_scale(d, scale))
+    return out.transpose(0, 2, 1, 3)[:, :s]
+
+
+# ----------------------------------------------------------------------------------------------
+# A block per row over its KV cache (decode, verify, draft), from the raw fused QKV projection.
+# ----------------------------------------------------------------------------------------------
+
+
+def split_qkv(qkv: jax.Array, num_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The raw fused projection ``[..., kv_heads, groups + 2, head_dim]`` (per KV head its query
+    heads, its key, its value) -> raw q ``[..., heads, head_dim]``, k and v ``[..., kv_heads, head_dim]``."""
+    groups = qkv.shape[-2] - 2
+    q = qkv[..., :groups, :].reshape(qkv.shape[:-3] + (num_heads, qkv.shape[-1]))
+    return q, qkv[..., groups, :], qkv[..., groups + 1, :]
+
+
+def finish_qk(x: jax.Array, positions: jax.Array, norm_weight: jax.Array | None, eps: float,
+              inv_freq) -> jax.Array:
+    """Raw q or k ``[..., seq, heads, head_dim]`` -> its per-head RMSNorm (where the model has one)
+    and RoPE at ``positions [..., seq]``."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    return apply_rope(x, positions, inv_freq)
+
+
+def cached_attention(
+    qkv: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array, *,
+    q_norm: jax.Array | None, k_norm: jax.Array | None, eps: float, inv_freq: tuple[float, ...],
+    num_heads: int, causal: bool = True, write: bool = True, row_scale: jax.Array | None = None,
+    ops: OpsConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A block per row over its KV cache, from the raw fused projection (the target's decode and
+    verify: causal, the block's K/V written into the caches; the drafter: ``causal=False,
+    write=False``).
+
+    ``qkv [batch, block, kv_heads, groups + 2, head_dim]``, or float32 split-K partials ``[parts,
+    rows, ...]`` (``ops.linear.single_row_partials``; rows past ``batch`` are padding), at positions
+    ``starts [batch] + slot``; caches ``[batch, capacity, kv_heads, head_dim]``; ``blk_lens [batch]``
+    valid slots; ``q_norm, k_norm [head_dim]`` the per-head norms' weights (None: no q/k norm);
+    ``row_scale [batch, block]`` float32: each slot's projection (its partials' float32 sum) times it,
+    then rounded to the caches' dtype (an input norm folded into the projection).
+
+    Returns ``attn [batch, 1, block, heads, head_dim]`` and the caches. With the kernels on, one
+    kernel (``kernels_pallas.cached_attention``) where it takes the shapes: the q/k norms, RoPE,
+    the cache write and the attention, instead of ~12 XLA kernels. Its reference is the rest of this
+    function: the same steps in jnp.
+    """
+    batch, block, head_dim = k_cache.shape[0], qkv.shape[-4], k_cache.shape[-1]
+    if ops.kernels:
+        from kernels_pallas.cached_attention import cached_block_attention, cached_block_attention_supported
+        from kernels_pallas.cached_attention.gpu import DEFAULT_CONFIG
+
+        if cached_block_attention_supported(qkv.shape[-5:], k_cache.shape[1]):
+            ones = jnp.ones((head_dim,), k_cache.dtype)
+            config = (dataclasses.replace(DEFAULT_CONFIG, **dict(ops.cached_attention_tiles))
+                      if ops.cached_attention_tiles else None)
+
+            def kernel(qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq, *scale):
+                attn, k_cache, v_cache = cached_block_attention(
+                    qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq, eps=eps,
+                    qk_norm=has_qk_norm, causal=causal, write=write, row_scale=scale[0] if scale else None,
+                    config=config)
+                # [b, block, kv, groups, d] by this shard's KV heads (whole where replicated)
+                attn = attn.reshape(attn.shape[:2] + (qkv.shape[-3], -1, head_dim))
+                return (attn, k_cache, v_cache) if write else (attn,)
+
+            has_qk_norm = q_norm is not None
+            # Per device under a kernel mesh: its rows and its KV heads (with their query heads).
+            per_head = (None,) * (qkv.ndim - 5) + ("batch", None, "kv_heads", None, None)
+            rows, vec = ("batch",), (None,)
+            scale = () if row_scale is None else (row_scale,)
+            outs = shard_kernel(kernel, (per_head, CACHE_AXES, CACHE_AXES, rows, rows, vec, vec, vec)
+                                + (("batch", None),) * len(scale),
+                                (per_head[-5:],) + ((CACHE_AXES, CACHE_AXES) if write else ()))(
+                qkv, k_cache, v_cache, starts, blk_lens,
+                q_norm if q_norm is not None else ones, k_norm if k_norm is not None else ones,
+                jnp.asarray(inv_freq, jnp.float32), *scale)
+            if write:
+                k_cache, v_cache = outs[1:]
+            return outs[0].reshape(batch, 1, block, num_heads, head_dim), k_cache, v_cache
+    if qkv.ndim == 6 or row_scale is not None:  # the kernel's sum (in order) and row scale, in float32
+        x = qkv.astype(jnp.float32)
+        x = (functools.reduce(jnp.add, list(x)) if qkv.ndim == 6 else x)[:batch]
+        qkv = (x if row_scale is None else x * row_scale[:, :, None, None, None]).astype(k_cache.dtype)
+    positions = starts[:, None] + jnp.arange(block, dtype=jnp.int32)
+    q, k, v = split_qkv(qkv[:batch], num_heads)
+    q, k = finish_qk(q, positions, q_norm, eps, inv_freq), finish_qk(k, positions, k_norm, eps, inv_freq)
+    return attend_and_write(q[:, None], k[:, None], v[:, None], starts, k_cache, v_cache, blk_lens,
+                            causal=causal, write=write, ops=ops)
+
+
+def attend_and_write(q, k, v, starts, k_cache, v_cache, blk_lens, *, causal: bool, write: bool,
+                     ops: OpsConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Block attention of ``q [batch, 1, block, heads, head_dim]`` over the caches plus the block's
+    own ``k, v [batch, 1, block, kv_heads, head_dim]``, which ``write`` then writes at ``starts``."""
+    attn = block_attention(q, k_cache, v_cache, starts[:, None], k, v, blk_lens[:, None], causal=causal, ops=ops)
+    if not write:
+        return attn, k_cache, v_cache
+    return attn, write_rows(k_cache, k[:, 0], starts), write_rows(v_cache, v[:, 0], starts)

@@ -1,0 +1,110 @@
+"""Projections: where a row meets XLA's GEMMs.
+
+Every projection of the decode path goes through ``dense``, except a decode token's QKV and output
+projections on one GPU, which go through ``single_row_partials``: the two places that decide how a
+single row is multiplied (docs/design.md, "Ops").
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.sharding import local_shape
+
+# XLA:GPU rewrites a dot with a one-row operand into a multiply and a reduction when its operands
+# hold fewer than this many elements (``ShouldStrengthReduceDotToReduce``, gpu_algebraic_simplifier.cc),
+# ~3x slower than its GEMM. A fact of XLA, not a setting.
+GPU_STRENGTH_REDUCTION_LIMIT = 10_000_000
+
+
+def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
+    """``x [..., *in]`` times the weight ``w [*in, *out]`` (``in``: its first ``in_dims``
+    dimensions) -> ``[..., *out]``: one dot over the ``in`` dimensions, with the ``out`` dimensions
+    of the weight bitcast to one. A fused weight with several output dimensions (QKV ``[hidden,
+    kv_heads, groups + 2, head_dim]``) then gets the GEMM XLA picks for a plain matrix; the output
+    projection (``in_dims=2``) is the dot its einsum was.
+
+    On GPUs a single row meets a weight whose shard (``w``'s logical axes under
+    ``sharding.kernel_mesh``) is under ``GPU_STRENGTH_REDUCTION_LIMIT`` elements as two rows, the
+    row repeated: XLA would otherwise run the dot as a multiply and a reduction (the TP=2 output
+    projection: 21 us instead of 7). A repeat fuses into the GEMM, where a zero row after a kernel
+    XLA cannot fuse into is a pad kernel of its own. Rows are independent: the real row gets the
+    same product, up to the summation order of the GEMM XLA picks."""
+    value = w[...]
+    rows = x.shape[:x.ndim - in_dims]
+    if math.prod(rows) == 1 and _strength_reduces_single_rows() and _shard_size(w) < GPU_STRENGTH_REDUCTION_LIMIT:
+        row = x.reshape((1,) + x.shape[x.ndim - in_dims:])
+        y = _dot(_two_rows(row), value, in_dims)[:1]
+        return y.reshape(rows + value.shape[in_dims:])
+    return _dot(x, value, in_dims)
+
+
+def _two_rows(row: jax.Array) -> jax.Array:
+    """``row [1, ...]`` as the two rows ``dense`` gives XLA's GEMM in its place: the row repeated."""
+    return jnp.broadcast_to(row, (2,) + row.shape[1:])
+
+
+def split_k_partials(x: jax.Array, w: jax.Array, parts: int) -> jax.Array:
+    """``x [rows, K] @ w [K, N]`` with its split-K written out: one batched dot over ``parts``
+    consecutive slices of K -> float32 partial products ``[parts, rows, N]`` (their sum in order is
+    the product)."""
+    rows, k = x.shape
+    return jnp.einsum("rsk,skn->srn", x.reshape(rows, parts, k // parts), w.reshape(parts, k // parts, -1),
+                      preferred_element_type=jnp.float32)
+
+
+def single_row_partials(x: jax.Array, w: nnx.Param, parts: int, in_dims: int = 1) -> jax.Array | None:
+    """``x [..., *in]`` holding one row, times ``w [*in, *out]``, on one GPU -> the product's split-K
+    written out: ``parts`` float32 partial products ``[parts, 2, *out]`` over consecutive slices of
+    the ``in`` dimensions, whose sum (in order) is the row's product in ``[:, 0]``; else None (not one
+    row, ``parts < 2``, not on a GPU, ``w`` sharded, or ``in`` not divisible into ``parts``).
+
+    The row is repeated to two (the copy's products are never read) so that no slice's weight is
+    small enough for XLA:GPU to strength-reduce the dot (``dense``). XLA picks its own tiles for this
+    batched dot, where for the plain one-row dot its cost model picks the split: written out, the 8B
+    output projection streams 0.7 us faster, and the QKV's partials are summed inside the
+    cached-attention kernel instead of by a reduction kernel of their own."""
+    value = w[...]
+    k = math.prod(value.shape[:in_dims])
+    if parts < 2 or k % parts or not one_gpu_row(x, w, in_dims):
+        return None
+    partials = split_k_partials(jnp.broadcast_to(x.reshape(1, k), (2, k)), value.reshape(k, -1), parts)
+    return partials.reshape((parts, 2) + value.shape[in_dims:])
+
+
+def single_row_dot(x: jax.Array, w: nnx.Param, parts: int, in_dims: int = 1) -> jax.Array | None:
+    """``dense(x, w, in_dims)`` of a single row as ``single_row_partials`` summed (in ``x``'s dtype,
+    ``[..., *out]``), or None where those do not apply."""
+    partials = single_row_partials(x, w, parts, in_dims)
+    if partials is None:
+        return None
+    return jnp.sum(partials[:, :1], axis=0).astype(x.dtype).reshape(x.shape[:x.ndim - in_dims] + partials.shape[2:])
+
+
+def one_gpu_row(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> bool:
+    """Whether ``x [..., *in]`` is a single row meeting a whole (unsharded) weight ``w`` on a GPU:
+    a decode token on one GPU, where a matmul is weight streaming and every kernel before it is on
+    the step's critical path."""
+    return (math.prod(x.shape[:x.ndim - in_dims]) == 1 and _strength_reduces_single_rows()
+            and _shard_size(w) == w.size)
+
+
+def _strength_reduces_single_rows() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _shard_size(w: nnx.Param) -> int:
+    """Elements of this device's shard of ``w`` (all of them for a weight without logical axes)."""
+    axes = w.get_metadata().get("axes")
+    return math.prod(w.shape if axes is None else local_shape(axes, w.shape))
+
+
+def _dot(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
+    out = w.shape[in_dims:]
+    contract = (tuple(range(x.ndim - in_dims, x.ndim)), tuple(range(in_dims)))
+    y = jax.lax.dot_general(x, w.reshape(w.shape[:in_dims] + (math.prod(out),)), (contract, ((), ())))
+    return y.reshape(x.shape[:x.ndim - in_dims] + out)

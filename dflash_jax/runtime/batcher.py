@@ -1,0 +1,455 @@
+"""Continuous batching: the host loop that runs requests through an engine's row slots.
+
+``ContinuousBatcher`` owns the running ``DecodeState`` (a few row slots, one request each) and a queue
+of pending requests. Every ``step`` is one host sync:
+
+1. rows of cancelled requests, and of requests that a stop check ended, are released (marked done
+   on device); pending requests are admitted into free rows: the state is first moved to the
+   engine's row count for its live requests (one row for a lone request), then one prefill of just
+   the new prompts is scattered into free slots, and their first tokens (the prefill's) are read
+   and streamed at once;
+2. the next decode call is dispatched, its attention window covering every live row (with the
+   engine's ``max_steps_per_sync``, its step count follows the host: ``_adapt_steps``);
+3. the snapshot of the *previous* call is read while the device runs the new one: new tokens stream
+   to their requests, and rows that finished become ``GenerationResult``s and free slots.
+
+A request's ``StopCheck`` sees its tokens before they stream and may end it at any of them (stop
+strings: ``dflash_jax.serving.text_stream``): the result is cut there, as the device cuts a block at a stop
+token, and the row, still decoding on the device, is released at the next step. The call already
+in flight runs it once more, for nothing.
+
+The first tokens are read as soon as the prefill has run, before the admission and the next decode
+call are dispatched, at the price of a short device idle per admission: read later, they arrived
+only once the work dispatched in between had run (on the H200 the device-to-host copy, though
+started right after the prefill, was queued behind it: a time to first token of 81-96 ms with the
+read after the next decode call, 32 ms with it after the admission, for a 16 ms prefill;
+docs/performance.md).
+
+Reusing a slot that the lagging snapshot shows done is safe: done rows never change, and every
+device operation is ordered after the call in flight. Each call remembers which request held each row
+when it was dispatched, so its snapshot is read against that layout even after rows moved or were
+reused.
+
+The engine is anything with ``Engine``'s slot interface: ``config`` (``max_batch_size``,
+``max_length``, ``steps_per_sync``), ``block_size``, ``vocab_size``, ``speculative``,
+``max_stop_ids``, ``state_rows``, ``empty_state``, ``prefill``, ``admit``, ``resize``, ``release``
+and ``decode`` (``dflash_jax.serving.testing.FakeEngine`` is a host-only one).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import operator
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+if TYPE_CHECKING:
+    from dflash_jax.runtime.engine import Engine
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RowSnapshot:
+    """What the host reads of a state after a decode call: copies that stay readable after the
+    state is donated to the next call."""
+
+    tokens: jax.Array           # [batch, capacity + 1] int32
+    starts: jax.Array           # [batch] int32
+    done: jax.Array             # [batch] bool
+    num_steps: jax.Array        # [batch] int32
+    accepted: jax.Array         # [batch, max_length] int32
+
+
+def _integers(values: Any, what: str) -> list[int]:
+    """``values`` as Python ints, refusing what is not an integer (numpy's are): ``int()`` truncated
+    token ids like 1.5 to 1 and read strings ("7", and "hello" failed as a bad literal)."""
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise ValueError(f"{what} must be integers (token ids), got {values!r:.100}") from None
+
+
+def _is_ready(tree: Any) -> bool:
+    """Whether the computation behind ``tree``'s device arrays has finished (host arrays are)."""
+    return all(leaf.is_ready() for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array))
+
+
+def _start_transfer(tree: Any) -> None:
+    """Asks for device arrays on the host as early as possible: a copy requested only when they are
+    read could be queued behind the work dispatched in between (on a GPU the device-to-host copies
+    share the compute stream)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            leaf.copy_to_host_async()
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    output_ids: list[int]            # generated tokens only (prompt excluded)
+    acceptance_lengths: list[int]    # acc + 1 per decode step (cut at stop / max length); [] target-only
+    num_prompt_tokens: int
+    finish_reason: str               # "stop" | "length"
+    time_to_first_token: float       # seconds from submission to the first token on the host
+    time_per_output_token: float     # seconds: time from the first token to the last / the tokens after the first
+    num_steps: int                   # decode steps that committed this row's tokens (the prefill's first excluded)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per decode step (1.0 for target-only decoding)."""
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 1.0
+
+
+# Called with each chunk of a generation's new token ids, before ``on_tokens``: None to go on, or how
+# many of them to keep, ending the generation after them (finish_reason "stop"; a stop string, say,
+# as ``dflash_jax.serving.text_stream.TextStream.add`` finds them).
+StopCheck = Callable[[list[int]], "int | None"]
+
+
+def stop_checks_per_prompt(stop_checks: Sequence[StopCheck | None] | None, prompts: int) -> list[StopCheck | None]:
+    """One stop check (or None) per prompt: ``stop_checks`` as a list, or Nones when it is None."""
+    checks = [None] * prompts if stop_checks is None else list(stop_checks)
+    if len(checks) != prompts:
+        raise ValueError(f"stop_checks has {len(checks)} entries for {prompts} prompts")
+    return checks
+
+
+@dataclasses.dataclass(eq=False)
+class Generation:
+    """One request in a ``ContinuousBatcher``: what it asks for, how far it got, how it ended."""
+
+    prompt_ids: list[int]
+    max_len: int                     # prompt + max_new_tokens, capped at the engine's max_length
+    stop_token_ids: tuple[int, ...]
+    on_tokens: Callable[[list[int]], None] | None
+    on_finish: Callable[[Generation], None] | None  # once, with ``result`` or ``error`` set
+    submitted: float                 # perf_counter time the request arrived
+    stop_check: StopCheck | None = None
+    admitted: float | None = None    # perf_counter time it got a row
+    first_token_time: float | None = None
+    result: GenerationResult | None = None
+    error: Exception | None = None
+    cancelled: bool = False
+    # The host's view of the row: tokens before position ``emitted`` went to ``on_tokens`` (the
+    # generated ones are ``output_ids``); the anchor was at ``start`` after the first ``seen_steps``
+    # decode steps the batcher dispatched (it may be further now).
+    emitted: int = 0
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    start: int = 0
+    seen_steps: int = 0
+
+    def cancel(self) -> None:
+        """Gives the request up at the next step, with no further callbacks (from any thread)."""
+        self.cancelled = True
+
+    @property
+    def finished(self) -> bool:
+        return self.cancelled or self.result is not None or self.error is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """A dispatched decode call: its snapshot and which request held each row when it started."""
+
+    snapshot: RowSnapshot
+    rows: tuple[Generation | None, ...]
+    steps_end: int                   # the steps dispatched by the batcher up to and with this call
+
+
+def cut_acceptance(accepted: Sequence[int], tokens: int) -> list[int]:
+    """The per-step acceptance lengths of the steps that committed the first ``tokens`` tokens after the
+    prefill's, the last step's cut to what it adds: ``[3, 4, 2]`` cut at 5 tokens is ``[3, 2]``."""
+    out: list[int] = []
+    for n in accepted:
+        if tokens <= 0:
+            break
+        out.append(min(int(n), tokens))
+        tokens -= out[-1]
+    if tokens > 0:
+        raise ValueError(f"{sum(out)} tokens committed in {len(out)} steps, fewer than the {sum(out) + tokens} asked")
+    return out
+
+
+class ContinuousBatcher:
+    """Admits requests into the free rows of one running batch between decode calls (see the module
+    docstring). Not thread-safe: one thread submits and steps (``Generation.cancel`` excepted)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._pending: collections.deque[Generation] = collections.deque()
+        self._rows: list[Generation | None] = []  # the request in each row of the running state
+        self._state: Any = None                   # the running state; None when no row is live
+        self._in_flight: _Call | None = None
+        self._steps_dispatched = 0
+        self.steps_per_call = engine.config.steps_per_sync  # the next call's (see ``_adapt_steps``)
+        self._last_read: float | None = None
+        self._unreleased: list[int] = []  # slots of rows ended on the host (stop checks), live on the device
+
+    @property
+    def running(self) -> int:
+        """Requests holding a row (finished rows not yet read included)."""
+        return sum(g is not None for g in self._rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    @property
+    def free_slots(self) -> int:
+        """Requests that can be submitted now without waiting for a row."""
+        return self.engine.config.max_batch_size - self.running - self.waiting
+
+    @property
+    def idle(self) -> bool:
+        return not self._pending and not self.running and self._in_flight is None
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] | None = None,
+        *,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        on_finish: Callable[[Generation], None] | None = None,
+        stop_check: StopCheck | None = None,
+        submitted: float | None = None,
+        name: str = "the prompt",
+    ) -> Generation:
+        """Queues a greedy generation of up to ``max_new_tokens`` after ``prompt_ids``.
+
+        ``on_tokens(new_ids)`` gets the tokens committed since the last call at every host sync;
+        ``on_finish(generation)`` is called once when it ends. ``stop_check`` (``StopCheck``) may end
+        it earlier, at a token of the host's choosing: its row is released at the next step, and its
+        result is cut after that token (acceptance lengths too, as at a stop token).
+        ``submitted``: when the request arrived (``time.perf_counter``; default now), the start of
+        its time to first token. ``name`` names the prompt in errors.
+        """
+        config = self.engine.config
+        prompt = _integers(prompt_ids, name)
+        stops = tuple(sorted(set(_integers(() if stop_token_ids is None else stop_token_ids, "stop_token_ids"))))
+        if not isinstance(max_new_tokens, (int, np.integer)):  # int() truncated 4.5
+            raise ValueError(f"max_new_tokens for {name} must be an integer, got {max_new_tokens!r}")
+        vocab = self.engine.vocab_size
+        if not prompt:
+            raise ValueError(f"{name} is empty")
+        if len(prompt) >= config.max_length:
+            raise ValueError(f"{name} has {len(prompt)} tokens; the engine's max_length is {config.max_length}")
+        if (too_long := config.prompt_bucket_error(len(prompt))) is not None:
+            raise ValueError(f"{name} has {len(prompt)} tokens, {too_long}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens for {name} must be >= 1, got {max_new_tokens}")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"{name} has token ids outside [0, {vocab})")
+        if len(stops) > self.engine.max_stop_ids:
+            raise ValueError(f"stop_token_ids has {len(stops)} distinct ids; the engine takes at most "
+                             f"{self.engine.max_stop_ids}")
+        generation = Generation(
+            prompt_ids=prompt, max_len=min(len(prompt) + int(max_new_tokens), config.max_length),
+            stop_token_ids=stops, on_tokens=on_tokens, on_finish=on_finish, stop_check=stop_check,
+            submitted=time.perf_counter() if submitted is None else submitted,
+        )
+        self._pending.append(generation)
+        return generation
+
+    def run(self) -> None:
+        """Steps until every submitted request has finished."""
+        while not self.idle:
+            self.step()
+
+    def step(self) -> None:
+        """One host sync (see the module docstring).
+
+        An engine error fails the requests it touched through ``on_finish`` (``error`` set): a
+        failed prefill its own prompts; anything else every request holding a row, and the running
+        state is dropped. Pending requests stay queued either way.
+        """
+        try:
+            self._release_given_up()
+            admitted = self._admit()
+            if admitted is not None:
+                self._read_first_tokens(*admitted)
+                self._release_given_up()  # rows that their first token ended: before a call runs them
+            previous, self._in_flight = self._in_flight, self._dispatch(admitted=admitted is not None)
+            if previous is not None:
+                self._read(previous)
+        except Exception as err:  # noqa: BLE001 - reported to every request it touched
+            failed = [g for g in self._rows if g is not None and not g.finished]
+            self._state, self._rows, self._in_flight, self._unreleased = None, [], None, []
+            self._fail(failed, err)
+
+    # -- the phases of a step ----------------------------------------------------------------------
+
+    def _release_given_up(self) -> None:
+        """Releases the rows of cancelled requests and of those that a stop check ended."""
+        slots = sorted({i for i, g in enumerate(self._rows) if g is not None and g.cancelled} | set(self._unreleased))
+        self._unreleased = []
+        if slots:
+            self._state = self.engine.release(self._state, slots)
+            for i in slots:
+                self._rows[i] = None
+
+    def _admit(self) -> tuple[Any, list[Generation]] | None:
+        """Sizes the running state for its live rows plus the pending requests that fit, runs their
+        prefill and dispatches their admission; returns the prefill's first tokens (on the host) and
+        the newly admitted requests (None if none)."""
+        self._pending = collections.deque(g for g in self._pending if not g.cancelled)
+        keep = [i for i, g in enumerate(self._rows) if g is not None]
+        admitting = min(self.engine.config.max_batch_size - len(keep), len(self._pending))
+        live = len(keep) + admitting
+        rows = self.engine.state_rows(live) if live else 0
+        if rows != len(self._rows):
+            if rows == 0:
+                self._state = None
+            elif self._state is None:
+                self._state = self.engine.empty_state(rows)
+            else:
+                self._state = self.engine.resize(self._state, keep, rows=rows)
+            self._rows = [self._rows[i] for i in keep] + [None] * (rows - len(keep))
+        if not admitting:
+            return None
+        group = [self._pending.popleft() for _ in range(admitting)]
+        try:
+            fresh, first = self.engine.prefill([g.prompt_ids for g in group],
+                                               [g.max_len - len(g.prompt_ids) for g in group],
+                                               [g.stop_token_ids for g in group])
+        except Exception as err:  # noqa: BLE001 - the running state is untouched: fail these prompts only
+            self._fail(group, err)
+            return None
+        first = np.asarray(first)  # before the admission too: queued behind it, the copy waited for it
+        slots = [i for i, g in enumerate(self._rows) if g is None][:admitting]
+        now = time.perf_counter()
+        for slot, g in zip(slots, group):  # before the admission: if it fails, step() fails them too
+            self._rows[slot] = g
+            g.admitted, g.emitted, g.start, g.seen_steps = (now, len(g.prompt_ids), len(g.prompt_ids),
+                                                            self._steps_dispatched)
+        self._state = self.engine.admit(self._state, fresh, slots)
+        return first, group
+
+    def _dispatch(self, admitted: bool = False) -> _Call | None:
+        """Dispatches the next decode call over the live rows (None if there are none). ``admitted``:
+        this step admitted requests, waiting for their prefill and so for the call in flight."""
+        live = [g for g in self._rows if g is not None]
+        if not live:
+            return None
+        if (self.engine.config.max_steps_per_sync is not None and not admitted and self._in_flight is not None
+                and _is_ready(self._in_flight.snapshot)):
+            self._adapt_steps(device_idle=True)
+        block, steps = self.engine.block_size, self.steps_per_call
+        end = self._steps_dispatched + steps
+        # A row advances at most ``block`` positions per step dispatched since its start was last
+        # seen, and its last step starts at max_len - 2, writing a block up to max_len - 2 + block.
+        window = max(min(g.start + (end - g.seen_steps) * block, g.max_len - 2 + block) for g in live)
+        self._state, snapshot = self.engine.decode(self._state, steps, window=window)
+        _start_transfer(snapshot)
+        self._steps_dispatched = end
+        return _Call(snapshot, tuple(self._rows), end)
+
+    def _adapt_steps(self, *, device_idle: bool = False, waited: float = 0.0, period: float = 0.0) -> None:
+        """Sizes the next calls to what the host can keep up with (for ``max_steps_per_sync``; the
+        callers check it is set, before they look at the device).
+
+        A call that has finished when the host dispatches the next means the device idles while the
+        host works through a sync (a small model's server streaming to many clients): the next calls
+        run twice the steps, so the host syncs half as often per token. A host that spent over 60% of
+        the last sync period waiting on the device would still be ahead with half the steps: they
+        halve, back towards ``steps_per_sync`` (finer streaming, sooner admissions). Between the two
+        (the host busy for 40-100% of a call) nothing changes, so the size does not oscillate.
+        """
+        config = self.engine.config
+        if device_idle:
+            self.steps_per_call = min(2 * self.steps_per_call, config.max_steps_per_sync)
+        elif period > 0 and waited > 0.6 * period:
+            self.steps_per_call = max(self.steps_per_call // 2, config.steps_per_sync)
+
+    def _read_first_tokens(self, tokens: np.ndarray, group: list[Generation]) -> None:
+        now = time.perf_counter()
+        for g, token in zip(group, tokens):
+            if g.cancelled:
+                continue
+            g.first_token_time = now
+            self._deliver(g, [int(token)], None, 0, now)
+
+    def _read(self, call: _Call) -> None:
+        """Streams the tokens ``call`` committed and retires the rows it finished."""
+        t0 = time.perf_counter()
+        snap = jax.device_get(call.snapshot)
+        now = time.perf_counter()
+        if self._last_read is not None and self.engine.config.max_steps_per_sync is not None:
+            self._adapt_steps(waited=now - t0, period=now - self._last_read)
+        self._last_read = now
+        for row, g in enumerate(call.rows):
+            if g is None or g.finished:
+                continue
+            g.start, g.seen_steps = int(snap.starts[row]), call.steps_end
+            upto = min(g.start + 1, g.max_len)
+            if upto > g.emitted:
+                self._deliver(g, snap.tokens[row, g.emitted: upto].tolist(), snap, row, now)
+            if snap.done[row] and not g.finished:
+                self._retire(g, snap, row, now)
+
+    def _deliver(self, g: Generation, new: list[int], snap: RowSnapshot | None, row: int, now: float) -> None:
+        """Passes ``g``'s new tokens through its stop check to ``on_tokens``; ends ``g`` if the check
+        says so. ``snap``: the snapshot they come from (None for the prefill's first token)."""
+        keep = None
+        if g.stop_check is not None:
+            try:
+                keep = g.stop_check(new)
+                if keep is not None and not (type(keep) is int and 1 <= keep <= len(new)):
+                    raise ValueError(f"a stop check kept {keep!r} of {len(new)} new tokens")
+            except Exception as err:  # noqa: BLE001 - fails this request alone
+                self._end_on_host(g)
+                self._fail([g], err)
+                return
+            new = new[:keep]
+        g.emitted += len(new)
+        g.output_ids.extend(new)
+        if g.on_tokens is not None:
+            g.on_tokens(new)
+        if keep is not None:
+            self._end_on_host(g)
+            self._retire(g, snap, row, now, stopped=True)
+
+    def _end_on_host(self, g: Generation) -> None:
+        """Frees ``g``'s row, still live on the device: it is released at the next step."""
+        slot = self._rows.index(g)
+        self._rows[slot] = None
+        self._unreleased.append(slot)
+
+    def _retire(self, g: Generation, snap: RowSnapshot | None, row: int, now: float, stopped: bool = False) -> None:
+        out = list(g.output_ids)
+        if not stopped:
+            steps = int(snap.num_steps[row])
+            accepted = snap.accepted[row, :steps].tolist()
+        elif self.engine.speculative:  # cut after the stop check's last token, as at a stop token
+            history = [] if snap is None else snap.accepted[row, :int(snap.num_steps[row])]
+            accepted = cut_acceptance(history, len(out) - 1)
+            steps = len(accepted)
+        else:
+            accepted, steps = [], len(out) - 1
+        g.result = GenerationResult(
+            output_ids=out,
+            acceptance_lengths=accepted if self.engine.speculative else [],
+            num_prompt_tokens=len(g.prompt_ids),
+            finish_reason="stop" if stopped or (out and out[-1] in g.stop_token_ids) else "length",
+            time_to_first_token=g.first_token_time - g.submitted,
+            time_per_output_token=(now - g.first_token_time) / max(1, len(out) - 1),
+            num_steps=steps,
+        )
+        if not stopped:  # a stopped row was freed by ``_end_on_host``, to be released
+            self._rows[self._rows.index(g)] = None
+        if g.on_finish is not None:
+            g.on_finish(g)
+
+    @staticmethod
+    def _fail(generations: list[Generation], err: Exception) -> None:
+        for g in generations:
+            g.error = err
+            if g.on_finish is not None:
+                g.on_finish(g)

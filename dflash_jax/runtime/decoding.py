@@ -1,0 +1,357 @@
+"""Pure, jittable pieces of batched greedy speculative decoding (one fused function per phase).
+
+Per-row semantics follow ``dflash.model.dflash_generate`` exactly: a row of prompt length ``n`` and
+``max_new_tokens`` m has ``max_len = n + m``; its anchor sits at ``start`` (tokens ``0..start-1``
+are in both caches); each step drafts a block of ``valid = min(B, max_len - start)`` slots, verifies
+it, accepts ``acc`` drafts plus the bonus, and commits ``produced = min(acc + 1, max_len - start - 1)``
+tokens, cut after the first stop token. A row is done once a stop token is committed or
+``start + 1 >= max_len``; done rows stop changing.
+
+A running batch is a fixed number of row slots: ``empty_state`` makes them (every row done),
+``scatter_rows`` writes freshly prefilled rows into free slots (or moves rows into a state of another
+size) and ``release_rows`` ends rows early. Each row carries its own stop ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import sharding
+from dflash_jax.ops.config import XLA, OpsConfig
+from dflash_jax.ops.cache import KVCache, read_rows, read_window, write_all_layers, write_back, write_rows
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.target import Target
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Everything a batch carries between steps; all per-row arrays lead with ``batch``.
+
+    An empty row (a free slot) is done, has stop ids -1 and zeros everywhere else.
+    """
+
+    tokens: jax.Array           # [batch, token_capacity] int32: prompt + committed tokens
+    starts: jax.Array           # [batch] int32: the anchor position (= tokens in the caches)
+    max_lens: jax.Array         # [batch] int32: prompt length + max_new_tokens
+    done: jax.Array             # [batch] bool
+    num_steps: jax.Array        # [batch] int32: decode steps taken by each row
+    accepted: jax.Array         # [batch, max_steps] int32: tokens committed per step (acc + 1, cut)
+    stop_ids: jax.Array         # [batch, n_stop] int32: the row's stop token ids, -1 pads
+    target_cache: KVCache
+    draft_cache: KVCache | None
+
+
+def greedy_argmax(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` as int32: the first index of the maximum (a NaN counts as the
+    maximum, as in ``jnp.argmax``), over ``logits [batch, ..., vocab]``.
+
+    Under ``sharding.kernel_mesh`` with the vocabulary split across devices, each device takes the
+    argmax of its slice and the devices exchange one (value, index) pair per row: XLA partitions
+    ``jnp.argmax`` over a sharded axis by gathering every row's whole logits first (600 KB per row
+    for Qwen3-8B's vocabulary in float32; docs/performance.md).
+    """
+    axes = ("batch",) + ("length",) * (logits.ndim - 2) + ("vocab",)
+    across = sharding.kernel_mesh_axes(axes, logits.shape, -1)
+    argmax = functools.partial(_argmax_across, vocab_axes=across)
+    shape = lambda x: (jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32),)  # noqa: E731
+    return sharding.shard_kernel(argmax, [axes], [axes[:-1]], out_shapes=shape)(logits)[0]
+
+
+def _argmax_across(logits: jax.Array, *, vocab_axes: tuple[str, ...]) -> tuple[jax.Array]:
+    """Per device: the argmax of this vocabulary slice, then (``vocab_axes``: the mesh axes the
+    vocabulary is split over) the first slice holding the overall maximum."""
+    local = _local_argmax(logits)
+    if not vocab_axes:
+        return (local,)
+    value = jnp.take_along_axis(logits, local[..., None], axis=-1)[..., 0]
+    index = local + jax.lax.axis_index(vocab_axes) * logits.shape[-1]
+    values, indices = (jax.lax.all_gather(x, vocab_axes) for x in (value, index))  # [slices, batch, ...]
+    best = jnp.argmax(values, axis=0)  # the first slice with the maximum (or the first NaN)
+    return (jnp.take_along_axis(indices, best[None], axis=0)[0],)
+
+
+def _local_argmax(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` as int32: on GPUs XLA's one (value, index) reduction, elsewhere
+    ``_argmax_two_stage``. Written for XLA:CPU, the two stages are four kernels on a GPU and cost a
+    batch-1 decode step 0.013 ms there (docs/performance.md)."""
+    if jax.default_backend() == "gpu":
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return _argmax_two_stage(logits)
+
+
+def _argmax_two_stage(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` as int32, reduced in two stages when the vocabulary splits
+    into power-of-two slices (128 .. 16 wide): the maximum of each slice, the first slice holding
+    the overall maximum, the first maximum inside it. Same result; XLA:CPU runs a (value, index)
+    reduce over a long row as scalar code, several times slower than the plain max-reduce that now
+    does most of the work."""
+    vocab = logits.shape[-1]
+    width = next((w for w in (128, 64, 32, 16) if vocab % w == 0 and vocab > w), None)
+    if width is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    parts = logits.reshape(logits.shape[:-1] + (vocab // width, width))
+    part = jnp.argmax(jnp.max(parts, axis=-1), axis=-1)
+    row = jnp.take_along_axis(parts, part[..., None, None], axis=-2)[..., 0, :]
+    return (part * width + jnp.argmax(row, axis=-1)).astype(jnp.int32)
+
+
+def greedy_accept(draft: jax.Array, posterior: jax.Array, valid: jax.Array) -> jax.Array:
+    """Number of leading drafts equal to the target's argmax at the previous slot.
+
+    ``draft [batch, B-1]`` (slots 1..B-1), ``posterior [batch, B]`` (target argmax per slot),
+    ``valid [batch]`` (slots of the block that exist) -> ``acc [batch]`` int32 in ``[0, valid - 1]``.
+    """
+    # This and the commit's helpers below run once per step, outside the models: over the block's
+    # static slots, as elementwise ops, they fuse into the commit's few kernels instead of adding a
+    # scan or a reduction kernel each (docs/performance.md).
+    acc = jnp.zeros(valid.shape, jnp.int32)
+    leading = jnp.ones(valid.shape, bool)
+    for slot in range(1, draft.shape[1] + 1):
+        leading = leading & (draft[:, slot - 1] == posterior[:, slot - 1]) & (slot < valid)
+        acc = acc + leading
+    return acc
+
+
+def is_stop(ids: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """Whether each of ``ids [batch, n]`` is one of its row's ``stop_ids [batch, n_stop]`` -> ``[batch, n]``."""
+    hit = jnp.zeros(ids.shape, bool)
+    for k in range(stop_ids.shape[1]):
+        hit = hit | (ids == stop_ids[:, k:k + 1])
+    return hit
+
+
+def commit(
+    state: DecodeState, block_ids: jax.Array, posterior: jax.Array, acc: jax.Array
+) -> tuple[DecodeState, jax.Array]:
+    """Writes the accepted drafts and the bonus token, advances rows, records the step.
+
+    ``block_ids [batch, B]`` (anchor then drafts), ``posterior [batch, B]``, ``acc [batch]``; a row
+    stops at the first of its own ``state.stop_ids``. Returns the new state (caches untouched) and
+    ``produced``.
+    """
+    batch, block = block_ids.shape
+    active = ~state.done
+    bonus = posterior[:, 0]
+    for slot in range(1, block):
+        bonus = jnp.where(acc == slot, posterior[:, slot], bonus)
+    # The tokens after the anchor (already at ``start``): slot j + 1 of the block, the bonus at
+    # slot acc + 1. Only slots up to acc + 1 of an active row change.
+    drafts = jnp.concatenate([block_ids[:, 1:], jnp.zeros((batch, 1), block_ids.dtype)], axis=1)
+    slot = jnp.arange(block)[None, :]
+    new = jnp.where(slot == acc[:, None], bonus[:, None], drafts)
+    after = state.starts + 1
+    old = read_rows(state.tokens, after, block)
+    tokens = write_rows(state.tokens, jnp.where(active[:, None] & (slot <= acc[:, None]), new, old), after)
+
+    produced = jnp.minimum(acc + 1, state.max_lens - state.starts - 1)
+    stops = is_stop(new, state.stop_ids) & (slot < produced[:, None])
+    first_stop = jnp.full((batch,), block + 1, jnp.int32)
+    for j in reversed(range(block)):
+        first_stop = jnp.where(stops[:, j], j + 1, first_stop)
+    has_stop = first_stop <= block
+    produced = jnp.where(has_stop, first_stop, produced)
+    produced = jnp.where(active, produced, 0).astype(jnp.int32)
+    starts = state.starts + produced
+    done = state.done | has_stop | (starts + 1 >= state.max_lens)
+
+    # A row's next free column, clamped: rows commit >= 1 token a step, so a row never takes more
+    # than max_length - 1 steps and the column is free even for a done row, which writes its 0 there.
+    step_col = jnp.minimum(state.num_steps, state.accepted.shape[1] - 1)
+    accepted = write_rows(state.accepted, produced[:, None], step_col)
+    new_state = dataclasses.replace(
+        state, tokens=tokens, starts=starts, done=done, accepted=accepted,
+        num_steps=state.num_steps + active.astype(jnp.int32),
+    )
+    return new_state, produced
+
+
+def new_caches(target: Target, drafter: Drafter | None, batch: int, length: int) -> tuple[KVCache, KVCache | None]:
+    """Zeroed target and drafter-context caches of ``length`` positions (no drafter: no context cache)."""
+    tc = target.config
+    target_cache = KVCache.zeros(tc.num_layers, batch, length, tc.num_kv_heads, tc.head_dim, target.embed_tokens.dtype)
+    if drafter is None:
+        return target_cache, None
+    dc = drafter.config
+    return target_cache, KVCache.zeros(dc.num_layers, batch, length, dc.num_kv_heads, dc.head_dim, drafter.fc.dtype)
+
+
+def empty_state(target: Target, drafter: Drafter | None, batch: int, *, capacity: int, max_steps: int,
+                n_stop: int) -> DecodeState:
+    """``batch`` empty row slots (all done) with ``capacity``-position caches, to admit rows into."""
+    target_cache, draft_cache = new_caches(target, drafter, batch, capacity)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    return DecodeState(
+        tokens=jnp.zeros((batch, capacity + 1), jnp.int32), starts=zeros, max_lens=zeros,
+        done=jnp.ones((batch,), bool), num_steps=zeros, accepted=jnp.zeros((batch, max_steps), jnp.int32),
+        stop_ids=jnp.full((batch, n_stop), -1, jnp.int32), target_cache=target_cache, draft_cache=draft_cache,
+    )
+
+
+def prefill(
+    target: Target,
+    drafter: Drafter | None,
+    ids: jax.Array,
+    lens: jax.Array,
+    max_lens: jax.Array,
+    stop_ids: jax.Array,
+    *,
+    capacity: int,
+    max_steps: int,
+    mask_token_id: int,
+    ops: OpsConfig = XLA,
+) -> DecodeState:
+    """Runs the padded prompts ``ids [batch, P]`` (lengths ``lens``, stop ids ``stop_ids [batch, n_stop]``)
+    and samples the first token. With the kernels on (``ops``) the prompt's attention is a library's
+    flash attention (``attention.prompt_attention``).
+
+    Fills the target cache with the prompt, the drafter's context cache with the prompt's taps, and
+    commits the target's argmax after each row's last prompt token. Rows hold ``capacity + 1``
+    tokens, as in a running state of ``capacity`` cache positions, but the caches hold just the P
+    prompt positions: ``scatter_rows`` writes them over the first positions of free slots.
+    """
+    batch, plen = ids.shape
+    tap_layers = drafter.config.target_layer_ids if drafter is not None else ()
+    target_cache, draft_cache = new_caches(target, drafter, batch, plen)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    hidden, taps, target_cache = target.step(ids, zeros, target_cache, blk_lens=lens, tap_layers=tap_layers,
+                                             ops=ops, prefill=True)
+    last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
+    first = greedy_argmax(target.head(last))
+
+    positions = jnp.arange(capacity + 1)[None, :]
+    tokens = jnp.full((batch, capacity + 1), mask_token_id, jnp.int32)
+    tokens = jnp.where(positions < lens[:, None], jnp.pad(ids, ((0, 0), (0, capacity + 1 - plen))), tokens)
+    tokens = jnp.where(positions == lens[:, None], first[:, None], tokens)
+    done = is_stop(first[:, None], stop_ids)[:, 0] | (lens + 1 >= max_lens)
+
+    if drafter is not None:
+        k, v = drafter.context_kv(taps, jnp.broadcast_to(jnp.arange(plen, dtype=jnp.int32), (batch, plen)))
+        draft_cache = write_all_layers(draft_cache, k, v, zeros)
+    return DecodeState(
+        tokens=tokens, starts=lens.astype(jnp.int32), max_lens=max_lens.astype(jnp.int32), done=done,
+        num_steps=zeros, accepted=jnp.zeros((batch, max_steps), jnp.int32), stop_ids=stop_ids.astype(jnp.int32),
+        target_cache=target_cache, draft_cache=draft_cache,
+    )
+
+
+def scatter_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> DecodeState:
+    """Writes row i of ``rows`` into row ``slots[i]`` of ``state``; ``slots [n]`` outside
+    ``[0, batch)`` drop their row (the padding rows of a prefill).
+
+    Every array of a row is written over the first positions of its slot: a prefill's short caches
+    fill the prompt positions and leave the rest stale, past the row's length, where it is never read.
+    """
+    def put(dst: jax.Array, src: jax.Array) -> jax.Array:
+        index = (slots,) + tuple(slice(0, n) for n in src.shape[1:])
+        return dst.at[index].set(src, mode="drop")
+
+    return jax.tree.map(put, state, rows)
+
+
+def release_rows(state: DecodeState, release: jax.Array) -> DecodeState:
+    """Marks the rows where ``release [batch]`` is True done: they stop changing from the next step."""
+    return dataclasses.replace(state, done=state.done | release)
+
+
+def _target_block(
+    target: Target, ids: jax.Array, starts: jax.Array, cache: KVCache, window: int | None, **step_kwargs
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """``target.step`` of ``ids [batch, n]`` at ``starts``, attending to the first ``window`` cache
+    positions only (None: the whole cache); returns the whole updated cache either way."""
+    if window is None or window >= cache.capacity:
+        return target.step(ids, starts, cache, **step_kwargs)
+    view = read_window(cache, window)
+    hidden, taps, view = target.step(ids, starts, view, **step_kwargs)
+    return hidden, taps, write_back(cache, view, starts, ids.shape[1])
+
+
+def draft_block(
+    target: Target, drafter: Drafter, state: DecodeState, *, block_size: int,
+    ops: OpsConfig = XLA, window: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Drafts ``[anchor, d1 .. d_{B-1}]`` for every row in one drafter pass.
+
+    ``window``: attend to the first ``window`` cache positions only (every row needs
+    ``starts + B <= window``); None or a window of the whole capacity: the whole cache.
+
+    Returns ``block_ids [batch, B]``, ``valid [batch]`` (slots that exist: the reference's shorter
+    last block) and ``positions [batch, B]``.
+    """
+    batch = state.starts.shape[0]
+    starts = state.starts
+    anchor = jnp.take_along_axis(state.tokens, starts[:, None], axis=1)[:, 0]
+    valid = jnp.clip(state.max_lens - starts, 1, block_size).astype(jnp.int32)
+    mask = jnp.full((batch, block_size - 1), drafter.config.mask_token_id, jnp.int32)
+    block_ids = jnp.concatenate([anchor[:, None], mask], axis=1)
+    positions = starts[:, None] + jnp.arange(block_size, dtype=jnp.int32)[None, :]
+    cache = state.draft_cache
+    if window is not None and window < cache.capacity:
+        cache = read_window(cache, window)
+    hidden = drafter.draft(target.embed(block_ids)[:, None], starts, cache, valid, ops=ops)
+    draft = greedy_argmax(drafter.logits(target, hidden[:, 0, 1:]))
+    return block_ids.at[:, 1:].set(draft), valid, positions
+
+
+def verify_block(
+    target: Target, drafter: Drafter, state: DecodeState, block_ids: jax.Array, valid: jax.Array,
+    positions: jax.Array, *, ops: OpsConfig = XLA, window: int | None = None,
+) -> DecodeState:
+    """Verifies a drafted block in one target pass, commits, and extends the drafter's context.
+
+    ``window`` as in ``draft_block``.
+    """
+    starts = state.starts
+    verified, taps, target_cache = _target_block(
+        target, block_ids, starts, state.target_cache, window, blk_lens=valid,
+        tap_layers=drafter.config.target_layer_ids, ops=ops,
+    )
+    posterior = greedy_argmax(target.head(verified))
+    acc = greedy_accept(block_ids[:, 1:], posterior, valid)
+    new_state, _ = commit(state, block_ids, posterior, acc)
+    # The verify pass produced the taps of the committed tokens: project them once for all layers.
+    k, v = drafter.context_kv(taps, positions)
+    draft_cache = write_all_layers(state.draft_cache, k, v, starts)
+    return dataclasses.replace(new_state, target_cache=target_cache, draft_cache=draft_cache)
+
+
+def speculative_step(
+    target: Target,
+    drafter: Drafter,
+    state: DecodeState,
+    *,
+    block_size: int,
+    ops: OpsConfig = XLA,
+    window: int | None = None,
+) -> DecodeState:
+    """Draft a block, verify it, commit, and extend the drafter's context: one step for every row.
+
+    ``window``: attend to the first ``window`` cache positions only (rows that are not done need
+    ``starts + block_size <= window``); None: the whole capacity.
+    """
+    block_ids, valid, positions = draft_block(target, drafter, state, block_size=block_size,
+                                              ops=ops, window=window)
+    return verify_block(target, drafter, state, block_ids, valid, positions, ops=ops,
+                        window=window)
+
+
+def target_only_step(
+    target: Target, state: DecodeState, *, ops: OpsConfig = XLA, window: int | None = None,
+) -> DecodeState:
+    """Plain greedy decoding of one token per row through the same caches (the speedup baseline).
+
+    ``window`` as in ``speculative_step`` (with a block of one).
+    """
+    starts = state.starts
+    anchor = jnp.take_along_axis(state.tokens, starts[:, None], axis=1)
+    hidden, _, target_cache = _target_block(target, anchor, starts, state.target_cache, window,
+                                            ops=ops)
+    posterior = greedy_argmax(target.head(hidden))
+    acc = jnp.zeros_like(starts)
+    new_state, _ = commit(state, anchor, posterior, acc)
+    # Target-only rows report no acceptance lengths (``batcher``): the step leaves them unwritten.
+    return dataclasses.replace(new_state, accepted=state.accepted, target_cache=target_cache)

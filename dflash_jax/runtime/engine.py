@@ -1,0 +1,639 @@
+"""The batched greedy speculative-decoding engine: jitted device phases on a state of row slots.
+
+The phases: ``prefill`` (new prompts, in a batch of their own), ``admit`` (scatters prefilled rows
+into free slots of the running state), ``resize`` (moves the live rows into a state of another row
+count), ``release`` (ends rows early) and ``decode`` (a loop of ``steps_per_sync``
+draft-verify-commit steps that stops early once every row is done, except on a GPU mesh:
+``EngineConfig.decode_loop``). The running state is donated to every call that keeps its shape.
+``ContinuousBatcher`` (``dflash_jax.runtime.batcher``) is the host loop around them; ``Engine.generate``
+runs it.
+Shapes are static: prompt counts and lengths are bucketed, a running state has one or
+``max_batch_size`` rows; block size and capacity are fixed per engine; with the XLA attention each
+decode call reads a power-of-two window of the caches that covers its rows.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import os
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dflash_jax.runtime import decoding
+from dflash_jax.ops.config import OpsConfig, parse_tiles, resolve_attention_impl
+from dflash_jax.runtime.serving_params import in_serving_layout, serving_drafter, serving_target
+from dflash_jax.runtime.batcher import (ContinuousBatcher, Generation, GenerationResult, RowSnapshot, StopCheck,
+                                        stop_checks_per_prompt)
+from dflash_jax.ops.cache import CACHE_ALIGNMENT, CACHE_AXES
+from dflash_jax.runtime.compile_cache import check_setting as check_cache_setting, use_compilation_cache
+from dflash_jax.io.config import check_field_types
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.sharding import MeshConfig, kernel_mesh, make_mesh, named_sharding, shard_module
+from dflash_jax.models.target import Target
+
+log = logging.getLogger("dflash_jax.runtime.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static shapes and scheduling of an engine (a section of serve/train YAML configs)."""
+
+    max_batch_size: int = 8
+    max_length: int = 2048           # prompt + generated tokens, per row
+    prompt_buckets: tuple[int, ...] | None = None  # None: powers of two from 16
+    block_size: int | None = None    # None: the drafter's; may only lower it
+    attention_impl: str = "auto"     # "xla" | "pallas" | "auto": pallas on GPUs/TPUs, else xla
+    steps_per_sync: int = 8          # decode steps per device call between host syncs
+    # None: every call runs steps_per_sync steps. Else the host loop doubles a call's steps, up to
+    # this, while the device finishes each call before the host dispatches the next (a small model's
+    # server, its host busy streaming), and halves them back once the host is well ahead
+    # (``ContinuousBatcher._adapt_steps``). Ignored with a fixed decode loop (a program per step count).
+    max_steps_per_sync: int | None = None
+    # "until_done": a decode call stops early once every row is done (XLA evaluates the loop's
+    # condition after each step); "fixed": it always runs its steps (a known trip count, which XLA
+    # runs without reading a condition, so the call returns to the host at once); "auto": fixed on
+    # a GPU mesh, where the condition is read on the host (docs/design.md), else until_done.
+    decode_loop: str = "auto"
+    mesh: MeshConfig | None = None   # None: a single device
+    # "auto": "highest" for float32 weights, else "default". GPUs and TPUs run default-precision
+    # float32 matmuls through TF32 / bf16 passes, whose rounding differs between a 1-token and a
+    # 16-token pass enough to flip near-tied greedy choices; "highest" keeps float32 models exact.
+    matmul_precision: str = "auto"
+    # Overrides of the cached-attention kernel's tiles, "field=N,..." of
+    # ``kernels_pallas.cached_attention.gpu.GpuConfig`` (e.g. "min_chunk=128,block_k=32"); "": its defaults.
+    cached_attention_tiles: str = ""
+    # A directory for the persistent compilation cache (``dflash_jax.runtime.compile_cache``): the engine's
+    # programs are saved there and loaded by the next process instead of compiled again. Process-wide.
+    # On the H200 it cut an 8B engine's warm-up ~3x, and decode steps ran 2-3% slower in the processes
+    # that reused it (docs/performance.md). None: compile in every process.
+    compilation_cache_dir: str | None = None
+
+    def validate(self) -> None:
+        check_field_types(self)  # a config built in Python skips the YAML loader's checks
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        if self.block_size is not None and self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.attention_impl not in ("xla", "pallas", "auto"):
+            raise ValueError(f"attention_impl must be 'xla', 'pallas' or 'auto', got {self.attention_impl!r}")
+        if self.matmul_precision not in ("auto", "default", "high", "highest"):
+            raise ValueError("matmul_precision must be 'auto', 'default', 'high' or 'highest', "
+                             f"got {self.matmul_precision!r}")
+        parse_tiles(self.cached_attention_tiles)
+        if self.steps_per_sync < 1:
+            raise ValueError(f"steps_per_sync must be >= 1, got {self.steps_per_sync}")
+        if self.max_steps_per_sync is not None and self.max_steps_per_sync < self.steps_per_sync:
+            raise ValueError(f"max_steps_per_sync ({self.max_steps_per_sync}) must be >= steps_per_sync "
+                             f"({self.steps_per_sync}), or null")
+        if self.decode_loop not in ("until_done", "fixed", "auto"):
+            raise ValueError(f"decode_loop must be 'until_done', 'fixed' or 'auto', got {self.decode_loop!r}")
+        check_cache_setting(self.compilation_cache_dir)
+        if self.prompt_buckets is not None and (not self.prompt_buckets or min(self.prompt_buckets) < 1):
+            raise ValueError(f"prompt_buckets must be positive lengths, got {self.prompt_buckets}")
+
+    @property
+    def max_prompt_length(self) -> int:
+        """The longest prompt an engine admits: room for one generated token, within the largest
+        prompt bucket."""
+        longest = self.max_length - 1
+        return longest if self.prompt_buckets is None else min(longest, max(self.prompt_buckets))
+
+    def prompt_bucket_error(self, n: int) -> str | None:
+        """Why a prompt of ``n`` tokens, shorter than ``max_length``, fits none of ``prompt_buckets`` (None
+        if one fits). Checked when a prompt is submitted, after ``max_length``: its prefill would fail,
+        and with it every prompt prefilled in its batch."""
+        if self.max_prompt_length < n < self.max_length:  # only the buckets end prompts before max_length - 1
+            return f"more than the largest prompt bucket, {self.max_prompt_length}"
+        return None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# What XLA:GPU puts in command buffers (CUDA graphs) by default; the decode loop adds its while loop.
+GPU_DEFAULT_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+_GPU_DECODE_COMMAND_BUFFER = GPU_DEFAULT_COMMAND_BUFFER + ",WHILE,CONDITIONAL"
+
+
+def _decode_compiler_options() -> dict | None:
+    """XLA options for the decode loop on this backend.
+
+    XLA:CPU's default copy insertion copies every target-cache buffer twice per decode step (the
+    while-loop carry is read by attention and updated in place within one step), which costs more
+    than a small model's attention itself; its region analysis proves the in-place update safe and
+    removes the copies.
+
+    On GPUs the decode loop's ``while`` goes into the CUDA graph (a conditional node). Outside it,
+    XLA evaluates the loop condition on the host, one device-to-host copy per step, so a decode call
+    ran synchronously in the thread that dispatched it and the device idled between calls while the
+    host read the last call's tokens and dispatched the next: 0.27 ms per DFlash step and 0.70 ms per
+    target-only step at 8 steps per sync, none with the loop in the graph (docs/performance.md). On a
+    mesh the loop stays on the host: XLA 0.11.2 runs every all-reduce as a ``CollectiveKernelThunk``,
+    which no command-buffer option converts, so each all-reduce cuts the step's graph and the
+    ``while`` around them cannot be a graph node (``COLLECTIVES`` in this list changed nothing there,
+    so it is left out).
+
+    The graph's kernels are ordered by data flow (``CONCURRENT``) rather than chained in XLA's
+    schedule (``LHS``, the default), so independent kernels of a step run side by side: in a DFlash
+    step the drafter's context K/V of the committed tokens, layer beside layer and beside the next
+    draft's first kernels. -0.04 ms per batch-1 DFlash step (0.8%, every round), no change
+    target-only (docs/performance.md).
+    """
+    if jax.default_backend() == "cpu":
+        return {"xla_cpu_copy_insertion_use_region_analysis": True}
+    if jax.default_backend() == "gpu":
+        return {"xla_gpu_enable_command_buffer": _GPU_DECODE_COMMAND_BUFFER,
+                "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    return None
+
+
+def _one_shot_compiler_options() -> dict | None:
+    """XLA options for the phases that run once per admission (prefill, admit, resize, release,
+    empty state).
+
+    On GPUs XLA runs a jitted function's kernels as CUDA graphs (command buffers), recorded and
+    instantiated again whenever the function's buffers move. The decode loop keeps its buffers
+    (donated state) and reuses its graphs; a prefill gets fresh buffers every call, and on the H200
+    re-recording its graph took ~25 ms per call, longer than the 512-token prefill itself (the
+    engine's time to first token, docs/performance.md). Without graphs its kernels are launched one
+    by one, which a prefill of large matmuls hides.
+    """
+    if jax.default_backend() == "gpu":
+        return {"xla_gpu_enable_command_buffer": ""}
+    return None
+
+
+MIN_WINDOW = 64  # the smallest attention window a decode call compiles for
+
+
+def window_buckets(capacity: int) -> tuple[int, ...]:
+    """The attention windows of an engine with ``capacity`` cache positions: powers of two from
+    ``MIN_WINDOW`` up to half the capacity, then the capacity itself (at most log2(capacity / 64) + 1
+    compiled decode variants per batch size).
+
+    A window is a copy of that prefix of the caches (the step writes its block into it, then back),
+    so it pays where it skips at least half the capacity, on a memory-bound accelerator too.
+    """
+    small = [w for w in (MIN_WINDOW << i for i in range(capacity.bit_length())) if 2 * w <= capacity]
+    return tuple(small) + (capacity,)
+
+
+class Engine:
+    """Batched greedy generation with an optional DFlash drafter (``drafter=None``: target-only)."""
+
+    def __init__(self, target: Target, drafter: Drafter | None, config: EngineConfig = EngineConfig(),
+                 mesh: Mesh | None = None):
+        config.validate()
+        if config.compilation_cache_dir is not None:
+            use_compilation_cache(config.compilation_cache_dir)
+        self.config = config
+        if drafter is not None:
+            if drafter.config.vocab_size != target.config.vocab_size:
+                raise ValueError(f"drafter vocab_size {drafter.config.vocab_size} != target vocab_size "
+                                 f"{target.config.vocab_size}")
+            if drafter.config.num_target_layers != target.config.num_layers:
+                raise ValueError(f"drafter num_target_layers {drafter.config.num_target_layers} != target "
+                                 f"num_hidden_layers {target.config.num_layers}")
+            if config.block_size is not None and config.block_size > drafter.config.block_size:
+                raise ValueError(f"block_size {config.block_size} exceeds the drafter's {drafter.config.block_size}")
+        self.block_size = (config.block_size or drafter.config.block_size) if drafter is not None else 1
+        # Rounded up to whole attention tiles: the GPU kernel otherwise shrinks its key tile to a
+        # divisor of the capacity (16 keys for 1025) or pads a copy of every cache buffer per call.
+        self.capacity = -(-(config.max_length + self.block_size) // CACHE_ALIGNMENT) * CACHE_ALIGNMENT
+        self.mesh = mesh if mesh is not None else (make_mesh(config.mesh) if config.mesh is not None else None)
+        self.attention_impl = resolve_attention_impl(config.attention_impl)
+        self._rules = config.mesh.resolved_rules() if config.mesh is not None else None
+        self.ops = OpsConfig(attention=self.attention_impl,
+                             cached_attention_tiles=parse_tiles(config.cached_attention_tiles))
+        # The engine runs copies in the serving layout (``serving_params``); the caller's modules
+        # keep theirs, so one loaded target can back several engines.
+        for module, name in ((target, "target"), (drafter, "drafter")):
+            if module is not None and in_serving_layout(module):
+                raise ValueError(f"the {name} passed to Engine is in the serving layout (an engine's "
+                                 f"engine.{name}); pass the module in its checkpoint layout")
+        target = serving_target(target)
+        drafter = serving_drafter(drafter) if drafter is not None else None
+        # The modules the engine runs (the serving layout, sharded on the mesh).
+        self.target, self.drafter = target, drafter
+        self._matmul_precision = config.matmul_precision
+        if self._matmul_precision == "auto":
+            self._matmul_precision = "highest" if target.embed_tokens.dtype == jnp.float32 else "default"
+        if self.mesh is not None:
+            shard_module(target, self.mesh, self._rules)
+            if drafter is not None:
+                shard_module(drafter, self.mesh, self._rules)
+        # Model state is split and flattened once: the jitted phases take plain tuples of arrays
+        # (flattening NNX variables on every call costs more host time than a small model's step)
+        # and rebuild the modules inside.
+        self._target_def, target_state = nnx.split(target)
+        self._target_state, self._target_tree = jax.tree.flatten(target_state)
+        self._drafter_def, self._drafter_state, self._drafter_tree = None, [], None
+        if drafter is not None:
+            self._drafter_def, drafter_state = nnx.split(drafter)
+            self._drafter_state, self._drafter_tree = jax.tree.flatten(drafter_state)
+        once = _one_shot_compiler_options()
+        self._prefill = jax.jit(self._traced(self._prefill_fn), compiler_options=once)
+        self._decode = jax.jit(self._traced(self._decode_fn), donate_argnums=(2,),
+                               static_argnames=("window", "fixed_steps"),
+                               compiler_options=_decode_compiler_options())
+        self._empty = jax.jit(self._empty_fn, static_argnames=("rows",), compiler_options=once)
+        self._admit = jax.jit(self._admit_fn, donate_argnums=(0,), compiler_options=once)
+        # a new shape: nothing to donate to
+        self._resize = jax.jit(self._resize_fn, static_argnames=("rows",), compiler_options=once)
+        self._release = jax.jit(self._release_fn, donate_argnums=(0,), compiler_options=once)
+        self._mask_id = drafter.config.mask_token_id if drafter is not None else 0
+        self.vocab_size = target.config.vocab_size
+        self.speculative = drafter is not None
+        # Stop ids per row: a fixed size, so that no request's stop ids recompile anything.
+        self.max_stop_ids = 16
+        # The XLA attention computes over every cache position it is given, so decode calls read a
+        # bucketed prefix of the caches that covers the live rows; the Pallas kernels skip positions
+        # past each row's length themselves and always get the whole cache (one compiled variant).
+        # A fixed loop has no early stop for a row that would outgrow its window: it gets the whole
+        # cache, which every row fits.
+        self.fixed_loop = config.decode_loop == "fixed" or (
+            config.decode_loop == "auto" and self.mesh is not None and self.mesh.size > 1
+            and jax.default_backend() == "gpu")
+        if self.fixed_loop and config.max_steps_per_sync is not None:
+            log.warning("max_steps_per_sync %d is ignored: this engine's decode loop is fixed (a program per step "
+                        "count), so every call runs steps_per_sync %d", config.max_steps_per_sync,
+                        config.steps_per_sync)
+            self.config = config = dataclasses.replace(config, max_steps_per_sync=None)
+        self.windows = (window_buckets(self.capacity) if self.attention_impl == "xla" and not self.fixed_loop
+                        else (self.capacity,))
+        self._n_steps: dict[int, jax.Array] = {}
+
+    # -- jitted phases -------------------------------------------------------------------------
+
+    def _traced(self, fn: Callable) -> Callable:
+        """``fn`` traced under the engine's matmul precision (baked into the compiled ops) and its
+        mesh for the kernels (``sharding.kernel_mesh``: each device runs them on its shards)."""
+
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            with jax.default_matmul_precision(self._matmul_precision), kernel_mesh(self.mesh, self._rules):
+                return fn(*args, **kwargs)
+
+        return traced
+
+    def _models(self, target_leaves, drafter_leaves):
+        target = nnx.merge(self._target_def, jax.tree.unflatten(self._target_tree, target_leaves))
+        drafter = None
+        if self._drafter_def is not None:
+            drafter = nnx.merge(self._drafter_def, jax.tree.unflatten(self._drafter_tree, drafter_leaves))
+        return target, drafter
+
+    def _prefill_fn(self, target_state, drafter_state, ids, lens, max_lens, stop_ids):
+        target, drafter = self._models(target_state, drafter_state)
+        # Every step commits >= 1 token, so max_length bounds the steps of any row.
+        state = decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, capacity=self.capacity,
+                                 max_steps=self.config.max_length, mask_token_id=self._mask_id,
+                                 ops=self.ops)
+        first = jnp.take_along_axis(state.tokens, lens[:, None], axis=1)[:, 0]
+        return self._constrain(state), first
+
+    def _empty_fn(self, *, rows: int) -> decoding.DecodeState:
+        # Only the models' configs and dtypes are read: no weights enter the computation.
+        state = decoding.empty_state(self.target, self.drafter, rows, capacity=self.capacity,
+                                     max_steps=self.config.max_length, n_stop=self.max_stop_ids)
+        return self._constrain(state)
+
+    def _admit_fn(self, state, rows, slots):
+        return self._constrain(decoding.scatter_rows(state, rows, slots))
+
+    def _resize_fn(self, state, slots, *, rows: int):
+        return self._constrain(decoding.scatter_rows(self._empty_fn(rows=rows), state, slots))
+
+    def _release_fn(self, state, release):
+        return self._constrain(decoding.release_rows(state, release))
+
+    def _decode_fn(self, target_state, drafter_state, state, n_steps, *, window: int, fixed_steps: int | None):
+        """``n_steps`` (a device scalar) steps that stop early once every row is done; or, with
+        ``fixed_steps``, exactly that many (``n_steps`` None)."""
+        target, drafter = self._models(target_state, drafter_state)
+
+        def step(s):
+            if drafter is None:
+                s = decoding.target_only_step(target, s, ops=self.ops, window=window)
+            else:
+                s = decoding.speculative_step(target, drafter, s, block_size=self.block_size,
+                                              ops=self.ops, window=window)
+            return self._constrain(s)
+
+        def cond(carry):
+            i, s = carry
+            # A row whose next block would not fit the window ends the call early (the host then
+            # picks a larger window); the host's choice makes this a safety net, not the rule.
+            fits = jnp.all(s.done | (s.starts + self.block_size <= window))
+            return (i < n_steps) & ~jnp.all(s.done) & fits
+
+        def body(carry):
+            i, s = carry
+            return i + 1, step(s)
+
+        if fixed_steps is None:
+            _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+        else:  # a static trip count: steps on done rows change nothing the host reads
+            state = jax.lax.fori_loop(0, fixed_steps, lambda i, s: step(s), state)
+        # Copies the host can read while the donated state is already in the next call.
+        snapshot = RowSnapshot(tokens=state.tokens + 0, starts=state.starts + 0, done=state.done | False,
+                               num_steps=state.num_steps + 0, accepted=state.accepted + 0)
+        return state, snapshot
+
+    def _constrain(self, state: decoding.DecodeState) -> decoding.DecodeState:
+        """Pins the state's layout on the mesh (batch on ``data``, caches on KV heads)."""
+        if self.mesh is None:
+            return state
+
+        def pin(x, axes):
+            return jax.lax.with_sharding_constraint(x, named_sharding(axes, x.shape, self.mesh, self._rules))
+
+        def pin_cache(c):
+            if c is None:
+                return None
+            return type(c)(tuple(pin(x, CACHE_AXES) for x in c.k), tuple(pin(x, CACHE_AXES) for x in c.v))
+
+        return dataclasses.replace(
+            state,
+            tokens=pin(state.tokens, ("batch", "length")), starts=pin(state.starts, ("batch",)),
+            max_lens=pin(state.max_lens, ("batch",)), done=pin(state.done, ("batch",)),
+            num_steps=pin(state.num_steps, ("batch",)), accepted=pin(state.accepted, ("batch", "length")),
+            stop_ids=pin(state.stop_ids, ("batch", "length")),
+            target_cache=pin_cache(state.target_cache), draft_cache=pin_cache(state.draft_cache),
+        )
+
+    def decode(self, state: decoding.DecodeState, n_steps: int | None = None, *,
+               window: int | None = None) -> tuple[decoding.DecodeState, RowSnapshot]:
+        """Up to ``n_steps`` (default ``steps_per_sync``) decode steps on device; donates ``state``.
+
+        ``window``: the steps attend to the first ``window`` cache positions only, rounded up to
+        ``self.windows``; the call stops early when a row that is not done would outgrow it. None:
+        the whole cache.
+
+        Returns the new state and a snapshot of its rows that stays readable after the state is
+        donated to the next call.
+        """
+        n = self.config.steps_per_sync if n_steps is None else int(n_steps)
+        count, fixed = self._step_count(n)
+        return self._decode(self._target_state, self._drafter_state, state, count,
+                            window=self._window(window), fixed_steps=fixed)
+
+    def decode_compiled(self, state: decoding.DecodeState, n_steps: int = 1, *,
+                        window: int | None = None) -> jax.stages.Compiled:
+        """``decode(state, n_steps, window=window)`` as compiled: its optimised HLO (``as_text``: its
+        copies, its collectives on a mesh) and its device memory (``memory_analysis``). Compiles
+        only; ``state`` is not donated."""
+        count, fixed = self._step_count(n_steps)
+        return self._decode.lower(self._target_state, self._drafter_state, state, count,
+                                  window=self._window(window), fixed_steps=fixed).compile()
+
+    def decode_hlo(self, state: decoding.DecodeState, n_steps: int = 1, *, window: int | None = None) -> str:
+        """The optimised HLO text of ``decode_compiled``: what a call runs."""
+        return self.decode_compiled(state, n_steps, window=window).as_text()
+
+    def _step_count(self, n: int) -> tuple[jax.Array | None, int | None]:
+        """``_decode``'s ``n_steps`` and ``fixed_steps`` for ``n`` steps."""
+        if self.fixed_loop:  # one compiled variant per count
+            return None, n
+        if n not in self._n_steps:  # a cached device scalar: building one costs a dispatch per call
+            self._n_steps[n] = self._put(np.int32(n), ())
+        return self._n_steps[n], None
+
+    def _window(self, needed: int | None) -> int:
+        """The smallest window bucket covering ``needed`` cache positions (None: the whole cache)."""
+        if needed is None:
+            return self.capacity
+        return next((w for w in self.windows if w >= needed), self.capacity)
+
+    def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                stop_token_ids: Sequence[Sequence[int]]) -> tuple[decoding.DecodeState, jax.Array]:
+        """Runs ``prompts`` (token-id lists that ``ContinuousBatcher.submit`` checked) in a batch of
+        their own: ``prefill_rows`` rows (padding rows done), the prompt bucket of the longest.
+
+        ``stop_token_ids``: each prompt's stop ids (at most ``max_stop_ids``). Returns the rows, for
+        ``admit`` (their caches hold just the prompt bucket), and ``first [rows]``, each row's first
+        generated token, a copy that stays readable after the rows are admitted.
+        """
+        return self._prefill(self._target_state, self._drafter_state,
+                             *self._prefill_inputs(prompts, max_new_tokens, stop_token_ids))
+
+    def _prefill_inputs(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                        stop_token_ids: Sequence[Sequence[int]]) -> tuple[jax.Array, ...]:
+        """``_prefill``'s arguments after the weights: ids ``[rows, bucket]``, lengths, max lengths
+        and stop ids ``[rows, max_stop_ids]``, placed as the jit takes them."""
+        n = len(prompts)
+        if n > self.config.max_batch_size:
+            raise ValueError(f"{n} prompts exceed max_batch_size={self.config.max_batch_size}")
+        batch = self.prefill_rows(n)
+        lens = [len(p) for p in prompts]
+        plen = self._prompt_bucket(max(lens))
+        ids = np.zeros((batch, plen), np.int32)
+        stop_ids = np.full((batch, self.max_stop_ids), -1, np.int32)
+        for i, (p, stops) in enumerate(zip(prompts, stop_token_ids)):
+            ids[i, : len(p)] = p
+            stop_ids[i, : len(stops)] = stops
+        row_lens = np.ones((batch,), np.int32)
+        row_lens[:n] = lens
+        max_lens = np.ones((batch,), np.int32)  # padding rows: done at once
+        max_lens[:n] = [min(l + m, self.config.max_length) for l, m in zip(lens, max_new_tokens)]
+        put = self._put_batch
+        return put(ids), put(row_lens), put(max_lens), put(stop_ids)
+
+    def prefill_rows(self, prompts: int) -> int:
+        """The rows of a prefill of ``prompts`` prompts: a power of two, at most the batch's."""
+        return min(_next_pow2(prompts), _next_pow2(self.config.max_batch_size))
+
+    def prompt_buckets(self) -> list[tuple[int, int]]:
+        """``(bucket, shortest prompt in it)`` for every prompt bucket that a prompt the engine
+        admits (1 to ``config.max_prompt_length`` tokens) can fall in."""
+        buckets, n = [], 1
+        while n <= self.config.max_prompt_length:
+            bucket = self._prompt_bucket(n)
+            buckets.append((bucket, n))
+            n = bucket + 1
+        return buckets
+
+    def state_rows(self, live: int) -> int:
+        """The rows of a running state that holds ``live`` requests: one for a lone request, else
+        ``max_batch_size`` rounded up to a power of two. Two shapes, both compiled by ``warmup``."""
+        return 1 if live <= 1 else _next_pow2(self.config.max_batch_size)
+
+    def empty_state(self, rows: int) -> decoding.DecodeState:
+        """A running state of ``rows`` free slots (every row done)."""
+        return self._empty(rows=rows)
+
+    def admit(self, state: decoding.DecodeState, rows: decoding.DecodeState,
+              slots: Sequence[int]) -> decoding.DecodeState:
+        """Writes the first ``len(slots)`` rows of a ``prefill`` into the free (done) rows ``slots``
+        of ``state``; donates ``state``. The prefill's padding rows are dropped."""
+        index = np.full((rows.starts.shape[0],), state.starts.shape[0], np.int32)  # out of range: dropped
+        index[: len(slots)] = slots
+        return self._admit(state, rows, index)
+
+    def resize(self, state: decoding.DecodeState, keep: Sequence[int], *, rows: int) -> decoding.DecodeState:
+        """A state of ``rows`` rows: rows ``keep`` of ``state``, in that order, then free slots."""
+        index = np.full((state.starts.shape[0],), rows, np.int32)  # out of range: dropped
+        index[list(keep)] = np.arange(len(keep))
+        return self._resize(state, index, rows=rows)
+
+    def release(self, state: decoding.DecodeState, slots: Sequence[int]) -> decoding.DecodeState:
+        """Marks rows ``slots`` done (requests given up on); donates ``state``."""
+        release = np.zeros((state.starts.shape[0],), bool)
+        release[list(slots)] = True
+        return self._release(state, release)
+
+    def warmup(self, batch_sizes: Sequence[int] | None = None, *, threads: int | None = None) -> float:
+        """Compiles everything that requests of up to ``batch_sizes`` prompts at a time run (default:
+        1 and ``max_batch_size``), so no request waits for XLA once serving starts; returns the
+        seconds spent.
+
+        A shape compiled while serving stalls every running request for its compile (seconds for
+        an 8B model), and a server meets many: a prefill per row count (``prefill_rows`` of any
+        group of waiting prompts) and prompt bucket, and an admission per prefill and running
+        state. So: decode at every attention window for each running state's row count (first,
+        so that its GEMM autotuning runs alone); then every prefill shape, compiled on ``threads``
+        threads at once (default: up to 8; XLA compiles outside the GIL); then each run once and
+        admitted into the states it can join, which compiles the admissions; the states resized
+        into each other, and a row of each released (a cancelled request's).
+        """
+        t0 = time.perf_counter()
+        sizes = sorted({1, self.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
+        states = {rows: self.empty_state(rows) for rows in sorted({self.state_rows(size) for size in sizes})}
+        # Minutes for a large model (or on a CPU) with nothing else to show for them: say what is compiling.
+        log.info("warm-up: compiling decode for running states of %s rows at %d attention windows",
+                 list(states), len(self.windows))
+        for rows, state in states.items():
+            for window in self.windows:  # a fixed loop compiles per step count: the serving one
+                state, _ = self.decode(state, n_steps=None if self.fixed_loop else 0, window=window)
+            states[rows] = state
+        # Each prefill shape (rows, bucket) with its dummy prompts (the bucket's shortest prompt on every
+        # row), placed once: compiled, then run.
+        inputs = {(rows, bucket): self._prefill_inputs([[0] * shortest] * rows, [2] * rows, [()] * rows)
+                  for rows in sorted({self.prefill_rows(n) for n in range(1, max(sizes) + 1)})
+                  for bucket, shortest in self.prompt_buckets()}
+        weights = (self._target_state, self._drafter_state)
+
+        def compile_prefill(shape: tuple[int, int]) -> None:
+            self._prefill.lower(*weights, *inputs[shape]).compile()
+
+        workers = max(1, min(threads or min(8, os.cpu_count() or 1), len(inputs)))
+        log.info("warm-up: decode compiled after %.1f s; compiling %d prefill shapes (%d prompt counts x %d prompt "
+                 "buckets) on %d threads", time.perf_counter() - t0, len(inputs), len({r for r, _ in inputs}),
+                 len({b for _, b in inputs}), workers)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(compile_prefill, inputs))  # re-raises a failed compile
+        log.info("warm-up: prefills compiled after %.1f s; compiling the admissions, resizes and releases",
+                 time.perf_counter() - t0)
+        for (rows, bucket), args in inputs.items():
+            fresh, _ = self._prefill(*weights, *args)
+            for joined in list(states) if rows == 1 else [max(states)]:  # a lone prompt joins either state
+                states[joined] = self.admit(states[joined], fresh, range(rows))
+        for rows, state in states.items():
+            for other in set(states) - {rows}:
+                jax.block_until_ready(self.resize(state, [0], rows=other).starts)
+            jax.block_until_ready(self.release(state, [0]).starts)  # a cancelled request's row
+        return time.perf_counter() - t0
+
+    # -- host side -----------------------------------------------------------------------------
+
+    def _prompt_bucket(self, n: int) -> int:
+        buckets = self.config.prompt_buckets
+        if buckets is None:
+            bucket = max(16, _next_pow2(n))
+        else:
+            fitting = [b for b in sorted(buckets) if b >= n]
+            if not fitting:
+                raise ValueError(f"prompt of {n} tokens exceeds the largest prompt bucket {max(buckets)}")
+            bucket = fitting[0]
+        return min(bucket, self.capacity)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        stop_token_ids: Sequence[int] | None = None,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+        on_done: Callable[[int, GenerationResult], None] | None = None,
+        stop_checks: Sequence[StopCheck | None] | None = None,
+    ) -> list[GenerationResult]:
+        """Greedy generation for every prompt (token-id lists) through ``max_batch_size`` row slots:
+        a prompt takes the first row that frees, so more prompts than slots flow through continuously.
+
+        ``on_tokens(index, new_ids)`` is called at every host sync with the tokens committed for
+        prompt ``index`` since the previous call (streaming); ``on_done(index, result)`` when prompt
+        ``index`` finishes. ``stop_checks``: one per prompt (or None), each ending its generation on
+        the host (``dflash_jax.runtime.batcher.StopCheck``; stop strings: ``dflash_jax.serving.text_stream.TextStream.add``).
+        """
+        if np.ndim(max_new_tokens) == 0:  # one value for every prompt (numpy's integers too; submit checks it)
+            max_new = [max_new_tokens] * len(prompts)
+        else:
+            max_new = list(max_new_tokens)
+            if len(max_new) != len(prompts):
+                raise ValueError(f"max_new_tokens has {len(max_new)} entries for {len(prompts)} prompts")
+
+        def finished(index: int, generation: Generation) -> None:
+            if generation.result is not None:
+                on_done(index, generation.result)
+
+        checks = stop_checks_per_prompt(stop_checks, len(prompts))
+        batcher = ContinuousBatcher(self)
+        generations = [
+            batcher.submit(p, m, stop_token_ids, name=f"prompt {i}", stop_check=check,
+                           on_tokens=None if on_tokens is None else functools.partial(on_tokens, i),
+                           on_finish=None if on_done is None else functools.partial(finished, i))
+            for i, (p, m, check) in enumerate(zip(prompts, max_new, checks))
+        ]
+        batcher.run()
+        for generation in generations:
+            if generation.error is not None:
+                raise generation.error
+        return [generation.result for generation in generations]
+
+    def _put(self, x: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
+        """``x`` on the device, or on the mesh laid out by its logical ``axes``: placed as the jitted
+        phases take it, since an argument the jit must move first takes jax's slower argument path on
+        every call (a decode call on the 2x H200 took it for one argument, ~0.2 ms; the step count was
+        the only one not on the mesh). A plain transfer: ``jnp.asarray`` runs a small XLA program per
+        array."""
+        if self.mesh is None:
+            return jax.device_put(x)
+        return jax.device_put(x, named_sharding(axes, x.shape, self.mesh, self._rules))
+
+    def _put_batch(self, x: np.ndarray) -> jax.Array:
+        return self._put(x, ("batch",) + ("length",) * (x.ndim - 1))
+
+
+def generate(target: Target, drafter: Drafter | None, prompts, max_new_tokens, stop_token_ids=None,
+             block_size: int | None = None, **config) -> list[GenerationResult]:
+    """One-call batched greedy generation (``drafter=None``: target-only). See ``Engine.generate``.
+    Builds, and so compiles, a new ``Engine`` on every call: for more than one call, build an
+    ``Engine`` once and call its ``generate`` (six prompts of the embedded pair on the CPU: 60 s as
+    twelve one-prompt calls of this function, 9 s as one batch through two engines)."""
+    prompts = list(prompts)  # a generator or an array too
+    if not prompts:
+        return []
+    try:
+        lengths = [len(p) for p in prompts]
+    except TypeError:
+        raise TypeError("prompts must be a list of token-id lists, one per prompt (e.g. [[1, 2, 3]])") from None
+    news = [max_new_tokens] if np.ndim(max_new_tokens) == 0 else list(max_new_tokens)
+    # Room for at least one new token (and EngineConfig's minimum of 2): from a value below 1 or not an
+    # integer, or an empty prompt, the engine was refused (max_length < 2 or shorter than the prompt)
+    # before Engine.generate could name the bad value and its prompt.
+    most_new = max((n for n in news if isinstance(n, (int, np.integer))), default=1)
+    config.setdefault("max_length", max(2, max(lengths) + max(1, int(most_new))))
+    config.setdefault("max_batch_size", max(1, len(prompts)))
+    engine = Engine(target, drafter, EngineConfig(block_size=block_size, **config))
+    return engine.generate(prompts, max_new_tokens, stop_token_ids)

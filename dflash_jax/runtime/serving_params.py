@@ -1,0 +1,106 @@
+"""The serving layout: a pure function from a model in the checkpoint layout to the one the engine runs.
+
+``serving_target(target)`` and ``serving_drafter(drafter)`` return new modules (``nnx.clone``: the
+unchanged arrays are shared, never copied) and leave the caller's modules as they were, so that one
+loaded target can back several engines of different settings, and a checkpoint is always saved
+from the layout it was loaded in.
+
+- Fused projections: one QKV weight ``[embed, kv_heads, groups + 2, head_dim]`` (per KV head its
+  ``groups`` query heads, its key, its value) and one gate-up weight ``[embed, mlp, 2]``. At batch 1
+  a decode step is weight streaming, and XLA's GEMV code reaches more of the bandwidth on one wide
+  matrix than on three narrow ones. Grouping by KV head keeps a tensor-parallel shard's Q, K and V
+  together; ``mlp`` first keeps a shard's gate and up together.
+- Folded norms (the target only, layers without biases): each layer's input-norm weight multiplies
+  the QKV weight's input rows and its post-attention-norm weight gate-up's (in float32, rounded to
+  the weight's dtype), and the norm weights become ones, so every path computes the same function.
+  The decode path then scales the products per row instead of the inputs (``DecoderLayer.cached``),
+  so at batch 1 no norm kernel sits on the step's critical path before a matmul. Folding moves bf16
+  products by a rounding, as a change of GEMM does; float32 models stay within float32 rounding.
+- The drafter's context K/V projection: every layer's K and V weights side by side, ``[embed,
+  kv_heads, layers, 2, head_dim]``, one matmul per committed token for all layers (left to XLA,
+  the per-layer matmuls were merged by copying their weights into one at every step). KV heads come
+  first after the input, so a tensor-parallel shard of the flattened columns is a shard of KV heads.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.layers import MLP, Attention, DecoderLayer
+from dflash_jax.models.target import Target
+from dflash_jax.ops.norms import fold_norm
+
+
+def serving_target(target: Target, *, fold_norms: bool = True) -> Target:
+    """A copy of ``target`` in the serving layout: projections fused, and with ``fold_norms`` the
+    norms folded into the matmuls after them. ``target`` is not changed."""
+    served = nnx.clone(target)
+    for layer in served.layers:
+        fuse_attention(layer.self_attn)
+        fuse_mlp(layer.mlp)
+        if fold_norms:
+            _fold_layer_norms(layer)
+    return served
+
+
+def serving_drafter(drafter: Drafter) -> Drafter:
+    """A copy of ``drafter`` in the serving layout: every layer's projections fused for the block,
+    plus ``context_kv_proj`` for the context K/V of all layers at once. ``drafter`` is not changed."""
+    served = nnx.clone(drafter)
+    attns = [layer.self_attn for layer in served.layers]
+    w = jnp.stack([jnp.stack([a.k_proj[...], a.v_proj[...]], axis=2) for a in attns], axis=2)
+    served.context_kv_proj = nnx.data(nnx.Param(w, axes=("embed", "kv_heads", None, None, "head_dim")))
+    if attns[0].k_bias is not None:
+        b = jnp.stack([jnp.stack([a.k_bias[...], a.v_bias[...]], axis=1) for a in attns], axis=1)
+        served.context_kv_bias = nnx.data(nnx.Param(b, axes=("kv_heads", None, None, "head_dim")))
+    for layer in served.layers:
+        fuse_attention(layer.self_attn)
+        fuse_mlp(layer.mlp)
+    return served
+
+
+def in_serving_layout(module: nnx.Module) -> bool:
+    """Whether any layer of ``module`` is already in the serving layout (such a module cannot be
+    saved as a checkpoint, nor converted again)."""
+    return any(isinstance(n, Attention) and n.qkv_proj is not None for _, n in nnx.iter_graph(module))
+
+
+def fuse_attention(attn: Attention) -> None:
+    """On a module of the copy: one QKV weight (and bias) in place of the three."""
+    groups = attn.num_heads // attn.num_kv_heads
+    hidden = attn.q_proj.shape[0]
+    q = attn.q_proj[...].reshape(hidden, attn.num_kv_heads, groups, attn.head_dim)
+    w = jnp.concatenate([q, attn.k_proj[...][:, :, None], attn.v_proj[...][:, :, None]], axis=2)
+    attn.qkv_proj = nnx.data(nnx.Param(w, axes=("embed", "kv_heads", None, "head_dim")))
+    if attn.q_bias is not None:
+        qb = attn.q_bias[...].reshape(attn.num_kv_heads, groups, attn.head_dim)
+        b = jnp.concatenate([qb, attn.k_bias[...][:, None], attn.v_bias[...][:, None]], axis=1)
+        attn.qkv_bias = nnx.data(nnx.Param(b, axes=("kv_heads", None, "head_dim")))
+    attn.q_proj = attn.k_proj = attn.v_proj = None
+    attn.q_bias = attn.k_bias = attn.v_bias = None
+
+
+def fuse_mlp(mlp: MLP) -> None:
+    """On a module of the copy: one gate-up weight ``[embed, mlp, 2]`` (and bias) in place of two."""
+    w = jnp.stack([mlp.gate_proj[...], mlp.up_proj[...]], axis=-1)
+    mlp.gate_up_proj = nnx.data(nnx.Param(w, axes=("embed", "mlp", None)))
+    if mlp.gate_bias is not None:
+        b = jnp.stack([mlp.gate_bias[...], mlp.up_bias[...]], axis=-1)
+        mlp.gate_up_bias = nnx.data(nnx.Param(b, axes=("mlp", None)))
+    mlp.gate_proj = mlp.up_proj = mlp.gate_bias = mlp.up_bias = None
+
+
+def _fold_layer_norms(layer: DecoderLayer) -> None:
+    """On a fused layer of the copy: the input norm's weight into the QKV weight's input rows and the
+    post-attention norm's into gate-up's, the norm weights set to ones (new arrays: the original
+    module's are untouched). A layer with biases is left as it is (the scale would have to precede
+    the bias)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.qkv_bias is not None or mlp.gate_up_bias is not None:
+        return
+    for norm, w in ((layer.input_layernorm, attn.qkv_proj), (layer.post_attention_layernorm, mlp.gate_up_proj)):
+        w[...] = fold_norm(norm.weight[...], w[...])
+        norm.weight[...] = jnp.ones_like(norm.weight[...])
+    layer.norms_folded = True

@@ -1,8 +1,0 @@
-"""The OpenAI-compatible server: request protocol, scheduler, metrics, Starlette app, uvicorn runner."""
-
-from dflash_jax.server.app import create_app
-from dflash_jax.server.runner import ServerThread, run_server
-from dflash_jax.server.metrics import Metrics
-from dflash_jax.server.scheduler import Scheduler
-
-__all__ = ["create_app", "Scheduler", "Metrics", "ServerThread", "run_server"]

@@ -1,0 +1,521 @@
+"""``serve.py`` / ``dflash-serve``: serve a target with its DFlash drafter, or run batch generation over a JSONL file.
+
+    python serve.py [serve] --target DIR --draft DIR [--host 127.0.0.1 --port 8000 --api-key K]
+    python serve.py generate --target DIR --draft DIR --input prompts.jsonl --output out.jsonl \\
+        [--no-draft] [--block-size N] [--max-new-tokens N] [--batch-size N]
+
+Settings come from ``--config`` (default ``configs/serve.yaml`` beside this file, see
+``dflash_jax/serving/settings.py``), then ``--set section.key=value``, then the flags.
+
+Batch mode: each input line is a JSON object with one of ``prompt_ids`` (token ids), ``prompt`` (text,
+encoded with the tokenizer's special tokens) or ``messages`` (the chat template is applied), and an
+optional ``max_new_tokens`` (the prompt plus it must fit ``--max-length``; the default,
+``--max-new-tokens``, is capped to fit) and ``stop`` (stop strings, a string or a list; default
+``generate.stop``: the text is cut before the first, the ids after the one that completed it); other
+fields are copied to the output. Each output line adds
+``output_ids``, ``text``, ``finish_reason``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_steps``,
+``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token`` (an input field
+of one of these names is an error, not overwritten). A JSON summary
+goes to stderr; its ``compile_seconds`` (the engine compiles for the shapes it meets: the first
+prompts' times to first token include it) is part of ``wall_seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parents[2]  # the repository: configs/ lives beside the package
+DEFAULT_CONFIG = HERE / "configs" / "serve.yaml"
+
+log = logging.getLogger("dflash_jax.serve")
+
+
+# The fields run_generate adds to each output line.
+OUTPUT_FIELDS = ("output_ids", "text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_steps",
+                 "acceptance_lengths", "tau", "time_to_first_token", "time_per_output_token")
+
+
+class CLIError(Exception):
+    """A usage or input error: printed as ``serve.py: error: ...`` with exit status 2."""
+
+
+# ----------------------------------------------------------------------------------------- arguments
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for counts that must be at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("model and engine")
+    g.add_argument("--config", default=None, help=f"YAML settings (default: {DEFAULT_CONFIG.relative_to(HERE)})")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set engine.steps_per_sync=4 (repeatable)")
+    g.add_argument("--target", help="HF target model directory")
+    g.add_argument("--draft", help="DFlash drafter directory")
+    g.add_argument("--no-draft", action="store_true", default=None, help="target-only greedy decoding")
+    g.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype")
+    g.add_argument("--block-size", type=int, help="draft block size (at most the drafter's)")
+    g.add_argument("--batch-size", type=int, help="requests decoding at once (engine.max_batch_size)")
+    g.add_argument("--max-length", type=int, help="prompt plus generated tokens per request")
+    g.add_argument("--compilation-cache", metavar="DIR",
+                   help="save compiled programs to DIR and load them on the next start (engine.compilation_cache_dir)")
+    g.add_argument("--max-new-tokens", type=int,
+                   help="default number of tokens to generate (batch mode: for lines without max_new_tokens; "
+                        "server: for requests without max_tokens)")
+
+    parser = argparse.ArgumentParser(
+        prog="serve.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run `serve.py serve -h` or `serve.py generate -h` for the flags.",
+    )
+    sub = parser.add_subparsers(dest="command")
+    s = sub.add_parser("serve", parents=[common], help="the OpenAI-compatible HTTP server (default)")
+    s.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (default 8000)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY)")
+    s.add_argument("--model-name", help="the served model id (default: the target directory's name)")
+    s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    gen = sub.add_parser("generate", parents=[common], help="batch generation over a JSONL file")
+    gen.add_argument("--input", help="JSONL prompts (or generate.input in the config)")
+    gen.add_argument("--output", help="JSONL results, written when all prompts are done (or generate.output)")
+    gen.add_argument("--ignore-eos", action="store_true", default=None,
+                     help="generate exactly max_new_tokens per prompt")
+    gen.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
+    demo = sub.add_parser("demo", help="self-check: DFlash vs target-only on the embedded default pair")
+    # checked here: the demo has no settings file to validate them (--prompts -2 ran all but two prompts)
+    demo.add_argument("--prompts", type=positive_int, default=8)
+    demo.add_argument("--max-new-tokens", type=positive_int, default=96)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("serve", "generate", "demo", "-h", "--help"):
+        argv.insert(0, "serve")
+    return build_parser().parse_args(argv)
+
+
+def load_settings(args: argparse.Namespace):
+    from dflash_jax.serving.settings import load_serve_config
+
+    flags: dict[str, dict[str, Any]] = {
+        "model": {"target": args.target, "draft": args.draft, "no_draft": args.no_draft,
+                  "tokenizer": args.tokenizer, "dtype": args.dtype},
+        "engine": {"block_size": args.block_size, "max_batch_size": args.batch_size, "max_length": args.max_length,
+                   "compilation_cache_dir": args.compilation_cache},
+    }
+    if args.command == "generate":
+        flags["generate"] = {"max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
+                             "input": args.input, "output": args.output,
+                             "progress": None if args.no_progress is None else not args.no_progress}
+    else:
+        flags["server"] = {"host": args.host, "port": args.port, "api_key": args.api_key,
+                           "default_max_tokens": args.max_new_tokens, "log_level": args.log_level}
+        flags["model"]["name"] = args.model_name
+    path = args.config if args.config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    cfg = load_serve_config(path, args.overrides, flags)
+    m = cfg.model
+    if m.no_draft and m.draft:
+        log.warning("model.draft %s is ignored: --no-draft (model.no_draft) decodes target-only", m.draft)
+    if not m.target:  # the embedded default pair shipped in models/embedded
+        from dflash_jax import embedded
+
+        if not embedded.available():
+            raise CLIError(f"no target model: pass --target DIR (or set model.target in the config); the "
+                           f"embedded default pair is missing from {embedded.EMBEDDED_DIR}")
+        m = dataclasses.replace(m, target=str(embedded.DEFAULT_TARGET),
+                                draft=m.draft or str(embedded.DEFAULT_DRAFTER))
+        cfg = dataclasses.replace(cfg, model=m)
+        log.info("using the embedded default pair in %s", embedded.EMBEDDED_DIR)
+    if not m.no_draft and not m.draft:
+        raise CLIError("no drafter: pass --draft DIR (or set model.draft in the config), "
+                       "or --no-draft for target-only decoding")
+    if args.command == "generate":
+        for name in ("input", "output"):
+            if getattr(cfg.generate, name) is None:
+                raise CLIError(f"no {name} file: pass --{name} FILE (or set generate.{name} in the config)")
+    for name, value in (("--target", m.target), ("--draft", None if m.no_draft else m.draft),
+                        ("--tokenizer", m.tokenizer)):
+        if value is not None and not Path(value).is_dir():
+            raise CLIError(f"{name} {value}: not a directory")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------- models
+
+
+def load_engine(cfg):
+    """(engine, target) from the settings."""
+    from dflash_jax.io.checkpoint import load_drafter, load_target
+    from dflash_jax.runtime.engine import Engine
+
+    if cfg.engine.compilation_cache_dir is not None:  # checked before the weights take minutes to load
+        from dflash_jax.runtime.compile_cache import use_compilation_cache
+
+        try:
+            use_compilation_cache(cfg.engine.compilation_cache_dir)
+        except ValueError as err:
+            raise CLIError(f"engine.{err}") from None
+    check_block_size(cfg)
+    t0 = time.perf_counter()
+    try:
+        target = load_target(cfg.model.target, dtype=cfg.model.dtype)
+        drafter = None if cfg.model.no_draft else load_drafter(cfg.model.draft, dtype=cfg.model.dtype)
+        engine = Engine(target, drafter, cfg.engine)
+    except (ValueError, FileNotFoundError) as err:  # CheckpointError, ModelConfigError, engine settings
+        raise CLIError(f"cannot load the models: {err}") from None
+    log.info("loaded %s%s in %.1f s", cfg.model.target,
+             "" if drafter is None else f" with drafter {cfg.model.draft} (block size {engine.block_size})",
+             time.perf_counter() - t0)
+    return engine, target
+
+
+def check_block_size(cfg) -> None:
+    """``engine.block_size`` against the drafter's, from its config.json, before any weights load."""
+    from dflash_jax.models.config import load_drafter_config
+
+    block = cfg.engine.block_size
+    if block is None:
+        return
+    if cfg.model.no_draft:
+        log.warning("engine.block_size (--block-size) %d is ignored: target-only decoding drafts no blocks", block)
+        return
+    if not (Path(cfg.model.draft) / "config.json").exists():  # an Orbax checkpoint: the engine checks
+        return
+    try:
+        drafter_block = load_drafter_config(cfg.model.draft).block_size
+    except ValueError as err:
+        raise CLIError(f"cannot read the drafter's config: {err}") from None
+    if block > drafter_block:
+        raise CLIError(f"engine.block_size (--block-size) {block} exceeds the drafter's block size {drafter_block} "
+                       f"({cfg.model.draft}/config.json): it may only lower it")
+
+
+def load_tokenizer(cfg, required: bool):
+    from dflash_jax.io.tokenizer import Tokenizer, TokenizerError
+
+    directory = cfg.model.tokenizer or cfg.model.target
+    try:
+        return Tokenizer(directory)
+    except TokenizerError as err:
+        if required:
+            raise CLIError(f"cannot load the tokenizer: {err}") from None
+        log.warning("no tokenizer (%s): outputs will have token ids only", err)
+        return None
+
+
+def stop_ids(cfg, tokenizer, target) -> list[int]:
+    if cfg.model.stop_token_ids is not None:
+        vocab = target.config.vocab_size
+        if bad := [t for t in cfg.model.stop_token_ids if not 0 <= t < vocab]:
+            raise CLIError(f"model.stop_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return list(cfg.model.stop_token_ids)
+    if tokenizer is not None:
+        return list(tokenizer.stop_token_ids)
+    return list(getattr(target.config, "eos_token_ids", ()) or ())
+
+
+# ----------------------------------------------------------------------------------------- batch mode
+
+
+def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    from dflash_jax.io.jsonl import iter_jsonl
+
+    try:
+        rows = list(iter_jsonl(path))
+    except (FileNotFoundError, ValueError) as err:
+        raise CLIError(str(err)) from None
+    except OSError as err:  # a directory, no permission
+        raise CLIError(f"{path}: cannot read: {err.strerror or err}") from None
+    if not rows:
+        raise CLIError(f"{path}: no prompts")
+    return rows
+
+
+def check_output(input_path: Path, output_path: Path) -> None:
+    """Fails now, not after the whole run, where the results could not be written: the output's folder
+    is created; an output that is a folder or the input itself (which it would replace) is an error."""
+    where = f"generate.output (--output) {output_path}"
+    if output_path.is_dir():
+        raise CLIError(f"{where}: is a directory")
+    if output_path.exists() and output_path.samefile(input_path):
+        raise CLIError(f"{where}: is the input file, which the results would replace")
+    try:
+        output_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CLIError(f"{where}: cannot create its directory: {err}") from None
+    if not os.access(output_path.parent, os.W_OK):
+        raise CLIError(f"{where}: its directory {output_path.parent} is not writable")
+
+
+def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int], int, tuple[str, ...]]:
+    """(prompt token ids, max_new_tokens, stop strings) of one input line."""
+    from dflash_jax.serving.text_stream import parse_stop_strings
+    from dflash_jax.io.tokenizer import ChatTemplateError, TokenizerError
+
+    given = [k for k in ("prompt_ids", "prompt", "messages") if k in row]
+    if len(given) != 1:
+        raise CLIError(f"{where}: needs exactly one of 'prompt_ids', 'prompt' or 'messages'"
+                       + (f", got {given}" if given else ""))
+    clash = [k for k in OUTPUT_FIELDS if k in row]
+    if clash:  # the output line would silently replace them
+        raise CLIError(f"{where}: field(s) {clash} are written by the output; rename them (or drop them, if "
+                       "this is an earlier run's output)")
+    key = given[0]
+    value = row[key]
+    if key == "prompt_ids":
+        if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in value):
+            raise CLIError(f"{where}: 'prompt_ids' must be a non-empty list of integers")
+        ids = list(value)
+    else:
+        if tokenizer is None:
+            raise CLIError(f"{where}: '{key}' needs a tokenizer (tokenizer.json in the target or --tokenizer)")
+        if key == "prompt":
+            if not isinstance(value, str) or not value:
+                raise CLIError(f"{where}: 'prompt' must be a non-empty string")
+            ids = tokenizer.encode(value, add_special_tokens=True)
+        else:
+            if not isinstance(value, list) or not value or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
+                raise CLIError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+            try:
+                ids = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
+                                                    **cfg.generate.chat_template_kwargs)
+            except (ChatTemplateError, TokenizerError) as err:
+                raise CLIError(f"{where}: {err}") from None
+        if not ids:
+            raise CLIError(f"{where}: the prompt encodes to no tokens")
+    max_new = row.get("max_new_tokens", cfg.generate.max_new_tokens)
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+        raise CLIError(f"{where}: 'max_new_tokens' must be a positive integer, got {max_new!r}")
+    try:
+        stop = parse_stop_strings(row["stop"]) if "stop" in row else cfg.generate.stop
+    except (TypeError, ValueError) as err:
+        raise CLIError(f"{where}: {err}") from None
+    if stop and tokenizer is None:
+        raise CLIError(f"{where}: stop strings need a tokenizer (tokenizer.json in the target or --tokenizer)")
+    return ids, max_new, stop
+
+
+def _write_results(f, rows, prompts, results, texts, tokenizer) -> None:
+    """Each input line with its generation's fields, one JSON line per prompt, into ``f`` (closed after)."""
+    from dflash_jax.serving.text_stream import finish_text
+
+    with f:
+        for (_, row), ids, res, stream in zip(rows, prompts, results, texts):
+            out = dict(row)
+            output_ids, finish = list(res.output_ids), res.finish_reason
+            if stream is not None:  # the text and ids that the stop strings leave
+                output_ids, _, finish = finish_text(stream, res)
+            out.update(
+                output_ids=output_ids,
+                text=stream.text if stream is not None else tokenizer.decode(res.output_ids) if tokenizer else None,
+                finish_reason=finish,
+                num_prompt_tokens=len(ids),
+                num_output_tokens=len(output_ids),
+                num_steps=res.num_steps,
+                acceptance_lengths=list(res.acceptance_lengths),
+                tau=res.tau,
+                time_to_first_token=float(res.time_to_first_token),
+                time_per_output_token=float(res.time_per_output_token),
+            )
+            f.write(json.dumps(out, ensure_ascii=False) + "\n")
+
+
+def run_generate(cfg) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from dflash_jax.runtime.compile_cache import compile_seconds, track_compile_time
+    from dflash_jax.serving.text_stream import TextStream
+
+    track_compile_time()
+    input_path, output_path = Path(cfg.generate.input), Path(cfg.generate.output)
+    rows = read_jsonl(input_path)
+    needs_tokenizer = bool(cfg.generate.stop) or any("prompt" in r or "messages" in r or r.get("stop")
+                                                      for _, r in rows)
+    tokenizer = load_tokenizer(cfg, required=needs_tokenizer)
+    max_length = cfg.engine.max_length
+    prompts, max_new, texts = [], [], []
+    for lineno, row in rows:
+        where = f"{input_path}:{lineno}"
+        ids, m, stop = prompt_of(row, where, tokenizer, cfg)
+        texts.append(TextStream(tokenizer, stop) if stop else None)
+        if len(ids) >= max_length:
+            raise CLIError(f"{where}: the prompt has {len(ids)} tokens; the maximum length is {max_length} "
+                           "(prompt plus output): raise --max-length")
+        if (too_long := cfg.engine.prompt_bucket_error(len(ids))) is not None:
+            raise CLIError(f"{where}: the prompt has {len(ids)} tokens, {too_long} (engine.prompt_buckets)")
+        room = max_length - len(ids)
+        if "max_new_tokens" in row and m > room:  # as the server's max_tokens; only the default is capped
+            raise CLIError(f"{where}: the prompt has {len(ids)} tokens and 'max_new_tokens' is {m}: {len(ids) + m} "
+                           f"tokens exceed the maximum length {max_length} (prompt plus output): lower it to at "
+                           f"most {room} or raise --max-length")
+        prompts.append(ids)
+        max_new.append(min(m, room))
+    check_output(input_path, output_path)
+
+    engine, target = load_engine(cfg)
+    vocab = target.config.vocab_size
+    for (lineno, _), ids in zip(rows, prompts):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise CLIError(f"{input_path}:{lineno}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    stops = [] if cfg.generate.ignore_eos else stop_ids(cfg, tokenizer, target)
+    if len(set(stops)) > engine.max_stop_ids:  # else every prompt's submission raises, as a traceback
+        raise CLIError(f"{len(set(stops))} distinct stop ids (model.stop_token_ids, or the tokenizer's); the engine "
+                       f"takes at most {engine.max_stop_ids}")
+
+    # Shortest first: prompts admitted together have similar lengths (less prefill padding). Rows
+    # are reused as soon as they free; outputs keep the input order.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    draft_steps = committed = 0  # over the finished prompts, for the progress bar
+    t0 = time.perf_counter()
+    compiling = compile_seconds()
+    with tqdm(total=len(prompts), unit="prompt", disable=not cfg.generate.progress, file=sys.stderr,
+              dynamic_ncols=True) as bar:
+
+        def finished(_: int, res: Any) -> None:
+            nonlocal draft_steps, committed
+            bar.update(1)
+            draft_steps += len(res.acceptance_lengths)
+            committed += sum(res.acceptance_lengths)
+            if draft_steps:
+                bar.set_postfix(tau=f"{committed / draft_steps:.2f}")
+
+        out = engine.generate([prompts[i] for i in order], [max_new[i] for i in order], stop_token_ids=stops,
+                              on_done=finished, stop_checks=[None if texts[i] is None else texts[i].add for i in order])
+    results: list[Any] = [None] * len(prompts)
+    for i, res in zip(order, out):
+        results[i] = res
+    wall = time.perf_counter() - t0
+    compiling = compile_seconds() - compiling
+
+    # A fresh temporary name beside the output (renamed over it once whole): a fixed one such as
+    # "out.jsonl.tmp" could be the input, or anybody's file, and would be overwritten.
+    fd, tmp_name = tempfile.mkstemp(dir=output_path.parent, prefix=f".{output_path.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
+    try:
+        _write_results(os.fdopen(fd, "w", encoding="utf-8"), rows, prompts, results, texts, tokenizer)
+        umask = os.umask(0)  # mkstemp's file is private (0600): the output gets a new file's usual mode
+        os.umask(umask)
+        tmp.chmod(0o666 & ~umask)
+        tmp.replace(output_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+    n_out = sum(len(r.output_ids) for r in results)
+    steps = sum(len(r.acceptance_lengths) for r in results)
+    summary = {
+        "prompts": len(prompts),
+        "output_tokens": n_out,
+        "wall_seconds": round(wall, 3),
+        "tokens_per_second": round(n_out / wall, 2) if wall > 0 else None,
+        # tracing and compiling the engine's programs for the shapes this run met, part of wall_seconds
+        "compile_seconds": round(compiling, 3),
+        "tokens_per_second_excluding_compile": round(n_out / (wall - compiling), 2) if wall > compiling else None,
+        "tau": round(sum(sum(r.acceptance_lengths) for r in results) / steps, 4) if steps else 1.0,
+        "drafter": None if cfg.model.no_draft else cfg.model.draft,
+        "block_size": engine.block_size,
+        "output": str(output_path),
+    }
+    if cfg.engine.compilation_cache_dir is not None:
+        from dflash_jax.runtime.compile_cache import cache_report
+
+        summary["compilation_cache"] = cache_report()
+    print(json.dumps(summary), file=sys.stderr)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------- server
+
+
+def run_serve(cfg) -> None:
+    from dflash_jax.serving import create_app, run_server
+    from dflash_jax.serving.settings import api_key_problem
+
+    s = cfg.server
+    api_key = s.api_key or os.environ.get("DFLASH_API_KEY") or None
+    if api_key is not None and (problem := api_key_problem(api_key)):
+        raise CLIError(f"{'server.api_key' if s.api_key else 'DFLASH_API_KEY'} {problem}")
+    tokenizer = load_tokenizer(cfg, required=True)
+    engine, target = load_engine(cfg)
+    if s.warmup:
+        log.info("compiling every shape a request can meet before serving (server.warmup: false skips it, and "
+                 "requests then wait for their compiles)")
+        seconds = engine.warmup()
+        cached = ""
+        if cfg.engine.compilation_cache_dir is not None:
+            from dflash_jax.runtime.compile_cache import cache_report
+
+            c = cache_report()
+            cached = f" ({c['loaded']} programs loaded from the compilation cache {c['dir']}, {c['compiled']} compiled)"
+        log.info("compiled the engine for up to %d requests at a time and prompt buckets %s in %.1f s%s",
+                 cfg.engine.max_batch_size, [b for b, _ in engine.prompt_buckets()], seconds, cached)
+    name = cfg.model.name or Path(cfg.model.target).resolve().name
+    app = create_app(
+        engine, tokenizer,
+        model_name=name,
+        max_length=cfg.engine.max_length,
+        vocab_size=target.config.vocab_size,
+        default_max_tokens=s.default_max_tokens,
+        api_key=api_key,
+        metrics_api_key=s.metrics_api_key,
+        max_waiting=s.max_waiting_requests,
+        max_request_bytes=s.max_request_bytes,
+        batch_wait_s=s.batch_wait_ms / 1000.0,
+        stop_token_ids=stop_ids(cfg, tokenizer, target),
+        # the drafter directory's name: a model card should not tell clients the server's file system
+        info={"drafter": None if cfg.model.no_draft else Path(cfg.model.draft).resolve().name,
+              "block_size": engine.block_size,
+              "max_batch_size": cfg.engine.max_batch_size},
+    )
+    sys.setswitchinterval(s.gil_switch_interval_ms / 1000)
+    if s.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        log.warning("binding %s without an API key: anyone who can reach it can use it", s.host)
+    log.info("serving %r on http://%s:%d", name, s.host, s.port)
+    run_server(app, host=s.host, port=s.port, log_level=s.log_level,
+               timeout_graceful_shutdown=s.graceful_shutdown_timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "demo":
+        from dflash_jax.serving.demo import print_demo, run_demo
+
+        report = run_demo(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+        print_demo(report)
+        return 0 if report["identical"] else 1
+    from dflash_jax.io.config import ConfigError
+
+    try:
+        cfg = load_settings(args)
+        if args.command == "generate":
+            run_generate(cfg)
+        else:
+            run_serve(cfg)
+    except (CLIError, ConfigError) as err:
+        print(f"serve.py: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C: batch mode leaves its output as it was (it is written at the end)
+        print("serve.py: interrupted", file=sys.stderr)
+        return 130
+    return 0
+

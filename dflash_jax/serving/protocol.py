@@ -1,0 +1,423 @@
+"""OpenAI-style request parsing and validation, response bodies and error bodies.
+
+Requests are parsed strictly: unknown fields, ill-typed fields and sampling settings this server does
+not implement (it decodes greedily: temperature > 0, top_p < 1, n > 1, penalties, logprobs, ...)
+are errors that name the field. Every error becomes an OpenAI error body
+``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import time
+import uuid
+from typing import Any
+
+from dflash_jax.io.jsonl import has_lone_surrogate
+from dflash_jax.serving.text_stream import parse_stop_strings
+
+# ----------------------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(message, status=400, param=param, code=code)
+
+
+def unsupported(param: str, value: Any, what: str) -> APIError:
+    return APIError(
+        f"{param}={json.dumps(value)} is not supported yet: {what}",
+        status=400,
+        param=param,
+        code="unsupported_parameter",
+    )
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 naming the problem."""
+    if not raw:
+        raise invalid("the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        # JSON over HTTP is UTF-8 (json.loads would take bytes in UTF-16 or 32, and encoded surrogates)
+        text = raw.decode("utf-8-sig")
+        data = json.loads(text)
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's digit limit
+        raise invalid(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:  # json's parser recurses per level of nesting
+        raise invalid("the request body nests arrays or objects too deeply", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid(f"the request body must be a JSON object, got {_type_name(data)}", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(text):  # rare: only then look for a lone one
+        for key, value in data.items():
+            if has_lone_surrogate(key) or has_lone_surrogate(value):
+                name = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                raise invalid(f"'{name}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
+                              "which is not a character", param=name, code="invalid_json")
+    return data
+
+
+# JSON's \uXXXX escapes of UTF-16 surrogates: only they can make a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+# ----------------------------------------------------------------------------------------- type checks
+
+
+# JSON type names for error messages; bool before int (a bool is an int in Python).
+_JSON_TYPE_NAMES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+                    (list, "array"), (dict, "object"))
+
+
+def _type_name(value: Any) -> str:
+    return next((name for kind, name in _JSON_TYPE_NAMES if isinstance(value, kind)), type(value).__name__)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _expect(body: dict, name: str, check, what: str, default: Any = None, *, nullable: bool = True) -> Any:
+    if name not in body:
+        return default
+    value = body[name]
+    if value is None:
+        if nullable:
+            return default
+        raise invalid(f"'{name}' must be {what}, got null", param=name, code="invalid_type")
+    if not check(value):
+        raise invalid(f"'{name}' must be {what}, got {_type_name(value)} {json.dumps(value)[:80]}", param=name,
+                      code="invalid_type")
+    return value
+
+
+def _bool(body, name, default=False):
+    return _expect(body, name, lambda v: isinstance(v, bool), "a boolean", default)
+
+
+def _check_unknown(body: dict, known: frozenset[str], endpoint: str) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise invalid(
+            f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)} for {endpoint}",
+            param=unknown[0],
+            code="unknown_field",
+        )
+
+
+# ----------------------------------------------------------------------------------------- requests
+
+
+@dataclasses.dataclass
+class CommonParams:
+    """What completions and chat completions share after validation."""
+
+    model: str | None
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    return_token_ids: bool
+    seed: int | None
+    user: str | None
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's extension: ids that end generation besides the model's
+    stop: tuple[str, ...] = ()  # strings that end generation, left out of the text (dflash_jax.serving.text_stream)
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came from (chat: or max_completion_tokens)
+
+
+@dataclasses.dataclass
+class CompletionRequest:
+    # Each prompt is a string or a list of token ids; several prompts give several choices.
+    prompts: list[str | list[int]]
+    params: CommonParams
+
+
+@dataclasses.dataclass
+class ChatCompletionRequest:
+    messages: list[dict[str, Any]]
+    params: CommonParams
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_COMMON_FIELDS = frozenset(
+    {
+        "model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k", "n", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "seed", "user", "ignore_eos",
+        "return_token_ids", "stop_token_ids",
+    }
+)
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls", "chat_template_kwargs", "add_generation_prompt",
+}
+
+GREEDY = "this server decodes greedily"
+
+
+def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
+    model = _expect(body, "model", lambda v: isinstance(v, str), "a string")
+
+    max_tokens, max_tokens_param = None, max_tokens_fields[0]
+    for name in max_tokens_fields:  # the later name wins (max_completion_tokens over max_tokens)
+        value = _expect(body, name, _is_int, "an integer")
+        if value is not None:
+            if value < 1:
+                raise invalid(f"'{name}' must be at least 1, got {value}", param=name)
+            max_tokens, max_tokens_param = value, name
+
+    stream = _bool(body, "stream")
+    include_usage = False
+    opts = _expect(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    if opts is not None:
+        bad = sorted(set(opts) - {"include_usage"})
+        if bad:
+            raise invalid(f"unknown field(s) {bad} in 'stream_options'", param="stream_options", code="unknown_field")
+        include_usage = opts.get("include_usage")
+        if include_usage is None:
+            include_usage = False
+        elif not isinstance(include_usage, bool):  # named as a field of stream_options, the request's param
+            raise invalid(f"'stream_options.include_usage' must be a boolean, got {_type_name(include_usage)}",
+                          param="stream_options", code="invalid_type")
+        if not stream:  # as OpenAI's and vLLM's: the options of a stream that was not asked for
+            raise invalid("'stream_options' is only allowed with 'stream': true", param="stream_options")
+
+    # Sampling: greedy only. Values that mean greedy are accepted.
+    temperature = _expect(body, "temperature", _is_number, "a number")
+    if temperature is not None:
+        if temperature < 0:
+            raise invalid(f"'temperature' must be >= 0, got {temperature}", param="temperature")
+        if temperature > 0:
+            raise unsupported("temperature", temperature, f"{GREEDY}; send temperature 0 or leave it out")
+    top_p = _expect(body, "top_p", _is_number, "a number")
+    if top_p is not None:
+        if not 0 < top_p <= 1:
+            raise invalid(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+        if top_p < 1:
+            raise unsupported("top_p", top_p, f"{GREEDY}; send top_p 1 or leave it out")
+    top_k = _expect(body, "top_k", _is_int, "an integer")
+    if top_k is not None and top_k not in (-1, 0, 1):
+        raise unsupported("top_k", top_k, f"{GREEDY}; send top_k -1, 0 or 1, or leave it out")
+    n = _expect(body, "n", _is_int, "an integer")
+    if n is not None:
+        if n < 1:
+            raise invalid(f"'n' must be at least 1, got {n}", param="n")
+        if n > 1:
+            raise unsupported("n", n, f"{GREEDY}, so every choice would be the same; send n 1")
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+        value = _expect(body, name, _is_number, "a number")
+        if value is not None and value != neutral:
+            raise unsupported(name, value, f"penalties are not implemented; send {neutral} or leave it out")
+    logit_bias = _expect(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
+    if logit_bias:
+        raise unsupported("logit_bias", logit_bias, "logit biases are not implemented")
+    stop = _stop_strings(body.get("stop"))
+    # their range (the vocabulary) is checked by the app, as a prompt's
+    stop_token_ids = _expect(body, "stop_token_ids", _token_list, "an array of token ids")
+    seed = _expect(body, "seed", _is_int, "an integer")
+    user = _expect(body, "user", lambda v: isinstance(v, str), "a string")
+    ignore_eos = _bool(body, "ignore_eos")
+    return_token_ids = _bool(body, "return_token_ids")
+    return CommonParams(
+        model=model, max_tokens=max_tokens, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos,
+        return_token_ids=return_token_ids, seed=seed, user=user, stop_token_ids=tuple(stop_token_ids or ()),
+        stop=stop, max_tokens_param=max_tokens_param,
+    )
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    try:
+        return parse_stop_strings(stop)
+    except TypeError as err:
+        raise invalid(f"{err}, got {_type_name(stop)}", param="stop", code="invalid_type") from None
+    except ValueError as err:
+        raise invalid(str(err), param="stop") from None
+
+
+def _token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(t) for t in value)
+
+
+def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+    _check_unknown(body, COMPLETION_FIELDS, "/v1/completions")
+    if "prompt" not in body or body["prompt"] is None:
+        raise invalid("'prompt' is required", param="prompt", code="missing_field")
+    prompt = body["prompt"]
+    what = "a string, an array of token ids, or an array of strings or of token-id arrays"
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif _token_list(prompt) and (prompt == [] or _is_int(prompt[0])):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(_token_list(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise invalid(f"'prompt' must be {what}, got {_type_name(prompt)}", param="prompt", code="invalid_type")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            where = "'prompt'" if len(prompts) == 1 else f"'prompt[{i}]'"
+            raise invalid(f"{where} must not be empty", param="prompt", code="empty_prompt")
+
+    params = _common(body, max_tokens_fields=("max_tokens",))
+    echo = _bool(body, "echo")
+    if echo:
+        raise unsupported("echo", echo, "the prompt is not echoed")
+    logprobs = _expect(body, "logprobs", _is_int, "an integer")
+    if logprobs is not None:
+        raise unsupported("logprobs", logprobs, "log probabilities are not returned")
+    suffix = _expect(body, "suffix", lambda v: isinstance(v, str), "a string")
+    if suffix:
+        raise unsupported("suffix", suffix, "insertion (suffix) is not implemented")
+    best_of = _expect(body, "best_of", _is_int, "an integer")
+    if best_of is not None and best_of != 1:
+        raise unsupported("best_of", best_of, f"{GREEDY}; send best_of 1")
+    return CompletionRequest(prompts=prompts, params=params)
+
+
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"})
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise invalid(f"'{where}' must be an object with 'role' and 'content', got {_type_name(m)}",
+                      param="messages", code="invalid_type")
+    bad = sorted(set(m) - _MESSAGE_FIELDS)
+    if bad:
+        raise invalid(f"unknown field(s) {bad} in '{where}'", param="messages", code="unknown_field")
+    role = m.get("role")
+    if not isinstance(role, str) or not role:
+        raise invalid(f"'{where}.role' must be a non-empty string, got {_type_name(role)}", param="messages",
+                      code="invalid_type")
+    content = m.get("content")
+    if isinstance(content, list):  # OpenAI content parts: only text is supported, joined by newlines
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+                raise invalid(f"'{where}.content[{j}]': only text parts {{'type': 'text', 'text': ...}} are "
+                              f"supported, got {kind!r}", param="messages", code="unsupported_content")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is None:
+        if not m.get("tool_calls"):
+            raise invalid(f"'{where}.content' is required", param="messages", code="missing_field")
+    elif not isinstance(content, str):
+        raise invalid(f"'{where}.content' must be a string or an array of text parts, got {_type_name(content)}",
+                      param="messages", code="invalid_type")
+    out = dict(m)
+    out["content"] = content
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if key in m and m[key] is not None and not isinstance(m[key], str):
+            raise invalid(f"'{where}.{key}' must be a string", param="messages", code="invalid_type")
+    if "tool_calls" in m and m["tool_calls"] is not None and not isinstance(m["tool_calls"], list):
+        raise invalid(f"'{where}.tool_calls' must be an array", param="messages", code="invalid_type")
+    return out
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    _check_unknown(body, CHAT_FIELDS, "/v1/chat/completions")
+    messages = body.get("messages")
+    if messages is None:
+        raise invalid("'messages' is required", param="messages", code="missing_field")
+    if not isinstance(messages, list):
+        raise invalid(f"'messages' must be an array, got {_type_name(messages)}", param="messages",
+                      code="invalid_type")
+    if not messages:
+        raise invalid("'messages' must not be empty", param="messages", code="empty_prompt")
+    messages = [_message(i, m) for i, m in enumerate(messages)]
+
+    params = _common(body, max_tokens_fields=("max_tokens", "max_completion_tokens"))
+    logprobs = _expect(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
+    if logprobs:
+        raise unsupported("logprobs", logprobs, "log probabilities are not returned")
+    top_logprobs = _expect(body, "top_logprobs", _is_int, "an integer")
+    if top_logprobs:
+        raise unsupported("top_logprobs", top_logprobs, "log probabilities are not returned")
+    fmt = _expect(body, "response_format", lambda v: isinstance(v, dict), "an object")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise unsupported("response_format", fmt, "structured output is not implemented; use {\"type\": \"text\"}")
+    tools = _expect(body, "tools", lambda v: isinstance(v, list), "an array")
+    if tools:
+        raise unsupported("tools", "[...]", "tool calling is not implemented")
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "none"):
+        raise unsupported("tool_choice", tool_choice, "tool calling is not implemented")
+    ptc = _expect(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean")
+    if ptc:
+        raise unsupported("parallel_tool_calls", ptc, "tool calling is not implemented")
+    kwargs = _expect(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    # What the server sets itself, and the names of the tokenizer's (and jinja's) own parameters:
+    # the kwargs are passed on as keyword arguments, and a second 'self' is a TypeError.
+    reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt", "tools", "documents", "chat_template",
+                                    "tokenize", "self"})
+    if reserved:
+        raise invalid(f"'chat_template_kwargs' must not set {reserved}", param="chat_template_kwargs")
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    return ChatCompletionRequest(
+        messages=messages, params=params, add_generation_prompt=add_generation_prompt,
+        chat_template_kwargs=dict(kwargs),
+    )
+
+
+# ----------------------------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event (``data: ...`` and a blank line)."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")

@@ -1,0 +1,170 @@
+"""A host-only engine with ``Engine``'s slot interface, for server tests and HTTP-layer benchmarks.
+
+``FakeEngine`` "generates" a deterministic function of the prompt: token ``t+1`` is a hash of the last
+two tokens, committed in steps of 1..block_size tokens (so ``acceptance_lengths`` and tau look like
+DFlash's). Its state is numpy arrays with ``DecodeState``'s row semantics, so the real
+``ContinuousBatcher`` drives it; rows are independent, so a request gets the same answer alone or
+batched, whenever it was admitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from dflash_jax.runtime.batcher import RowSnapshot
+from dflash_jax.runtime.engine import EngineConfig
+
+
+@dataclasses.dataclass
+class FakeState:
+    """``DecodeState`` without caches, in numpy; updated in place (as a donated state would be)."""
+
+    tokens: np.ndarray     # [rows, max_length + 1]
+    starts: np.ndarray     # [rows]
+    max_lens: np.ndarray   # [rows]
+    done: np.ndarray       # [rows] bool
+    num_steps: np.ndarray  # [rows]
+    accepted: np.ndarray   # [rows, max_length]
+    stop_ids: np.ndarray   # [rows, n_stop], -1 pads
+
+    @classmethod
+    def empty(cls, rows: int, max_length: int, n_stop: int) -> "FakeState":
+        zeros = np.zeros((rows,), np.int64)
+        return cls(np.zeros((rows, max_length + 1), np.int64), zeros.copy(), zeros.copy(), np.ones((rows,), bool),
+                   zeros.copy(), np.zeros((rows, max_length), np.int64), np.full((rows, n_stop), -1, np.int64))
+
+    def copy_row(self, row: int, into: "FakeState", slot: int) -> None:
+        for field in dataclasses.fields(self):
+            getattr(into, field.name)[slot] = getattr(self, field.name)[row]
+
+
+class FakeEngine:
+    def __init__(self, vocab_size: int, *, max_batch_size: int = 4, max_length: int = 64, block_size: int = 4,
+                 steps_per_sync: int = 2, step_time_s: float = 0.0, fail_on_token: int | None = None,
+                 draft: bool = True, token_range: tuple[int, int] | None = None):
+        self.config = EngineConfig(max_batch_size=max_batch_size, max_length=max_length,
+                                   steps_per_sync=steps_per_sync)
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.speculative = draft
+        self.max_stop_ids = 16
+        self.step_time_s = step_time_s   # sleeps this long per decode step (the device's work)
+        self.fail_on_token = fail_on_token  # a prompt containing this id makes its prefill raise
+        lo, hi = token_range or (0, vocab_size)
+        self.token_range = (lo, hi)
+        self.prefills: list[list[list[int]]] = []  # the prompts of every prefill (an admission each)
+        self.released: list[int] = []              # rows released for cancelled requests
+        self.max_live = 0                          # most rows decoding at once
+
+    def next_token(self, a: int, b: int) -> int:
+        lo, hi = self.token_range
+        return lo + (a * 31 + b * 17 + 7) % (hi - lo)
+
+    def reference(self, prompt: list[int], max_new_tokens: int, stop_token_ids=None) -> list[int]:
+        """The tokens a prompt gets (what generation returns for it)."""
+        ids = list(prompt)
+        out: list[int] = []
+        stop = set(stop_token_ids or ())
+        while len(out) < max_new_tokens:
+            t = self.next_token(ids[-2] if len(ids) > 1 else 0, ids[-1])
+            ids.append(t)
+            out.append(t)
+            if t in stop:
+                break
+        return out
+
+    # -- the slot interface (see dflash_jax.runtime.batcher) ----------------------------------------------
+
+    def state_rows(self, live: int) -> int:
+        return self.config.max_batch_size
+
+    def empty_state(self, rows: int) -> FakeState:
+        return FakeState.empty(rows, self.config.max_length, self.max_stop_ids)
+
+    def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                stop_token_ids: Sequence[Sequence[int]]) -> tuple[FakeState, np.ndarray]:
+        self.prefills.append([list(p) for p in prompts])
+        if self.fail_on_token is not None and any(self.fail_on_token in p for p in prompts):
+            raise RuntimeError(f"FakeEngine: prompt contains the failing token {self.fail_on_token}")
+        state = self.empty_state(len(prompts))
+        for i, (p, m, stops) in enumerate(zip(prompts, max_new_tokens, stop_token_ids)):
+            n = len(p)
+            first = self.next_token(p[-2] if n > 1 else 0, p[-1])
+            state.tokens[i, :n] = p
+            state.tokens[i, n] = first
+            state.starts[i] = n
+            state.max_lens[i] = min(n + m, self.config.max_length)
+            state.stop_ids[i, : len(stops)] = stops
+            state.done[i] = first in stops or n + 1 >= state.max_lens[i]
+        return state, state.tokens[np.arange(len(prompts)), state.starts].copy()
+
+    def admit(self, state: FakeState, rows: FakeState, slots: Sequence[int]) -> FakeState:
+        for row, slot in enumerate(slots):
+            rows.copy_row(row, state, slot)
+        return state
+
+    def resize(self, state: FakeState, keep: Sequence[int], *, rows: int) -> FakeState:
+        new = self.empty_state(rows)
+        for slot, row in enumerate(keep):
+            state.copy_row(row, new, slot)
+        return new
+
+    def release(self, state: FakeState, slots: Sequence[int]) -> FakeState:
+        state.done[list(slots)] = True
+        self.released.extend(slots)
+        return state
+
+    def decode(self, state: FakeState, n_steps: int | None = None, *,
+               window: int | None = None) -> tuple[FakeState, RowSnapshot]:
+        for _ in range(self.config.steps_per_sync if n_steps is None else n_steps):
+            live = np.flatnonzero(~state.done)
+            if not len(live):
+                break
+            self.max_live = max(self.max_live, len(live))
+            if self.step_time_s:
+                time.sleep(self.step_time_s)
+            for row in live:
+                self._step(state, row)
+        return state, RowSnapshot(tokens=state.tokens.copy(), starts=state.starts.copy(), done=state.done.copy(),
+                                  num_steps=state.num_steps.copy(), accepted=state.accepted.copy())
+
+    def _step(self, s: FakeState, row: int) -> None:
+        """One draft-verify step of ``row``: commits 1..block_size tokens, cut at a stop id and the max length."""
+        start, tokens = int(s.starts[row]), s.tokens[row]
+        stops = set(s.stop_ids[row][s.stop_ids[row] >= 0].tolist())
+        guess = self.next_token(int(tokens[start - 1]), int(tokens[start]))
+        accepted = 1 + (guess + int(s.num_steps[row])) % self.block_size if self.speculative else 1
+        produced, stopped = 0, False
+        while produced < min(accepted, int(s.max_lens[row]) - start - 1) and not stopped:
+            pos = start + produced
+            tokens[pos + 1] = self.next_token(int(tokens[pos - 1]), int(tokens[pos]))
+            stopped = int(tokens[pos + 1]) in stops
+            produced += 1
+        s.starts[row] += produced
+        s.accepted[row, s.num_steps[row]] = produced
+        s.num_steps[row] += 1
+        s.done[row] = stopped or s.starts[row] + 1 >= s.max_lens[row]
+
+
+class GatedEngine:
+    """Wraps an engine; ``prefill`` waits while the gate is closed (tests use it to queue requests
+    deterministically behind the first one)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()  # set when a prefill is waiting at (or past) the gate
+
+    def prefill(self, *args, **kwargs):
+        self.entered.set()
+        self.gate.wait()
+        return self.engine.prefill(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)

@@ -1,0 +1,139 @@
+"""The block-attention kernel (README.md beside this file): dispatch by backend, and its backward.
+
+``block_attention`` computes exactly ``reference.block_attention_reference`` (blocks
+of queries over a shared context prefix of per-block length plus the block's own K/V; GQA folded
+into the query rows; float32 softmax; rows that see no key give zeros) with a Pallas forward kernel:
+
+- ``jax.default_backend() == "gpu"``: ``gpu.py`` (Pallas, Triton lowering, split-K);
+- ``"tpu"``: ``tpu.py`` (Mosaic TPU, scalar-prefetched lengths);
+- ``"cpu"``: the GPU kernel in Pallas interpret mode (``backend="tpu"`` selects the TPU kernel in
+  TPU interpret mode instead).
+
+It is differentiable through ``jax.custom_vjp``: the forward kernel also returns the per-row
+log-sum-exp, and the backward recomputes the probabilities from it without ever materialising the
+dense ``[queries x keys]`` mask: on a GPU two Pallas kernels with the Triton lowering (``gpu_bwd.py``,
+FlashAttention-2 style; ``bwd="pallas"``), on TPU and in interpret mode a blockwise jnp
+recomputation (``reference_bwd.py``; ``bwd="xla"``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from kernels_pallas._common import default_scale
+from kernels_pallas.block_attention.reference_bwd import block_attention_bwd, zero_cotangent
+
+__all__ = ["block_attention", "block_attention_fwd"]
+
+
+def _resolve(backend: str | None, interpret: bool | None):
+    platform = jax.default_backend()
+    if backend is None:
+        backend = "tpu" if platform == "tpu" else "gpu"
+    if backend not in ("gpu", "tpu"):
+        raise ValueError(f"backend must be 'gpu' or 'tpu', got {backend!r}")
+    if interpret is None:
+        interpret = platform != backend
+    return backend, bool(interpret)
+
+
+def block_attention_fwd(
+    q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal, scale=None,
+    interpret=None, backend=None, config=None,
+):
+    """Forward only: ``(out, lse)``; ``lse`` is ``[batch, blocks, kv_heads, block * groups]``."""
+    backend, interpret = _resolve(backend, interpret)
+    if backend == "gpu":
+        from kernels_pallas.block_attention import gpu as impl
+    else:
+        from kernels_pallas.block_attention import tpu as impl
+    return impl.forward(
+        q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens,
+        causal=causal, scale=scale, interpret=interpret, config=config,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal, scale, interpret,
+               backend, config, bwd):
+    out, _ = block_attention_fwd(
+        q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale,
+        interpret=interpret, backend=backend, config=config,
+    )
+    return out
+
+
+def _attention_fwd(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal, scale, interpret,
+                   backend, config, bwd):
+    out, lse = block_attention_fwd(
+        q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale,
+        interpret=interpret, backend=backend, config=config,
+    )
+    return out, (q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, out, lse)
+
+
+def _attention_bwd(causal, scale, interpret, backend, config, bwd, res, dout):
+    q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, out, lse = res
+    if bwd == "pallas":
+        from kernels_pallas.block_attention.gpu_bwd import block_attention_bwd_pallas
+
+        _, interpret = _resolve("gpu", interpret)
+        grads = block_attention_bwd_pallas(
+            q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, out, lse, dout,
+            causal=causal, scale=scale, interpret=interpret, config=config,
+        )
+    elif bwd == "xla":
+        grads = block_attention_bwd(
+            q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, out, lse, dout,
+            causal=causal, scale=scale,
+        )
+    else:
+        raise ValueError(f"bwd must be 'xla' or 'pallas', got {bwd!r}")
+    dq, dk_ctx, dv_ctx, dk_blk, dv_blk = grads
+    return (dq, dk_ctx, dv_ctx, zero_cotangent(ctx_lens), dk_blk, dv_blk,
+            zero_cotangent(blk_lens))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def block_attention(
+    q: jax.Array,
+    k_ctx: jax.Array,
+    v_ctx: jax.Array,
+    ctx_lens: jax.Array,
+    k_blk: jax.Array,
+    v_blk: jax.Array,
+    blk_lens: jax.Array,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    interpret: bool | None = None,
+    backend: str | None = None,
+    config=None,
+    bwd: str | None = None,
+) -> jax.Array:
+    """``reference.block_attention_reference`` as a Pallas kernel (differentiable).
+
+    Args: as the reference (q ``[batch, blocks, block, q_heads, head_dim]``, k_ctx/v_ctx
+    ``[batch, ctx, kv_heads, head_dim]``, ctx_lens/blk_lens ``[batch, blocks]`` int32, k_blk/v_blk
+    ``[batch, blocks, block, kv_heads, head_dim]``), plus:
+      interpret: run the kernel in Pallas interpret mode; default: when the kernel's backend is not
+        the platform (so on the CPU).
+      backend: "gpu" or "tpu" kernel; default from ``jax.default_backend()`` ("gpu" on CPU).
+      config: a ``GpuConfig`` / ``TpuConfig`` of tile sizes (None: defaults).
+      bwd: the backward: "pallas" (two Pallas kernels with the Triton lowering; the default when
+        the GPU kernel runs compiled, i.e. on a GPU) or "xla" (blockwise jnp recomputation; the
+        default on TPU and in interpret mode). Either may be asked for explicitly.
+    """
+    if bwd is None:
+        resolved_backend, resolved_interpret = _resolve(backend, interpret)
+        bwd = "pallas" if resolved_backend == "gpu" and not resolved_interpret else "xla"
+    scale = default_scale(q.shape[-1], scale)
+    return _attention(
+        q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, bool(causal), scale, interpret,
+        backend, config, bwd,
+    )
+

@@ -1,0 +1,279 @@
+"""Block attention on NVIDIA GPUs: Pallas with the Triton lowering, split-K (flash-decoding).
+
+One program per (batch row b, block n, KV head h, context split j). The program holds the folded
+queries of its block and KV head (``rows = block * groups`` rows, padded to a power of two >= 16, in
+registers/shared memory), streams its slice of the context K/V ``[j * chunk, min((j+1) * chunk,
+ctx_len))`` in tiles of ``block_k`` keys straight from the cache layout ``[batch, ctx, kv_heads,
+head_dim]`` with an online (flash) softmax in float32, and split 0 also takes the block's own
+``block`` keys (causal or not, only the first ``blk_len``). A program whose split lies past
+``ctx_len`` does no loads at all, so a short row in a long cache costs nothing.
+
+With one split the program writes the normalised output in the query dtype. With several it
+writes a float32 partial output plus its running max ``m`` and sum ``l``; a small jnp epilogue
+merges the splits with log-sum-exp weights (XLA fuses it into one pass over the partials).
+
+The number of splits is chosen from the static shapes by a wave model (``plan``): with ``slots``
+programs resident at once (SMs x programs per SM), minimise ``waves * (keys per split + fixed
+overheads)``, at least ``min_chunk`` keys per split so the partials stay small against the K/V they
+summarise.
+
+Why Triton and not Mosaic GPU: see kernels_pallas/README.md. In short, the Triton lowering still works in
+JAX 0.11 (with a DeprecationWarning; it must be asked for explicitly with
+``plgpu_triton.CompilerParams`` because Mosaic GPU became the default), it handles dynamic loop
+bounds and masked tiles of any power-of-two shape, and it can be lowered to Triton IR on a CPU-only
+machine, so the kernel is checked before the accelerator is ever touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas._common import (
+    NEG,
+    check_shapes,
+    default_scale,
+    fold_blk,
+    fold_q,
+    next_pow2,
+    round_up,
+    unfold_rows,
+)
+from kernels_pallas._flash import merge_splits, nt_dot, online_update, triton_params
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuConfig:
+    block_k: int = 64  # context keys per tile (power of two >= 16)
+    num_warps: int = 4
+    num_stages: int = 3  # Triton software-pipelining depth of the K/V loads
+    num_sms: int | None = None  # streaming multiprocessors (None: read off the device, else 132)
+    ctas_per_sm: int = 2  # programs resident per SM (shared memory: ~112 KiB each at the defaults)
+    min_chunk: int = 256  # fewest context keys per split
+    max_splits: int = 128
+    fixed_cost_keys: int = 128  # per-program overhead, in keys, for the wave model
+    partial_cost_keys: int = 128  # writing + merging one partial output, in keys
+    num_splits: int | None = None  # force a split count (tests, tuning)
+    partial_dtype: str = "float32"  # dtype of the split-K partial outputs (m, l stay float32)
+    # Cached kernel only: the split count is planned over the capacity, but each row's splits share
+    # its actual context (``starts``) in whole tiles, rather than fixed chunks of the capacity.
+    balanced_splits: bool = True
+    # Cached kernel only, blocks of several slots: group members per program (a power of two
+    # dividing the group; None: the fewest that fit the grid in one wave, ``members_per_program``).
+    members_per_program: int | None = None
+    # Cached kernel only, programs of several members: their queries as one [block * members, D]
+    # matrix (one dot per tile, one online softmax) instead of one per member: the verify block's
+    # kernel 15% faster at 16,384 tokens, the DFlash step 4-6% at long contexts or batch 16
+    # (docs/performance.md). In bf16 it rounds differently from a single token.
+    stacked_members: bool = True
+    # Cached kernel only: fewer software-pipelining stages than ``num_stages`` where ``ctas_per_sm``
+    # programs would not fit one SM's shared memory (``cached_attention_gpu.fitted_stages``): a
+    # verify block's programs of 64 stacked query rows do not fit two per SM at three stages, and
+    # with two the kernel took 7-23% less time (docs/performance.md).
+    fit_stages: bool = True
+    shared_memory_per_sm: int = 228 * 1024  # bytes; H100 / H200 (sm_90)
+    # Cached kernel only: context keys per tile where the batch's (row, KV head) pairs alone number
+    # at least a quarter of the SMs (0 or None: ``block_k`` everywhere; ``cached_attention_gpu.
+    # batch_tiles``). Such grids are bound by throughput, not by one program's latency: smaller tiles
+    # cut a program's shared memory and registers; the DFlash step 0.5-1.4% faster at batch 8-32
+    # (docs/performance.md). With few rows 64-key tiles halve the loop's trips.
+    wide_batch_block_k: int | None = 32
+
+
+def resident_programs(cfg: GpuConfig) -> int:
+    """Programs that run at once, one wave: ``ctas_per_sm`` per streaming multiprocessor."""
+    return num_sms(cfg) * cfg.ctas_per_sm
+
+
+def num_sms(cfg: GpuConfig) -> int:
+    if cfg.num_sms is not None:
+        return cfg.num_sms
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu" and getattr(dev, "core_count", None):
+            return int(dev.core_count)
+    except Exception:  # noqa: BLE001
+        pass
+    return 132  # H200 / H100 SXM
+
+
+def _kernel(
+    cl_ref,  # [] int32: ctx_len of (b, n)
+    bl_ref,  # [] int32: blk_len of (b, n)
+    q_ref,  # [R, D]
+    k_ref,  # [T, D] (strided view of [B, T, Hkv, D])
+    v_ref,  # [T, D]
+    kb_ref,  # [Sp, D]
+    vb_ref,  # [Sp, D]
+    o_ref,  # [R, D]
+    m_ref,  # [R]
+    l_ref,  # [R]
+    *,
+    scale: float,
+    causal: bool,
+    groups: int,
+    block_k: int,
+    chunk: int,
+):
+    j = pl.program_id(3)
+    ctx_len = cl_ref[()]
+    blk_len = bl_ref[()]
+    q = q_ref[...]
+    rows, head_dim = q.shape
+
+    start = j * chunk
+    end = jnp.minimum(start + chunk, ctx_len)
+    n_iter = jnp.maximum(end - start, 0)
+    n_iter = (n_iter + (block_k - 1)) // block_k
+
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m = jnp.full((rows,), NEG, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+
+    def body(i, carry):
+        k_start = pl.multiple_of(start + i * block_k, block_k)
+        k = k_ref[pl.ds(k_start, block_k), :]
+        v = v_ref[pl.ds(k_start, block_k), :]
+        s = nt_dot(q, k)
+        pos = k_start + jnp.arange(block_k, dtype=jnp.int32)
+        valid = (pos < ctx_len)[None, :]
+        return online_update(carry, s, valid, v, scale)
+
+    acc, m, l = lax.fori_loop(0, n_iter, body, (acc, m, l))
+
+    # The block's own keys: only split 0 takes them (the others see blk_len 0).
+    kb = kb_ref[...]
+    vb = vb_ref[...]
+    n_slots = kb.shape[0]
+    eff_blk = jnp.where(j == 0, blk_len, 0)
+    col = jnp.arange(n_slots, dtype=jnp.int32)[None, :]
+    valid = col < eff_blk
+    if causal:
+        row = jnp.arange(rows, dtype=jnp.int32)[:, None]
+        valid = valid & (col * groups <= row)
+    s = nt_dot(q, kb)
+    acc, m, l = online_update((acc, m, l), s, valid, vb, scale)
+
+    l_safe = jnp.where(l == 0.0, 1.0, l)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def plan(batch: int, blocks: int, kv_heads: int, ctx: int, cfg: GpuConfig):
+    """Static tiling: (block_k, padded ctx, splits, chunk).
+
+    Split-K by a wave model: ``slots = SMs * ctas_per_sm`` programs run at once, so the kernel
+    takes about ``ceil(programs / slots)`` waves of ``chunk + overheads`` keys each; pick the split
+    count that minimises that (ties: fewer splits). This avoids a nearly empty last wave (e.g. 576
+    programs on 264 slots), which the H200 measurements showed costs ~15-25%.
+    """
+    bk = cfg.block_k
+    while bk > 16 and ctx % bk:
+        bk //= 2
+    ctx_p = max(round_up(max(ctx, 1), bk), bk)
+    base = batch * blocks * kv_heads
+    if cfg.num_splits is not None:
+        splits = max(1, min(cfg.num_splits, ctx_p // bk))
+        chunk = round_up(-(-ctx_p // splits), bk)
+        return bk, ctx_p, -(-ctx_p // chunk), chunk
+    slots = resident_programs(cfg)
+    best = None
+    max_s = max(1, min(cfg.max_splits, ctx_p // max(cfg.min_chunk, bk)))
+    for s in range(1, max_s + 1):
+        chunk = round_up(-(-ctx_p // s), bk)
+        s_eff = -(-ctx_p // chunk)
+        waves = -(-(base * s_eff) // slots)
+        cost = waves * (chunk + cfg.fixed_cost_keys + (cfg.partial_cost_keys if s_eff > 1 else 0))
+        if best is None or cost < best[0]:
+            best = (cost, s_eff, chunk)
+    _, splits, chunk = best
+    return bk, ctx_p, splits, chunk
+
+
+def forward(
+    q,
+    k_ctx,
+    v_ctx,
+    ctx_lens,
+    k_blk,
+    v_blk,
+    blk_lens,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    interpret: bool = False,
+    config: GpuConfig | None = None,
+):
+    """Returns (out [B, N, S, Hq, D] in q.dtype, lse [B, N, Hkv, S * G] float32, NEG if no key)."""
+    cfg = config or GpuConfig()
+    b, n, s_len, hq, hkv, d = check_shapes(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens)
+    g = hq // hkv
+    scale = default_scale(d, scale)
+    ctx = k_ctx.shape[1]
+    bk, ctx_p, splits, chunk = plan(b, n, hkv, ctx, cfg)
+
+    rows = s_len * g
+    rows_p = max(16, next_pow2(rows))
+    d_p = max(16, next_pow2(d))
+    slots_p = max(16, next_pow2(s_len))
+
+    qf = fold_q(q, hkv)
+    qf = jnp.pad(qf, ((0, 0),) * 3 + ((0, rows_p - rows), (0, d_p - d)))
+    kb = jnp.pad(fold_blk(k_blk), ((0, 0),) * 3 + ((0, slots_p - s_len), (0, d_p - d)))
+    vb = jnp.pad(fold_blk(v_blk), ((0, 0),) * 3 + ((0, slots_p - s_len), (0, d_p - d)))
+    if ctx_p != ctx or d_p != d:  # a copy of the context: only for odd shapes
+        pad = ((0, 0), (0, ctx_p - ctx), (0, 0), (0, d_p - d))
+        k_ctx = jnp.pad(k_ctx, pad)
+        v_ctx = jnp.pad(v_ctx, pad)
+    ctx_lens = jnp.clip(ctx_lens.astype(jnp.int32), 0, ctx)
+    blk_lens = jnp.clip(blk_lens.astype(jnp.int32), 0, s_len)
+
+    out_dtype = q.dtype if splits == 1 else jnp.dtype(cfg.partial_dtype)
+    kernel = functools.partial(
+        _kernel, scale=scale, causal=causal, groups=g, block_k=bk, chunk=chunk
+    )
+    grid = (b, n, hkv, splits)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((None, None), lambda i, nn, h, j: (i, nn)),
+            pl.BlockSpec((None, None), lambda i, nn, h, j: (i, nn)),
+            pl.BlockSpec((None, None, None, rows_p, d_p), lambda i, nn, h, j: (i, nn, h, 0, 0)),
+            pl.BlockSpec((None, ctx_p, None, d_p), lambda i, nn, h, j: (i, 0, h, 0)),
+            pl.BlockSpec((None, ctx_p, None, d_p), lambda i, nn, h, j: (i, 0, h, 0)),
+            pl.BlockSpec((None, None, None, slots_p, d_p), lambda i, nn, h, j: (i, nn, h, 0, 0)),
+            pl.BlockSpec((None, None, None, slots_p, d_p), lambda i, nn, h, j: (i, nn, h, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec(
+                (None, None, None, None, rows_p, d_p), lambda i, nn, h, j: (i, nn, h, j, 0, 0)
+            ),
+            pl.BlockSpec((None, None, None, None, rows_p), lambda i, nn, h, j: (i, nn, h, j, 0)),
+            pl.BlockSpec((None, None, None, None, rows_p), lambda i, nn, h, j: (i, nn, h, j, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n, hkv, splits, rows_p, d_p), out_dtype),
+            jax.ShapeDtypeStruct((b, n, hkv, splits, rows_p), jnp.float32),
+            jax.ShapeDtypeStruct((b, n, hkv, splits, rows_p), jnp.float32),
+        ],
+        compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="dflash_block_attention",
+    )(ctx_lens, blk_lens, qf, k_ctx, v_ctx, kb, vb)
+
+    if splits == 1:
+        o = o[:, :, :, 0]
+        m = m[:, :, :, 0]
+        l_tot = l[:, :, :, 0]
+    else:
+        o, m, l_tot = merge_splits(o, m, l, axis=3)
+    lse = jnp.where(l_tot > 0.0, m + jnp.log(jnp.where(l_tot > 0.0, l_tot, 1.0)), NEG)
+    out = unfold_rows(o.astype(q.dtype), s_len, g, d)
+    return out, lse[..., :rows]

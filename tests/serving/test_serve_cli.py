@@ -1,0 +1,444 @@
+"""serve.py end to end: batch mode on JSONL with tiny random models, input errors, settings, and the
+server's graceful SIGTERM shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import tokenizer_fixtures as tf
+
+from dflash_jax.serving import cli as serve
+from dflash_jax.io.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+TOKENIZER_VOCAB = 512
+MODEL_VOCAB = 520
+ENGINE_FLAGS = ["--dtype", "float32", "--max-length", "64", "--set", "engine.prompt_buckets=[32]"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tf.write_tiny_models_with_tokenizer(tmp_path_factory.mktemp("tiny"), model_vocab_size=MODEL_VOCAB,
+                                               tokenizer_vocab_size=TOKENIZER_VOCAB)
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, str(REPO / "serve.py"), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+LINES = [
+    {"id": "text", "prompt": "Hello, world"},
+    {"id": "chat", "messages": [{"role": "user", "content": "What is 2+2?"}], "max_new_tokens": 6},
+    "",
+    {"id": "ids", "prompt_ids": [10, 11, 12, 13], "category": "kept"},
+    {"id": "long", "prompt": "The quick brown fox", "max_new_tokens": 10},
+]
+
+
+def test_generate_end_to_end(models, tmp_path):
+    target_dir, drafter_dir = models
+    tok = Tokenizer(target_dir)
+    src = write_jsonl(tmp_path / "prompts.jsonl", LINES)
+    out_draft, out_plain = tmp_path / "dflash.jsonl", tmp_path / "target_only.jsonl"
+    common = ["--target", str(target_dir), "--input", str(src), "--max-new-tokens", "8", "--batch-size", "4",
+              *ENGINE_FLAGS]
+
+    r = run_cli("generate", *common, "--draft", str(drafter_dir), "--output", str(out_draft))
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stderr.strip().splitlines()[-1])
+    assert summary["prompts"] == 4 and summary["block_size"] == 8 and summary["tau"] >= 1.0
+    assert 0 < summary["compile_seconds"] < summary["wall_seconds"]  # this process compiled its programs
+    assert summary["tokens_per_second_excluding_compile"] > summary["tokens_per_second"]
+    assert "prompt/s" in r.stderr  # the tqdm bar
+
+    rows = read_jsonl(out_draft)
+    assert [row["id"] for row in rows] == ["text", "chat", "ids", "long"]  # input order
+    assert rows[2]["category"] == "kept"  # other fields are copied
+    assert set(rows[2]) == {"id", "prompt_ids", "category", *serve.OUTPUT_FIELDS}
+    want_prompt = [
+        tok.encode("Hello, world"),
+        tok.apply_chat_template(LINES[1]["messages"]),
+        [10, 11, 12, 13],
+        tok.encode("The quick brown fox"),
+    ]
+    for row, ids, limit in zip(rows, want_prompt, (8, 6, 8, 10)):
+        assert row["num_prompt_tokens"] == len(ids)
+        assert 1 <= row["num_output_tokens"] == len(row["output_ids"]) <= limit
+        assert row["finish_reason"] in ("stop", "length")
+        if row["finish_reason"] == "length":
+            assert row["num_output_tokens"] == limit
+        assert row["text"] == tok.decode(row["output_ids"])
+        acc = row["acceptance_lengths"]
+        assert acc and all(1 <= a <= 8 for a in acc) and sum(acc) <= row["num_output_tokens"]
+        assert row["tau"] == pytest.approx(sum(acc) / len(acc)) and row["num_steps"] == len(acc)
+        assert row["time_to_first_token"] > 0 and row["time_per_output_token"] > 0
+
+    # Target-only: the same tokens (greedy speculative decoding is lossless), no acceptance lengths,
+    # one decode step per token after the prefill's; the settings file holds what the flags can.
+    settings = tmp_path / "generate.yaml"
+    settings.write_text(f"model: {{target: {target_dir}, no_draft: true}}\n"
+                        f"generate: {{input: {src}, output: {out_plain}, progress: false}}\n")
+    r = run_cli("generate", "--config", str(settings), "--max-new-tokens", "8", "--batch-size", "4", *ENGINE_FLAGS)
+    assert r.returncode == 0, r.stderr
+    assert "prompt/s" not in r.stderr  # progress: false
+    plain = read_jsonl(out_plain)
+    assert [p["output_ids"] for p in plain] == [row["output_ids"] for row in rows]
+    assert all(p["acceptance_lengths"] == [] and p["tau"] == 1.0 for p in plain)
+    assert all(p["num_steps"] == p["num_output_tokens"] - 1 for p in plain)
+
+    # A lower block size drafts shorter blocks, to the same tokens; a line's stop strings cut its
+    # text before the first of them and its tokens after the one that completed it.
+    text = rows[3]["text"]
+    stop = next(text[at: at + 2] for at in range(len(text) // 3, len(text) - 2)
+                if text[at: at + 2].strip() and "\ufffd" not in text[at: at + 2])
+    kept, want, _ = tf.stop_string_reference(tok, rows[3]["output_ids"], [stop])
+    assert kept < len(rows[3]["output_ids"])
+    stopped = write_jsonl(tmp_path / "stop.jsonl", LINES[:4] + [{**LINES[4], "stop": [stop, "never here"]}])
+    out_block = tmp_path / "block4.jsonl"
+    r = run_cli("generate", *common[:2], "--input", str(stopped), *common[4:], "--draft", str(drafter_dir),
+                "--block-size", "4", "--no-progress", "--output", str(out_block))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stderr.strip().splitlines()[-1])["block_size"] == 4
+    short = read_jsonl(out_block)
+    assert [b["output_ids"] for b in short[:3]] == [row["output_ids"] for row in rows[:3]]
+    assert all(1 <= a <= 4 for b in short for a in b["acceptance_lengths"])
+    assert short[3]["output_ids"] == rows[3]["output_ids"][:kept] and short[3]["text"] == want
+    assert short[3]["finish_reason"] == "stop" and short[3]["num_output_tokens"] == kept
+    assert sum(short[3]["acceptance_lengths"]) + 1 == kept
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("{not json", "invalid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ({"id": 1}, "needs exactly one of 'prompt_ids', 'prompt' or 'messages'"),
+        ({"prompt": "a", "prompt_ids": [1]}, "needs exactly one of"),
+        ({"prompt_ids": []}, "'prompt_ids' must be a non-empty list of integers"),
+        ({"prompt_ids": [1, "x"]}, "'prompt_ids' must be a non-empty list of integers"),
+        ({"prompt": ""}, "'prompt' must be a non-empty string"),
+        ({"messages": "hi"}, "'messages' must be a non-empty list"),
+        ({"prompt": "hi", "max_new_tokens": 0}, "'max_new_tokens' must be a positive integer"),
+        ({"prompt": "hi", "stop": 5}, "'stop' must be a string or an array of strings"),
+        ({"prompt": "hi", "stop": ["\n", ""]}, "'stop[1]' is empty"),
+        ({"prompt": "word " * 100}, "the maximum length is 64"),
+        ({"prompt_ids": [1] * 10, "max_new_tokens": 60}, "the prompt has 10 tokens and 'max_new_tokens' is 60: 70 "
+                                                         "tokens exceed the maximum length 64"),  # was cut to 54
+        ({"prompt": "hi", "text": "a reference answer", "tau": 2},  # were replaced by the output's
+         "field(s) ['text', 'tau'] are written by the output"),
+        ({"prompt_ids": [1] * 33}, "the prompt has 33 tokens, more than the largest prompt bucket, 32 "
+                                   "(engine.prompt_buckets)"),  # it failed the run after the other prompts
+    ],
+)
+def test_bad_line_names_file_and_line(models, tmp_path, capsys, bad, message):
+    target_dir, drafter_dir = models
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "fine"}, "", bad])
+    rc = serve.main(["generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--input", str(src),
+                     "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"{src}:3: " in err and message in err, err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b'{"prompt": "\xff"}\n', "not UTF-8 text: byte 0xff at column 13"),
+        # Lone surrogates: an extra field would fail the output's write at the end; a prompt, its encoding.
+        (b'{"prompt": "a", "id": "\\ud800"}\n', "a string has a lone surrogate"),
+        (b'{"prompt": "\\udc00 a"}\n', "a string has a lone surrogate"),
+    ],
+)
+def test_undecodable_line_names_file_and_line(tmp_path, capsys, raw, message):
+    """Checked while reading the input, before any model loads (so no models are needed here)."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'\xef\xbb\xbf{"prompt": "\\ud83d\\ude00 fine"}\n\n' + raw)  # a BOM and a surrogate pair are fine
+    rc = serve.main(["generate", "--target", str(tmp_path), "--no-draft", "--input", str(src),
+                     "--output", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{src}:3: {message}" in err, err
+    assert serve.main(["generate", "--target", str(tmp_path), "--no-draft", "--input", str(tmp_path),
+                       "--output", str(tmp_path / "out.jsonl")]) == 2
+    assert f"{tmp_path}: cannot read: Is a directory" in capsys.readouterr().err
+
+    from dflash_jax.io.jsonl import iter_jsonl
+
+    src.write_bytes(b'\xef\xbb\xbf{"prompt": "\\ud83d\\ude00"}\r\n')
+    assert list(iter_jsonl(src)) == [(1, {"prompt": "\U0001f600"})]
+
+
+def test_unwritable_output_is_refused_before_loading(tmp_path, capsys):
+    """The output is written when every prompt is done: where it cannot be, the run stops at the start.
+    (``--target`` holds no model: the checks come before any model loads.)"""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [1, 2]}])
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for output, message in ((a_file / "out.jsonl", "cannot create its directory"),
+                            (tmp_path, "is a directory"),
+                            (src, "is the input file, which the results would replace")):
+        rc = serve.main(["generate", "--target", str(tmp_path), "--no-draft", "--input", str(src),
+                         "--output", str(output)])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"generate.output (--output) {output}: {message}" in err, err
+        assert "cannot load the models" not in err
+    assert json.loads(src.read_text()) == {"prompt_ids": [1, 2]}
+
+
+def test_token_ids_outside_vocabulary_and_too_many_stop_ids(models, tmp_path, capsys):
+    target_dir, drafter_dir = models
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [1, 2]}, {"prompt_ids": [MODEL_VOCAB]}])
+    rc = serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(src),
+                     "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
+    assert rc == 2 and f"{src}:2: token ids outside the vocabulary" in capsys.readouterr().err
+    write_jsonl(src, [{"prompt_ids": [1, 2]}])
+    rc = serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(src), "--set",
+                     f"model.stop_token_ids={list(range(17))}", "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
+    assert rc == 2 and "17 distinct stop ids (model.stop_token_ids, or the tokenizer's); the engine takes at most 16" \
+        in capsys.readouterr().err  # it was a traceback
+    rc = serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(src), "--set",
+                     "model.stop_token_ids=[3, -1]", "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
+    assert rc == 2 and "model.stop_token_ids has ids outside the vocabulary" in capsys.readouterr().err
+
+
+def test_output_replaced_whole_through_a_fresh_temporary_file(models, tmp_path, capsys):
+    """The results go to a fresh temporary file beside the output, renamed over it: an input named like
+    the fixed temporary name that was used (``out.jsonl.tmp``) is kept, and nothing else is left."""
+    target_dir, _ = models
+    src = write_jsonl(tmp_path / "out.jsonl.tmp", [{"prompt_ids": [1, 2], "max_new_tokens": 2}])
+    before = src.read_bytes()
+    (tmp_path / "out.jsonl").write_text("old results\n")
+    rc = serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(src),
+                     "--output", str(tmp_path / "out.jsonl"), *ENGINE_FLAGS])
+    assert rc == 0, capsys.readouterr().err
+    assert src.read_bytes() == before
+    rows = read_jsonl(tmp_path / "out.jsonl")
+    assert len(rows) == 1 and len(rows[0]["output_ids"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.tmp"]
+    assert (tmp_path / "out.jsonl").stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_missing_models_and_files(models, tmp_path, capsys, monkeypatch):
+    import dflash_jax.embedded
+
+    target_dir, drafter_dir = models
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    out = str(tmp_path / "o.jsonl")
+    with monkeypatch.context() as m:  # without the shipped pair, no target is an error
+        m.setattr(dflash_jax.embedded, "available", lambda: False)
+        assert serve.main(["generate", "--input", str(src), "--output", out]) == 2
+    assert "no target model: pass --target DIR" in capsys.readouterr().err
+    assert serve.main(["generate", "--target", str(target_dir), "--input", str(src), "--output", out]) == 2
+    assert "no drafter: pass --draft DIR" in capsys.readouterr().err
+    assert serve.main(["--target", str(tmp_path / "nope"), "--no-draft"]) == 2
+    assert "nope: not a directory" in capsys.readouterr().err
+    assert serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(tmp_path / "x.jsonl"),
+                       "--output", out]) == 2
+    assert "x.jsonl: file not found" in capsys.readouterr().err
+    assert serve.main(["generate", "--target", str(target_dir), "--draft", str(target_dir), "--input", str(src),
+                       "--output", out, *ENGINE_FLAGS]) == 2  # a target is not a drafter
+    assert "cannot load the models" in capsys.readouterr().err
+    assert serve.main(["generate", "--target", str(target_dir), "--no-draft", "--output", out]) == 2
+    assert "no input file: pass --input FILE (or set generate.input in the config)" in capsys.readouterr().err
+    # A block size above the drafter's is refused before any weights load.
+    assert serve.main(["generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--block-size", "16",
+                       "--input", str(src), "--output", out, *ENGINE_FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert "--block-size) 16 exceeds the drafter's block size 8" in err and "cannot load" not in err
+    assert not Path(out).exists()
+
+
+def test_settings_file_set_and_flags(tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model: {target: /t, draft: /d}\nserver: {port: 9000, batch_wait_ms: 1.0}\n"
+                   "engine: {max_batch_size: 4, steps_per_sync: 2}\n")
+    args = serve.parse_args(["--config", str(cfg), "--port", "9100", "--set", "server.batch_wait_ms=5",
+                             "--set", "engine.prompt_buckets=[16, 64]", "--batch-size", "2"])
+    assert args.command == "serve"  # the default subcommand
+    from dflash_jax.serving.settings import load_serve_config
+
+    flags = {"server": {"port": args.port, "host": None}, "engine": {"max_batch_size": args.batch_size}}
+    c = load_serve_config(args.config, args.overrides, flags)
+    assert c.server.port == 9100 and c.server.host == "127.0.0.1" and c.server.batch_wait_ms == 5.0
+    assert c.engine.max_batch_size == 2 and c.engine.steps_per_sync == 2 and c.engine.prompt_buckets == (16, 64)
+    assert c.model.target == "/t"
+    # The shipped config loads and binds loopback.
+    shipped = load_serve_config(REPO / "configs" / "serve.yaml")
+    assert shipped.server.host == "127.0.0.1" and shipped.model.target is None
+    # Unknown keys and bad values are errors naming the file and the key.
+    cfg.write_text("server: {prot: 9000}\n")
+    assert serve.main(["--config", str(cfg), "--target", "/t", "--no-draft"]) == 2
+    err = capsys.readouterr().err
+    assert str(cfg) in err and "prot" in err
+    cfg.write_text("engine: {max_batch_size: 0}\n")
+    assert serve.main(["--config", str(cfg), "--target", "/t", "--no-draft"]) == 2
+    assert "max_batch_size must be >= 1" in capsys.readouterr().err
+    cfg.write_text("engine: {compilation_cache_dir: ''}\n")
+    assert serve.main(["--config", str(cfg), "--target", "/t", "--no-draft"]) == 2
+    assert "compilation_cache_dir must be a directory or null" in capsys.readouterr().err
+    # An API key no client could send in a header: refused before any model loads.
+    assert serve.main(["--target", "/t", "--no-draft", "--api-key", " s3cret"]) == 2
+    assert "flags.server: api_key must be printable ASCII" in capsys.readouterr().err
+    monkeypatch.setenv("DFLASH_API_KEY", "cl\u00e9")
+    assert serve.main(["--target", str(tmp_path), "--no-draft"]) == 2
+    assert "DFLASH_API_KEY must be printable ASCII" in capsys.readouterr().err
+
+
+def test_unreadable_settings_and_bad_overrides_are_errors(tmp_path, capsys):
+    """A settings file that cannot be read or decoded and an override that is not YAML: usage errors
+    naming the file or the override, not tracebacks."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_bytes(b"model: {name: \xff}\n")
+    for argv, message in ((["--config", str(cfg)], f"{cfg}: invalid YAML: unacceptable character"),
+                          (["--config", str(tmp_path)], f"{tmp_path}: cannot read: Is a directory"),
+                          (["--set", "engine.prompt_buckets=[16, 32"],
+                           "override 'engine.prompt_buckets=[16, 32': invalid YAML value")):
+        assert serve.main([*argv, "--target", "/t", "--no-draft"]) == 2
+        err = capsys.readouterr().err
+        assert f"serve.py: error: {message}" in err, err
+    cfg.write_bytes(b"\xef\xbb\xbfmodel: {name: served}\n")  # a BOM is fine
+    settings = serve.load_settings(serve.parse_args(["--config", str(cfg), "--target", str(tmp_path), "--no-draft"]))
+    assert settings.model.name == "served"
+
+
+@pytest.mark.parametrize("argv", [["--prompts", "0"], ["--prompts", "-2"], ["--max-new-tokens", "0"]])
+def test_demo_refuses_counts_below_one(argv, capsys):
+    """Refused by the parser (--prompts 0 was a traceback, -2 ran all but two prompts, --max-new-tokens 0
+    a traceback after loading the pair)."""
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["demo", *argv])
+    assert exit_.value.code == 2
+    assert f"argument {argv[0]}: must be a positive integer, got {int(argv[1])}" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_sigterm_finishes_requests_in_flight(models, tmp_path):
+    target_dir, drafter_dir = models
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "serve.py"), "--target", str(target_dir), "--draft", str(drafter_dir),
+             "--port", str(port), "--api-key", "k", "--batch-size", "2", *ENGINE_FLAGS],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+
+        headers = {"Authorization": "Bearer k"}
+        first_chunk = threading.Event()
+        events: list = []
+
+        def client():
+            body = {"prompt": [10, 11, 12], "max_tokens": 12, "stream": True, "ignore_eos": True,
+                    "return_token_ids": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        payload = line[6:]
+                        events.append(payload if payload == "[DONE]" else json.loads(payload))
+                        first_chunk.set()
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        assert first_chunk.wait(120), log_path.read_text()
+        proc.send_signal(signal.SIGTERM)  # mid-request: the decode program is still compiling
+        thread.join(300)
+        assert proc.wait(120) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert events[-1] == "[DONE]"
+    ids = [t for e in events[:-1] for c in e["choices"] for t in (c.get("token_ids") or [])]
+    assert len(ids) == 12 and events[-2]["choices"][0]["finish_reason"] == "length"
+    text = log_path.read_text()
+    assert "scheduler drained" in text
+
+
+def test_generate_with_compilation_cache(models, tmp_path):
+    """A second run loads every program the first compiled from ``--compilation-cache`` and writes the
+    same tokens; a directory that cannot be created is an error naming the setting, before loading."""
+    target_dir, drafter_dir = models
+    src = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt_ids": [5, 6, 7]}, {"prompt_ids": [9] * 12}])
+
+    def generate(cache: Path, output: Path) -> subprocess.CompletedProcess:
+        return run_cli("generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--input", str(src),
+                       "--output", str(output), "--max-new-tokens", "8", "--batch-size", "2",
+                       "--compilation-cache", str(cache), *ENGINE_FLAGS)
+
+    cache, runs = tmp_path / "xla_cache", []
+    for name in ("first", "second"):
+        r = generate(cache, tmp_path / f"{name}.jsonl")
+        assert r.returncode == 0, r.stderr
+        runs.append(json.loads(r.stderr.strip().splitlines()[-1])["compilation_cache"])
+    first, second = runs
+    assert first["dir"] == str(cache)
+    assert first["loaded"] == 0 and first["compiled"] > 5 and any(cache.iterdir())
+    assert second == {**first, "loaded": first["compiled"], "compiled": 0}
+    outputs = [[row["output_ids"] for row in read_jsonl(tmp_path / f"{name}.jsonl")] for name in ("first", "second")]
+    assert outputs[0] == outputs[1] and all(outputs[0])
+
+    not_a_dir = tmp_path / "a_file"
+    not_a_dir.write_text("")
+    r = generate(not_a_dir / "sub", tmp_path / "never.jsonl")
+    assert r.returncode == 2
+    assert f"engine.compilation_cache_dir '{not_a_dir / 'sub'}': cannot create it" in r.stderr
+    assert "loaded" not in r.stderr and not (tmp_path / "never.jsonl").exists()
+
+
+def test_one_compilation_cache_directory_per_process(tmp_path):
+    """JAX opens its persistent cache once: asking for a second directory is an error, not ignored."""
+    import jax
+
+    from dflash_jax.runtime.compile_cache import use_compilation_cache
+
+    assert jax.config.jax_compilation_cache_dir is None  # the suite compiles without a cache
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "first"))
+    try:
+        with pytest.raises(ValueError, match="already caches compiled programs in .*first"):
+            use_compilation_cache(tmp_path / "second")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+    assert not (tmp_path / "second").exists()
