@@ -53,6 +53,7 @@ def test_orbax_checkpoint_is_the_exported_drafter(pair):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_speculative_decoding_is_exact_and_fast(pair):
     import dflash_jax as dj
 
@@ -73,6 +74,7 @@ def test_speculative_decoding_is_exact_and_fast(pair):
     assert tau >= MIN_TAU, f"tau {tau:.2f} on held-out prompts (lengths {lengths})"
 
 
+@pytest.mark.slow
 def test_notebook_executes(tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -248,6 +248,7 @@ def _training_inputs(seed, dtype, *, blocks=6, block=4, seq=40):
     [("gpu", False, jnp.float32), ("gpu", True, jnp.bfloat16), ("tpu", True, jnp.float32),
      ("gpu-pallas-bwd", True, jnp.float32)],
 )
+@pytest.mark.slow
 def test_gradients_training_pattern(backend, causal, dtype):
     args = _training_inputs(30, dtype)
     cot = jax.random.normal(jax.random.PRNGKey(31), args[0].shape, jnp.float32)
@@ -329,6 +330,7 @@ CACHED_CASES = [
 
 
 @pytest.mark.parametrize("case", CACHED_CASES, ids=lambda c: f"seed{c[0]}-block{c[1]}-g{c[2]}{'-draft' * c[6]}")
+@pytest.mark.slow
 def test_cached_attention_kernel_equals_layer_reference(case):
     """``kernels_pallas.cached_block_attention`` (interpret mode) against the unfused layer path:
     ``project`` (norms, RoPE) + ``block_attention_reference`` + cache writes, rows at the start, the
@@ -356,6 +358,7 @@ def test_cached_attention_kernel_splits_of_the_context(block, balanced):
 @pytest.mark.parametrize("drafter", [False, True], ids=["verify", "draft"])
 @pytest.mark.parametrize("members,stacked,block", [(2, False, 16), (4, False, 16), (4, True, 16), (2, True, 4)],
                          ids=["2", "4", "4-stacked", "2-stacked-short-block"])
+@pytest.mark.slow
 def test_cached_attention_kernel_members_per_program(members, stacked, block, drafter):
     """A program of several group members (one context-tile load for all of them; one online
     softmax each, or with ``stacked_members`` one over their stacked rows, a short block's rows
@@ -370,6 +373,7 @@ def test_cached_attention_kernel_members_per_program(members, stacked, block, dr
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_cached_attention_kernel_stacked_members_scaled_partials():
     """Stacked members reading float32 split-K partials times a row scale per slot (each slot's
     scale broadcast over its stacked rows) against the reference fed the scaled sum."""
@@ -453,6 +457,7 @@ def test_cached_attention_tiles_by_batch(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("block", [1, 16])
+@pytest.mark.slow
 def test_cached_attention_kernel_sums_projection_partials(block, dtype):
     """The projection given as float32 split-K partials ``[parts, rows, ...]`` (a GEMM without its
     reduction kernel): the kernel sums them in order and rounds to the caches' dtype, so it must
@@ -465,6 +470,7 @@ def test_cached_attention_kernel_sums_projection_partials(block, dtype):
 
 @pytest.mark.parametrize("parts", [0, 3], ids=["value", "partials"])
 @pytest.mark.parametrize("block", [1, 16])
+@pytest.mark.slow
 def test_cached_attention_kernel_scales_rows(block, parts):
     """A row scale per slot (a folded input norm's ``rsqrt(mean(x^2) + eps)``): the kernel multiplies
     each slot's projection (or its partials' float32 sum) by it before rounding, as the reference
@@ -555,6 +561,7 @@ def _check_cached_attention(seed, block, groups, qk_norm, dtype, drafter, config
     return got
 
 
+@pytest.mark.slow
 def test_cached_attention_kernel_lowers_for_gpus():
     """Triton IR for cuda, built on this CPU: Qwen3-8B heads, a decode token and verify blocks, and a
     decode token's projection as 8 float32 split-K partials (``ops.linear.single_row_partials``)."""

@@ -33,6 +33,7 @@ def _assert_matches_transformers(ours, ref, ids, layers) -> np.ndarray:
 
 
 @pytest.mark.parametrize("pair", ["qwen3_pair", "llama_pair"])
+@pytest.mark.slow
 def test_target_logits_and_taps_match_transformers(pair, request, reference):
     target_dir, _ = request.getfixturevalue(pair)
     ours = load_target(target_dir)
@@ -42,6 +43,7 @@ def test_target_logits_and_taps_match_transformers(pair, request, reference):
     assert np.abs(logits).max() > 1.0  # not a near-zero model
 
 
+@pytest.mark.slow
 def test_gqa_ratios_and_untied_llama_match(tmp_path, reference):
     for heads, kv in [(4, 4), (8, 2), (4, 1)]:
         target_dir, _ = write_tiny_pair(tmp_path / f"{heads}_{kv}", model_type="llama",
@@ -54,6 +56,7 @@ def test_gqa_ratios_and_untied_llama_match(tmp_path, reference):
         np.testing.assert_allclose(np.asarray(logits), want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_cached_prefill_and_block_extension_equal_full_forward(qwen3_pair):
     target = load_target(qwen3_pair[0])
     cfg = target.config
@@ -91,6 +94,7 @@ def _reference_draft_logits(ref_target, ref_drafter, reference, ctx, anchor, blo
 
 
 @pytest.mark.parametrize("block", [4, 10, 16])
+@pytest.mark.slow
 def test_drafter_block_logits_match_dflash(block, tmp_path, reference):
     target_dir, drafter_dir = write_tiny_pair(tmp_path, target_overrides=dict(num_layers=6),
                                               drafter_overrides=dict(block_size=block, num_layers=2))
@@ -159,6 +163,7 @@ def test_sharded_index_checkpoint(tmp_path, qwen3_pair, reference):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_bfloat16_agrees_with_float32(qwen3_pair, reference):
     """Documented tolerance: our bf16 error is at most 1.5x transformers' own bf16 error (+0.02),
     and bf16 top-1 agrees with float32 on >= 90% of positions."""
@@ -217,6 +222,7 @@ def tp8_pair(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh_shape", [dict(data=1, tensor=8), dict(data=2, tensor=4)])
+@pytest.mark.slow
 def test_sharded_forward_equals_unsharded(mesh_shape, tp8_pair):
     from dflash_jax.sharding import MeshConfig, make_mesh, shard_module
 
@@ -334,6 +340,7 @@ def test_fused_serving_layout_matches_transformers(bias, tmp_path, reference):
         save_target(fused, tmp_path / "again")
 
 
+@pytest.mark.slow
 def test_folded_norms_decode_step_equals_unfolded(monkeypatch):
     """The norms folded into the matmuls (``runtime.serving_params``), a random Qwen3 target whose norm weights are
     not ones: a decode token on "one GPU" (the rule switched on here; its row scales applied after the
@@ -384,6 +391,7 @@ def test_folded_norms_decode_step_equals_unfolded(monkeypatch):
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.slow
 def test_drafter_serving_layout_draft_equals_training_forward(impl, bias):
     """``Drafter.draft`` in the engine's serving layout (fused QKV / gate-up, one context-K/V matmul
     for all layers; Pallas kernels in interpret mode for ``impl="pallas"``) over a context cache equals
@@ -432,6 +440,7 @@ def test_drafter_serving_layout_draft_equals_training_forward(impl, bias):
     np.testing.assert_allclose(np.asarray(got)[:, 0][rows], np.asarray(want)[:, 0][rows], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_single_row_partials_decode_step_equals_plain_dots(monkeypatch):
     """A decode token through a fused random Qwen3 target with the QKV and output projections'
     split-K written out (``ops.linear.single_row_partials``, as on one GPU; the rule switched on here),

@@ -69,6 +69,7 @@ def reference_runs(reference, pair, prompts):
     }, stops
 
 
+@pytest.mark.slow
 def test_batch_of_one_equals_dflash_generate(engines, prompts, reference_runs):
     spec, _ = engines
     runs, stops = reference_runs
@@ -84,6 +85,7 @@ def test_batch_of_one_equals_dflash_generate(engines, prompts, reference_runs):
     assert max(all_lengths) == 8 and 1 in all_lengths and len(set(all_lengths)) >= 4
 
 
+@pytest.mark.slow
 def test_batched_rows_equal_rows_alone_and_reference(engines, prompts, reference_runs):
     spec, _ = engines
     runs, stops = reference_runs
@@ -112,6 +114,7 @@ def test_speculative_equals_target_only_greedy(engines, prompts):
         assert w.tau == 1.0
 
 
+@pytest.mark.slow
 def test_target_only_equals_transformers_greedy(engines, prompts, pair, reference):
     _, plain = engines
     ref = reference.target(pair[0])
@@ -123,6 +126,7 @@ def test_target_only_equals_transformers_greedy(engines, prompts, pair, referenc
         assert got.output_ids == want
 
 
+@pytest.mark.slow
 def test_streaming_callback_yields_exactly_the_output(engines, prompts):
     spec, _ = engines
     streamed = {i: [] for i in range(len(prompts))}
@@ -138,6 +142,7 @@ def test_greedy_accept_counts_leading_matches_within_the_valid_block():
     np.testing.assert_array_equal(greedy_accept(draft, posterior, valid), [3, 1, 0, 2])
 
 
+@pytest.mark.slow
 def test_commit_writes_accepted_tokens_and_cuts_at_stops_and_max_length():
     """Four rows of one step, block 4, each drafting [anchor 12, 20, 21, 22] against the target's
     [20, 21, 30, 31] (two drafts accepted, bonus 30): a plain row, a row whose second new token is
@@ -215,6 +220,7 @@ def test_prompt_beyond_the_largest_bucket_is_refused_at_submission(models):
 
 @pytest.mark.parametrize("mesh,decode_loop", [(dict(data=1, tensor=8), "auto"), (dict(data=2, tensor=4), "auto"),
                                               (dict(data=2, tensor=4), "fixed")])
+@pytest.mark.slow
 def test_sharded_engine_equals_single_device(mesh, decode_loop, pair, prompts, engines):
     """On 8 devices, with the decode loop that stops once every row is done ("auto" off GPUs) and
     with the fixed step count of GPU meshes: the one-device engine's tokens and acceptance lengths."""
@@ -230,6 +236,7 @@ def test_sharded_engine_equals_single_device(mesh, decode_loop, pair, prompts, e
     _assert_same_generations(got, want)
 
 
+@pytest.mark.slow
 def test_fixed_decode_loop_has_a_known_trip_count(models):
     """``decode_loop="fixed"`` compiles the steps as a loop of known trip count (which XLA:GPU runs
     without reading a condition on the host) over the whole cache; "until_done" as a loop that
@@ -255,6 +262,7 @@ def test_fixed_decode_loop_has_a_known_trip_count(models):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_sharded_pallas_engine_equals_single_device(pair, prompts, engines, monkeypatch):
     """The Pallas kernels on a 4 x 2 (data x tensor) mesh, each device on its own rows and KV heads
     (``sharding.shard_kernel``; interpret mode), give the tokens of the one-device XLA engine; the
@@ -285,6 +293,7 @@ def test_sharded_pallas_engine_equals_single_device(pair, prompts, engines, monk
     assert local and len(local) * 2 == len(per_device)
 
 
+@pytest.mark.slow
 def test_pallas_engine_with_more_tensor_devices_than_kv_heads():
     """8 query heads over 2 KV heads on a 1 x 8 mesh: the KV heads (and the caches) stay whole on
     every device while the query heads could split eight ways; the cached-attention kernel's output
@@ -302,6 +311,7 @@ def test_pallas_engine_with_more_tensor_devices_than_kv_heads():
     _assert_same_generations(sharded.generate(prompts, 12), want)
 
 
+@pytest.mark.slow
 def test_engine_with_tpu_flash_prefill_equals_xla(models, prompts, engines, tpu_flash_interpreted):
     """The engine with its prompts' attention by JAX's Pallas TPU flash attention (TPU interpret mode
     on the CPU; prompts of 2-30 tokens in the kernel's 128-slot tiles) gives the XLA engine's tokens
@@ -315,6 +325,7 @@ def test_engine_with_tpu_flash_prefill_equals_xla(models, prompts, engines, tpu_
     _assert_same_generations(got, spec.generate(prompts[:3], 12))
 
 
+@pytest.mark.slow
 def test_pallas_attention_engine_equals_xla(models, prompts, engines):
     """The engine with the Pallas kernels (interpret mode on the CPU) gives the same tokens."""
     spec, _ = engines
@@ -326,6 +337,7 @@ def test_pallas_attention_engine_equals_xla(models, prompts, engines):
     _assert_same_generations(got, want)
 
 
+@pytest.mark.slow
 def test_single_row_partials_engine_equals_xla(models, prompts, engines, monkeypatch):
     """A decode token's QKV and output projections with their split-K written out, as on one GPU
     (``ops.linear.single_row_partials``; the GPU rule switched on here): the QKV partials summed by the
@@ -361,6 +373,7 @@ def test_single_row_partials_engine_equals_xla(models, prompts, engines, monkeyp
     assert taken and all(t is None for t in taken)
 
 
+@pytest.mark.slow
 def test_warmup_compiles_everything_serving_runs(models, caplog):
     """After ``warmup``, requests of every prompt bucket, admitted alone, two at once and into
     running rows, the running state moving between one row and two, one request cancelled and one
@@ -462,6 +475,7 @@ def _record_windows(engine, monkeypatch) -> list[int]:
     return used
 
 
+@pytest.mark.slow
 def test_windowed_decode_equals_dflash_generate_and_greedy(long_engines, prompts, reference_runs, monkeypatch):
     spec, plain = long_engines
     assert spec.windows == (64, 128, 256, 640)
@@ -481,6 +495,7 @@ def test_windowed_decode_equals_dflash_generate_and_greedy(long_engines, prompts
     assert set(spec_windows) == {64, 128} and set(plain_windows) == {64}
 
 
+@pytest.mark.slow
 def test_adaptive_steps_per_call_keep_the_tokens(long_engines, prompts, reference_runs, monkeypatch):
     """Calls whose steps grow (max_steps_per_sync, as when the device outruns the host; forced here)
     still read windows that cover their rows: the same tokens and acceptance lengths as the
@@ -513,6 +528,7 @@ def _running_state(engine, prompt, max_new):
     return engine.admit(engine.empty_state(1), fresh, [0])
 
 
+@pytest.mark.slow
 def test_decode_stops_at_the_edge_of_its_window(long_engines, prompts, reference_runs):
     """A call whose window is too small for the rows stops before outgrowing it; a call with a larger
     window continues to the same tokens as uninterrupted generation."""
@@ -530,6 +546,7 @@ def test_decode_stops_at_the_edge_of_its_window(long_engines, prompts, reference
     assert np.asarray(state.accepted)[0, : int(np.asarray(state.num_steps)[0])].tolist() == runs[(3, False)][1]
 
 
+@pytest.mark.slow
 def test_decode_loop_does_not_copy_the_caches(long_engines):
     """The compiled decode step updates the KV caches in place (on the CPU, XLA's default copy
     insertion would copy every target-cache buffer twice per step)."""
@@ -543,6 +560,7 @@ def test_decode_loop_does_not_copy_the_caches(long_engines):
             assert copies == [], copies[:3]
 
 
+@pytest.mark.slow
 def test_engine_serves_fused_target_at_the_configured_precision(qwen3_pair):
     """The engine runs copies of the target and the drafter in their serving layouts, leaving the
     modules passed in unchanged (the same parameter tree, the same values), so that engines of other
@@ -627,6 +645,7 @@ def _run_staggered(engine, prompts, monkeypatch) -> tuple[list, dict[int, list[i
 
 
 @pytest.mark.parametrize("speculative", [True, False])
+@pytest.mark.slow
 def test_staggered_requests_equal_each_request_alone(speculative, engines, monkeypatch):
     """Requests admitted at different host syncs into rows that others are decoding in (more requests
     than rows, a cancelled one among them) get exactly the tokens and acceptance lengths they get
@@ -666,6 +685,7 @@ def test_generate_flows_more_prompts_than_rows(engines):
     assert sorted(done) == list(range(len(prompts))) and done != sorted(done)  # finished out of order
 
 
+@pytest.mark.slow
 def test_admitting_and_resizing_keep_the_state_sharding(pair):
     """On a mesh, rows scattered into a running state, released and moved to another row count
     keep the state's layout (batch on ``data``, caches on KV heads)."""
@@ -720,6 +740,7 @@ def test_hlo_collectives_reads_synchronous_and_asynchronous_forms():
     assert got[1].elements == 256
 
 
+@pytest.mark.slow
 def test_sharded_decode_steps_gather_no_weights_and_no_logits(pair):
     """On a tensor-parallel mesh the compiled decode steps (target-only and DFlash) reduce across
     devices (all-reduces) but gather nothing as large as one row of logits: no weight (the

@@ -56,6 +56,7 @@ LINES = [
 ]
 
 
+@pytest.mark.slow
 def test_generate_end_to_end(models, tmp_path):
     target_dir, drafter_dir = models
     tok = Tokenizer(target_dir)
@@ -344,6 +345,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_serve_sigterm_finishes_requests_in_flight(models, tmp_path):
     target_dir, drafter_dir = models
     port = _free_port()
@@ -397,6 +399,7 @@ def test_serve_sigterm_finishes_requests_in_flight(models, tmp_path):
     assert "scheduler drained" in text
 
 
+@pytest.mark.slow
 def test_generate_with_compilation_cache(models, tmp_path):
     """A second run loads every program the first compiled from ``--compilation-cache`` and writes the
     same tokens; a directory that cannot be created is an error naming the setting, before loading."""

@@ -891,6 +891,7 @@ def real(tmp_path_factory):
 MAX_TOKENS = 12  # one max_tokens everywhere: one compiled program per batch size
 
 
+@pytest.mark.slow
 def test_real_engine_completion_and_chat(real):
     tok, prompts, alone, client, _, _ = real
     r = client.post("/v1/completions", json={"prompt": "Hello, world", "max_tokens": MAX_TOKENS,
@@ -948,6 +949,7 @@ def test_real_engine_stop_strings(real):
     assert (texts[0], ids[0], finish[0]) == (want, out[:kept], "stop")
 
 
+@pytest.mark.slow
 def test_real_engine_concurrent_requests(real):
     tok, prompts, alone, client, srv, app = real
     order = ["hello", "fox", "ids", "hello", "fox", "ids"]

@@ -41,6 +41,7 @@ def _rows(run_dir, kind):
     return [r for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
+@pytest.mark.slow
 def test_training_learns_the_targets_pattern(tmp_path):
     """A pattern target (greedy output follows a cyclic permutation, taps carry the context): loss
     falls, slot-1 accuracy rises, and real speculative decoding with the engine accepts far more."""
@@ -91,6 +92,7 @@ def resumed_runs(tmp_path_factory):
     return straight, split, second
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(resumed_runs):
     """N steps in one run == k steps, a restart (restored optimizer state, step and data iterator),
     then N - k steps."""
@@ -144,6 +146,7 @@ print("NOT REACHED")
 """
 
 
+@pytest.mark.slow
 def test_interrupted_save_keeps_the_last_good_checkpoint(tmp_path):
     import grain
     from dflash_jax.training.checkpointing import Checkpointer
@@ -184,6 +187,7 @@ def _reference_draft_logits(ref_target, ref_drafter, ctx, anchor, block):
         return ref_drafter.compute_logits(hidden[:, 1:], ref_target.lm_head)[0].numpy()
 
 
+@pytest.mark.slow
 def test_export_round_trip(tmp_path, reference, resumed_runs):
     """train.py export writes the z-lab format: the authors' DFlashDraftModel loads it with the same
     draft logits as our loader, which equals the Orbax checkpoint."""
@@ -214,6 +218,7 @@ def test_export_round_trip(tmp_path, reference, resumed_runs):
             np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device(tmp_path):
     """One train step on a (data=2, fsdp=2, tensor=2) mesh of 8 fake CPU devices equals the same
     step on one device; the drafter's weights and optimizer state really are sharded."""
@@ -316,6 +321,7 @@ def test_shipped_configs_load(name):
 
 
 @pytest.mark.parametrize("kind,weighting", [("kl", "dpace")])
+@pytest.mark.slow
 def test_chunked_loss_equals_unchunked(kind, weighting):
     """``loss.loss_chunk`` (head + loss over chunks of blocks under jax.checkpoint) changes memory,
     not the loss or the gradients; distillation losses included."""
@@ -437,6 +443,7 @@ def run_copy(resumed_runs, tmp_path):
     return run, ["--config", str(tmp_path / "cli.yaml"), f"output_dir={run}"]
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_config(run_copy, capsys):
     """A resume whose config changes what the saved state is (drafter shape, mask id, optimizer
     structure) or asks for fewer steps than done is refused before anything is loaded or written."""

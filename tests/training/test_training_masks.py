@@ -227,6 +227,7 @@ def test_loss_value_and_metrics_by_hand():
                                1 + 0.9 + 0.45 + 0.225, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_training_blocks_equal_inference_draft_per_anchor():
     """All anchor blocks drafted at once in training give the same logits as the inference path
     (``api.draft_logits``: context = the tokens before the anchor, block at the anchor) per anchor."""

@@ -112,6 +112,7 @@ def test_init_stacked_matches_stack_layers_layout():
     assert not np.array_equal(np.asarray(layers[0], np.float32), np.asarray(layers[1], np.float32))
 
 
+@pytest.mark.slow
 def test_train_step_scanned_equals_unrolled():
     """One distillation train step (teacher logits from all layers, taps from the scan) gives the
     same loss and updated drafter weights with the scanned and the unrolled target."""
