@@ -34,19 +34,9 @@ from dflash_jax.sharding import shard_kernel
 from kernels_pallas.block_attention.reference import block_attention_reference
 
 
-def block_attention(
-    q: jax.Array,
-    k_ctx: jax.Array,
-    v_ctx: jax.Array,
-    ctx_lens: jax.Array,
-    k_blk: jax.Array,
-    v_blk: jax.Array,
-    blk_lens: jax.Array,
-    *,
-    causal: bool,
-    scale: float | None = None,
-    ops: OpsConfig = XLA,
-) -> jax.Array:
+def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: jax.Array, k_blk: jax.Array,
+                    v_blk: jax.Array, blk_lens: jax.Array, *, causal: bool, scale: float | None = None,
+                    ops: OpsConfig = XLA) -> jax.Array:
     """``block_attention_reference`` computed as ``ops`` says (the reference, or with the kernels on
     a Pallas kernel, or for a prompt, one causal block per row with no context, ``prompt_attention``)."""
     if ops.kernels and causal and q.shape[1] == 1 and k_ctx.shape[1] == 0:

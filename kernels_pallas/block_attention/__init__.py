@@ -99,22 +99,9 @@ def _attention_bwd(causal, scale, interpret, backend, config, bwd, res, dout):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def block_attention(
-    q: jax.Array,
-    k_ctx: jax.Array,
-    v_ctx: jax.Array,
-    ctx_lens: jax.Array,
-    k_blk: jax.Array,
-    v_blk: jax.Array,
-    blk_lens: jax.Array,
-    *,
-    causal: bool,
-    scale: float | None = None,
-    interpret: bool | None = None,
-    backend: str | None = None,
-    config=None,
-    bwd: str | None = None,
-) -> jax.Array:
+def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: jax.Array, k_blk: jax.Array,
+    v_blk: jax.Array, blk_lens: jax.Array, *, causal: bool, scale: float | None = None,
+    interpret: bool | None = None, backend: str | None = None, config=None, bwd: str | None = None) -> jax.Array:
     """``reference.block_attention_reference`` as a Pallas kernel (differentiable).
 
     Args: as the reference (q ``[batch, blocks, block, q_heads, head_dim]``, k_ctx/v_ctx

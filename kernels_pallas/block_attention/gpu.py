@@ -196,20 +196,8 @@ def plan(batch: int, blocks: int, kv_heads: int, ctx: int, cfg: GpuConfig):
     return bk, ctx_p, splits, chunk
 
 
-def forward(
-    q,
-    k_ctx,
-    v_ctx,
-    ctx_lens,
-    k_blk,
-    v_blk,
-    blk_lens,
-    *,
-    causal: bool,
-    scale: float | None = None,
-    interpret: bool = False,
-    config: GpuConfig | None = None,
-):
+def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, scale: float | None = None,
+    interpret: bool = False, config: GpuConfig | None = None):
     """Returns (out [B, N, S, Hq, D] in q.dtype, lse [B, N, Hkv, S * G] float32, NEG if no key)."""
     cfg = config or GpuConfig()
     b, n, s_len, hq, hkv, d = check_shapes(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens)

@@ -14,18 +14,8 @@ import jax.numpy as jnp
 _MASKED = -1e30  # finite, so that fully masked rows give zeros rather than NaN
 
 
-def block_attention_reference(
-    q: jax.Array,
-    k_ctx: jax.Array,
-    v_ctx: jax.Array,
-    ctx_lens: jax.Array,
-    k_blk: jax.Array,
-    v_blk: jax.Array,
-    blk_lens: jax.Array,
-    *,
-    causal: bool,
-    scale: float | None = None,
-) -> jax.Array:
+def block_attention_reference(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: jax.Array,
+    k_blk: jax.Array, v_blk: jax.Array, blk_lens: jax.Array, *, causal: bool, scale: float | None = None) -> jax.Array:
     """Attention of query blocks over a shared context prefix plus their own block.
 
     Args:

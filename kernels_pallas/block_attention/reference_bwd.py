@@ -28,22 +28,8 @@ def _chunk_blocks(batch, blocks, q_heads, block, ctx, budget_bytes):
     return best
 
 
-def block_attention_bwd(
-    q,
-    k_ctx,
-    v_ctx,
-    ctx_lens,
-    k_blk,
-    v_blk,
-    blk_lens,
-    out,
-    lse,
-    dout,
-    *,
-    causal: bool,
-    scale: float,
-    budget_bytes: int = 1 << 27,
-):
+def block_attention_bwd(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, out, lse, dout, *, causal: bool,
+    scale: float, budget_bytes: int = 1 << 27):
     """Gradients (dq, dk_ctx, dv_ctx, dk_blk, dv_blk) of sum(out * dout).
 
     ``lse``: ``[batch, blocks, kv_heads, block * groups]`` float32 (row ``s * groups + g``), as

@@ -123,20 +123,8 @@ def _kernel(
         lse_ref[...] = jnp.where(l > 0.0, m_sc[...] + jnp.log(l_safe), NEG)
 
 
-def forward(
-    q,
-    k_ctx,
-    v_ctx,
-    ctx_lens,
-    k_blk,
-    v_blk,
-    blk_lens,
-    *,
-    causal: bool,
-    scale: float | None = None,
-    interpret: bool = False,
-    config: TpuConfig | None = None,
-):
+def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, scale: float | None = None,
+    interpret: bool = False, config: TpuConfig | None = None):
     """Returns (out [B, N, S, Hq, D] in q.dtype, lse [B, N, Hkv, S * G] float32, NEG if no key)."""
     cfg = config or TpuConfig()
     b, n, s_len, hq, hkv, d = check_shapes(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens)
