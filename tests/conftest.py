@@ -77,3 +77,15 @@ def tpu_flash_interpreted(monkeypatch):
     monkeypatch.setattr(attention, "library_flash_attention", lambda dtype, head_dim: "tpu_flash")
     monkeypatch.setattr(attention, "tpu_flash_attention", interpreted)
     return calls
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a GPU: elsewhere they are skipped (``pytest -m gpu`` on an accelerator)."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (run `pytest -m gpu` on an accelerator)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
