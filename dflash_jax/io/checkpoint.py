@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from dflash_jax.models.drafter import Drafter
@@ -30,7 +30,8 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is incomplete or does not fit its config; the message names file and tensor."""
+    """A checkpoint cannot be used: unreadable, incomplete, or not fitting its config; the message names
+    the file and the tensor. The one class of both loaders (``io.orbax`` raises it too)."""
 
 
 def _dtype(dtype) -> jnp.dtype:
@@ -82,56 +83,125 @@ def _tensor_spec(path: tuple, shape: tuple[int, ...]) -> tuple[str, Convert, Con
 # ----------------------------------------------------------------------------------------------
 
 
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Safetensors dtypes a weight may be stored in (cast to the dtype asked for); integer, boolean and
+# 8-bit tensors would need a dequantization we do not implement.
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+# Tensors a loader may find next to the weights and ignore: the RoPE buffers of older Llama
+# checkpoints (recomputed from the config).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _read_index(index: Path) -> dict[str, Path]:
+    """The tensor -> shard map of a sharded checkpoint, every shard checked to exist."""
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{index}: malformed index ({type(err).__name__}: {err})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: malformed index (no 'weight_map' object of tensor name -> shard file)")
+    files = {}
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or Path(file).name != file:
+            raise CheckpointError(f"{index}: malformed index (tensor {name!r} maps to {file!r}, not a shard file name "
+                                  "in the same directory)")
+        shard = index.parent / file
+        if not shard.is_file():
+            raise CheckpointError(f"{index}: shard {file!r} (of tensor {name!r}) is missing")
+        files[name] = shard
+    return files
+
+
+def _open(file: Path):
+    """An open safetensors file; a damaged or truncated one is a ``CheckpointError`` naming it."""
+    try:
+        return safe_open(file, framework="flax").__enter__()
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
+
+
 def _safetensors_files(directory: Path) -> dict[str, Path]:
     """Maps every tensor name to the file that holds it (single file or sharded index)."""
-    index = directory / "model.safetensors.index.json"
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no such directory")
+    index = directory / INDEX
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
-            raise CheckpointError(f"{index}: malformed index ({err})") from None
-        return {name: directory / file for name, file in weight_map.items()}
-    single = directory / "model.safetensors"
+        return _read_index(index)
+    single = directory / SINGLE
     if not single.exists():
-        raise CheckpointError(f"{directory}: neither model.safetensors nor model.safetensors.index.json found")
-    with safe_open(single, framework="flax") as f:
-        return {name: single for name in f.keys()}
+        raise CheckpointError(f"{directory}: neither {SINGLE} nor {INDEX} found")
+    handle = _open(single)
+    try:
+        return {name: single for name in handle.keys()}
+    finally:
+        handle.__exit__(None, None, None)
+
+
+def _torch_shape(spec_to_torch: Convert, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(jax.eval_shape(spec_to_torch, jax.ShapeDtypeStruct(shape, jnp.float32)).shape)
+
+
+def _unused(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:4])
+    more = f" and {len(names) - 4} more ({len(names)} in all)" if len(names) > 4 else ""
+    return shown + more
 
 
 def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str, dtype,
-              optional: Callable[[str], bool] = lambda name: False) -> nnx.Module:
-    """Builds the module abstractly, then fills every parameter from the checkpoint."""
+              ignored: Callable[[str], bool] = lambda name: False) -> nnx.Module:
+    """Builds the module abstractly, then fills every parameter from the checkpoint.
+
+    Every tensor is checked in the torch layout (``[out, in]``) before it is reshaped into ours, so
+    a transposed or reshaped tensor of the right size is refused; so are non-float tensors and tensors
+    of the checkpoint that no parameter uses (``ignored`` names excepted).
+    """
     abstract = nnx.eval_shape(module_fn)
     graphdef, state = nnx.split(abstract)
     files = _safetensors_files(directory)
     handles: dict[Path, object] = {}
-    filled = []
+    filled, used = [], set()
     try:
         for path, var in nnx.to_flat_state(state):
             shape = tuple(var.get_value().shape)
-            torch_name, from_torch, _ = _tensor_spec(path, shape)
+            torch_name, from_torch, to_torch = _tensor_spec(path, shape)
             full_name = torch_name if torch_name == "lm_head.weight" else prefix + torch_name
             if full_name not in files:
-                if optional(full_name):
-                    continue
                 raise CheckpointError(f"{directory}: tensor {full_name!r} is missing from the checkpoint")
+            used.add(full_name)
             file = files[full_name]
             if file not in handles:
-                handles[file] = safe_open(file, framework="flax").__enter__()
-            tensor = handles[file].get_tensor(full_name)
+                handles[file] = _open(file)
             try:
-                value = from_torch(tensor)
-            except (TypeError, ValueError):
-                value = None
-            if value is None or tuple(value.shape) != shape:
+                view = handles[file].get_slice(full_name)
+                stored_shape, stored_dtype = tuple(view.get_shape()), view.get_dtype()
+            except SafetensorError as err:
+                raise CheckpointError(f"{file}: tensor {full_name!r} cannot be read ({err})") from None
+            want = _torch_shape(to_torch, shape)
+            if stored_shape != want:
                 raise CheckpointError(
-                    f"{file}: tensor {full_name!r} has shape {tuple(tensor.shape)}, which does not fit the "
-                    f"config (expected {shape} in our layout)"
+                    f"{file}: tensor {full_name!r} has shape {stored_shape}, which does not fit the config "
+                    f"(expected {want}, torch's [out, in] layout)"
                 )
-            filled.append((path, var.replace(jnp.asarray(value, dtype))))
+            if stored_dtype not in _FLOAT_DTYPES:
+                raise CheckpointError(f"{file}: tensor {full_name!r} has dtype {stored_dtype}; weights must be "
+                                      f"floating point ({', '.join(_FLOAT_DTYPES)})")
+            try:
+                tensor = handles[file].get_tensor(full_name)
+            except SafetensorError as err:
+                raise CheckpointError(f"{file}: tensor {full_name!r} cannot be read ({err})") from None
+            filled.append((path, var.replace(jnp.asarray(from_torch(tensor), dtype))))
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
+    unused = sorted(n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES) and not ignored(n))
+    if unused:
+        where = files[unused[0]] if len({files[n] for n in unused}) == 1 else directory
+        raise CheckpointError(
+            f"{where}: the checkpoint holds tensors that the config uses nowhere: {_unused(unused)} "
+            "(does config.json describe this checkpoint: num_hidden_layers, tie_word_embeddings, biases?)"
+        )
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
@@ -140,7 +210,43 @@ def load_target(path: str | Path, dtype="float32") -> Target:
     directory = Path(path)
     config = load_target_config(directory)
     dt = _dtype(dtype)
-    return _populate(lambda: Target(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "model.", dt)
+    tied = (lambda name: name == "lm_head.weight") if config.tie_word_embeddings else (lambda name: False)
+    target = _populate(lambda: Target(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "model.", dt, tied)
+    if config.tie_word_embeddings:
+        _check_tied_head(directory)
+    return target
+
+
+def _check_tied_head(directory: Path) -> None:
+    """A tied head reads the embedding table: a saved ``lm_head.weight`` must be a copy of it (a
+    different one means the config's ``tie_word_embeddings: true`` does not describe this checkpoint)."""
+    files = _safetensors_files(directory)
+    if "lm_head.weight" not in files:
+        return
+    handles = {file: _open(file) for file in {files["lm_head.weight"], files["model.embed_tokens.weight"]}}
+    try:
+        head = handles[files["lm_head.weight"]].get_tensor("lm_head.weight")
+        table = handles[files["model.embed_tokens.weight"]].get_tensor("model.embed_tokens.weight")
+    except SafetensorError as err:
+        raise CheckpointError(f"{files['lm_head.weight']}: tensor 'lm_head.weight' cannot be read ({err})") from None
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    if head.shape != table.shape or not bool(jnp.array_equal(head, table)):
+        raise CheckpointError(
+            f"{files['lm_head.weight']}: tensor 'lm_head.weight' differs from 'model.embed_tokens.weight', but "
+            f"{directory / 'config.json'} sets tie_word_embeddings: true (the head would be the embedding table)"
+        )
+
+
+def _is_training_run(directory: Path) -> bool:
+    """Whether ``directory`` is a run directory, its ``checkpoints/`` or a ``checkpoints/<step>`` (as
+    ``io.orbax`` resolves them)."""
+    p = directory.absolute()
+    return ((p / "drafter_config.json").exists()
+            or (p.name == "checkpoints" and (p.parent / "drafter_config.json").exists())
+            or (p.name.isdigit() and p.parent.name == "checkpoints"
+                and (p.parent.parent / "drafter_config.json").exists()))
 
 
 def load_drafter(path: str | Path, dtype="float32") -> Drafter:
@@ -149,7 +255,14 @@ def load_drafter(path: str | Path, dtype="float32") -> Drafter:
     An Orbax training checkpoint directory (see ``dflash_jax.training``) is accepted too.
     """
     directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no such directory")
     if not (directory / "config.json").exists():
+        if not _is_training_run(directory):
+            raise CheckpointError(
+                f"{directory}: not a drafter: neither a z-lab drafter directory (no config.json) nor a training run "
+                "(no drafter_config.json here, in its parent or grandparent)"
+            )
         from dflash_jax.io.orbax import load_drafter_from_orbax  # Orbax is slow to import: only when needed
 
         return load_drafter_from_orbax(directory, dtype=dtype)
@@ -173,14 +286,33 @@ def _tensors(module: nnx.Module, prefix: str, dtype) -> dict[str, jax.Array]:
     return out
 
 
+def _remove_stale_index(directory: Path) -> None:
+    """Removes a sharded checkpoint's index and the shards it names, so that the single file written
+    next is what loads (a loader reads the index first)."""
+    index = directory / INDEX
+    if not index.exists():
+        return
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        shards = {f for f in weight_map.values() if isinstance(f, str)}
+    except (OSError, ValueError, AttributeError):  # unreadable: its shards stay, unreferenced
+        shards = set()
+    index.unlink()
+    for name in sorted(shards):
+        shard = directory / name
+        if Path(name).name == name and name.endswith(".safetensors") and name != SINGLE and shard.is_file():
+            shard.unlink()
+
+
 def _save(module: nnx.Module, config: dict, path: str | Path, prefix: str, dtype) -> None:
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     dt = None if dtype is None else _dtype(dtype)
     tensors = _tensors(module, prefix, dt)
     config["torch_dtype"] = str(next(iter(tensors.values())).dtype)
+    _remove_stale_index(directory)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(directory / SINGLE), metadata={"format": "pt"})
 
 
 def save_drafter(drafter: Drafter, path: str | Path, dtype=None) -> None:

@@ -8,7 +8,6 @@ back to it for a directory without a ``config.json``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
@@ -16,17 +15,13 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from dflash_jax.models.config import DrafterConfig, drafter_config_from_dict
+from dflash_jax.io.checkpoint import CheckpointError, _dtype
+from dflash_jax.models.config import DrafterConfig, drafter_config_from_dict, read_config_json
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.rope import rope_inv_freq
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DRAFTER_CONFIG = "drafter_config.json"
 CHECKPOINTS = "checkpoints"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used as asked (unreadable, or a step that contradicts its path)."""
 
 
 def step_dirs(run_dir: str | Path) -> list[int]:
@@ -69,7 +64,7 @@ def _resolve(path: str | Path) -> tuple[Path, int | None]:
 
 def load_drafter_config_from_run(run_dir: str | Path) -> DrafterConfig:
     path = Path(run_dir) / DRAFTER_CONFIG
-    return drafter_config_from_dict(json.loads(path.read_text()), str(path))
+    return drafter_config_from_dict(read_config_json(path), str(path))
 
 
 def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype="float32") -> Drafter:
@@ -82,7 +77,7 @@ def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype
         raise CheckpointError(f"{ckpt_dir} is the checkpoint of step {path_step}, but step {step} was asked for")
     step = step if step is not None else path_step
     config = load_drafter_config_from_run(run_dir)
-    dt = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dt = _dtype(dtype)
     abstract = nnx.eval_shape(lambda: Drafter(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     manager = ocp.CheckpointManager(

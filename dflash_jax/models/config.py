@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +42,12 @@ class TransformerShape:
         return dict(self.rope_scaling) if self.rope_scaling is not None else None
 
     def validate(self, source: str = "config") -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
+        for name, field in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                            ("intermediate_size", "intermediate_size"), ("num_layers", "num_hidden_layers"),
+                            ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
+                            ("head_dim", "head_dim")):  # named as in config.json
             if getattr(self, name) <= 0:
-                raise ModelConfigError(f"{source}: {name} must be positive, got {getattr(self, name)}")
+                raise ModelConfigError(f"{source}: {field} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"{source}: num_attention_heads={self.num_heads} is not a multiple of "
@@ -52,8 +55,10 @@ class TransformerShape:
             )
         if self.head_dim % 2:
             raise ModelConfigError(f"{source}: head_dim must be even for RoPE, got {self.head_dim}")
-        if not self.rms_norm_eps > 0:
-            raise ModelConfigError(f"{source}: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+            raise ModelConfigError(f"{source}: rms_norm_eps must be a finite number > 0, got {self.rms_norm_eps}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ModelConfigError(f"{source}: rope_theta must be a finite number > 0, got {self.rope_theta}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,139 +120,221 @@ def _read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ModelConfigError(f"{path}: not found") from None
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ModelConfigError(f"{path}: invalid JSON: {err}") from None
+    except OSError as err:  # a directory, no permission
+        raise ModelConfigError(f"{path}: cannot be read: {err.strerror or err}") from None
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path}: the top level must be an object")
     return data
 
 
-def _field(data: dict, name: str, source: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
-    if name not in data or data[name] is None:
-        if default is dataclasses.MISSING:
-            raise ModelConfigError(f"{source}: missing field {name!r}")
+_REQUIRED = object()
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string",
+               list: "a list", dict: "an object"}
+
+
+def _describe(value: Any) -> str:
+    text = "null" if value is None else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check(value: Any, label: str, source: str, kind: type) -> Any:
+    """``value`` if it is a JSON value of ``kind`` (no bool for numbers, finite floats), else an error."""
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        value = float(value) if ok else value
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        finite = " finite" if kind is float and isinstance(value, float) else ""
+        raise ModelConfigError(f"{source}: field {label!r} must be{finite} {_KIND_NAMES[kind]}, got {_describe(value)}")
+    return value
+
+
+def _field(data: dict, name: str, source: str, kind: type, default: Any = _REQUIRED, *,
+           nullable: bool = False, label: str | None = None) -> Any:
+    """``data[name]`` checked (never converted) against ``kind``. Absent: ``default`` (an error without
+    one); ``null``: ``default`` when ``nullable`` (transformers reads it as unset), else an error."""
+    label = label or name
+    if name not in data or (data[name] is None and nullable):
+        if default is _REQUIRED:
+            raise ModelConfigError(f"{source}: missing field {label!r}")
         return default
-    value = data[name]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if kind is int and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ModelConfigError(f"{source}: field {name!r} must be {kind.__name__}, got {value!r}")
+    return _check(data[name], label, source, kind)
+
+
+def _positive(value: float, label: str, source: str) -> float:
+    if not value > 0:
+        raise ModelConfigError(f"{source}: field {label!r} must be > 0, got {value!r}")
     return value
 
 
 def _rope(data: dict, source: str) -> tuple[float, dict | None]:
     params = data.get("rope_parameters")
-    if isinstance(params, dict):  # transformers >= 5
-        theta = float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
+    if params is not None and not isinstance(params, dict):
+        raise ModelConfigError(f"{source}: field 'rope_parameters' must be an object or null, got {_describe(params)}")
+    if params is not None:  # transformers >= 5
+        if "rope_theta" in params:
+            theta = _field(params, "rope_theta", source, float, label="rope_parameters.rope_theta")
+            theta_label = "rope_parameters.rope_theta"
+        else:
+            theta, theta_label = _field(data, "rope_theta", source, float, 10000.0), "rope_theta"
         kind = params.get("rope_type", params.get("type", "default"))
-        scaling = None if kind == "default" else dict(params)
+        scaling, where = (None if kind == "default" else dict(params)), "rope_parameters"
     else:
-        theta = float(data.get("rope_theta", 10000.0))
-        scaling = data.get("rope_scaling")
+        theta, theta_label = _field(data, "rope_theta", source, float, 10000.0), "rope_theta"
+        scaling, where = data.get("rope_scaling"), "rope_scaling"
         if scaling is not None and not isinstance(scaling, dict):
-            raise ModelConfigError(f"{source}: rope_scaling must be an object or null")
+            raise ModelConfigError(f"{source}: field 'rope_scaling' must be an object or null, got {_describe(scaling)}")
         if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
+    _positive(theta, theta_label, source)
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in ("linear", "llama3"):
-            raise ModelConfigError(f"{source}: rope type {kind!r} is not supported (default, linear, llama3)")
-        need = ["factor"] + (["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
-                             if kind == "llama3" else [])
+            raise ModelConfigError(f"{source}: rope type {_describe(kind)} is not supported (default, linear, llama3)")
+        need = ["factor"] + (["low_freq_factor", "high_freq_factor"] if kind == "llama3" else [])
         for key in need:
             if key not in scaling:
                 raise ModelConfigError(f"{source}: rope scaling {kind!r} needs {key!r}")
-    if theta <= 0:
-        raise ModelConfigError(f"{source}: rope_theta must be > 0, got {theta}")
+            _positive(_field(scaling, key, source, float, label=f"{where}.{key}"), f"{where}.{key}", source)
+        if kind == "llama3":
+            label = f"{where}.original_max_position_embeddings"
+            if "original_max_position_embeddings" not in scaling:
+                raise ModelConfigError(f"{source}: rope scaling {kind!r} needs 'original_max_position_embeddings'")
+            _positive(_field(scaling, "original_max_position_embeddings", source, int, label=label), label, source)
+            if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+                raise ModelConfigError(
+                    f"{source}: field '{where}.high_freq_factor' ({scaling['high_freq_factor']}) must be greater "
+                    f"than '{where}.low_freq_factor' ({scaling['low_freq_factor']})"
+                )
     return theta, scaling
+
+
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
 
 def _shape_fields(data: dict, source: str, *, qk_norm: bool) -> dict[str, Any]:
     hidden = _field(data, "hidden_size", source, int)
     heads = _field(data, "num_attention_heads", source, int)
     if heads <= 0 or hidden <= 0:
-        raise ModelConfigError(f"{source}: hidden_size and num_attention_heads must be positive")
+        raise ModelConfigError(f"{source}: hidden_size and num_attention_heads must be positive, "
+                               f"got {hidden} and {heads}")
     theta, scaling = _rope(data, source)
-    if data.get("use_sliding_window"):
+    if _field(data, "use_sliding_window", source, bool, False, nullable=True):
         raise ModelConfigError(f"{source}: use_sliding_window=true is not supported")
+    act = _field(data, "hidden_act", source, str, "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelConfigError(f"{source}: field 'hidden_act' is {act!r}; only SiLU is implemented "
+                               f"({', '.join(SUPPORTED_ACTIVATIONS)})")
+    eps = _field(data, "rms_norm_eps", source, float, 1e-6)
     return dict(
         vocab_size=_field(data, "vocab_size", source, int),
         hidden_size=hidden,
         intermediate_size=_field(data, "intermediate_size", source, int),
         num_layers=_field(data, "num_hidden_layers", source, int),
         num_heads=heads,
-        num_kv_heads=_field(data, "num_key_value_heads", source, int, heads),
-        head_dim=_field(data, "head_dim", source, int, hidden // heads),
-        rms_norm_eps=_field(data, "rms_norm_eps", source, float, 1e-6),
+        num_kv_heads=_field(data, "num_key_value_heads", source, int, heads, nullable=True),
+        head_dim=_field(data, "head_dim", source, int, hidden // heads, nullable=True),
+        rms_norm_eps=eps,
         rope_theta=theta,
         rope_scaling=freeze_rope_scaling(scaling),
-        attention_bias=_field(data, "attention_bias", source, bool, False),
-        mlp_bias=_field(data, "mlp_bias", source, bool, False),
+        attention_bias=_field(data, "attention_bias", source, bool, False, nullable=True),
+        mlp_bias=_field(data, "mlp_bias", source, bool, False, nullable=True),
         qk_norm=qk_norm,
     )
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def _max_positions(data: dict, source: str) -> int:
+    value = _field(data, "max_position_embeddings", source, int, 40960, nullable=True)
+    return _positive(value, "max_position_embeddings", source)
+
+
+def _eos_ids(data: dict, source: str) -> tuple[int, ...]:
+    value = data.get("eos_token_id")
     if value is None:
         return ()
-    return tuple(value) if isinstance(value, list) else (int(value),)
+    ids = value if isinstance(value, list) else [value]
+    out = tuple(_check(v, "eos_token_id", source, int) for v in ids)
+    if any(i < 0 for i in out):
+        raise ModelConfigError(f"{source}: field 'eos_token_id' must hold token ids >= 0, got {_describe(value)}")
+    return out
 
 
 def target_config_from_dict(data: dict[str, Any], source: str = "config.json") -> TargetConfig:
     model_type = data.get("model_type")
     if model_type not in SUPPORTED_TARGETS:
         raise ModelConfigError(
-            f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TARGETS)})"
+            f"{source}: model_type {_describe(model_type)} is not supported (supported: {', '.join(SUPPORTED_TARGETS)})"
         )
     cfg = TargetConfig(
         **_shape_fields(data, source, qk_norm=model_type == "qwen3"),
         model_type=model_type,
-        tie_word_embeddings=_field(data, "tie_word_embeddings", source, bool, False),
-        max_position_embeddings=_field(data, "max_position_embeddings", source, int, 40960),
-        eos_token_ids=_eos_ids(data.get("eos_token_id")),
+        tie_word_embeddings=_field(data, "tie_word_embeddings", source, bool, False, nullable=True),
+        max_position_embeddings=_max_positions(data, source),
+        eos_token_ids=_eos_ids(data, source),
     )
     cfg.validate(source)
     return cfg
 
 
 def drafter_config_from_dict(data: dict[str, Any], source: str = "config.json") -> DrafterConfig:
-    dflash = data.get("dflash_config") or {}
+    dflash = data.get("dflash_config")
+    if dflash is None:
+        dflash = {}
     if not isinstance(dflash, dict):
-        raise ModelConfigError(f"{source}: dflash_config must be an object")
+        raise ModelConfigError(f"{source}: field 'dflash_config' must be an object, got {_describe(dflash)}")
 
-    def draft_value(name: str, default: Any = None) -> Any:  # dflash_config first, then top level
-        return dflash.get(name, data.get(name, default))
+    def draft_field(name: str, kind: type, default: Any = _REQUIRED, nullable: bool = False) -> Any:
+        """A DFlash setting: from ``dflash_config`` first, then the top level (as the reference reads it)."""
+        if name in dflash or name not in data:
+            return _field(dflash, name, source, kind, default, nullable=nullable, label=f"dflash_config.{name}")
+        return _field(data, name, source, kind, default, nullable=nullable)
 
     shape = _shape_fields(data, source, qk_norm=True)
     num_target_layers = _field(data, "num_target_layers", source, int)
-    layer_ids = draft_value("target_layer_ids")
+    if num_target_layers <= 0:
+        raise ModelConfigError(f"{source}: field 'num_target_layers' must be > 0, got {num_target_layers}")
+    layer_ids = draft_field("target_layer_ids", list, None, nullable=True)
     if layer_ids is None:
         layer_ids = default_target_layer_ids(num_target_layers, shape["num_layers"])
-    if not isinstance(layer_ids, (list, tuple)) or not all(isinstance(i, int) for i in layer_ids):
-        raise ModelConfigError(f"{source}: target_layer_ids must be a list of integers, got {layer_ids!r}")
-    mask_token_id = draft_value("mask_token_id")
-    if not isinstance(mask_token_id, int):
-        raise ModelConfigError(f"{source}: dflash_config.mask_token_id must be an integer, got {mask_token_id!r}")
-    layer_types = data.get("layer_types") or []
+    where = "dflash_config.target_layer_ids" if "target_layer_ids" in dflash else "target_layer_ids"
+    layer_ids = tuple(_check(i, f"{where}[{n}]", source, int) for n, i in enumerate(layer_ids))
+    mask_token_id = draft_field("mask_token_id", int)
+    layer_types = _field(data, "layer_types", source, list, [], nullable=True)
     if any(t != "full_attention" for t in layer_types):
-        raise ModelConfigError(f"{source}: only full_attention drafter layers are supported, got {layer_types}")
-    softcap = draft_value("final_logit_softcapping")
+        raise ModelConfigError(f"{source}: field 'layer_types': only full_attention drafter layers are supported, "
+                               f"got {_describe(layer_types)}")
+    softcap = draft_field("final_logit_softcapping", float, None, nullable=True)
+    if softcap is not None and softcap < 0:
+        raise ModelConfigError(f"{source}: field 'final_logit_softcapping' must be > 0 (or 0 or null: none), got {softcap}")
+    scales = {}
+    for name in ("input_embedding_scale", "output_multiplier"):
+        scales[name] = draft_field(name, float, 1.0)
+        if not scales[name] > 0:
+            raise ModelConfigError(f"{source}: field {name!r} must be > 0, got {scales[name]}")
     cfg = DrafterConfig(
         **shape,
-        block_size=int(draft_value("block_size", 16)),
+        block_size=draft_field("block_size", int, 16),
         mask_token_id=mask_token_id,
-        target_layer_ids=tuple(layer_ids),
+        target_layer_ids=layer_ids,
         num_target_layers=num_target_layers,
-        input_embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
-        output_multiplier=float(draft_value("output_multiplier", 1.0)),
-        final_logit_softcapping=float(softcap) if softcap else None,
-        causal=bool(data.get("is_causal") or False),
-        max_position_embeddings=_field(data, "max_position_embeddings", source, int, 40960),
+        **scales,
+        final_logit_softcapping=softcap or None,  # 0: none, as the reference reads it
+        # null: not causal, as the reference reads it for full-attention layers
+        causal=_field(data, "is_causal", source, bool, False, nullable=True),
+        max_position_embeddings=_max_positions(data, source),
     )
     cfg.validate(source)
     return cfg
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A config file's top-level object; a missing, unreadable or malformed file is a ``ModelConfigError``."""
+    return _read_json(Path(path))
 
 
 def load_target_config(directory: str | Path) -> TargetConfig:
@@ -301,6 +388,7 @@ def drafter_config_to_dict(cfg: DrafterConfig) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
+        "is_causal": cfg.causal,
         "dflash_config": {
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids),

@@ -203,6 +203,9 @@ class Engine:
             if drafter.config.vocab_size != target.config.vocab_size:
                 raise ValueError(f"drafter vocab_size {drafter.config.vocab_size} != target vocab_size "
                                  f"{target.config.vocab_size}")
+            if drafter.config.hidden_size != target.config.hidden_size:  # it embeds with the target's table
+                raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size "
+                                 f"{target.config.hidden_size}")
             if drafter.config.num_target_layers != target.config.num_layers:
                 raise ValueError(f"drafter num_target_layers {drafter.config.num_target_layers} != target "
                                  f"num_hidden_layers {target.config.num_layers}")
