@@ -42,7 +42,14 @@ _NAMED_SPECIAL_TOKENS = (
 
 
 class TokenizerError(ValueError):
-    """A tokenizer file is missing or malformed; the message names the file and the field."""
+    """A tokenizer file is missing or malformed; the message names the file and the field.
+
+    ``reason``: the problem without the file's path, where one is set (the chat-template errors), for
+    messages to clients, which must not learn the server's file system."""
+
+    def __init__(self, message: str, *, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
 
 
 class ChatTemplateError(ValueError):
@@ -320,27 +327,22 @@ class Tokenizer:
 
     def get_chat_template(self, name: str | None = None, tools: Any = None) -> str:
         if not self._chat_templates:
-            raise TokenizerError(
-                f"{self.directory}: the model has no chat template (no 'chat_template' in tokenizer_config.json, "
-                "no chat_template.jinja)"
-            )
+            reason = ("the model has no chat template (no 'chat_template' in tokenizer_config.json, "
+                      "no chat_template.jinja)")
+            raise TokenizerError(f"{self.directory}: {reason}", reason=reason)
         if name is not None:
             if name in self._chat_templates:
                 return self._chat_templates[name]
             if "{" in name:  # a template given inline
                 return name
-            raise TokenizerError(
-                f"{self._chat_template_source}: no chat template named {name!r}; "
-                f"available: {self.chat_template_names}"
-            )
+            reason = f"no chat template named {name!r:.200}; available: {self.chat_template_names}"
+            raise TokenizerError(f"{self._chat_template_source}: {reason}", reason=reason)
         if tools is not None and "tool_use" in self._chat_templates:
             return self._chat_templates["tool_use"]
         if "default" in self._chat_templates:
             return self._chat_templates["default"]
-        raise TokenizerError(
-            f"{self._chat_template_source}: several chat templates and none is named 'default'; "
-            f"available: {self.chat_template_names}"
-        )
+        reason = f"several chat templates and none is named 'default'; available: {self.chat_template_names}"
+        raise TokenizerError(f"{self._chat_template_source}: {reason}", reason=reason)
 
     def render_chat_template(
         self,
@@ -361,9 +363,8 @@ class Tokenizer:
         try:
             template = _compile_template(source)
         except jinja2.exceptions.TemplateSyntaxError as err:
-            raise TokenizerError(
-                f"{self._chat_template_source}: chat template syntax error at line {err.lineno}: {err.message}"
-            ) from None
+            reason = f"chat template syntax error at line {err.lineno}: {err.message}"
+            raise TokenizerError(f"{self._chat_template_source}: {reason}", reason=reason) from None
         variables = {**self.special_tokens, **template_kwargs}
         try:
             return template.render(

@@ -20,13 +20,15 @@ What it buys and costs, measured (docs/performance.md; Qwen3-8B shapes):
   So a server that restarts often gains; one that runs for days keeps the cache off (the default).
 
 The directory holds executable code: whoever can write to it can run code in the process that
-loads it, so it should be writable by its owner alone.
+loads it. So it must be this user's and writable by them alone: one that is not (or whose entries
+are writable by others while others can reach them) is refused, and a new one is created 0700.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -89,9 +91,56 @@ def compile_seconds() -> float:
 
 def check_setting(directory: str | None) -> None:
     """The config check of a ``compilation_cache_dir`` field (``EngineConfig``, ``TrainConfig``):
-    null, or a path that is not blank."""
-    if directory is not None and not directory.strip():
+    null, or a path that is not blank; if it exists, a directory safe to load code from
+    (``check_private``)."""
+    if directory is None:
+        return
+    if not directory.strip():
         raise ValueError("compilation_cache_dir must be a directory or null, got an empty string")
+    path = Path(directory).expanduser().absolute()
+    if path.exists():
+        check_private(path)
+
+
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+_OTHERS_ENTER = stat.S_IXGRP | stat.S_IXOTH
+
+
+def check_private(path: Path) -> None:
+    """Raises ``ValueError`` naming ``compilation_cache_dir`` unless ``path`` is a directory owned by
+    this user (or root) that no one else can write to, holding no entry that is someone else's or, if
+    others can enter the directory, that others can write to."""
+    where = f"compilation_cache_dir {str(path)!r}"
+    fix = f"use a directory of your own, or run 'chmod go-w {path}'"
+    try:
+        st = path.stat()
+    except OSError as err:
+        raise ValueError(f"{where}: cannot read it ({err.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{where}: not a directory")
+    uid = os.getuid()
+    if st.st_uid not in (uid, 0):
+        raise ValueError(f"{where}: owned by another user (uid {st.st_uid}); it holds code this process would run, "
+                         "so it must be yours: use a directory of your own")
+    if st.st_mode & _OTHERS_WRITE:
+        raise ValueError(f"{where}: writable by other users (mode {stat.S_IMODE(st.st_mode):04o}); it holds code this "
+                         f"process would run: {fix}")
+    try:
+        entries = list(os.scandir(path))
+    except OSError as err:
+        raise ValueError(f"{where}: cannot list it ({err.strerror})") from None
+    for entry in entries:
+        try:
+            est = entry.stat(follow_symlinks=False)
+        except OSError:  # gone meanwhile
+            continue
+        if est.st_uid not in (uid, 0):
+            raise ValueError(f"{where}: its entry {entry.name!r} belongs to another user (uid {est.st_uid}); it holds "
+                             "code this process would run: use a directory of your own")
+        if st.st_mode & _OTHERS_ENTER and est.st_mode & _OTHERS_WRITE and not stat.S_ISLNK(est.st_mode):
+            raise ValueError(f"{where}: its entry {entry.name!r} is writable by other users (mode "
+                             f"{stat.S_IMODE(est.st_mode):04o}); it holds code this process would run: run "
+                             f"'chmod -R go-w {path}', or 'chmod 700 {path}'")
 
 
 def use_compilation_cache(directory: str | os.PathLike) -> Path:
@@ -103,7 +152,8 @@ def use_compilation_cache(directory: str | os.PathLike) -> Path:
     and release phases are many small programs that together take seconds to compile.
 
     Raises ``ValueError`` naming ``compilation_cache_dir`` if the directory cannot be created or
-    written, or if this process already caches in another directory (JAX opens its cache once).
+    written, is not safe to load code from (``check_private``), or if this process already caches
+    in another directory (JAX opens its cache once). A directory it creates is 0700.
     """
     path = Path(directory).expanduser().absolute()
     current = jax.config.jax_compilation_cache_dir
@@ -111,9 +161,17 @@ def use_compilation_cache(directory: str | os.PathLike) -> Path:
         raise ValueError(f"compilation_cache_dir {str(path)!r}: this process already caches compiled programs in "
                          f"{current!r}; one process has one cache directory")
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.mkdir(mode=0o700)
+                path.chmod(0o700)  # whatever the umask
+            except FileExistsError:  # made meanwhile by another process: checked below as any other
+                if not path.is_dir():
+                    raise
     except OSError as err:
         raise ValueError(f"compilation_cache_dir {str(path)!r}: cannot create it ({err.strerror})") from None
+    check_private(path)
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"compilation_cache_dir {str(path)!r}: not writable by this process")
     global _listening

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import weakref
 from typing import Any, AsyncIterator, Sequence
 
 from starlette.applications import Starlette
@@ -59,6 +60,23 @@ class ServerContext:
     api_key: str | None
     stop_token_ids: tuple[int, ...]
     info: dict[str, Any]
+    body_timeout_s: float = _DEFAULTS.body_timeout_s
+    max_prompt_chars: int = 0  # a prompt text longer than this cannot fit; refused before it is tokenized
+    # The requests on the scheduler, answered 503 shutting_down once the graceful shutdown's time is up.
+    jobs: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)
+    shutdown_expired: bool = False
+
+    def shutdown_started(self, timeout_s: float | None) -> None:
+        """Called on the event loop when the server starts shutting down (``runner._Server``): with a
+        timeout, the requests still running after it are ended with ``shutting_down`` errors."""
+        if timeout_s is not None:
+            asyncio.get_running_loop().call_later(max(0.0, timeout_s), self.end_requests)
+
+    def end_requests(self) -> None:
+        self.shutdown_expired = True
+        for job in list(self.jobs):
+            job.queue.put_nowait((0, "error", SchedulerClosed(
+                "the server is shutting down, and its graceful shutdown timeout passed before this request finished")))
 
 
 def create_app(
@@ -70,6 +88,7 @@ def create_app(
     vocab_size: int | None = None,
     default_max_tokens: int = _DEFAULTS.default_max_tokens,
     max_request_bytes: int = _DEFAULTS.max_request_bytes,
+    body_timeout_s: float = _DEFAULTS.body_timeout_s,
     api_key: str | None = None,
     metrics_api_key: bool = _DEFAULTS.metrics_api_key,
     max_waiting: int = _DEFAULTS.max_waiting_requests,
@@ -81,7 +100,9 @@ def create_app(
     ``dflash_jax.runtime.batcher``).
 
     The scheduler starts with the app's lifespan and is drained on shutdown (uvicorn first finishes
-    the open HTTP requests, then runs the lifespan shutdown).
+    the open HTTP requests, then runs the lifespan shutdown). ``app.state.shutdown_started(timeout_s)``
+    (called by ``runner``) bounds how long the open requests may run: past it they are answered 503
+    ``shutting_down``.
     """
     metrics = Metrics()
     scheduler = Scheduler(engine, batch_wait_s=batch_wait_s, max_waiting=max_waiting, metrics=metrics)
@@ -98,6 +119,8 @@ def create_app(
         api_key=api_key or None,
         stop_token_ids=tuple(tokenizer.stop_token_ids if stop_token_ids is None else stop_token_ids),
         info=dict(info or {}),
+        body_timeout_s=body_timeout_s,
+        max_prompt_chars=_max_prompt_chars(tokenizer, min(max_length, engine.config.max_prompt_length)),
     )
 
     @contextlib.asynccontextmanager
@@ -123,8 +146,9 @@ def create_app(
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
-                   f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+        path, method = P.clip(request.url.path), P.clip(request.method, 20)
+        message = {404: f"no route {path}", 405: f"method {method} not allowed on {path}"}.get(
+            exc.status_code, P.clip(exc.detail))
         return JSONResponse(P.error_body(message, type="invalid_request_error", code=code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
@@ -134,7 +158,25 @@ def create_app(
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.ctx = ctx
+    app.state.shutdown_started = ctx.shutdown_started
     return app
+
+
+# A token stands for at most this many characters of text times its own length in the vocabulary
+# (byte-level BPE: bytes, which are at least the characters). The factor leaves room for normalizers
+# that merge characters (NFC, NFKC) and for multi-character escapes.
+_CHARS_PER_VOCAB_CHAR = 4
+
+
+def _max_prompt_chars(tokenizer: Tokenizer, max_tokens: int) -> int:
+    """How long a prompt's text can be and still encode to at most ``max_tokens`` tokens: the longest
+    entry of the vocabulary, times ``_CHARS_PER_VOCAB_CHAR``, per token. Measured once per app."""
+    longest = 1
+    for i in range(tokenizer.vocab_size):
+        token = tokenizer.id_to_token(i)
+        if token is not None and len(token) > longest:
+            longest = len(token)
+    return max(1, max_tokens) * longest * _CHARS_PER_VOCAB_CHAR
 
 
 # ---------------------------------------------------------------------------------------- plumbing
@@ -145,9 +187,9 @@ def _json(data: Any, status: int = 200) -> JSONResponse:
 
 
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error on %s", request.url.path)
-    return JSONResponse(P.error_body(f"internal server error: {type(exc).__name__}: {exc}", type="server_error",
-                                     code="internal_error"), status_code=500)
+    log.exception("unhandled error on %s", P.clip(request.url.path))
+    return JSONResponse(P.error_body(f"internal server error: {type(exc).__name__}: {P.server_text(exc)}",
+                                     type="server_error", code="internal_error"), status_code=500)
 
 
 def _endpoint(ctx: ServerContext, name: str, handler, *, auth: bool = False):
@@ -178,11 +220,13 @@ def _check_auth(ctx: ServerContext, request: Request) -> None:
 
 
 async def _body(ctx: ServerContext, request: Request) -> dict[str, Any]:
-    """The request's JSON object; a body over ``max_request_bytes`` is refused before it is read whole.
+    """The request's JSON object; a body over ``max_request_bytes`` is refused before it is read whole,
+    and one that has not arrived whole within ``body_timeout_s`` is answered 408 (and its connection
+    closed: a slow client holds neither memory nor a connection for long).
 
-    Bodies are parsed and tokenized on the event loop, holding the GIL (tokenizers' encode does), so
-    without a limit one huge prompt stalled every stream and the scheduler's host loop (a 20 MB
-    prompt: 30 s on a 2-core machine), and a body of any size was held in memory.
+    Bodies are parsed on the event loop, holding the GIL, so without a limit one huge body stalled
+    every stream and the scheduler's host loop (a 20 MB prompt: 30 s on a 2-core machine), and a
+    body of any size was held in memory.
     """
     limit = ctx.max_request_bytes
     too_large = P.APIError(f"the request body is larger than the server's limit of {limit} bytes", status=413,
@@ -192,12 +236,16 @@ async def _body(ctx: ServerContext, request: Request) -> dict[str, Any]:
         raise too_large
     body = bytearray()
     try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+        async with asyncio.timeout(ctx.body_timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
     except ClientDisconnect:
         raise _client_gone() from None
+    except TimeoutError:
+        raise P.APIError(f"the request body did not arrive within the server's limit of {ctx.body_timeout_s:g} s",
+                         status=408, code="request_timeout") from None
     return P.parse_json_body(bytes(body))
 
 
@@ -208,7 +256,7 @@ def _client_gone() -> P.APIError:
 
 def _check_model(ctx: ServerContext, model: str | None) -> None:
     if model is not None and model != ctx.model_name:
-        raise P.APIError(f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
+        raise P.APIError(f"the model {P.echo(model)} does not exist; this server serves {ctx.model_name!r}",
                          status=404, param="model", code="model_not_found")
 
 
@@ -218,7 +266,7 @@ def _check_prompt(ctx: ServerContext, ids: list[int], params: P.CommonParams, wh
     max_tokens, name = params.max_tokens, params.max_tokens_param
     bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
     if bad:
-        raise P.invalid(f"{where} has token ids outside the vocabulary [0, {ctx.vocab_size}): {bad[:5]}",
+        raise P.invalid(f"{where} has token ids outside the vocabulary [0, {ctx.vocab_size}): {P.echo(bad[:5])}",
                         param=param, code="invalid_token_id")
     n = len(ids)
     if n >= ctx.max_length:
@@ -239,7 +287,7 @@ def _check_prompt(ctx: ServerContext, ids: list[int], params: P.CommonParams, wh
     return max_tokens
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Job:
     """One request's rows on the scheduler, the queue their events arrive on and their texts."""
 
@@ -257,7 +305,8 @@ def _stop_ids(ctx: ServerContext, params: P.CommonParams) -> tuple[int, ...]:
     """The model's stop ids (unless ``ignore_eos``) and the request's ``stop_token_ids``."""
     bad = [t for t in params.stop_token_ids if not 0 <= t < ctx.vocab_size]
     if bad:
-        raise P.invalid(f"'stop_token_ids' has ids outside the vocabulary [0, {ctx.vocab_size}): {bad[:5]}",
+        raise P.invalid(f"'stop_token_ids' has ids outside the vocabulary [0, {ctx.vocab_size}): "
+                        f"{P.echo(bad[:5])}",
                         param="stop_token_ids", code="invalid_token_id")
     stop = tuple(dict.fromkeys((() if params.ignore_eos else ctx.stop_token_ids) + params.stop_token_ids))
     limit = ctx.scheduler.engine.max_stop_ids
@@ -272,6 +321,8 @@ def _submit(ctx: ServerContext, prompts: list[list[int]], max_tokens: list[int],
     text is decoded on the scheduler's thread, where the stream is the row's stop check, and each
     ``("tokens", ...)`` event carries ``(ids, text)``; without, on the event loop (``_tokens_event``)."""
     stop = _stop_ids(ctx, params)
+    if ctx.shutdown_expired:
+        raise P.APIError("the server is shutting down", status=503, type="server_error", code="shutting_down")
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     texts = [TextStream(ctx.tokenizer, params.stop) for _ in prompts]
@@ -285,7 +336,9 @@ def _submit(ctx: ServerContext, prompts: list[list[int]], max_tokens: list[int],
     except (QueueFull, SchedulerClosed) as err:
         raise P.APIError(f"the server cannot take the request now: {err}", status=503, type="server_error",
                          code="server_overloaded" if isinstance(err, QueueFull) else "shutting_down") from None
-    return _Job(queue=queue, requests=reqs, prompt_ids=prompts, texts=texts)
+    job = _Job(queue=queue, requests=reqs, prompt_ids=prompts, texts=texts)
+    ctx.jobs.add(job)
+    return job
 
 
 def _text_sink(text: TextStream, sink: Sink) -> Sink:
@@ -310,8 +363,8 @@ def _tokens_event(text: TextStream, payload: Any) -> tuple[list[int], str]:
 def _engine_error(err: Exception) -> P.APIError:
     if isinstance(err, SchedulerClosed):
         return P.APIError(str(err), status=503, type="server_error", code="shutting_down")
-    return P.APIError(f"generation failed: {type(err).__name__}: {err}", status=500, type="server_error",
-                      code="engine_error")
+    return P.APIError(f"generation failed: {type(err).__name__}: {P.server_text(err)}", status=500,
+                      type="server_error", code="engine_error")
 
 
 async def _results(job: _Job) -> list[Any]:
@@ -366,20 +419,46 @@ def _stats(index: int, res: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------- completions
 
 
+# Texts up to this long are encoded on the event loop: sending one to a thread costs more (~0.1 ms).
+_INLINE_ENCODE_CHARS = 2048
+
+
+def _check_prompt_chars(ctx: ServerContext, text: str, where: str, param: str) -> None:
+    """Refuses a text that cannot encode to a prompt the server takes, without encoding it: a 2 MB
+    prompt took ~0.85 s to encode, all of it wasted."""
+    if len(text) > ctx.max_prompt_chars:
+        raise P.invalid(f"{where} has {len(text)} characters, more than any prompt of at most "
+                        f"{ctx.scheduler.engine.config.max_prompt_length} tokens this server takes can have "
+                        f"({ctx.max_prompt_chars} characters)", param=param, code="context_length_exceeded")
+
+
+async def _encode(ctx: ServerContext, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of ``texts``. Long texts are encoded on a worker thread by ``encode_batch``, which
+    lets go of the GIL while it works (``encode`` holds it: a 2 MB prompt stalled every stream and
+    the scheduler for ~0.85 s)."""
+    if sum(len(t) for t in texts) <= _INLINE_ENCODE_CHARS:
+        return [ctx.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+    return await asyncio.to_thread(ctx.tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens)
+
+
 async def _completions(ctx: ServerContext, request: Request) -> Response:
     req = P.parse_completion_request(await _body(ctx, request))
     params = req.params
     _check_model(ctx, params.model)
+    where = (lambda i: "the prompt") if len(req.prompts) == 1 else (lambda i: f"prompt[{i}]")
+    texts = {i: p for i, p in enumerate(req.prompts) if isinstance(p, str)}
+    for i, p in texts.items():
+        _check_prompt_chars(ctx, p, where(i), "prompt")
+    encoded = dict(zip(texts, await _encode(ctx, list(texts.values()), add_special_tokens=True))) if texts else {}
     prompts: list[list[int]] = []
     for i, p in enumerate(req.prompts):
-        ids = ctx.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+        ids = encoded[i] if i in encoded else list(p)
         if not ids:
             raise P.invalid("'prompt' encodes to no tokens", param="prompt", code="empty_prompt")
         prompts.append(ids)
     if len(prompts) > ctx.scheduler.max_waiting:  # a 503 would tell the client to retry what never fits
         raise P.invalid(f"'prompt' has {len(prompts)} prompts; this server queues at most "
                         f"{ctx.scheduler.max_waiting} at once", param="prompt", code="too_many_prompts")
-    where = (lambda i: "the prompt") if len(prompts) == 1 else (lambda i: f"prompt[{i}]")
     max_tokens = [_check_prompt(ctx, ids, params, where(i)) for i, ids in enumerate(prompts)]
     job = _submit(ctx, prompts, max_tokens, params)
     rid, created = P.new_id("cmpl"), P.now()
@@ -408,14 +487,18 @@ async def _chat(ctx: ServerContext, request: Request) -> Response:
     params = req.params
     _check_model(ctx, params.model)
     try:
-        ids = ctx.tokenizer.apply_chat_template(
-            req.messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, **req.chat_template_kwargs)
+        text = ctx.tokenizer.apply_chat_template(
+            req.messages, add_generation_prompt=req.add_generation_prompt, tokenize=False, **req.chat_template_kwargs)
     except ChatTemplateError as err:
-        raise P.invalid(f"the chat template rejected the messages: {err}", param="messages",
+        raise P.invalid(f"the chat template rejected the messages: {P.server_text(err)}", param="messages",
                         code="chat_template_error") from None
-    except TokenizerError as err:
-        raise P.invalid(f"cannot apply the chat template: {err}", param="messages",
-                        code="chat_template_error") from None
+    except TokenizerError as err:  # the server's template: the client learns what, the log where
+        log.error("cannot apply the chat template: %s", err)
+        raise P.invalid(f"cannot apply the chat template: {P.server_text(err.reason or 'it is not valid')}",
+                        param="messages", code="chat_template_error") from None
+    _check_prompt_chars(ctx, text, "the chat prompt", "messages")
+    # as apply_chat_template(tokenize=True): the template writes the special tokens itself
+    (ids,) = await _encode(ctx, [text], add_special_tokens=False)
     if not ids:
         raise P.invalid("the messages render to an empty prompt", param="messages", code="empty_prompt")
     max_tokens = _check_prompt(ctx, ids, params, "the chat prompt", param="messages")

@@ -2,7 +2,7 @@
 
     python serve.py [serve] --target DIR --draft DIR [--host 127.0.0.1 --port 8000 --api-key K]
     python serve.py generate --target DIR --draft DIR --input prompts.jsonl --output out.jsonl \\
-        [--no-draft] [--block-size N] [--max-new-tokens N] [--batch-size N]
+        [--no-draft] [--block-size N] [--max-new-tokens N] [--batch-size N] [--resume]
 
 Settings come from ``--config`` (default ``configs/serve.yaml`` beside this file, see
 ``dflash_jax/serving/settings.py``), then ``--set section.key=value``, then the flags.
@@ -15,9 +15,31 @@ optional ``max_new_tokens`` (the prompt plus it must fit ``--max-length``; the d
 fields are copied to the output. Each output line adds
 ``output_ids``, ``text``, ``finish_reason``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_steps``,
 ``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token`` (an input field
-of one of these names is an error, not overwritten). A JSON summary
-goes to stderr; its ``compile_seconds`` (the engine compiles for the shapes it meets: the first
-prompts' times to first token include it) is part of ``wall_seconds``.
+of one of these names is an error, not overwritten). Input lines must be
+standard JSON: ``NaN``, ``Infinity`` and numbers too large for a float (``1e999``) are refused, as are
+lines nested too deeply or with integers too long for Python to read (each error names the file and
+line). A JSON summary goes to stderr; its ``compile_seconds`` (the engine compiles for the shapes it
+meets: the first prompts' times to first token include it) is part of ``wall_seconds``.
+
+Batch output and interruptions. Each result is written as soon as its prompt finishes (one line,
+flushed, in the order the prompts finish); when every prompt is done the output is rewritten in input
+order through a fresh temporary file beside it, renamed over it (it is never seen half-written; an
+existing file keeps its permissions, and where the output is a symlink its target is rewritten and
+the link kept). While the run goes on, the finished lines go:
+
+* where no output file exists: into the output file itself. A run that stops early (Ctrl-C, exit
+  status 130; SIGTERM, 143; an error; a kill) leaves every finished result there;
+* with ``--resume``: appended to the existing output. Its lines are kept, and the input lines whose
+  result is already there (an output line less the fields above equals the input line; a repeated
+  input line needs a result per repeat) are skipped. An unfinished last line (a write cut by a kill)
+  is dropped and generated again; a line that is not a result of this input is an error, before any
+  model loads. Without an output file, ``--resume`` starts from nothing;
+* where an output exists and ``--resume`` is not given: the output is replaced only once every
+  prompt is done. Until then the finished lines go to a new file beside it, ``NAME.XXXXXXXX.partial``;
+  a run that stops early leaves it (stderr names it) and the output as it was. To continue from it,
+  move it over the output and rerun with ``--resume``.
+
+A run that stops before any prompt finished leaves no new file.
 """
 
 from __future__ import annotations
@@ -26,8 +48,11 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
+import signal
 import sys
+import threading
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +71,10 @@ OUTPUT_FIELDS = ("output_ids", "text", "finish_reason", "num_prompt_tokens", "nu
 
 class CLIError(Exception):
     """A usage or input error: printed as ``serve.py: error: ...`` with exit status 2."""
+
+
+class Terminated(BaseException):
+    """SIGTERM during batch generation: ends the run as Ctrl-C does (exit status 143)."""
 
 
 # ----------------------------------------------------------------------------------------- arguments
@@ -92,7 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     gen = sub.add_parser("generate", parents=[common], help="batch generation over a JSONL file")
     gen.add_argument("--input", help="JSONL prompts (or generate.input in the config)")
-    gen.add_argument("--output", help="JSONL results, written when all prompts are done (or generate.output)")
+    gen.add_argument("--output", help="JSONL results, one line per prompt as it finishes, in input order once "
+                                      "all are done (or generate.output)")
+    gen.add_argument("--resume", action="store_true",
+                     help="keep the results already in --output, generate only the input lines without one and "
+                          "append them (a run that stopped early); without it an existing output is replaced "
+                          "once every prompt is done")
     gen.add_argument("--ignore-eos", action="store_true", default=None,
                      help="generate exactly max_new_tokens per prompt")
     gen.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
@@ -219,48 +253,164 @@ def load_tokenizer(cfg, required: bool):
         return None
 
 
-def stop_ids(cfg, tokenizer, target) -> list[int]:
+def stop_ids(cfg, tokenizer, target, engine) -> list[int]:
+    """The stop token ids of every generation: ``model.stop_token_ids``, else the tokenizer's, else the
+    target config's EOS ids. Ids outside the vocabulary, or more distinct ids than the engine takes
+    (each submission would fail), are an error here, at the start."""
     if cfg.model.stop_token_ids is not None:
         vocab = target.config.vocab_size
         if bad := [t for t in cfg.model.stop_token_ids if not 0 <= t < vocab]:
-            raise CLIError(f"model.stop_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        return list(cfg.model.stop_token_ids)
-    if tokenizer is not None:
-        return list(tokenizer.stop_token_ids)
-    return list(getattr(target.config, "eos_token_ids", ()) or ())
+            raise CLIError(f"model.stop_token_ids has ids outside the vocabulary [0, {vocab}): {brief(bad[:5])}")
+        ids = list(cfg.model.stop_token_ids)
+    elif tokenizer is not None:
+        ids = list(tokenizer.stop_token_ids)
+    else:
+        ids = list(getattr(target.config, "eos_token_ids", ()) or ())
+    if len(set(ids)) > engine.max_stop_ids:
+        raise CLIError(f"{len(set(ids))} distinct stop ids (model.stop_token_ids, or the tokenizer's); the engine "
+                       f"takes at most {engine.max_stop_ids}")
+    return ids
+
+
+def brief(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that echo input values."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int too long to print, a structure nested too deeply
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # ----------------------------------------------------------------------------------------- batch mode
 
 
-def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+@dataclasses.dataclass
+class InputLine:
+    lineno: int
+    row: dict[str, Any]
+    text: str  # the row as standard JSON, serialized once (deep rows recurse as deeply to serialize)
+    key: str  # the row with sorted keys: what a result line less OUTPUT_FIELDS is matched by (--resume)
+
+
+def read_jsonl(path: Path) -> list[InputLine]:
+    """The input's lines; each error names the file and the line."""
     from dflash_jax.io.jsonl import iter_jsonl
 
+    records: list[tuple[int, dict[str, Any]]] = []
     try:
-        rows = list(iter_jsonl(path))
-    except (FileNotFoundError, ValueError) as err:
+        for lineno, row in iter_jsonl(path):
+            records.append((lineno, row))
+    except FileNotFoundError as err:
         raise CLIError(str(err)) from None
+    except RecursionError:
+        raise CLIError(f"{path}:{next_line(path, records)}: invalid JSON: nested too deeply (Python's parser "
+                       "takes under 1,000 levels)") from None
+    except ValueError as err:  # a line's decoding, its JSON or its type
+        message = str(err)
+        if not message.startswith(f"{path}:"):  # raised by json's number conversion, which names no line
+            if "integer string conversion" in message:
+                message = f"an integer has more than {sys.get_int_max_str_digits()} digits"
+            message = f"{path}:{next_line(path, records)}: invalid JSON: {message}"
+        raise CLIError(message) from None
     except OSError as err:  # a directory, no permission
         raise CLIError(f"{path}: cannot read: {err.strerror or err}") from None
-    if not rows:
+    if not records:
         raise CLIError(f"{path}: no prompts")
-    return rows
+    return [input_line(f"{path}:{lineno}", lineno, row) for lineno, row in records]
 
 
-def check_output(input_path: Path, output_path: Path) -> None:
-    """Fails now, not after the whole run, where the results could not be written: the output's folder
-    is created; an output that is a folder or the input itself (which it would replace) is an error."""
+def next_line(path: Path, records: list[tuple[int, dict[str, Any]]]) -> int:
+    """The line the reader failed on: the first one that is not blank after the last it returned."""
+    after = records[-1][0] if records else 0
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if lineno > after and raw.decode("utf-8", "replace").lstrip("\ufeff").strip():
+                return lineno
+    return after + 1
+
+
+def input_line(where: str, lineno: int, row: dict[str, Any]) -> InputLine:
+    try:
+        return InputLine(lineno, row, json.dumps(row, ensure_ascii=False, allow_nan=False),
+                         json.dumps(row, ensure_ascii=False, allow_nan=False, sort_keys=True))
+    except ValueError:
+        raise CLIError(f"{where}: {nonfinite_field(row)} is {nonfinite_field(row, value=True)}, which is not "
+                       "standard JSON (nor a number that is larger than a float's range, such as 1e999)") from None
+    except RecursionError:
+        raise CLIError(f"{where}: nested too deeply to write back out") from None
+
+
+def nonfinite_field(row: dict[str, Any], value: bool = False) -> str:
+    """The path (e.g. ``'a.b[2]'``) of the first NaN or infinite number in ``row``, or that number."""
+    stack: list[tuple[str, Any]] = [(repr(k), v) for k, v in reversed(row.items())]
+    while stack:
+        name, v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v) if value else f"field {name}"
+        if isinstance(v, dict):
+            stack.extend((f"{name}.{k}", x) for k, x in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((f"{name}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+    return "a number"
+
+
+def check_output(input_path: Path, output_path: Path) -> Path:
+    """The file the results go to: the output, or its target where it is a symlink. Fails now, not
+    after the run, where the results could not be written: its folder is created; an output that is
+    a folder or the input itself (which it would replace) is an error."""
     where = f"generate.output (--output) {output_path}"
-    if output_path.is_dir():
+    real = Path(os.path.realpath(output_path))
+    if real.is_dir():
         raise CLIError(f"{where}: is a directory")
-    if output_path.exists() and output_path.samefile(input_path):
+    if real.exists() and real.samefile(input_path):
         raise CLIError(f"{where}: is the input file, which the results would replace")
     try:
-        output_path.parent.mkdir(parents=True, exist_ok=True)
+        real.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CLIError(f"{where}: cannot create its directory: {err}") from None
-    if not os.access(output_path.parent, os.W_OK):
-        raise CLIError(f"{where}: its directory {output_path.parent} is not writable")
+    if not os.access(real.parent, os.W_OK):
+        raise CLIError(f"{where}: its directory {real.parent} is not writable")
+    return real
+
+
+def previous_results(output: Path, lines: list[InputLine]) -> tuple[dict[int, str], int]:
+    """For ``--resume``: ``({input index: its result line}, bytes of the output to keep)``. An
+    unfinished last line (no newline: a write that a kill cut) is dropped, to be generated again."""
+    try:
+        data = output.read_bytes()
+    except OSError as err:
+        raise CLIError(f"{output}: cannot read it to resume: {err.strerror or err}") from None
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        log.warning("%s: its last line is unfinished (a write that was cut): it is dropped and its prompt "
+                    "generated again", output)
+    waiting: dict[str, list[int]] = {}  # an input line's key -> the indices of its repeats still without a result
+    for i, line in enumerate(lines):
+        waiting.setdefault(line.key, []).append(i)
+    done: dict[int, str] = {}
+    for lineno, raw in enumerate(data[:keep].split(b"\n")[:-1], 1):
+        where = f"{output}:{lineno}"
+        try:
+            text = raw.decode("utf-8").rstrip("\r")
+            if not text.strip():
+                continue
+            result = json.loads(text)
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, a huge integer, nested too deeply
+            raise CLIError(f"{where}: not a result line of this command (unreadable JSON): --resume continues an "
+                           "output that this command wrote") from None
+        if not isinstance(result, dict) or (missing := [k for k in OUTPUT_FIELDS if k not in result]):
+            raise CLIError(f"{where}: not a result line of this command (no {', '.join(missing or OUTPUT_FIELDS)}): "
+                           "--resume continues an output that this command wrote")
+        row = {k: v for k, v in result.items() if k not in OUTPUT_FIELDS}
+        try:
+            key = json.dumps(row, ensure_ascii=False, allow_nan=False, sort_keys=True)
+        except (ValueError, RecursionError):
+            key = None
+        if not waiting.get(key):
+            raise CLIError(f"{where}: the result of no line of the input (or one more than the input repeats "
+                           "it): this output belongs to another input, or the input changed")
+        done[waiting[key].pop(0)] = text
+    return done, keep
 
 
 def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int], int, tuple[str, ...]]:
@@ -299,11 +449,13 @@ def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int
                                                     **cfg.generate.chat_template_kwargs)
             except (ChatTemplateError, TokenizerError) as err:
                 raise CLIError(f"{where}: {err}") from None
+            except RecursionError:
+                raise CLIError(f"{where}: 'messages' is nested too deeply for the chat template") from None
         if not ids:
             raise CLIError(f"{where}: the prompt encodes to no tokens")
     max_new = row.get("max_new_tokens", cfg.generate.max_new_tokens)
     if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
-        raise CLIError(f"{where}: 'max_new_tokens' must be a positive integer, got {max_new!r}")
+        raise CLIError(f"{where}: 'max_new_tokens' must be a positive integer, got {brief(max_new)}")
     try:
         stop = parse_stop_strings(row["stop"]) if "stop" in row else cfg.generate.stop
     except (TypeError, ValueError) as err:
@@ -313,32 +465,118 @@ def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int
     return ids, max_new, stop
 
 
-def _write_results(f, rows, prompts, results, texts, tokenizer) -> None:
-    """Each input line with its generation's fields, one JSON line per prompt, into ``f`` (closed after)."""
+def result_line(line: InputLine, ids: list[int], res: Any, stream: Any, tokenizer) -> str:
+    """The input line with its generation's fields: one JSON line, without its newline. The row's own
+    JSON, serialized when it was read, is reused as it is."""
     from dflash_jax.serving.text_stream import finish_text
 
-    with f:
-        for (_, row), ids, res, stream in zip(rows, prompts, results, texts):
-            out = dict(row)
-            output_ids, finish = list(res.output_ids), res.finish_reason
-            if stream is not None:  # the text and ids that the stop strings leave
-                output_ids, _, finish = finish_text(stream, res)
-            out.update(
-                output_ids=output_ids,
-                text=stream.text if stream is not None else tokenizer.decode(res.output_ids) if tokenizer else None,
-                finish_reason=finish,
-                num_prompt_tokens=len(ids),
-                num_output_tokens=len(output_ids),
-                num_steps=res.num_steps,
-                acceptance_lengths=list(res.acceptance_lengths),
-                tau=res.tau,
-                time_to_first_token=float(res.time_to_first_token),
-                time_per_output_token=float(res.time_per_output_token),
-            )
-            f.write(json.dumps(out, ensure_ascii=False) + "\n")
+    output_ids, finish = list(res.output_ids), res.finish_reason
+    if stream is not None:  # the text and ids that the stop strings leave
+        output_ids, _, finish = finish_text(stream, res)
+    fields = json.dumps(dict(
+        output_ids=output_ids,
+        text=stream.text if stream is not None else tokenizer.decode(res.output_ids) if tokenizer else None,
+        finish_reason=finish,
+        num_prompt_tokens=len(ids),
+        num_output_tokens=len(output_ids),
+        num_steps=res.num_steps,
+        acceptance_lengths=list(res.acceptance_lengths),
+        tau=res.tau,
+        time_to_first_token=float(res.time_to_first_token),
+        time_per_output_token=float(res.time_per_output_token),
+    ), ensure_ascii=False, allow_nan=False)
+    return line.text[:-1] + (", " if line.row else "") + fields[1:]
 
 
-def run_generate(cfg) -> dict[str, Any]:
+class WriteFailed(BaseException):
+    """A result could not be written: ends the run at once (the engine takes an ``Exception`` raised
+    in its callbacks for a failed generation and carries on)."""
+
+    def __init__(self, err: OSError):
+        super().__init__(err)
+        self.err = err
+
+
+def new_file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+class ResultSink:
+    """Where finished lines go while the run goes on, and the final rewrite in input order (the module
+    docstring says which file, and what a run that stops early leaves)."""
+
+    def __init__(self, output: Path, shown: Path, resume: bool, keep_bytes: int | None, kept: int):
+        self.output, self.shown, self.written, self.kept = output, shown, 0, kept
+        self.created = False  # the output file, created by this run
+        try:
+            if resume and keep_bytes is not None:  # the existing output, cut after its last whole line
+                self.path = output
+                self.file = output.open("r+b")
+                self.file.truncate(keep_bytes)
+                self.file.seek(keep_bytes)
+            elif output.exists():  # replaced at the end only: its results go beside it meanwhile
+                fd, name = tempfile.mkstemp(dir=output.parent, prefix=f"{output.name}.", suffix=".partial")
+                self.path, self.file = Path(name), os.fdopen(fd, "wb")
+                os.chmod(fd, output.stat().st_mode & 0o7777)
+            else:
+                self.path, self.created = output, True
+                self.file = output.open("xb")
+        except OSError as err:
+            raise CLIError(f"generate.output (--output) {shown}: cannot write: {err.strerror or err}") from None
+
+    def write(self, text: str) -> None:
+        try:
+            self.file.write(text.encode("utf-8") + b"\n")
+            self.file.flush()
+        except OSError as err:
+            raise WriteFailed(err) from None
+        self.written += 1
+
+    def abandon(self, total: int) -> None:
+        """The run stopped early: says where its finished lines are, or removes a file left empty."""
+        self.file.close()
+        if self.written == 0 and self.path != self.output:
+            self.path.unlink(missing_ok=True)
+        elif self.written == 0 and self.created:
+            self.output.unlink(missing_ok=True)
+        elif self.path == self.output:
+            print(f"serve.py: {self.kept + self.written} of {total} results written to {self.shown}; rerun with "
+                  "--resume to generate the rest", file=sys.stderr)
+        else:
+            print(f"serve.py: {self.written} of {total} results written to {self.path}; {self.shown} is unchanged "
+                  f"(to continue from them, move {self.path.name} over it and rerun with --resume)", file=sys.stderr)
+
+    def finish(self, lines: list[str]) -> None:
+        """Every prompt is done: the output becomes ``lines`` (input order), through a fresh temporary
+        file renamed over it. A fixed name such as "out.jsonl.tmp" could be the input, or anybody's
+        file, and would be overwritten."""
+        self.file.close()
+        mode = self.output.stat().st_mode & 0o7777 if self.output.exists() else new_file_mode()
+        fd, name = tempfile.mkstemp(dir=self.output.parent, prefix=f".{self.output.name}.", suffix=".tmp")
+        tmp = Path(name)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write("".join(line + "\n" for line in lines).encode("utf-8"))
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.chmod(mode)  # mkstemp's file is private (0600)
+            tmp.replace(self.output)
+        except BaseException as err:
+            tmp.unlink(missing_ok=True)
+            if isinstance(err, OSError):
+                raise WriteFailed(err) from None
+            raise
+        if self.path != self.output:
+            self.path.unlink(missing_ok=True)
+
+
+def raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def run_generate(cfg, resume: bool = False) -> dict[str, Any]:
     from tqdm import tqdm
 
     from dflash_jax.runtime.compile_cache import compile_seconds, track_compile_time
@@ -346,16 +584,22 @@ def run_generate(cfg) -> dict[str, Any]:
 
     track_compile_time()
     input_path, output_path = Path(cfg.generate.input), Path(cfg.generate.output)
-    rows = read_jsonl(input_path)
-    needs_tokenizer = bool(cfg.generate.stop) or any("prompt" in r or "messages" in r or r.get("stop")
-                                                      for _, r in rows)
-    tokenizer = load_tokenizer(cfg, required=needs_tokenizer)
+    lines = read_jsonl(input_path)
+    output = check_output(input_path, output_path)
+    done, keep_bytes = previous_results(output, lines) if resume and output.exists() else ({}, None)
+    todo = [i for i in range(len(lines)) if i not in done]
+    if done:
+        log.info("%s: %d of %d results already there (--resume): generating the other %d", output_path,
+                 len(done), len(lines), len(todo))
+    needs_tokenizer = bool(todo) and (bool(cfg.generate.stop) or any(
+        "prompt" in lines[i].row or "messages" in lines[i].row or lines[i].row.get("stop") for i in todo))
+    tokenizer = load_tokenizer(cfg, required=needs_tokenizer) if todo else None
     max_length = cfg.engine.max_length
-    prompts, max_new, texts = [], [], []
-    for lineno, row in rows:
-        where = f"{input_path}:{lineno}"
+    prompts, max_new, texts = {}, {}, {}
+    for i in todo:
+        row, where = lines[i].row, f"{input_path}:{lines[i].lineno}"
         ids, m, stop = prompt_of(row, where, tokenizer, cfg)
-        texts.append(TextStream(tokenizer, stop) if stop else None)
+        texts[i] = TextStream(tokenizer, stop) if stop else None
         if len(ids) >= max_length:
             raise CLIError(f"{where}: the prompt has {len(ids)} tokens; the maximum length is {max_length} "
                            "(prompt plus output): raise --max-length")
@@ -363,76 +607,84 @@ def run_generate(cfg) -> dict[str, Any]:
             raise CLIError(f"{where}: the prompt has {len(ids)} tokens, {too_long} (engine.prompt_buckets)")
         room = max_length - len(ids)
         if "max_new_tokens" in row and m > room:  # as the server's max_tokens; only the default is capped
-            raise CLIError(f"{where}: the prompt has {len(ids)} tokens and 'max_new_tokens' is {m}: {len(ids) + m} "
-                           f"tokens exceed the maximum length {max_length} (prompt plus output): lower it to at "
-                           f"most {room} or raise --max-length")
-        prompts.append(ids)
-        max_new.append(min(m, room))
-    check_output(input_path, output_path)
+            raise CLIError(f"{where}: the prompt has {len(ids)} tokens and 'max_new_tokens' is {brief(m)}: "
+                           f"{brief(len(ids) + m)} tokens exceed the maximum length {max_length} (prompt plus "
+                           f"output): lower it to at most {room} or raise --max-length")
+        prompts[i] = ids
+        max_new[i] = min(m, room)
 
-    engine, target = load_engine(cfg)
-    vocab = target.config.vocab_size
-    for (lineno, _), ids in zip(rows, prompts):
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise CLIError(f"{input_path}:{lineno}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-    stops = [] if cfg.generate.ignore_eos else stop_ids(cfg, tokenizer, target)
-    if len(set(stops)) > engine.max_stop_ids:  # else every prompt's submission raises, as a traceback
-        raise CLIError(f"{len(set(stops))} distinct stop ids (model.stop_token_ids, or the tokenizer's); the engine "
-                       f"takes at most {engine.max_stop_ids}")
+    engine = None
+    if todo:
+        engine, target = load_engine(cfg)
+        vocab = target.config.vocab_size
+        for i in todo:
+            if bad := [t for t in prompts[i] if not 0 <= t < vocab]:
+                raise CLIError(f"{input_path}:{lines[i].lineno}: token ids outside the vocabulary [0, {vocab}): "
+                               f"{brief(bad[:5])}")
+        stops = [] if cfg.generate.ignore_eos else stop_ids(cfg, tokenizer, target, engine)
 
     # Shortest first: prompts admitted together have similar lengths (less prefill padding). Rows
-    # are reused as soon as they free; outputs keep the input order.
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    # are reused as soon as they free.
+    order = sorted(todo, key=lambda i: len(prompts[i]))
+    results: dict[int, Any] = {}
+    finished_lines = dict(done)
     draft_steps = committed = 0  # over the finished prompts, for the progress bar
+    sink = ResultSink(output, output_path, resume, keep_bytes, kept=len(done))
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous_handler = signal.signal(signal.SIGTERM, raise_terminated) if on_main_thread else None
     t0 = time.perf_counter()
     compiling = compile_seconds()
-    with tqdm(total=len(prompts), unit="prompt", disable=not cfg.generate.progress, file=sys.stderr,
-              dynamic_ncols=True) as bar:
-
-        def finished(_: int, res: Any) -> None:
-            nonlocal draft_steps, committed
-            bar.update(1)
-            draft_steps += len(res.acceptance_lengths)
-            committed += sum(res.acceptance_lengths)
-            if draft_steps:
-                bar.set_postfix(tau=f"{committed / draft_steps:.2f}")
-
-        out = engine.generate([prompts[i] for i in order], [max_new[i] for i in order], stop_token_ids=stops,
-                              on_done=finished, stop_checks=[None if texts[i] is None else texts[i].add for i in order])
-    results: list[Any] = [None] * len(prompts)
-    for i, res in zip(order, out):
-        results[i] = res
-    wall = time.perf_counter() - t0
-    compiling = compile_seconds() - compiling
-
-    # A fresh temporary name beside the output (renamed over it once whole): a fixed one such as
-    # "out.jsonl.tmp" could be the input, or anybody's file, and would be overwritten.
-    fd, tmp_name = tempfile.mkstemp(dir=output_path.parent, prefix=f".{output_path.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
     try:
-        _write_results(os.fdopen(fd, "w", encoding="utf-8"), rows, prompts, results, texts, tokenizer)
-        umask = os.umask(0)  # mkstemp's file is private (0600): the output gets a new file's usual mode
-        os.umask(umask)
-        tmp.chmod(0o666 & ~umask)
-        tmp.replace(output_path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        with tqdm(total=len(order), unit="prompt", disable=not cfg.generate.progress or not order,
+                  file=sys.stderr, dynamic_ncols=True) as bar:
 
-    n_out = sum(len(r.output_ids) for r in results)
-    steps = sum(len(r.acceptance_lengths) for r in results)
+            def finished(j: int, res: Any) -> None:
+                nonlocal draft_steps, committed
+                i = order[j]
+                results[i] = res
+                finished_lines[i] = result_line(lines[i], prompts[i], res, texts[i], tokenizer)
+                sink.write(finished_lines[i])
+                bar.update(1)
+                draft_steps += len(res.acceptance_lengths)
+                committed += sum(res.acceptance_lengths)
+                if draft_steps:
+                    bar.set_postfix(tau=f"{committed / draft_steps:.2f}")
+
+            if order:
+                engine.generate([prompts[i] for i in order], [max_new[i] for i in order], stop_token_ids=stops,
+                                on_done=finished, stop_checks=[None if texts[i] is None else texts[i].add
+                                                               for i in order])
+        wall = time.perf_counter() - t0
+        compiling = compile_seconds() - compiling
+        if on_main_thread:  # the rewrite is atomic: a SIGTERM now ends the process, not the rewrite
+            signal.signal(signal.SIGTERM, previous_handler)
+            on_main_thread = False
+        sink.finish([finished_lines[i] for i in range(len(lines))])
+    except BaseException as err:
+        sink.abandon(len(lines))
+        if isinstance(err, WriteFailed):
+            raise CLIError(f"generate.output (--output) {output_path}: cannot write: "
+                           f"{err.err.strerror or err.err}") from None
+        raise
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous_handler)
+
+    res_list = list(results.values())
+    n_out = sum(len(r.output_ids) for r in res_list)
+    steps = sum(len(r.acceptance_lengths) for r in res_list)
     summary = {
-        "prompts": len(prompts),
+        "prompts": len(res_list),
+        "resumed": len(done),  # results kept from the output (--resume), not generated again
         "output_tokens": n_out,
         "wall_seconds": round(wall, 3),
         "tokens_per_second": round(n_out / wall, 2) if wall > 0 else None,
         # tracing and compiling the engine's programs for the shapes this run met, part of wall_seconds
         "compile_seconds": round(compiling, 3),
         "tokens_per_second_excluding_compile": round(n_out / (wall - compiling), 2) if wall > compiling else None,
-        "tau": round(sum(sum(r.acceptance_lengths) for r in results) / steps, 4) if steps else 1.0,
+        "tau": round(sum(sum(r.acceptance_lengths) for r in res_list) / steps, 4) if steps else 1.0,
         "drafter": None if cfg.model.no_draft else cfg.model.draft,
-        "block_size": engine.block_size,
+        "block_size": None if engine is None else engine.block_size,
         "output": str(output_path),
     }
     if cfg.engine.compilation_cache_dir is not None:
@@ -456,6 +708,7 @@ def run_serve(cfg) -> None:
         raise CLIError(f"{'server.api_key' if s.api_key else 'DFLASH_API_KEY'} {problem}")
     tokenizer = load_tokenizer(cfg, required=True)
     engine, target = load_engine(cfg)
+    stops = stop_ids(cfg, tokenizer, target, engine)  # before the warmup: a client could not fix them
     if s.warmup:
         log.info("compiling every shape a request can meet before serving (server.warmup: false skips it, and "
                  "requests then wait for their compiles)")
@@ -480,7 +733,8 @@ def run_serve(cfg) -> None:
         max_waiting=s.max_waiting_requests,
         max_request_bytes=s.max_request_bytes,
         batch_wait_s=s.batch_wait_ms / 1000.0,
-        stop_token_ids=stop_ids(cfg, tokenizer, target),
+        stop_token_ids=stops,
+        body_timeout_s=s.body_timeout_s,
         # the drafter directory's name: a model card should not tell clients the server's file system
         info={"drafter": None if cfg.model.no_draft else Path(cfg.model.draft).resolve().name,
               "block_size": engine.block_size,
@@ -491,7 +745,8 @@ def run_serve(cfg) -> None:
         log.warning("binding %s without an API key: anyone who can reach it can use it", s.host)
     log.info("serving %r on http://%s:%d", name, s.host, s.port)
     run_server(app, host=s.host, port=s.port, log_level=s.log_level,
-               timeout_graceful_shutdown=s.graceful_shutdown_timeout_s)
+               timeout_graceful_shutdown=s.graceful_shutdown_timeout_s, header_timeout_s=s.header_timeout_s,
+               max_connections=s.max_connections)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -508,14 +763,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_settings(args)
         if args.command == "generate":
-            run_generate(cfg)
+            run_generate(cfg, resume=args.resume)
         else:
             run_serve(cfg)
     except (CLIError, ConfigError) as err:
         print(f"serve.py: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: batch mode leaves its output as it was (it is written at the end)
+    except KeyboardInterrupt:  # Ctrl-C: batch mode keeps the results that finished (see the docstring)
         print("serve.py: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("serve.py: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + int(signal.SIGTERM)
     return 0
 

@@ -47,7 +47,41 @@ class APIError(Exception):
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    # The backstop of ``clip`` at each echoed value: no error body grows with what a client sent.
+    return {"error": {"message": clip(message, MAX_MESSAGE_CHARS),
+                      "param": None if param is None else clip(param), "type": type, "code": code}}
+
+
+MAX_ECHO_CHARS = 200      # an echoed value (a field name, a model name, a number) in an error message
+MAX_MESSAGE_CHARS = 2000  # a whole error message
+
+
+def clip(text: Any, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text`` (or its ``str``) cut to about ``limit`` characters, saying how long it was."""
+    text = text if isinstance(text, str) else str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def echo(value: Any, limit: int = MAX_ECHO_CHARS) -> str:
+    """A client's value as JSON, clipped (a huge integer is clipped by digits, not converted whole)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    try:
+        return clip(json.dumps(value, ensure_ascii=False), limit)
+    except (TypeError, ValueError, RecursionError):
+        return clip(repr(value), limit)
+
+
+# An absolute POSIX path of two or more components (not the path part of a URL).
+_PATH = re.compile(r"(?<![\w.:/~-])/(?:[\w.+@-]+/)+[\w.+@-]*")
+
+
+def server_text(text: Any, limit: int = MAX_MESSAGE_CHARS // 2) -> str:
+    """A server-side error text (an exception's message) fit for a client: absolute file-system
+    paths replaced by ``<path>``, and clipped."""
+    return clip(_PATH.sub("<path>", text if isinstance(text, str) else str(text)), limit)
 
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -56,7 +90,7 @@ def invalid(message: str, param: str | None = None, code: str = "invalid_value")
 
 def unsupported(param: str, value: Any, what: str) -> APIError:
     return APIError(
-        f"{param}={json.dumps(value)} is not supported yet: {what}",
+        f"{param}={echo(value)} is not supported yet: {what}",
         status=400,
         param=param,
         code="unsupported_parameter",
@@ -72,7 +106,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         text = raw.decode("utf-8-sig")
         data = json.loads(text)
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's digit limit
-        raise invalid(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+        raise invalid(f"the request body is not valid JSON: {clip(err)}", code="invalid_json") from None
     except RecursionError:  # json's parser recurses per level of nesting
         raise invalid("the request body nests arrays or objects too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
@@ -80,7 +114,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if _SURROGATE_ESCAPE.search(text):  # rare: only then look for a lone one
         for key, value in data.items():
             if has_lone_surrogate(key) or has_lone_surrogate(value):
-                name = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                name = clip(key.encode("utf-8", "backslashreplace").decode("utf-8"))
                 raise invalid(f"'{name}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
                               "which is not a character", param=name, code="invalid_json")
     return data
@@ -119,7 +153,7 @@ def _expect(body: dict, name: str, check, what: str, default: Any = None, *, nul
             return default
         raise invalid(f"'{name}' must be {what}, got null", param=name, code="invalid_type")
     if not check(value):
-        raise invalid(f"'{name}' must be {what}, got {_type_name(value)} {json.dumps(value)[:80]}", param=name,
+        raise invalid(f"'{name}' must be {what}, got {_type_name(value)} {echo(value, 80)}", param=name,
                       code="invalid_type")
     return value
 
@@ -132,10 +166,16 @@ def _check_unknown(body: dict, known: frozenset[str], endpoint: str) -> None:
     unknown = sorted(set(body) - known)
     if unknown:
         raise invalid(
-            f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)} for {endpoint}",
+            f"unknown field{'s' if len(unknown) > 1 else ''} {_names(unknown)} for {endpoint}",
             param=unknown[0],
             code="unknown_field",
         )
+
+
+def _names(names: list[str], most: int = 10) -> str:
+    """Field names a client sent, quoted, each clipped, at most ``most`` of them."""
+    shown = ", ".join(repr(clip(n, 100)) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 # ----------------------------------------------------------------------------------------- requests
@@ -197,7 +237,7 @@ def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
         value = _expect(body, name, _is_int, "an integer")
         if value is not None:
             if value < 1:
-                raise invalid(f"'{name}' must be at least 1, got {value}", param=name)
+                raise invalid(f"'{name}' must be at least 1, got {echo(value)}", param=name)
             max_tokens, max_tokens_param = value, name
 
     stream = _bool(body, "stream")
@@ -206,7 +246,8 @@ def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
     if opts is not None:
         bad = sorted(set(opts) - {"include_usage"})
         if bad:
-            raise invalid(f"unknown field(s) {bad} in 'stream_options'", param="stream_options", code="unknown_field")
+            raise invalid(f"unknown field(s) {_names(bad)} in 'stream_options'", param="stream_options",
+                          code="unknown_field")
         include_usage = opts.get("include_usage")
         if include_usage is None:
             include_usage = False
@@ -235,7 +276,7 @@ def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
     n = _expect(body, "n", _is_int, "an integer")
     if n is not None:
         if n < 1:
-            raise invalid(f"'n' must be at least 1, got {n}", param="n")
+            raise invalid(f"'n' must be at least 1, got {echo(n)}", param="n")
         if n > 1:
             raise unsupported("n", n, f"{GREEDY}, so every choice would be the same; send n 1")
     for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
@@ -319,7 +360,7 @@ def _message(i: int, m: Any) -> dict[str, Any]:
                       param="messages", code="invalid_type")
     bad = sorted(set(m) - _MESSAGE_FIELDS)
     if bad:
-        raise invalid(f"unknown field(s) {bad} in '{where}'", param="messages", code="unknown_field")
+        raise invalid(f"unknown field(s) {_names(bad)} in '{where}'", param="messages", code="unknown_field")
     role = m.get("role")
     if not isinstance(role, str) or not role:
         raise invalid(f"'{where}.role' must be a non-empty string, got {_type_name(role)}", param="messages",
@@ -331,7 +372,7 @@ def _message(i: int, m: Any) -> dict[str, Any]:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else _type_name(part)
                 raise invalid(f"'{where}.content[{j}]': only text parts {{'type': 'text', 'text': ...}} are "
-                              f"supported, got {kind!r}", param="messages", code="unsupported_content")
+                              f"supported, got {echo(kind)}", param="messages", code="unsupported_content")
             texts.append(part["text"])
         content = "\n".join(texts)
     elif content is None:
@@ -387,7 +428,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt", "tools", "documents", "chat_template",
                                     "tokenize", "self"})
     if reserved:
-        raise invalid(f"'chat_template_kwargs' must not set {reserved}", param="chat_template_kwargs")
+        raise invalid(f"'chat_template_kwargs' must not set {_names(reserved)}", param="chat_template_kwargs")
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
     return ChatCompletionRequest(
         messages=messages, params=params, add_generation_prompt=add_generation_prompt,

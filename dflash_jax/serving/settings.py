@@ -56,7 +56,17 @@ class ServerSettings:
     # is ~150 kB of text.
     max_request_bytes: int = 2 * 1024 * 1024
     batch_wait_ms: float = 0.0       # idle engine: the first requests wait this long to share a prefill
-    graceful_shutdown_timeout_s: float | None = None  # None: wait for every request in flight
+    # Slow clients: a connection's request line and headers must arrive within header_timeout_s of its
+    # opening (or of its previous response), and a request's body within body_timeout_s of its
+    # headers; else the connection is closed (the body: answered 408). At most max_connections are
+    # open: a new one then closes the oldest that is still sending its headers or body, or is refused
+    # 503 when every one is being served. Each connection holds a file descriptor (runner.py).
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 512
+    # None: wait for every request in flight; else requests still running after this many seconds
+    # are answered 503 shutting_down (a stream: an error event, then [DONE]).
+    graceful_shutdown_timeout_s: float | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     warmup: bool = True              # compile every shape requests can meet before accepting them
     # Python's GIL switch interval while serving (its default is 5 ms): after each device wait the
@@ -77,6 +87,14 @@ class ServerSettings:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:  # also NaN
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.graceful_shutdown_timeout_s is not None and not self.graceful_shutdown_timeout_s >= 0:
+            raise ValueError("graceful_shutdown_timeout_s must be >= 0 or null, got "
+                             f"{self.graceful_shutdown_timeout_s}")
         if self.gil_switch_interval_ms <= 0:
             raise ValueError(f"gil_switch_interval_ms must be > 0, got {self.gil_switch_interval_ms}")
 

@@ -445,3 +445,324 @@ def test_one_compilation_cache_directory_per_process(tmp_path):
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
     assert not (tmp_path / "second").exists()
+
+
+# ----------------------------------------------------------------------------------------- batch output: interrupts, resume
+
+_ENGINES: dict = {}
+
+
+@pytest.fixture
+def shared_engine(monkeypatch):
+    """``serve.load_engine`` once per model and engine settings in this module (a tiny engine
+    compiles in seconds; the runs below would compile it again each time)."""
+    load = serve.load_engine
+
+    def cached(cfg):
+        key = (cfg.model.target, cfg.model.draft, cfg.model.no_draft, cfg.model.dtype, repr(cfg.engine))
+        if key not in _ENGINES:
+            _ENGINES[key] = load(cfg)
+        return _ENGINES[key]
+
+    monkeypatch.setattr(serve, "load_engine", cached)
+
+
+def _stop_after(monkeypatch, count: int, stop) -> list:
+    """Makes ``Engine.generate`` call ``stop()`` once ``count`` of its prompts have finished (each written
+    first); returns the number of prompts handed to each call."""
+    from dflash_jax.runtime.engine import Engine
+
+    generate, calls = Engine.generate, []
+
+    def patched(self, prompts, max_new_tokens, stop_token_ids=None, on_done=None, stop_checks=None, **kw):
+        calls.append(len(prompts))
+        done = [0]
+
+        def counting(i, res):
+            on_done(i, res)
+            done[0] += 1
+            if done[0] == count:
+                stop()
+
+        return generate(self, prompts, max_new_tokens, stop_token_ids, on_done=counting, stop_checks=stop_checks,
+                        **kw)
+
+    monkeypatch.setattr(Engine, "generate", patched)
+    return calls
+
+
+def _interrupt():
+    raise KeyboardInterrupt
+
+
+BATCH = [{"id": i, "prompt_ids": list(range(5, 5 + n)), "max_new_tokens": m}
+         for i, (n, m) in enumerate([(9, 3), (2, 4), (6, 2), (3, 5), (12, 3), (4, 2), (7, 4), (5, 3)])]
+TIMING = ("time_to_first_token", "time_per_output_token")
+
+
+def _untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+
+
+def _generate(target_dir, src, out, *extra) -> int:
+    return serve.main(["generate", "--target", str(target_dir), "--no-draft", "--input", str(src), "--output",
+                       str(out), "--batch-size", "1", "--no-progress", *extra, *ENGINE_FLAGS])
+
+
+def test_interrupt_keeps_finished_results_and_resume_finishes(models, tmp_path, capsys, monkeypatch, shared_engine):
+    """Ctrl-C after 3 of 8 prompts leaves their 3 results in a new output; ``--resume`` generates only
+    the prompts without a result and leaves the input's order."""
+    target_dir, _ = models
+    src = write_jsonl(tmp_path / "in.jsonl", BATCH)
+    assert _generate(target_dir, src, tmp_path / "ref.jsonl") == 0, capsys.readouterr().err
+    want = _untimed(read_jsonl(tmp_path / "ref.jsonl"))
+    capsys.readouterr()
+
+    out = tmp_path / "out.jsonl"
+    with monkeypatch.context() as m:
+        calls = _stop_after(m, 3, _interrupt)
+        assert _generate(target_dir, src, out) == 130
+    err = capsys.readouterr().err
+    assert "serve.py: interrupted" in err and f"3 of 8 results written to {out}; rerun with --resume" in err, err
+    partial = _untimed(read_jsonl(out))
+    assert len(partial) == 3 and all(row in want for row in partial) and calls == [8]
+
+    with monkeypatch.context() as m:  # a resumed run interrupted in turn keeps both runs' results
+        calls = _stop_after(m, 2, _interrupt)
+        assert _generate(target_dir, src, out, "--resume") == 130
+    assert f"5 of 8 results written to {out}" in capsys.readouterr().err and calls == [5]
+    with monkeypatch.context() as m:
+        calls = _stop_after(m, 99, _interrupt)
+        assert _generate(target_dir, src, out, "--resume") == 0
+    summary = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert calls == [3] and summary["prompts"] == 3 and summary["resumed"] == 5
+    assert _untimed(read_jsonl(out)) == want  # the input's order, the same tokens
+
+    # Nothing left to do: no model loads, and the output stays as it is.
+    before = out.read_bytes()
+    with monkeypatch.context() as m:
+        m.setattr(serve, "load_engine", lambda cfg: pytest.fail("loaded the models with nothing to generate"))
+        assert _generate(target_dir, src, out, "--resume") == 0
+    assert out.read_bytes() == before and json.loads(capsys.readouterr().err.strip().splitlines()[-1])["prompts"] == 0
+
+
+def test_sigterm_and_a_crash_keep_finished_results(models, tmp_path, capsys, monkeypatch, shared_engine):
+    """SIGTERM ends the run as Ctrl-C does (exit status 143); an engine that fails after some prompts
+    finished keeps theirs too. An existing output is not the run's to destroy: it stays as it was, the
+    results going to a ``.partial`` file beside it, which ``--resume`` continues once moved over it."""
+    target_dir, _ = models
+    src = write_jsonl(tmp_path / "in.jsonl", BATCH)
+    out = tmp_path / "out.jsonl"
+    with monkeypatch.context() as m:
+        _stop_after(m, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        assert _generate(target_dir, src, out) == 143
+    assert "terminated (SIGTERM)" in capsys.readouterr().err
+    assert len(read_jsonl(out)) == 2
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is the run's only
+
+    out.write_text("old results\n")
+    from dflash_jax.runtime.engine import Engine
+
+    generate = Engine.generate
+
+    def crashing(self, prompts, max_new_tokens, stop_token_ids=None, on_done=None, stop_checks=None, **kw):
+        generate(self, prompts[:4], max_new_tokens[:4], stop_token_ids, on_done=on_done, stop_checks=stop_checks[:4])
+        raise RuntimeError("the device went away")
+
+    with monkeypatch.context() as m:
+        m.setattr(Engine, "generate", crashing)
+        with pytest.raises(RuntimeError, match="the device went away"):
+            _generate(target_dir, src, out)
+    assert out.read_text() == "old results\n"
+    (partial,) = tmp_path.glob("out.jsonl.*.partial")
+    err = capsys.readouterr().err
+    assert f"4 of 8 results written to {partial}; {out} is unchanged" in err, err
+    assert len(read_jsonl(partial)) == 4
+    partial.replace(out)
+    assert _generate(target_dir, src, out, "--resume") == 0
+    assert [row["id"] for row in read_jsonl(out)] == list(range(8))
+    assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["resumed"] == 4
+
+    # A run that fails before any prompt finished leaves no new file, and the old output whole.
+    out.write_text("old results\n")
+    with monkeypatch.context() as m:
+        m.setattr(Engine, "generate", lambda self, *a, **k: _interrupt())
+        assert _generate(target_dir, src, out) == 130
+    assert out.read_text() == "old results\n" and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl",
+                                                                                                   "out.jsonl"]
+    out.unlink()
+    with monkeypatch.context() as m:
+        m.setattr(Engine, "generate", lambda self, *a, **k: _interrupt())
+        assert _generate(target_dir, src, out) == 130
+    assert not out.exists()
+
+
+def test_resume_checks_the_output_it_continues(models, tmp_path, capsys, caplog, shared_engine):
+    """``--resume`` drops an unfinished last line (a write cut by a kill) and generates it again; an
+    output line that is no result of this input, or not a result at all, is an error naming it, and the
+    output is left as it was."""
+    target_dir, _ = models
+    src = write_jsonl(tmp_path / "in.jsonl", BATCH[:3] + BATCH[:1])  # a repeated line: a result per repeat
+    out = tmp_path / "out.jsonl"
+    assert _generate(target_dir, src, out) == 0
+    full = out.read_text().splitlines()
+    out.write_text(full[3] + "\n\n" + full[1] + "\n" + full[0][:40])
+    capsys.readouterr()
+    assert _generate(target_dir, src, out, "--resume") == 0
+    assert "its last line is unfinished" in caplog.text
+    assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["resumed"] == 2
+    assert _untimed(read_jsonl(out)) == _untimed([json.loads(line) for line in full])
+
+    for lines, message in (([full[0], full[0], full[0]], "out.jsonl:3: the result of no line of the input"),
+                           ([full[1], json.dumps({"id": 9, **json.loads(full[1])})], "out.jsonl:2: the result of no"),
+                           ([json.dumps(BATCH[0])], "out.jsonl:1: not a result line of this command (no output_ids"),
+                           (["{oops"], "out.jsonl:1: not a result line of this command (unreadable JSON)")):
+        out.write_text("\n".join(lines) + "\n")
+        before = out.read_bytes()
+        assert _generate(target_dir, src, out, "--resume") == 2
+        err = capsys.readouterr().err
+        assert message in err, err
+        assert out.read_bytes() == before
+
+
+def test_rewrite_keeps_the_mode_and_writes_through_a_symlink(models, tmp_path, capsys, shared_engine):
+    """Rewriting an existing output keeps its permissions, not a new file's, and, where it is a symlink,
+    rewrites its target and keeps the link."""
+    target_dir, _ = models
+    src = write_jsonl(tmp_path / "in.jsonl", BATCH[:2])
+    (tmp_path / "data").mkdir()
+    target = tmp_path / "data" / "results.jsonl"
+    target.write_text("old\n")
+    target.chmod(0o600)
+    link = tmp_path / "out.jsonl"
+    link.symlink_to(target)
+    assert _generate(target_dir, src, link) == 0, capsys.readouterr().err
+    assert link.is_symlink() and link.resolve() == target
+    assert target.stat().st_mode & 0o777 == 0o600
+    assert [row["id"] for row in read_jsonl(target)] == [0, 1]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["results.jsonl"]
+    # A dangling link: its target is created.
+    target.unlink()
+    assert _generate(target_dir, src, link) == 0
+    assert link.is_symlink() and [row["id"] for row in read_jsonl(target)] == [0, 1]
+    assert target.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b'{"prompt": "x", "a": ' + b"[" * 5000 + b"]" * 5000 + b"}", "invalid JSON: nested too deeply"),
+        (b'{"prompt_ids": [' + b"7" * 5000 + b"]}", "invalid JSON: an integer has more than 4300 digits"),
+        (b'{"prompt": "x", "score": NaN}', "field 'score' is nan, which is not standard JSON"),
+        (b'{"prompt": "x", "m": {"s": [1, -Infinity]}}', "field 'm'.s[1] is -inf, which is not standard JSON"),
+        (b'{"prompt": "x", "big": 1e999}', "field 'big' is inf, which is not standard JSON"),
+    ],
+)
+def test_json_the_parser_or_the_output_cannot_take_names_the_line(tmp_path, capsys, raw, message):
+    """Deep nesting, an integer too long for Python's parser, and NaN or Infinity (which standard JSON
+    output cannot hold) are errors naming the line, checked while reading, before any model loads."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"prompt": "fine"}\n\n' + raw + b"\n")
+    rc = serve.main(["generate", "--target", str(tmp_path), "--no-draft", "--input", str(src),
+                     "--output", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{src}:3: {message}" in err, err
+    assert len(err) < 500 and not (tmp_path / "out.jsonl").exists()
+
+
+def test_serve_refuses_more_stop_ids_than_the_engine_takes(models, capsys, monkeypatch, shared_engine):
+    """Refused at start, as the batch mode does, not at every request."""
+    import dflash_jax.serving
+
+    target_dir, _ = models
+    monkeypatch.setattr(dflash_jax.serving, "run_server", lambda *a, **k: pytest.fail("the server started"))
+    monkeypatch.setattr(sys, "setswitchinterval", lambda s: None)
+    rc = serve.main(["serve", "--target", str(target_dir), "--no-draft", "--set", "server.warmup=false",
+                     "--set", f"model.stop_token_ids={list(range(17))}", *ENGINE_FLAGS])
+    err = capsys.readouterr().err
+    assert rc == 2 and "serve.py: error: 17 distinct stop ids (model.stop_token_ids, or the tokenizer's); the " \
+        "engine takes at most 16" in err, err
+
+
+_FUZZ_VALUES = [
+    "null", "true", "false", "0", "-1", "1.5", "1.0", '"x"', '""', '" "', "[]", "{}", "[null]", "[1.5]", '["a"]',
+    "[true]", "[-3]", "[99999]", "[5, 6]", '"hello"', "7" * 5000, "1" + "0" * 400, "[1" + "0" * 4000 + "]",
+    "NaN", "Infinity", "-Infinity", "1e999", "[NaN]", '"\\ud800"', '"a\\udc00"', '"\\u0000"', '"\\n"',
+    "[" * 3000 + "]" * 3000, "[" * 100 + "]" * 100, '{"a": ' * 100 + "1" + "}" * 100,
+    '[{"role": "user", "content": null}]', '[{"role": "user", "content": 5}]', '[{"role": "user"}]',
+    '[{"role": 5, "content": "x"}]', '[{"role": "user", "content": [[[[1]]]]}]',
+    '[{"role": "user", "content": {"a": [1, {"b": null}]}}]', '[{"role": "user", "content": "hi"}, 3]',
+    '[{"role": "user", "content": ' + "[" * 150 + "]" * 150 + "}]", '[{"role": "user", "content": "x" }]',
+    '["stop", ""]', '["' + "s" * 5000 + '"]', '["a", "b", "c", "d", "e"]',
+]
+_FUZZ_FIELDS = ["prompt_ids", "prompt", "messages", "max_new_tokens", "stop", "extra"]
+
+
+def _fuzz_lines() -> list[bytes]:
+    import random
+
+    lines = []
+    for field in _FUZZ_FIELDS:
+        for value in _FUZZ_VALUES:
+            rest = "" if field in ("prompt_ids", "prompt", "messages") else '"prompt_ids": [5, 6], '
+            lines.append(f'{{{rest}"{field}": {value}}}'.encode())
+    lines += [b'{"prompt": "\xff"}', b'{"prompt": "\xc3\x28"}', b'{"prompt": "\xed\xa0\x80"}', b"\x00", b"[1]",
+              b'{"prompt_ids": [5]}{"prompt_ids": [6]}', b'{"prompt_ids": [5], "prompt_ids": [6]}',
+              b'{"": 1, "prompt_ids": [5]}', b'{"prompt_ids": [5]', b'"just a string"', b"\xef\xbb\xbf{}"]
+    rng = random.Random(0)  # byte-level mutations of a good line
+    good = b'{"prompt": "fuzz me", "max_new_tokens": 2, "stop": ["zz"], "id": [1, 2.5, {"k": null}]}'
+    for _ in range(60):
+        line = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(len(line))
+            op = rng.randrange(3)
+            if op == 0:
+                line[at] = rng.randrange(256)
+            elif op == 1:
+                del line[at]
+            else:
+                line.insert(at, rng.choice(b'[]{}",:\\0e-.9nNI\xff\x80 '))
+        lines.append(bytes(line).replace(b"\n", b" ").replace(b"\r", b" "))
+    return lines
+
+
+@pytest.mark.parametrize("sample", [pytest.param(7, id="every-7th"), pytest.param(1, id="all", marks=pytest.mark.slow)])
+def test_fuzzed_batch_lines_generate_or_name_their_line(models, tmp_path, capsys, shared_engine, sample):
+    """Lines of wrong types, nulls, huge integers, deep nesting, NaN, bad bytes, lone surrogates and
+    random byte damage after two good lines: each run either generates (the good lines' results kept
+    as they were) or exits 2 with an error naming the file and the line, never a traceback; the output
+    of the good lines, continued with --resume or replaced without it, is never lost."""
+    target_dir, _ = models
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    good = b'{"id": "a", "prompt_ids": [5, 6, 7], "max_new_tokens": 2}\n{"id": "b", "prompt": "hello"}\n'
+    src.write_bytes(good)
+    argv = ["generate", "--target", str(target_dir), "--no-draft", "--input", str(src), "--output", str(out),
+            "--batch-size", "1", "--max-new-tokens", "2", "--no-progress", *ENGINE_FLAGS]
+    assert serve.main(argv) == 0
+    base = out.read_bytes()
+    (tmp_path / "base").write_bytes(base)
+    outcomes = {0: 0, 2: 0}
+    cases = _fuzz_lines()[::sample]
+    for n, line in enumerate(cases):
+        src.write_bytes(good + line + b"\n")
+        out.write_bytes(base)
+        capsys.readouterr()
+        try:
+            rc = serve.main(argv + (["--resume"] if n % 2 == 0 else []))
+        except BaseException as err:  # noqa: BLE001 - reported with the line that caused it
+            pytest.fail(f"{line[:200]!r}: {type(err).__name__}: {err}")
+        err = capsys.readouterr().err
+        assert rc in (0, 2) and "Traceback" not in err, (line[:200], rc, err[-2000:])
+        outcomes[rc] += 1
+        if rc == 2:
+            assert f"serve.py: error: {src}:3: " in err and len(err) < 1000, (line[:200], err[-2000:])
+            assert out.read_bytes() == base, line[:200]
+        else:
+            results = out.read_bytes().splitlines(keepends=True)
+            assert len(results) == 3, line[:200]
+            if n % 2 == 0:  # resumed: kept byte for byte
+                assert b"".join(results[:2]) == base, line[:200]
+            else:  # generated again: the same tokens
+                assert _untimed([json.loads(r) for r in results[:2]]) == _untimed(read_jsonl(tmp_path / "base"))
+            assert json.loads(results[2], parse_constant=lambda c: pytest.fail(f"{c} written"))
+    assert outcomes[0] > len(cases) // 10 and outcomes[2] > len(cases) // 3, outcomes
