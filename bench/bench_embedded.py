@@ -1,31 +1,62 @@
-#!/usr/bin/env python
 """tau and speedup of the shipped embedded pair (``models/embedded/``) on its held-out prompts.
 
-Batch 1, greedy, the engine with and without the drafter on the same prompts (every prompt bucket
-compiled before timing; each prompt timed ``--repeats`` times, best kept), for several block sizes.
-The same measurement as the build's eval stage, on whatever device JAX picks.
+Batch 1, greedy, the engine with and without the drafter on the same prompts, for several block
+sizes: every prompt bucket compiled before timing (``Engine.warmup``), each prompt generated
+``--repeats`` times and the fastest kept; whether DFlash's outputs are identical to target-only's.
+The measurement of the build's eval stage (``training.embedded_build.evaluate``), on whatever device
+JAX picks, with the engine's settings exposed.
 
-    python bench/bench_embedded.py --blocks 16,8,4 --out $OUT/embedded.json
+    python3 bench/bench_embedded.py --blocks 16,8,4 --out bench/results/embedded.json
+    python3 bench/bench_embedded.py --attention-config min_chunk=64,num_stages=2   # cached-attention tiles
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
-import json
-import sys
-from pathlib import Path
+import time
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import numpy as np
 
-import jax  # noqa: E402
+import timing
+from dflash_jax import embedded
+from dflash_jax.runtime.engine import Engine, EngineConfig
 
-from dflash_jax import embedded  # noqa: E402
-from dflash_jax.embedded_build import evaluate  # noqa: E402
-from dflash_jax.tokenizer import Tokenizer  # noqa: E402
-from bench_engine import int_fields  # noqa: E402
-from kernels_pallas import cached_attention_gpu  # noqa: E402
+
+def generate_all(engine: Engine, prompts: list[list[int]], max_new: int, eos: list[int], repeats: int):
+    """Each prompt alone, fastest of ``repeats``: (results, summed seconds)."""
+    results, seconds = [], 0.0
+    for prompt in prompts:
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            result = engine.generate([prompt], max_new, stop_token_ids=eos)[0]
+            best = min(best, time.perf_counter() - t0)
+        results.append(result)
+        seconds += best
+    return results, seconds
+
+
+def measure(target, drafter, prompts, block: int, args) -> dict:
+    eos = list(target.config.eos_token_ids)
+    config = EngineConfig(max_batch_size=1, max_length=max(map(len, prompts)) + args.max_new_tokens + 8,
+                          steps_per_sync=8, block_size=block, cached_attention_tiles=args.attention_config)
+    spec, plain = Engine(target, drafter, config), Engine(target, None, dataclasses.replace(config, block_size=None))
+    for engine in (spec, plain):
+        engine.warmup([1])
+    fast, t_spec = generate_all(spec, prompts, args.max_new_tokens, eos, args.repeats)
+    slow, t_plain = generate_all(plain, prompts, args.max_new_tokens, eos, args.repeats)
+    lengths = [int(n) for r in fast for n in r.acceptance_lengths]
+    tok_fast, tok_slow = sum(r.num_output_tokens for r in fast), sum(r.num_output_tokens for r in slow)
+    return {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "block_size": spec.block_size,
+            "identical": all(a.output_ids == b.output_ids for a, b in zip(fast, slow)),
+            "tau": float(np.mean(lengths)),
+            "histogram": {int(k): v for k, v in sorted(collections.Counter(lengths).items())},
+            "output_tokens": tok_fast, "dflash_s": t_spec, "target_only_s": t_plain,
+            "dflash_tok_per_s": tok_fast / t_spec, "target_only_tok_per_s": tok_slow / t_plain,
+            "speedup": (t_plain / tok_slow) / (t_spec / tok_fast)}
 
 
 def main() -> None:
@@ -35,29 +66,21 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--attention-config", default="", metavar="FIELD=N,...",
-                    help="the cached-attention kernel's tile fields (GpuConfig), e.g. stacked_members=1,"
-                         "members_per_program=2 (GPUs: the engine's kernels)")
+                    help="EngineConfig.cached_attention_tiles (GPUs), e.g. stacked_members=1,members_per_program=2")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.attention_config:
-        cached_attention_gpu.DEFAULT_CONFIG = dataclasses.replace(cached_attention_gpu.DEFAULT_CONFIG,
-                                                                  **int_fields(args.attention_config))
-    tok = Tokenizer(embedded.DEFAULT_TARGET)
+    target, drafter, tok = embedded.load_default()
     prompts = [tok.encode(t, add_special_tokens=False) for t in embedded.heldout_prompts(args.prompts)]
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
     print(f"device: {device}; {len(prompts)} prompts, {args.max_new_tokens} new tokens", flush=True)
     print(f"{'block':>5} {'tau':>6} {'DFlash tok/s':>12} {'target tok/s':>12} {'speedup':>8} {'identical':>9}", flush=True)
     rows = []
     for block in (int(b) for b in args.blocks.split(",")):
-        r = evaluate(embedded.DEFAULT_TARGET, embedded.DEFAULT_DRAFTER, prompts, args.max_new_tokens,
-                     block_size=block, repeats=args.repeats)
-        r.pop("tau_per_prompt")
-        r["device"] = device
+        r = dict(measure(target, drafter, prompts, block, args), device=device)
         rows.append(r)
         print(f"{block:>5} {r['tau']:>6.2f} {r['dflash_tok_per_s']:>12.0f} {r['target_only_tok_per_s']:>12.0f} "
               f"{r['speedup']:>7.2f}x {str(r['identical']):>9}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+        timing.write_json(args.out, rows)
 
 
 if __name__ == "__main__":

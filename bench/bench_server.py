@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The HTTP server against its own engine: does serving through HTTP keep the accelerator busy?
 
 A child process builds an engine, times ``Engine.generate`` on each load's prompts (the batch
@@ -9,12 +8,12 @@ both sides generate the same tokens through the same compiled programs. Reported
 both ways and their ratio (the price of the server: the event loop, the scheduler thread, detokenizing,
 SSE, admission at host syncs), the median time to first token, the engine's busy fraction of
 the round's wall time from ``/metrics``, and the first round's tokens/s and TTFT (shapes compiled
-while serving show there; ``--legacy-warmup`` warms up as before the thirty-seventh session).
+while serving would show there).
 
-    python bench/bench_server.py --model 8b --concurrency 1,16 --out $OUT/server.json   # Qwen3-8B shapes
-    python bench/bench_server.py --model embedded --concurrency 1,16                    # the shipped pair
-    python bench/bench_server.py --model tiny --concurrency 1,4 --max-tokens 16         # a CPU smoke test
-    python bench/bench_server.py --model 8b --modes dflash --concurrency 1,8 --stop "@@never@@"  # + stop strings
+    python3 bench/bench_server.py --model 8b --concurrency 1,16 --out bench/results/server.json  # Qwen3-8B shapes
+    python3 bench/bench_server.py --model embedded --concurrency 1,16                           # the shipped pair
+    JAX_PLATFORMS=cpu python3 bench/bench_server.py --model tiny --concurrency 1,4 --max-tokens 16  # smoke test
+    python3 bench/bench_server.py --model 8b --modes dflash --concurrency 1,8 --stop "@@never@@"  # + stop strings
 
 ``8b`` and ``tiny`` are random weights under the embedded pair's tokenizer (4,096 ids): the LM head's
 columns past the tokenizer are zeroed, as a real checkpoint's padded vocabulary is never predicted,
@@ -26,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import signal
 import statistics
@@ -36,10 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash_jax.server.settings import ServerSettings  # noqa: E402
+import timing
+from dflash_jax.serving.settings import ServerSettings
 
 MODES = ("target-only", "dflash")
 
@@ -54,8 +50,8 @@ def build_engine(model: str, mode: str, max_batch: int, max_length: int, layers:
     import numpy as np
 
     from dflash_jax import embedded
-    from dflash_jax.engine import Engine, EngineConfig
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.runtime.engine import Engine, EngineConfig
+    from dflash_jax.io.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(embedded.DEFAULT_TARGET)
     if model == "embedded":
@@ -65,11 +61,10 @@ def build_engine(model: str, mode: str, max_batch: int, max_length: int, layers:
         def prompts(n: int, length: int) -> list[list[int]]:  # held-out text, where the drafter is at home
             return [tokenizer.encode(texts[i % len(texts)])[:length] for i in range(n)]
     else:
-        from bench_engine import qwen3_8b, random_pair
         from dflash_jax.tiny import tiny_target_config
 
-        config = qwen3_8b(layers) if model == "8b" else tiny_target_config(vocab_size=4352)
-        target, drafter = random_pair(config, dtype=jnp.bfloat16)
+        config = timing.qwen3_8b(layers) if model == "8b" else tiny_target_config(vocab_size=4352)
+        target, drafter = timing.random_pair(config, dtype=jnp.bfloat16)
         target.lm_head[...] = target.lm_head[...].at[:, tokenizer.vocab_size:].set(0)
 
         def prompts(n: int, length: int) -> list[list[int]]:
@@ -93,25 +88,9 @@ def timed_generate(engine, prompts: list[list[int]], max_tokens: int, repeats: i
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
 
 
-def legacy_warmup(engine) -> None:
-    """The warm-up before the thirty-seventh session, for comparison: decode at every window, and
-    prefills of 1 and ``max_batch_size`` prompts at the smallest prompt bucket only."""
-    sizes = sorted({1, engine.config.max_batch_size})
-    for size in sizes:
-        state = engine.empty_state(engine.state_rows(size))
-        for n in sorted({1, size}):
-            fresh, _ = engine.prefill([[0]] * n, [2] * n, [()] * n)
-            state = engine.admit(state, fresh, range(n))
-        for window in engine.windows:
-            state, _ = engine.decode(state, n_steps=None if engine.fixed_loop else 0, window=window)
-        for other in {engine.state_rows(s) for s in sizes} - {engine.state_rows(size)}:
-            engine.resize(state, [0], rows=other)
-        state.starts.block_until_ready()
-
-
 def serve_child(spec: dict) -> None:
     """Builds the engine, times ``Engine.generate`` per load, writes ``spec['ready']``, then serves."""
-    from dflash_jax.server import create_app, run_server
+    from dflash_jax.serving import create_app, run_server
 
     sys.setswitchinterval(spec["switch_interval_ms"] / 1000)
     concurrency = spec["concurrency"]
@@ -119,19 +98,13 @@ def serve_child(spec: dict) -> None:
                                                     spec["prompt_len"] + spec["max_tokens"] + 16, spec["layers"],
                                                     spec["max_steps_per_sync"])
     t0 = time.perf_counter()
-    if spec["legacy_warmup"]:
-        legacy_warmup(engine)
-    else:
-        engine.warmup()
+    engine.warmup()
     warmup_s = time.perf_counter() - t0
     print(f"[{spec['mode']}] warm-up {warmup_s:.1f} s, prompt buckets {[b for b, _ in engine.prompt_buckets()]}",
           flush=True)
     loads = {}
     for n in concurrency:
         prompts = prompt_source(n, spec["prompt_len"])
-        if spec["legacy_warmup"]:  # the server meets its shapes first, as a fresh server's first users do
-            loads[n] = {"prompts": prompts, "tokens": 0, "tokens_per_s": float("nan")}
-            continue
         loads[n] = {"prompts": prompts, **timed_generate(engine, prompts, spec["max_tokens"], spec["repeats"])}
         print(f"[{spec['mode']}] engine, {n} prompts: {loads[n]['tokens_per_s']:.0f} tok/s", flush=True)
     app = create_app(engine, tokenizer, model_name="bench", max_length=engine.config.max_length,
@@ -215,7 +188,7 @@ def run_mode(args, mode: str, port: int) -> dict:
         ready = Path(tmp) / "ready.json"
         spec = {"model": args.model, "mode": mode, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
                 "max_tokens": args.max_tokens, "repeats": args.repeats, "layers": args.layers, "port": port,
-                "legacy_warmup": args.legacy_warmup, "switch_interval_ms": args.switch_interval_ms,
+                "switch_interval_ms": args.switch_interval_ms,
                 "max_steps_per_sync": args.max_steps_per_sync, "ready": str(ready)}
         proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)])
         url = f"http://127.0.0.1:{port}"
@@ -263,9 +236,6 @@ def main() -> None:
     ap.add_argument("--switch-interval-ms", type=float, default=ServerSettings().gil_switch_interval_ms,
                     help="the serving process's sys.setswitchinterval, as server.gil_switch_interval_ms (default: "
                          "serve.py's)")
-    ap.add_argument("--legacy-warmup", action="store_true",
-                    help="warm up as before the thirty-seventh session (no engine timings): what compiling "
-                         "while serving costs")
     ap.add_argument("--max-steps-per-sync", type=int, default=None,
                     help="EngineConfig.max_steps_per_sync: calls grow while the device outruns the host")
     ap.add_argument("--stop", default=None,
@@ -300,9 +270,7 @@ def main() -> None:
                   f"{r['server_tokens_per_s']:.0f} | {r['server_over_engine']:.3f} | {r['server_busy_fraction']:.1%} | "
                   f"{ms(r['server_ttft_median_s'])} | {'-' if tau is None else f'{tau:.2f}'} | "
                   f"{r['first_round_tokens_per_s']:.0f}, {ms(r['first_round_ttft_median_s'])}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    timing.write_json(args.out, results)
 
 
 if __name__ == "__main__":

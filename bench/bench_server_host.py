@@ -1,14 +1,13 @@
-#!/usr/bin/env python
 """The HTTP server's own host cost: tokens/s through it when the engine costs nothing.
 
-``FakeEngine`` (host-only, numpy, no device work: ``dflash_jax.server.testing``) behind ``create_app``
+``FakeEngine`` (host-only, numpy, no device work: ``dflash_jax.serving.testing``) behind ``create_app``
 under uvicorn in this process, with the embedded pair's tokenizer; N client threads each stream one
 ``/v1/completions`` request of M tokens (``ignore_eos``) at once, per round. What limits it is what a
 small model's server spends per token on the host: the scheduler's host syncs, detokenizing, SSE
 framing and the clients themselves (which share the machine). ``--stop`` adds a stop string that never
 occurs, so every chunk also goes through the stop check on the scheduler thread.
 
-    python bench/bench_server_host.py --streams 8 --tokens 1024 --rounds 5 [--stop]
+    python3 bench/bench_server_host.py --streams 8 --tokens 1024 --rounds 5 [--stop]
 
 Prints one JSON line: each round's tokens/s and the median of the rounds after the first.
 """
@@ -21,17 +20,15 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import httpx
 
-import httpx  # noqa: E402
-
-from dflash_jax import embedded  # noqa: E402
-from dflash_jax.server import ServerThread, create_app  # noqa: E402
-from dflash_jax.server.settings import ServerSettings  # noqa: E402
-from dflash_jax.server.testing import FakeEngine  # noqa: E402
-from dflash_jax.tokenizer import Tokenizer  # noqa: E402
+import timing
+from dflash_jax import embedded
+from dflash_jax.io.tokenizer import Tokenizer
+from dflash_jax.serving import ServerThread, create_app
+from dflash_jax.serving.settings import ServerSettings
+from dflash_jax.serving.testing import FakeEngine
 
 
 def main() -> None:
@@ -41,6 +38,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=8, help="the fake engine's tokens per step, at most")
     ap.add_argument("--stop", action="store_true", help="a stop string that never occurs")
+    ap.add_argument("--out", default=None, help="also write the JSON line's object to this file")
     args = ap.parse_args()
 
     sys.setswitchinterval(ServerSettings().gil_switch_interval_ms / 1000)  # as serve.py sets it
@@ -65,9 +63,11 @@ def main() -> None:
             with concurrent.futures.ThreadPoolExecutor(args.streams) as pool:
                 list(pool.map(one, range(args.streams)))
             rates.append(args.streams * args.tokens / (time.perf_counter() - t0))
-    print(json.dumps({"streams": args.streams, "tokens": args.tokens, "stop": args.stop,
-                      "tokens_per_s": [round(r) for r in rates],
-                      "median_after_first": round(statistics.median(rates[1:] or rates))}))
+    result = {"streams": args.streams, "tokens": args.tokens, "stop": args.stop,
+              "tokens_per_s": [round(r) for r in rates],
+              "median_after_first": round(statistics.median(rates[1:] or rates))}
+    print(json.dumps(result))
+    timing.write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,18 @@
-#!/usr/bin/env python
 """Training throughput of the DFlash train step: compile time, step time, tokens/s and MFU.
 
 Default: a Qwen3-8B-shaped target (36 layers, hidden 4096, GQA 32/8, vocab 151936, bf16, random
 weights) and a 5-layer B=16 drafter, seq_len 4096, 512 anchors, loss_chunk 64: one jitted step
 (frozen target forward + drafter forward/backward + AdamW) per micro-batch, the target's layers
 stacked and run under ``lax.scan`` as in ``train.py`` (``--unrolled-target``: the 36 layers unrolled,
-for comparison). Variants = every ``--batch`` x ``--attention-impl`` (the drafter's attention; with
-"pallas" the target's full-sequence attention is a library flash attention, cuDNN's on GPUs, with
-"xla" the reference) x ``--target-attention`` ("reference": the target's attention the reference
-even with "pallas", the step before the library's). Each row is printed when it finishes and written
-to ``--out/<variant>.json``; a variant that fails (e.g. out of memory) writes its error and the
-next one runs.
+for comparison). Variants = every ``--batch`` x ``--attention-impl`` (``OpsConfig.attention`` of the
+step: with "pallas" the drafter's attention is the Pallas kernel and the target's full-sequence
+attention a library flash attention, cuDNN's on GPUs; with "xla" both the reference). Each row is
+printed when it finishes and written to ``--out/<variant>.json``; a variant that fails (e.g. out of
+memory) writes its error and the next one runs.
 
-    python bench/bench_train.py --out runs/bench_train            # on the accelerator
-    python bench/bench_train.py --tiny --out /tmp/bench_train     # CPU smoke test
-    python bench/bench_train.py --compile-only --batch 1          # compile time only, no memory
+    python3 bench/bench_train.py --out bench/results/train                         # on the accelerator
+    JAX_PLATFORMS=cpu python3 bench/bench_train.py --tiny --out /tmp/bench_train   # smoke test
+    python3 bench/bench_train.py --compile-only --batch 1                          # compile time only
 
 ``--compile-only`` compiles the step for the local backend from abstract arguments
 (``jax.ShapeDtypeStruct``): on a CPU it measures the compile time and XLA's buffer assignment of
@@ -40,8 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import itertools
-import json
 import platform
 import statistics
 import sys
@@ -53,16 +49,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_prefill import prompt_attention_way  # noqa: E402
-from dflash_jax.drafter import Drafter  # noqa: E402
-from dflash_jax.model_config import DrafterConfig, TargetConfig, default_target_layer_ids  # noqa: E402
-from dflash_jax.target import Target, init_stacked, stack_layers, unstack_layers  # noqa: E402
-from dflash_jax.training.config import OptimConfig  # noqa: E402
-from dflash_jax.training.monitor import peak_flops_per_device, train_flops_per_sequence  # noqa: E402
-from dflash_jax.training.optim import make_optimizer  # noqa: E402
-from dflash_jax.training.trainer import StepSpec, init_state, make_train_step, split_drafter  # noqa: E402
+import timing
+from dflash_jax.models.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.target import Target, init_stacked, stack_layers, unstack_layers
+from dflash_jax.ops import OpsConfig
+from dflash_jax.training.config import OptimConfig
+from dflash_jax.training.monitor import peak_flops_per_device, train_flops_per_sequence
+from dflash_jax.training.optim import make_optimizer
+from dflash_jax.training.trainer import StepSpec, init_state, make_train_step, split_drafter
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                 num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
@@ -135,7 +130,7 @@ def bench_one(m: Models, *, batch: int, seq: int, anchors: int, chunk: int, impl
     tx = make_optimizer(OptimConfig(lr=6e-4), 1000)
     spec = StepSpec(block_size=m.dcfg.block_size, mask_token_id=m.dcfg.mask_token_id,
                     target_layer_ids=tuple(m.dcfg.target_layer_ids), num_anchors=anchors, loss_chunk=chunk,
-                    compute_dtype=jnp.bfloat16, attention_impl=impl)
+                    compute_dtype=jnp.bfloat16, ops=OpsConfig(attention=impl))
     step = jax.jit(make_train_step(m.drafter_graph, m.drafter_rest, m.target_graph, tx, spec), donate_argnums=(0,))
     if abstract:
         state = jax.eval_shape(lambda p: init_state(p, tx), m.drafter_params)
@@ -198,8 +193,6 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU-sized shapes (smoke test)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--attention-impl", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"])
-    ap.add_argument("--target-attention", nargs="+", default=["library"], choices=["library", "reference"],
-                    help="with --attention-impl pallas: the target's prompt attention (bench_prefill.py)")
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--anchors", type=int, default=None)
     ap.add_argument("--loss-chunk", type=int, default=None)
@@ -224,7 +217,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     peak = peak_flops_per_device()
     peak_s = f"{peak / 1e12:.0f} TFLOP/s" if peak else "unknown"
-    print(f"jax {jax.__version__}, {jax.device_count()} x {dev.device_kind}; peak bf16 {peak_s}; "
+    print(f"{timing.device_line()}; peak bf16 {peak_s}; "
           f"target layers {'unrolled' if args.unrolled_target else 'scanned'}", flush=True)
     tcfg, dcfg = configs(shape, args.draft_layers, args.block)
     t0 = time.perf_counter()
@@ -240,20 +233,15 @@ def main(argv=None) -> int:
     rows = 0
     failures = 0
     for batch in args.batch:
-        for impl, way in itertools.product(args.attention_impl, args.target_attention):
-            if impl == "xla" and way == "reference" and "library" in args.target_attention:
-                continue  # with "xla" the target's attention is the reference either way
-            name = (f"b{batch}_{impl}" + ("_target_reference" if way == "reference" and impl == "pallas" else "")
-                    + ("_unrolled" if args.unrolled_target else ""))
+        for impl in args.attention_impl:
+            name = f"b{batch}_{impl}" + ("_unrolled" if args.unrolled_target else "")
             if args.time_limit is not None and time.perf_counter() - start > args.time_limit:
                 print(f"{name:<14} skipped: --time-limit {args.time_limit:.0f} s reached", flush=True)
                 continue
             print(f"{name:<14} compiling ...", flush=True)  # so that a run cut short shows where
             try:
-                with prompt_attention_way(way):  # the step is traced and compiled inside
-                    row = bench_one(models, batch=batch, seq=seq, anchors=anchors, chunk=chunk, impl=impl,
-                                    steps=args.steps, warmup=args.warmup, abstract=args.compile_only)
-                row["target_attention"] = way if impl == "pallas" else "reference"
+                row = bench_one(models, batch=batch, seq=seq, anchors=anchors, chunk=chunk, impl=impl,
+                                steps=args.steps, warmup=args.warmup, abstract=args.compile_only)
             except Exception as err:  # noqa: BLE001  (e.g. out of memory: record it, run the next variant)
                 failures += 1
                 row = {"batch": batch, "attention": impl, "error": f"{type(err).__name__}: {err}"[:2000]}
@@ -261,7 +249,7 @@ def main(argv=None) -> int:
             gc.collect()  # free a failed variant's buffers before the next one
             print(fmt(name, row), flush=True)
             if out:
-                (out / f"{name}.json").write_text(json.dumps(dict(meta, **row), indent=2))
+                timing.write_json(out / f"{name}.json", dict(meta, **row))
     return 1 if rows and failures == rows else 0  # expected OOMs of some variants are results too
 
 

@@ -80,12 +80,15 @@ def tpu_flash_interpreted(monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need a GPU: elsewhere they are skipped (``pytest -m gpu`` on an accelerator)."""
+    """Tests marked ``gpu`` (``tests/gpu``: the kernels compiled by Triton, the engine's GPU-only paths)
+    need a GPU and are skipped elsewhere. This file defaults ``JAX_PLATFORMS`` to ``cpu``, so on a GPU
+    machine run them as ``JAX_PLATFORMS=cuda python -m pytest -m gpu tests/gpu``."""
     import jax
 
     if jax.default_backend() == "gpu":
         return
-    skip = pytest.mark.skip(reason="needs a GPU (run `pytest -m gpu` on an accelerator)")
+    skip = pytest.mark.skip(reason=f"needs a GPU (JAX's backend here is {jax.default_backend()!r}; "
+                                   "on a GPU machine run with JAX_PLATFORMS=cuda)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,0 +1,255 @@
+"""What the benchmarks share: timing, the HBM roofline, random models, engine states, JSON output.
+
+Scripts run from the repository root as ``python3 bench/bench_X.py`` with the package importable
+(``pip install -e .`` or ``PYTHONPATH=.``); Python puts the script's folder on ``sys.path``, so
+``import timing`` finds this module.
+
+Timing rules everywhere: a warm-up call first (it compiles), every timed call ended by
+``jax.block_until_ready``, the median of the repeats reported. Weights and inputs are random, never
+zeros: a GPU multiplies zeros faster than data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.target import Target
+from dflash_jax.ops.cache import KVCache
+from dflash_jax.runtime import decoding
+from dflash_jax.tiny import tiny_drafter_config
+
+# A device-to-device copy on the H200 moves ~4.3 TB/s (read + write; docs/performance.md): the rate of
+# the HBM roofline. ``card_streaming_rate`` measures what this card's GEMVs reach.
+HBM_BYTES_PER_S = 4.3e12
+
+
+def device_line() -> str:
+    dev = jax.devices()[0]
+    return f"jax {jax.__version__} on {jax.device_count()} x {dev.device_kind} ({jax.default_backend()})"
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+
+def median_time(fn: Callable, *args, repeats: int) -> tuple[float, float]:
+    """Seconds per call of ``fn(*args)`` after a warm-up call: (median, min) of ``repeats`` calls."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+def per_call_time(fn: Callable, *args, repeats: int = 15, round_s: float = 3e-3) -> float:
+    """Median seconds per call for calls of microseconds: each round runs as many calls back to back
+    as fill ``round_s`` (at most 100), one sync at its end, so the host's sync is not what is timed."""
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    inner = max(1, min(100, int(round_s / max(time.perf_counter() - t0, 1e-6))))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def relative_error(got, want) -> float:
+    """The largest difference of ``got`` from ``want``, relative to ``want``'s largest entry."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
+def normal(key: jax.Array, shape: tuple[int, ...], dtype, scale: float = 1.0) -> jax.Array:
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+# -- models and the roofline ------------------------------------------------------------------------
+
+
+def qwen3_8b(layers: int = 36) -> TargetConfig:
+    return TargetConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                        num_layers=layers, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                        rope_theta=1e6, tie_word_embeddings=False)
+
+
+def random_pair(tcfg: TargetConfig, dtype=jnp.bfloat16) -> tuple[Target, Drafter]:
+    """A random target of ``tcfg`` and a 5-layer, block-16 drafter for it (the published shape)."""
+    dcfg = tiny_drafter_config(tcfg, num_layers=5, block_size=16, mask_token_id=tcfg.vocab_size - 1)
+    return Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0)), Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))
+
+
+def param_bytes(module: nnx.Module) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def streamed_bytes(target: Target) -> int:
+    """The weights a decode step reads: all of them but the embedding table, of which it reads a row
+    (unless the table is also the LM head). Pass an engine's ``engine.target`` (its serving layout)."""
+    table = target.embed_tokens[...]
+    return param_bytes(target) - (0 if target.lm_head is None else table.size * table.dtype.itemsize)
+
+
+def hbm_roofline_s(target: Target, batch: int, context: int) -> float:
+    """A target-only decode step at ``HBM_BYTES_PER_S``: its weights plus every row's K/V of
+    ``context`` positions."""
+    c = target.config
+    kv_bytes = 2 * c.num_layers * batch * context * c.num_kv_heads * c.head_dim * target.embed_tokens.dtype.itemsize
+    return (streamed_bytes(target) + kv_bytes) / HBM_BYTES_PER_S
+
+
+def card_streaming_rate(repeats: int, *, passes: int = 8, gemvs: int = 8, vocab: int = 151936,
+                        hidden: int = 4096) -> dict[str, float]:
+    """This card's weight-streaming rate, to tell a slower card from slower code: bytes per second of
+    ``passes`` rounds of a chain of ``gemvs`` dependent one-row GEMVs over distinct ``[hidden, vocab]``
+    bf16 weights (the LM head's shape, far larger than L2). A call streams 80 GB (~18 ms on the
+    H200), so its dispatch and sync stay under 1%."""
+    key = jax.random.key(11)
+    weights = [normal(jax.random.fold_in(key, i), (hidden, vocab), jnp.bfloat16) for i in range(gemvs)]
+    row = normal(key, (1, hidden), jnp.bfloat16)
+
+    @jax.jit
+    def chain(row, weights):
+        for _ in range(passes):
+            for w in weights:  # each GEMV waits for the last
+                row = (row @ w)[:, :hidden] * jnp.bfloat16(0.01)
+        return row
+
+    t_chain, _ = median_time(chain, row, weights, repeats=repeats)
+    return {"gemv_bytes_per_s": passes * gemvs * hidden * vocab * 2 / t_chain, "gemv_chain_s": t_chain}
+
+
+# -- engine states ----------------------------------------------------------------------------------
+
+
+def synthetic_state(engine, batch: int, context: int, seed: int) -> decoding.DecodeState:
+    """A decode state as after a prefill of ``context`` random tokens, its caches full of random data."""
+    tc, cap = engine.target.config, engine.capacity
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    dtype = engine.target.embed_tokens.dtype
+
+    def cache(key, layers, kv, dim):
+        keys = jax.random.split(key, 2 * layers)
+        shape = (batch, cap, kv, dim)
+        return KVCache(tuple(normal(keys[i], shape, dtype) for i in range(layers)),
+                       tuple(normal(keys[layers + i], shape, dtype) for i in range(layers)))
+
+    draft_cache = None
+    if engine.drafter is not None:
+        dc = engine.drafter.config
+        draft_cache = cache(k2, dc.num_layers, dc.num_kv_heads, dc.head_dim)
+    return decoding.DecodeState(
+        tokens=jax.random.randint(k3, (batch, cap + 1), 0, tc.vocab_size - 1, jnp.int32),
+        starts=jnp.full((batch,), context, jnp.int32),
+        max_lens=jnp.full((batch,), engine.config.max_length, jnp.int32),
+        done=jnp.zeros((batch,), bool),
+        num_steps=jnp.zeros((batch,), jnp.int32),
+        accepted=jnp.zeros((batch, engine.config.max_length), jnp.int32),
+        stop_ids=jnp.full((batch, engine.max_stop_ids), -1, jnp.int32),
+        target_cache=cache(k1, tc.num_layers, tc.num_kv_heads, tc.head_dim),
+        draft_cache=draft_cache,
+    )
+
+
+def warmed_state(engine, batch: int, context: int, steps: int, seed: int) -> decoding.DecodeState:
+    """``synthetic_state`` after two decode calls of ``steps`` steps (the first compiles; on a mesh
+    the second compiles for the sharded state), synced."""
+    state = synthetic_state(engine, batch, context, seed=seed)
+    for _ in range(2):
+        state, _ = engine.decode(state, n_steps=steps)
+    jax.block_until_ready(state.starts)
+    return state
+
+
+def time_decode(engine, batch: int, context: int, steps: int, repeats: int) -> tuple[float, float]:
+    """Median seconds per decode step over ``repeats`` synchronised calls of ``steps`` on-device
+    steps (state donated), and the tokens committed per step (tau)."""
+    state = warmed_state(engine, batch, context, steps, seed=batch)
+    times = []
+    for _ in range(repeats):
+        before = np.asarray(state.starts)
+        t0 = time.perf_counter()
+        state, _ = engine.decode(state, n_steps=steps)
+        jax.block_until_ready(state.starts)
+        times.append((time.perf_counter() - t0) / steps)
+    tau = float((np.asarray(state.starts) - before).mean() / steps)
+    return statistics.median(times), tau
+
+
+def time_decode_pipelined(engine, batch: int, context: int, steps: int, calls: int) -> float:
+    """Seconds per decode step over ``calls`` calls dispatched back to back, one sync at the end: the
+    device's steady rate, as the batcher runs it. ``time_decode`` syncs after every call, so each of
+    its calls also pays the host's dispatch (milliseconds for an 8B engine)."""
+    state = warmed_state(engine, batch, context, steps, seed=batch + 3)
+    before = np.asarray(state.starts)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        state, _ = engine.decode(state, n_steps=steps)
+    jax.block_until_ready(state.starts)
+    elapsed = time.perf_counter() - t0
+    # Every step commits at least one token per row; fewer means rows reached max_length and stopped,
+    # and the steps after that would be counted without having run.
+    advanced = int((np.asarray(state.starts) - before).min())
+    if advanced < calls * steps:
+        raise ValueError(f"{calls} calls of {steps} steps from context {context} run past the engine's "
+                         f"max_length (rows advanced {advanced} tokens); ask for fewer calls")
+    return elapsed / (calls * steps)
+
+
+# -- profiles and output ----------------------------------------------------------------------------
+
+
+def gpu_kernel_times(run: Callable[[], None], out_dir: str, calls: int = 3) -> dict[str, list[float]] | None:
+    """Runs ``run`` (one synchronised call) once, then ``calls`` times under ``jax.profiler``: the GPU
+    kernels' durations (us) by kernel name, read off the Perfetto trace written under ``out_dir``
+    (None: no trace). Kernel time without the launch gaps between them."""
+    run()
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        for _ in range(calls):
+            run()
+    paths = sorted(Path(out_dir).rglob("perfetto_trace.json.gz"))
+    if not paths:
+        return None
+    events = json.loads(gzip.open(paths[-1]).read())["traceEvents"]
+    gpu = {e["pid"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e["args"].get("name"))}
+    durations: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu:
+            durations.setdefault(e["name"], []).append(e["dur"])
+    return durations
+
+
+def write_json(path: str | Path | None, obj) -> None:
+    """Writes ``obj`` to ``path`` (parents created; nothing when ``path`` is None)."""
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=_jsonable))
+
+
+def _jsonable(x):
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    if isinstance(x, (np.generic, np.ndarray)):
+        return x.tolist()
+    return str(x)
