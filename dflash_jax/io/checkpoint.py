@@ -25,21 +25,7 @@ from dflash_jax.models.config import (
     target_config_to_dict,
 )
 from dflash_jax.models.target import Target
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used: unreadable, incomplete, or not fitting its config; the message names
-    the file and the tensor. The one class of both loaders (``io.orbax`` raises it too)."""
-
-
-def _dtype(dtype) -> jnp.dtype:
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        return _DTYPES[dtype]
-    return jnp.dtype(dtype)
+from dflash_jax.io.errors import CheckpointError, parse_dtype
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,7 +195,7 @@ def load_target(path: str | Path, dtype="float32") -> Target:
     """Loads a Qwen3 / Llama target from an HF directory (config.json + safetensors)."""
     directory = Path(path)
     config = load_target_config(directory)
-    dt = _dtype(dtype)
+    dt = parse_dtype(dtype)
     tied = (lambda name: name == "lm_head.weight") if config.tie_word_embeddings else (lambda name: False)
     target = _populate(lambda: Target(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "model.", dt, tied)
     if config.tie_word_embeddings:
@@ -267,7 +253,7 @@ def load_drafter(path: str | Path, dtype="float32") -> Drafter:
 
         return load_drafter_from_orbax(directory, dtype=dtype)
     config = load_drafter_config(directory)
-    dt = _dtype(dtype)
+    dt = parse_dtype(dtype)
     return _populate(lambda: Drafter(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "", dt)
 
 
@@ -307,7 +293,7 @@ def _remove_stale_index(directory: Path) -> None:
 def _save(module: nnx.Module, config: dict, path: str | Path, prefix: str, dtype) -> None:
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    dt = None if dtype is None else _dtype(dtype)
+    dt = None if dtype is None else parse_dtype(dtype)
     tensors = _tensors(module, prefix, dt)
     config["torch_dtype"] = str(next(iter(tensors.values())).dtype)
     _remove_stale_index(directory)

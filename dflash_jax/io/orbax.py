@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from dflash_jax.io.checkpoint import CheckpointError, _dtype
+from dflash_jax.io.errors import CheckpointError, parse_dtype
 from dflash_jax.models.config import DrafterConfig, drafter_config_from_dict, read_config_json
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.rope import rope_inv_freq
@@ -77,7 +77,7 @@ def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype
         raise CheckpointError(f"{ckpt_dir} is the checkpoint of step {path_step}, but step {step} was asked for")
     step = step if step is not None else path_step
     config = load_drafter_config_from_run(run_dir)
-    dt = _dtype(dtype)
+    dt = parse_dtype(dtype)
     abstract = nnx.eval_shape(lambda: Drafter(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     manager = ocp.CheckpointManager(

@@ -38,7 +38,7 @@ def _train(argv: list[str]) -> int:
     from dflash_jax.io.tokenizer import TokenizerError
     from dflash_jax.io.orbax import CheckpointError
     from dflash_jax.training.data import DataError
-    from dflash_jax.training.run import train
+    from dflash_jax.training.run import NonFiniteError, train
 
     if config.compilation_cache_dir is not None:  # checked before the target loads
         try:
@@ -53,6 +53,9 @@ def _train(argv: list[str]) -> int:
         return 2
     # --resume without a checkpoint, missing files, bad model/tokenizer/data files, a damaged checkpoint
     except (FileNotFoundError, FileExistsError, ModelConfigError, TokenizerError, DataError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except NonFiniteError as err:  # the run diverged; the kept checkpoints are finite
         print(f"error: {err}", file=sys.stderr)
         return 2
     summary = {"steps": result["steps"], "train": result["train"], "eval": result["eval"]}

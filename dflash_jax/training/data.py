@@ -55,18 +55,159 @@ class TokenizerLike(Protocol):
     ) -> Any: ...
 
 
+def read_records(paths: Sequence[str | Path], max_examples: int | None = None) -> list[tuple[str, dict]]:
+    """``("path:line", record)`` for every record of the JSONL files (blank lines skipped); every
+    error is a ``DataError`` naming the file (and the line, for a bad line)."""
+    out: list[tuple[str, dict]] = []
+    for path in paths:
+        path = Path(path)
+        if path.is_dir():
+            raise DataError(f"{path}: is a directory; list the JSONL files in it instead")
+        lineno = 0
+        try:
+            for lineno, record in iter_jsonl(path):
+                out.append((f"{path}:{lineno}", record))
+                if max_examples is not None and len(out) >= max_examples:
+                    return out
+        except FileNotFoundError:
+            raise
+        except OSError as err:  # no permission, a device, ...
+            raise DataError(f"{path}: cannot be read: {err.strerror or err}") from None
+        except (ValueError, RecursionError) as err:
+            msg = str(err) if isinstance(err, ValueError) else "JSON nested too deeply"
+            if not msg.startswith(f"{path}:"):  # raised below iter_jsonl's own checks (e.g. a huge integer)
+                msg = f"{path}:{_next_line(path, lineno)}: {msg}"
+            raise DataError(msg) from None
+    return out
+
+
 def read_jsonl(paths: Sequence[str | Path], max_examples: int | None = None) -> list[dict]:
     """All records of the JSONL files (blank lines skipped); errors name the file and line."""
-    records: list[dict] = []
-    try:
-        for path in paths:
-            for _, record in iter_jsonl(path):
-                records.append(record)
-                if max_examples is not None and len(records) >= max_examples:
-                    return records
-    except ValueError as err:  # iter_jsonl's "path:line: ..." errors: a bad line in the user's file
-        raise DataError(str(err)) from None
-    return records
+    return [record for _, record in read_records(paths, max_examples)]
+
+
+def _next_line(path: Path, after: int) -> int:
+    """The first non-blank line of ``path`` after line ``after``: the one a reader failed on."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if lineno > after and raw.strip():
+                return lineno
+    return after + 1
+
+
+def _show(value: Any) -> str:
+    """A short rendering of a JSON value for an error message."""
+    if isinstance(value, bool) or value is None:
+        return "null" if value is None else str(value).lower()
+    if isinstance(value, (int, np.integer)):
+        value = int(value)
+        return str(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else repr(value[:40]) + "..."
+    if isinstance(value, float):
+        return repr(value)
+    return {dict: "an object", list: "a list"}.get(type(value), type(value).__name__)
+
+
+def _is_int(t: type) -> bool:
+    return issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_))
+
+
+def check_ids(value: Any, field: str, where: str, vocab_size: int | None) -> None:
+    """Raises a ``DataError`` naming ``where`` unless ``value`` is a list (or 1-D integer array) of
+    token ids in ``[0, vocab_size)`` (``[0, 2**31)`` when the vocabulary is not known)."""
+    limit = vocab_size if vocab_size is not None else 2**31 - 1
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or (value.size and value.dtype.kind not in "iu"):
+            raise DataError(f"{where}: {field} must be a list of integer token ids, got an array of "
+                            f"{value.dtype} and shape {value.shape}")
+        value = value.tolist()
+    if not isinstance(value, list):
+        raise DataError(f"{where}: {field} must be a list of integer token ids, got {_show(value)}")
+    if not value:
+        return
+    if not all(map(_is_int, set(map(type, value)))):
+        i, bad = next((i, v) for i, v in enumerate(value) if not _is_int(type(v)))
+        raise DataError(f"{where}: {field}[{i}] is {_show(bad)}, not an integer token id")
+    if min(value) < 0 or max(value) >= limit:
+        i = next(i for i, v in enumerate(value) if not 0 <= v < limit)
+        what = f"the vocabulary [0, {limit})" if vocab_size is not None else f"[0, {limit})"
+        raise DataError(f"{where}: {field}[{i}] = {_show(value[i])} is outside {what}")
+
+
+def _check_messages(value: Any, field: str, where: str) -> None:
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: {field} must be a non-empty list of messages, got {_show(value)}")
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: {field}[{i}] must be an object with 'role' and 'content', got {_show(message)}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise DataError(f"{where}: {field}[{i}].role must be a non-empty string, got {_show(role)}")
+        content = message.get("content")
+        if not (content is None or isinstance(content, str)
+                or (isinstance(content, list) and all(isinstance(part, dict) for part in content))):
+            raise DataError(f"{where}: {field}[{i}].content must be a string (or a list of content-part objects, "
+                            f"or null), got {_show(content)}")
+
+
+def _check_text(value: Any, field: str, where: str) -> None:
+    if not isinstance(value, str):
+        raise DataError(f"{where}: {field} must be a string, got {_show(value)}")
+
+
+def check_record(record: Any, where: str, vocab_size: int | None = None) -> None:
+    """Raises a ``DataError`` naming ``where`` (``path:line``) unless ``record`` has one of the
+    formats of this module's docstring with values of the right types (token ids in the vocabulary).
+    Keys the format does not use are ignored (``serve.py generate`` lines carry several)."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a record must be a JSON object, got {_show(record)}")
+    if "output_ids" in record:
+        check_ids(record["output_ids"], "output_ids", where, vocab_size)
+        if "prompt_ids" in record:
+            check_ids(record["prompt_ids"], "prompt_ids", where, vocab_size)
+        elif "prompt" in record:
+            _check_text(record["prompt"], "prompt", where)
+        elif "messages" in record:
+            _check_messages(record["messages"], "messages", where)
+        else:
+            raise DataError(f"{where}: a record with output_ids needs prompt_ids, prompt or messages; "
+                            f"keys {_keys(record)}")
+    elif "input_ids" in record:
+        check_ids(record["input_ids"], "input_ids", where, vocab_size)
+        if "loss_mask" in record:
+            mask = record["loss_mask"]
+            if not isinstance(mask, (list, np.ndarray)) or len(mask) != len(record["input_ids"]):
+                raise DataError(f"{where}: loss_mask must be a list of 0/1 of the length of input_ids "
+                                f"({len(record['input_ids'])}), got {_show(mask)}"
+                                + (f" of length {len(mask)}" if isinstance(mask, list) else ""))
+            mask = mask.tolist() if isinstance(mask, np.ndarray) else mask
+            if not (set(map(type, mask)) <= {int, bool} and set(mask) <= {0, 1}):
+                i, m = next((i, m) for i, m in enumerate(mask) if not (type(m) in (int, bool) and m in (0, 1)))
+                raise DataError(f"{where}: loss_mask[{i}] is {_show(m)}; expected 0 or 1")
+    elif "messages" in record:
+        _check_messages(record["messages"], "messages", where)
+    elif "prompt" in record:
+        prompt = record["prompt"]
+        if isinstance(prompt, list):
+            _check_messages(prompt, "prompt", where)
+        else:
+            _check_text(prompt, "prompt", where)
+        key = next((k for k in _ANSWER_KEYS if k in record), None)
+        if key is None:
+            raise DataError(f"{where}: a record with 'prompt' needs an answer ({', '.join(_ANSWER_KEYS)}) or "
+                            f"output_ids; keys {_keys(record)}")
+        _check_text(record[key], key, where)
+    elif "text" in record:
+        _check_text(record["text"], "text", where)
+    else:
+        raise DataError(f"{where}: a record needs input_ids, output_ids, messages, prompt or text; "
+                        f"keys {_keys(record)}")
+
+
+def _keys(record: dict) -> str:
+    keys = [_show(k) for k in list(record)[:10]]
+    return "[" + ", ".join(keys) + (", ...]" if len(record) > 10 else "]")
 
 
 def _ids(x: Any) -> list[int]:
@@ -206,6 +347,7 @@ def build_dataset(
     tokenizer: TokenizerLike,
     *,
     records: list[dict] | None = None,
+    vocab_size: int | None = None,
     process_index: int = 0,
     process_count: int = 1,
 ) -> grain.IterDataset:
@@ -213,23 +355,61 @@ def build_dataset(
 
     Each batch is ``{"input_ids", "loss_mask", "segment_ids"}``, int32 ``[batch / hosts, seq_len]``;
     ``segment_ids`` is 0 on padding and numbers the examples of a packed row from 1.
+
+    Every record is checked as it is read (``check_record``: its format, the types of its values,
+    token ids in ``[0, vocab_size)``); a record the tokenizer fails on, or whose tokenized ids fall
+    outside the vocabulary, fails when it is reached. Errors are ``DataError``s naming the file and
+    line (``records[i]`` for records given in memory). Before the pipeline is returned, this host's
+    records are tokenized in order until one keeps ``data.min_supervised`` supervised tokens within
+    ``seq_len`` (usually the first): when none does, a ``DataError`` says so instead of a pipeline
+    that would filter forever.
     """
     if config.batch_size % process_count:
         raise ValueError(f"data.batch_size={config.batch_size} is not divisible by {process_count} hosts")
     if records is None:
-        records = read_jsonl(config.train_files, config.max_examples)
-    if not records:
+        located = read_records(config.train_files, config.max_examples)
+        source = f"data.train_files {list(config.train_files)}"
+    else:
+        located = [(f"records[{i}]", r) for i, r in enumerate(records)]
+        source = "the records given"
+    if not located:
         raise DataError(f"data.train_files: no records in {list(config.train_files)}")
+    for where, record in located:
+        check_record(record, where, vocab_size)
     seq_len = config.seq_len
-    ds = grain.MapDataset.source(records)
+    min_sup = max(1, config.min_supervised)
+
+    def example(i: int) -> dict[str, np.ndarray]:
+        where, record = located[i]
+        try:
+            ex = tokenize_record(record, tokenizer, seq_len)
+        except DataError:
+            raise
+        except Exception as err:  # the tokenizer or its chat template failed on this record
+            raise DataError(f"{where}: cannot tokenize the record: {type(err).__name__}: {err}") from err
+        ids = ex["input_ids"]
+        if vocab_size is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+            raise DataError(f"{where}: the tokenized record has token id {bad}, outside the target's vocabulary "
+                            f"[0, {vocab_size}): the tokenizer does not match the target")
+        return ex
+
+    local = range(len(located))[process_index::process_count]
+    if not any(int(example(i)["loss_mask"].sum()) >= min_sup for i in local):
+        host = f" on host {process_index} of {process_count}" if process_count > 1 else ""
+        raise DataError(
+            f"{source}: none of the {len(local)} records{host} has data.min_supervised={min_sup} supervised tokens "
+            f"within data.seq_len={seq_len} tokens (all-zero loss masks, or prompts longer than seq_len): "
+            "nothing to train on"
+        )
+    ds = grain.MapDataset.range(len(located))
     if process_count > 1:
         ds = ds[process_index::process_count]
     if config.shuffle:
         ds = ds.shuffle(seed=config.seed)
     ds = ds.repeat(None)
-    ds = ds.map(lambda r: tokenize_record(r, tokenizer, seq_len))
+    ds = ds.map(example)
     it = ds.to_iter_dataset()
-    min_sup = max(1, config.min_supervised)
     it = it.filter(lambda ex: int(ex["loss_mask"].sum()) >= min_sup)
     if config.pack:
         it = grain_exp.FirstFitPackIterDataset(
@@ -250,23 +430,38 @@ def build_dataset(
     return it
 
 
-def read_prompts(path: str | Path, tokenizer: TokenizerLike | None, limit: int | None = None) -> list[list[int]]:
+def read_prompts(path: str | Path, tokenizer: TokenizerLike | None, limit: int | None = None,
+                 vocab_size: int | None = None) -> list[list[int]]:
     """Held-out prompts as token ids, built as ``serve.py generate`` builds them: ``prompt_ids`` as
     is, ``prompt`` (a string) encoded with special tokens, ``messages`` through the chat template with
-    the generation prompt (a trailing assistant turn is dropped); also ``input_ids`` / ``text``."""
+    the generation prompt (a trailing assistant turn is dropped); also ``input_ids`` / ``text``.
+    Errors are ``DataError``s naming the file and line."""
     prompts: list[list[int]] = []
-    for record in read_jsonl([path], limit):
-        if "input_ids" in record:
-            prompts.append([int(t) for t in record["input_ids"]])
-        elif "messages" in record:
-            messages = list(record["messages"])
-            while messages and messages[-1].get("role") == "assistant":
-                messages.pop()
-            prompts.append(prompt_ids({"messages": messages}, tokenizer))
-        elif "prompt_ids" in record or "prompt" in record:
-            prompts.append(prompt_ids(record, tokenizer))
-        elif "text" in record:
-            prompts.append(list(tokenizer.encode(record["text"], add_special_tokens=True)))
-        else:
-            raise DataError(f"{path}: a prompt record needs prompt_ids, prompt, messages, input_ids or text")
+    for where, record in read_records([path], limit):
+        try:
+            if "input_ids" in record or "prompt_ids" in record:
+                key = "input_ids" if "input_ids" in record else "prompt_ids"
+                check_ids(record[key], key, where, vocab_size)
+                prompts.append([int(t) for t in record[key]])
+            elif "messages" in record:
+                _check_messages(record["messages"], "messages", where)
+                messages = list(record["messages"])
+                while messages and messages[-1].get("role") == "assistant":
+                    messages.pop()
+                prompts.append(prompt_ids({"messages": messages}, tokenizer))
+            elif "prompt" in record:
+                _check_text(record["prompt"], "prompt", where)
+                prompts.append(prompt_ids(record, tokenizer))
+            elif "text" in record:
+                _check_text(record["text"], "text", where)
+                if tokenizer is None:
+                    raise DataError(f"{where}: text prompts need a tokenizer")
+                prompts.append(list(tokenizer.encode(record["text"], add_special_tokens=True)))
+            else:
+                raise DataError(f"{where}: a prompt record needs prompt_ids, prompt, messages, input_ids or text; "
+                                f"keys {_keys(record)}")
+        except DataError:
+            raise
+        except Exception as err:  # the tokenizer or its chat template failed on this record
+            raise DataError(f"{where}: cannot tokenize the prompt: {type(err).__name__}: {err}") from err
     return prompts

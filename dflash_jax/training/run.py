@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import time
 from pathlib import Path
 from typing import Any
@@ -100,23 +101,36 @@ def check_resume(config: TrainConfig, run_dir: Path, resume: bool | None) -> int
         raise FileExistsError(f"{run_dir} already has checkpoints (latest step {latest}); "
                               "pick another output_dir or resume")
     saved_path = run_dir / "config.yaml"
-    if saved_path.exists():
-        try:
-            saved = yaml.safe_load(saved_path.read_text())
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{saved_path}: invalid YAML: {err}") from None
-        # Round-tripped through YAML so that tuples and lists, ints and floats compare as saved.
-        new = _flat(yaml.safe_load(yaml.safe_dump(config_to_dict(config))))
-        old = _flat(saved) if isinstance(saved, dict) else {}
-        changed = [f"{k} (run: {old[k]!r}, now: {new[k]!r})" for k in sorted(set(old) & set(new))
-                   if old[k] != new[k] and not k.startswith(RESUME_MAY_CHANGE)]
-        if changed:
-            raise ConfigError(
-                f"output_dir {run_dir} holds a run (latest step {latest}) whose config.yaml differs in fields that "
-                f"define its saved state: {'; '.join(changed)}. Resume with the run's config (only "
-                f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUME_MAY_CHANGE)} "
-                "may change) or pick another output_dir"
-            )
+    # Without the run's config.yaml nothing says what the checkpoints hold: the resume is refused.
+    # Writing the recipe the run was started with to that path (the documented way to go on) lets
+    # the comparison below run against it.
+    if not saved_path.is_file():
+        raise ConfigError(
+            f"output_dir {run_dir} holds checkpoints (latest step {latest}) but no config.yaml to check the new "
+            f"config against; to resume, copy the config the run was started with to {saved_path}, "
+            "or pick another output_dir"
+        )
+    try:
+        saved = yaml.safe_load(saved_path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{saved_path}: invalid YAML: {err}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{saved_path}: cannot be read: {err}") from None
+    if not isinstance(saved, dict) or not saved:
+        raise ConfigError(f"{saved_path}: expected the run's config (a YAML mapping), got {type(saved).__name__}; "
+                          "copy the config the run was started with there, or pick another output_dir")
+    # Round-tripped through YAML so that tuples and lists, ints and floats compare as saved.
+    new = _flat(yaml.safe_load(yaml.safe_dump(config_to_dict(config))))
+    old = _flat(saved)
+    changed = [f"{k} (run: {old[k]!r}, now: {new[k]!r})" for k in sorted(set(old) & set(new))
+               if old[k] != new[k] and not k.startswith(RESUME_MAY_CHANGE)]
+    if changed:
+        raise ConfigError(
+            f"output_dir {run_dir} holds a run (latest step {latest}) whose config.yaml differs in fields that "
+            f"define its saved state: {'; '.join(changed)}. Resume with the run's config (only "
+            f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUME_MAY_CHANGE)} "
+            "may change) or pick another output_dir"
+        )
     if config.steps < latest:
         raise ConfigError(f"steps={config.steps} is below the step {latest} that the run in {run_dir} has reached; "
                           f"resume with steps >= {latest}")
@@ -162,17 +176,28 @@ class Session:
         return int(self.state.step) // self.config.optim.grad_accum
 
     def close(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-        close = getattr(self.data_iter, "close", None)
-        if close is not None:
-            close()
+        """Waits for the last checkpoint and closes the data iterator; the first error of the two
+        is raised once both are closed."""
+        error = None
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        except Exception as err:
+            error = err
+        try:
+            close = getattr(self.data_iter, "close", None)
+            if close is not None:
+                close()
+        except Exception as err:
+            error = error or err
         # Drop the iterator now: grain's prefetch iterator also closes itself in __del__, which
         # fails noisily when it only runs at interpreter shutdown.
         self.data_iter = None
         import gc
 
         gc.collect()
+        if error is not None:
+            raise error
 
 
 def _load_tokenizer(config: TrainConfig):
@@ -266,11 +291,12 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
         else:
             records, eval_prompts = self_generated(target, sg, exclude=(dcfg.mask_token_id,))
     if config.data.eval_prompts:
-        eval_prompts = read_prompts(config.data.eval_prompts, tokenizer, config.eval.num_prompts)
+        eval_prompts = read_prompts(config.data.eval_prompts, tokenizer, config.eval.num_prompts,
+                                    vocab_size=target.config.vocab_size)
     elif eval_prompts is not None:
         eval_prompts = eval_prompts[: config.eval.num_prompts]
-    data = build_dataset(config.data, tokenizer, records=records, process_index=jax.process_index(),
-                         process_count=jax.process_count())
+    data = build_dataset(config.data, tokenizer, records=records, vocab_size=target.config.vocab_size,
+                         process_index=jax.process_index(), process_count=jax.process_count())
 
     # The target's layers are stacked once here (after the data generation above, which runs the
     # engine on the unstacked module); dropping the module then frees its per-layer arrays.
@@ -318,13 +344,80 @@ def next_batch(session: Session) -> dict[str, jax.Array]:
     return parallel.global_batch({k: np.asarray(v) for k, v in local.items()}, session.mesh)
 
 
+class NonFiniteError(RuntimeError):
+    """The loss, the gradient norm or the weights became NaN or infinite: the run stops before a
+    checkpoint is written, so the kept checkpoints hold finite weights (``train.py`` reports it in one
+    line). Its usual cause is the data, else the optimizer settings."""
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _is_disk_full(err: BaseException | None) -> bool:
+    """Whether ``err`` or an exception it was raised from is ENOSPC (Orbax re-raises and wraps)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _kept(session: Session) -> str:
+    """The finalized checkpoint steps of the run, once a save in progress has ended."""
+    if session.checkpointer is not None:
+        try:
+            session.checkpointer.wait()
+        except Exception:  # the save in progress failed: it is not among the finalized steps
+            pass
+    return ", ".join(map(str, step_dirs(Path(session.config.output_dir)))) or "none"
+
+
+def _disk_full_error(session: Session, step: int | None) -> CheckpointError:
+    directory = session.checkpointer.directory if session.checkpointer is not None else Path(session.config.output_dir)
+    which = f"the checkpoint of step {step}" if step is not None else "the last checkpoint"
+    return CheckpointError(
+        f"{directory}: cannot write {which}: No space left on device; the earlier checkpoints "
+        f"({_kept(session)}) are intact: free space and rerun the command to resume"
+    )
+
+
 def save(session: Session) -> None:
+    """Writes a checkpoint of the current state; refuses (``NonFiniteError``) when the weights are
+    not finite, and reports a full disk in one line (``CheckpointError``)."""
     if session.checkpointer is None:
         return
     micro = int(session.state.step)
     meta = {"micro_step": micro, "opt_step": micro // session.config.optim.grad_accum,
             "time": time.time()}
-    session.checkpointer.save(meta["opt_step"], session.state, session.data_iter, meta)
+    if not bool(_all_finite(session.state.params)):
+        raise NonFiniteError(
+            f"step {meta['opt_step']}: the drafter's weights are not finite (NaN or inf); the run stops without "
+            f"saving them (kept checkpoints: {_kept(session)})")
+    try:
+        session.checkpointer.save(meta["opt_step"], session.state, session.data_iter, meta)
+    except Exception as err:
+        if _is_disk_full(err):
+            raise _disk_full_error(session, meta["opt_step"]) from None
+        raise
+
+
+def _check_finite(metrics: list[dict], steps: list[tuple[int, int]], session: Session) -> None:
+    """Raises ``NonFiniteError`` naming the first step whose loss or gradient norm is not finite
+    (``metrics`` already on the host, ``steps`` their ``(optimizer step, micro-step)``)."""
+    for (opt_step, micro), m in zip(steps, metrics):
+        bad = {k: float(np.asarray(m[k]).reshape(-1)[0]) for k in ("loss", "grad_norm")
+               if k in m and not np.all(np.isfinite(m[k]))}
+        if bad:
+            what = " and ".join(f"the {k.replace('_', ' ')} ({v})" for k, v in bad.items())
+            raise NonFiniteError(
+                f"step {opt_step}{f' (micro-step {micro})' if micro != opt_step else ''}: {what} "
+                f"{'is' if len(bad) == 1 else 'are'} not finite; the run stops without saving "
+                f"(kept checkpoints: {_kept(session)}). Usual causes: token ids the target's embedding "
+                "lacks, or optim.lr too high")
 
 
 def evaluate(session: Session, prompts) -> dict[str, float]:
@@ -366,27 +459,48 @@ def train(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
         if cfg.eval.at_start and start_opt == 0:
             run_eval(0)
         acc_metrics: list[dict] = []
+        acc_steps: list[tuple[int, int]] = []  # (optimizer step, micro-step) of each entry
+        checked = 0  # acc_metrics[:checked] are known to be finite
         tokens = 0
         for opt_step in range(start_opt + 1, end_opt + 1):
-            for _ in range(accum):
+            for j in range(accum):
                 batch = next_batch(session)
+                acc_steps.append((opt_step, (opt_step - 1) * accum + j + 1))
                 session.state, metrics = session.step_fn(session.state, session.target_state, batch)
                 acc_metrics.append(metrics)
                 tokens += int(np.prod(batch["input_ids"].shape))
             monitor.advance()
+            # Metrics come to the host only here and before a save (which waits for the step anyway);
+            # a non-finite loss or gradient norm stops the run there, before anything is saved.
             if opt_step % cfg.log_every == 0 or opt_step == end_opt:
                 host = jax.device_get(acc_metrics)
+                _check_finite(host[checked:], acc_steps[checked:], session)
                 mean = {k: np.mean([m[k] for m in host], axis=0) for k in host[0]}
                 last = monitor.log(opt_step, mean, tokens=tokens)
-                acc_metrics, tokens = [], 0
+                acc_metrics, acc_steps, checked, tokens = [], [], 0, 0
             if opt_step % cfg.save_every == 0 or opt_step == end_opt:
+                _check_finite(jax.device_get(acc_metrics[checked:]), acc_steps[checked:], session)
+                checked = len(acc_metrics)
                 save(session)
             if cfg.eval.every and opt_step % cfg.eval.every == 0 and opt_step != cfg.steps:
                 run_eval(opt_step)
         if end_opt == cfg.steps and (cfg.eval.every or prompts):
             if session.opt_step == cfg.steps and prompts:
                 run_eval(cfg.steps)
-    finally:
+    except BaseException:
+        # The error in flight is the one to report: closing (which waits for a checkpoint being
+        # written, on a disk that may be full) must neither replace it nor add to it.
         monitor.close()
-        session.close()
+        try:
+            session.close()
+        except Exception:
+            pass
+        raise
+    monitor.close()
+    try:
+        session.close()  # waits for the last checkpoint to be written
+    except Exception as err:
+        if _is_disk_full(err):
+            raise _disk_full_error(session, None) from None
+        raise
     return {"train": last, "eval": last_eval, "steps": end_opt}
