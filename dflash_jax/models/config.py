@@ -108,11 +108,19 @@ def freeze_rope_scaling(scaling: dict | tuple | None) -> tuple | None:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """The published rule, used only when a drafter config lists no ``target_layer_ids``."""
+    """The published rule, used only when a drafter config lists no ``target_layer_ids``. It spans
+    layers ``1 .. N - 3``, so it needs a target of at least 4 layers (2 for a one-layer drafter);
+    below that it is an error asking for explicit ids, not a negative layer id."""
     if num_draft_layers == 1:
-        return (num_target_layers // 2,)
-    span = (num_target_layers - 3) - 1
-    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+        ids = (num_target_layers // 2,)
+    else:
+        span = (num_target_layers - 3) - 1
+        ids = tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+    if num_target_layers < 1 or num_draft_layers < 1 or not all(0 <= i < num_target_layers for i in ids):
+        raise ModelConfigError(
+            f"target_layer_ids: the default rule for {num_draft_layers} draft layers over {num_target_layers} "
+            f"target layers gives {list(ids)}, outside the target's layers; list target_layer_ids explicitly")
+    return ids
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -489,3 +489,13 @@ def test_single_row_partials_decode_step_equals_plain_dots(monkeypatch):
     patch(lambda x, w, parts, in_dims=1: (None if (p := partials(x, w, parts, in_dims)) is None else p.at[0].set(0.0)))
     dropped, _ = decode(8, 4)
     assert np.max(np.abs(dropped - plain)) > 100 * 2e-5
+
+
+def test_default_target_layer_ids_follow_the_published_rule_and_refuse_a_target_too_shallow():
+    """N = 36, L = 5 gives the published [1, 9, 17, 25, 33]; one draft layer takes the middle; a
+    rule that would give a layer outside the target (2 target layers, 5 draft layers) is an error
+    naming ``target_layer_ids``, not a negative index that fails later inside the model."""
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert default_target_layer_ids(6, 1) == (3,)
+    with pytest.raises(ModelConfigError, match="target_layer_ids"):
+        default_target_layer_ids(2, 5)
