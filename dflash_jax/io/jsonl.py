@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -14,7 +15,8 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     skipped, as editors on Windows write one).
 
     Raises ``FileNotFoundError`` or ``ValueError("path:line: ...")`` for a missing file, a line that
-    is not UTF-8, invalid JSON, a line that is not a JSON object or a string with a lone surrogate
+    is not UTF-8, invalid JSON (nesting deeper than Python's parser takes and integers past its digit
+    limit included, which ``json`` reports without a line), a line that is not a JSON object or a string with a lone surrogate
     escape (``"\\ud800"``: valid JSON, but no UTF-8 text, so it could neither be tokenized nor written
     back out). Other ``OSError``s (a directory, no permission) propagate.
     """
@@ -34,8 +36,14 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {err}") from None
+            except RecursionError:
+                raise ValueError(f"{path}:{lineno}: invalid JSON: nested too deeply (Python's parser takes under "
+                                 "1,000 levels)") from None
+            except ValueError as err:  # a JSONDecodeError, or an integer past Python's digit limit
+                message = str(err)
+                if not isinstance(err, json.JSONDecodeError) and "integer string conversion" in message:
+                    message = f"an integer has more than {sys.get_int_max_str_digits()} digits"
+                raise ValueError(f"{path}:{lineno}: invalid JSON: {message}") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
             if "\\u" in line and has_lone_surrogate(record):  # only \u escapes make surrogates

@@ -300,33 +300,13 @@ def read_jsonl(path: Path) -> list[InputLine]:
     try:
         for lineno, row in iter_jsonl(path):
             records.append((lineno, row))
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:  # ValueError: a line's decoding, its JSON or its type
         raise CLIError(str(err)) from None
-    except RecursionError:
-        raise CLIError(f"{path}:{next_line(path, records)}: invalid JSON: nested too deeply (Python's parser "
-                       "takes under 1,000 levels)") from None
-    except ValueError as err:  # a line's decoding, its JSON or its type
-        message = str(err)
-        if not message.startswith(f"{path}:"):  # raised by json's number conversion, which names no line
-            if "integer string conversion" in message:
-                message = f"an integer has more than {sys.get_int_max_str_digits()} digits"
-            message = f"{path}:{next_line(path, records)}: invalid JSON: {message}"
-        raise CLIError(message) from None
     except OSError as err:  # a directory, no permission
         raise CLIError(f"{path}: cannot read: {err.strerror or err}") from None
     if not records:
         raise CLIError(f"{path}: no prompts")
     return [input_line(f"{path}:{lineno}", lineno, row) for lineno, row in records]
-
-
-def next_line(path: Path, records: list[tuple[int, dict[str, Any]]]) -> int:
-    """The line the reader failed on: the first one that is not blank after the last it returned."""
-    after = records[-1][0] if records else 0
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if lineno > after and raw.decode("utf-8", "replace").lstrip("\ufeff").strip():
-                return lineno
-    return after + 1
 
 
 def input_line(where: str, lineno: int, row: dict[str, Any]) -> InputLine:

@@ -63,7 +63,6 @@ def read_records(paths: Sequence[str | Path], max_examples: int | None = None) -
         path = Path(path)
         if path.is_dir():
             raise DataError(f"{path}: is a directory; list the JSONL files in it instead")
-        lineno = 0
         try:
             for lineno, record in iter_jsonl(path):
                 out.append((f"{path}:{lineno}", record))
@@ -73,26 +72,14 @@ def read_records(paths: Sequence[str | Path], max_examples: int | None = None) -
             raise
         except OSError as err:  # no permission, a device, ...
             raise DataError(f"{path}: cannot be read: {err.strerror or err}") from None
-        except (ValueError, RecursionError) as err:
-            msg = str(err) if isinstance(err, ValueError) else "JSON nested too deeply"
-            if not msg.startswith(f"{path}:"):  # raised below iter_jsonl's own checks (e.g. a huge integer)
-                msg = f"{path}:{_next_line(path, lineno)}: {msg}"
-            raise DataError(msg) from None
+        except ValueError as err:  # iter_jsonl names the file and the line
+            raise DataError(str(err)) from None
     return out
 
 
 def read_jsonl(paths: Sequence[str | Path], max_examples: int | None = None) -> list[dict]:
     """All records of the JSONL files (blank lines skipped); errors name the file and line."""
     return [record for _, record in read_records(paths, max_examples)]
-
-
-def _next_line(path: Path, after: int) -> int:
-    """The first non-blank line of ``path`` after line ``after``: the one a reader failed on."""
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if lineno > after and raw.strip():
-                return lineno
-    return after + 1
 
 
 def _show(value: Any) -> str:
