@@ -32,6 +32,19 @@ from kernels_pallas.block_attention.tpu import TpuConfig
 F32_TOL = dict(rtol=1e-5, atol=2e-5)
 
 
+def lower_for(fn, args, platform: str):
+    """``fn(*args)`` traced and lowered for ``platform`` on this CPU. Since jax 0.12 the Triton lowering
+    asks which GPU it compiles for, and a host without one names it through an abstract mesh active
+    while tracing: an abstract H200 (132 SMs, sm_90)."""
+    abstract_device = getattr(jax.sharding, "AbstractDevice", None)
+    if platform != "cuda" or abstract_device is None:
+        return fn.trace(*args).lower(lowering_platforms=(platform,))
+    h200 = abstract_device(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=h200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return fn.trace(*args).lower(lowering_platforms=(platform,))
+
+
 def run_kernel(*args, causal, **kw):
     """The kernel under jit (eager op-by-op dispatch would dominate the test time)."""
     return jax.jit(lambda *a: block_attention(*a, causal=causal, **kw))(*args)
@@ -302,7 +315,7 @@ def test_lowers_for_accelerators(batch, blocks, ctx):
     for backend, platform, marker in (("gpu", "cuda", "triton"), ("tpu", "tpu", "tpu_custom_call")):
         fn = jax.jit(lambda *a, backend=backend: block_attention_fwd(
             *a, causal=True, interpret=False, backend=backend))
-        text = fn.trace(*shapes).lower(lowering_platforms=(platform,)).as_text()
+        text = lower_for(fn, shapes, platform).as_text()
         assert marker in text, (backend, platform)
     if blocks > 1:  # the training pattern's gradient with the Pallas backward kernels
         def loss(q, kc, vc, cl, kb, vb, bl):
@@ -311,7 +324,7 @@ def test_lowers_for_accelerators(batch, blocks, ctx):
             return jnp.sum(out.astype(jnp.float32))
 
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5)))
-        text = grad.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for(grad, shapes, "cuda").as_text()
         assert text.count("triton") >= 3  # forward, dq, dk/dv
 
 
@@ -429,7 +442,7 @@ def test_cached_attention_stages_fit_two_programs_per_sm():
     for block, config, stages in ((16, cfg, 2), (1, cfg, 3), (16, dataclasses.replace(cfg, fit_stages=False), 3)):
         fn = jax.jit(lambda *a, config=config: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False,
                                                                       config=config))
-        text = fn.trace(*_qwen3_8b_attention_args(1, block, 4608)).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for(fn, _qwen3_8b_attention_args(1, block, 4608), "cuda").as_text()
         assert set(re.findall(r"num_stages = (\d+)", text)) == {str(stages)}
 
 
@@ -575,7 +588,7 @@ def test_cached_attention_kernel_lowers_for_gpus():
             config = GpuConfig(members_per_program=members, stacked_members=stacked)
             fn = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False,
                                                            config=config))
-            text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+            text = lower_for(fn, shapes, "cuda").as_text()
             assert "dflash_cached_attention" in text and "triton" in text
 
 
@@ -617,8 +630,7 @@ def test_add_rms_norm_kernel_lowers_for_gpus():
     sd = jax.ShapeDtypeStruct
     for delta in (sd((1, 16, 4096), jnp.bfloat16), None):
         fn = jax.jit(lambda h, d, w: kernel(h, d, w, eps=1e-6, interpret=False))
-        text = fn.trace(sd((1, 16, 4096), jnp.bfloat16), delta, sd((4096,), jnp.bfloat16)).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = lower_for(fn, (sd((1, 16, 4096), jnp.bfloat16), delta, sd((4096,), jnp.bfloat16)), "cuda").as_text()
         assert "dflash_add_rms_norm" in text and "triton" in text
 
 
@@ -634,12 +646,12 @@ def test_gpu_kernels_signal_dependents_on_hopper(monkeypatch, hopper):
     monkeypatch.setattr(_pdl, "hopper_or_later", lambda: hopper)
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    norm = jax.jit(lambda h, d, w: norm_kernel(h, d, w, eps=1e-6, interpret=False)).trace(
-        sd((1, 1, 4096), bf), sd((1, 1, 4096), bf), sd((4096,), bf))
-    attention = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False)).trace(
-        *_qwen3_8b_attention_args(1, 1))
-    for traced in (norm, attention):
-        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    norm = (jax.jit(lambda h, d, w: norm_kernel(h, d, w, eps=1e-6, interpret=False)),
+            (sd((1, 1, 4096), bf), sd((1, 1, 4096), bf), sd((4096,), bf)))
+    attention = (jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False)),
+                 _qwen3_8b_attention_args(1, 1))
+    for fn, args in (norm, attention):
+        text = lower_for(fn, args, "cuda").as_text()
         assert text.count("griddepcontrol.launch_dependents") == (1 if hopper else 0)
     h = jax.random.normal(jax.random.key(0), (1, 4096), bf)
     assert _pdl.signal_after(h, interpret=True) is h  # interpret mode: the value itself
