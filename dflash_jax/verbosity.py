@@ -27,8 +27,12 @@ def configure_logging(verbose: bool = False) -> None:
     C++ logging at ERROR (unless ``TF_CPP_MIN_LOG_LEVEL`` is set already), and the frameworks'
     Python warnings (deprecations, experimental features) hidden. ``verbose``: everything at INFO.
     """
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format=FORMAT, datefmt=DATE_FORMAT,
-                        force=True)
+    root = logging.getLogger()
+    if not root.handlers:  # else the host process (a test runner, a notebook) keeps its own handlers and level
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO if verbose else logging.WARNING)
     logging.getLogger("dflash_jax").setLevel(logging.INFO)
     if verbose:
         for name in FRAMEWORK_LOGGERS:
