@@ -101,8 +101,9 @@ def print_summary(config, result: dict, seconds: float, cache: dict | None) -> N
         print(f"train.py: run already complete at step {steps} (raise `steps` to continue); nothing was trained "
               "or evaluated again")
     else:
-        which = f"steps {start + 1}-{steps}, resumed from step {start}" if start else f"{steps} steps"
-        print(f"train.py: done: {which} of {config.steps} in {_duration(seconds)}")
+        which = f"steps {start + 1}-{steps} of {config.steps} (resumed from step {start})" if start else \
+            f"{steps} steps of {config.steps}"
+        print(f"train.py: done: {which} in {_duration(seconds)}")
     train, evaluation = result["train"] or history["train"], result["eval"] or history["eval"]
     if "loss" in train:
         best = history["best_loss"]
