@@ -17,6 +17,7 @@ DEFAULT_DRAFTER = EMBEDDED_DIR / "drafter"
 DEFAULT_DRAFTER_ORBAX = EMBEDDED_DIR / "drafter_orbax"
 HELDOUT_PROMPTS = EMBEDDED_DIR / "heldout_prompts.jsonl"  # {"prompt": ..., "source": ...} per line
 EVAL_REPORT = EMBEDDED_DIR / "eval.json"
+SERVED_NAME = "dflash-embedded"  # the model id the server gives the pair (serve.py without --target)
 
 
 def available() -> bool:
@@ -45,5 +46,5 @@ def heldout_prompts(limit: int | None = None) -> list[str]:
     return [r["prompt"] for r in rows][:limit]
 
 
-__all__ = ["DEFAULT_DRAFTER", "DEFAULT_DRAFTER_ORBAX", "DEFAULT_TARGET", "EMBEDDED_DIR", "HELDOUT_PROMPTS",
+__all__ = ["DEFAULT_DRAFTER", "DEFAULT_DRAFTER_ORBAX", "DEFAULT_TARGET", "EMBEDDED_DIR", "HELDOUT_PROMPTS", "SERVED_NAME",
            "available", "heldout_prompts", "load_default"]

@@ -143,6 +143,14 @@ def check_private(path: Path) -> None:
                              f"'chmod -R go-w {path}', or 'chmod 700 {path}'")
 
 
+def user_cache_dir() -> Path:
+    """This user's cache directory for compiled programs: ``$XDG_CACHE_HOME/dflash-jax/xla``, by
+    default ``~/.cache/dflash-jax/xla`` (what the embedded default pair uses unless told otherwise)."""
+    base = os.environ.get("XDG_CACHE_HOME") or ""
+    root = Path(base).expanduser() if base.strip() and Path(base).expanduser().is_absolute() else Path.home() / ".cache"
+    return root / "dflash-jax" / "xla"
+
+
 def use_compilation_cache(directory: str | os.PathLike) -> Path:
     """Makes this process save what it compiles from now on to ``directory`` and load what is there
     already; returns the directory, created if missing.
@@ -195,3 +203,4 @@ def cache_report() -> dict[str, str | int | None]:
     """The directory in use and ``cache_counts()``, for logs and JSON summaries."""
     counts = cache_counts()
     return {"dir": jax.config.jax_compilation_cache_dir, "loaded": counts.loaded, "compiled": counts.compiled}
+

@@ -14,7 +14,6 @@ decode call reads a power-of-two window of the caches that covers its rows.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -402,6 +401,12 @@ class Engine:
         return self._decode.lower(self._target_state, self._drafter_state, state, count,
                                   window=self._window(window), fixed_steps=fixed).compile()
 
+    def prefill_compiled(self, rows: int, prompt_length: int) -> jax.stages.Compiled:
+        """The prefill of ``rows`` prompts of ``prompt_length`` tokens (its prompt bucket), as compiled;
+        compiles only. Its ``out_info`` is the prefilled rows' shapes and placement."""
+        args = self._prefill_inputs([[0] * prompt_length] * rows, [2] * rows, [()] * rows)
+        return self._prefill.lower(self._target_state, self._drafter_state, *args).compile()
+
     def decode_hlo(self, state: decoding.DecodeState, n_steps: int = 1, *, window: int | None = None) -> str:
         """The optimised HLO text of ``decode_compiled``: what a call runs."""
         return self.decode_compiled(state, n_steps, window=window).as_text()
@@ -505,48 +510,35 @@ class Engine:
         A shape compiled while serving stalls every running request for its compile (seconds for
         an 8B model), and a server meets many: a prefill per row count (``prefill_rows`` of any
         group of waiting prompts) and prompt bucket, and an admission per prefill and running
-        state. So: decode at every attention window for each running state's row count (first,
-        so that its GEMM autotuning runs alone); then every prefill shape, compiled on ``threads``
-        threads at once (default: up to 8; XLA compiles outside the GIL); then each run once and
-        admitted into the states it can join, which compiles the admissions; the states resized
-        into each other, and a row of each released (a cancelled request's).
+        state. So (``dflash_jax.runtime.warmup``): decode at every attention window for each running
+        state's row count (first, so that its GEMM autotuning runs alone); then every prefill shape,
+        compiled on ``threads`` threads at once (default: up to 8; XLA compiles outside the GIL); then
+        the admissions of stand-ins of their outputs into the states they can join, the states resized
+        into each other, and a row of each released (a cancelled request's). No model runs.
         """
+        from dflash_jax.runtime.warmup import run_warmup, warmup_plan
+
         t0 = time.perf_counter()
-        sizes = sorted({1, self.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
-        states = {rows: self.empty_state(rows) for rows in sorted({self.state_rows(size) for size in sizes})}
+        plan = warmup_plan(self, batch_sizes)
+        decodes = [s for s in plan if s.phase == "decode"]
+        prefills = [s for s in plan if s.phase == "prefill"]
         # Minutes for a large model (or on a CPU) with nothing else to show for them: say what is compiling.
         log.info("warm-up: compiling decode for running states of %s rows at %d attention windows",
-                 list(states), len(self.windows))
-        for rows, state in states.items():
-            for window in self.windows:  # a fixed loop compiles per step count: the serving one
-                state, _ = self.decode(state, n_steps=None if self.fixed_loop else 0, window=window)
-            states[rows] = state
-        # Each prefill shape (rows, bucket) with its dummy prompts (the bucket's shortest prompt on every
-        # row), placed once: compiled, then run.
-        inputs = {(rows, bucket): self._prefill_inputs([[0] * shortest] * rows, [2] * rows, [()] * rows)
-                  for rows in sorted({self.prefill_rows(n) for n in range(1, max(sizes) + 1)})
-                  for bucket, shortest in self.prompt_buckets()}
-        weights = (self._target_state, self._drafter_state)
+                 sorted({s.rows for s in decodes}), len(self.windows))
+        workers = max(1, min(threads or min(8, os.cpu_count() or 1), len(prefills)))
 
-        def compile_prefill(shape: tuple[int, int]) -> None:
-            self._prefill.lower(*weights, *inputs[shape]).compile()
+        def progress(index: int, shape) -> None:
+            if shape.phase == "prefill" and index == len(decodes):
+                log.info("warm-up: decode compiled after %.1f s; compiling %d prefill shapes (%d prompt counts x %d "
+                         "prompt buckets) on %d threads", time.perf_counter() - t0, len(prefills),
+                         len({s.rows for s in prefills}), len({s.size for s in prefills}), workers)
+            elif index == len(decodes) + len(prefills):
+                log.info("warm-up: prefills compiled after %.1f s; compiling the admissions, resizes and releases",
+                         time.perf_counter() - t0)
 
-        workers = max(1, min(threads or min(8, os.cpu_count() or 1), len(inputs)))
-        log.info("warm-up: decode compiled after %.1f s; compiling %d prefill shapes (%d prompt counts x %d prompt "
-                 "buckets) on %d threads", time.perf_counter() - t0, len(inputs), len({r for r, _ in inputs}),
-                 len({b for _, b in inputs}), workers)
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(compile_prefill, inputs))  # re-raises a failed compile
-        log.info("warm-up: prefills compiled after %.1f s; compiling the admissions, resizes and releases",
-                 time.perf_counter() - t0)
-        for (rows, bucket), args in inputs.items():
-            fresh, _ = self._prefill(*weights, *args)
-            for joined in list(states) if rows == 1 else [max(states)]:  # a lone prompt joins either state
-                states[joined] = self.admit(states[joined], fresh, range(rows))
-        for rows, state in states.items():
-            for other in set(states) - {rows}:
-                jax.block_until_ready(self.resize(state, [0], rows=other).starts)
-            jax.block_until_ready(self.release(state, [0]).starts)  # a cancelled request's row
+        # decode first, alone: its autotuning undisturbed; then the prefills, on several threads
+        plan = decodes + prefills + [s for s in plan if s.phase not in ("decode", "prefill")]
+        run_warmup(self, plan, threads=workers, on_shape=progress)
         return time.perf_counter() - t0
 
     # -- host side -----------------------------------------------------------------------------

@@ -62,6 +62,7 @@ HERE = Path(__file__).resolve().parents[2]  # the repository: configs/ lives bes
 DEFAULT_CONFIG = HERE / "configs" / "serve.yaml"
 
 log = logging.getLogger("dflash_jax.serve")
+STARTED = time.perf_counter()  # reset by main: "ready N s after start"
 
 
 # The fields run_generate adds to each output line.
@@ -103,7 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, help="requests decoding at once (engine.max_batch_size)")
     g.add_argument("--max-length", type=int, help="prompt plus generated tokens per request")
     g.add_argument("--compilation-cache", metavar="DIR",
-                   help="save compiled programs to DIR and load them on the next start (engine.compilation_cache_dir)")
+                   help="save compiled programs to DIR and load them on the next start (engine.compilation_cache_dir; "
+                        "the embedded default pair uses the user cache directory unless told otherwise)")
+    g.add_argument("--no-compilation-cache", action="store_true", default=None,
+                   help="compile in every process (the embedded default pair otherwise keeps compiled programs in "
+                        "the user cache directory: model.embedded_compilation_cache false)")
+    g.add_argument("-v", "--verbose", action="store_true",
+                   help="also print the frameworks' INFO and WARNING lines (JAX, XLA, absl, Orbax)")
     g.add_argument("--max-new-tokens", type=int,
                    help="default number of tokens to generate (batch mode: for lines without max_new_tokens; "
                         "server: for requests without max_tokens)")
@@ -117,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default 8000)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $DFLASH_API_KEY)")
-    s.add_argument("--model-name", help="the served model id (default: the target directory's name)")
+    s.add_argument("--model-name", "--served-model-name", dest="model_name",
+                   help="the served model id (default: dflash-embedded for the embedded pair, else the target "
+                        "directory's name)")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     gen = sub.add_parser("generate", parents=[common], help="batch generation over a JSONL file")
     gen.add_argument("--input", help="JSONL prompts (or generate.input in the config)")
@@ -134,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     # checked here: the demo has no settings file to validate them (--prompts -2 ran all but two prompts)
     demo.add_argument("--prompts", type=positive_int, default=8)
     demo.add_argument("--max-new-tokens", type=positive_int, default=96)
+    demo.add_argument("--block-sizes", default="16,8,4", metavar="N,N,...",
+                      help="the block sizes tried during the warm-up; the fastest on this device is used "
+                           "(at most the drafter's)")
+    demo.add_argument("--no-compilation-cache", action="store_true",
+                      help="compile in this process only (default: the user cache directory keeps the programs)")
+    demo.add_argument("-v", "--verbose", action="store_true",
+                      help="also print the frameworks' INFO and WARNING lines (JAX, XLA, absl, Orbax)")
     return parser
 
 
@@ -153,6 +169,10 @@ def load_settings(args: argparse.Namespace):
         "engine": {"block_size": args.block_size, "max_batch_size": args.batch_size, "max_length": args.max_length,
                    "compilation_cache_dir": args.compilation_cache},
     }
+    if args.no_compilation_cache:
+        if args.compilation_cache:
+            raise CLIError("--compilation-cache and --no-compilation-cache contradict each other")
+        flags["model"]["embedded_compilation_cache"] = False
     if args.command == "generate":
         flags["generate"] = {"max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
                              "input": args.input, "output": args.output,
@@ -173,9 +193,18 @@ def load_settings(args: argparse.Namespace):
             raise CLIError(f"no target model: pass --target DIR (or set model.target in the config); the "
                            f"embedded default pair is missing from {embedded.EMBEDDED_DIR}")
         m = dataclasses.replace(m, target=str(embedded.DEFAULT_TARGET),
-                                draft=m.draft or str(embedded.DEFAULT_DRAFTER))
+                                draft=m.draft or str(embedded.DEFAULT_DRAFTER), name=m.name or embedded.SERVED_NAME)
         cfg = dataclasses.replace(cfg, model=m)
-        log.info("using the embedded default pair in %s", embedded.EMBEDDED_DIR)
+        if m.embedded_compilation_cache and cfg.engine.compilation_cache_dir is None:
+            from dflash_jax.runtime.compile_cache import user_cache_dir
+
+            cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
+                                                                      compilation_cache_dir=str(user_cache_dir())))
+        log.info("using the embedded default pair in %s%s", embedded.EMBEDDED_DIR,
+                 "" if cfg.engine.compilation_cache_dir is None else
+                 f" (compiled programs kept in {cfg.engine.compilation_cache_dir}; --no-compilation-cache: none)")
+    if args.no_compilation_cache and cfg.engine.compilation_cache_dir is not None:  # one from the config file
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, compilation_cache_dir=None))
     if not m.no_draft and not m.draft:
         raise CLIError("no drafter: pass --draft DIR (or set model.draft in the config), "
                        "or --no-draft for target-only decoding")
@@ -207,6 +236,7 @@ def load_engine(cfg):
             raise CLIError(f"engine.{err}") from None
     check_block_size(cfg)
     t0 = time.perf_counter()
+    log.info("loading the models")
     try:
         target = load_target(cfg.model.target, dtype=cfg.model.dtype)
         drafter = None if cfg.model.no_draft else load_drafter(cfg.model.draft, dtype=cfg.model.dtype)
@@ -689,18 +719,7 @@ def run_serve(cfg) -> None:
     tokenizer = load_tokenizer(cfg, required=True)
     engine, target = load_engine(cfg)
     stops = stop_ids(cfg, tokenizer, target, engine)  # before the warmup: a client could not fix them
-    if s.warmup:
-        log.info("compiling every shape a request can meet before serving (server.warmup: false skips it, and "
-                 "requests then wait for their compiles)")
-        seconds = engine.warmup()
-        cached = ""
-        if cfg.engine.compilation_cache_dir is not None:
-            from dflash_jax.runtime.compile_cache import cache_report
-
-            c = cache_report()
-            cached = f" ({c['loaded']} programs loaded from the compilation cache {c['dir']}, {c['compiled']} compiled)"
-        log.info("compiled the engine for up to %d requests at a time and prompt buckets %s in %.1f s%s",
-                 cfg.engine.max_batch_size, [b for b, _ in engine.prompt_buckets()], seconds, cached)
+    background = warm_up(cfg, engine)
     name = cfg.model.name or Path(cfg.model.target).resolve().name
     app = create_app(
         engine, tokenizer,
@@ -723,19 +742,78 @@ def run_serve(cfg) -> None:
     sys.setswitchinterval(s.gil_switch_interval_ms / 1000)
     if s.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("binding %s without an API key: anyone who can reach it can use it", s.host)
-    log.info("serving %r on http://%s:%d", name, s.host, s.port)
-    run_server(app, host=s.host, port=s.port, log_level=s.log_level,
-               timeout_graceful_shutdown=s.graceful_shutdown_timeout_s, header_timeout_s=s.header_timeout_s,
-               max_connections=s.max_connections)
+    log.info("serving %r on http://%s:%d (ready %.1f s after start)", name, s.host, s.port,
+             time.perf_counter() - STARTED)
+    if background is not None:
+        background.start()
+    try:
+        run_server(app, host=s.host, port=s.port, log_level=s.log_level,
+                   timeout_graceful_shutdown=s.graceful_shutdown_timeout_s, header_timeout_s=s.header_timeout_s,
+                   max_connections=s.max_connections)
+    finally:
+        if background is not None:
+            background.stop(timeout=60)  # after the shape being compiled
+
+
+# A lone request with a prompt of up to this many tokens meets only the shapes compiled before the
+# server binds (server.warmup_background); a chat turn with its template fits.
+FIRST_PROMPT_TOKENS = 64
+
+
+def warm_up(cfg, engine):
+    """Compiles what ``server.warmup`` asks before the server binds, logging each shape (and, during
+    a long compile, a line every few seconds); returns the ``BackgroundWarmup`` of the shapes left
+    for after binding, or None."""
+    from dflash_jax.runtime.compile_cache import cache_counts
+    from dflash_jax.runtime.warmup import BackgroundWarmup, Heartbeat, first_request_shapes, run_warmup, warmup_plan
+
+    s = cfg.server
+    if not s.warmup:
+        log.info("server.warmup is false: each shape compiles when a request first meets it")
+        return None
+    plan = warmup_plan(engine)
+    first = first_request_shapes(engine, plan, FIRST_PROMPT_TOKENS, s.default_max_tokens) if s.warmup_background \
+        else plan
+    before, t0 = cache_counts(), time.perf_counter()
+    with Heartbeat(log) as heart:
+        heart.say("warm-up: compiling the %d shapes of %s before serving (%d in all)", len(first),
+                  f"a lone request with up to {FIRST_PROMPT_TOKENS} prompt tokens" if s.warmup_background
+                  else "every request", len(plan))
+
+        def progress(i: int, shape) -> None:
+            heart.say("warm-up %d/%d: %s", i + 1, len(first), shape)
+
+        run_warmup(engine, first, on_shape=progress)
+    counts = cache_counts() - before
+    cached = ""
+    if cfg.engine.compilation_cache_dir is not None:
+        cached = (f" ({counts.loaded} programs loaded from the compilation cache {cfg.engine.compilation_cache_dir}, "
+                  f"{counts.compiled} compiled)")
+    log.info("warm-up: %d shapes ready in %.1f s%s", len(first), time.perf_counter() - t0, cached)
+    rest = [shape for shape in plan if shape not in first]
+    return BackgroundWarmup(engine, rest, log) if rest else None
 
 
 def main(argv: list[str] | None = None) -> int:
+    global STARTED
+    STARTED = time.perf_counter()
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dflash_jax.verbosity import configure_logging
+
+    configure_logging(verbose=args.verbose)
     if args.command == "demo":
         from dflash_jax.serving.demo import print_demo, run_demo
 
-        report = run_demo(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+        try:
+            sizes = [int(n) for n in args.block_sizes.split(",") if n.strip()]
+            if not sizes or min(sizes) < 2:
+                raise ValueError
+        except ValueError:
+            print(f"serve.py: error: --block-sizes must be block sizes >= 2 separated by commas, got "
+                  f"{args.block_sizes!r}", file=sys.stderr)
+            return 2
+        report = run_demo(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, block_sizes=sizes,
+                          compilation_cache=not args.no_compilation_cache)
         print_demo(report)
         return 0 if report["identical"] else 1
     from dflash_jax.io.config import ConfigError

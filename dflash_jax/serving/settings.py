@@ -2,7 +2,7 @@
 
 The YAML file (``configs/serve.yaml``) has four sections; command-line flags override it::
 
-    model:    target, draft, no_draft, tokenizer, dtype, name, stop_token_ids
+    model:    target, draft, no_draft, tokenizer, dtype, name, stop_token_ids, embedded_compilation_cache
     engine:   dflash_jax.runtime.engine.EngineConfig (max_batch_size, max_length, prompt_buckets, block_size, ...)
     server:   host, port, api_key, default_max_tokens, max_waiting_requests, batch_wait_ms, ...
     generate: input, output, progress, max_new_tokens, chat_template_kwargs, ignore_eos (batch mode)
@@ -28,8 +28,12 @@ class ModelSettings:
     no_draft: bool = False           # target-only greedy decoding (the baseline)
     tokenizer: str | None = None     # directory with tokenizer.json; None: the target's
     dtype: str = "bfloat16"          # float32 | bfloat16 | float16
-    name: str | None = None          # the served model id; None: the target directory's name
+    name: str | None = None          # the served model id; None: the target directory's name (embedded: dflash-embedded)
     stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's (generation_config eos ids)
+    # The embedded default pair (no target given) keeps compiled programs in the user cache directory
+    # (``compile_cache.user_cache_dir``) unless engine.compilation_cache_dir names another: a second
+    # start loads them instead of compiling. False: compile in every process.
+    embedded_compilation_cache: bool = True
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -68,7 +72,12 @@ class ServerSettings:
     # are answered 503 shutting_down (a stream: an error event, then [DONE]).
     graceful_shutdown_timeout_s: float | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
-    warmup: bool = True              # compile every shape requests can meet before accepting them
+    warmup: bool = True              # compile every shape requests can meet (false: each when first met)
+    # True: compile before binding only the shapes of a lone request with a short prompt
+    # (``runtime.warmup.first_request_shapes``), the rest on a background thread while serving, so the
+    # server is up in seconds to a minute (a request meeting a shape first compiles it itself). False:
+    # every shape before binding (minutes for an 8B model or on a CPU; no request ever waits for XLA).
+    warmup_background: bool = True
     # Python's GIL switch interval while serving (its default is 5 ms): after each device wait the
     # scheduler thread waits up to this long for the GIL while the event loop streams; on the H200 a
     # small model served 1-26% more tokens/s at 0.2 ms than at 5, by load (docs/performance.md).

@@ -11,8 +11,9 @@ a requirement. See docs/training.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+import time
+from pathlib import Path
 
 
 def _train(argv: list[str]) -> int:
@@ -20,8 +21,13 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
     parser.add_argument("--resume", action="store_true", help="require resuming from output_dir's latest checkpoint")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many more optimizer steps")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also print the frameworks' INFO and WARNING lines (JAX, XLA, absl, Orbax)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=0.0003 steps=100")
     args = parser.parse_args(argv)
+    from dflash_jax.verbosity import configure_logging
+
+    configure_logging(verbose=args.verbose)
     if args.max_steps is not None and args.max_steps < 1:
         print(f"error: --max-steps must be >= 1, got {args.max_steps}", file=sys.stderr)
         return 2
@@ -46,6 +52,8 @@ def _train(argv: list[str]) -> int:
         except ValueError as err:
             print(f"config error: {err}", file=sys.stderr)
             return 2
+    print_destinations(config)
+    t0 = time.perf_counter()
     try:
         result = train(config, resume=True if args.resume else None, max_steps=args.max_steps)
     except ConfigError as err:  # a setting that conflicts with the target, the drafter or the run's saved config
@@ -58,11 +66,60 @@ def _train(argv: list[str]) -> int:
     except NonFiniteError as err:  # the run diverged; the kept checkpoints are finite
         print(f"error: {err}", file=sys.stderr)
         return 2
-    summary = {"steps": result["steps"], "train": result["train"], "eval": result["eval"]}
-    if config.compilation_cache_dir is not None:
-        summary["compilation_cache"] = cache_report()
-    print(json.dumps(summary, default=float))
+    print_summary(config, result, time.perf_counter() - t0,
+                  cache_report() if config.compilation_cache_dir is not None else None)
     return 0
+
+
+def print_destinations(config) -> None:
+    """Where the run writes, before it starts."""
+    run = Path(config.output_dir)
+    print(f"train.py: run directory {run}")
+    print(f"  checkpoints  {run / 'checkpoints'}  (every {config.save_every} steps and at the end; the last "
+          f"{config.keep} kept)")
+    print(f"  metrics      {run / 'metrics.jsonl'}  (one JSON line per log_every={config.log_every} steps and per eval)")
+    if config.tensorboard:
+        print(f"  TensorBoard  {run / 'tb'}  (tensorboard --logdir {run / 'tb'})")
+    print(f"  config       {run / 'config.yaml'}, {run / 'drafter_config.json'}", flush=True)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s" if minutes else f"{seconds:.1f}s"
+
+
+def print_summary(config, result: dict, seconds: float, cache: dict | None) -> None:
+    """The run's outcome, a few lines a person reads: steps, losses, tau, time, checkpoints, export."""
+    from dflash_jax.io.orbax import step_dirs
+    from dflash_jax.training.monitor import read_metrics
+
+    run = Path(config.output_dir)
+    steps, start = result["steps"], result.get("resumed_from") or 0
+    history = read_metrics(run)
+    if result.get("already_complete"):
+        print(f"train.py: run already complete at step {steps} (raise `steps` to continue); nothing was trained "
+              "or evaluated again")
+    else:
+        which = f"steps {start + 1}-{steps} of {config.steps} (resumed from step {start})" if start else \
+            f"{steps} steps of {config.steps}"
+        print(f"train.py: done: {which} in {_duration(seconds)}")
+    train, evaluation = result["train"] or history["train"], result["eval"] or history["eval"]
+    if "loss" in train:
+        best = history["best_loss"]
+        best_text = f", best {best:.4f} (step {history['best_loss_step']})" if best is not None else ""
+        print(f"  loss         final {train['loss']:.4f} (step {train.get('step', steps)}){best_text}")
+    if "tau" in evaluation:
+        print(f"  eval tau     {evaluation['tau']:.3f} (step {evaluation.get('step', steps)}; tokens committed per "
+              "DFlash step with the serving engine)")
+    kept = step_dirs(run)
+    if kept:
+        print(f"  checkpoint   {run / 'checkpoints' / str(kept[-1])}  (last; kept: {', '.join(map(str, kept))})")
+        print(f"  export       python train.py export --checkpoint {run} --output DIR   (z-lab format, for serve.py "
+              "--draft DIR)")
+    print(f"  metrics      {run / 'metrics.jsonl'}")
+    if cache is not None:
+        print(f"  compilation cache {cache['dir']}: {cache['loaded']} programs loaded, {cache['compiled']} compiled")
 
 
 def _export(argv: list[str]) -> int:
@@ -72,8 +129,6 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     args = parser.parse_args(argv)
-    from pathlib import Path
-
     from dflash_jax.models.config import ModelConfigError
     from dflash_jax.io.orbax import CheckpointError
     from dflash_jax.training.checkpointing import export_checkpoint

@@ -152,3 +152,26 @@ class Monitor:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+def read_metrics(run_dir: str | Path) -> dict[str, Any]:
+    """What a run's ``metrics.jsonl`` says, over every session of the run: ``train`` and ``eval``,
+    the last row of each kind ({} if none), and ``best_loss``, ``best_loss_step`` (the lowest logged
+    training loss; None if none). Unreadable lines (a write cut by a kill) are skipped."""
+    last: dict[str, dict[str, Any]] = {"train": {}, "eval": {}}
+    best: tuple[float, int] | None = None
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(row, dict) or row.get("kind") not in last:
+            continue
+        kind = row.pop("kind")
+        last[kind] = row
+        loss = row.get("loss")
+        if kind == "train" and isinstance(loss, (int, float)) and np.isfinite(loss) and (best is None or loss < best[0]):
+            best = (float(loss), int(row.get("step", 0)))
+    return {**last, "best_loss": None if best is None else best[0], "best_loss_step": None if best is None else best[1]}

@@ -432,9 +432,18 @@ def evaluate(session: Session, prompts) -> dict[str, float]:
 def train(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | None = None,
           max_steps: int | None = None) -> dict[str, Any]:
     """Trains to ``config.steps`` optimizer steps (or stops after ``max_steps`` more, for tests:
-    the run is then left resumable). Returns the last logged train and eval metrics."""
+    the run is then left resumable). Returns the last logged train and eval metrics, the step
+    reached, the step it resumed from (0: a fresh run) and ``already_complete``: the run in
+    ``output_dir`` had reached ``steps`` already, so nothing ran (its metrics are the logged ones)."""
     if max_steps is not None and max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    latest = check_resume(config, Path(config.output_dir), resume)
+    if latest is not None and latest >= config.steps:  # nothing to train, nor to evaluate again
+        from dflash_jax.training.monitor import read_metrics
+
+        history = read_metrics(config.output_dir)
+        return {"train": history["train"], "eval": history["eval"], "steps": latest, "resumed_from": latest,
+                "already_complete": True}
     session = setup(config, tokenizer=tokenizer, records=records, resume=resume)
     cfg = config
     accum = cfg.optim.grad_accum
@@ -444,6 +453,8 @@ def train(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
                                       cfg.loss.num_anchors, distill=cfg.loss.kind != "ce") * cfg.data.batch_size * accum
     monitor = Monitor(cfg.output_dir, cfg.steps, start_opt, progress=cfg.progress, tensorboard=cfg.tensorboard,
                       flops_per_step=flops)
+    if start_opt:
+        monitor.note(f"resumed from step {start_opt} of {cfg.steps} ({Path(cfg.output_dir) / 'checkpoints'})")
     prompts = session.eval_prompts
     last: dict[str, Any] = {}
     last_eval: dict[str, Any] = {}
@@ -503,4 +514,4 @@ def train(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
         if _is_disk_full(err):
             raise _disk_full_error(session, None) from None
         raise
-    return {"train": last, "eval": last_eval, "steps": end_opt}
+    return {"train": last, "eval": last_eval, "steps": end_opt, "resumed_from": start_opt, "already_complete": False}

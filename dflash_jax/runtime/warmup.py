@@ -1,0 +1,277 @@
+"""Warm-up: compiling the shapes an engine's requests can meet before they meet them.
+
+A shape compiled while serving stalls every running request for its compile (seconds for an 8B model
+on an accelerator; ~10 s per decode shape for a 25M-parameter model on two CPU cores). A server meets
+many: decode per running state's row count (``Engine.state_rows``) and attention window
+(``Engine.windows``), a prefill per row count (``Engine.prefill_rows``) and prompt bucket, an
+admission of each prefill into each running state it can join, the states resized into each other,
+a row of each released (a cancelled request's).
+
+``warmup_plan`` lists them in the order a server meets them (a lone request's shapes first, then a
+batch's); ``first_request_shapes`` picks those of a lone request with a short prompt, which a server
+compiles before it binds while the rest compile on a ``BackgroundWarmup`` thread as it serves.
+``Engine.warmup`` compiles the whole plan before it returns (decode first, prefills on several threads).
+
+Nothing here runs a model over a token: the prefills are compiled only (``Engine.prefill_compiled``),
+decode runs for zero steps, and the admissions, resizes and releases run on states of the warm-up's own
+(an empty state per row count, zero stand-ins for the prefills' outputs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+log = logging.getLogger("dflash_jax.runtime.warmup")
+
+PHASES = ("decode", "prefill", "admit", "resize", "release")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One program of an engine to compile.
+
+    ``rows``: the running state's rows (decode, resize, release) or the prefill's rows (prefill,
+    admit); ``size``: the attention window (decode) or the prompt bucket (prefill, admit); ``into``:
+    the running state's rows an admission writes into, or the rows a resize makes.
+    """
+
+    phase: str
+    rows: int
+    size: int = 0
+    into: int = 0
+
+    def __str__(self) -> str:
+        rows = f"{self.rows} row{'s' if self.rows > 1 else ''}"
+        if self.phase == "decode":
+            return f"decode, {rows}, attention window {self.size}"
+        if self.phase == "prefill":
+            return f"prefill, {rows}, prompt bucket {self.size}"
+        if self.phase == "admit":
+            return f"admission of a {rows} prefill (bucket {self.size}) into {self.into} rows"
+        if self.phase == "resize":
+            return f"resize, {self.rows} to {self.into} rows"
+        return f"release, {rows}"
+
+
+def warmup_plan(engine, batch_sizes: Sequence[int] | None = None) -> list[Shape]:
+    """Every shape that requests of up to ``batch_sizes`` prompts at a time run (default: 1 and
+    ``max_batch_size``), in the order a server meets them: a lone request's (decode on one row from
+    the smallest window, its prefill by prompt bucket), then a batch's (decode on the batch's rows,
+    the lone prefills admitted into it, the resizes between the states, the larger prefills), then
+    the releases."""
+    sizes = sorted({1, engine.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
+    states = sorted({engine.state_rows(size) for size in sizes})  # one row, and the batch's
+    prefills = sorted({engine.prefill_rows(n) for n in range(1, max(sizes) + 1)})
+    buckets = [bucket for bucket, _ in engine.prompt_buckets()]
+    largest = max(states)
+    plan: list[Shape] = []
+    for state in states:
+        plan += [Shape("decode", state, window) for window in engine.windows]
+        if state != largest:  # one row: a lone request, prefilled alone
+            for bucket in buckets:
+                plan += [Shape("prefill", 1, bucket), Shape("admit", 1, bucket, state)]
+            continue
+        for rows in prefills:  # the batch: every prefill joins it (a lone one into either state)
+            for bucket in buckets:
+                if Shape("prefill", rows, bucket) not in plan:
+                    plan.append(Shape("prefill", rows, bucket))
+                plan.append(Shape("admit", rows, bucket, largest))
+            if rows == 1:
+                plan += [Shape("resize", a, 0, b) for a in states for b in states if a != b]
+    return plan + [Shape("release", state) for state in states]
+
+
+def first_request_shapes(engine, plan: Sequence[Shape], prompt_tokens: int, max_new_tokens: int) -> list[Shape]:
+    """The shapes in ``plan`` that a lone request with at most ``prompt_tokens`` prompt tokens and
+    ``max_new_tokens`` new tokens runs: its prefill and admission by prompt bucket, and decode on one
+    row at the windows the host picks for it (``ContinuousBatcher``: a call's window covers its row's
+    start plus a block per step, up to the last block the request can write)."""
+    prompt_tokens = max(1, min(prompt_tokens, engine.config.max_prompt_length))
+    buckets = {bucket for bucket, shortest in engine.prompt_buckets() if shortest <= prompt_tokens}
+    block, steps = engine.block_size, engine.config.steps_per_sync
+    end = min(prompt_tokens + max_new_tokens, engine.config.max_length)  # the last block starts at end - 2
+    def window(needed: int) -> int:
+        return next((w for w in engine.windows if w >= needed), engine.windows[-1])
+
+    smallest = window(min(1 + steps * block, min(1 + max_new_tokens, engine.config.max_length) - 2 + block))
+    largest = window(end - 2 + block)
+    return [s for s in plan if (s.phase in ("prefill", "admit") and s.rows == 1 and s.size in buckets
+                                and s.into in (0, 1))
+            or (s.phase == "decode" and s.rows == 1 and smallest <= s.size <= largest)]
+
+
+def _stand_in(compiled: jax.stages.Compiled, on_mesh: bool) -> Any:
+    """Zeros shaped and placed as ``compiled``'s outputs: what an admission of its result compiles for.
+    Off a mesh they stay uncommitted to a device, as the outputs of a prefill of uncommitted inputs
+    (``Engine._put``): a committed argument is another program for jit."""
+    def zeros(info):
+        return jax.device_put(np.zeros(info.shape, info.dtype), info.sharding if on_mesh else None)
+
+    return jax.tree.map(zeros, compiled.out_info)
+
+
+class _Runner:
+    """Compiles shapes of one engine, keeping the warm-up's own running states and prefill stand-ins."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.states: dict[int, Any] = {}
+        self.prefilled: dict[tuple[int, int], Any] = {}
+        self.shortest = {bucket: shortest for bucket, shortest in engine.prompt_buckets()}
+
+    def state(self, rows: int):
+        if rows not in self.states:
+            self.states[rows] = self.engine.empty_state(rows)
+        return self.states[rows]
+
+    def prefill(self, rows: int, bucket: int):
+        if (rows, bucket) not in self.prefilled:
+            compiled = self.engine.prefill_compiled(rows, self.shortest[bucket])
+            self.prefilled[rows, bucket] = _stand_in(compiled, self.engine.mesh is not None)[0]
+        return self.prefilled[rows, bucket]
+
+    def run(self, shape: Shape) -> None:
+        engine = self.engine
+        if shape.phase == "decode":
+            # Run for no step (a fixed loop: its serving count, on a state of free rows): the running
+            # states the later phases compile for are then, as a server's, decode outputs.
+            steps = None if engine.fixed_loop else 0
+            self.states[shape.rows], _ = engine.decode(self.state(shape.rows), steps, window=shape.size)
+            jax.block_until_ready(self.states[shape.rows].starts)
+        elif shape.phase == "prefill":
+            self.prefill(shape.rows, shape.size)
+        elif shape.phase == "admit":
+            rows = self.prefill(shape.rows, shape.size)
+            self.states[shape.into] = engine.admit(self.state(shape.into), rows, range(shape.rows))
+            jax.block_until_ready(self.states[shape.into].starts)
+        elif shape.phase == "resize":
+            jax.block_until_ready(engine.resize(self.state(shape.rows), [0], rows=shape.into).starts)
+        elif shape.phase == "release":
+            self.states[shape.rows] = engine.release(self.state(shape.rows), [0])
+            jax.block_until_ready(self.states[shape.rows].starts)
+        else:
+            raise ValueError(f"unknown warm-up phase {shape.phase!r}; expected one of {PHASES}")
+
+
+def run_warmup(engine, shapes: Sequence[Shape], *, threads: int = 1,
+               on_shape: Callable[[int, Shape], None] | None = None,
+               stop: threading.Event | None = None) -> int:
+    """Compiles ``shapes`` in order (``on_shape(index, shape)`` before each); with ``threads`` > 1
+    the prefills are compiled on that many threads at once first (XLA compiles outside the GIL).
+    Stops early once ``stop`` is set. Returns the number of shapes done."""
+    runner = _Runner(engine)
+    pooled = False
+    for i, shape in enumerate(shapes):
+        if stop is not None and stop.is_set():
+            return i
+        if shape.phase == "prefill" and pooled:
+            continue  # compiled in the pool
+        if on_shape is not None:
+            on_shape(i, shape)
+        prefills = [s for s in shapes[i:] if s.phase == "prefill"] if shape.phase == "prefill" else []
+        if threads > 1 and len(prefills) > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(threads, len(prefills))) as pool:
+                list(pool.map(lambda s: runner.prefill(s.rows, s.size), prefills))  # re-raises a failed compile
+            pooled = True
+        else:
+            runner.run(shape)
+    return len(shapes)
+
+
+class Heartbeat:
+    """Logs what a long phase is doing: ``say`` logs a line at once, and while no other line follows
+    for ``interval`` seconds, a reminder of the current one with its elapsed time (a single compile
+    can take longer than a person waits before thinking a program hangs)."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 5.0):
+        self.logger, self.interval = logger, interval
+        self._text, self._since, self._last = "", time.perf_counter(), time.perf_counter()
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def say(self, text: str, *args) -> None:
+        with self._lock:
+            self._text, self._since = text % args if args else text, time.perf_counter()
+            self._last = self._since
+        self.logger.info(text, *args)
+
+    def _beat(self) -> None:
+        while not self._done.wait(min(1.0, self.interval)):
+            with self._lock:
+                now = time.perf_counter()
+                if now - self._last < self.interval or not self._text:
+                    continue
+                self._last = now
+                text, since = self._text, self._since
+            self.logger.info("%s (still running after %.0f s)", text, now - since)
+
+
+class BackgroundWarmup:
+    """Compiles shapes on a daemon thread while the engine serves; ``stop`` ends it after the shape in
+    progress. A request meeting a shape not compiled yet compiles it itself (correct, only slower)."""
+
+    def __init__(self, engine, shapes: Sequence[Shape], logger: logging.Logger = log):
+        self.engine, self.shapes, self.log = engine, list(shapes), logger
+        self.done = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="warmup", daemon=True)
+
+    def start(self) -> "BackgroundWarmup":
+        if self.shapes:
+            self.log.info("warm-up: compiling the other %d shapes in the background while serving (a request "
+                          "meeting one first compiles it itself)", len(self.shapes))
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def finished(self) -> bool:
+        return self.done == len(self.shapes)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        last = t0
+
+        def progress(i: int, shape: Shape) -> None:
+            nonlocal last
+            self.done = i
+            now = time.perf_counter()
+            if now - last >= 30:  # now and then: it runs for minutes on a CPU
+                self.log.info("warm-up: %d of %d background shapes compiled (%.0f s); now %s", i,
+                              len(self.shapes), now - t0, shape)
+                last = now
+
+        try:
+            self.done = run_warmup(self.engine, self.shapes, on_shape=progress, stop=self._stop)
+        except Exception as err:  # a compile that fails here fails again, and is reported, for its request
+            self.error = err
+            self.log.warning("warm-up: background compilation stopped: %s", err)
+            return
+        if self.finished:
+            self.log.info("warm-up: every shape compiled (%d in the background in %.0f s)", len(self.shapes),
+                          time.perf_counter() - t0)
+
+
+__all__ = ["BackgroundWarmup", "Heartbeat", "Shape", "first_request_shapes", "run_warmup", "warmup_plan"]
