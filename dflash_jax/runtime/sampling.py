@@ -318,7 +318,11 @@ def filter_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min
         else:
             desc = jax.lax.top_k(scaled, candidates)[0]
             theta_c = _sorted_threshold(desc, log_norm, top_k, top_p)
-            exact = (theta_c == -jnp.inf) | (desc[:, -1] < theta_c)
+            # Exact when every kept token is a candidate and, under top-k, every top-k survivor too
+            # (top-p renormalizes over them).
+            kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, candidates - 1)[:, None], axis=-1)[:, 0]
+            survivors_inside = (top_k == 0) | ((top_k <= candidates) & (desc[:, -1] < kth))
+            exact = (theta_c == -jnp.inf) | ((desc[:, -1] < theta_c) & survivors_inside)
             theta_w = jax.lax.cond(jnp.all(exact), lambda _: theta_c, whole, None)
             theta = jnp.where(exact, theta_c, theta_w)
     if flags.min_p:
