@@ -269,6 +269,8 @@ class Engine:
         # a new shape: nothing to donate to
         self._resize = jax.jit(self._resize_fn, static_argnames=("rows",), compiler_options=once)
         self._release = jax.jit(self._release_fn, donate_argnums=(0,), compiler_options=once)
+        self._prompt_logprobs = jax.jit(self._traced(self._prompt_logprobs_fn), static_argnames=("top",),
+                                        compiler_options=once)
         self._mask_id = drafter.config.mask_token_id if drafter is not None else 0
         self.vocab_size = target.config.vocab_size
         self.speculative = drafter is not None
@@ -321,6 +323,41 @@ class Engine:
                                  flags=flags, candidates=self.config.sampling_candidates)
         first = jnp.take_along_axis(state.tokens, lens[:, None], axis=1)[:, 0]
         return self._constrain(state), first
+
+    def _prompt_logprobs_fn(self, target_state, ids, lens, *, top: int):
+        """Per position of ``ids [1, P]`` the logprob of the next prompt token and the ``top`` best,
+        from the raw logits; the head runs over 64 positions at a time (a whole prompt's logits are
+        P x vocab floats)."""
+        target = nnx.merge(self._target_def, jax.tree.unflatten(self._target_tree, target_state))
+        plen = ids.shape[1]
+        cache, _ = decoding.new_caches(target, None, 1, plen)
+        hidden, _, _ = target.step(ids, jnp.zeros((1,), jnp.int32), cache, blk_lens=lens, ops=self.ops,
+                                   prefill=True)
+        chunk = min(64, plen)
+        pad = -plen % chunk
+        hidden = jnp.pad(hidden[0], ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[-1])
+        nxt = jnp.pad(ids[0, 1:], (0, pad + 1)).reshape(-1, chunk)
+
+        def one(args):
+            h, t = args
+            return smp.logprobs_of(target.head(h), t, top)
+
+        lp, top_ids, top_lps = jax.lax.map(one, (hidden, nxt))
+        return lp.reshape(-1)[:plen], top_ids.reshape(-1, top)[:plen], top_lps.reshape(-1, top)[:plen]
+
+    def prompt_logprobs(self, prompt: Sequence[int], top: int = 0) -> tuple[list[float | None], list[dict | None]]:
+        """The prompt's own logprobs (completions' ``echo`` with ``logprobs``): for each token, the
+        log-softmax of the target's raw logits after the tokens before it (None for the first), and
+        the ``top`` most likely tokens there (token id -> logprob; None for the first)."""
+        n = len(prompt)
+        bucket = self._prompt_bucket(n)
+        ids = np.zeros((1, bucket), np.int32)
+        ids[0, :n] = prompt
+        lp, top_ids, top_lps = jax.device_get(self._prompt_logprobs(
+            self._target_state, self._put_batch(ids), self._put_batch(np.asarray([n], np.int32)), top=top))
+        logprobs = [None] + [float(x) for x in lp[:n - 1]]
+        tops = [None] + [{int(t): float(v) for t, v in zip(top_ids[i], top_lps[i])} for i in range(n - 1)]
+        return logprobs, tops
 
     def _empty_fn(self, *, rows: int) -> decoding.DecodeState:
         # Only the models' configs and dtypes are read: no weights enter the computation.

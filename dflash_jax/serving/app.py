@@ -480,14 +480,20 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
     if len(prompts) * params.n > ctx.scheduler.max_waiting:  # a 503 would tell the client to retry what never fits
         raise P.invalid(f"'prompt' has {len(prompts)} prompts of {params.n} choices; this server queues at most "
                         f"{ctx.scheduler.max_waiting} at once", param="prompt", code="too_many_prompts")
-    if req.echo and params.sampling.logprobs is not None:
-        raise P.unsupported("echo", True, "the prompt's logprobs are not computed; send echo without logprobs")
+    prompt_logprobs = getattr(ctx.scheduler.engine, "prompt_logprobs", None)
+    if req.echo and params.sampling.logprobs is not None and prompt_logprobs is None:
+        raise P.unsupported("echo", True, "this engine does not compute prompt logprobs; send echo without logprobs")
     max_tokens = [_check_prompt(ctx, ids, params, where(i)) for i, ids in enumerate(prompts)]
+    _choice_sampling(ctx, params)  # its 400s before the prompt's logprobs run
+    echoed = None  # per prompt: its tokens' (logprobs, top logprobs), for echo with logprobs
+    if req.echo and params.sampling.logprobs is not None:
+        echoed = [await asyncio.to_thread(prompt_logprobs, ids, params.sampling.logprobs) for ids in prompts]
     job = _submit(ctx, prompts, max_tokens, params)
     rid, created = P.new_id("cmpl"), P.now()
     if params.stream:
         return _stream(ctx, job, params, rid, created, chat=False,
-                       echo=[_echo_text(ctx, p, ids) for p, ids in zip(req.prompts, prompts)] if req.echo else None)
+                       echo=[_echo_text(ctx, p, ids) for p, ids in zip(req.prompts, prompts)] if req.echo else None,
+                       echo_logprobs=echoed)
     results = await _collect(job, request)
     choices, completion_tokens = [], 0
     for i, (res, text) in enumerate(zip(results, job.texts)):
@@ -495,7 +501,11 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
         completion_tokens += len(out)
         prefix = _echo_text(ctx, req.prompts[i // params.n], job.prompt_ids[i]) if req.echo else ""
         choice = {"index": i, "text": prefix + text.text, "logprobs": None, "finish_reason": finish}
-        if res.logprobs is not None:
+        if res.logprobs is not None and echoed is not None:
+            lps, tops = echoed[i // params.n]
+            choice["logprobs"] = _completion_logprobs(ctx, job.prompt_ids[i] + out, lps + res.logprobs,
+                                                      tops + res.top_logprobs)
+        elif res.logprobs is not None:
             choice["logprobs"] = _completion_logprobs(ctx, out, res.logprobs, res.top_logprobs, len(prefix))
         if params.return_token_ids:
             choice["token_ids"] = out
@@ -564,17 +574,18 @@ def _echo_text(ctx: ServerContext, prompt: str | list[int], ids: list[int]) -> s
     return prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def _completion_logprobs(ctx: ServerContext, ids: list[int], logprobs: list[float], top: list[dict[int, float]],
+def _completion_logprobs(ctx: ServerContext, ids: list[int], logprobs: list, top: list,
                          offset: int = 0) -> dict[str, Any]:
     """Completions' ``logprobs`` object (OpenAI's legacy shape) for ``ids``: ``text_offset`` counts
-    from ``offset`` characters of the choice's text."""
+    from ``offset`` characters of the choice's text; an echoed prompt's first token has None entries."""
     tokens = [_token_text(ctx, t) for t in ids]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [float(x) for x in logprobs[:len(ids)]],
-            "top_logprobs": [{_token_text(ctx, t): float(v) for t, v in d.items()} for d in top[:len(ids)]],
+    return {"tokens": tokens, "token_logprobs": [None if x is None else float(x) for x in logprobs[:len(ids)]],
+            "top_logprobs": [None if d is None else {_token_text(ctx, t): float(v) for t, v in d.items()}
+                             for d in top[:len(ids)]],
             "text_offset": offsets}
 
 
@@ -590,8 +601,9 @@ def _chat_logprobs(ctx: ServerContext, ids: list[int], logprobs: list[float], to
 
 
 def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, created: int, *, chat: bool,
-            echo: list[str] | None = None) -> StreamingResponse:
-    """``echo``: completions' prompt texts, streamed first in each choice."""
+            echo: list[str] | None = None, echo_logprobs: list | None = None) -> StreamingResponse:
+    """``echo``: completions' prompt texts, streamed first in each choice (with ``echo_logprobs``, per
+    prompt its tokens' ``(logprobs, top logprobs)``)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     n = len(job.requests)
     want_logprobs = params.sampling.logprobs is not None
@@ -602,7 +614,8 @@ def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, cre
                       **extra})
 
     def piece(i: int, text: str | None, ids: list[int] | None, finish: str | None,
-              entries: tuple[list, list] | None = None) -> dict[str, Any]:
+              entries: tuple[list, list] | None = None, entry_ids: list[int] | None = None) -> dict[str, Any]:
+        entry_ids = ids if entry_ids is None else entry_ids
         if chat:
             c: dict[str, Any] = {"index": i, "delta": {} if text is None else {"content": text}, "logprobs": None,
                                  "finish_reason": finish}
@@ -610,8 +623,8 @@ def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, cre
                 c["logprobs"] = {"content": _chat_logprobs(ctx, ids, *entries)}
         else:
             c = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
-            if entries is not None and ids:
-                c["logprobs"] = _completion_logprobs(ctx, ids, *entries, offsets[i])
+            if entries is not None and entry_ids:
+                c["logprobs"] = _completion_logprobs(ctx, entry_ids, *entries, offsets[i])
             offsets[i] += len(text or "")
         if params.return_token_ids and ids is not None:
             c["token_ids"] = ids
@@ -628,7 +641,8 @@ def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, cre
                                   "finish_reason": None}])
             if echo is not None:
                 for i in range(n):
-                    yield chunk([piece(i, echo[i // params.n], None, None)])
+                    entries = None if echo_logprobs is None else echo_logprobs[i // params.n]
+                    yield chunk([piece(i, echo[i // params.n], None, None, entries, job.prompt_ids[i])])
             while pending:
                 i, kind, payload = await job.queue.get()
                 if kind == "tokens":

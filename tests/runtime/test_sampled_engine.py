@@ -100,6 +100,18 @@ def test_logprobs_equal_the_targets_log_softmax(engines, prompts, models):
             np.testing.assert_allclose(list(top.values()), row[best], rtol=1e-5, atol=1e-5)
 
 
+def test_prompt_logprobs_equal_the_targets_log_softmax(engines, prompts, models):
+    spec, _ = engines
+    prompt = prompts[3]
+    lps, tops = spec.prompt_logprobs(prompt, 3)
+    logits, _ = target_forward(models[0], np.asarray([prompt]))
+    want = torch.log_softmax(torch.tensor(np.asarray(logits[0], np.float64)), -1).numpy()
+    assert lps[0] is None and tops[0] is None and len(lps) == len(prompt)
+    np.testing.assert_allclose(lps[1:], want[np.arange(len(prompt) - 1), prompt[1:]], rtol=1e-5, atol=1e-5)
+    for row, top in zip(want, tops[1:]):
+        assert list(top) == np.argsort(-row)[:3].tolist()
+
+
 COMBOS = [dict(), dict(top_p=0.8), dict(top_k=4, min_p=0.05), dict(top_p=0.95, top_k=30, repetition_penalty=1.3,
                                                                    presence_penalty=0.4, frequency_penalty=0.2)]
 

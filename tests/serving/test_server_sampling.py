@@ -85,7 +85,7 @@ def test_chat_logprobs_in_openais_shape_streamed_or_not(server):
 
 
 def test_completion_logprobs_and_echo(server):
-    tok, _, client = server
+    tok, engine, client = server
     r = client.completions.create(model="tiny", prompt=HELLO, max_tokens=MAX_TOKENS, temperature=0.9, seed=1,
                                   logprobs=2)
     lp = r.choices[0].logprobs
@@ -98,6 +98,14 @@ def test_completion_logprobs_and_echo(server):
     streamed = client.completions.create(model="tiny", prompt=HELLO, max_tokens=MAX_TOKENS, temperature=0.9, seed=1,
                                          echo=True, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+    # echo with logprobs: the prompt's own logprobs first (None for its first token), then the output's.
+    both = client.completions.create(model="tiny", prompt=HELLO, max_tokens=MAX_TOKENS, temperature=0.9, seed=1,
+                                     echo=True, logprobs=2)
+    blp, n = both.choices[0].logprobs, len(tok.encode(HELLO))
+    assert len(blp.tokens) == n + len(lp.tokens) and blp.token_logprobs[0] is None and blp.top_logprobs[0] is None
+    assert blp.token_logprobs[n:] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    prompt_lps, _ = engine.prompt_logprobs(tok.encode(HELLO), 2)
+    assert blp.token_logprobs[1:n] == pytest.approx(prompt_lps[1:], abs=1e-6)
 
 
 def test_penalties_bias_and_bad_sampling_fields(server):
@@ -110,6 +118,3 @@ def test_penalties_bias_and_bad_sampling_fields(server):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny", prompt=HELLO, temperature=3.0)
     assert err.value.body["param"] == "temperature"
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="tiny", prompt=HELLO, logprobs=1, echo=True)
-    assert err.value.body["param"] == "echo"
