@@ -27,13 +27,10 @@ MIXED = [
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return write_copycat_pair(tmp_path_factory.mktemp("copycat"), block_size=8)
-
-
-@pytest.fixture(scope="module")
-def models(pair):
-    return load_target(pair[0]), load_drafter(pair[1])
+def models(tmp_path_factory):
+    """A pair with varied acceptance lengths without training (``write_copycat_pair``)."""
+    target_dir, drafter_dir = write_copycat_pair(tmp_path_factory.mktemp("copycat"), block_size=8)
+    return load_target(target_dir), load_drafter(drafter_dir)
 
 
 @pytest.fixture(scope="module")

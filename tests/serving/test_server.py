@@ -869,15 +869,9 @@ def test_adaptive_steps_grow_while_the_device_idles_and_shrink_when_the_host_wai
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    from dflash_jax.io.checkpoint import load_drafter, load_target
-    from dflash_jax.runtime.engine import Engine, EngineConfig
-
-    target_dir, drafter_dir = tf.write_tiny_models_with_tokenizer(
-        tmp_path_factory.mktemp("tiny"), model_vocab_size=MODEL_VOCAB, tokenizer_vocab_size=TOKENIZER_VOCAB)
-    tok = Tokenizer(target_dir)
-    target = load_target(target_dir)
-    engine = Engine(target, load_drafter(drafter_dir),
-                    EngineConfig(max_batch_size=2, max_length=MAX_LENGTH, prompt_buckets=(32,), steps_per_sync=2))
+    tok, target, engine = tf.tiny_engine_with_tokenizer(
+        tmp_path_factory.mktemp("tiny"), model_vocab_size=MODEL_VOCAB, tokenizer_vocab_size=TOKENIZER_VOCAB,
+        max_batch_size=2, max_length=MAX_LENGTH, prompt_buckets=(32,), steps_per_sync=2)
     prompts = {
         "hello": tok.encode("Hello, world"),
         "fox": tok.encode("The quick brown fox"),

@@ -10,7 +10,6 @@ import pytest
 import tokenizer_fixtures as tf
 
 from dflash_jax import SamplingParams
-from dflash_jax.io.tokenizer import Tokenizer
 from dflash_jax.serving import ServerThread, create_app
 from dflash_jax.serving.protocol import choice_seed
 
@@ -26,15 +25,9 @@ HELLO = "Hello, world"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from dflash_jax.io.checkpoint import load_drafter, load_target
-    from dflash_jax.runtime.engine import Engine, EngineConfig
-
-    target_dir, drafter_dir = tf.write_tiny_models_with_tokenizer(
-        tmp_path_factory.mktemp("tiny"), model_vocab_size=MODEL_VOCAB, tokenizer_vocab_size=TOKENIZER_VOCAB)
-    tok = Tokenizer(target_dir)
-    target = load_target(target_dir)
-    engine = Engine(target, load_drafter(drafter_dir),
-                    EngineConfig(max_batch_size=4, max_length=MAX_LENGTH, prompt_buckets=(32,), steps_per_sync=2))
+    tok, _, engine = tf.tiny_engine_with_tokenizer(
+        tmp_path_factory.mktemp("tiny"), model_vocab_size=MODEL_VOCAB, tokenizer_vocab_size=TOKENIZER_VOCAB,
+        max_batch_size=4, max_length=MAX_LENGTH, prompt_buckets=(32,), steps_per_sync=2)
     app = create_app(engine, tok, model_name="tiny", max_length=MAX_LENGTH, vocab_size=MODEL_VOCAB)
     with ServerThread(app) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
