@@ -187,3 +187,20 @@ def test_sampled_tokens_follow_the_processed_target_distribution(wide_engine, mo
     assert _chi_square_p(samples, joint) > P_VALUE
     wrong = _joint(models[0], prompt, 1.2, top_k)  # the test tells a nearby distribution apart
     assert _chi_square_p(samples, wrong) < P_VALUE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [dict(data=2, tensor=2), dict(data=1, tensor=4)])
+def test_sharded_sampled_engine_equals_single_device(models, prompts, engines, mesh):
+    from dflash_jax.sharding import MeshConfig
+
+    spec, _ = engines
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=i, logprobs=2, repetition_penalty=1.1)
+              for i in range(4)]
+    want = spec.generate(prompts[:4], MAX_NEW, sampling=params)
+    sharded = Engine(*models, EngineConfig(max_batch_size=8, max_length=64, steps_per_sync=4, sampling_candidates=8,
+                                           mesh=MeshConfig(fsdp=1, **mesh)))
+    got = sharded.generate(prompts[:4], MAX_NEW, sampling=params)
+    assert _ids(got) == _ids(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
