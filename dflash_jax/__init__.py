@@ -5,11 +5,12 @@ from dflash_jax.runtime.batcher import ContinuousBatcher, GenerationResult
 from dflash_jax.io.checkpoint import load_drafter, load_target, save_drafter, save_target
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.runtime.engine import Engine, EngineConfig, generate
+from dflash_jax.runtime.sampling import SamplingParams
 from dflash_jax.models.config import DrafterConfig, TargetConfig
 from dflash_jax.models.target import Target
 
 __all__ = [
-    "ContinuousBatcher", "Drafter", "DrafterConfig", "Engine", "EngineConfig", "GenerationResult", "Target",
-    "TargetConfig", "draft_logits", "generate", "load_drafter", "load_target", "save_drafter", "save_target",
+    "ContinuousBatcher", "Drafter", "DrafterConfig", "Engine", "EngineConfig", "GenerationResult", "SamplingParams",
+    "Target", "TargetConfig", "draft_logits", "generate", "load_drafter", "load_target", "save_drafter", "save_target",
     "target_forward",
 ]

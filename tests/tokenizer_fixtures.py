@@ -382,6 +382,20 @@ def write_tiny_models_with_tokenizer(directory, *, model_vocab_size: int = 520, 
     return Path(target_dir), Path(drafter_dir)
 
 
+def tiny_engine_with_tokenizer(directory, *, model_vocab_size: int = 520, tokenizer_vocab_size: int = 512,
+                               **engine_config):
+    """``write_tiny_models_with_tokenizer``'s pair loaded into an ``Engine`` of ``engine_config``
+    (``EngineConfig`` fields). Returns ``(tokenizer, target, engine)``."""
+    from dflash_jax.io.checkpoint import load_drafter, load_target
+    from dflash_jax.io.tokenizer import Tokenizer
+    from dflash_jax.runtime.engine import Engine, EngineConfig
+
+    target_dir, drafter_dir = write_tiny_models_with_tokenizer(
+        directory, model_vocab_size=model_vocab_size, tokenizer_vocab_size=tokenizer_vocab_size)
+    target = load_target(target_dir)
+    return Tokenizer(target_dir), target, Engine(target, load_drafter(drafter_dir), EngineConfig(**engine_config))
+
+
 def write_wordpiece_cleanup_tokenizer(directory) -> Path:
     """A tiny WordPiece tokenizer with ``clean_up_tokenization_spaces`` (BERT-era: its decode joins
     tokens with spaces, then the cleanup removes those before punctuation and contractions)."""

@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import jax
 import numpy as np
 
+from dflash_jax.runtime.sampling import GREEDY, SamplingFlags, SamplingParams
+
 if TYPE_CHECKING:
     from dflash_jax.runtime.engine import Engine
 
@@ -62,6 +64,10 @@ class RowSnapshot:
     done: jax.Array             # [batch] bool
     num_steps: jax.Array        # [batch] int32
     accepted: jax.Array         # [batch, max_length] int32
+    # Only when a row asked for logprobs: per position, the committed token's logprob and the top ones.
+    logprob: jax.Array | None = None       # [batch, capacity + 1] float32
+    top_ids: jax.Array | None = None       # [batch, capacity + 1, k] int32
+    top_logprobs: jax.Array | None = None  # [batch, capacity + 1, k] float32
 
 
 def _integers(values: Any, what: str) -> list[int]:
@@ -96,6 +102,10 @@ class GenerationResult:
     time_to_first_token: float       # seconds from submission to the first token on the host
     time_per_output_token: float     # seconds: time from the first token to the last / the tokens after the first
     num_steps: int                   # decode steps that committed this row's tokens (the prefill's first excluded)
+    # With ``SamplingParams.logprobs``: each output token's logprob (log-softmax of the target's raw
+    # logits) and the top ``logprobs`` tokens' (id -> logprob, most likely first).
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -132,6 +142,7 @@ class Generation:
     on_finish: Callable[[Generation], None] | None  # once, with ``result`` or ``error`` set
     submitted: float                 # perf_counter time the request arrived
     stop_check: StopCheck | None = None
+    sampling: SamplingParams = GREEDY  # seeded when sampled (``SamplingParams.with_seed``)
     admitted: float | None = None    # perf_counter time it got a row
     first_token_time: float | None = None
     result: GenerationResult | None = None
@@ -142,6 +153,9 @@ class Generation:
     # decode steps the batcher dispatched (it may be further now).
     emitted: int = 0
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    # With ``sampling.logprobs``: one entry per output id (filled before ``on_tokens`` sees the ids).
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     start: int = 0
     seen_steps: int = 0
 
@@ -221,8 +235,10 @@ class ContinuousBatcher:
         stop_check: StopCheck | None = None,
         submitted: float | None = None,
         name: str = "the prompt",
+        sampling: SamplingParams | None = None,
     ) -> Generation:
-        """Queues a greedy generation of up to ``max_new_tokens`` after ``prompt_ids``.
+        """Queues a generation of up to ``max_new_tokens`` after ``prompt_ids``, greedy unless
+        ``sampling`` says otherwise (a sampled request without a seed gets a random one here).
 
         ``on_tokens(new_ids)`` gets the tokens committed since the last call at every host sync;
         ``on_finish(generation)`` is called once when it ends. ``stop_check`` (``StopCheck``) may end
@@ -250,10 +266,14 @@ class ContinuousBatcher:
         if len(stops) > self.engine.max_stop_ids:
             raise ValueError(f"stop_token_ids has {len(stops)} distinct ids; the engine takes at most "
                              f"{self.engine.max_stop_ids}")
+        sampling = GREEDY if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling for {name} must be a SamplingParams, got {type(sampling).__name__}")
+        sampling.check_vocab(vocab, getattr(config, "max_logprobs", 0))
         generation = Generation(
             prompt_ids=prompt, max_len=min(len(prompt) + int(max_new_tokens), config.max_length),
             stop_token_ids=stops, on_tokens=on_tokens, on_finish=on_finish, stop_check=stop_check,
-            submitted=time.perf_counter() if submitted is None else submitted,
+            submitted=time.perf_counter() if submitted is None else submitted, sampling=sampling.with_seed(),
         )
         self._pending.append(generation)
         return generation
@@ -316,13 +336,18 @@ class ContinuousBatcher:
             return None
         group = [self._pending.popleft() for _ in range(admitting)]
         try:
+            params = [g.sampling for g in group]
+            extra = {} if all(p == GREEDY for p in params) else {"sampling": params}
             fresh, first = self.engine.prefill([g.prompt_ids for g in group],
                                                [g.max_len - len(g.prompt_ids) for g in group],
-                                               [g.stop_token_ids for g in group])
+                                               [g.stop_token_ids for g in group], **extra)
         except Exception as err:  # noqa: BLE001 - the running state is untouched: fail these prompts only
             self._fail(group, err)
             return None
         first = np.asarray(first)  # before the admission too: queued behind it, the copy waited for it
+        first_logprobs = None
+        if any(g.sampling.logprobs is not None for g in group):  # the first tokens' entries, from the prefill
+            first_logprobs = _first_logprobs(fresh, [len(g.prompt_ids) for g in group])
         slots = [i for i, g in enumerate(self._rows) if g is None][:admitting]
         now = time.perf_counter()
         for slot, g in zip(slots, group):  # before the admission: if it fails, step() fails them too
@@ -330,7 +355,7 @@ class ContinuousBatcher:
             g.admitted, g.emitted, g.start, g.seen_steps = (now, len(g.prompt_ids), len(g.prompt_ids),
                                                             self._steps_dispatched)
         self._state = self.engine.admit(self._state, fresh, slots)
-        return first, group
+        return first, group, first_logprobs
 
     def _dispatch(self, admitted: bool = False) -> _Call | None:
         """Dispatches the next decode call over the live rows (None if there are none). ``admitted``:
@@ -346,7 +371,9 @@ class ContinuousBatcher:
         # A row advances at most ``block`` positions per step dispatched since its start was last
         # seen, and its last step starts at max_len - 2, writing a block up to max_len - 2 + block.
         window = max(min(g.start + (end - g.seen_steps) * block, g.max_len - 2 + block) for g in live)
-        self._state, snapshot = self.engine.decode(self._state, steps, window=window)
+        flags = SamplingFlags.of([g.sampling for g in live], getattr(self.engine.config, "max_logprobs", 0))
+        extra = {} if flags.greedy else {"sampling": flags}
+        self._state, snapshot = self.engine.decode(self._state, steps, window=window, **extra)
         _start_transfer(snapshot)
         self._steps_dispatched = end
         return _Call(snapshot, tuple(self._rows), end)
@@ -368,13 +395,14 @@ class ContinuousBatcher:
         elif period > 0 and waited > 0.6 * period:
             self.steps_per_call = max(self.steps_per_call // 2, config.steps_per_sync)
 
-    def _read_first_tokens(self, tokens: np.ndarray, group: list[Generation]) -> None:
+    def _read_first_tokens(self, tokens: np.ndarray, group: list[Generation], logprobs=None) -> None:
         now = time.perf_counter()
-        for g, token in zip(group, tokens):
+        for i, (g, token) in enumerate(zip(group, tokens)):
             if g.cancelled:
                 continue
             g.first_token_time = now
-            self._deliver(g, [int(token)], None, 0, now)
+            entries = None if logprobs is None else [(logprobs[0][i], logprobs[1][i], logprobs[2][i])]
+            self._deliver(g, [int(token)], None, 0, now, entries)
 
     def _read(self, call: _Call) -> None:
         """Streams the tokens ``call`` committed and retires the rows it finished."""
@@ -390,13 +418,19 @@ class ContinuousBatcher:
             g.start, g.seen_steps = int(snap.starts[row]), call.steps_end
             upto = min(g.start + 1, g.max_len)
             if upto > g.emitted:
-                self._deliver(g, snap.tokens[row, g.emitted: upto].tolist(), snap, row, now)
+                entries = None
+                if g.sampling.logprobs is not None and snap.logprob is not None:
+                    entries = [(snap.logprob[row, p], snap.top_ids[row, p], snap.top_logprobs[row, p])
+                               for p in range(g.emitted, upto)]
+                self._deliver(g, snap.tokens[row, g.emitted: upto].tolist(), snap, row, now, entries)
             if snap.done[row] and not g.finished:
                 self._retire(g, snap, row, now)
 
-    def _deliver(self, g: Generation, new: list[int], snap: RowSnapshot | None, row: int, now: float) -> None:
+    def _deliver(self, g: Generation, new: list[int], snap: RowSnapshot | None, row: int, now: float,
+                 entries: list | None = None) -> None:
         """Passes ``g``'s new tokens through its stop check to ``on_tokens``; ends ``g`` if the check
-        says so. ``snap``: the snapshot they come from (None for the prefill's first token)."""
+        says so. ``snap``: the snapshot they come from (None for the prefill's first token);
+        ``entries``: per token, ``(logprob, top ids, top logprobs)`` when ``g`` asked for logprobs."""
         keep = None
         if g.stop_check is not None:
             try:
@@ -410,6 +444,11 @@ class ContinuousBatcher:
             new = new[:keep]
         g.emitted += len(new)
         g.output_ids.extend(new)
+        if entries is not None:
+            k = g.sampling.logprobs
+            for lp, ids, vals in entries[:len(new)]:
+                g.logprobs.append(float(lp))
+                g.top_logprobs.append({int(t): float(v) for t, v in zip(ids[:k], vals[:k])})
         if g.on_tokens is not None:
             g.on_tokens(new)
         if keep is not None:
@@ -441,6 +480,8 @@ class ContinuousBatcher:
             time_to_first_token=g.first_token_time - g.submitted,
             time_per_output_token=(now - g.first_token_time) / max(1, len(out) - 1),
             num_steps=steps,
+            logprobs=list(g.logprobs) if g.sampling.logprobs is not None else None,
+            top_logprobs=list(g.top_logprobs) if g.sampling.logprobs is not None else None,
         )
         if not stopped:  # a stopped row was freed by ``_end_on_host``, to be released
             self._rows[self._rows.index(g)] = None
@@ -453,3 +494,12 @@ class ContinuousBatcher:
             g.error = err
             if g.on_finish is not None:
                 g.on_finish(g)
+
+
+def _first_logprobs(rows: Any, prompt_lens: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each prefilled row's first token's ``(logprob, top ids, top logprobs)``, read at its prompt length."""
+    s = rows.sampling
+    index = np.asarray(prompt_lens)
+    take = np.arange(len(prompt_lens))
+    logprob, top_ids, top_lps = (np.asarray(x) for x in jax.device_get((s.logprob, s.top_ids, s.top_logprobs)))
+    return logprob[take, index], top_ids[take, index], top_lps[take, index]

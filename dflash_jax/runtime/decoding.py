@@ -10,6 +10,10 @@ tokens, cut after the first stop token. A row is done once a stop token is commi
 A running batch is a fixed number of row slots: ``empty_state`` makes them (every row done),
 ``scatter_rows`` writes freshly prefilled rows into free slots (or moves rows into a state of another
 size) and ``release_rows`` ends rows early. Each row carries its own stop ids.
+
+Sampled rows (``dflash_jax.runtime.sampling``): a state made with ``max_logprobs`` carries every row's
+sampling parameters (``DecodeState.sampling``), and the phases take the batch's static
+``SamplingFlags``; with the greedy flags (the default) every phase runs the greedy path unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import sharding
+from dflash_jax.runtime import sampling as smp
+from dflash_jax.runtime.sampling import SamplingFlags, SamplingState
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.cache import KVCache, read_rows, read_window, write_all_layers, write_back, write_rows
 from dflash_jax.models.drafter import Drafter
@@ -44,6 +50,10 @@ class DecodeState:
     stop_ids: jax.Array         # [batch, n_stop] int32: the row's stop token ids, -1 pads
     target_cache: KVCache
     draft_cache: KVCache | None
+    sampling: SamplingState | None = None  # None: every row greedy, no logprobs
+
+
+GREEDY_FLAGS = SamplingFlags()
 
 
 def greedy_argmax(logits: jax.Array) -> jax.Array:
@@ -181,14 +191,23 @@ def new_caches(target: Target, drafter: Drafter | None, batch: int, length: int)
 
 
 def empty_state(target: Target, drafter: Drafter | None, batch: int, *, capacity: int, max_steps: int,
-                n_stop: int) -> DecodeState:
-    """``batch`` empty row slots (all done) with ``capacity``-position caches, to admit rows into."""
+                n_stop: int, max_logprobs: int | None = None) -> DecodeState:
+    """``batch`` empty row slots (all done) with ``capacity``-position caches, to admit rows into.
+
+    ``max_logprobs``: None, a state of greedy rows only; else one with (greedy) sampling parameters,
+    keeping up to this many top logprobs per token."""
     target_cache, draft_cache = new_caches(target, drafter, batch, capacity)
     zeros = jnp.zeros((batch,), jnp.int32)
+    sampling = None
+    if max_logprobs is not None:
+        arrays = smp.row_arrays([], batch, target.config.vocab_size, [])
+        sampling = smp.new_state({k: jnp.asarray(v) for k, v in arrays.items()}, capacity=capacity,
+                                 max_logprobs=max_logprobs)
     return DecodeState(
         tokens=jnp.zeros((batch, capacity + 1), jnp.int32), starts=zeros, max_lens=zeros,
         done=jnp.ones((batch,), bool), num_steps=zeros, accepted=jnp.zeros((batch, max_steps), jnp.int32),
         stop_ids=jnp.full((batch, n_stop), -1, jnp.int32), target_cache=target_cache, draft_cache=draft_cache,
+        sampling=sampling,
     )
 
 
@@ -204,6 +223,10 @@ def prefill(
     max_steps: int,
     mask_token_id: int,
     ops: OpsConfig = XLA,
+    sampling: dict[str, jax.Array] | None = None,
+    max_logprobs: int = 0,
+    flags: SamplingFlags = GREEDY_FLAGS,
+    candidates: int = 0,
 ) -> DecodeState:
     """Runs the padded prompts ``ids [batch, P]`` (lengths ``lens``, stop ids ``stop_ids [batch, n_stop]``)
     and samples the first token. With the kernels on (``ops``) the prompt's attention is a library's
@@ -213,6 +236,9 @@ def prefill(
     commits the target's argmax after each row's last prompt token. Rows hold ``capacity + 1``
     tokens, as in a running state of ``capacity`` cache positions, but the caches hold just the P
     prompt positions: ``scatter_rows`` writes them over the first positions of free slots.
+
+    ``sampling``: the rows' parameters (``sampling.row_arrays``), for a state with a ``SamplingState``
+    (``max_logprobs`` top logprobs per token); the first token is then drawn as ``flags`` say.
     """
     batch, plen = ids.shape
     tap_layers = drafter.config.target_layer_ids if drafter is not None else ()
@@ -221,13 +247,28 @@ def prefill(
     hidden, taps, target_cache = target.step(ids, zeros, target_cache, blk_lens=lens, tap_layers=tap_layers,
                                              ops=ops, prefill=True)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
-    first = greedy_argmax(target.head(last))
+    last_logits = target.head(last)
+    sampling_state = None
+    if sampling is not None:
+        sampling_state = smp.new_state(sampling, capacity=capacity, max_logprobs=max_logprobs)
+    if flags.greedy:
+        first = greedy_argmax(last_logits)
+    else:
+        if flags.edits:  # the prompt's ids are seen (repetition penalty)
+            _, seen = smp.add_tokens(sampling_state.counts, sampling_state.seen, ids,
+                                     jnp.arange(plen)[None, :] < lens[:, None])
+            sampling_state = dataclasses.replace(sampling_state, seen=seen)
+        first = _draw(last_logits[:, None], sampling_state, stop_ids, jnp.zeros((batch, 1), jnp.int32),
+                      lens[:, None], flags=flags, candidates=candidates)[:, 0]
 
     positions = jnp.arange(capacity + 1)[None, :]
     tokens = jnp.full((batch, capacity + 1), mask_token_id, jnp.int32)
     tokens = jnp.where(positions < lens[:, None], jnp.pad(ids, ((0, 0), (0, capacity + 1 - plen))), tokens)
     tokens = jnp.where(positions == lens[:, None], first[:, None], tokens)
     done = is_stop(first[:, None], stop_ids)[:, 0] | (lens + 1 >= max_lens)
+    if not flags.greedy:
+        sampling_state = _record(sampling_state, last_logits[:, None], first[:, None], lens,
+                                 jnp.ones((batch, 1), bool), flags)
 
     if drafter is not None:
         k, v = drafter.context_kv(taps, jnp.broadcast_to(jnp.arange(plen, dtype=jnp.int32), (batch, plen)))
@@ -235,7 +276,7 @@ def prefill(
     return DecodeState(
         tokens=tokens, starts=lens.astype(jnp.int32), max_lens=max_lens.astype(jnp.int32), done=done,
         num_steps=zeros, accepted=jnp.zeros((batch, max_steps), jnp.int32), stop_ids=stop_ids.astype(jnp.int32),
-        target_cache=target_cache, draft_cache=draft_cache,
+        target_cache=target_cache, draft_cache=draft_cache, sampling=sampling_state,
     )
 
 
@@ -272,7 +313,7 @@ def _target_block(
 
 def draft_block(
     target: Target, drafter: Drafter, state: DecodeState, *, block_size: int,
-    ops: OpsConfig = XLA, window: int | None = None,
+    ops: OpsConfig = XLA, window: int | None = None, flags: SamplingFlags = GREEDY_FLAGS,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Drafts ``[anchor, d1 .. d_{B-1}]`` for every row in one drafter pass.
 
@@ -280,7 +321,10 @@ def draft_block(
     ``starts + B <= window``); None or a window of the whole capacity: the whole cache.
 
     Returns ``block_ids [batch, B]``, ``valid [batch]`` (slots that exist: the reference's shorter
-    last block) and ``positions [batch, B]``.
+    last block) and ``positions [batch, B]``. With sampled rows (``flags.sample``), a sampled row's
+    drafts are drawn from the drafter's logits over the row's temperature with the noise the target
+    draws the same positions with (``draft_tokens``); with ``flags.rejection``, the draft logits
+    ``[batch, B-1, vocab]`` are returned fourth.
     """
     batch = state.starts.shape[0]
     starts = state.starts
@@ -293,26 +337,42 @@ def draft_block(
     if window is not None and window < cache.capacity:
         cache = read_window(cache, window)
     hidden = drafter.draft(target.embed(block_ids)[:, None], starts, cache, valid, ops=ops)
-    draft = greedy_argmax(drafter.logits(target, hidden[:, 0, 1:]))
+    logits = drafter.logits(target, hidden[:, 0, 1:])
+    if flags.sample:
+        draft = draft_tokens(logits, state.sampling, positions[:, 1:])
+    else:
+        draft = greedy_argmax(logits)
+    if flags.rejection:
+        return block_ids.at[:, 1:].set(draft), valid, positions, logits
     return block_ids.at[:, 1:].set(draft), valid, positions
 
 
 def verify_block(
     target: Target, drafter: Drafter, state: DecodeState, block_ids: jax.Array, valid: jax.Array,
     positions: jax.Array, *, ops: OpsConfig = XLA, window: int | None = None,
+    flags: SamplingFlags = GREEDY_FLAGS, candidates: int = 0, draft_logits: jax.Array | None = None,
 ) -> DecodeState:
     """Verifies a drafted block in one target pass, commits, and extends the drafter's context.
 
-    ``window`` as in ``draft_block``.
+    ``window`` as in ``draft_block``. Sampled rows (``flags``): the target draws every slot
+    (``sampled_posterior``), a draft is accepted while it equals the draw (or by rejection sampling
+    against ``draft_logits``, for its rows); ``candidates`` as in ``sampling.filter_thresholds``.
     """
     starts = state.starts
     verified, taps, target_cache = _target_block(
         target, block_ids, starts, state.target_cache, window, blk_lens=valid,
         tap_layers=drafter.config.target_layer_ids, ops=ops,
     )
-    posterior = greedy_argmax(target.head(verified))
+    logits = target.head(verified)
+    if flags.greedy:
+        posterior = greedy_argmax(logits)
+    else:
+        posterior = sampled_posterior(logits, state, block_ids, positions + 1, flags=flags, candidates=candidates,
+                                      draft_logits=draft_logits)
     acc = greedy_accept(block_ids[:, 1:], posterior, valid)
-    new_state, _ = commit(state, block_ids, posterior, acc)
+    new_state, produced = commit(state, block_ids, posterior, acc)
+    if not flags.greedy:
+        new_state = _record_commit(new_state, state, logits, posterior, produced, flags)
     # The verify pass produced the taps of the committed tokens: project them once for all layers.
     k, v = drafter.context_kv(taps, positions)
     draft_cache = write_all_layers(state.draft_cache, k, v, starts)
@@ -327,31 +387,146 @@ def speculative_step(
     block_size: int,
     ops: OpsConfig = XLA,
     window: int | None = None,
+    flags: SamplingFlags = GREEDY_FLAGS,
+    candidates: int = 0,
 ) -> DecodeState:
     """Draft a block, verify it, commit, and extend the drafter's context: one step for every row.
 
     ``window``: attend to the first ``window`` cache positions only (rows that are not done need
-    ``starts + block_size <= window``); None: the whole capacity.
+    ``starts + block_size <= window``); None: the whole capacity. ``flags``, ``candidates``: the
+    batch's sampling (``verify_block``).
     """
-    block_ids, valid, positions = draft_block(target, drafter, state, block_size=block_size,
-                                              ops=ops, window=window)
-    return verify_block(target, drafter, state, block_ids, valid, positions, ops=ops,
-                        window=window)
+    drafted = draft_block(target, drafter, state, block_size=block_size, ops=ops, window=window, flags=flags)
+    return verify_block(target, drafter, state, *drafted[:3], ops=ops, window=window, flags=flags,
+                        candidates=candidates, draft_logits=drafted[3] if flags.rejection else None)
 
 
 def target_only_step(
     target: Target, state: DecodeState, *, ops: OpsConfig = XLA, window: int | None = None,
+    flags: SamplingFlags = GREEDY_FLAGS, candidates: int = 0,
 ) -> DecodeState:
-    """Plain greedy decoding of one token per row through the same caches (the speedup baseline).
+    """Plain decoding of one token per row through the same caches (the speedup baseline).
 
-    ``window`` as in ``speculative_step`` (with a block of one).
+    ``window`` as in ``speculative_step`` (with a block of one); sampled rows as ``flags`` say.
     """
     starts = state.starts
     anchor = jnp.take_along_axis(state.tokens, starts[:, None], axis=1)
     hidden, _, target_cache = _target_block(target, anchor, starts, state.target_cache, window,
                                             ops=ops)
-    posterior = greedy_argmax(target.head(hidden))
+    logits = target.head(hidden)
+    if flags.greedy:
+        posterior = greedy_argmax(logits)
+    else:
+        posterior = _draw(logits, state.sampling, state.stop_ids, anchor, starts[:, None] + 1, flags=flags,
+                          candidates=candidates)
     acc = jnp.zeros_like(starts)
-    new_state, _ = commit(state, anchor, posterior, acc)
+    new_state, produced = commit(state, anchor, posterior, acc)
+    if not flags.greedy:
+        new_state = _record_commit(new_state, state, logits, posterior, produced, flags)
     # Target-only rows report no acceptance lengths (``batcher``): the step leaves them unwritten.
     return dataclasses.replace(new_state, accepted=state.accepted, target_cache=target_cache)
+
+
+# -- sampled rows (``dflash_jax.runtime.sampling``) ------------------------------------------------
+
+
+def _draw(logits: jax.Array, s: SamplingState, stop_ids: jax.Array, block_ids: jax.Array, positions: jax.Array, *,
+          flags: SamplingFlags, candidates: int) -> jax.Array:
+    """The target's token at every slot of ``logits [b, n, V]``: the argmax for greedy rows, the
+    keyed draw for sampled ones. Slot j predicts the token at ``positions [b, n]`` after the block's
+    tokens ``block_ids [b, n]`` 0..j; its penalties count tokens 1..j as generated (slot 0 is the
+    committed anchor). -> ``[b, n]`` int32."""
+    b, n, vocab = logits.shape
+    flat = logits.reshape(b * n, vocab).astype(jnp.float32)
+    rows = smp.Rows.of(s, stop_ids, per_row=n)
+    pos = positions.reshape(-1)
+    if flags.edits:
+        counts, seen = smp.block_counts(s.counts, s.seen, block_ids)
+        flat = smp.edit_logits(flat, rows, pos, counts.reshape(b * n, vocab), seen.reshape(b * n, vocab))
+    scores = smp.draw_scores(flat, rows, pos, flags=flags, candidates=candidates)
+    return greedy_argmax(scores.reshape(b, n, vocab))
+
+
+def draft_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array) -> jax.Array:
+    """The drafts of ``logits [b, B-1, V]`` at ``positions [b, B-1]``: greedy rows' argmax; a sampled
+    row's draw from ``softmax(logits / temperature)`` with the target's noise for the same position,
+    so that a drafter close to the target proposes the token the target will draw."""
+    b, n, vocab = logits.shape
+    flat = logits.reshape(b * n, vocab).astype(jnp.float32)
+    temperature = jnp.repeat(s.temperature, n)
+    greedy = temperature == 0
+    noise = smp.gumbel_noise(jnp.repeat(s.seeds, n, axis=0), positions.reshape(-1), vocab)
+    scores = jnp.where(greedy[:, None], flat, flat / jnp.where(greedy, 1.0, temperature)[:, None] + noise)
+    return greedy_argmax(scores.reshape(b, n, vocab))
+
+
+def sampled_posterior(logits: jax.Array, state: DecodeState, block_ids: jax.Array, positions: jax.Array, *,
+                      flags: SamplingFlags, candidates: int, draft_logits: jax.Array | None = None) -> jax.Array:
+    """What the target commits at each slot of a verify block, for ``greedy_accept`` and ``commit``:
+    ``logits [b, B, V]`` of ``block_ids [b, B]``, predicting ``positions [b, B]``.
+
+    Exact rows: the target's own keyed draw per slot (a draft is accepted while it equals it). Rows
+    verifying by rejection sampling (``draft_logits [b, B-1, V]``): slot j holds the draft j + 1 if
+    accepted (probability ``min(1, p/q)``, the uniform keyed by the position), else a draw from the
+    residual ``max(0, p - q)``; the last slot the target's draw (the bonus after a fully accepted block).
+    """
+    s = state.sampling
+    exact = _draw(logits, s, state.stop_ids, block_ids, positions, flags=flags, candidates=candidates)
+    if not flags.rejection or draft_logits is None:
+        return exact
+    b, n, vocab = logits.shape
+    flat = logits.reshape(b * n, vocab).astype(jnp.float32)
+    rows = smp.Rows.of(s, state.stop_ids, per_row=n)
+    pos = positions.reshape(-1)
+    if flags.edits:
+        counts, seen = smp.block_counts(s.counts, s.seen, block_ids)
+        flat = smp.edit_logits(flat, rows, pos, counts.reshape(b * n, vocab), seen.reshape(b * n, vocab))
+    p = smp.target_probs(flat, rows, flags=flags, candidates=candidates).reshape(b, n, vocab)[:, :-1]
+    temperature = jnp.where(s.temperature == 0, 1.0, s.temperature)
+    q = jax.nn.softmax(draft_logits.astype(jnp.float32) / temperature[:, None, None], axis=-1)
+    drafts = block_ids[:, 1:]
+    p_d = jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    seeds = jnp.repeat(s.seeds, n - 1, axis=0)
+    draft_pos = positions[:, :-1].reshape(-1)
+    u = smp.uniforms(seeds, draft_pos).reshape(b, n - 1)
+    accept = u * q_d < p_d
+    residual = jnp.log(jnp.maximum(p - q, 0.0)).reshape(b * (n - 1), vocab)
+    residual = residual + smp.gumbel_noise(seeds, draft_pos, vocab, smp._RESIDUAL)
+    resampled = greedy_argmax(residual.reshape(b, n - 1, vocab))
+    rejection = jnp.concatenate([jnp.where(accept, drafts, resampled), exact[:, -1:]], axis=1)
+    use = (s.rejection & (s.temperature > 0))[:, None]
+    return jnp.where(use, rejection, exact)
+
+
+def _record(s: SamplingState, logits: jax.Array, chosen: jax.Array, first_position: jax.Array, keep: jax.Array,
+            flags: SamplingFlags) -> SamplingState:
+    """Counts ``chosen [b, n]`` (written at ``first_position [b]`` on) where ``keep [b, n]`` into the
+    penalty state, and records their logprobs from the raw ``logits [b, n, V]``, as ``flags`` need."""
+    if flags.edits:
+        counts, seen = smp.add_tokens(s.counts, s.seen, chosen, keep)
+        s = dataclasses.replace(s, counts=counts, seen=seen)
+    if flags.logprobs is not None:
+        b, n, vocab = logits.shape
+        lp, ids, vals = smp.logprobs_of(logits.reshape(b * n, vocab), chosen.reshape(-1), flags.logprobs)
+        top = s.top_ids.shape[-1]
+        old = read_rows(s.logprob, first_position, n)
+        s = dataclasses.replace(s, logprob=write_rows(s.logprob, jnp.where(keep, lp.reshape(b, n), old),
+                                                      first_position))
+        if flags.logprobs > 0 and top > 0:
+            k = min(top, flags.logprobs)
+            ids = jnp.pad(ids.reshape(b, n, k), ((0, 0), (0, 0), (0, top - k)))
+            vals = jnp.pad(vals.reshape(b, n, k), ((0, 0), (0, 0), (0, top - k)))
+            old_ids, old_vals = read_rows(s.top_ids, first_position, n), read_rows(s.top_logprobs, first_position, n)
+            s = dataclasses.replace(
+                s, top_ids=write_rows(s.top_ids, jnp.where(keep[..., None], ids, old_ids), first_position),
+                top_logprobs=write_rows(s.top_logprobs, jnp.where(keep[..., None], vals, old_vals), first_position))
+    return s
+
+
+def _record_commit(new: DecodeState, old: DecodeState, logits: jax.Array, posterior: jax.Array, produced: jax.Array,
+                   flags: SamplingFlags) -> DecodeState:
+    """``_record`` of a step's committed tokens: slot j of ``posterior`` is the token at ``start + 1 + j``
+    (the committed drafts equal it), kept for ``j < produced``."""
+    keep = jnp.arange(posterior.shape[1])[None, :] < produced[:, None]
+    return dataclasses.replace(new, sampling=_record(new.sampling, logits, posterior, old.starts + 1, keep, flags))

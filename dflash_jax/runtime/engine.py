@@ -28,6 +28,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dflash_jax.runtime import decoding
+from dflash_jax.runtime import sampling as smp
+from dflash_jax.runtime.sampling import SamplingFlags, SamplingParams
 from dflash_jax.ops.config import OpsConfig, parse_tiles, resolve_attention_impl
 from dflash_jax.runtime.serving_params import in_serving_layout, serving_drafter, serving_target
 from dflash_jax.runtime.batcher import (ContinuousBatcher, Generation, GenerationResult, RowSnapshot, StopCheck,
@@ -75,6 +77,12 @@ class EngineConfig:
     # On the H200 it cut an 8B engine's warm-up ~3x, and decode steps ran 2-3% slower in the processes
     # that reused it (docs/performance.md). None: compile in every process.
     compilation_cache_dir: str | None = None
+    # The most top logprobs a request may ask per token (OpenAI's limit is 20): the width of the
+    # state's logprob buffers.
+    max_logprobs: int = 20
+    # top-k / top-p are read from this many largest logits of a row when that is exact, else from a
+    # sort of the whole row (``sampling.filter_thresholds``).
+    sampling_candidates: int = 64
 
     def validate(self) -> None:
         check_field_types(self)  # a config built in Python skips the YAML loader's checks
@@ -98,6 +106,10 @@ class EngineConfig:
         if self.decode_loop not in ("until_done", "fixed", "auto"):
             raise ValueError(f"decode_loop must be 'until_done', 'fixed' or 'auto', got {self.decode_loop!r}")
         check_cache_setting(self.compilation_cache_dir)
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.sampling_candidates < 1:
+            raise ValueError(f"sampling_candidates must be >= 1, got {self.sampling_candidates}")
         if self.prompt_buckets is not None and (not self.prompt_buckets or min(self.prompt_buckets) < 1):
             raise ValueError(f"prompt_buckets must be positive lengths, got {self.prompt_buckets}")
 
@@ -190,7 +202,8 @@ def window_buckets(capacity: int) -> tuple[int, ...]:
 
 
 class Engine:
-    """Batched greedy generation with an optional DFlash drafter (``drafter=None``: target-only)."""
+    """Batched generation (greedy, or sampled per ``SamplingParams``) with an optional DFlash drafter
+    (``drafter=None``: target-only)."""
 
     def __init__(self, target: Target, drafter: Drafter | None, config: EngineConfig = EngineConfig(),
                  mesh: Mesh | None = None):
@@ -246,15 +259,17 @@ class Engine:
             self._drafter_def, drafter_state = nnx.split(drafter)
             self._drafter_state, self._drafter_tree = jax.tree.flatten(drafter_state)
         once = _one_shot_compiler_options()
-        self._prefill = jax.jit(self._traced(self._prefill_fn), compiler_options=once)
+        self._prefill = jax.jit(self._traced(self._prefill_fn), static_argnames=("flags",), compiler_options=once)
         self._decode = jax.jit(self._traced(self._decode_fn), donate_argnums=(2,),
-                               static_argnames=("window", "fixed_steps"),
+                               static_argnames=("window", "fixed_steps", "flags"),
                                compiler_options=_decode_compiler_options())
         self._empty = jax.jit(self._empty_fn, static_argnames=("rows",), compiler_options=once)
         self._admit = jax.jit(self._admit_fn, donate_argnums=(0,), compiler_options=once)
         # a new shape: nothing to donate to
         self._resize = jax.jit(self._resize_fn, static_argnames=("rows",), compiler_options=once)
         self._release = jax.jit(self._release_fn, donate_argnums=(0,), compiler_options=once)
+        self._prompt_logprobs = jax.jit(self._traced(self._prompt_logprobs_fn), static_argnames=("top",),
+                                        compiler_options=once)
         self._mask_id = drafter.config.mask_token_id if drafter is not None else 0
         self.vocab_size = target.config.vocab_size
         self.speculative = drafter is not None
@@ -297,19 +312,57 @@ class Engine:
             drafter = nnx.merge(self._drafter_def, jax.tree.unflatten(self._drafter_tree, drafter_leaves))
         return target, drafter
 
-    def _prefill_fn(self, target_state, drafter_state, ids, lens, max_lens, stop_ids):
+    def _prefill_fn(self, target_state, drafter_state, ids, lens, max_lens, stop_ids, sampling, *,
+                    flags: SamplingFlags = decoding.GREEDY_FLAGS):
         target, drafter = self._models(target_state, drafter_state)
         # Every step commits >= 1 token, so max_length bounds the steps of any row.
         state = decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, capacity=self.capacity,
                                  max_steps=self.config.max_length, mask_token_id=self._mask_id,
-                                 ops=self.ops)
+                                 ops=self.ops, sampling=sampling, max_logprobs=self.config.max_logprobs,
+                                 flags=flags, candidates=self.config.sampling_candidates)
         first = jnp.take_along_axis(state.tokens, lens[:, None], axis=1)[:, 0]
         return self._constrain(state), first
+
+    def _prompt_logprobs_fn(self, target_state, ids, lens, *, top: int):
+        """Per position of ``ids [1, P]`` the logprob of the next prompt token and the ``top`` best,
+        from the raw logits; the head runs over 64 positions at a time (a whole prompt's logits are
+        P x vocab floats)."""
+        target = nnx.merge(self._target_def, jax.tree.unflatten(self._target_tree, target_state))
+        plen = ids.shape[1]
+        cache, _ = decoding.new_caches(target, None, 1, plen)
+        hidden, _, _ = target.step(ids, jnp.zeros((1,), jnp.int32), cache, blk_lens=lens, ops=self.ops,
+                                   prefill=True)
+        chunk = min(64, plen)
+        pad = -plen % chunk
+        hidden = jnp.pad(hidden[0], ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[-1])
+        nxt = jnp.pad(ids[0, 1:], (0, pad + 1)).reshape(-1, chunk)
+
+        def one(args):
+            h, t = args
+            return smp.logprobs_of(target.head(h), t, top)
+
+        lp, top_ids, top_lps = jax.lax.map(one, (hidden, nxt))
+        return lp.reshape(-1)[:plen], top_ids.reshape(-1, top)[:plen], top_lps.reshape(-1, top)[:plen]
+
+    def prompt_logprobs(self, prompt: Sequence[int], top: int = 0) -> tuple[list[float | None], list[dict | None]]:
+        """The prompt's own logprobs (completions' ``echo`` with ``logprobs``): for each token, the
+        log-softmax of the target's raw logits after the tokens before it (None for the first), and
+        the ``top`` most likely tokens there (token id -> logprob; None for the first)."""
+        n = len(prompt)
+        bucket = self._prompt_bucket(n)
+        ids = np.zeros((1, bucket), np.int32)
+        ids[0, :n] = prompt
+        lp, top_ids, top_lps = jax.device_get(self._prompt_logprobs(
+            self._target_state, self._put_batch(ids), self._put_batch(np.asarray([n], np.int32)), top=top))
+        logprobs = [None] + [float(x) for x in lp[:n - 1]]
+        tops = [None] + [{int(t): float(v) for t, v in zip(top_ids[i], top_lps[i])} for i in range(n - 1)]
+        return logprobs, tops
 
     def _empty_fn(self, *, rows: int) -> decoding.DecodeState:
         # Only the models' configs and dtypes are read: no weights enter the computation.
         state = decoding.empty_state(self.target, self.drafter, rows, capacity=self.capacity,
-                                     max_steps=self.config.max_length, n_stop=self.max_stop_ids)
+                                     max_steps=self.config.max_length, n_stop=self.max_stop_ids,
+                                     max_logprobs=self.config.max_logprobs)
         return self._constrain(state)
 
     def _admit_fn(self, state, rows, slots):
@@ -321,17 +374,20 @@ class Engine:
     def _release_fn(self, state, release):
         return self._constrain(decoding.release_rows(state, release))
 
-    def _decode_fn(self, target_state, drafter_state, state, n_steps, *, window: int, fixed_steps: int | None):
+    def _decode_fn(self, target_state, drafter_state, state, n_steps, *, window: int, fixed_steps: int | None,
+                   flags: SamplingFlags = decoding.GREEDY_FLAGS):
         """``n_steps`` (a device scalar) steps that stop early once every row is done; or, with
-        ``fixed_steps``, exactly that many (``n_steps`` None)."""
+        ``fixed_steps``, exactly that many (``n_steps`` None). ``flags``: what the rows' sampling uses."""
         target, drafter = self._models(target_state, drafter_state)
+        candidates = self.config.sampling_candidates
 
         def step(s):
             if drafter is None:
-                s = decoding.target_only_step(target, s, ops=self.ops, window=window)
+                s = decoding.target_only_step(target, s, ops=self.ops, window=window, flags=flags,
+                                              candidates=candidates)
             else:
                 s = decoding.speculative_step(target, drafter, s, block_size=self.block_size,
-                                              ops=self.ops, window=window)
+                                              ops=self.ops, window=window, flags=flags, candidates=candidates)
             return self._constrain(s)
 
         def cond(carry):
@@ -352,6 +408,11 @@ class Engine:
         # Copies the host can read while the donated state is already in the next call.
         snapshot = RowSnapshot(tokens=state.tokens + 0, starts=state.starts + 0, done=state.done | False,
                                num_steps=state.num_steps + 0, accepted=state.accepted + 0)
+        if flags.logprobs is not None:  # only then: a copy of the logprob buffers per call
+            s = state.sampling
+            snapshot = dataclasses.replace(snapshot, logprob=s.logprob + 0,
+                                           top_ids=s.top_ids[..., :flags.logprobs] + 0,
+                                           top_logprobs=s.top_logprobs[..., :flags.logprobs] + 0)
         return state, snapshot
 
     def _constrain(self, state: decoding.DecodeState) -> decoding.DecodeState:
@@ -377,12 +438,16 @@ class Engine:
         )
 
     def decode(self, state: decoding.DecodeState, n_steps: int | None = None, *,
-               window: int | None = None) -> tuple[decoding.DecodeState, RowSnapshot]:
+               window: int | None = None, sampling: SamplingFlags = decoding.GREEDY_FLAGS,
+               ) -> tuple[decoding.DecodeState, RowSnapshot]:
         """Up to ``n_steps`` (default ``steps_per_sync``) decode steps on device; donates ``state``.
 
         ``window``: the steps attend to the first ``window`` cache positions only, rounded up to
         ``self.windows``; the call stops early when a row that is not done would outgrow it. None:
         the whole cache.
+
+        ``sampling``: the flags of the live rows' ``SamplingParams`` (``SamplingFlags.of``); the default:
+        every row greedy without logprobs.
 
         Returns the new state and a snapshot of its rows that stays readable after the state is
         donated to the next call.
@@ -390,16 +455,17 @@ class Engine:
         n = self.config.steps_per_sync if n_steps is None else int(n_steps)
         count, fixed = self._step_count(n)
         return self._decode(self._target_state, self._drafter_state, state, count,
-                            window=self._window(window), fixed_steps=fixed)
+                            window=self._window(window), fixed_steps=fixed, flags=sampling)
 
     def decode_compiled(self, state: decoding.DecodeState, n_steps: int = 1, *,
-                        window: int | None = None) -> jax.stages.Compiled:
+                        window: int | None = None, sampling: SamplingFlags = decoding.GREEDY_FLAGS,
+                        ) -> jax.stages.Compiled:
         """``decode(state, n_steps, window=window)`` as compiled: its optimised HLO (``as_text``: its
         copies, its collectives on a mesh) and its device memory (``memory_analysis``). Compiles
         only; ``state`` is not donated."""
         count, fixed = self._step_count(n_steps)
         return self._decode.lower(self._target_state, self._drafter_state, state, count,
-                                  window=self._window(window), fixed_steps=fixed).compile()
+                                  window=self._window(window), fixed_steps=fixed, flags=sampling).compile()
 
     def prefill_compiled(self, rows: int, prompt_length: int) -> jax.stages.Compiled:
         """The prefill of ``rows`` prompts of ``prompt_length`` tokens (its prompt bucket), as compiled;
@@ -426,21 +492,31 @@ class Engine:
         return next((w for w in self.windows if w >= needed), self.capacity)
 
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                stop_token_ids: Sequence[Sequence[int]]) -> tuple[decoding.DecodeState, jax.Array]:
+                stop_token_ids: Sequence[Sequence[int]], sampling: Sequence[SamplingParams] | None = None,
+                ) -> tuple[decoding.DecodeState, jax.Array]:
         """Runs ``prompts`` (token-id lists that ``ContinuousBatcher.submit`` checked) in a batch of
         their own: ``prefill_rows`` rows (padding rows done), the prompt bucket of the longest.
 
         ``stop_token_ids``: each prompt's stop ids (at most ``max_stop_ids``). Returns the rows, for
         ``admit`` (their caches hold just the prompt bucket), and ``first [rows]``, each row's first
-        generated token, a copy that stays readable after the rows are admitted.
+        generated token, a copy that stays readable after the rows are admitted. ``sampling``: each
+        prompt's ``SamplingParams`` (seeded: ``SamplingParams.with_seed``; None: all greedy). A group
+        with any sampled or processed row runs the prefill variant with every processor compiled in
+        (neutral parameters change nothing), so prefills compile twice per shape at most.
         """
+        params = smp.resolve(sampling, len(prompts))
+        flags = SamplingFlags.of(params, self.config.max_logprobs)
+        if not flags.greedy:
+            flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
+                                  logprobs=self.config.max_logprobs if flags.logprobs else None)
         return self._prefill(self._target_state, self._drafter_state,
-                             *self._prefill_inputs(prompts, max_new_tokens, stop_token_ids))
+                             *self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params), flags=flags)
 
     def _prefill_inputs(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                        stop_token_ids: Sequence[Sequence[int]]) -> tuple[jax.Array, ...]:
-        """``_prefill``'s arguments after the weights: ids ``[rows, bucket]``, lengths, max lengths
-        and stop ids ``[rows, max_stop_ids]``, placed as the jit takes them."""
+                        stop_token_ids: Sequence[Sequence[int]],
+                        sampling: Sequence[SamplingParams] = ()) -> tuple[jax.Array, ...]:
+        """``_prefill``'s arguments after the weights: ids ``[rows, bucket]``, lengths, max lengths,
+        stop ids ``[rows, max_stop_ids]`` and the rows' sampling arrays, placed as the jit takes them."""
         n = len(prompts)
         if n > self.config.max_batch_size:
             raise ValueError(f"{n} prompts exceed max_batch_size={self.config.max_batch_size}")
@@ -457,7 +533,8 @@ class Engine:
         max_lens = np.ones((batch,), np.int32)  # padding rows: done at once
         max_lens[:n] = [min(l + m, self.config.max_length) for l, m in zip(lens, max_new_tokens)]
         put = self._put_batch
-        return put(ids), put(row_lens), put(max_lens), put(stop_ids)
+        arrays = smp.row_arrays(sampling, batch, self.vocab_size, lens)
+        return put(ids), put(row_lens), put(max_lens), put(stop_ids), {k: put(v) for k, v in arrays.items()}
 
     def prefill_rows(self, prompts: int) -> int:
         """The rows of a prefill of ``prompts`` prompts: a power of two, at most the batch's."""
@@ -562,9 +639,12 @@ class Engine:
         on_tokens: Callable[[int, list[int]], None] | None = None,
         on_done: Callable[[int, GenerationResult], None] | None = None,
         stop_checks: Sequence[StopCheck | None] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams | None] | None = None,
     ) -> list[GenerationResult]:
-        """Greedy generation for every prompt (token-id lists) through ``max_batch_size`` row slots:
+        """Generation for every prompt (token-id lists) through ``max_batch_size`` row slots:
         a prompt takes the first row that frees, so more prompts than slots flow through continuously.
+        ``sampling``: None (greedy), one ``SamplingParams`` for every prompt, or one per prompt (None:
+        greedy); a sampled prompt without a seed gets a random one.
 
         ``on_tokens(index, new_ids)`` is called at every host sync with the tokens committed for
         prompt ``index`` since the previous call (streaming); ``on_done(index, result)`` when prompt
@@ -583,12 +663,13 @@ class Engine:
                 on_done(index, generation.result)
 
         checks = stop_checks_per_prompt(stop_checks, len(prompts))
+        params = smp.resolve(sampling, len(prompts))
         batcher = ContinuousBatcher(self)
         generations = [
-            batcher.submit(p, m, stop_token_ids, name=f"prompt {i}", stop_check=check,
+            batcher.submit(p, m, stop_token_ids, name=f"prompt {i}", stop_check=check, sampling=sp,
                            on_tokens=None if on_tokens is None else functools.partial(on_tokens, i),
                            on_finish=None if on_done is None else functools.partial(finished, i))
-            for i, (p, m, check) in enumerate(zip(prompts, max_new, checks))
+            for i, (p, m, check, sp) in enumerate(zip(prompts, max_new, checks, params))
         ]
         batcher.run()
         for generation in generations:
@@ -611,8 +692,9 @@ class Engine:
 
 
 def generate(target: Target, drafter: Drafter | None, prompts, max_new_tokens, stop_token_ids=None,
-             block_size: int | None = None, **config) -> list[GenerationResult]:
-    """One-call batched greedy generation (``drafter=None``: target-only). See ``Engine.generate``.
+             block_size: int | None = None, sampling=None, **config) -> list[GenerationResult]:
+    """One-call batched generation (``drafter=None``: target-only; ``sampling`` as in
+    ``Engine.generate``, default greedy). See ``Engine.generate``.
     Builds, and so compiles, a new ``Engine`` on every call: for more than one call, build an
     ``Engine`` once and call its ``generate`` (six prompts of the embedded pair on the CPU: 60 s as
     twelve one-prompt calls of this function, 9 s as one batch through two engines)."""
@@ -631,4 +713,4 @@ def generate(target: Target, drafter: Drafter | None, prompts, max_new_tokens, s
     config.setdefault("max_length", max(2, max(lengths) + max(1, int(most_new))))
     config.setdefault("max_batch_size", max(1, len(prompts)))
     engine = Engine(target, drafter, EngineConfig(block_size=block_size, **config))
-    return engine.generate(prompts, max_new_tokens, stop_token_ids)
+    return engine.generate(prompts, max_new_tokens, stop_token_ids, sampling=sampling)

@@ -316,11 +316,31 @@ def _stop_ids(ctx: ServerContext, params: P.CommonParams) -> tuple[int, ...]:
     return stop
 
 
+def _choice_sampling(ctx: ServerContext, params: P.CommonParams) -> list:
+    """The ``SamplingParams`` of each of a prompt's ``params.n`` choices (their own seeds:
+    ``protocol.choice_seed``); a logit bias outside the vocabulary is a 400 naming it."""
+    sampling = params.sampling
+    bad = [t for t in (sampling.logit_bias or {}) if t >= ctx.vocab_size]
+    if bad:
+        raise P.invalid(f"'logit_bias' has token ids outside the vocabulary [0, {ctx.vocab_size}): {P.echo(bad[:5])}",
+                        param="logit_bias", code="invalid_token_id")
+    most = getattr(ctx.scheduler.engine.config, "max_logprobs", 0)
+    if sampling.logprobs is not None and sampling.logprobs > most:
+        raise P.invalid(f"this server returns at most {most} top logprobs per token, not {sampling.logprobs}",
+                        param="top_logprobs" if sampling.logprobs > P.MAX_COMPLETION_LOGPROBS else "logprobs")
+    return [dataclasses.replace(sampling, seed=P.choice_seed(sampling.seed, j)) for j in range(params.n)]
+
+
 def _submit(ctx: ServerContext, prompts: list[list[int]], max_tokens: list[int], params: P.CommonParams) -> _Job:
-    """Queues the prompts, each with the ``TextStream`` of its choice's text. With stop strings the
+    """Queues the prompts, ``params.n`` rows each (choice ``i * n + j`` is prompt i's j-th), each with
+    the ``TextStream`` of its choice's text. With stop strings the
     text is decoded on the scheduler's thread, where the stream is the row's stop check, and each
     ``("tokens", ...)`` event carries ``(ids, text)``; without, on the event loop (``_tokens_event``)."""
     stop = _stop_ids(ctx, params)
+    choices = _choice_sampling(ctx, params)
+    sampling = [sp for _ in prompts for sp in choices]
+    prompts = [ids for ids in prompts for _ in choices]
+    max_tokens = [m for m in max_tokens for _ in choices]
     if ctx.shutdown_expired:
         raise P.APIError("the server is shutting down", status=503, type="server_error", code="shutting_down")
     loop = asyncio.get_running_loop()
@@ -332,7 +352,8 @@ def _submit(ctx: ServerContext, prompts: list[list[int]], max_tokens: list[int],
     try:
         reqs = ctx.scheduler.submit_all(
             [(ids, m, sink) for ids, m, sink in zip(prompts, max_tokens, sinks)], stop_token_ids=stop,
-            stop_checks=[text.add for text in texts] if params.stop else None)
+            stop_checks=[text.add for text in texts] if params.stop else None,
+            sampling=None if all(sp == P.SamplingParams() for sp in sampling) else sampling)
     except (QueueFull, SchedulerClosed) as err:
         raise P.APIError(f"the server cannot take the request now: {err}", status=503, type="server_error",
                          code="server_overloaded" if isinstance(err, QueueFull) else "shutting_down") from None
@@ -456,23 +477,39 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
         if not ids:
             raise P.invalid("'prompt' encodes to no tokens", param="prompt", code="empty_prompt")
         prompts.append(ids)
-    if len(prompts) > ctx.scheduler.max_waiting:  # a 503 would tell the client to retry what never fits
-        raise P.invalid(f"'prompt' has {len(prompts)} prompts; this server queues at most "
+    if len(prompts) * params.n > ctx.scheduler.max_waiting:  # a 503 would tell the client to retry what never fits
+        raise P.invalid(f"'prompt' has {len(prompts)} prompts of {params.n} choices; this server queues at most "
                         f"{ctx.scheduler.max_waiting} at once", param="prompt", code="too_many_prompts")
+    prompt_logprobs = getattr(ctx.scheduler.engine, "prompt_logprobs", None)
+    if req.echo and params.sampling.logprobs is not None and prompt_logprobs is None:
+        raise P.unsupported("echo", True, "this engine does not compute prompt logprobs; send echo without logprobs")
     max_tokens = [_check_prompt(ctx, ids, params, where(i)) for i, ids in enumerate(prompts)]
+    _choice_sampling(ctx, params)  # its 400s before the prompt's logprobs run
+    echoed = None  # per prompt: its tokens' (logprobs, top logprobs), for echo with logprobs
+    if req.echo and params.sampling.logprobs is not None:
+        echoed = [await asyncio.to_thread(prompt_logprobs, ids, params.sampling.logprobs) for ids in prompts]
     job = _submit(ctx, prompts, max_tokens, params)
     rid, created = P.new_id("cmpl"), P.now()
     if params.stream:
-        return _stream(ctx, job, params, rid, created, chat=False)
+        return _stream(ctx, job, params, rid, created, chat=False,
+                       echo=[_echo_text(ctx, p, ids) for p, ids in zip(req.prompts, prompts)] if req.echo else None,
+                       echo_logprobs=echoed)
     results = await _collect(job, request)
     choices, completion_tokens = [], 0
     for i, (res, text) in enumerate(zip(results, job.texts)):
         out, _, finish = finish_text(text, res)
         completion_tokens += len(out)
-        choice = {"index": i, "text": text.text, "logprobs": None, "finish_reason": finish}
+        prefix = _echo_text(ctx, req.prompts[i // params.n], job.prompt_ids[i]) if req.echo else ""
+        choice = {"index": i, "text": prefix + text.text, "logprobs": None, "finish_reason": finish}
+        if res.logprobs is not None and echoed is not None:
+            lps, tops = echoed[i // params.n]
+            choice["logprobs"] = _completion_logprobs(ctx, job.prompt_ids[i] + out, lps + res.logprobs,
+                                                      tops + res.top_logprobs)
+        elif res.logprobs is not None:
+            choice["logprobs"] = _completion_logprobs(ctx, out, res.logprobs, res.top_logprobs, len(prefix))
         if params.return_token_ids:
             choice["token_ids"] = out
-            choice["prompt_token_ids"] = prompts[i]
+            choice["prompt_token_ids"] = job.prompt_ids[i]
         choices.append(choice)
     body = {
         "id": rid, "object": "text_completion", "created": created, "model": ctx.model_name, "choices": choices,
@@ -506,37 +543,89 @@ async def _chat(ctx: ServerContext, request: Request) -> Response:
     rid, created = P.new_id("chatcmpl"), P.now()
     if params.stream:
         return _stream(ctx, job, params, rid, created, chat=True)
-    (res,) = await _collect(job, request)
-    out, _, finish = finish_text(job.texts[0], res)
-    choice = {"index": 0, "message": {"role": "assistant", "content": job.texts[0].text},
-              "logprobs": None, "finish_reason": finish}
-    if params.return_token_ids:
-        choice["token_ids"] = out
+    results = await _collect(job, request)
+    choices, completion_tokens = [], 0
+    for i, (res, text) in enumerate(zip(results, job.texts)):
+        out, _, finish = finish_text(text, res)
+        completion_tokens += len(out)
+        choice = {"index": i, "message": {"role": "assistant", "content": text.text},
+                  "logprobs": None, "finish_reason": finish}
+        if res.logprobs is not None:
+            choice["logprobs"] = {"content": _chat_logprobs(ctx, out, res.logprobs, res.top_logprobs)}
+        if params.return_token_ids:
+            choice["token_ids"] = out
+        choices.append(choice)
     body = {
-        "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name, "choices": [choice],
-        "usage": P.usage(len(ids), len(out)),
-        "dflash": [_stats(0, res)],
+        "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name, "choices": choices,
+        "usage": P.usage(len(ids), completion_tokens),
+        "dflash": [_stats(i, r) for i, r in enumerate(results)],
     }
     if params.return_token_ids:
         body["prompt_token_ids"] = ids
     return _json(body)
 
 
-def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, created: int, *, chat: bool
-            ) -> StreamingResponse:
+def _token_text(ctx: ServerContext, token: int) -> str:
+    return ctx.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _echo_text(ctx: ServerContext, prompt: str | list[int], ids: list[int]) -> str:
+    """The prompt as ``echo`` prints it: its text, or its ids decoded."""
+    return prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _completion_logprobs(ctx: ServerContext, ids: list[int], logprobs: list, top: list,
+                         offset: int = 0) -> dict[str, Any]:
+    """Completions' ``logprobs`` object (OpenAI's legacy shape) for ``ids``: ``text_offset`` counts
+    from ``offset`` characters of the choice's text; an echoed prompt's first token has None entries."""
+    tokens = [_token_text(ctx, t) for t in ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [None if x is None else float(x) for x in logprobs[:len(ids)]],
+            "top_logprobs": [None if d is None else {_token_text(ctx, t): float(v) for t, v in d.items()}
+                             for d in top[:len(ids)]],
+            "text_offset": offsets}
+
+
+def _chat_logprobs(ctx: ServerContext, ids: list[int], logprobs: list[float], top: list[dict[int, float]],
+                   ) -> list[dict[str, Any]]:
+    """Chat's ``logprobs.content``: per token its text, logprob, UTF-8 bytes and top alternatives."""
+    def entry(token: int, value: float) -> dict[str, Any]:
+        text = _token_text(ctx, token)
+        return {"token": text, "logprob": float(value), "bytes": list(text.encode("utf-8"))}
+
+    return [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in d.items()]}
+            for t, lp, d in zip(ids, logprobs, top)]
+
+
+def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, created: int, *, chat: bool,
+            echo: list[str] | None = None, echo_logprobs: list | None = None) -> StreamingResponse:
+    """``echo``: completions' prompt texts, streamed first in each choice (with ``echo_logprobs``, per
+    prompt its tokens' ``(logprobs, top logprobs)``)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     n = len(job.requests)
+    want_logprobs = params.sampling.logprobs is not None
+    offsets = [0] * n  # completions' text_offset: characters streamed per choice
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return P.sse({"id": rid, "object": obj, "created": created, "model": ctx.model_name, "choices": choices,
                       **extra})
 
-    def piece(i: int, text: str | None, ids: list[int] | None, finish: str | None) -> dict[str, Any]:
+    def piece(i: int, text: str | None, ids: list[int] | None, finish: str | None,
+              entries: tuple[list, list] | None = None, entry_ids: list[int] | None = None) -> dict[str, Any]:
+        entry_ids = ids if entry_ids is None else entry_ids
         if chat:
             c: dict[str, Any] = {"index": i, "delta": {} if text is None else {"content": text}, "logprobs": None,
                                  "finish_reason": finish}
+            if entries is not None and ids:
+                c["logprobs"] = {"content": _chat_logprobs(ctx, ids, *entries)}
         else:
             c = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if entries is not None and entry_ids:
+                c["logprobs"] = _completion_logprobs(ctx, entry_ids, *entries, offsets[i])
+            offsets[i] += len(text or "")
         if params.return_token_ids and ids is not None:
             c["token_ids"] = ids
         return c
@@ -547,21 +636,33 @@ def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, cre
         pending = n
         try:
             if chat:
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
+                for i in range(n):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            if echo is not None:
+                for i in range(n):
+                    entries = None if echo_logprobs is None else echo_logprobs[i // params.n]
+                    yield chunk([piece(i, echo[i // params.n], None, None, entries, job.prompt_ids[i])])
             while pending:
                 i, kind, payload = await job.queue.get()
                 if kind == "tokens":
                     ids, text = _tokens_event(job.texts[i], payload)
+                    entries = None
+                    if want_logprobs:  # the batcher filled the generation's entries before sending the ids
+                        g = job.requests[i].generation
+                        entries = (g.logprobs[sent[i]:sent[i] + len(ids)], g.top_logprobs[sent[i]:sent[i] + len(ids)])
                     sent[i] += len(ids)
-                    if text or params.return_token_ids:
-                        yield chunk([piece(i, text, list(ids), None)])
+                    if text or params.return_token_ids or entries is not None:
+                        yield chunk([piece(i, text, list(ids), None, entries)])
                 elif kind == "done":
                     pending -= 1
                     out, text, finish = finish_text(job.texts[i], payload)
                     rest = out[sent[i]:]
                     if text or rest:
-                        yield chunk([piece(i, text, rest, None)])
+                        entries = None
+                        if want_logprobs and payload.logprobs is not None:
+                            entries = (payload.logprobs[sent[i]:len(out)], payload.top_logprobs[sent[i]:len(out)])
+                        yield chunk([piece(i, text, rest, None, entries)])
                     completion_tokens += len(out)
                     yield chunk([piece(i, None, None, finish)], dflash=[_stats(i, payload)])
                 elif kind == "error":

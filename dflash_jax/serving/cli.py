@@ -11,10 +11,14 @@ Batch mode: each input line is a JSON object with one of ``prompt_ids`` (token i
 encoded with the tokenizer's special tokens) or ``messages`` (the chat template is applied), and an
 optional ``max_new_tokens`` (the prompt plus it must fit ``--max-length``; the default,
 ``--max-new-tokens``, is capped to fit) and ``stop`` (stop strings, a string or a list; default
-``generate.stop``: the text is cut before the first, the ids after the one that completed it); other
+``generate.stop``: the text is cut before the first, the ids after the one that completed it) and
+``sampling`` (an object of ``dflash_jax.SamplingParams`` fields, e.g. ``{"temperature": 0.7, "top_p":
+0.9, "seed": 1, "logprobs": 2}``; default ``generate.sampling``, greedy when empty; a sampled line
+without a seed gets a random one); other
 fields are copied to the output. Each output line adds
 ``output_ids``, ``text``, ``finish_reason``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_steps``,
-``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token`` (an input field
+``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token``, and with
+``sampling.logprobs`` ``logprobs`` and ``top_logprobs`` (token id -> logprob per token) (an input field
 of one of these names is an error, not overwritten). Input lines must be
 standard JSON: ``NaN``, ``Infinity`` and numbers too large for a float (``1e999``) are refused, as are
 lines nested too deeply or with integers too long for Python to read (each error names the file and
@@ -68,6 +72,8 @@ STARTED = time.perf_counter()  # reset by main: "ready N s after start"
 # The fields run_generate adds to each output line.
 OUTPUT_FIELDS = ("output_ids", "text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_steps",
                  "acceptance_lengths", "tau", "time_to_first_token", "time_per_output_token")
+# ... and those it adds for lines whose sampling asks for logprobs.
+LOGPROB_FIELDS = ("logprobs", "top_logprobs")
 
 
 class CLIError(Exception):
@@ -411,7 +417,7 @@ def previous_results(output: Path, lines: list[InputLine]) -> tuple[dict[int, st
         if not isinstance(result, dict) or (missing := [k for k in OUTPUT_FIELDS if k not in result]):
             raise CLIError(f"{where}: not a result line of this command (no {', '.join(missing or OUTPUT_FIELDS)}): "
                            "--resume continues an output that this command wrote")
-        row = {k: v for k, v in result.items() if k not in OUTPUT_FIELDS}
+        row = {k: v for k, v in result.items() if k not in OUTPUT_FIELDS + LOGPROB_FIELDS}
         try:
             key = json.dumps(row, ensure_ascii=False, allow_nan=False, sort_keys=True)
         except (ValueError, RecursionError):
@@ -432,7 +438,7 @@ def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int
     if len(given) != 1:
         raise CLIError(f"{where}: needs exactly one of 'prompt_ids', 'prompt' or 'messages'"
                        + (f", got {given}" if given else ""))
-    clash = [k for k in OUTPUT_FIELDS if k in row]
+    clash = [k for k in OUTPUT_FIELDS + LOGPROB_FIELDS if k in row]
     if clash:  # the output line would silently replace them
         raise CLIError(f"{where}: field(s) {clash} are written by the output; rename them (or drop them, if "
                        "this is an earlier run's output)")
@@ -475,6 +481,25 @@ def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int
     return ids, max_new, stop
 
 
+def sampling_of(row: dict, where: str, cfg):
+    """The line's ``sampling`` object (or ``generate.sampling``) as ``SamplingParams``."""
+    from dflash_jax.runtime.sampling import SamplingParams
+
+    fields = row.get("sampling", cfg.generate.sampling)
+    if not isinstance(fields, dict):
+        raise CLIError(f"{where}: 'sampling' must be an object of SamplingParams fields, got {brief(fields)}")
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    if unknown := sorted(set(fields) - known):
+        raise CLIError(f"{where}: unknown 'sampling' field(s) {unknown}; known: {sorted(known)}")
+    fields = dict(fields)
+    try:
+        if isinstance(fields.get("logit_bias"), dict):  # JSON object keys are strings
+            fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
+        return SamplingParams(**fields)
+    except ValueError as err:
+        raise CLIError(f"{where}: 'sampling': {err}") from None
+
+
 def result_line(line: InputLine, ids: list[int], res: Any, stream: Any, tokenizer) -> str:
     """The input line with its generation's fields: one JSON line, without its newline. The row's own
     JSON, serialized when it was read, is reused as it is."""
@@ -494,6 +519,9 @@ def result_line(line: InputLine, ids: list[int], res: Any, stream: Any, tokenize
         tau=res.tau,
         time_to_first_token=float(res.time_to_first_token),
         time_per_output_token=float(res.time_per_output_token),
+        **({} if res.logprobs is None else dict(
+            logprobs=res.logprobs[:len(output_ids)],
+            top_logprobs=[{str(t): v for t, v in d.items()} for d in res.top_logprobs[:len(output_ids)]])),
     ), ensure_ascii=False, allow_nan=False)
     return line.text[:-1] + (", " if line.row else "") + fields[1:]
 
@@ -605,10 +633,11 @@ def run_generate(cfg, resume: bool = False) -> dict[str, Any]:
         "prompt" in lines[i].row or "messages" in lines[i].row or lines[i].row.get("stop") for i in todo))
     tokenizer = load_tokenizer(cfg, required=needs_tokenizer) if todo else None
     max_length = cfg.engine.max_length
-    prompts, max_new, texts = {}, {}, {}
+    prompts, max_new, texts, sampling = {}, {}, {}, {}
     for i in todo:
         row, where = lines[i].row, f"{input_path}:{lines[i].lineno}"
         ids, m, stop = prompt_of(row, where, tokenizer, cfg)
+        sampling[i] = sampling_of(row, where, cfg)
         texts[i] = TextStream(tokenizer, stop) if stop else None
         if len(ids) >= max_length:
             raise CLIError(f"{where}: the prompt has {len(ids)} tokens; the maximum length is {max_length} "
@@ -631,6 +660,10 @@ def run_generate(cfg, resume: bool = False) -> dict[str, Any]:
             if bad := [t for t in prompts[i] if not 0 <= t < vocab]:
                 raise CLIError(f"{input_path}:{lines[i].lineno}: token ids outside the vocabulary [0, {vocab}): "
                                f"{brief(bad[:5])}")
+            try:
+                sampling[i].check_vocab(vocab, engine.config.max_logprobs)
+            except ValueError as err:
+                raise CLIError(f"{input_path}:{lines[i].lineno}: 'sampling': {err}") from None
         stops = [] if cfg.generate.ignore_eos else stop_ids(cfg, tokenizer, target, engine)
 
     # Shortest first: prompts admitted together have similar lengths (less prefill padding). Rows
@@ -663,7 +696,8 @@ def run_generate(cfg, resume: bool = False) -> dict[str, Any]:
             if order:
                 engine.generate([prompts[i] for i in order], [max_new[i] for i in order], stop_token_ids=stops,
                                 on_done=finished, stop_checks=[None if texts[i] is None else texts[i].add
-                                                               for i in order])
+                                                               for i in order],
+                                sampling=[sampling[i] for i in order])
         wall = time.perf_counter() - t0
         compiling = compile_seconds() - compiling
         if on_main_thread:  # the rewrite is atomic: a SIGTERM now ends the process, not the rewrite

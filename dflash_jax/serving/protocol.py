@@ -1,8 +1,8 @@
 """OpenAI-style request parsing and validation, response bodies and error bodies.
 
-Requests are parsed strictly: unknown fields, ill-typed fields and sampling settings this server does
-not implement (it decodes greedily: temperature > 0, top_p < 1, n > 1, penalties, logprobs, ...)
-are errors that name the field. Every error becomes an OpenAI error body
+Requests are parsed strictly: unknown fields, ill-typed fields and settings this server does not
+implement (suffix, best_of > 1, tools, structured output, ...) are errors that name the field.
+Sampling fields become a ``SamplingParams`` (``dflash_jax.runtime.sampling``). Every error becomes an OpenAI error body
 ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
 """
 
@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from dflash_jax.io.jsonl import has_lone_surrogate
+from dflash_jax.runtime.sampling import MAX_SEED, SamplingParams
 from dflash_jax.serving.text_stream import parse_stop_strings
 
 # ----------------------------------------------------------------------------------------- errors
@@ -196,6 +197,8 @@ class CommonParams:
     stop_token_ids: tuple[int, ...] = ()  # vLLM's extension: ids that end generation besides the model's
     stop: tuple[str, ...] = ()  # strings that end generation, left out of the text (dflash_jax.serving.text_stream)
     max_tokens_param: str = "max_tokens"  # the field max_tokens came from (chat: or max_completion_tokens)
+    sampling: SamplingParams = SamplingParams()  # logprobs: set by the endpoint's own fields
+    n: int = 1                                   # choices per prompt
 
 
 @dataclasses.dataclass
@@ -203,6 +206,7 @@ class CompletionRequest:
     # Each prompt is a string or a list of token ids; several prompts give several choices.
     prompts: list[str | list[int]]
     params: CommonParams
+    echo: bool = False  # the prompt before each choice's text (and its logprobs, with logprobs)
 
 
 @dataclasses.dataclass
@@ -217,7 +221,7 @@ _COMMON_FIELDS = frozenset(
     {
         "model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k", "n", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "seed", "user", "ignore_eos",
-        "return_token_ids", "stop_token_ids",
+        "return_token_ids", "stop_token_ids", "min_p", "min_tokens",
     }
 )
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
@@ -226,7 +230,71 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "parallel_tool_calls", "chat_template_kwargs", "add_generation_prompt",
 }
 
-GREEDY = "this server decodes greedily"
+# OpenAI's limits: completions' logprobs up to 5, chat's top_logprobs up to 20, logit biases in [-100, 100].
+MAX_COMPLETION_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice ``choice`` of a request seeded ``seed``: choice 0 keeps it (a request with
+    n = 1 and the same seed gives the same text), the others a deterministic mix of both."""
+    if seed is None or choice == 0:
+        return seed
+    x = (seed + 0x9E3779B97F4A7C15 * choice) % MAX_SEED  # splitmix64's finalizer
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % MAX_SEED
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % MAX_SEED
+    return x ^ (x >> 31)
+
+
+def _sampling(body: dict) -> SamplingParams:
+    """The request's sampling fields as ``SamplingParams`` (logprobs left to the endpoint)."""
+    temperature = _expect(body, "temperature", _is_number, "a number")
+    if temperature is not None and not 0 <= temperature <= 2:
+        raise invalid(f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
+    top_p = _expect(body, "top_p", _is_number, "a number")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise invalid(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    top_k = _expect(body, "top_k", _is_int, "an integer")
+    if top_k is not None and top_k < -1:
+        raise invalid(f"'top_k' must be -1 or 0 (off) or positive, got {echo(top_k)}", param="top_k")
+    min_p = _expect(body, "min_p", _is_number, "a number")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise invalid(f"'min_p' must be in [0, 1], got {min_p}", param="min_p")
+    penalties = {}
+    for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("repetition_penalty", 0, None)):
+        value = _expect(body, name, _is_number, "a number")
+        if value is not None:
+            if value < low or (high is not None and value > high) or (name == "repetition_penalty" and value == 0):
+                bounds = f"in [{low}, {high}]" if high is not None else "> 0"
+                raise invalid(f"'{name}' must be {bounds}, got {value}", param=name)
+            penalties[name] = value
+    logit_bias = _expect(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
+    bias = {}
+    for key, value in (logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid(f"'logit_bias' keys must be token ids, got {echo(key)}", param="logit_bias") from None
+        if token < 0:
+            raise invalid(f"'logit_bias' has a negative token id {token}", param="logit_bias",
+                          code="invalid_token_id")
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise invalid(f"'logit_bias[{key}]' must be a number in [-100, 100], got {echo(value)}",
+                          param="logit_bias")
+        bias[token] = float(value)
+    min_tokens = _expect(body, "min_tokens", _is_int, "an integer")
+    if min_tokens is not None and min_tokens < 0:
+        raise invalid(f"'min_tokens' must be >= 0, got {echo(min_tokens)}", param="min_tokens")
+    seed = _expect(body, "seed", _is_int, "an integer")
+    return SamplingParams(
+        temperature=float(temperature or 0.0), top_p=float(1.0 if top_p is None else top_p),
+        top_k=max(0, top_k or 0), min_p=float(min_p or 0.0), seed=None if seed is None else seed % MAX_SEED,
+        presence_penalty=float(penalties.get("presence_penalty", 0.0)),
+        frequency_penalty=float(penalties.get("frequency_penalty", 0.0)),
+        repetition_penalty=float(penalties.get("repetition_penalty", 1.0)), logit_bias=bias or None,
+        min_tokens=min_tokens or 0,
+    )
 
 
 def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
@@ -257,46 +325,21 @@ def _common(body: dict, *, max_tokens_fields: tuple[str, ...]) -> CommonParams:
         if not stream:  # as OpenAI's and vLLM's: the options of a stream that was not asked for
             raise invalid("'stream_options' is only allowed with 'stream': true", param="stream_options")
 
-    # Sampling: greedy only. Values that mean greedy are accepted.
-    temperature = _expect(body, "temperature", _is_number, "a number")
-    if temperature is not None:
-        if temperature < 0:
-            raise invalid(f"'temperature' must be >= 0, got {temperature}", param="temperature")
-        if temperature > 0:
-            raise unsupported("temperature", temperature, f"{GREEDY}; send temperature 0 or leave it out")
-    top_p = _expect(body, "top_p", _is_number, "a number")
-    if top_p is not None:
-        if not 0 < top_p <= 1:
-            raise invalid(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
-        if top_p < 1:
-            raise unsupported("top_p", top_p, f"{GREEDY}; send top_p 1 or leave it out")
-    top_k = _expect(body, "top_k", _is_int, "an integer")
-    if top_k is not None and top_k not in (-1, 0, 1):
-        raise unsupported("top_k", top_k, f"{GREEDY}; send top_k -1, 0 or 1, or leave it out")
+    sampling = _sampling(body)
     n = _expect(body, "n", _is_int, "an integer")
-    if n is not None:
-        if n < 1:
-            raise invalid(f"'n' must be at least 1, got {echo(n)}", param="n")
-        if n > 1:
-            raise unsupported("n", n, f"{GREEDY}, so every choice would be the same; send n 1")
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
-        value = _expect(body, name, _is_number, "a number")
-        if value is not None and value != neutral:
-            raise unsupported(name, value, f"penalties are not implemented; send {neutral} or leave it out")
-    logit_bias = _expect(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
-    if logit_bias:
-        raise unsupported("logit_bias", logit_bias, "logit biases are not implemented")
+    if n is not None and n < 1:
+        raise invalid(f"'n' must be at least 1, got {echo(n)}", param="n")
     stop = _stop_strings(body.get("stop"))
     # their range (the vocabulary) is checked by the app, as a prompt's
     stop_token_ids = _expect(body, "stop_token_ids", _token_list, "an array of token ids")
-    seed = _expect(body, "seed", _is_int, "an integer")
+    seed = sampling.seed
     user = _expect(body, "user", lambda v: isinstance(v, str), "a string")
     ignore_eos = _bool(body, "ignore_eos")
     return_token_ids = _bool(body, "return_token_ids")
     return CommonParams(
         model=model, max_tokens=max_tokens, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos,
         return_token_ids=return_token_ids, seed=seed, user=user, stop_token_ids=tuple(stop_token_ids or ()),
-        stop=stop, max_tokens_param=max_tokens_param,
+        stop=stop, max_tokens_param=max_tokens_param, sampling=sampling, n=n or 1,
     )
 
 
@@ -335,19 +378,20 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
             raise invalid(f"{where} must not be empty", param="prompt", code="empty_prompt")
 
     params = _common(body, max_tokens_fields=("max_tokens",))
-    echo = _bool(body, "echo")
-    if echo:
-        raise unsupported("echo", echo, "the prompt is not echoed")
+    echo_prompt = _bool(body, "echo")
     logprobs = _expect(body, "logprobs", _is_int, "an integer")
     if logprobs is not None:
-        raise unsupported("logprobs", logprobs, "log probabilities are not returned")
+        if not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise invalid(f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {echo(logprobs)}",
+                          param="logprobs")
+        params.sampling = dataclasses.replace(params.sampling, logprobs=logprobs)
     suffix = _expect(body, "suffix", lambda v: isinstance(v, str), "a string")
     if suffix:
         raise unsupported("suffix", suffix, "insertion (suffix) is not implemented")
     best_of = _expect(body, "best_of", _is_int, "an integer")
     if best_of is not None and best_of != 1:
-        raise unsupported("best_of", best_of, f"{GREEDY}; send best_of 1")
-    return CompletionRequest(prompts=prompts, params=params)
+        raise unsupported("best_of", best_of, "best_of is not implemented; send best_of 1 (or n for several choices)")
+    return CompletionRequest(prompts=prompts, params=params, echo=echo_prompt)
 
 
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"})
@@ -405,11 +449,15 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
 
     params = _common(body, max_tokens_fields=("max_tokens", "max_completion_tokens"))
     logprobs = _expect(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
-    if logprobs:
-        raise unsupported("logprobs", logprobs, "log probabilities are not returned")
     top_logprobs = _expect(body, "top_logprobs", _is_int, "an integer")
-    if top_logprobs:
-        raise unsupported("top_logprobs", top_logprobs, "log probabilities are not returned")
+    if top_logprobs is not None:
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {echo(top_logprobs)}",
+                          param="top_logprobs")
+        if not logprobs and top_logprobs:
+            raise invalid("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if logprobs:
+        params.sampling = dataclasses.replace(params.sampling, logprobs=top_logprobs or 0)
     fmt = _expect(body, "response_format", lambda v: isinstance(v, dict), "an object")
     if fmt is not None and fmt != {"type": "text"}:
         raise unsupported("response_format", fmt, "structured output is not implemented; use {\"type\": \"text\"}")

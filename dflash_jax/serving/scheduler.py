@@ -28,6 +28,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from dflash_jax.runtime.batcher import ContinuousBatcher, Generation, StopCheck, stop_checks_per_prompt
+from dflash_jax.runtime.sampling import SamplingParams
 from dflash_jax.serving.metrics import Metrics
 
 log = logging.getLogger("dflash_jax.serving")
@@ -50,6 +51,7 @@ class Request:
     stop_token_ids: tuple[int, ...] | None
     sink: Sink
     stop_check: StopCheck | None = None  # run on the worker thread (see ``ContinuousBatcher.submit``)
+    sampling: SamplingParams | None = None  # None: greedy
     id: int = 0
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
@@ -138,16 +140,20 @@ class Scheduler:
         prompts: Sequence[tuple[Sequence[int], int, Sink]],
         stop_token_ids: Sequence[int] | None = None,
         stop_checks: Sequence[StopCheck | None] | None = None,
+        sampling: Sequence[SamplingParams | None] | None = None,
     ) -> list[Request]:
         """Queues the prompts of one HTTP request, each ``(prompt_ids, max_new_tokens, sink)``, all
         together or none: a request whose prompts do not all fit the waiting queue is refused whole
         (``QueueFull``), so none of them runs, and none holds a place in the queue that the next
-        request could take. ``stop_checks``: one per prompt, or None."""
+        request could take. ``stop_checks``, ``sampling``: one per prompt, or None."""
         stops = None if stop_token_ids is None else tuple(int(t) for t in stop_token_ids)
         checks = stop_checks_per_prompt(stop_checks, len(prompts))
+        params = [None] * len(prompts) if sampling is None else list(sampling)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling has {len(params)} entries for {len(prompts)} prompts")
         reqs = [Request(prompt_ids=[int(t) for t in ids], max_new_tokens=int(m), stop_token_ids=stops, sink=sink,
-                        stop_check=check)
-                for (ids, m, sink), check in zip(prompts, checks)]
+                        stop_check=check, sampling=sp)
+                for (ids, m, sink), check, sp in zip(prompts, checks, params)]
         with self._cond:
             if self._closing:
                 raise SchedulerClosed("the server is shutting down")
@@ -231,7 +237,8 @@ class Scheduler:
         try:
             req.generation = self._batcher.submit(
                 req.prompt_ids, req.max_new_tokens, req.stop_token_ids, on_tokens=on_tokens, on_finish=on_finish,
-                stop_check=req.stop_check, submitted=req.arrival)
+                stop_check=req.stop_check, submitted=req.arrival,
+                **({} if req.sampling is None else {"sampling": req.sampling}))
         except ValueError as err:  # a request the engine cannot take (the app checks most of them first)
             self.metrics.request_failed()
             _safe(req.sink, "error", err)

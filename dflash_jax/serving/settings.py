@@ -117,6 +117,7 @@ class GenerateSettings:
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {enable_thinking: false}
     ignore_eos: bool = False         # generate exactly max_new_tokens (benchmarks)
     stop: tuple[str, ...] = ()       # stop strings for input lines without 'stop' (the text is cut before them)
+    sampling: dict = dataclasses.field(default_factory=dict)  # SamplingParams fields for lines without 'sampling'
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:

@@ -766,3 +766,25 @@ def test_fuzzed_batch_lines_generate_or_name_their_line(models, tmp_path, capsys
                 assert _untimed([json.loads(r) for r in results[:2]]) == _untimed(read_jsonl(tmp_path / "base"))
             assert json.loads(results[2], parse_constant=lambda c: pytest.fail(f"{c} written"))
     assert outcomes[0] > len(cases) // 10 and outcomes[2] > len(cases) // 3, outcomes
+
+
+def test_generate_samples_per_line_and_writes_logprobs(models, tmp_path, capsys, shared_engine):
+    """A line's ``sampling`` object: seeded lines repeat exactly (the same line twice), logprobs are
+    written per output token; a bad field names the line."""
+    target_dir, drafter_dir = models
+    sampled = {"prompt_ids": [10, 11, 12], "max_new_tokens": 8,
+               "sampling": {"temperature": 0.8, "top_p": 0.9, "seed": 4, "logprobs": 2}}
+    src = write_jsonl(tmp_path / "in.jsonl", [sampled, {"prompt_ids": [10, 11, 12], "max_new_tokens": 8}, sampled])
+    out = tmp_path / "out.jsonl"
+    rc = serve.main(["generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--input", str(src),
+                     "--output", str(out), "--no-progress", *ENGINE_FLAGS])
+    assert rc == 0, capsys.readouterr().err
+    first, greedy, again = read_jsonl(out)
+    assert first["output_ids"] == again["output_ids"] and "logprobs" not in greedy
+    assert len(first["logprobs"]) == len(first["top_logprobs"]) == first["num_output_tokens"]
+    assert all(len(d) == 2 and lp <= 0 for d, lp in zip(first["top_logprobs"], first["logprobs"]))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt_ids": [1], "sampling": {"temperature": -1}}])
+    rc = serve.main(["generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--input", str(bad),
+                     "--output", str(tmp_path / "bad_out.jsonl"), *ENGINE_FLAGS])
+    err = capsys.readouterr().err
+    assert rc == 2 and "bad.jsonl:1" in err and "temperature must be >= 0" in err

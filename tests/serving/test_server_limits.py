@@ -295,7 +295,7 @@ def test_error_bodies_show_no_server_paths_and_clip_echoed_values(tmp_path, toke
             ({"prompt": "hi", "model": huge}, 404, "model_not_found"),
             ({"prompt": "hi", huge: 1}, 400, "unknown_field"),
             ({"prompt": "hi", "max_tokens": -(10 ** 4000)}, 400, "invalid_value"),
-            ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(20_000)}}, 400, "unsupported_parameter"),
+            ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(20_000)}}, 400, "invalid_token_id"),
             ({"prompt": "hi", "suffix": huge}, 400, "unsupported_parameter"),
             ({"prompt": [10 ** 4000, 1]}, 400, "invalid_token_id"),
             ({"prompt": "hi", "stop_token_ids": [10 ** 4000]}, 400, "invalid_token_id"),

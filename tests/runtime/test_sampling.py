@@ -1,0 +1,232 @@
+"""The logits processors against transformers' and vLLM's definitions, the keyed draws, and SamplingParams."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.generation import logits_process as hf
+
+from dflash_jax import SamplingParams
+from dflash_jax.runtime import sampling as smp
+from dflash_jax.runtime.sampling import SamplingFlags
+
+ALL_FILTERS = SamplingFlags(sample=True, top_k=True, top_p=True, min_p=True)
+
+
+def _hf_warped(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """transformers' warpers in generate's order (temperature, top-k, top-p, min-p) on one row."""
+    scores = torch.tensor(logits[None])
+    warpers = [hf.TemperatureLogitsWarper(temperature)]
+    if top_k:
+        warpers.append(hf.TopKLogitsWarper(top_k))
+    if top_p < 1:
+        warpers.append(hf.TopPLogitsWarper(top_p))
+    if min_p:
+        warpers.append(hf.MinPLogitsWarper(min_p))
+    for w in warpers:
+        scores = w(None, scores)
+    return scores[0].numpy()
+
+
+def _ours(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float, candidates: int):
+    rows = len(logits)
+    t = jnp.full((rows,), temperature, jnp.float32)
+    scaled = jnp.asarray(logits) / t[:, None]
+    theta = smp.filter_thresholds(scaled, jnp.full((rows,), top_k, jnp.int32), jnp.full((rows,), top_p, jnp.float32),
+                                  jnp.full((rows,), min_p, jnp.float32), flags=ALL_FILTERS, candidates=candidates)
+    return np.asarray(smp.processed_logits(jnp.asarray(logits), t, theta))
+
+
+_FAST = pytest.param
+_SLOW = lambda *a: pytest.param(*a, marks=pytest.mark.slow)  # noqa: E731
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    _FAST(0.7, 50, 0.9, 0.0), _FAST(1.5, 0, 0.5, 0.05), _SLOW(0.7, 0, 0.9, 0.0), _SLOW(1.0, 50, 1.0, 0.0),
+    _SLOW(0.3, 10, 0.95, 0.1), _SLOW(1.0, 0, 1.0, 0.2), _SLOW(1.0, 3, 0.3, 0.0), _SLOW(2.0, 200, 0.999, 0.0),
+])
+@pytest.mark.parametrize("candidates", [8, 64, 1000])
+def test_filters_equal_transformers_warpers(temperature, top_k, top_p, min_p, candidates):
+    """Kept sets and values equal transformers' warpers, whether read from the candidates (exact when
+    the kept set fits them) or from the whole sorted row (the fallback, here with 8 candidates)."""
+    rs = np.random.RandomState(0)
+    logits = (rs.randn(6, 300) * rs.choice([0.5, 3.0, 8.0], (6, 1))).astype(np.float32)
+    got = _ours(logits, temperature, top_k, top_p, min_p, candidates)
+    for row in range(len(logits)):
+        want = _hf_warped(logits[row], temperature, top_k, top_p, min_p)
+        np.testing.assert_array_equal(np.isfinite(got[row]), np.isfinite(want), err_msg=f"row {row}")
+        keep = np.isfinite(want)
+        np.testing.assert_allclose(got[row][keep], want[keep], rtol=1e-6)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p_and_every_tie():
+    probs = np.array([[0.5, 0.2, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]], np.float32)
+    logits = np.log(probs)
+    kept = np.isfinite(_ours(logits, 1.0, 0, 0.6, 0.0, candidates=2))
+    # 0.5 < 0.6: the next token joins, and the token tied with it too; 0.4 + 0.3 >= 0.6; all four tie.
+    np.testing.assert_array_equal(kept, [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    kept = np.isfinite(_ours(logits, 1.0, 0, 0.5, 0.0, candidates=4))
+    np.testing.assert_array_equal(kept[0], [1, 0, 0, 0])  # the first token's mass reaches p exactly
+
+
+def test_top_k_keeps_ties_with_the_kth_like_transformers():
+    logits = np.array([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]], np.float32)
+    got = np.isfinite(_ours(logits, 1.0, 2, 1.0, 0.0, candidates=3))
+    want = np.isfinite(_hf_warped(logits[0], 1.0, 2, 1.0, 0.0))
+    np.testing.assert_array_equal(got[0], want)
+    np.testing.assert_array_equal(got[0], [1, 1, 1, 1, 0, 0])
+
+
+def test_neutral_filters_keep_every_token():
+    logits = np.random.RandomState(1).randn(3, 50).astype(np.float32)
+    np.testing.assert_array_equal(_ours(logits, 1.0, 0, 1.0, 0.0, candidates=4), logits)
+
+
+def test_repetition_penalty_equals_transformers():
+    rs = np.random.RandomState(2)
+    logits = rs.randn(2, 40).astype(np.float32) * 3
+    input_ids = rs.randint(0, 40, (2, 12))
+    want = hf.RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor(input_ids), torch.tensor(logits)).numpy()
+    seen = np.zeros((2, 40), bool)
+    for r in range(2):
+        seen[r, input_ids[r]] = True
+    ones = jnp.ones((2,), jnp.float32)
+    got = smp.penalize(jnp.asarray(logits), jnp.zeros((2, 40), jnp.int32), jnp.asarray(seen), 1.3 * ones, 0 * ones,
+                       0 * ones)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
+def test_presence_and_frequency_penalties_are_openais():
+    """logit - frequency * count - presence * (count > 0), over the generated tokens (OpenAI, vLLM)."""
+    rs = np.random.RandomState(3)
+    logits = rs.randn(2, 30).astype(np.float32)
+    generated = [[4, 4, 7, 29, 4], [0]]
+    counts = np.zeros((2, 30), np.int32)
+    for r, ids in enumerate(generated):
+        for t in ids:
+            counts[r, t] += 1
+    want = logits.copy()
+    for r, (presence, frequency) in enumerate([(0.5, 0.25), (-1.0, 2.0)]):
+        for t in set(generated[r]):
+            want[r, t] -= frequency * generated[r].count(t) + presence
+    got = smp.penalize(jnp.asarray(logits), jnp.asarray(counts), jnp.asarray(counts > 0), jnp.ones((2,)),
+                       jnp.asarray([0.5, -1.0]), jnp.asarray([0.25, 2.0]))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
+def test_neutral_penalties_and_bias_change_nothing_bit_for_bit():
+    logits = jnp.asarray(np.random.RandomState(4).randn(2, 30).astype(np.float32))
+    counts = jnp.asarray(np.random.RandomState(5).randint(0, 3, (2, 30)), jnp.int32)
+    out = smp.penalize(logits, counts, counts > 0, jnp.ones((2,)), jnp.zeros((2,)), jnp.zeros((2,)))
+    out = smp.bias_and_block(out, jnp.zeros((2, 30)), jnp.full((2, 2), -1, jnp.int32), jnp.ones((2,), bool))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(logits))
+
+
+def test_logit_bias_and_min_tokens_block_stop_ids_like_transformers():
+    rs = np.random.RandomState(6)
+    logits = rs.randn(2, 20).astype(np.float32)
+    bias = np.zeros((2, 20), np.float32)
+    bias[0, 3], bias[1, 5] = 5.0, -100.0
+    stop_ids = jnp.asarray([[7, 9, -1], [7, -1, -1]], jnp.int32)
+    got = np.asarray(smp.bias_and_block(jnp.asarray(logits), jnp.asarray(bias), stop_ids, jnp.asarray([True, False])))
+    hf_min = hf.MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=4, min_new_tokens=2, eos_token_id=[7, 9])
+    want0 = hf_min(torch.zeros((1, 5), dtype=torch.long), torch.tensor(logits[:1] + bias[:1])).numpy()[0]
+    np.testing.assert_array_equal(got[0], want0)
+    np.testing.assert_array_equal(got[1], logits[1] + bias[1])  # past min_tokens: nothing blocked
+
+
+def test_gumbel_draws_depend_on_seed_and_position_only():
+    seeds = jnp.asarray([[0, 1], [0, 2], [0, 1]], jnp.uint32)
+    noise = np.asarray(smp.gumbel_noise(seeds, jnp.asarray([5, 5, 5]), 50))
+    np.testing.assert_array_equal(noise[0], noise[2])
+    assert not np.array_equal(noise[0], noise[1])
+    alone = np.asarray(smp.gumbel_noise(seeds[:1], jnp.asarray([5]), 50))
+    np.testing.assert_array_equal(alone[0], noise[0])
+    later = np.asarray(smp.gumbel_noise(seeds[:1], jnp.asarray([6]), 50))
+    assert not np.array_equal(later[0], noise[0])
+
+
+def test_logprobs_are_the_log_softmax_of_raw_logits():
+    logits = np.random.RandomState(7).randn(3, 40).astype(np.float32) * 4
+    chosen = jnp.asarray([0, 5, 39])
+    lp, ids, vals = smp.logprobs_of(jnp.asarray(logits), chosen, 4)
+    want = torch.log_softmax(torch.tensor(logits), -1).numpy()
+    np.testing.assert_allclose(np.asarray(lp), want[np.arange(3), [0, 5, 39]], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(ids), np.argsort(-want, -1)[:, :4])
+    np.testing.assert_allclose(np.asarray(vals), -np.sort(-want, -1)[:, :4], atol=1e-5)
+
+
+def test_block_counts_see_the_earlier_drafts_as_generated():
+    counts = jnp.zeros((1, 6), jnp.int32).at[0, 2].set(1)
+    c, seen = smp.block_counts(counts, counts > 0, jnp.asarray([[5, 1, 1, 3]]))
+    np.testing.assert_array_equal(np.asarray(c[0, :, [1, 2, 3]]).T, [[0, 1, 0], [1, 1, 0], [2, 1, 0], [2, 1, 1]])
+    assert not bool(seen[0, 3, 5])  # the anchor (slot 0) was counted when it was committed
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", -0.1, "temperature must be >= 0"), ("top_p", 0.0, "top_p must be in"),
+    ("top_k", -1, "top_k must be >= 0"), ("min_p", 1.5, "min_p must be in"), ("seed", -3, "seed must be in"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be > 0"), ("logit_bias", {-1: 1.0}, "negative token id"),
+    ("min_tokens", -1, "min_tokens must be >= 0"), ("logprobs", -1, "logprobs must be None or >= 0"),
+    ("verify", "greedy", "verify must be one of"), ("temperature", float("nan"), "must be finite"),
+    ("top_k", 2.5, "top_k must be an integer"), ("temperature", "hot", "temperature must be a number"),
+])
+def test_sampling_params_refuse_bad_values_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_are_frozen_and_seeded_on_request():
+    p = SamplingParams(temperature=0.7)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = 1.0
+    assert p.with_seed().seed is not None and SamplingParams().with_seed().seed is None
+    assert SamplingParams(temperature=0.7, seed=3).with_seed().seed == 3
+    with pytest.raises(ValueError, match="outside"):
+        SamplingParams(logit_bias={100: 1.0}).check_vocab(100, 20)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        SamplingParams(logprobs=21).check_vocab(100, 20)
+
+
+def test_flags_compile_in_only_what_the_rows_use():
+    assert SamplingFlags.of([SamplingParams(), SamplingParams(top_k=5)], 20).greedy  # greedy rows ignore filters
+    flags = SamplingFlags.of([SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(logprobs=0)], 20)
+    assert flags.sample and flags.top_p and not flags.top_k and not flags.edits and flags.logprobs == 0
+    assert SamplingFlags.of([SamplingParams(logprobs=2)], 20).logprobs == 20
+    assert SamplingFlags.of([SamplingParams(repetition_penalty=1.1)], 20).edits
+
+
+def test_draws_match_the_processed_distribution():
+    """Many keyed draws of one row against softmax of its processed logits (chi-square, p > 1e-3)."""
+    from scipy import stats
+
+    logits = np.random.RandomState(8).randn(1, 12).astype(np.float32) * 2
+    n = 4000
+    rows = smp.Rows(temperature=jnp.full((n,), 0.8), top_p=jnp.full((n,), 0.9), top_k=jnp.full((n,), 6, jnp.int32),
+                    min_p=jnp.full((n,), 0.02), seeds=jnp.stack([jnp.zeros(n, jnp.uint32), jnp.arange(n, dtype=jnp.uint32)], 1),
+                    presence=jnp.zeros(n), frequency=jnp.zeros(n), repetition=jnp.ones(n), min_end=jnp.zeros(n, jnp.int32),
+                    bias=jnp.zeros((n, 12)), stop_ids=jnp.full((n, 1), -1, jnp.int32))
+    flags = dataclasses.replace(ALL_FILTERS)
+    tiled = jnp.tile(jnp.asarray(logits), (n, 1))
+    draws = np.asarray(jnp.argmax(smp.draw_scores(tiled, rows, jnp.full((n,), 7), flags=flags, candidates=4), -1))
+    want = torch.softmax(torch.tensor(_hf_warped(logits[0], 0.8, 6, 0.9, 0.02)).double(), -1).numpy()
+    support = want > 0
+    observed = np.bincount(draws, minlength=12)
+    assert observed[~support].sum() == 0
+    assert stats.chisquare(observed[support], want[support] * n).pvalue > 1e-3
+
+
+def test_two_stage_top_values_equal_top_k():
+    rs = np.random.RandomState(9)
+    x = rs.randn(3, 5000).astype(np.float32)
+    x[1, 4000:4010] = 9.0  # ties inside one slice
+    x[2] = np.round(x[2])  # many ties
+    for k in (1, 5, 20):
+        values, ids = smp.top_values(jnp.asarray(x), k, chunk=64)
+        want_values, _ = jax.lax.top_k(jnp.asarray(x), k)
+        np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+        np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1), np.asarray(values))
+        assert all(len(set(row)) == k for row in np.asarray(ids).tolist())
