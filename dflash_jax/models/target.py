@@ -232,6 +232,13 @@ def _index_var(v: nnx.Variable, i: int) -> nnx.Variable:
     return v.replace(value, axes=tuple(axes)[1:])
 
 
+def layers_stackable(target: Target) -> bool:
+    """Whether every decoder layer is shaped like the first (``stack_layers`` needs it; a dense layer
+    among mixture-of-experts ones, or gpt-oss's alternating windows, are not)."""
+    first = nnx.split(target.layers[0])[0]
+    return all(nnx.split(layer)[0] == first for layer in target.layers[1:])
+
+
 def stack_layers(target: Target) -> tuple[ScanGraph, ScanParams]:
     """Splits ``target`` for ``scanned_forward``: its decoder layers' states stacked along a new
     leading axis (whatever variables a ``DecoderLayer`` holds), the rest as a layer-less shell.
