@@ -208,3 +208,27 @@ def test_mxfp4_checkpoint_stays_4bit_and_refuses_float_blocks(tmp_path):
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=f"tensor '{name}' has dtype F32; expected \\(U8\\)"):
         load_target(directory)
+
+
+@pytest.mark.slow
+def test_drafter_with_yarn_on_gpt_oss_target_matches_dflash(tmp_path, reference):
+    """A drafter (YaRN RoPE, as a gpt-oss drafter's config has it) over a gpt-oss target's taps: its
+    block logits equal the authors' reference code's."""
+    from models.test_models import _reference_draft_logits
+
+    from dflash_jax import draft_logits, load_drafter
+    from dflash_jax.models.config import freeze_rope_scaling
+    from dflash_jax.tiny import write_tiny_pair
+
+    yarn = freeze_rope_scaling({"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "original_max_position_embeddings": 16, "truncate": False})
+    target_dir, drafter_dir = write_tiny_pair(tmp_path, model_type="gpt_oss", target_overrides=dict(num_layers=6),
+                                              drafter_overrides=dict(block_size=8, rope_scaling=yarn,
+                                                                     rope_theta=150000.0))
+    target, drafter = load_target(target_dir), load_drafter(drafter_dir)
+    ref_target, ref_drafter = reference.target(target_dir), reference.drafter(drafter_dir)
+    for n in (1, 7, 30):
+        ctx = np.random.RandomState(n).randint(0, 95, n).tolist()
+        ours = np.asarray(draft_logits(drafter, target, ctx, 5))
+        want = _reference_draft_logits(ref_target, ref_drafter, reference, ctx, 5, 8)
+        np.testing.assert_allclose(ours, want, atol=ATOL, rtol=0)
