@@ -101,8 +101,8 @@ def _random_experts(key, e, hidden, inter, *, gpt_oss: bool, mxfp4: bool) -> Exp
     return ExpertWeights(gate_up, down, *biases, interleaved=gpt_oss)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 24])
-@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss", "gpt_oss_mxfp4"])
+@pytest.mark.parametrize("tokens", [1, pytest.param(3, marks=pytest.mark.slow), 24])
+@pytest.mark.parametrize("kind", ["qwen3_moe", pytest.param("gpt_oss", marks=pytest.mark.slow), "gpt_oss_mxfp4"])
 def test_grouped_experts_equal_dense_reference(tokens, kind):
     """Fewer (token, expert) pairs than experts (the touched experts gathered) and more (all experts)."""
     gpt_oss = kind.startswith("gpt_oss")
@@ -232,3 +232,22 @@ def test_drafter_with_yarn_on_gpt_oss_target_matches_dflash(tmp_path, reference)
         ours = np.asarray(draft_logits(drafter, target, ctx, 5))
         want = _reference_draft_logits(ref_target, ref_drafter, reference, ctx, 5, 8)
         np.testing.assert_allclose(ours, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_sharded_moe_checkpoint_loads(tmp_path):
+    """A sharded index splitting one layer's experts over two files loads as the single file does."""
+    directory = _write(tmp_path, "gpt_oss", num_layers=2, experts_quantization="mxfp4")
+    tensors = load_file(str(directory / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    other = tmp_path / "sharded"
+    other.mkdir()
+    (other / "config.json").write_text((directory / "config.json").read_text())
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(other / file), metadata={"format": "pt"})
+    index = {"weight_map": {n: file for file, part in shards.items() for n in part}}
+    (other / "model.safetensors.index.json").write_text(json.dumps(index))
+    ids = np.random.RandomState(0).randint(0, 95, (1, 9))
+    np.testing.assert_array_equal(np.asarray(target_forward(load_target(directory), ids)[0]),
+                                  np.asarray(target_forward(load_target(other), ids)[0]))
