@@ -35,6 +35,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
+    "experts": ("tensor",),  # expert parallelism: a mixture of experts' experts split beside the heads
     "head_dim": (),
     "norm": (),
     "layers": (),

@@ -24,6 +24,17 @@ def tiny_target_config(model_type: str = "qwen3", **overrides) -> TargetConfig:
         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
         qk_norm=model_type == "qwen3", tie_word_embeddings=False, max_position_embeddings=2048,
     )
+    if model_type == "qwen3_moe":  # an odd expert count, top-2, a dense layer among sparse ones
+        base.update(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                    mlp_only_layers=(1,), qk_norm=True)
+    if model_type == "gpt_oss":  # sliding (window 6) and full layers, sinks, biases, YaRN, top-2 of 5
+        base.update(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=64, qk_norm=False,
+                    attention_bias=True, sliding_window=6, attention_sinks=True, rms_norm_eps=1e-5,
+                    rope_theta=150000.0, rope_scaling=freeze_rope_scaling({
+                        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "original_max_position_embeddings": 64, "truncate": False}))
+        layers = overrides.get("num_layers", base["num_layers"])
+        base["layer_types"] = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
     if model_type == "llama":
         base["rope_scaling"] = freeze_rope_scaling({
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -60,6 +71,8 @@ def _scale_params(module: nnx.Module, std: float, seed: int) -> None:
     for i, (path, var) in enumerate(flat):
         value = var.get_value()
         k = jax.random.fold_in(key, i)
+        if jnp.issubdtype(value.dtype, jnp.integer):  # MXFP4 experts: drawn at construction
+            continue
         if "weight" == str(path[-1]):  # RMSNorm
             fresh = 1.0 + 0.1 * jax.random.normal(k, value.shape)
         elif str(path[-1]).endswith("bias"):

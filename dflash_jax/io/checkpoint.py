@@ -19,12 +19,14 @@ from safetensors.flax import save_file
 
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.config import (
+    TargetConfig,
     drafter_config_to_dict,
     load_drafter_config,
     load_target_config,
     target_config_to_dict,
 )
 from dflash_jax.models.target import Target
+from dflash_jax.io import moe_checkpoint
 from dflash_jax.io.errors import CheckpointError, parse_dtype
 
 
@@ -55,7 +57,7 @@ def _tensor_spec(path: tuple, shape: tuple[int, ...]) -> tuple[str, Convert, Con
         return (f"{name}.weight", lambda t: t.T, lambda x: x.T)
     if leaf == "embed_tokens":
         return (f"{name}.weight", same, same)
-    if leaf == "weight":  # RMSNorm
+    if leaf in ("weight", "bias", "sinks"):  # RMSNorm; a router (stored as torch's); gpt-oss attention sinks
         return (name, same, same)
     if leaf in ("qkv_proj", "qkv_bias", "gate_up_proj", "gate_up_bias", "context_kv_proj", "context_kv_bias"):
         raise ValueError(f"parameter {name} is in a serving layout (runtime.serving_params, an "
@@ -136,7 +138,7 @@ def _unused(names: list[str]) -> str:
 
 
 def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str, dtype,
-              ignored: Callable[[str], bool] = lambda name: False) -> nnx.Module:
+              ignored: Callable[[str], bool] = lambda name: False, config: TargetConfig | None = None) -> nnx.Module:
     """Builds the module abstractly, then fills every parameter from the checkpoint.
 
     Every tensor is checked in the torch layout (``[out, in]``) before it is reshaped into ours, so
@@ -148,35 +150,54 @@ def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str,
     files = _safetensors_files(directory)
     handles: dict[Path, object] = {}
     filled, used = [], set()
+
+    def read(full_name: str, want: tuple[int, ...], dtypes: tuple[str, ...] = _FLOAT_DTYPES) -> jax.Array:
+        """The checkpoint's tensor ``full_name``, checked to be of torch shape ``want`` and a dtype of ``dtypes``."""
+        if full_name not in files:
+            raise CheckpointError(f"{directory}: tensor {full_name!r} is missing from the checkpoint")
+        used.add(full_name)
+        file = files[full_name]
+        if file not in handles:
+            handles[file] = _open(file)
+        try:
+            view = handles[file].get_slice(full_name)
+            stored_shape, stored_dtype = tuple(view.get_shape()), view.get_dtype()
+        except SafetensorError as err:
+            raise CheckpointError(f"{file}: tensor {full_name!r} cannot be read ({err})") from None
+        if stored_shape != tuple(want):
+            raise CheckpointError(
+                f"{file}: tensor {full_name!r} has shape {stored_shape}, which does not fit the config "
+                f"(expected {tuple(want)}, torch's [out, in] layout)"
+            )
+        if stored_dtype not in dtypes:
+            kind = "weights must be floating point" if dtypes == _FLOAT_DTYPES else "expected"
+            raise CheckpointError(f"{file}: tensor {full_name!r} has dtype {stored_dtype}; {kind} "
+                                  f"({', '.join(dtypes)})")
+        try:
+            return handles[file].get_tensor(full_name)
+        except SafetensorError as err:
+            raise CheckpointError(f"{file}: tensor {full_name!r} cannot be read ({err})") from None
+
     try:
         for path, var in nnx.to_flat_state(state):
             shape = tuple(var.get_value().shape)
+            keys = [str(p) for p in path]
+            if config is not None and moe_checkpoint.is_expert_param(keys):
+                name = prefix + ".".join(keys)
+                if keys[-1] in moe_checkpoint.INTEGER_LEAVES:  # MXFP4: kept 4-bit, as stored
+                    filled.append((path, var.replace(jnp.asarray(read(name, shape, ("U8",))))))
+                    continue
+                has = files.__contains__
+                if not all(map(has, moe_checkpoint.expected_names(config, name, shape, has))):
+                    missing = [n for n in moe_checkpoint.expected_names(config, name, shape, has) if not has(n)]
+                    raise CheckpointError(f"{directory}: tensor {missing[0]!r} is missing from the checkpoint"
+                                          + (f" ({len(missing)} expert tensors in all)" if len(missing) > 1 else ""))
+                value = moe_checkpoint.read_expert_param(config, name, shape, read, has)
+                filled.append((path, var.replace(jnp.asarray(value, dtype))))
+                continue
             torch_name, from_torch, to_torch = _tensor_spec(path, shape)
             full_name = torch_name if torch_name == "lm_head.weight" else prefix + torch_name
-            if full_name not in files:
-                raise CheckpointError(f"{directory}: tensor {full_name!r} is missing from the checkpoint")
-            used.add(full_name)
-            file = files[full_name]
-            if file not in handles:
-                handles[file] = _open(file)
-            try:
-                view = handles[file].get_slice(full_name)
-                stored_shape, stored_dtype = tuple(view.get_shape()), view.get_dtype()
-            except SafetensorError as err:
-                raise CheckpointError(f"{file}: tensor {full_name!r} cannot be read ({err})") from None
-            want = _torch_shape(to_torch, shape)
-            if stored_shape != want:
-                raise CheckpointError(
-                    f"{file}: tensor {full_name!r} has shape {stored_shape}, which does not fit the config "
-                    f"(expected {want}, torch's [out, in] layout)"
-                )
-            if stored_dtype not in _FLOAT_DTYPES:
-                raise CheckpointError(f"{file}: tensor {full_name!r} has dtype {stored_dtype}; weights must be "
-                                      f"floating point ({', '.join(_FLOAT_DTYPES)})")
-            try:
-                tensor = handles[file].get_tensor(full_name)
-            except SafetensorError as err:
-                raise CheckpointError(f"{file}: tensor {full_name!r} cannot be read ({err})") from None
+            tensor = read(full_name, _torch_shape(to_torch, shape))
             filled.append((path, var.replace(jnp.asarray(from_torch(tensor), dtype))))
     finally:
         for h in handles.values():
@@ -197,7 +218,7 @@ def load_target(path: str | Path, dtype="float32") -> Target:
     config = load_target_config(directory)
     dt = parse_dtype(dtype)
     tied = (lambda name: name == "lm_head.weight") if config.tie_word_embeddings else (lambda name: False)
-    target = _populate(lambda: Target(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "model.", dt, tied)
+    target = _populate(lambda: Target(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "model.", dt, tied, config)
     if config.tie_word_embeddings:
         _check_tied_head(directory)
     return target
@@ -266,6 +287,12 @@ def _tensors(module: nnx.Module, prefix: str, dtype) -> dict[str, jax.Array]:
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
         value = var.get_value()
+        keys = [str(p) for p in path]
+        if moe_checkpoint.is_expert_param(keys):
+            for name, tensor in moe_checkpoint.expert_tensors(module.config, prefix + ".".join(keys), value).items():
+                integer = jnp.issubdtype(tensor.dtype, jnp.integer)
+                out[name] = jnp.asarray(tensor, None if dtype is None or integer else dtype)
+            continue
         name, _, to_torch = _tensor_spec(path, tuple(value.shape))
         full = name if name == "lm_head.weight" else prefix + name
         out[full] = jnp.asarray(to_torch(value), dtype if dtype is not None else value.dtype)

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_TARGETS = ("qwen3", "llama")
+SUPPORTED_TARGETS = ("qwen3", "llama", "qwen3_moe", "gpt_oss")
 
 
 class ModelConfigError(ValueError):
@@ -67,6 +67,66 @@ class TargetConfig(TransformerShape):
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (qwen3_moe, gpt_oss; models/moe.py). ``num_experts == 0``: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # qwen3_moe: the top-k probabilities renormalised to sum to 1
+    decoder_sparse_step: int = 1  # qwen3_moe: layer i is sparse iff (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    experts_quantization: str | None = None  # "mxfp4": experts kept 4-bit (gpt_oss checkpoints)
+    # gpt_oss attention: per-layer "full_attention" / "sliding_attention" (() : all full), the
+    # window of the sliding layers, a learned sink logit per query head.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    attention_sinks: bool = False
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` routes to experts (else a dense MLP of ``intermediate_size``)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (keys at most ``window - 1`` positions back), None: full."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def validate(self, source: str = "config") -> None:
+        super().validate(source)
+        if self.model_type not in SUPPORTED_TARGETS:
+            raise ModelConfigError(f"{source}: model_type {self.model_type!r} is not supported")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ModelConfigError(f"{source}: num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                                       f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0:
+                raise ModelConfigError(f"{source}: moe_intermediate_size must be positive, "
+                                       f"got {self.moe_intermediate_size}")
+            if self.decoder_sparse_step <= 0:
+                raise ModelConfigError(f"{source}: decoder_sparse_step must be positive, got {self.decoder_sparse_step}")
+            bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ModelConfigError(f"{source}: mlp_only_layers {bad} outside [0, num_hidden_layers={self.num_layers})")
+        if self.experts_quantization not in (None, "mxfp4"):
+            raise ModelConfigError(f"{source}: experts quantization {self.experts_quantization!r} is not supported "
+                                   "(mxfp4)")
+        if self.experts_quantization and (not self.num_experts or self.hidden_size % 32
+                                          or self.moe_intermediate_size % 32):
+            raise ModelConfigError(f"{source}: mxfp4 experts need hidden_size and the expert intermediate_size to be "
+                                   f"multiples of 32 (blocks of 32 values), got {self.hidden_size} and "
+                                   f"{self.moe_intermediate_size}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ModelConfigError(f"{source}: layer_types has {len(self.layer_types)} entries for "
+                                       f"num_hidden_layers={self.num_layers}")
+            bad_types = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            if bad_types:
+                raise ModelConfigError(f"{source}: layer_types {bad_types} are not supported "
+                                       "(full_attention, sliding_attention)")
+            if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+                raise ModelConfigError(f"{source}: sliding_attention layers need a positive sliding_window, "
+                                       f"got {self.sliding_window}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +262,12 @@ def _rope(data: dict, source: str) -> tuple[float, dict | None]:
     _positive(theta, theta_label, source)
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in ("linear", "llama3"):
-            raise ModelConfigError(f"{source}: rope type {_describe(kind)} is not supported (default, linear, llama3)")
+        if kind not in ("linear", "llama3", "yarn"):
+            raise ModelConfigError(
+                f"{source}: rope type {_describe(kind)} is not supported (default, linear, llama3, yarn)")
+        if kind == "yarn":
+            _yarn_fields(scaling, where, source)
+            return theta, scaling
         need = ["factor"] + (["low_freq_factor", "high_freq_factor"] if kind == "llama3" else [])
         for key in need:
             if key not in scaling:
@@ -220,6 +284,19 @@ def _rope(data: dict, source: str) -> tuple[float, dict | None]:
                     f"than '{where}.low_freq_factor' ({scaling['low_freq_factor']})"
                 )
     return theta, scaling
+
+
+def _yarn_fields(scaling: dict, where: str, source: str) -> None:
+    """YaRN's fields checked as ``ops.rope`` reads them (transformers' ``_compute_yarn_parameters``)."""
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in scaling:
+            raise ModelConfigError(f"{source}: rope scaling 'yarn' needs {key!r}")
+    _positive(_field(scaling, "factor", source, float, label=f"{where}.factor"), f"{where}.factor", source)
+    label = f"{where}.original_max_position_embeddings"
+    _positive(_field(scaling, "original_max_position_embeddings", source, int, label=label), label, source)
+    for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+        _field(scaling, key, source, float, None, nullable=True, label=f"{where}.{key}")
+    _field(scaling, "truncate", source, bool, True, nullable=True, label=f"{where}.truncate")
 
 
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
@@ -272,6 +349,43 @@ def _eos_ids(data: dict, source: str) -> tuple[int, ...]:
     return out
 
 
+def _moe_fields(data: dict, model_type: str, source: str) -> dict[str, Any]:
+    """The mixture-of-experts and gpt-oss attention fields of a qwen3_moe / gpt_oss config.json."""
+    if model_type not in ("qwen3_moe", "gpt_oss"):
+        return {}
+    # transformers 5 writes num_local_experts; the published Qwen3-MoE configs say num_experts.
+    name = "num_experts" if "num_experts" in data else "num_local_experts"
+    out: dict[str, Any] = dict(num_experts=_field(data, name, source, int),
+                               num_experts_per_tok=_field(data, "num_experts_per_tok", source, int))
+    if model_type == "qwen3_moe":
+        out.update(moe_intermediate_size=_field(data, "moe_intermediate_size", source, int),
+                   norm_topk_prob=_field(data, "norm_topk_prob", source, bool, False, nullable=True),
+                   decoder_sparse_step=_field(data, "decoder_sparse_step", source, int, 1, nullable=True))
+        only = _field(data, "mlp_only_layers", source, list, [], nullable=True)
+        out["mlp_only_layers"] = tuple(_check(i, f"mlp_only_layers[{n}]", source, int) for n, i in enumerate(only))
+        if out["num_experts"] <= 0:
+            raise ModelConfigError(f"{source}: field {name!r} must be positive, got {out['num_experts']}")
+        return out
+    out["moe_intermediate_size"] = _field(data, "intermediate_size", source, int)
+    types = _field(data, "layer_types", source, list, None, nullable=True)
+    if types is None:  # transformers' default: sliding and full layers alternating, sliding first
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                 for i in range(_field(data, "num_hidden_layers", source, int))]
+    out["layer_types"] = tuple(_check(t, f"layer_types[{n}]", source, str) for n, t in enumerate(types))
+    out["sliding_window"] = _field(data, "sliding_window", source, int, None, nullable=True)
+    out["attention_sinks"] = True
+    quant = _field(data, "quantization_config", source, dict, None, nullable=True)
+    if quant is not None:
+        method = quant.get("quant_method")
+        if method != "mxfp4":
+            raise ModelConfigError(f"{source}: field 'quantization_config.quant_method' is {_describe(method)}; "
+                                   "only mxfp4 experts are supported")
+        out["experts_quantization"] = "mxfp4"
+    if out["num_experts"] <= 0:
+        raise ModelConfigError(f"{source}: field {name!r} must be positive, got {out['num_experts']}")
+    return out
+
+
 def target_config_from_dict(data: dict[str, Any], source: str = "config.json") -> TargetConfig:
     model_type = data.get("model_type")
     if model_type not in SUPPORTED_TARGETS:
@@ -279,7 +393,8 @@ def target_config_from_dict(data: dict[str, Any], source: str = "config.json") -
             f"{source}: model_type {_describe(model_type)} is not supported (supported: {', '.join(SUPPORTED_TARGETS)})"
         )
     cfg = TargetConfig(
-        **_shape_fields(data, source, qk_norm=model_type == "qwen3"),
+        **_shape_fields(data, source, qk_norm=model_type in ("qwen3", "qwen3_moe")),
+        **_moe_fields(data, model_type, source),
         model_type=model_type,
         tie_word_embeddings=_field(data, "tie_word_embeddings", source, bool, False, nullable=True),
         max_position_embeddings=_max_positions(data, source),
@@ -376,10 +491,24 @@ def _shape_to_dict(cfg: TransformerShape) -> dict[str, Any]:
 
 def target_config_to_dict(cfg: TargetConfig) -> dict[str, Any]:
     """The HF ``config.json`` of a target."""
-    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[cfg.model_type]
+    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "gpt_oss": "GptOssForCausalLM"}[cfg.model_type]
     out = {"architectures": [arch], "model_type": cfg.model_type, **_shape_to_dict(cfg),
            "max_position_embeddings": cfg.max_position_embeddings,
            "tie_word_embeddings": cfg.tie_word_embeddings}
+    if cfg.model_type == "qwen3_moe":
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers))
+    elif cfg.model_type == "gpt_oss":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   intermediate_size=cfg.moe_intermediate_size, layer_types=list(cfg.layer_types),
+                   sliding_window=cfg.sliding_window)
+        if cfg.rope_scaling is not None:  # gpt-oss reads rope_parameters only
+            out["rope_parameters"] = {**cfg.rope_scaling_dict, "rope_theta": cfg.rope_theta}
+            del out["rope_scaling"]
+        if cfg.experts_quantization:
+            out["quantization_config"] = {"quant_method": cfg.experts_quantization}
     if cfg.eos_token_ids:
         out["eos_token_id"] = list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_ids[0]
     return out

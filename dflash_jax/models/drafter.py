@@ -19,7 +19,7 @@ from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.cache import KVCache
 from dflash_jax.models.layers import DecoderLayer, RMSNorm, _init
 from dflash_jax.ops.linear import dense
-from dflash_jax.ops.rope import rope_inv_freq
+from dflash_jax.ops.rope import rope_attention_factor, rope_inv_freq
 from dflash_jax.models.config import DrafterConfig
 
 
@@ -37,6 +37,8 @@ class Drafter(nnx.Module):
                 c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
                 eps=c.rms_norm_eps, qk_norm=True, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias,
                 inv_freq=inv_freq, dtype=dtype, rngs=rngs,
+                attention_extras=dict(rope_factor=factor) if (factor := rope_attention_factor(c.rope_scaling)) != 1.0
+                else None,  # YaRN (a gpt-oss drafter's RoPE)
             )
             for _ in range(c.num_layers)
         ])

@@ -62,10 +62,17 @@ class Attention(nnx.Module):
         inv_freq: np.ndarray,
         dtype,
         rngs: nnx.Rngs,
+        sinks: bool = False,
+        window: int | None = None,
+        rope_factor: float = 1.0,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.eps = eps
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a tuple, not array state
+        # gpt-oss: a learned sink logit per query head, a sliding window (static), YaRN's cos/sin scale.
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), dtype), axes=("heads",)) if sinks else None
+        self.window = window
+        self.rope_factor = rope_factor
         self.q_proj = nnx.Param(_init(rngs, (hidden, num_heads, head_dim), dtype), axes=("embed", "heads", "head_dim"))
         self.k_proj = nnx.Param(_init(rngs, (hidden, num_kv_heads, head_dim), dtype), axes=("embed", "kv_heads", "head_dim"))
         self.v_proj = nnx.Param(_init(rngs, (hidden, num_kv_heads, head_dim), dtype), axes=("embed", "kv_heads", "head_dim"))
@@ -110,14 +117,20 @@ class Attention(nnx.Module):
 
     def finish_k(self, k: jax.Array, positions: jax.Array) -> jax.Array:
         """Raw keys ``[..., seq, kv_heads, head_dim]`` -> normed and RoPE'd."""
-        return attention_ops.finish_qk(k, positions, self._norm_weight(self.k_norm), self.eps, self.inv_freq)
+        return attention_ops.finish_qk(k, positions, self._norm_weight(self.k_norm), self.eps, self.inv_freq,
+                                       self.rope_factor)
+
+    def extras(self) -> dict:
+        """The attention's gpt-oss keywords (sinks, window) for ``ops.attention``."""
+        return dict(sinks=None if self.sinks is None else self.sinks[...], window=self.window)
 
     def finish_qkv(self, qkv: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The raw fused projection ``qkv [..., seq, kv_heads, groups + 2, head_dim]`` at ``positions
         [..., seq]`` -> q ``[..., seq, heads, head_dim]`` and k, v ``[..., seq, kv_heads, head_dim]``
         (q and k normed and RoPE'd)."""
         q, k, v = attention_ops.split_qkv(qkv, self.num_heads)
-        q = attention_ops.finish_qk(q, positions, self._norm_weight(self.q_norm), self.eps, self.inv_freq)
+        q = attention_ops.finish_qk(q, positions, self._norm_weight(self.q_norm), self.eps, self.inv_freq,
+                                    self.rope_factor)
         return q, self.finish_k(k, positions), v
 
     def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -134,7 +147,7 @@ class Attention(nnx.Module):
         if self.qkv_proj is not None:
             return self.finish_qkv(self._qkv(x), positions)
         q = attention_ops.finish_qk(self._project(x, self.q_proj, self.q_bias), positions,
-                                    self._norm_weight(self.q_norm), self.eps, self.inv_freq)
+                                    self._norm_weight(self.q_norm), self.eps, self.inv_freq, self.rope_factor)
         return (q,) + self.keys_values(x, positions)
 
     def attend_cached(
@@ -157,12 +170,13 @@ class Attention(nnx.Module):
                 self._qkv(x[:, 0]) if qkv is None else qkv, starts, k_cache, v_cache, blk_lens,
                 q_norm=self._norm_weight(self.q_norm), k_norm=self._norm_weight(self.k_norm), eps=self.eps,
                 inv_freq=self.inv_freq, num_heads=self.num_heads, causal=causal, write=write,
-                row_scale=None if row_scale is None else row_scale[:, 0, :, 0], ops=ops)
+                row_scale=None if row_scale is None else row_scale[:, 0, :, 0], ops=ops,
+                rope_factor=self.rope_factor, **self.extras())
         if row_scale is not None:
             raise ValueError("row_scale needs the serving layout (runtime.serving_params)")
         positions = starts[:, None, None] + jnp.arange(x.shape[2], dtype=jnp.int32)
         return attention_ops.attend_and_write(*self.project(x, positions), starts, k_cache, v_cache, blk_lens,
-                                              causal=causal, write=write, ops=ops)
+                                              causal=causal, write=write, ops=ops, **self.extras())
 
     def output(self, attn: jax.Array, ops: OpsConfig = XLA) -> jax.Array:
         """``[..., seq, heads, head_dim]`` -> ``[..., seq, hidden]`` (a decode token's on one GPU:
@@ -235,14 +249,18 @@ class DecoderLayer(nnx.Module):
         inv_freq: np.ndarray,
         dtype,
         rngs: nnx.Rngs,
+        mlp: nnx.Module | None = None,
+        attention_extras: dict | None = None,
     ):
+        """``mlp``: a module in place of the dense SwiGLU (a mixture of experts, ``models.moe``);
+        ``attention_extras``: ``Attention``'s gpt-oss keywords (sinks, window, rope_factor)."""
         self.input_layernorm = RMSNorm(hidden, eps, dtype=dtype)
         self.self_attn = Attention(
             hidden, num_heads, num_kv_heads, head_dim, eps=eps, qk_norm=qk_norm, bias=attention_bias,
-            inv_freq=inv_freq, dtype=dtype, rngs=rngs,
+            inv_freq=inv_freq, dtype=dtype, rngs=rngs, **(attention_extras or {}),
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype=dtype)
-        self.mlp = MLP(hidden, intermediate, bias=mlp_bias, dtype=dtype, rngs=rngs)
+        self.mlp = mlp if mlp is not None else MLP(hidden, intermediate, bias=mlp_bias, dtype=dtype, rngs=rngs)
         # Static: the norms' weights are folded into the QKV and gate-up weights (the serving layout
         # of ``runtime.serving_params``; the norm weights are then ones).
         self.norms_folded = False
@@ -266,7 +284,7 @@ class DecoderLayer(nnx.Module):
         """
         q, k_blk, v_blk = self.self_attn.project(self.input_layernorm(h), positions)
         attn = attention_ops.block_attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal,
-                                             ops=ops)
+                                             ops=ops, **self.self_attn.extras())
         h, mlp_out = self._residual_mlp(h, attn, XLA)
         return h + mlp_out, k_blk, v_blk
 

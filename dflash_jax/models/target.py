@@ -1,4 +1,5 @@
-"""The frozen target: Qwen3 (q/k norms) and Llama-3 (llama3 RoPE scaling) decoders in Flax NNX."""
+"""The frozen target: Qwen3 (q/k norms), Llama-3 (llama3 RoPE scaling), Qwen3-MoE and gpt-oss (experts,
+models/moe.py; gpt-oss's sinks, sliding windows and YaRN in the attention) decoders in Flax NNX."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from dflash_jax import sharding
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.cache import KVCache, write_rows
 from dflash_jax.models.layers import DecoderLayer, RMSNorm, _init
-from dflash_jax.ops.rope import rope_inv_freq
+from dflash_jax.models.moe import MoeMLP
+from dflash_jax.ops.rope import rope_attention_factor, rope_inv_freq
 from dflash_jax.models.config import TargetConfig
 
 
@@ -25,6 +27,14 @@ def _embed_slice(table: jax.Array, ids: jax.Array, *, vocab_axes: tuple[str, ...
     inside = (local >= 0) & (local < table.shape[0])
     rows = jnp.take(table, jnp.where(inside, local, 0), axis=0)
     return (jax.lax.psum(jnp.where(inside[..., None], rows, jnp.zeros_like(rows)), vocab_axes),)
+
+
+def _attention_extras(config: TargetConfig, layer: int) -> dict | None:
+    """Layer ``layer``'s gpt-oss attention keywords (sinks, sliding window, YaRN's scale), or None."""
+    factor = rope_attention_factor(config.rope_scaling)
+    if not config.attention_sinks and config.layer_window(layer) is None and factor == 1.0:
+        return None
+    return dict(sinks=config.attention_sinks, window=config.layer_window(layer), rope_factor=factor)
 
 
 class Target(nnx.Module):
@@ -44,8 +54,10 @@ class Target(nnx.Module):
                 c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
                 eps=c.rms_norm_eps, qk_norm=c.qk_norm, attention_bias=c.attention_bias,
                 mlp_bias=c.mlp_bias, inv_freq=inv_freq, dtype=dtype, rngs=rngs,
+                mlp=MoeMLP(c, dtype=dtype, rngs=rngs) if c.is_moe_layer(i) else None,
+                attention_extras=_attention_extras(c, i),
             )
-            for _ in range(c.num_layers)
+            for i in range(c.num_layers)
         ])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         if c.tie_word_embeddings:
@@ -218,6 +230,13 @@ def _index_var(v: nnx.Variable, i: int) -> nnx.Variable:
     if axes is None:
         return v.replace(value)
     return v.replace(value, axes=tuple(axes)[1:])
+
+
+def layers_stackable(target: Target) -> bool:
+    """Whether every decoder layer is shaped like the first (``stack_layers`` needs it; a dense layer
+    among mixture-of-experts ones, or gpt-oss's alternating windows, are not)."""
+    first = nnx.split(target.layers[0])[0]
+    return all(nnx.split(layer)[0] == first for layer in target.layers[1:])
 
 
 def stack_layers(target: Target) -> tuple[ScanGraph, ScanParams]:

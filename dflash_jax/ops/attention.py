@@ -36,9 +36,13 @@ from kernels_pallas.block_attention.reference import block_attention_reference
 
 def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: jax.Array, k_blk: jax.Array,
                     v_blk: jax.Array, blk_lens: jax.Array, *, causal: bool, scale: float | None = None,
-                    ops: OpsConfig = XLA) -> jax.Array:
+                    ops: OpsConfig = XLA, sinks: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """``block_attention_reference`` computed as ``ops`` says (the reference, or with the kernels on
-    a Pallas kernel, or for a prompt, one causal block per row with no context, ``prompt_attention``)."""
+    a Pallas kernel, or for a prompt, one causal block per row with no context, ``prompt_attention``).
+    Attention sinks and sliding windows (gpt-oss layers) run the reference: no kernel takes them."""
+    if sinks is not None or window is not None:
+        return block_attention_reference(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal,
+                                         scale=scale, sinks=sinks, window=window)
     if ops.kernels and causal and q.shape[1] == 1 and k_ctx.shape[1] == 0:
         return prompt_attention(q[:, 0], k_blk[:, 0], v_blk[:, 0], blk_lens[:, 0], scale=scale)[:, None]
     if not ops.kernels:
@@ -175,19 +179,19 @@ def split_qkv(qkv: jax.Array, num_heads: int) -> tuple[jax.Array, jax.Array, jax
 
 
 def finish_qk(x: jax.Array, positions: jax.Array, norm_weight: jax.Array | None, eps: float,
-              inv_freq) -> jax.Array:
+              inv_freq, rope_factor: float = 1.0) -> jax.Array:
     """Raw q or k ``[..., seq, heads, head_dim]`` -> its per-head RMSNorm (where the model has one)
-    and RoPE at ``positions [..., seq]``."""
+    and RoPE at ``positions [..., seq]`` (``rope_factor``: YaRN's scale of cos and sin)."""
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    return apply_rope(x, positions, inv_freq)
+    return apply_rope(x, positions, inv_freq, rope_factor)
 
 
 def cached_attention(
     qkv: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array, blk_lens: jax.Array, *,
     q_norm: jax.Array | None, k_norm: jax.Array | None, eps: float, inv_freq: tuple[float, ...],
     num_heads: int, causal: bool = True, write: bool = True, row_scale: jax.Array | None = None,
-    ops: OpsConfig,
+    ops: OpsConfig, sinks: jax.Array | None = None, window: int | None = None, rope_factor: float = 1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A block per row over its KV cache, from the raw fused projection (the target's decode and
     verify: causal, the block's K/V written into the caches; the drafter: ``causal=False,
@@ -203,10 +207,11 @@ def cached_attention(
     Returns ``attn [batch, 1, block, heads, head_dim]`` and the caches. With the kernels on, one
     kernel (``kernels_pallas.cached_attention``) where it takes the shapes: the q/k norms, RoPE,
     the cache write and the attention, instead of ~12 XLA kernels. Its reference is the rest of this
-    function: the same steps in jnp.
+    function: the same steps in jnp, which also serve the layers the kernel does not take (attention
+    sinks, a sliding window, YaRN's ``rope_factor``: gpt-oss).
     """
     batch, block, head_dim = k_cache.shape[0], qkv.shape[-4], k_cache.shape[-1]
-    if ops.kernels:
+    if ops.kernels and sinks is None and window is None and rope_factor == 1.0:
         from kernels_pallas.cached_attention import cached_block_attention, cached_block_attention_supported
         from kernels_pallas.cached_attention.gpu import DEFAULT_CONFIG
 
@@ -244,16 +249,19 @@ def cached_attention(
         qkv = (x if row_scale is None else x * row_scale[:, :, None, None, None]).astype(k_cache.dtype)
     positions = starts[:, None] + jnp.arange(block, dtype=jnp.int32)
     q, k, v = split_qkv(qkv[:batch], num_heads)
-    q, k = finish_qk(q, positions, q_norm, eps, inv_freq), finish_qk(k, positions, k_norm, eps, inv_freq)
+    q = finish_qk(q, positions, q_norm, eps, inv_freq, rope_factor)
+    k = finish_qk(k, positions, k_norm, eps, inv_freq, rope_factor)
     return attend_and_write(q[:, None], k[:, None], v[:, None], starts, k_cache, v_cache, blk_lens,
-                            causal=causal, write=write, ops=ops)
+                            causal=causal, write=write, ops=ops, sinks=sinks, window=window)
 
 
 def attend_and_write(q, k, v, starts, k_cache, v_cache, blk_lens, *, causal: bool, write: bool,
-                     ops: OpsConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     ops: OpsConfig, sinks: jax.Array | None = None,
+                     window: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Block attention of ``q [batch, 1, block, heads, head_dim]`` over the caches plus the block's
     own ``k, v [batch, 1, block, kv_heads, head_dim]``, which ``write`` then writes at ``starts``."""
-    attn = block_attention(q, k_cache, v_cache, starts[:, None], k, v, blk_lens[:, None], causal=causal, ops=ops)
+    attn = block_attention(q, k_cache, v_cache, starts[:, None], k, v, blk_lens[:, None], causal=causal, ops=ops,
+                           sinks=sinks, window=window)
     if not write:
         return attn, k_cache, v_cache
     return attn, write_rows(k_cache, k[:, 0], starts), write_rows(v_cache, v[:, 0], starts)

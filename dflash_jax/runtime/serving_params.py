@@ -39,9 +39,10 @@ def serving_target(target: Target, *, fold_norms: bool = True) -> Target:
     served = nnx.clone(target)
     for layer in served.layers:
         fuse_attention(layer.self_attn)
-        fuse_mlp(layer.mlp)
-        if fold_norms:
-            _fold_layer_norms(layer)
+        if isinstance(layer.mlp, MLP):  # a mixture of experts keeps its layout
+            fuse_mlp(layer.mlp)
+            if fold_norms:
+                _fold_layer_norms(layer)
     return served
 
 

@@ -31,7 +31,8 @@ import optax
 from flax import nnx
 
 from dflash_jax.ops.config import XLA, OpsConfig
-from dflash_jax.models.target import ScanGraph, ScanParams, Target, scanned_forward, stack_layers
+from dflash_jax.models.target import (ScanGraph, ScanParams, Target, layers_stackable, scanned_forward,
+                                      stack_layers)
 from dflash_jax.training import anchors as anc
 from dflash_jax.training.losses import LossSums, finalize, loss_sums
 
@@ -99,8 +100,9 @@ def split_target(target: Target, *, scan: bool = True) -> tuple[TargetGraph, Tar
     ``scan=True``: the decoder layers stacked once (``target.stack_layers``; a copy, so drop
     ``target`` afterwards) and run under ``lax.scan``; ``scan=False``: the plain ``nnx.split``,
     layers unrolled in the step (kept for comparisons: it compiles far more slowly at 36 layers).
+    A target whose layers differ in shape (``layers_stackable``) is split unrolled.
     """
-    return stack_layers(target) if scan else nnx.split(target)
+    return stack_layers(target) if scan and layers_stackable(target) else nnx.split(target)
 
 
 def target_shell(graph: TargetGraph, params: TargetParams) -> Target:

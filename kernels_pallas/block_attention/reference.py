@@ -15,7 +15,8 @@ _MASKED = -1e30  # finite, so that fully masked rows give zeros rather than NaN
 
 
 def block_attention_reference(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: jax.Array,
-    k_blk: jax.Array, v_blk: jax.Array, blk_lens: jax.Array, *, causal: bool, scale: float | None = None) -> jax.Array:
+    k_blk: jax.Array, v_blk: jax.Array, blk_lens: jax.Array, *, causal: bool, scale: float | None = None,
+    sinks: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """Attention of query blocks over a shared context prefix plus their own block.
 
     Args:
@@ -28,6 +29,10 @@ def block_attention_reference(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, 
         (the reference's shorter last block; padding of a prompt).
       causal: slot ``i`` sees block slots ``j <= i`` only (verify, prefill); else all valid slots.
       scale: softmax scale, ``1 / sqrt(head_dim)`` by default.
+      sinks: ``[q_heads]`` learned sink logits (gpt-oss): each head's softmax denominator also
+        holds ``exp(sink)``, a key of no value.
+      window: a sliding window: the query at position ``p`` (block slot ``i`` is at ``ctx_len + i``,
+        context slot ``t`` at ``t``) sees keys at positions ``> p - window`` only.
 
     Returns:
       ``[batch, blocks, block, q_heads, head_dim]`` in ``q.dtype``. A query that sees no key at
@@ -52,21 +57,33 @@ def block_attention_reference(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, 
     blk_visible = slot[None, None, None, :] < blk_lens[:, :, None, None]  # [b, n, 1, key]
     if causal:
         blk_visible = blk_visible & (slot[None, None, None, :] <= slot[None, None, :, None])
-    s_ctx = jnp.where(ctx_visible[:, :, None, None, None, :], s_ctx * scale, _MASKED)
+    if window is not None:
+        q_pos = ctx_lens[:, :, None] + slot[None, None, :]  # [b, n, query]
+        ctx_visible = ctx_visible[:, :, None, :] & (q_pos[..., None] - ctx_pos[None, None, None, :] < window)
+        blk_visible = blk_visible & (slot[None, None, :, None] - slot[None, None, None, :] < window)
+    else:
+        ctx_visible = ctx_visible[:, :, None, :]  # [b, n, 1, ctx]
+    ctx_visible = ctx_visible[:, :, None, None]  # [b, n, 1, 1, query or 1, ctx]
+    s_ctx = jnp.where(ctx_visible, s_ctx * scale, _MASKED)
     s_blk = jnp.where(blk_visible[:, :, None, None, :, :], s_blk * scale, _MASKED)
 
     scores = jnp.concatenate([s_ctx, s_blk], axis=-1)
     peak = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(kv_heads, groups)[None, None, :, :, None, None]
+        peak = jnp.maximum(peak, sink)
     weights = jnp.exp(scores - peak)
     visible = jnp.concatenate(
         [
-            jnp.broadcast_to(ctx_visible[:, :, None, None, None, :], s_ctx.shape),
+            jnp.broadcast_to(ctx_visible, s_ctx.shape),
             jnp.broadcast_to(blk_visible[:, :, None, None, :, :], s_blk.shape),
         ],
         axis=-1,
     )
     weights = jnp.where(visible, weights, 0.0)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - peak)
     probs = weights / jnp.where(denom == 0.0, 1.0, denom)
 
     n_ctx = k_ctx.shape[1]

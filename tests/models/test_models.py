@@ -210,8 +210,8 @@ def test_clear_errors(tmp_path):
     with pytest.raises(ModelConfigError, match=r"target_layer_ids \[9\] outside"):
         load_drafter(drafter_dir)
     _rewrite_config(drafter_dir, dflash_config={"mask_token_id": 5, "target_layer_ids": [1]},
-                    rope_scaling={"rope_type": "yarn", "factor": 2.0})
-    with pytest.raises(ModelConfigError, match="rope type 'yarn' is not supported"):
+                    rope_scaling={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(ModelConfigError, match="rope type 'longrope' is not supported"):
         load_drafter(drafter_dir)
 
 

@@ -1,0 +1,227 @@
+"""Mixture-of-experts targets: decode and DFlash steps against the touched-bytes roofline, and the
+cost of verifying a block as a function of the distinct experts it touches.
+
+Two families, random weights: Qwen3-30B-A3B shapes in bf16 (128 experts, top-8) and gpt-oss-20b
+shapes with MXFP4 experts (32 experts, top-4, sinks, sliding windows of 128), each with a random
+5-layer block-16 drafter. ``--layers`` decoder layers of the published width (every layer costs the
+same; ``--layers 0``: the published depth, 48 and 24).
+
+1. Per batch (1, 4, 16): the engine's target-only step and DFlash step (draft + verify + commit),
+   back to back in its jitted loop, each against its own roofline at ``timing.HBM_BYTES_PER_S``:
+   the bytes of the experts the step touches (expected distinct experts of a uniform router:
+   ``E * (1 - (1 - k / E) ** tokens)`` per layer), attention, routers, norms, the LM head, an
+   embedding row per token, the K/V read (full context: the sliding layers mask, they do not skip).
+   The DFlash roofline adds the drafter's weights and touches experts for ``batch * 16`` tokens.
+2. Verify cost: ``Target.step`` of a block of 16 tokens per row at batch 1 with the router forced
+   to touch exactly N distinct experts per layer (N = 8, 32, 64, all), against the decode step of
+   one token (natural routing): a user's routing statistics predict their verify cost from it.
+
+    python3 bench/bench_moe.py --out bench/results/moe.json
+    python3 bench/bench_moe.py --layers 0 --families qwen3_moe       # the published depth
+    JAX_PLATFORMS=cpu python3 bench/bench_moe.py --tiny --batches 1 --repeats 1   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import timing
+from dflash_jax.models import moe
+from dflash_jax.models.config import TargetConfig, freeze_rope_scaling
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.target import Target
+from dflash_jax.ops.cache import KVCache
+from dflash_jax.runtime.engine import Engine, EngineConfig
+from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
+
+BLOCK = 16
+
+
+def qwen3_30b_a3b(layers: int) -> TargetConfig:
+    return TargetConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                        num_layers=layers or 48, num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                        rope_theta=1e6, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                        norm_topk_prob=True)
+
+
+def gpt_oss_20b(layers: int) -> TargetConfig:
+    n = layers or 24
+    return TargetConfig(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=n,
+        num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=150000.0,
+        rope_scaling=freeze_rope_scaling({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                          "original_max_position_embeddings": 4096, "truncate": False}),
+        attention_bias=True, qk_norm=False, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
+        experts_quantization="mxfp4", attention_sinks=True, sliding_window=128,
+        layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)))
+
+
+def tiny(family: str) -> TargetConfig:
+    if family == "gpt_oss":
+        return tiny_target_config("gpt_oss", experts_quantization="mxfp4", num_experts=8)
+    return tiny_target_config("qwen3_moe", num_experts=16, num_experts_per_tok=4, mlp_only_layers=())
+
+
+# -- bytes --------------------------------------------------------------------------------------------
+
+
+def _bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def expected_touched(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts ``tokens`` tokens touch under a uniform router (top-k distinct per token)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def step_bytes(target: Target, tokens: int, batch: int, context: int, touched: float | None = None) -> float:
+    """The bytes a step of ``tokens`` tokens over ``batch`` rows of ``context`` cached positions must read:
+    every weight but the experts and the embedding table, ``touched`` experts per MoE layer (default:
+    ``expected_touched``), an embedding row per token, the K/V."""
+    c = target.config
+    total = 0.0
+    for layer in target.layers:
+        if isinstance(layer.mlp, moe.MoeMLP):
+            experts = _bytes(nnx.state(layer.mlp.experts, nnx.Param))
+            per_expert = experts / c.num_experts
+            n = expected_touched(c.num_experts, c.num_experts_per_tok, tokens) if touched is None else touched
+            total += _bytes(nnx.state(layer, nnx.Param)) - experts + n * per_expert
+        else:
+            total += _bytes(nnx.state(layer, nnx.Param))
+    table = target.embed_tokens[...]
+    total += _bytes(nnx.state(target.norm, nnx.Param)) + tokens * c.hidden_size * table.dtype.itemsize
+    total += table.size * table.dtype.itemsize if target.lm_head is None else _bytes(target.lm_head[...])
+    total += 2 * c.num_layers * batch * context * c.num_kv_heads * c.head_dim * table.dtype.itemsize
+    return total
+
+
+# -- forced routing -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def forced_routing(distinct: int):
+    """While tracing inside it, every MoE layer routes the (token, slot) pair ``p = t * k + j`` to expert
+    ``p % distinct`` with equal weights: exactly ``min(distinct, tokens * k)`` distinct experts a layer."""
+    original = moe.MoeMLP.route
+
+    def route(self, x):
+        t = x.shape[0]
+        pairs = jnp.arange(t * self.top_k, dtype=jnp.int32).reshape(t, self.top_k)
+        return jnp.full((t, self.top_k), 1.0 / self.top_k, x.dtype), pairs % distinct
+
+    moe.MoeMLP.route = route
+    try:
+        yield
+    finally:
+        moe.MoeMLP.route = original
+
+
+def time_target_step(target: Target, batch: int, tokens: int, context: int, repeats: int) -> float:
+    """Median seconds of ``Target.step`` extending every row by ``tokens`` tokens over a cache of
+    ``context`` random positions (the verify pass at ``tokens = 16``, a decode step at 1)."""
+    c = target.config
+    graph, state = nnx.split(target)
+    key = jax.random.key(tokens)
+    dtype = target.embed_tokens.dtype
+    shape = (batch, context + tokens, c.num_kv_heads, c.head_dim)
+    cache = KVCache(tuple(timing.normal(jax.random.fold_in(key, i), shape, dtype) for i in range(c.num_layers)),
+                    tuple(timing.normal(jax.random.fold_in(key, 99 + i), shape, dtype) for i in range(c.num_layers)))
+    ids = jax.random.randint(key, (batch, tokens), 0, c.vocab_size, jnp.int32)
+    starts = jnp.full((batch,), context, jnp.int32)
+
+    @jax.jit
+    def step(state, ids, cache):
+        t = nnx.merge(graph, state)
+        hidden, _, cache = t.step(ids, starts, cache)
+        return t.head(hidden[:, -1]).argmax(-1), cache
+
+    return timing.median_time(step, state, ids, cache, repeats=repeats)[0]
+
+
+# -- the benchmark --------------------------------------------------------------------------------------
+
+
+def build(family: str, layers: int, tiny_shapes: bool) -> tuple[Target, Drafter]:
+    """A random target and drafter, built on the device (no host copy of the weights)."""
+    cfg = tiny(family) if tiny_shapes else (gpt_oss_20b if family == "gpt_oss" else qwen3_30b_a3b)(layers)
+    dcfg = tiny_drafter_config(cfg, num_layers=5, block_size=BLOCK, mask_token_id=cfg.vocab_size - 1,
+                               rope_scaling=None, intermediate_size=cfg.intermediate_size)
+    dtype = jnp.bfloat16
+    return Target(cfg, dtype=dtype, rngs=nnx.Rngs(0)), Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))
+
+
+def bench_family(args, family: str) -> dict:
+    t0 = time.perf_counter()
+    target, drafter = build(family, args.layers, args.tiny)
+    c = target.config
+    jax.block_until_ready(jax.tree.leaves(nnx.state(target)))
+    weights, dbytes = _bytes(nnx.state(target, nnx.Param)), _bytes(nnx.state(drafter, nnx.Param))
+    print(f"\n{family}: {c.num_layers} layers, {c.num_experts} experts top-{c.num_experts_per_tok}, weights "
+          f"{weights / 1e9:.1f} GB (+ drafter {dbytes / 1e9:.2f} GB), built in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    report: dict = dict(config=dataclasses.asdict(c), weight_bytes=weights, drafter_bytes=dbytes, batches={},
+                        verify={})
+    steps = args.steps
+    for batch in args.batches:
+        config = EngineConfig(max_batch_size=batch, max_length=args.context + BLOCK * steps * (args.calls + 3),
+                              prompt_buckets=(args.context,))
+        plain, spec = Engine(target, None, config), Engine(target, drafter, config)
+        t_plain = timing.time_decode_pipelined(plain, batch, args.context, steps, args.calls)
+        t_spec = timing.time_decode_pipelined(spec, batch, args.context, steps, args.calls)
+        roof_plain = step_bytes(target, batch, batch, args.context) / timing.HBM_BYTES_PER_S
+        roof_spec = (step_bytes(target, batch * BLOCK, batch, args.context) + dbytes) / timing.HBM_BYTES_PER_S
+        report["batches"][batch] = e = dict(
+            target_step_s=t_plain, spec_step_s=t_spec, target_roofline_s=roof_plain, spec_roofline_s=roof_spec,
+            touched_decode=expected_touched(c.num_experts, c.num_experts_per_tok, batch),
+            touched_verify=expected_touched(c.num_experts, c.num_experts_per_tok, batch * BLOCK))
+        print(f"  batch {batch:2d}: target step {t_plain * 1e3:7.2f} ms ({roof_plain / t_plain:5.1%} of its roofline, "
+              f"~{e['touched_decode']:.0f} experts/layer) | DFlash step {t_spec * 1e3:7.2f} ms "
+              f"({roof_spec / t_spec:5.1%}, ~{e['touched_verify']:.0f} experts/layer) | "
+              f"ratio {t_spec / t_plain:.2f} = acceptance length to break even", flush=True)
+        del plain, spec
+    t_decode = time_target_step(target, 1, 1, args.context, args.repeats)
+    report["verify"]["decode_step_s"] = t_decode
+    counts = sorted({min(n, c.num_experts) for n in (8, 32, 64, c.num_experts)})
+    for n in counts:
+        with forced_routing(n):
+            t_verify = time_target_step(target, 1, BLOCK, args.context, args.repeats)
+        touched = min(n, BLOCK * c.num_experts_per_tok)
+        roof = step_bytes(target, BLOCK, 1, args.context, touched=touched) / timing.HBM_BYTES_PER_S
+        report["verify"][n] = dict(verify_s=t_verify, roofline_s=roof, decode_steps=t_verify / t_decode)
+        print(f"  verify block of {BLOCK}, {touched:3d} experts/layer: {t_verify * 1e3:7.2f} ms = "
+              f"{t_verify / t_decode:5.2f} decode steps ({roof / t_verify:5.1%} of its roofline)", flush=True)
+    report["wall_s"] = time.perf_counter() - t0
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default="qwen3_moe,gpt_oss")
+    ap.add_argument("--layers", type=int, default=12, help="decoder layers (0: the published depth)")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per timed call")
+    ap.add_argument("--calls", type=int, default=4, help="back-to-back calls timed")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
+    ap.add_argument("--out", default=None, help="JSON report (e.g. bench/results/moe.json)")
+    args = ap.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.tiny:
+        args.context = min(args.context, 32)
+    print(timing.device_line(), f"; roofline at {timing.HBM_BYTES_PER_S / 1e12:.1f} TB/s", flush=True)
+    report = {"device": timing.device_line(), "args": vars(args)}
+    for family in args.families.split(","):
+        report[family] = bench_family(args, family)
+        timing.write_json(args.out, report)
+
+
+if __name__ == "__main__":
+    main()

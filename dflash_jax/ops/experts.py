@@ -1,0 +1,216 @@
+"""Routed experts of a mixture-of-experts MLP: routing, grouped matmuls, MXFP4 weights.
+
+Every token picks ``top_k`` of ``E`` experts. ``routed_experts`` computes their weighted sum as
+grouped matmuls over the tokens routed to each expert (``jax.lax.ragged_dot``): the ``T * top_k``
+(token, expert) pairs are sorted by expert, each expert multiplies its contiguous run of rows, and
+the rows are scattered back and summed per token. Shapes are static: a run may be empty.
+
+Bandwidth is the cost of a decode or verify step, so a step reads only the experts its tokens
+touch: with fewer pairs than experts (a decode token, a verify block of a small batch) the weights
+of at most ``T * top_k`` distinct experts are gathered first and the grouped matmul runs over them
+; with as many pairs as experts or more (prefill, large batches) it runs over
+all experts. MXFP4 weights (4-bit values in blocks of 32 sharing a power-of-two scale, the gpt-oss
+checkpoints' format) stay 4-bit in memory and are dequantized after that gather, so only touched
+experts are expanded.
+
+``routed_experts_reference`` is the same function as a dense product over every expert, for tests.
+Under ``sharding.kernel_mesh`` with the experts split over mesh axes (logical axis ``experts``),
+each device computes its own experts' share of every token and a ``psum`` adds the shares (expert
+parallelism; the token activations are small beside the weights in decode and verify steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import sharding
+
+# The 16 values of a 4-bit E2M1 code, as the MXFP4 format (and transformers) decode them.
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+MXFP4_BLOCK = 32  # values sharing one scale
+MXFP4_SCALE_BIAS = 127  # a scale byte s means 2 ** (s - 127)
+
+ACTIVATIONS = ("silu", "gpt_oss")
+GPT_OSS_ALPHA = 1.702
+GPT_OSS_LIMIT = 7.0
+
+
+def mxfp4_dequantize(blocks: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """MXFP4 ``blocks [..., rows, groups, 16]`` uint8 (two 4-bit codes a byte, low nibble first) and
+    ``scales [..., rows, groups]`` uint8 -> ``[..., rows, groups * 32]`` in ``dtype``.
+
+    Each value is ``FP4_VALUES[code] * 2 ** (scale - 127)``, computed in float32 (exact: a power of two
+    times a 3-bit mantissa) and rounded to ``dtype``, as transformers' ``convert_moe_packed_tensors``.
+    """
+    lut = jnp.asarray(FP4_VALUES)
+    low, high = lut[(blocks & 0x0F).astype(jnp.int32)], lut[(blocks >> 4).astype(jnp.int32)]
+    values = jnp.stack([low, high], axis=-1).reshape(blocks.shape[:-1] + (blocks.shape[-1] * 2,))
+    exponent = scales.astype(jnp.int32) - MXFP4_SCALE_BIAS
+    values = jnp.ldexp(values, exponent[..., None])
+    return values.reshape(values.shape[:-2] + (-1,)).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertWeights:
+    """One layer's experts. Float weights are ``gate_up [E, hidden, 2 * inter]`` and ``down [E,
+    inter, hidden]`` (inputs first); MXFP4 ones are ``(blocks, scales)`` pairs in the checkpoint's
+    outputs-first order (``gate_up``: ``[E, 2 * inter, hidden / 32, 16]`` and ``[E, 2 * inter,
+    hidden / 32]``). ``interleaved``: gate-up's columns alternate gate, up (gpt-oss); else the gate
+    columns come first, then the up ones (Qwen3-MoE)."""
+
+    gate_up: jax.Array | tuple[jax.Array, jax.Array]
+    down: jax.Array | tuple[jax.Array, jax.Array]
+    gate_up_bias: jax.Array | None = None  # [E, 2 * inter]
+    down_bias: jax.Array | None = None  # [E, hidden]
+    interleaved: bool = False
+
+    @property
+    def num_experts(self) -> int:
+        return _leading(self.gate_up)
+
+    def take(self, experts: jax.Array) -> "ExpertWeights":
+        """The weights of ``experts [G]`` only (a gather of their bytes; 4-bit ones stay 4-bit)."""
+        def pick(w):
+            if w is None:
+                return None
+            return tuple(jnp.take(p, experts, axis=0) for p in w) if isinstance(w, tuple) else jnp.take(w, experts, axis=0)
+
+        return ExpertWeights(pick(self.gate_up), pick(self.down), pick(self.gate_up_bias), pick(self.down_bias),
+                             self.interleaved)
+
+    def dense(self, dtype) -> tuple[jax.Array, jax.Array]:
+        """``(gate_up [G, hidden, 2 * inter], down [G, inter, hidden])`` as ``dtype`` arrays."""
+        def expand(w):
+            if isinstance(w, tuple):
+                return jnp.swapaxes(mxfp4_dequantize(*w, dtype), -1, -2)
+            return w.astype(dtype)
+
+        return expand(self.gate_up), expand(self.down)
+
+
+def _leading(w) -> int:
+    return (w[0] if isinstance(w, tuple) else w).shape[0]
+
+
+def _activate(gate_up: jax.Array, activation: str, interleaved: bool) -> jax.Array:
+    """``gate_up [..., 2 * inter]`` -> ``[..., inter]``: SwiGLU (``silu``), or gpt-oss's clamped one
+    (gate clamped above at 7, up to [-7, 7], ``(up + 1) * gate * sigmoid(1.702 * gate)``)."""
+    if interleaved:
+        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+    else:
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+    if activation == "silu":
+        return jax.nn.silu(gate) * up
+    if activation == "gpt_oss":
+        gate = jnp.minimum(gate, GPT_OSS_LIMIT)
+        up = jnp.clip(up, -GPT_OSS_LIMIT, GPT_OSS_LIMIT)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * GPT_OSS_ALPHA))
+    raise ValueError(f"expert activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})")
+
+
+def route(logits: jax.Array, top_k: int, *, softmax_first: bool, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Router ``logits [T, E]`` -> ``(weights [T, top_k], experts [T, top_k] int32)``.
+
+    ``softmax_first`` (Qwen3-MoE): softmax over all experts in float32, the top ``top_k``
+    probabilities, renormalised to sum to 1 with ``normalize``; else (gpt-oss): the top ``top_k``
+    logits, softmax over them. Weights in ``logits.dtype``, as transformers rounds them.
+    """
+    if softmax_first:
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, top_k)
+        if normalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights.astype(logits.dtype), experts.astype(jnp.int32)
+    top, experts = jax.lax.top_k(logits, top_k)
+    return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+
+
+def _grouped(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, activation: str,
+             expert_offset: int | jax.Array = 0) -> jax.Array:
+    """The routed experts' weighted sum over the experts ``w`` holds, numbers ``[expert_offset,
+    expert_offset + w.num_experts)`` of the router's; pairs routed to other experts add nothing."""
+    top_k = experts.shape[1]
+    n = w.num_experts
+    local = experts.reshape(-1) - expert_offset
+    key = jnp.where((local >= 0) & (local < n), local, n)  # other experts' pairs sort last, in no group
+    order = jnp.argsort(key, stable=True)
+    token = order // top_k
+    rows = x[token]
+    counts = jnp.bincount(key, length=n + 1)[:n].astype(jnp.int32)
+    if key.size < n:
+        # Fewer pairs than experts: gather the touched experts' weights only, ascending (as the rows
+        # are sorted), padded to a static count by repeating a touched expert with no rows.
+        ids = jnp.nonzero(counts > 0, size=key.size, fill_value=n)[0]
+        present = ids < n
+        ids = jnp.where(present, ids, jnp.max(jnp.where(present, ids, 0)))
+        counts = jnp.where(present, counts[ids], 0)
+        w = w.take(ids)
+    group = jnp.repeat(jnp.arange(counts.shape[0]), counts, total_repeat_length=rows.shape[0])
+    gate_up, down = w.dense(x.dtype)
+    h = jax.lax.ragged_dot(rows, gate_up, counts, preferred_element_type=jnp.float32).astype(x.dtype)
+    if w.gate_up_bias is not None:
+        h = h + w.gate_up_bias[group]
+    h = _activate(h, activation, w.interleaved)
+    y = jax.lax.ragged_dot(h, down, counts, preferred_element_type=jnp.float32).astype(x.dtype)
+    if w.down_bias is not None:
+        y = y + w.down_bias[group]
+    mine = jnp.arange(rows.shape[0]) < jnp.sum(counts)
+    y = jnp.where(mine[:, None], y * weights.reshape(-1)[order][:, None], 0)
+    return jnp.zeros_like(x).at[token].add(y)
+
+
+def touched_experts(experts: jax.Array, num_experts: int) -> jax.Array:
+    """How many distinct experts ``experts [..., top_k]`` route to (what a step's expert weights cost)."""
+    return jnp.sum(jnp.bincount(experts.reshape(-1), length=num_experts) > 0)
+
+
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, *,
+                   activation: str) -> jax.Array:
+    """``x [T, hidden]`` routed to ``experts [T, top_k]`` with ``weights [T, top_k]`` -> ``[T,
+    hidden]``: ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` by grouped matmuls.
+
+    Under ``sharding.kernel_mesh`` with the experts' leading axis split (logical axis ``experts``),
+    each device runs its own experts and the shares are summed across the devices."""
+    axes = ("experts", "embed", "mlp")
+    across = sharding.kernel_mesh_axes(axes, (w.num_experts, 1, 1), 0)
+    if not across:
+        return _grouped(x, experts, weights, w, activation)
+
+    def leaves(w: ExpertWeights):
+        return [w.gate_up, w.down, w.gate_up_bias, w.down_bias]
+
+    flat, tree = jax.tree.flatten(leaves(w))
+
+    def shard(x, experts, weights, *flat_w):
+        gate_up, down, gate_up_bias, down_bias = jax.tree.unflatten(tree, flat_w)
+        local = ExpertWeights(gate_up, down, gate_up_bias, down_bias, w.interleaved)
+        offset = jax.lax.axis_index(across) * local.num_experts
+        return (jax.lax.psum(_grouped(x, experts, weights, local, activation, offset), across),)
+
+    replicated = (None, None)
+    expert_axes = [("experts",) + (None,) * (leaf.ndim - 1) for leaf in flat]
+    run = sharding.shard_kernel(shard, [replicated, replicated, replicated] + expert_axes, [replicated],
+                                out_shapes=lambda x, *_: (jax.ShapeDtypeStruct(x.shape, x.dtype),))
+    return run(x, experts, weights, *flat)[0]
+
+
+def routed_experts_reference(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, *,
+                             activation: str) -> jax.Array:
+    """``routed_experts`` as a dense product: every expert on every token, combined by the routing."""
+    gate_up, down = w.dense(x.dtype)
+    h = jnp.einsum("th,ehi->eti", x, gate_up, preferred_element_type=jnp.float32).astype(x.dtype)
+    if w.gate_up_bias is not None:
+        h = h + w.gate_up_bias[:, None]
+    y = jnp.einsum("eti,eih->eth", _activate(h, activation, w.interleaved), down,
+                   preferred_element_type=jnp.float32).astype(x.dtype)
+    if w.down_bias is not None:
+        y = y + w.down_bias[:, None]
+    combine = jnp.sum(jax.nn.one_hot(experts, w.num_experts, dtype=x.dtype) * weights[..., None], axis=1)  # [T, E]
+    return jnp.einsum("te,eth->th", combine, y)
+
+

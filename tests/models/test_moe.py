@@ -1,0 +1,253 @@
+"""Mixture-of-experts targets (Qwen3-MoE, gpt-oss) against transformers; the expert op against its dense reference."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_jax import load_target, target_forward
+from dflash_jax.io.checkpoint import CheckpointError, save_target
+from dflash_jax.models.config import ModelConfigError, target_config_from_dict
+from dflash_jax.ops.experts import (ExpertWeights, mxfp4_dequantize, route, routed_experts,
+                                    routed_experts_reference, touched_experts)
+from dflash_jax.ops.rope import rope_attention_factor, rope_inv_freq
+from dflash_jax.tiny import random_target, tiny_target_config
+
+ATOL = 1e-4
+
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 40960, "tie_word_embeddings": False, "use_sliding_window": False,
+}
+GPT_OSS_20B = {
+    "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128, "attention_bias": True,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "rms_norm_eps": 1e-5,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 4096, "truncate": False},
+    "rope_theta": 150000, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]},
+}
+
+
+def test_published_moe_configs_parse():
+    q = target_config_from_dict(QWEN3_30B_A3B)
+    assert (q.num_experts, q.num_experts_per_tok, q.moe_intermediate_size, q.qk_norm) == (128, 8, 768, True)
+    assert all(q.is_moe_layer(i) for i in range(48))
+    g = target_config_from_dict(GPT_OSS_20B)
+    assert (g.num_experts, g.num_experts_per_tok, g.experts_quantization, g.attention_sinks) == (32, 4, "mxfp4", True)
+    assert g.layer_window(0) == 128 and g.layer_window(1) is None and not g.qk_norm
+    sparse = target_config_from_dict({**QWEN3_30B_A3B, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert [sparse.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(num_experts_per_tok=129), "num_experts_per_tok must be in"),
+    (dict(mlp_only_layers=[48]), "mlp_only_layers"),
+    (dict(num_experts=0), "'num_experts' must be positive"),
+    (dict(moe_intermediate_size="768"), "'moe_intermediate_size' must be an integer"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step must be positive"),
+])
+def test_bad_qwen3_moe_configs_are_named(change, message):
+    with pytest.raises(ModelConfigError, match=message):
+        target_config_from_dict({**QWEN3_30B_A3B, **change}, "x/config.json")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(layer_types=["sliding_attention"] * 3), "layer_types has 3 entries"),
+    (dict(layer_types=["chunked_attention"] * 24), "layer_types \\['chunked_attention'\\]"),
+    (dict(sliding_window=None), "need a positive sliding_window"),
+    (dict(quantization_config={"quant_method": "fp8"}), "only mxfp4"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 32.0}), "needs 'original_max_position_embeddings'"),
+])
+def test_bad_gpt_oss_configs_are_named(change, message):
+    with pytest.raises(ModelConfigError, match=message):
+        target_config_from_dict({**GPT_OSS_20B, **change}, "x/config.json")
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_yarn_matches_transformers(truncate, head_dim):
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+              "original_max_position_embeddings": 4096, "rope_theta": 150000.0, "truncate": truncate}
+    cfg = GptOssConfig(head_dim=head_dim, hidden_size=64, num_attention_heads=4, rope_parameters=params)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, None)
+    np.testing.assert_allclose(rope_inv_freq(head_dim, 150000.0, params), inv_freq.numpy(), rtol=2e-7, atol=0)
+    assert rope_attention_factor(params) == pytest.approx(factor, rel=1e-12)
+
+
+def _random_experts(key, e, hidden, inter, *, gpt_oss: bool, mxfp4: bool) -> ExpertWeights:
+    k = jax.random.split(key, 6)
+    if mxfp4:
+        def packed(kb, ks, rows, cols):
+            blocks = jax.random.randint(kb, (e, rows, cols // 32, 16), 0, 256).astype(jnp.uint8)
+            return blocks, jax.random.randint(ks, (e, rows, cols // 32), 118, 130).astype(jnp.uint8)
+        gate_up, down = packed(k[0], k[1], 2 * inter, hidden), packed(k[2], k[3], hidden, inter)
+    else:
+        gate_up = 0.3 * jax.random.normal(k[0], (e, hidden, 2 * inter))
+        down = 0.3 * jax.random.normal(k[2], (e, inter, hidden))
+    biases = (jax.random.normal(k[4], (e, 2 * inter)), jax.random.normal(k[5], (e, hidden))) if gpt_oss else (None, None)
+    return ExpertWeights(gate_up, down, *biases, interleaved=gpt_oss)
+
+
+@pytest.mark.parametrize("tokens", [1, pytest.param(3, marks=pytest.mark.slow), 24])
+@pytest.mark.parametrize("kind", ["qwen3_moe", pytest.param("gpt_oss", marks=pytest.mark.slow), "gpt_oss_mxfp4"])
+def test_grouped_experts_equal_dense_reference(tokens, kind):
+    """Fewer (token, expert) pairs than experts (the touched experts gathered) and more (all experts)."""
+    gpt_oss = kind.startswith("gpt_oss")
+    e, hidden, inter = 7, 32, 64
+    w = _random_experts(jax.random.key(tokens), e, hidden, inter, gpt_oss=gpt_oss, mxfp4=kind.endswith("mxfp4"))
+    x = jax.random.normal(jax.random.key(1), (tokens, hidden))
+    weights, experts = route(jax.random.normal(jax.random.key(2), (tokens, e)), 3, softmax_first=not gpt_oss,
+                             normalize=True)
+    act = "gpt_oss" if gpt_oss else "silu"
+    got = jax.jit(lambda x: routed_experts(x, experts, weights, w, activation=act))(x)
+    want = routed_experts_reference(x, experts, weights, w, activation=act)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4 * float(jnp.abs(want).max()), rtol=0)
+    assert int(touched_experts(experts, e)) == len(set(np.asarray(experts).ravel().tolist()))
+
+
+def test_mxfp4_dequantization_equals_transformers_bit_for_bit():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rs = np.random.RandomState(0)
+    blocks = rs.randint(0, 256, (3, 10, 4, 16)).astype(np.uint8)  # every code in both nibbles
+    scales = rs.randint(100, 150, (3, 10, 4)).astype(np.uint8)
+    for ours_dtype, torch_dtype in ((jnp.bfloat16, torch.bfloat16), (jnp.float32, torch.float32)):
+        want = convert_moe_packed_tensors(torch.from_numpy(blocks.copy()), torch.from_numpy(scales.copy()),
+                                          dtype=torch_dtype).float().numpy()
+        got = np.asarray(jnp.swapaxes(mxfp4_dequantize(jnp.asarray(blocks), jnp.asarray(scales), ours_dtype), 1, 2)
+                         .astype(jnp.float32))
+        assert got.shape == want.shape == (3, 128, 10)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _write(tmp_path, model_type, **overrides):
+    cfg = tiny_target_config(model_type, **overrides)
+    save_target(random_target(cfg, seed=3), tmp_path / model_type)
+    return tmp_path / model_type
+
+
+def _assert_matches_transformers(directory, ids, layers, reference):
+    ours = load_target(directory)
+    logits, taps = target_forward(ours, ids, layer_ids=layers)
+    ref = reference.target(directory).float()  # MXFP4 experts: transformers dequantizes them to bf16 values
+    with torch.no_grad():
+        out = ref(torch.tensor(ids), output_hidden_states=True)
+    np.testing.assert_allclose(np.asarray(logits), out.logits.numpy(), atol=ATOL, rtol=0)
+    want = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1).numpy()
+    np.testing.assert_allclose(np.asarray(taps), want, atol=ATOL, rtol=1e-5)
+    assert np.abs(out.logits.numpy()).max() > 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type,overrides", [
+    ("qwen3_moe", dict(num_layers=4)),  # GQA 4/2, 5 experts top-2, layer 1 dense
+    ("qwen3_moe", dict(num_layers=4, num_experts=7, num_experts_per_tok=3, norm_topk_prob=False,
+                       decoder_sparse_step=2, mlp_only_layers=(), num_heads=6, num_kv_heads=2, head_dim=12)),
+    ("gpt_oss", dict(num_layers=4)),  # window 6, sinks, YaRN, biases, 5 experts top-2
+    ("gpt_oss", dict(num_layers=3, experts_quantization="mxfp4", num_heads=8, num_kv_heads=2)),
+])
+def test_moe_target_logits_and_taps_match_transformers(model_type, overrides, tmp_path, reference):
+    directory = _write(tmp_path, model_type, **overrides)
+    layers = tuple(range(overrides["num_layers"]))
+    for seq in (5, 23):  # within the sliding window and past it
+        _assert_matches_transformers(directory, np.random.RandomState(seq).randint(0, 95, (2, seq)), layers, reference)
+
+
+@pytest.mark.slow
+def test_qwen3_moe_fused_expert_layout_loads_the_same(tmp_path):
+    """transformers' fused ``experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` and the hub's
+    per-expert tensors load to the same model; a missing expert tensor is named."""
+    directory = _write(tmp_path, "qwen3_moe", num_layers=3)
+    tensors = load_file(str(directory / "model.safetensors"))
+    fused, per_expert = {}, {}
+    for name, t in tensors.items():
+        (per_expert if ".experts." in name else fused)[name] = t
+    for layer in (0, 2):  # layer 1 is dense
+        base = f"model.layers.{layer}.mlp.experts"
+        fused[f"{base}.gate_up_proj"] = torch.stack([torch.cat([per_expert[f"{base}.{e}.gate_proj.weight"],
+                                                                per_expert[f"{base}.{e}.up_proj.weight"]])
+                                                     for e in range(5)])
+        fused[f"{base}.down_proj"] = torch.stack([per_expert[f"{base}.{e}.down_proj.weight"] for e in range(5)])
+    other = tmp_path / "fused"
+    other.mkdir()
+    (other / "config.json").write_text((directory / "config.json").read_text())
+    save_file(fused, str(other / "model.safetensors"), metadata={"format": "pt"})
+    a, b = load_target(directory), load_target(other)
+    ids = np.random.RandomState(0).randint(0, 95, (1, 9))
+    np.testing.assert_array_equal(np.asarray(target_forward(a, ids)[0]), np.asarray(target_forward(b, ids)[0]))
+
+    del tensors["model.layers.2.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight' is missing"):
+        load_target(directory)
+
+
+@pytest.mark.slow
+def test_mxfp4_checkpoint_stays_4bit_and_refuses_float_blocks(tmp_path):
+    directory = _write(tmp_path, "gpt_oss", num_layers=2, experts_quantization="mxfp4")
+    target = load_target(directory, dtype="bfloat16")
+    experts = target.layers[0].mlp.experts
+    assert experts.gate_up_proj is None and experts.gate_up_proj_blocks[...].dtype == jnp.uint8
+    assert json.loads((directory / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    tensors = load_file(str(directory / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name].float()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' has dtype F32; expected \\(U8\\)"):
+        load_target(directory)
+
+
+@pytest.mark.slow
+def test_drafter_with_yarn_on_gpt_oss_target_matches_dflash(tmp_path, reference):
+    """A drafter (YaRN RoPE, as a gpt-oss drafter's config has it) over a gpt-oss target's taps: its
+    block logits equal the authors' reference code's."""
+    from models.test_models import _reference_draft_logits
+
+    from dflash_jax import draft_logits, load_drafter
+    from dflash_jax.models.config import freeze_rope_scaling
+    from dflash_jax.tiny import write_tiny_pair
+
+    yarn = freeze_rope_scaling({"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "original_max_position_embeddings": 16, "truncate": False})
+    target_dir, drafter_dir = write_tiny_pair(tmp_path, model_type="gpt_oss", target_overrides=dict(num_layers=6),
+                                              drafter_overrides=dict(block_size=8, rope_scaling=yarn,
+                                                                     rope_theta=150000.0))
+    target, drafter = load_target(target_dir), load_drafter(drafter_dir)
+    ref_target, ref_drafter = reference.target(target_dir), reference.drafter(drafter_dir)
+    for n in (1, 7, 30):
+        ctx = np.random.RandomState(n).randint(0, 95, n).tolist()
+        ours = np.asarray(draft_logits(drafter, target, ctx, 5))
+        want = _reference_draft_logits(ref_target, ref_drafter, reference, ctx, 5, 8)
+        np.testing.assert_allclose(ours, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_sharded_moe_checkpoint_loads(tmp_path):
+    """A sharded index splitting one layer's experts over two files loads as the single file does."""
+    directory = _write(tmp_path, "gpt_oss", num_layers=2, experts_quantization="mxfp4")
+    tensors = load_file(str(directory / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    other = tmp_path / "sharded"
+    other.mkdir()
+    (other / "config.json").write_text((directory / "config.json").read_text())
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(other / file), metadata={"format": "pt"})
+    index = {"weight_map": {n: file for file, part in shards.items() for n in part}}
+    (other / "model.safetensors.index.json").write_text(json.dumps(index))
+    ids = np.random.RandomState(0).randint(0, 95, (1, 9))
+    np.testing.assert_array_equal(np.asarray(target_forward(load_target(directory), ids)[0]),
+                                  np.asarray(target_forward(load_target(other), ids)[0]))
