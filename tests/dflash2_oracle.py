@@ -91,3 +91,19 @@ def fixed_anchors(anchors, valid):
         yield
     finally:
         core.select_anchors = saved
+
+
+def numpy_select(logits, hidden, anchors, pred_book, succ_book, proj, top_k):
+    """The reference's greedy selection, transcribed: per row and slot, the unary top-k (stable:
+    ties to the lower id), scored ``unary + <pred[prev] * (h @ W), succ[c]>`` in float64, the first
+    maximum taken, and the chosen token the next slot's ``prev``."""
+    out = np.zeros(logits.shape[:2], np.int64)
+    for b in range(logits.shape[0]):
+        prev = anchors[b]
+        for s in range(logits.shape[1]):
+            cand = np.argsort(-logits[b, s], kind="stable")[:top_k]
+            ctx = pred_book[prev].astype(np.float64) * (hidden[b, s].astype(np.float64) @ proj)
+            scores = logits[b, s, cand].astype(np.float64) + succ_book[cand].astype(np.float64) @ ctx
+            prev = cand[int(np.argmax(scores))]
+            out[b, s] = prev
+    return out

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from dflash_jax import sharding
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.cache import KVCache, read_rows, read_window, write_all_layers, write_back, write_rows
+from dflash_jax.models.dflash2 import DFlash2Drafter
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 
@@ -293,7 +294,11 @@ def draft_block(
     if window is not None and window < cache.capacity:
         cache = read_window(cache, window)
     hidden = drafter.draft(target.embed(block_ids)[:, None], starts, cache, valid, ops=ops)
-    draft = greedy_argmax(drafter.logits(target, hidden[:, 0, 1:]))
+    logits = drafter.logits(target, hidden[:, 0, 1:])
+    if isinstance(drafter, DFlash2Drafter):  # a path through each slot's top-k candidates
+        draft = drafter.select(logits, hidden[:, 0, 1:], anchor)
+    else:
+        draft = greedy_argmax(logits)
     return block_ids.at[:, 1:].set(draft), valid, positions
 
 
