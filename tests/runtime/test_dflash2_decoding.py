@@ -37,6 +37,7 @@ def prompts():
     return [rs.randint(0, 95, n).tolist() for n in (5, 17, 9, 30)]
 
 
+@pytest.mark.slow
 def test_draft_block_takes_the_selectors_path(models, prompts):
     """The jitted draft step's block == the numpy transcription of the reference's selection over the
     drafter's own logits and hidden states, for a batch of rows at different positions."""
