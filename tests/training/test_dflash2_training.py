@@ -90,3 +90,50 @@ def test_training_loss_and_gradients_match_speculators(generation, weighting, ki
     for name, g in grads.items():
         scale = max(float(np.abs(want_grads[name]).max()), 1e-6)
         np.testing.assert_allclose(g, want_grads[name], atol=2e-5 * scale, rtol=1e-3, err_msg=name)
+
+
+@pytest.mark.slow
+def test_short_dflash2_run_lowers_its_loss_and_raises_tau(tmp_path):
+    """``drafter.kind: dflash2`` on the pattern target: the loss falls, the selector learns, tau rises
+    over the untrained drafter's, and the exported checkpoint is the authors' DFlash2 layout."""
+    import json
+
+    from test_training import _config, _rows
+
+    from dflash_jax.io.checkpoint import load_drafter
+    from dflash_jax.models.dflash2 import DFlash2Drafter
+    from dflash_jax.training.checkpointing import export_checkpoint
+    from dflash_jax.training.run import train
+
+    cfg = _config(tmp_path, "d2", **{"drafter.kind": "dflash2", "drafter.selector_rank": 16,
+                                     "drafter.selector_top_k": 4, "steps": 60, "eval.at_start": True,
+                                     "tensorboard": False})
+    train(cfg)
+    train_rows, eval_rows = _rows(cfg.output_dir, "train"), _rows(cfg.output_dir, "eval")
+    assert train_rows[0]["loss"] > 3.0 * train_rows[-1]["loss"], (train_rows[0]["loss"], train_rows[-1]["loss"])
+    assert train_rows[-1]["selector_acc"] > train_rows[0]["selector_acc"]
+    assert eval_rows[-1]["tau"] > eval_rows[0]["tau"] + 0.5, (eval_rows[0]["tau"], eval_rows[-1]["tau"])
+    out = export_checkpoint(cfg.output_dir, tmp_path / "export", dtype="float32")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    assert isinstance(load_drafter(out), DFlash2Drafter)
+
+
+def test_dflash2_from_a_trained_dflash_drafter_starts_as_it(tmp_path):
+    """Initialised from a DFlash drafter: every DFlash weight copied, identity convolutions, so the
+    block's hidden states (and unary logits) are the DFlash drafter's."""
+    from test_training import _config
+
+    from dflash_jax.training.run import dflash2_from_dflash
+
+    tcfg = tiny_target_config(num_layers=6)
+    base = random_drafter(tiny_drafter_config(tcfg, block_size=8), seed=4)
+    cfg = _config(tmp_path, "init", **{"drafter.kind": "dflash2", "drafter.selector_rank": 8,
+                                       "drafter.selector_top_k": 4})
+    d2 = dflash2_from_dflash(base, cfg)
+    assert d2.config.selector_rank == 8 and d2.config.block_size == base.config.block_size
+    rng = np.random.default_rng(0)
+    taps = jnp.asarray(rng.standard_normal((1, 10, 2 * tcfg.hidden_size)), jnp.float32)
+    k, v = base.context_kv(taps, jnp.arange(10)[None])
+    emb = jnp.asarray(rng.standard_normal((1, 2, 8, tcfg.hidden_size)), jnp.float32)
+    args = (emb, (10 + jnp.arange(8))[None, None].repeat(2, 1), k, v, jnp.asarray([[10, 6]]), jnp.asarray([[8, 8]]))
+    np.testing.assert_allclose(np.asarray(d2(*args)), np.asarray(base(*args)), atol=1e-5)
