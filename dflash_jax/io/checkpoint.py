@@ -24,8 +24,9 @@ from dflash_jax.models.config import (
     load_target_config,
     target_config_to_dict,
 )
-from dflash_jax.models.dflash2 import DFlash2Config, dflash2_config_to_dict
+from dflash_jax.models.dflash2 import DFlash2Config, DFlash2Drafter, dflash2_config_to_dict
 from dflash_jax.models.target import Target
+from dflash_jax.io.dflash2_checkpoint import read_other_config
 from dflash_jax.io.errors import CheckpointError, parse_dtype
 
 
@@ -240,7 +241,8 @@ def _is_training_run(directory: Path) -> bool:
 
 
 def load_drafter(path: str | Path, dtype="float32") -> Drafter:
-    """Loads a DFlash drafter from a z-lab directory (config.json + model.safetensors).
+    """Loads a DFlash drafter from a z-lab directory (config.json + model.safetensors), or a DFlash2
+    drafter from the authors' DFlash2 layout or a speculators checkpoint (``io.dflash2_checkpoint``).
 
     An Orbax training checkpoint directory (see ``dflash_jax.training``) is accepted too.
     """
@@ -256,11 +258,12 @@ def load_drafter(path: str | Path, dtype="float32") -> Drafter:
         from dflash_jax.io.orbax import load_drafter_from_orbax  # Orbax is slow to import: only when needed
 
         return load_drafter_from_orbax(directory, dtype=dtype)
-    from dflash_jax.io import dflash2_checkpoint  # DFlash2 and speculators-format drafters
-    if dflash2_checkpoint.is_other_format(directory):
-        return dflash2_checkpoint.load_any_drafter(directory, dtype=dtype)
-    config = load_drafter_config(directory)
     dt = parse_dtype(dtype)
+    dflash2 = read_other_config(directory)  # a DFlash2 drafter (the authors' or the speculators layout)
+    if dflash2 is not None:
+        config2, skipped = dflash2
+        return _populate(lambda: DFlash2Drafter(config2, dtype=dt, rngs=nnx.Rngs(0)), directory, "", dt, skipped)
+    config = load_drafter_config(directory)
     return _populate(lambda: Drafter(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "", dt)
 
 

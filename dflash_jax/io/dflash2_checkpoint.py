@@ -1,4 +1,5 @@
-"""DFlash2 drafters on disk: the authors' layout in and out, the ``speculators`` layout in.
+"""DFlash2 drafter configs on disk (``io.checkpoint.load_drafter`` / ``save_drafter`` read and write the
+tensors): the authors' layout in and out, the ``speculators`` layout in.
 
 - The authors' layout (what their DFlash2 releases publish, and what vLLM and SGLang load): the
   z-lab DFlash ``config.json`` with ``architectures: ["DFlash2DraftModel"]`` and the DFlash2
@@ -14,19 +15,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
-from flax import nnx
-
-from dflash_jax.io.checkpoint import _populate, _save
-from dflash_jax.io.errors import CheckpointError, parse_dtype
 from dflash_jax.models.config import ModelConfigError, read_config_json
-from dflash_jax.models.dflash2 import (
-    DFlash2Config,
-    DFlash2Drafter,
-    dflash2_config_from_dict,
-    dflash2_config_to_dict,
-    is_dflash2_config,
-)
+from dflash_jax.models.dflash2 import DFlash2Config, dflash2_config_from_dict, is_dflash2_config
 
 # Verifier tensors a speculators checkpoint may carry; the drafter here uses the target's own.
 SPECULATORS_VERIFIER_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
@@ -42,31 +34,16 @@ _SPECULATORS_KNOWN = frozenset({
 })
 
 
-def is_other_format(directory: Path) -> bool:
-    """Whether ``directory/config.json`` is a DFlash2 or a speculators drafter (not plain DFlash)."""
-    data = read_config_json(Path(directory) / "config.json")
-    return "speculators_model_type" in data or is_dflash2_config(data)
-
-
-def load_any_drafter(directory: str | Path, dtype="float32"):
-    """A DFlash2 drafter from either layout (``is_other_format`` said which it is not: DFlash)."""
-    directory = Path(directory)
-    data = read_config_json(directory / "config.json")
+def read_other_config(directory: Path) -> tuple[DFlash2Config, Callable[[str], bool]] | None:
+    """The config of a DFlash2 drafter in ``directory`` (authors' or speculators layout) and which
+    checkpoint tensors its loader skips; None for a DFlash drafter (the z-lab layout)."""
+    source = Path(directory) / "config.json"
+    data = read_config_json(source)
     if "speculators_model_type" in data:
-        return load_speculators_drafter(directory, dtype)
-    return load_dflash2_drafter(directory, dtype)
-
-
-def load_dflash2_drafter(path: str | Path, dtype="float32") -> DFlash2Drafter:
-    """A DFlash2 drafter from the authors' layout (config.json + model.safetensors)."""
-    directory = Path(path)
-    config = dflash2_config_from_dict(read_config_json(directory / "config.json"), str(directory / "config.json"))
-    return _build(config, directory, dtype)
-
-
-def save_dflash2_drafter(drafter: DFlash2Drafter, path: str | Path, dtype=None) -> None:
-    """Writes the authors' layout, which their code, vLLM and SGLang read."""
-    _save(drafter, dflash2_config_to_dict(drafter.config), path, "", dtype)
+        return speculators_config_from_dict(data, str(source)), lambda name: name in SPECULATORS_VERIFIER_TENSORS
+    if is_dflash2_config(data):
+        return dflash2_config_from_dict(data, str(source)), lambda name: False
+    return None
 
 
 def speculators_config_from_dict(data: dict, source: str) -> DFlash2Config:
@@ -103,18 +80,3 @@ def speculators_config_from_dict(data: dict, source: str) -> DFlash2Config:
                 num_target_layers=max(ids) + 1)
     zlab.setdefault("is_causal", False)
     return dflash2_config_from_dict(zlab, source)
-
-
-def load_speculators_drafter(path: str | Path, dtype="float32") -> DFlash2Drafter:
-    """A DFlash2 drafter from a speculators checkpoint directory."""
-    directory = Path(path)
-    source = directory / "config.json"
-    config = speculators_config_from_dict(read_config_json(source), str(source))
-    return _build(config, directory, dtype, ignored=lambda name: name in SPECULATORS_VERIFIER_TENSORS)
-
-
-def _build(config: DFlash2Config, directory: Path, dtype, ignored=lambda name: False) -> DFlash2Drafter:
-    dt = parse_dtype(dtype)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: no such directory")
-    return _populate(lambda: DFlash2Drafter(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "", dt, ignored)
