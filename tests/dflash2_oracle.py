@@ -36,6 +36,8 @@ def layer_config(cfg) -> Qwen3Config:
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
         max_position_embeddings=cfg.max_position_embeddings, attention_bias=cfg.attention_bias,
+        **(dict(layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window, use_sliding_window=True)
+           if getattr(cfg, "layer_types", ()) else {}),
     )
     tl._attn_implementation = "eager"
     return tl

@@ -4,7 +4,6 @@ greedy path against a numpy transcription of the reference's selection."""
 import dataclasses
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,6 +33,14 @@ def pair():
     return random_target(tcfg, seed=0), random_drafter(dcfg, seed=1, std=0.1)
 
 
+@pytest.fixture(scope="module")
+def oracle(pair, tmp_path_factory):
+    """speculators' DFlash2 model holding ``pair``'s weights."""
+    from dflash2_oracle import torch_model
+
+    return torch_model(pair[1], pair[0], tmp_path_factory.mktemp("oracle"))
+
+
 @pytest.mark.parametrize("taps,group", [(2, 16), (3, 8), (8, 4)])
 def test_grouped_conv_matches_speculators(taps, group):
     from dflash2_oracle import t
@@ -54,13 +61,11 @@ def test_grouped_conv_matches_speculators(taps, group):
     np.testing.assert_array_equal(np.asarray(got2)[1:], np.asarray(got)[1:])
 
 
-def test_decoder_layer_matches_speculators(pair, tmp_path):
-    from dflash2_oracle import t, torch_model
+def test_decoder_layer_matches_speculators(pair, oracle):
+    from dflash2_oracle import t
 
     torch = pytest.importorskip("torch")
-    target, drafter = pair
-    cfg = drafter.config
-    model = torch_model(drafter, target, tmp_path / "d")
+    cfg, model = pair[1].config, oracle
     rng = np.random.default_rng(0)
     n, block, hidden = 11, cfg.block_size, cfg.hidden_size
     ctx = rng.standard_normal((1, n, hidden)).astype(np.float32)
@@ -69,20 +74,19 @@ def test_decoder_layer_matches_speculators(pair, tmp_path):
     emb = model.rotary_emb(t(h), pos)
     want = model.layers[0](target_hidden=t(ctx), hidden_states=t(h), attention_mask=None, position_ids=pos,
                            position_embeddings=emb).detach().numpy()
-    layer = drafter.layers[0]
+    layer = pair[1].layers[0]
     k, v = layer.self_attn.keys_values(jnp.asarray(ctx), jnp.arange(n)[None])
     got = layer(jnp.asarray(h)[:, None], (n + jnp.arange(block))[None, None], k, v, jnp.asarray([[n]]),
                 jnp.asarray([[block]]))
     close(np.asarray(got)[0, 0], want[0])
 
 
-def test_selector_scores_match_speculators(pair, tmp_path):
-    from dflash2_oracle import t, torch_model
+def test_selector_scores_match_speculators(pair, oracle):
+    from dflash2_oracle import t
 
     torch = pytest.importorskip("torch")
-    target, drafter = pair
+    drafter, model = pair[1], oracle
     cfg = drafter.config
-    model = torch_model(drafter, target, tmp_path / "d")
     rng = np.random.default_rng(1)
     rows, vocab = 10, cfg.vocab_size
     logits = rng.standard_normal((1, rows, vocab)).astype(np.float32)
@@ -110,29 +114,28 @@ def speculators_block_logits(model, taps, ids, anchors, final_hidden):
     return hidden.numpy().reshape(len(anchors), block, -1), logits.numpy().reshape(len(anchors), block, -1)
 
 
-def test_block_logits_match_speculators(pair, tmp_path):
-    from dflash2_oracle import torch_model
-
+def compare_block_logits(target, drafter, model, ids, anchors):
+    """Our drafter's block hidden states and logits for ``anchors`` == speculators' anchored forward."""
     from dflash_jax.training import anchors as anc
 
-    target, drafter = pair
-    cfg = drafter.config
-    model = torch_model(drafter, target, tmp_path / "d")
-    seq, B = 40, cfg.block_size
-    ids = np.random.default_rng(2).integers(0, cfg.vocab_size - 1, (1, seq))
-    anchors = np.array([0, 3, 9, 20, 31])
+    cfg, B = drafter.config, drafter.config.block_size
     _, taps = target.forward(jnp.asarray(ids), tap_layers=cfg.target_layer_ids)
     final = target.forward(jnp.asarray(ids), tap_layers=(target.config.num_layers - 1,))[1]
     want_hidden, want = speculators_block_logits(model, np.asarray(taps), ids, anchors, np.asarray(final))
-
     a = jnp.asarray(anchors)[None]
     valid = jnp.ones_like(a, bool)
     ctx_lens, blk_lens = anc.attention_lengths(a, valid, B)
     embeds = target.embed(anc.block_token_ids(jnp.asarray(ids), a, valid, B, cfg.mask_token_id))
-    k, v = drafter.context_kv(taps, jnp.arange(seq)[None])
+    k, v = drafter.context_kv(taps, jnp.arange(ids.shape[1])[None])
     hidden = drafter(embeds, anc.block_positions(a, B), k, v, ctx_lens, blk_lens)
     close(np.asarray(hidden)[0], want_hidden)
     close(np.asarray(drafter.logits(target, hidden))[0], want)
+
+
+def test_block_logits_match_speculators(pair, oracle):
+    (target, drafter), model = pair, oracle
+    ids = np.random.default_rng(2).integers(0, drafter.config.vocab_size - 1, (1, 40))
+    compare_block_logits(target, drafter, model, ids, np.array([0, 3, 9, 20, 31]))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -185,9 +188,8 @@ def test_identity_convolutions_make_a_dflash_layer(pair):
     np.testing.assert_allclose(np.asarray(d2(*args)), np.asarray(d1(*args)), atol=1e-5)
 
 
-def test_checkpoint_roundtrip_and_speculators_format(pair, tmp_path):
+def test_checkpoint_roundtrip_and_speculators_format(pair, oracle, tmp_path):
     """The authors' layout out and in with equal tensors; speculators' own save_pretrained in."""
-    from dflash2_oracle import torch_model
     from flax import nnx
 
     target, drafter = pair
@@ -198,8 +200,7 @@ def test_checkpoint_roundtrip_and_speculators_format(pair, tmp_path):
                                 nnx.to_flat_state(nnx.state(back, nnx.Param))):
         assert p1 == p2
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()))
-    model = torch_model(drafter, target, tmp_path / "tmp")
-    model.save_pretrained(str(tmp_path / "spec"))
+    oracle.save_pretrained(str(tmp_path / "spec"))
     spec = load_drafter(tmp_path / "spec")
     assert isinstance(spec, DFlash2Drafter)
     assert spec.config.target_layer_ids == drafter.config.target_layer_ids
@@ -249,31 +250,16 @@ def test_unknown_tensor_is_refused(pair, tmp_path):
         load_drafter(tmp_path / "d")
 
 
+@pytest.mark.slow
 def test_sliding_window_layers_match_speculators(tmp_path):
     """Sliding layers (window 4: most anchors see a cut context) against speculators' masks."""
     from dflash2_oracle import torch_model
-
-    from dflash_jax.training import anchors as anc
 
     tcfg = tiny_target_config(num_layers=6)
     cfg = dataclasses.replace(tiny_dflash2_config(tcfg, block_size=8), layer_types=("sliding_attention",
                               "full_attention"), sliding_window=4)
     target, drafter = random_target(tcfg, seed=0), random_drafter(cfg, seed=2)
     model = torch_model(drafter, target, tmp_path / "d")
-    model.config.transformer_layer_config.layer_types = list(cfg.layer_types)
-    model.sliding_window, model.sliding_window_indices = 4, [0]
-    model.uses_sliding_window_attn = True
-    seq, B = 30, cfg.block_size
-    ids = np.random.default_rng(5).integers(0, cfg.vocab_size - 1, (1, seq))
-    anchors = np.array([1, 6, 13, 21])
-    _, taps = target.forward(jnp.asarray(ids), tap_layers=cfg.target_layer_ids)
-    final = target.forward(jnp.asarray(ids), tap_layers=(tcfg.num_layers - 1,))[1]
-    _, want = speculators_block_logits(model, np.asarray(taps), ids, anchors, np.asarray(final))
-    a = jnp.asarray(anchors)[None]
-    valid = jnp.ones_like(a, bool)
-    ctx_lens, blk_lens = anc.attention_lengths(a, valid, B)
-    embeds = target.embed(anc.block_token_ids(jnp.asarray(ids), a, valid, B, cfg.mask_token_id))
-    k, v = drafter.context_kv(taps, jnp.arange(seq)[None])
-    got = drafter.logits(target, drafter(embeds, anc.block_positions(a, B), k, v, ctx_lens, blk_lens))
-    close(np.asarray(got)[0], want)
-    assert jax.tree.leaves(got)  # computed
+    assert model.sliding_window_indices == [0] and model.sliding_window == 4
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size - 1, (1, 30))
+    compare_block_logits(target, drafter, model, ids, np.array([1, 6, 13, 21]))

@@ -68,8 +68,12 @@ def _theirs(model, target, drafter, ids, mask, *, weighting, kind, gamma=4.0, al
     return float(loss.detach()), grads
 
 
-@pytest.mark.parametrize("generation", ["dflash2", "dflash"])
-@pytest.mark.parametrize("weighting,kind", [("decay", "kl"), ("dpace", "ce")])
+@pytest.mark.parametrize("generation,weighting,kind", [
+    ("dflash2", "decay", "kl"),
+    pytest.param("dflash2", "dpace", "ce", marks=pytest.mark.slow),
+    pytest.param("dflash", "decay", "kl", marks=pytest.mark.slow),
+    pytest.param("dflash", "dpace", "ce", marks=pytest.mark.slow),
+])
 def test_training_loss_and_gradients_match_speculators(generation, weighting, kind, tmp_path):
     """Our loss with ``normalizer: slots`` (speculators divides by the supervised slots) on the same
     anchors. D-PACE with hard labels: its confidences are the label's probability here, while
