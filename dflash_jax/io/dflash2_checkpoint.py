@@ -75,8 +75,18 @@ def speculators_config_from_dict(data: dict, source: str) -> DFlash2Config:
             dflash[name] = data[name]
     zlab = {k: v for k, v in layer.items() if k not in ("architectures", "dflash_config")}
     zlab.update(architectures=["DFlash2DraftModel"], dflash_config=dflash,
-                # The speculators config does not record the target's depth: the taps bound it; the
-                # engine checks the drafter against the target it is paired with.
-                num_target_layers=max(ids) + 1)
+                num_target_layers=_verifier_depth(data, source) or max(ids) + 1)
     zlab.setdefault("is_causal", False)
     return dflash2_config_from_dict(zlab, source)
+
+
+def _verifier_depth(data: dict, source: str) -> int | None:
+    """The target's layer count, which a speculators config does not record: read from the verifier's
+    config.json when ``speculators_config.verifier.name_or_path`` is a local directory (else None: the
+    taps bound it from below, and the engine refuses a target of another depth, naming both)."""
+    verifier = (data.get("speculators_config") or {}).get("verifier") or {}
+    path = verifier.get("name_or_path") if isinstance(verifier, dict) else None
+    if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+        return None
+    layers = read_config_json(Path(path) / "config.json").get("num_hidden_layers")
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.io.checkpoint import load_drafter, save_drafter
+from dflash_jax.io.checkpoint import load_drafter, save_drafter, save_target
 from dflash_jax.models.config import DrafterConfig, ModelConfigError
 from dflash_jax.models.dflash2 import (
     DFlash2Drafter,
@@ -201,9 +201,14 @@ def test_checkpoint_roundtrip_and_speculators_format(pair, oracle, tmp_path):
         assert p1 == p2
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()))
     oracle.save_pretrained(str(tmp_path / "spec"))
+    # speculators records the verifier's path, not its depth: read from its config.json when local.
+    save_target(target, tmp_path / "target")
+    data = json.loads((tmp_path / "spec" / "config.json").read_text())
+    data["speculators_config"]["verifier"]["name_or_path"] = str(tmp_path / "target")
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(data))
     spec = load_drafter(tmp_path / "spec")
     assert isinstance(spec, DFlash2Drafter)
-    assert spec.config.target_layer_ids == drafter.config.target_layer_ids
+    assert spec.config == drafter.config
     for (p1, a), (p2, b) in zip(nnx.to_flat_state(nnx.state(drafter, nnx.Param)),
                                 nnx.to_flat_state(nnx.state(spec, nnx.Param))):
         assert p1 == p2
