@@ -141,3 +141,25 @@ def test_dflash2_from_a_trained_dflash_drafter_starts_as_it(tmp_path):
     emb = jnp.asarray(rng.standard_normal((1, 2, 8, tcfg.hidden_size)), jnp.float32)
     args = (emb, (10 + jnp.arange(8))[None, None].repeat(2, 1), k, v, jnp.asarray([[10, 6]]), jnp.asarray([[8, 8]]))
     np.testing.assert_allclose(np.asarray(d2(*args)), np.asarray(base(*args)), atol=1e-5)
+
+
+def test_chunked_dflash2_loss_equals_unchunked():
+    """``loss.loss_chunk`` scans the head, the unary and the selector sums over chunks of blocks."""
+    import dataclasses
+
+    tcfg = tiny_target_config(num_layers=6)
+    target, drafter = random_target(tcfg, seed=0), random_drafter(tiny_dflash2_config(tcfg, block_size=8), seed=1)
+    ids, mask = _greedy_batch(target)
+    logits, taps = target.forward(jnp.asarray(ids), tap_layers=drafter.config.target_layer_ids)
+    spec = StepSpec(block_size=8, mask_token_id=drafter.config.mask_token_id,
+                    target_layer_ids=drafter.config.target_layer_ids, num_anchors=6, kind="kl", weighting="dpace",
+                    compute_dtype=jnp.float32)
+    graphdef, params, rest = split_drafter(drafter)
+    anchors = jnp.asarray([[2, 5, 9, 12, 19, 30]], jnp.int32)
+    batch = {"input_ids": jnp.asarray(ids, jnp.int32), "loss_mask": jnp.asarray(mask)}
+    args = (params, graphdef, rest, target, batch, _Forward(taps, logits), anchors, jnp.ones_like(anchors, bool))
+    whole, m1 = anchored_loss(*args, spec)
+    chunked, m2 = anchored_loss(*args, dataclasses.replace(spec, loss_chunk=2))
+    np.testing.assert_allclose(float(chunked), float(whole), rtol=1e-5)
+    for key in ("selector_loss", "selector_acc", "candidate_recall", "unary_loss"):
+        np.testing.assert_allclose(float(m2[key]), float(m1[key]), rtol=1e-5, err_msg=key)
