@@ -61,6 +61,7 @@ def test_grouped_conv_matches_speculators(taps, group):
     np.testing.assert_array_equal(np.asarray(got2)[1:], np.asarray(got)[1:])
 
 
+@pytest.mark.slow
 def test_decoder_layer_matches_speculators(pair, oracle):
     from dflash2_oracle import t
 
@@ -132,6 +133,7 @@ def compare_block_logits(target, drafter, model, ids, anchors):
     close(np.asarray(drafter.logits(target, hidden))[0], want)
 
 
+@pytest.mark.slow
 def test_block_logits_match_speculators(pair, oracle):
     (target, drafter), model = pair, oracle
     ids = np.random.default_rng(2).integers(0, drafter.config.vocab_size - 1, (1, 40))
