@@ -6,6 +6,7 @@ test goes through the real loaders and the references read exactly the same file
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.io.checkpoint import save_drafter, save_target
+from dflash_jax.models.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.config import DrafterConfig, TargetConfig, default_target_layer_ids, freeze_rope_scaling
 from dflash_jax.models.target import Target
@@ -89,8 +91,19 @@ def random_target(config: TargetConfig, *, seed: int = 0, std: float = 0.2, dtyp
     return target
 
 
+def tiny_dflash2_config(target: TargetConfig, *, selector_rank: int = 8, selector_top_k: int = 4,
+                        conv_kernel_size: int = 2, conv_group_size: int = 16, **overrides) -> DFlash2Config:
+    """``tiny_drafter_config``'s drafter as a DFlash2 drafter (a small selector; 4 conv groups)."""
+    base = tiny_drafter_config(target, **overrides)
+    return DFlash2Config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                         selector_rank=selector_rank, selector_top_k=selector_top_k,
+                         conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size)
+
+
 def random_drafter(config: DrafterConfig, *, seed: int = 1, std: float = 0.2, dtype=jnp.float32) -> Drafter:
-    drafter = Drafter(config, dtype=dtype, rngs=nnx.Rngs(seed))
+    """Random weights (a DFlash2 config: random convolution kernels and selector too)."""
+    cls = DFlash2Drafter if isinstance(config, DFlash2Config) else Drafter
+    drafter = cls(config, dtype=dtype, rngs=nnx.Rngs(seed))
     _scale_params(drafter, std, seed)
     return drafter
 

@@ -25,8 +25,10 @@ from dflash_jax.models.config import (
     load_target_config,
     target_config_to_dict,
 )
+from dflash_jax.models.dflash2 import DFlash2Config, DFlash2Drafter, dflash2_config_to_dict
 from dflash_jax.models.target import Target
 from dflash_jax.io import moe_checkpoint
+from dflash_jax.io.dflash2_checkpoint import read_other_config
 from dflash_jax.io.errors import CheckpointError, parse_dtype
 
 
@@ -53,8 +55,11 @@ def _tensor_spec(path: tuple, shape: tuple[int, ...]) -> tuple[str, Convert, Con
     if leaf in ("gate_bias", "up_bias", "down_bias"):
         torch_name = ".".join(keys[:-1] + [leaf.replace("_bias", "_proj"), "bias"])
         return (torch_name, same, same)
-    if leaf in ("gate_proj", "up_proj", "down_proj", "fc", "lm_head"):  # ours [in, out]
+    if leaf in ("gate_proj", "up_proj", "down_proj", "fc", "lm_head", "kernel_projection", "hidden_projection"):
+        # ours [in, out]
         return (f"{name}.weight", lambda t: t.T, lambda x: x.T)
+    if leaf in ("base_kernel", "predecessor_codebook", "successor_codebook"):  # DFlash2: plain tensors
+        return (name, same, same)
     if leaf == "embed_tokens":
         return (f"{name}.weight", same, same)
     if leaf in ("weight", "bias", "sinks"):  # RMSNorm; a router (stored as torch's); gpt-oss attention sinks
@@ -257,7 +262,8 @@ def _is_training_run(directory: Path) -> bool:
 
 
 def load_drafter(path: str | Path, dtype="float32") -> Drafter:
-    """Loads a DFlash drafter from a z-lab directory (config.json + model.safetensors).
+    """Loads a DFlash drafter from a z-lab directory (config.json + model.safetensors), or a DFlash2
+    drafter from the authors' DFlash2 layout or a speculators checkpoint (``io.dflash2_checkpoint``).
 
     An Orbax training checkpoint directory (see ``dflash_jax.training``) is accepted too.
     """
@@ -273,8 +279,12 @@ def load_drafter(path: str | Path, dtype="float32") -> Drafter:
         from dflash_jax.io.orbax import load_drafter_from_orbax  # Orbax is slow to import: only when needed
 
         return load_drafter_from_orbax(directory, dtype=dtype)
-    config = load_drafter_config(directory)
     dt = parse_dtype(dtype)
+    dflash2 = read_other_config(directory)  # a DFlash2 drafter (the authors' or the speculators layout)
+    if dflash2 is not None:
+        config2, skipped = dflash2
+        return _populate(lambda: DFlash2Drafter(config2, dtype=dt, rngs=nnx.Rngs(0)), directory, "", dt, skipped)
+    config = load_drafter_config(directory)
     return _populate(lambda: Drafter(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "", dt)
 
 
@@ -330,8 +340,9 @@ def _save(module: nnx.Module, config: dict, path: str | Path, prefix: str, dtype
 
 def save_drafter(drafter: Drafter, path: str | Path, dtype=None) -> None:
     """Writes the z-lab format (config.json + model.safetensors), readable by the reference,
-    vLLM and SGLang."""
-    _save(drafter, drafter_config_to_dict(drafter.config), path, "", dtype)
+    vLLM and SGLang (a DFlash2 drafter: the authors' DFlash2 layout, ``io.dflash2_checkpoint``)."""
+    to_dict = dflash2_config_to_dict if isinstance(drafter.config, DFlash2Config) else drafter_config_to_dict
+    _save(drafter, to_dict(drafter.config), path, "", dtype)
 
 
 def save_target(target: Target, path: str | Path, dtype=None) -> None:

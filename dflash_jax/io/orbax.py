@@ -17,6 +17,7 @@ from flax import nnx
 
 from dflash_jax.io.errors import CheckpointError, parse_dtype
 from dflash_jax.models.config import DrafterConfig, drafter_config_from_dict, read_config_json
+from dflash_jax.models.dflash2 import DFlash2Config, DFlash2Drafter, dflash2_config_from_dict, is_dflash2_config
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.ops.rope import rope_inv_freq
 
@@ -64,7 +65,10 @@ def _resolve(path: str | Path) -> tuple[Path, int | None]:
 
 def load_drafter_config_from_run(run_dir: str | Path) -> DrafterConfig:
     path = Path(run_dir) / DRAFTER_CONFIG
-    return drafter_config_from_dict(read_config_json(path), str(path))
+    data = read_config_json(path)
+    if is_dflash2_config(data):
+        return dflash2_config_from_dict(data, str(path))
+    return drafter_config_from_dict(data, str(path))
 
 
 def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype="float32") -> Drafter:
@@ -78,7 +82,8 @@ def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype
     step = step if step is not None else path_step
     config = load_drafter_config_from_run(run_dir)
     dt = parse_dtype(dtype)
-    abstract = nnx.eval_shape(lambda: Drafter(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    cls = DFlash2Drafter if isinstance(config, DFlash2Config) else Drafter
+    abstract = nnx.eval_shape(lambda: cls(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     manager = ocp.CheckpointManager(
         run_dir / CHECKPOINTS, item_handlers={"params": ocp.StandardCheckpointHandler()}

@@ -32,20 +32,22 @@ class Drafter(nnx.Module):
             _init(rngs, (len(c.target_layer_ids) * c.hidden_size, c.hidden_size), dtype), axes=("taps", "embed")
         )
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        self.layers = nnx.List([
-            DecoderLayer(
-                c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                eps=c.rms_norm_eps, qk_norm=True, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias,
-                inv_freq=inv_freq, dtype=dtype, rngs=rngs,
-                attention_extras=dict(rope_factor=factor) if (factor := rope_attention_factor(c.rope_scaling)) != 1.0
-                else None,  # YaRN (a gpt-oss drafter's RoPE)
-            )
-            for _ in range(c.num_layers)
-        ])
+        self.layers = nnx.List([self._make_layer(inv_freq, dtype, rngs) for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         # The serving layout (``runtime.serving_params``): every layer's context K and V weights side by
         # side, ``[embed, kv_heads, layers, 2, head_dim]``, for one matmul in ``context_kv``.
         self.context_kv_proj = self.context_kv_bias = None
+
+    def _make_layer(self, inv_freq, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """One decoder layer (a drafter generation with other layers overrides this)."""
+        c = self.config
+        return DecoderLayer(
+            c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
+            eps=c.rms_norm_eps, qk_norm=True, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias,
+            inv_freq=inv_freq, dtype=dtype, rngs=rngs,
+            attention_extras=dict(rope_factor=factor) if (factor := rope_attention_factor(c.rope_scaling)) != 1.0
+            else None,  # YaRN (a gpt-oss drafter's RoPE)
+        )
 
     def fuse(self, taps: jax.Array) -> jax.Array:
         """``taps [..., n_taps * hidden]`` -> context features ``hidden_norm(fc(taps))`` ``[..., hidden]``."""

@@ -270,6 +270,9 @@ class ContinuousBatcher:
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling for {name} must be a SamplingParams, got {type(sampling).__name__}")
         sampling.check_vocab(vocab, getattr(config, "max_logprobs", 0))
+        if sampling.verify == "rejection" and getattr(self.engine.drafter, "selects_drafts", False):
+            raise ValueError(f"sampling for {name}: verify='rejection' needs drafts drawn from the drafter's "
+                             "distribution; a DFlash2 drafter's selector picks a path instead (use verify='exact')")
         generation = Generation(
             prompt_ids=prompt, max_len=min(len(prompt) + int(max_new_tokens), config.max_length),
             stop_token_ids=stops, on_tokens=on_tokens, on_finish=on_finish, stop_check=stop_check,

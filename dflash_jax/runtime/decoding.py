@@ -29,6 +29,7 @@ from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.sampling import SamplingFlags, SamplingState
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.cache import KVCache, read_rows, read_window, write_all_layers, write_back, write_rows
+from dflash_jax.models.dflash2 import DFlash2Drafter
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 
@@ -338,7 +339,11 @@ def draft_block(
         cache = read_window(cache, window)
     hidden = drafter.draft(target.embed(block_ids)[:, None], starts, cache, valid, ops=ops)
     logits = drafter.logits(target, hidden[:, 0, 1:])
-    if flags.sample:
+    if isinstance(drafter, DFlash2Drafter):
+        # A path through each slot's top-k candidates. Exact verification takes any proposal; rejection
+        # sampling needs drafts drawn from q, which the selector's path is not (the batcher refuses it).
+        draft = drafter.select(logits, hidden[:, 0, 1:], anchor)
+    elif flags.sample:
         draft = draft_tokens(logits, state.sampling, positions[:, 1:])
     else:
         draft = greedy_argmax(logits)

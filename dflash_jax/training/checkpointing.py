@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from dflash_jax.models.config import DrafterConfig, drafter_config_to_dict
+from dflash_jax.models.dflash2 import DFlash2Config, dflash2_config_to_dict
 from dflash_jax.io.checkpoint import save_drafter
 from dflash_jax.io.orbax import CHECKPOINTS, DRAFTER_CONFIG, load_drafter_from_orbax, unreadable_checkpoint
 
@@ -112,7 +113,8 @@ class Checkpointer:
 def save_drafter_config(run_dir: str | Path, config: DrafterConfig) -> None:
     path = Path(run_dir) / DRAFTER_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(drafter_config_to_dict(config), indent=2))
+    to_dict = dflash2_config_to_dict if isinstance(config, DFlash2Config) else drafter_config_to_dict
+    path.write_text(json.dumps(to_dict(config), indent=2))
 
 
 def export_checkpoint(ckpt_dir: str | Path, output: str | Path, *, step: int | None = None, dtype="bfloat16") -> Path:

@@ -65,10 +65,20 @@ class DrafterShape:
     mask_token_id: int | None = None  # a row of the target's embedding; required for a fresh drafter
     target_layer_ids: tuple[int, ...] | None = None  # None: the published rule
     init_seed: int = 0
+    # "dflash2": convolutions around every layer's attention and MLP (identity at init) and a
+    # candidate selector. With model.drafter a DFlash drafter, its weights start the DFlash2 one.
+    kind: Literal["dflash", "dflash2"] = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     def validate(self) -> None:
         if self.num_layers < 1:
             raise ValueError("drafter.num_layers must be >= 1")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"drafter.{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
             raise ValueError("drafter.block_size must be >= 2")
         if self.mask_token_id is not None and self.mask_token_id < 0:
@@ -135,8 +145,14 @@ class LossConfig:
     gamma: float | None = None  # decay exp(-(k-1)/gamma); None: 7/5/4 for B = 16/10/8
     dpace_alpha: float = 0.5
     loss_chunk: int = 0  # >0: compute head + loss over this many anchor blocks at a time (memory)
+    # "weights": divide by the sum of slot weights (decay, uniform) or the supervised blocks (dpace);
+    # "slots": by the supervised slots, as the speculators trainer does.
+    normalizer: Literal["weights", "slots"] = "weights"
+    selector_alpha: float = 1.0  # DFlash2: the selector loss's weight beside the unary loss
 
     def validate(self) -> None:
+        if not (self.selector_alpha >= 0 and math.isfinite(self.selector_alpha)):
+            raise ValueError(f"loss.selector_alpha must be a finite number >= 0, got {self.selector_alpha}")
         if self.num_anchors < 1:
             raise ValueError("loss.num_anchors must be >= 1")
         if not 0.0 < self.dpace_alpha <= 1.0:

@@ -17,6 +17,7 @@ from dflash_jax.ops.config import OpsConfig, resolve_attention_impl
 from dflash_jax.runtime.compile_cache import use_compilation_cache
 from dflash_jax.io.config import ConfigError, config_to_dict
 from dflash_jax.models.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.models.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash_jax.models.target import Target, unstack_layers
 from dflash_jax.training import parallel
 from dflash_jax.io.orbax import CheckpointError, step_dirs
@@ -47,8 +48,32 @@ def fresh_drafter_config(target: TargetConfig, config: TrainConfig) -> DrafterCo
         mask_token_id=shape.mask_token_id, target_layer_ids=tuple(ids), num_target_layers=target.num_layers,
         max_position_embeddings=target.max_position_embeddings,
     )
+    if shape.kind == "dflash2":
+        cfg = as_dflash2_config(cfg, shape)
     cfg.validate("drafter")
     return cfg
+
+
+def as_dflash2_config(cfg: DrafterConfig, shape) -> DFlash2Config:
+    """``cfg`` with the DFlash2 fields of ``drafter:`` (``shape``)."""
+    return DFlash2Config(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(DrafterConfig)},
+                         conv_kernel_size=shape.conv_kernel_size, conv_group_size=shape.conv_group_size,
+                         selector_rank=shape.selector_rank, selector_top_k=shape.selector_top_k)
+
+
+def dflash2_from_dflash(drafter, config: TrainConfig) -> DFlash2Drafter:
+    """A DFlash2 drafter that starts from a trained DFlash drafter: its every weight, identity
+    convolutions (the same function at step 0) and a fresh selector (``drafter.init_seed``)."""
+    dcfg = as_dflash2_config(drafter.config, config.drafter)
+    dcfg.validate("drafter")
+    new = DFlash2Drafter(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(config.drafter.init_seed))
+    for mine, theirs in zip(new.layers, drafter.layers):
+        for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+            nnx.update(getattr(mine, name), nnx.state(getattr(theirs, name)))
+    for name in ("hidden_norm", "norm"):
+        nnx.update(getattr(new, name), nnx.state(getattr(drafter, name)))
+    new.fc[...] = drafter.fc[...]
+    return new
 
 
 def step_spec(config: TrainConfig, dcfg: DrafterConfig) -> StepSpec:
@@ -62,6 +87,8 @@ def step_spec(config: TrainConfig, dcfg: DrafterConfig) -> StepSpec:
         gamma=config.gamma(dcfg.block_size),
         dpace_alpha=config.loss.dpace_alpha,
         loss_chunk=config.loss.loss_chunk,
+        normalizer=config.loss.normalizer,
+        selector_alpha=config.loss.selector_alpha,
         compute_dtype=_DTYPES[config.model.compute_dtype],
         ops=OpsConfig(attention=resolve_attention_impl(config.model.attention_impl)),
         seed=config.seed,
@@ -253,11 +280,14 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
     target = load_target_any(config.model.target, config.model.target_dtype)
     if config.model.drafter:
         drafter = load_drafter(config.model.drafter, dtype="float32")
+        if config.drafter.kind == "dflash2" and not isinstance(drafter, DFlash2Drafter):
+            drafter = dflash2_from_dflash(drafter, config)
     else:
         dcfg = fresh_drafter_config(target.config, config)
         from dflash_jax.models.drafter import Drafter
 
-        drafter = Drafter(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(config.drafter.init_seed))
+        cls = DFlash2Drafter if isinstance(dcfg, DFlash2Config) else Drafter
+        drafter = cls(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(config.drafter.init_seed))
     dcfg = drafter.config
     if dcfg.num_target_layers != target.config.num_layers or dcfg.vocab_size != target.config.vocab_size:
         raise ConfigError(

@@ -34,7 +34,9 @@ from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.models.target import (ScanGraph, ScanParams, Target, layers_stackable, scanned_forward,
                                       stack_layers)
 from dflash_jax.training import anchors as anc
-from dflash_jax.training.losses import LossSums, finalize, loss_sums
+from dflash_jax.models.dflash2 import DFlash2Drafter
+from dflash_jax.training.dflash2_loss import predecessor_ids, selector_metrics, selector_sums
+from dflash_jax.training.losses import finalize, loss_sums
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -61,6 +63,8 @@ class StepSpec:
     compute_dtype: Any = jnp.bfloat16
     ops: OpsConfig = XLA
     seed: int = 0
+    normalizer: str = "weights"  # "weights": as ``losses``; "slots": the number of supervised slots
+    selector_alpha: float = 1.0  # DFlash2: the selector loss's weight
 
 
 def split_drafter(drafter: nnx.Module):
@@ -147,12 +151,20 @@ def drafter_loss(
     spec: StepSpec,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The loss of the drafter ``params`` on one batch (the target's outputs already computed)."""
+    anchors, valid = anc.sample_anchors(key, batch["loss_mask"], spec.block_size, spec.num_anchors)
+    return anchored_loss(params, drafter_graphdef, drafter_rest, target, batch, fwd, anchors, valid, spec)
+
+
+def anchored_loss(
+    params, drafter_graphdef, drafter_rest, target: nnx.Module, batch: dict[str, jax.Array], fwd: _Forward,
+    anchors: jax.Array, valid: jax.Array, spec: StepSpec,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``drafter_loss`` with the anchors given: ``anchors, valid [batch, num_anchors]``."""
     ids = batch["input_ids"]
     loss_mask = batch["loss_mask"]
     segment_ids = batch.get("segment_ids")
     b, seq = ids.shape
     B = spec.block_size
-    anchors, valid = anc.sample_anchors(key, loss_mask, B, spec.num_anchors)
     labels, lmask = anc.block_labels(ids, loss_mask, segment_ids, anchors, valid, B)
     block_ids = anc.block_token_ids(ids, anchors, valid, B, spec.mask_token_id)
     positions = anc.block_positions(anchors, B)
@@ -160,10 +172,12 @@ def drafter_loss(
 
     drafter = merge_drafter(drafter_graphdef, params, drafter_rest, spec.compute_dtype)
     hidden = anchor_block_hidden(drafter, target, block_ids, positions, ctx_lens, blk_lens, fwd.taps, spec)
+    dflash2 = isinstance(drafter, DFlash2Drafter)
+    preds = predecessor_ids(ids, anchors, B) if dflash2 else None
 
     teacher_pos = anc.teacher_positions(anchors, B) if fwd.teacher_logits is not None else None
 
-    def chunk_sums(h, lab, m, tpos):
+    def chunk_sums(h, lab, m, tpos, pred):
         logits = drafter.logits(target, h)
         teacher = None
         if tpos is not None:
@@ -171,29 +185,40 @@ def drafter_loss(
             flat = tpos.reshape(bb, nn_ * BB)
             teacher = jnp.take_along_axis(fwd.teacher_logits, flat[..., None], axis=1)
             teacher = teacher.reshape(bb, nn_, BB, -1)
-        return loss_sums(
+        sums = loss_sums(
             logits, lab, m, kind=spec.kind, weighting=spec.weighting, gamma=spec.gamma,
             dpace_alpha=spec.dpace_alpha, teacher_logits=teacher,
         )
+        if pred is None:
+            return sums, None
+        # The selector's target: the unary loss's (the target's argmax when distilling).
+        goal = lab if teacher is None else jnp.argmax(teacher, axis=-1).astype(jnp.int32)
+        return sums, selector_sums(drafter.candidate_selector, logits, h, pred, goal, m, weighting=spec.weighting,
+                                   gamma=spec.gamma, dpace_alpha=spec.dpace_alpha)
 
     n = anchors.shape[1]
     if spec.loss_chunk and spec.loss_chunk < n:
         c = spec.loss_chunk
         if n % c:
             raise ValueError(f"loss.loss_chunk={c} must divide loss.num_anchors={n}")
-        xs = (_chunks(hidden, c), _chunks(labels, c), _chunks(lmask, c),
-              _chunks(teacher_pos, c) if teacher_pos is not None else None)
+        xs = tuple(_chunks(a, c) if a is not None else None for a in (hidden, labels, lmask, teacher_pos, preds))
 
         @jax.checkpoint
         def body(carry, x):
-            h, lab, m, tpos = x
-            return carry + chunk_sums(h, lab, m, tpos), None
+            return jax.tree.map(jnp.add, carry, chunk_sums(*x)), None
 
         zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(chunk_sums, *(a[0] if a is not None else None for a in xs)))
-        sums, _ = jax.lax.scan(body, LossSums(*zero), xs)
+        (sums, sel), _ = jax.lax.scan(body, zero, xs)
     else:
-        sums = chunk_sums(hidden, labels, lmask, teacher_pos)
+        sums, sel = chunk_sums(hidden, labels, lmask, teacher_pos, preds)
+    if spec.normalizer == "slots":
+        sums = sums._replace(den=jnp.sum(sums.count))
+    unary = sums.num / jnp.maximum(sums.den, 1e-6)
+    if sel is not None:
+        sums = sums._replace(num=sums.num + spec.selector_alpha * sel.num)
     loss, metrics = finalize(sums)
+    if sel is not None:
+        metrics.update(selector_metrics(sel), unary_loss=unary, selector_loss=sel.num / jnp.maximum(sums.den, 1e-6))
     metrics["valid_anchors"] = jnp.sum(valid.astype(jnp.float32)) / b
     return loss, metrics
 

@@ -1,0 +1,87 @@
+"""DFlash2 against DFlash step cost: a Qwen3-8B-shaped target, a 5-layer block-16 drafter of each
+generation (DFlash2: 2-tap convolutions in groups of 16, a rank-256 top-16 selector), random bf16 weights.
+
+Per batch size: the draft pass alone (embed, the drafter's layers, head, argmax or the selector's
+path; ``bench_engine.time_draft``) and the whole speculative step (draft + verify + commit in the
+engine's on-device loop). The convolutions and the selector should add at most 5% to the draft pass.
+
+    python3 bench/bench_dflash2.py --out bench/results/dflash2.json
+    JAX_PLATFORMS=cpu python3 bench/bench_dflash2.py --tiny --steps 2 --repeats 1   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+
+import timing
+from bench_engine import time_draft
+from dflash_jax.models.dflash2 import DFlash2Config
+from dflash_jax.runtime.engine import Engine, EngineConfig
+from dflash_jax.tiny import random_drafter, tiny_target_config
+
+
+def dflash2_twin(drafter, *, rank: int, top_k: int, taps: int, group: int):
+    """A DFlash2 drafter of ``drafter``'s shape with random weights everywhere (convolutions included)."""
+    c = drafter.config
+    cfg = DFlash2Config(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}, conv_kernel_size=taps,
+                        conv_group_size=group, selector_rank=rank, selector_top_k=top_k)
+    cfg.validate("bench")
+    return random_drafter(cfg, seed=2, std=0.02, dtype=drafter.fc.dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=16, help="steps per timed call")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rank", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas"])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
+    ap.add_argument("--out", default=None, help="JSON report")
+    args = ap.parse_args()
+
+    print(timing.device_line(), flush=True)
+    tcfg = tiny_target_config(num_layers=4) if args.tiny else timing.qwen3_8b(args.layers)
+    t0 = time.perf_counter()
+    target, dflash = timing.random_pair(tcfg)
+    group = 16 if tcfg.hidden_size % 16 == 0 else 1
+    dflash2 = dflash2_twin(dflash, rank=min(args.rank, 8) if args.tiny else args.rank,
+                           top_k=min(args.top_k, 4) if args.tiny else args.top_k, taps=2, group=group)
+    print(f"init {time.perf_counter() - t0:.1f}s; DFlash2 adds {timing.param_bytes(dflash2) / 1e9 - timing.param_bytes(dflash) / 1e9:.3f} GB "
+          "of weights", flush=True)
+
+    report = dict(config=vars(args), batches={})
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",") if b):
+        config = EngineConfig(max_batch_size=batch, max_length=args.context + 16 * (args.steps * 3 + 8),
+                              attention_impl=args.attention)
+        entry = {}
+        for name, drafter in (("dflash", dflash), ("dflash2", dflash2)):
+            engine = Engine(target, drafter, config)
+            entry[f"{name}_draft_s"] = time_draft(engine, batch, args.context, args.steps, args.repeats)
+            entry[f"{name}_step_s"], _ = timing.time_decode(engine, batch, args.context, args.steps, args.repeats)
+            del engine
+        entry["draft_overhead"] = entry["dflash2_draft_s"] / entry["dflash_draft_s"] - 1
+        entry["step_overhead"] = entry["dflash2_step_s"] / entry["dflash_step_s"] - 1
+        report["batches"][batch] = entry
+        rows.append((batch, entry))
+        timing.write_json(args.out, report)
+        print(f"batch {batch} done", flush=True)
+
+    print(f"\n{'tiny' if args.tiny else 'Qwen3-8B'} shapes, bf16, context {args.context}, 5-layer block-16 drafters; "
+          f"DFlash2: 2 taps / group {group}, selector rank {dflash2.config.selector_rank} top-{dflash2.config.selector_top_k}")
+    print("batch | DFlash draft ms | DFlash2 draft ms | draft +% (goal <= 5) | DFlash step ms | DFlash2 step ms | step +%")
+    for batch, e in rows:
+        print(f"{batch:5d} | {e['dflash_draft_s'] * 1e3:15.3f} | {e['dflash2_draft_s'] * 1e3:16.3f} | "
+              f"{100 * e['draft_overhead']:20.1f} | {e['dflash_step_s'] * 1e3:14.3f} | {e['dflash2_step_s'] * 1e3:15.3f} | "
+              f"{100 * e['step_overhead']:7.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,395 @@
+"""The DFlash2 drafter: DFlash plus in-block dynamic convolutions and a candidate selector.
+
+Each drafter layer wraps its attention and its MLP in a ``GroupedDynamicCausalConv``: the sublayer's
+input is convolved causally along the block (``conv_kernel_size`` taps, one coefficient per group of
+``conv_group_size`` channels: a base kernel plus a per-token delta projected from the normed input),
+and its output is convolved with a second kernel from the same projection. The taps run along the
+block axis only, so they never reach across a block start. Identity kernels (base tap 0 = 1, the
+rest and the projection 0) make the layer a DFlash layer.
+
+The ``CandidateSelector`` re-ranks the top-``selector_top_k`` unary candidates at each draft slot
+with a rank-``selector_rank`` bilinear term of the previous token and the slot's hidden state:
+``score(c) = unary(c) + <pred_codebook[prev] * (h @ W), succ_codebook[c]>``. Drafting walks the
+block greedily, slot after slot, each slot's ``prev`` the token chosen at the slot before (the
+anchor for slot 1): the block is drafted as a path. The walk runs over the ``K x K`` candidate
+edges, so its shapes are static and it costs ``(B - 1) * K * K * rank`` multiply-adds per row.
+
+Sliding-window layers (``layer_types``) see the context positions ``[anchor - sliding_window,
+anchor)`` plus their block (bidirectional with ``sliding_window_non_causal``, else causal), as the
+reference trainer masks them; they run the XLA attention (the kernels serve full-attention layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.models.config import DrafterConfig, ModelConfigError
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.layers import MLP, Attention, RMSNorm, _init
+from dflash_jax.ops import attention as attention_ops
+from dflash_jax.ops.cache import KVCache
+from dflash_jax.ops.config import XLA, OpsConfig
+from dflash_jax.ops.linear import dense
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlash2Config(DrafterConfig):
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    sample_from_anchor: bool = False
+    layer_types: tuple[str, ...] = ()  # empty: every layer full attention
+    sliding_window: int | None = None
+    sliding_window_non_causal: bool = True
+
+    def validate(self, source: str = "config") -> None:
+        super().validate(source)
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, name) < 1:
+                raise ModelConfigError(f"{source}: dflash_config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.conv_group_size:
+            raise ModelConfigError(f"{source}: hidden_size={self.hidden_size} is not a multiple of "
+                                   f"dflash_config.conv_group_size={self.conv_group_size}")
+        if self.conv_kernel_size > self.block_size:
+            raise ModelConfigError(f"{source}: dflash_config.conv_kernel_size={self.conv_kernel_size} exceeds "
+                                   f"block_size={self.block_size}")
+        if self.selector_top_k > self.vocab_size:
+            raise ModelConfigError(f"{source}: dflash_config.selector_top_k={self.selector_top_k} exceeds "
+                                   f"vocab_size={self.vocab_size}")
+        if self.sample_from_anchor:
+            raise ModelConfigError(f"{source}: dflash_config.sample_from_anchor=true (slot 0 drafting) is not "
+                                   "supported: the anchor is the committed bonus token here")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ModelConfigError(f"{source}: layer_types has {len(self.layer_types)} entries for "
+                                       f"num_hidden_layers={self.num_layers}")
+            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+            if bad:
+                raise ModelConfigError(f"{source}: layer_types: unknown layer type {bad[0]!r} "
+                                       f"(supported: {', '.join(LAYER_TYPES)})")
+        if self.sliding and (self.sliding_window is None or self.sliding_window < 1):
+            raise ModelConfigError(f"{source}: sliding_attention layers need sliding_window >= 1, "
+                                   f"got {self.sliding_window}")
+
+    @property
+    def sliding(self) -> bool:
+        return "sliding_attention" in self.layer_types
+
+    def layer_window(self, index: int) -> int | None:
+        """The context window of layer ``index`` (None: the whole context)."""
+        if self.layer_types and self.layer_types[index] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+
+def grouped_dynamic_conv(x: jax.Array, delta: jax.Array, base: jax.Array, group_size: int) -> jax.Array:
+    """A token-conditioned grouped causal convolution along the block axis.
+
+    ``x [..., block, hidden]``, ``delta [..., block, taps, groups]`` (per token, per group),
+    ``base [taps, hidden]`` -> ``[..., block, hidden]``:
+    ``out[s, c] = sum_{t <= s} (base[t, c] + delta[s, t, c // group_size]) * x[s - t, c]``.
+    Taps past the block's first slot read zeros: a block never sees the block before it.
+    """
+    *lead, block, hidden = x.shape
+    taps = base.shape[0]
+    groups = hidden // group_size
+    xg = x.reshape(*lead, block, groups, group_size)
+    out = jnp.zeros(xg.shape, jnp.result_type(x.dtype, delta.dtype))
+    for t in range(min(taps, block)):
+        shifted = xg if t == 0 else jnp.pad(xg, [(0, 0)] * len(lead) + [(t, 0), (0, 0), (0, 0)])[..., :block, :, :]
+        coef = base[t].astype(delta.dtype).reshape(groups, group_size) + delta[..., t, :, None]
+        out = out + shifted * coef
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+class GroupedDynamicCausalConv(nnx.Module):
+    """The input- and output-side convolutions of one sublayer, both driven by one projection of the
+    sublayer's (normed) input."""
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int, *, dtype, rngs: nnx.Rngs):
+        self.kernel_size, self.group_size, self.groups = kernel_size, group_size, hidden // group_size
+        # Identity: base tap 0 = 1, every other tap and the delta projection 0 (a DFlash layer).
+        base = jnp.zeros((2, kernel_size, hidden), dtype).at[:, 0].set(1)
+        self.base_kernel = nnx.Param(base, axes=(None, None, "embed"))
+        self.kernel_projection = nnx.Param(jnp.zeros((hidden, 2 * kernel_size * self.groups), dtype),
+                                           axes=("embed", None))
+
+    def prepare(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``x [..., block, hidden]`` -> (the convolved input, the output side's delta kernel
+        ``[..., block, taps, groups]``)."""
+        kernels = dense(x, self.kernel_projection).reshape(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return (grouped_dynamic_conv(x, kernels[..., 0, :, :], self.base_kernel[0], self.group_size),
+                kernels[..., 1, :, :])
+
+    def finish(self, y: jax.Array, delta: jax.Array) -> jax.Array:
+        """The sublayer's output ``y [..., block, hidden]`` convolved with ``prepare``'s delta kernel."""
+        return grouped_dynamic_conv(y, delta, self.base_kernel[1], self.group_size)
+
+
+class DFlash2Layer(nnx.Module):
+    """A pre-norm decoder layer with a dynamic convolution around its attention and its MLP."""
+
+    def __init__(self, c: DFlash2Config, inv_freq, *, window: int | None, block_causal: bool, dtype,
+                 rngs: nnx.Rngs):
+        self.window, self.block_causal = window, block_causal  # static
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, eps=c.rms_norm_eps, qk_norm=True,
+            bias=c.attention_bias, inv_freq=inv_freq, dtype=dtype, rngs=rngs,
+        )
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+        self.attention_conv = GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size,
+                                                       dtype=dtype, rngs=rngs)
+        self.mlp_conv = GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size,
+                                                 dtype=dtype, rngs=rngs)
+
+    def reset_convolutions(self) -> None:
+        """Both convolutions back to the identity (the DFlash-equivalent initialisation)."""
+        for conv in (self.attention_conv, self.mlp_conv):
+            conv.base_kernel[...] = jnp.zeros_like(conv.base_kernel[...]).at[:, 0].set(1)
+            conv.kernel_projection[...] = jnp.zeros_like(conv.kernel_projection[...])
+
+    def _forward(self, h: jax.Array, attend) -> jax.Array:
+        """``h [batch, blocks, block, hidden]``; ``attend(x)`` -> the attention's ``[..., heads, head_dim]``."""
+        x, delta = self.attention_conv.prepare(self.input_layernorm(h))
+        h = h + self.attention_conv.finish(self.self_attn.output(attend(x)), delta)
+        x, delta = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(x), delta)
+
+    def __call__(self, h, positions, k_ctx, v_ctx, ctx_lens, blk_lens, *, ops: OpsConfig = XLA) -> jax.Array:
+        """Training: ``h [batch, blocks, block, hidden]`` over context ``[batch, ctx, kv_heads, head_dim]``
+        (``DecoderLayer.__call__``'s arguments)."""
+        def attend(x):
+            q, k_blk, v_blk = self.self_attn.project(x, positions)
+            if self.window is not None:
+                return windowed_block_attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens,
+                                                window=self.window, causal=self.block_causal)
+            return attention_ops.block_attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens,
+                                                 causal=self.block_causal, ops=ops)
+        return self._forward(h, attend)
+
+    def cached(self, h, starts, k_cache, v_cache, blk_lens, *, ops: OpsConfig = XLA) -> jax.Array:
+        """Decoding: one block per row ``h [batch, 1, block, hidden]`` at ``starts [batch] + slot``
+        over the context cache ``[batch, capacity, kv_heads, head_dim]`` (not written)."""
+        def attend(x):
+            if self.window is None:
+                return self.self_attn.attend_cached(x, starts, k_cache, v_cache, blk_lens, ops=ops,
+                                                    causal=self.block_causal, write=False)[0]
+            positions = starts[:, None, None] + jnp.arange(x.shape[2], dtype=jnp.int32)
+            q, k_blk, v_blk = self.self_attn.project(x, positions)
+            return windowed_block_attention(q, k_cache, v_cache, starts[:, None], k_blk, v_blk, blk_lens[:, None],
+                                            window=self.window, causal=self.block_causal)
+        return self._forward(h, attend)
+
+
+def windowed_block_attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, window: int,
+                             causal: bool) -> jax.Array:
+    """``block_attention`` with each block seeing only the context positions
+    ``[ctx_lens - window, ctx_lens)`` (shapes as there). Scores and softmax in float32."""
+    batch, blocks, block, heads, head_dim = q.shape
+    kv_heads = k_ctx.shape[2]
+    qg = q.reshape(batch, blocks, block, kv_heads, heads // kv_heads, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    s_ctx = jnp.einsum("bnskgd,btkd->bnkgst", qg, k_ctx, preferred_element_type=jnp.float32) * scale
+    s_blk = jnp.einsum("bnskgd,bntkd->bnkgst", qg, k_blk, preferred_element_type=jnp.float32) * scale
+    pos = jnp.arange(k_ctx.shape[1])
+    ctx_ok = (pos[None, None] < ctx_lens[..., None]) & (pos[None, None] >= ctx_lens[..., None] - window)
+    slot = jnp.arange(block)
+    blk_ok = jnp.broadcast_to(slot[None, None, None, :] < blk_lens[..., None, None], (batch, blocks, block, block))
+    if causal:
+        blk_ok = blk_ok & (slot[None, None, None, :] <= slot[None, None, :, None])
+    ok = jnp.concatenate([jnp.broadcast_to(ctx_ok[:, :, None, :], (batch, blocks, block, k_ctx.shape[1])), blk_ok],
+                         axis=-1)[:, :, None, None]
+    scores = jnp.where(ok, jnp.concatenate([s_ctx, s_blk], axis=-1), -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.where(ok, jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
+    probs = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
+    n = k_ctx.shape[1]
+    out = jnp.einsum("bnkgst,btkd->bnskgd", probs[..., :n].astype(v_ctx.dtype), v_ctx,
+                     preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("bnkgst,bntkd->bnskgd", probs[..., n:].astype(v_blk.dtype), v_blk,
+                           preferred_element_type=jnp.float32)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+class CandidateSelector(nnx.Module):
+    """Predecessor/successor codebooks ``[vocab, rank]`` and a hidden projection ``[hidden, rank]``."""
+
+    def __init__(self, vocab: int, hidden: int, rank: int, top_k: int, *, dtype, rngs: nnx.Rngs):
+        self.top_k = top_k
+        self.predecessor_codebook = nnx.Param(_init(rngs, (vocab, rank), dtype), axes=("vocab", None))
+        self.successor_codebook = nnx.Param(_init(rngs, (vocab, rank), dtype), axes=("vocab", None))
+        self.hidden_projection = nnx.Param(_init(rngs, (hidden, rank), dtype), axes=("embed", None))
+
+    def context(self, hidden: jax.Array, predecessor_ids: jax.Array) -> jax.Array:
+        """``hidden [..., hidden]``, ``predecessor_ids [...]`` -> ``pred_codebook[prev] * (hidden @ W)``
+        ``[..., rank]``."""
+        pred = jnp.take(self.predecessor_codebook[...], predecessor_ids, axis=0)
+        return pred * dense(hidden, self.hidden_projection).astype(pred.dtype)
+
+    def score_candidates(self, unary_logits: jax.Array, hidden: jax.Array, predecessor_ids: jax.Array,
+                         candidate_ids: jax.Array) -> jax.Array:
+        """``unary_logits [..., vocab]``, ``hidden [..., hidden]``, ``predecessor_ids [...]``,
+        ``candidate_ids [..., K]`` -> the candidates' scores ``[..., K]``: unary plus transition."""
+        unary = jnp.take_along_axis(unary_logits, candidate_ids, axis=-1)
+        succ = jnp.take(self.successor_codebook[...], candidate_ids, axis=0)  # [..., K, rank]
+        transition = jnp.einsum("...r,...kr->...k", self.context(hidden, predecessor_ids), succ)
+        return unary + transition.astype(unary.dtype)
+
+    def select_path(self, unary_logits: jax.Array, hidden: jax.Array, anchor_ids: jax.Array) -> jax.Array:
+        """The greedy path through the block's candidates.
+
+        ``unary_logits [batch, n, vocab]`` and ``hidden [batch, n, hidden]`` of the draft slots
+        1..n, ``anchor_ids [batch]`` -> ``[batch, n]`` int32: at each slot the top-K unary candidate
+        (``lax.top_k``: by logit, ties to the lower token id) of highest score given the token chosen
+        at the slot before (the anchor for the first); score ties go to the higher-ranked candidate.
+        """
+        unary, cand = jax.lax.top_k(unary_logits, self.top_k)  # [b, n, K]
+        cand = cand.astype(jnp.int32)
+        proj = dense(hidden, self.hidden_projection)  # [b, n, rank]
+        pred_book, succ_book = self.predecessor_codebook[...], self.successor_codebook[...]
+        succ = jnp.take(succ_book, cand, axis=0)  # [b, n, K, rank]
+        first_ctx = jnp.take(pred_book, anchor_ids, axis=0) * proj[:, 0].astype(pred_book.dtype)
+        first = unary[:, 0] + jnp.einsum("br,bkr->bk", first_ctx, succ[:, 0]).astype(unary.dtype)
+        choice = jnp.argmax(first, axis=-1)  # [b]
+        path = [jnp.take_along_axis(cand[:, 0], choice[:, None], axis=-1)[:, 0]]
+        if unary.shape[1] > 1:
+            # Every edge (previous slot's candidate p -> this slot's candidate k) at once; the walk
+            # then only gathers the row of the previous choice.
+            ctx = jnp.take(pred_book, cand[:, :-1], axis=0) * proj[:, 1:, None].astype(pred_book.dtype)
+            edges = unary[:, 1:, None, :] + jnp.einsum("bnpr,bnkr->bnpk", ctx, succ[:, 1:]).astype(unary.dtype)
+            for slot in range(1, unary.shape[1]):
+                row = jnp.take_along_axis(edges[:, slot - 1], choice[:, None, None], axis=1)[:, 0]  # [b, K]
+                choice = jnp.argmax(row, axis=-1)
+                path.append(jnp.take_along_axis(cand[:, slot], choice[:, None], axis=-1)[:, 0])
+        return jnp.stack(path, axis=1).astype(jnp.int32)
+
+
+class DFlash2Drafter(Drafter):
+    """The DFlash drafter (context projection, target embedding and head shared) with DFlash2 layers
+    and a candidate selector; ``draft`` returns hidden states as DFlash's does and ``select`` turns
+    the block's logits into draft tokens."""
+
+    config: DFlash2Config
+    # Drafts come from the selector's path, not from sampling the drafter's distribution.
+    selects_drafts = True
+
+    def __init__(self, config: DFlash2Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self._layer_index = 0
+        super().__init__(config, dtype=dtype, rngs=rngs)
+        del self._layer_index
+        c = config
+        self.candidate_selector = CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k,
+                                                    dtype=dtype, rngs=rngs)
+
+    def _make_layer(self, inv_freq, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        c, i = self.config, self._layer_index
+        self._layer_index += 1
+        window = c.layer_window(i)
+        block_causal = c.causal if window is None else not c.sliding_window_non_causal
+        return DFlash2Layer(c, inv_freq, window=window, block_causal=block_causal, dtype=dtype, rngs=rngs)
+
+    def __call__(self, block_embeds, positions, k_ctx, v_ctx, ctx_lens, blk_lens, *, ops: OpsConfig = XLA):
+        """As ``Drafter.__call__``: final-normed hidden ``[batch, blocks, block, hidden]``."""
+        h = self._scale_embeds(block_embeds)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, k_ctx[i], v_ctx[i], ctx_lens, blk_lens, ops=ops)
+        return self.norm(h)
+
+    def draft(self, block_embeds, starts, cache: KVCache, blk_lens, *, ops: OpsConfig = XLA) -> jax.Array:
+        """As ``Drafter.draft``: final-normed hidden ``[batch, 1, block, hidden]``."""
+        h = self._scale_embeds(block_embeds)
+        for i, layer in enumerate(self.layers):
+            h = layer.cached(h, starts, cache.k[i], cache.v[i], blk_lens, ops=ops)
+        return self.norm(h)
+
+    def select(self, logits: jax.Array, hidden: jax.Array, anchor_ids: jax.Array) -> jax.Array:
+        """Draft tokens ``[batch, B - 1]`` from the block's ``logits [batch, B - 1, vocab]`` and
+        ``hidden [batch, B - 1, hidden]`` (slots 1..B-1) and ``anchor_ids [batch]``."""
+        return self.candidate_selector.select_path(logits, hidden, anchor_ids)
+
+    def reset_convolutions(self) -> None:
+        for layer in self.layers:
+            layer.reset_convolutions()
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json: the authors' DFlash2 layout (the DFlash one plus the fields below in dflash_config)
+# ----------------------------------------------------------------------------------------------
+
+ARCHITECTURE = "DFlash2DraftModel"
+_DFLASH2_FIELDS = {"conv_kernel_size": int, "conv_group_size": int, "selector_rank": int, "selector_top_k": int,
+                   "sample_from_anchor": bool, "sliding_window_non_causal": bool}
+# Every dflash_config key a DFlash2 config may hold; anything else is refused by name.
+KNOWN_DFLASH_CONFIG = frozenset({
+    "mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale", "output_multiplier",
+    "final_logit_softcapping", "causal", *_DFLASH2_FIELDS,
+})
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DFlash2Config)}
+
+
+def is_dflash2_config(data: dict) -> bool:
+    """Whether a config.json object describes a DFlash2 drafter (by architecture, or by its fields)."""
+    archs = data.get("architectures") or []
+    dflash = data.get("dflash_config") if isinstance(data.get("dflash_config"), dict) else {}
+    return ARCHITECTURE in archs or "selector_rank" in dflash or "conv_kernel_size" in dflash
+
+
+def dflash2_config_from_dict(data: dict, source: str = "config.json") -> DFlash2Config:
+    """A DFlash2 drafter config from the authors' config.json; errors name the file and field."""
+    from dflash_jax.models.config import _check, drafter_config_from_dict
+
+    dflash = data.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise ModelConfigError(f"{source}: field 'dflash_config' must be an object")
+    unknown = sorted(set(dflash) - KNOWN_DFLASH_CONFIG)
+    if unknown:
+        raise ModelConfigError(f"{source}: unknown field(s) dflash_config.{', dflash_config.'.join(unknown)} "
+                               f"(known: {', '.join(sorted(KNOWN_DFLASH_CONFIG))})")
+    # The DFlash reader refuses sliding layers; they are read here.
+    base = {k: v for k, v in data.items() if k not in ("layer_types", "sliding_window", "use_sliding_window")}
+    base["dflash_config"] = {k: v for k, v in dflash.items() if k not in _DFLASH2_FIELDS and k != "causal"}
+    common = drafter_config_from_dict(base, source)
+    fields = {}
+    for name, kind in _DFLASH2_FIELDS.items():
+        label = f"dflash_config.{name}"
+        fields[name] = _check(dflash[name], label, source, kind) if name in dflash else _DEFAULTS[name]
+    layer_types = data.get("layer_types") or ()
+    if not isinstance(layer_types, (list, tuple)):
+        raise ModelConfigError(f"{source}: field 'layer_types' must be a list")
+    window = data.get("sliding_window")
+    if window is not None:
+        window = _check(window, "sliding_window", source, int)
+    if "causal" in dflash and dflash["causal"] != common.causal:
+        raise ModelConfigError(f"{source}: dflash_config.causal={dflash['causal']!r} contradicts "
+                               f"is_causal={common.causal!r}")
+    cfg = DFlash2Config(
+        **{f.name: getattr(common, f.name) for f in dataclasses.fields(DrafterConfig)}, **fields,
+        layer_types=tuple(str(t) for t in layer_types) if any(t != "full_attention" for t in layer_types) else (),
+        sliding_window=window if "sliding_attention" in layer_types else None,
+    )
+    cfg.validate(source)
+    return cfg
+
+
+def dflash2_config_to_dict(cfg: DFlash2Config) -> dict:
+    """The authors' config.json of a DFlash2 drafter."""
+    from dflash_jax.models.config import drafter_config_to_dict
+
+    out = drafter_config_to_dict(cfg)
+    out["architectures"] = [ARCHITECTURE]
+    out["dflash_config"]["block_size"] = cfg.block_size
+    for name in _DFLASH2_FIELDS:
+        out["dflash_config"][name] = getattr(cfg, name)
+    out["layer_types"] = list(cfg.layer_types) or ["full_attention"] * cfg.num_layers
+    out["sliding_window"] = cfg.sliding_window
+    return out

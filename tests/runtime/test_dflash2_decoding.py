@@ -1,0 +1,84 @@
+"""Drafting with a DFlash2 drafter: the selector's path inside the jitted draft step, losslessness."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dflash_jax import Engine, EngineConfig, load_drafter, load_target
+from dflash_jax.models.dflash2 import DFlash2Drafter
+from dflash_jax.runtime import decoding
+from dflash_jax.runtime.serving_params import serving_drafter
+from dflash_jax.tiny import random_drafter, tiny_dflash2_config, write_copycat_pair
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The copycat pair (varied acceptance without training) with its drafter turned DFlash2:
+    random convolutions around its layers and a random selector."""
+    target_dir, drafter_dir = write_copycat_pair(tmp_path_factory.mktemp("copycat"), block_size=8)
+    target, base = load_target(target_dir), load_drafter(drafter_dir)
+    cfg = tiny_dflash2_config(target.config, **{f: getattr(base.config, f) for f in (
+        "num_layers", "block_size", "mask_token_id", "target_layer_ids", "num_heads", "num_kv_heads", "head_dim")})
+    drafter = random_drafter(dataclasses.replace(cfg, selector_top_k=6), seed=3, std=0.05)
+    for mine, theirs in zip(drafter.layers, base.layers):
+        for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+            nnx.update(getattr(mine, name), nnx.state(getattr(theirs, name)))
+    drafter.fc[...] = base.fc[...]
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rs = np.random.RandomState(0)
+    return [rs.randint(0, 95, n).tolist() for n in (5, 17, 9, 30)]
+
+
+@pytest.mark.slow
+def test_draft_block_takes_the_selectors_path(models, prompts):
+    """The jitted draft step's block == the numpy transcription of the reference's selection over the
+    drafter's own logits and hidden states, for a batch of rows at different positions."""
+    from dflash2_oracle import numpy_select
+
+    target, drafter = models
+    served = serving_drafter(drafter)
+    plen = max(map(len, prompts))
+    ids = jnp.asarray([p + [0] * (plen - len(p)) for p in prompts], jnp.int32)
+    lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    state = decoding.prefill(target, served, ids, lens, lens + 20, jnp.full((len(prompts), 1), -1, jnp.int32),
+                             capacity=64, max_steps=20, mask_token_id=drafter.config.mask_token_id)
+    B = drafter.config.block_size
+    block_ids, _, _ = jax.jit(lambda s: decoding.draft_block(target, served, s, block_size=B))(state)
+
+    anchor = np.asarray(state.tokens)[np.arange(len(prompts)), np.asarray(state.starts)]
+    first = jnp.concatenate([jnp.asarray(anchor)[:, None], jnp.full((len(prompts), B - 1),
+                                                                     drafter.config.mask_token_id)], axis=1)
+    hidden = served.draft(target.embed(first)[:, None], state.starts, state.draft_cache,
+                          jnp.full((len(prompts),), B, jnp.int32))[:, 0, 1:]
+    logits = drafter.logits(target, hidden)
+    sel = drafter.candidate_selector
+    want = numpy_select(np.asarray(logits), np.asarray(hidden), anchor, np.asarray(sel.predecessor_codebook[...]),
+                        np.asarray(sel.successor_codebook[...]), np.asarray(sel.hidden_projection[...]),
+                        drafter.config.selector_top_k)
+    np.testing.assert_array_equal(np.asarray(block_ids)[:, 1:], want)
+    np.testing.assert_array_equal(np.asarray(block_ids)[:, 0], anchor)
+
+
+@pytest.mark.slow
+def test_dflash2_speculative_output_equals_target_only_batched(models, prompts):
+    target, drafter = models
+    assert isinstance(drafter, DFlash2Drafter)
+    config = EngineConfig(max_batch_size=4, max_length=80, steps_per_sync=4)
+    spec, plain = Engine(target, drafter, config), Engine(target, None, config)
+    max_new = [40, 9, 23, 31]
+    got = spec.generate(prompts, max_new, stop_token_ids=[11])
+    want = plain.generate(prompts, max_new, stop_token_ids=[11])
+    for g, w in zip(got, want):
+        assert g.output_ids == w.output_ids
+        assert sum(g.acceptance_lengths) + 1 == len(g.output_ids)
+    assert max(a for g in got for a in g.acceptance_lengths) > 1  # drafts were accepted
+    alone = spec.generate(prompts[1:2], max_new[1:2], stop_token_ids=[11])[0]
+    assert alone.output_ids == got[1].output_ids and alone.acceptance_lengths == got[1].acceptance_lengths
