@@ -119,6 +119,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def plain(self) -> bool:
+        """Greedy on the raw logits without logprobs: what the greedy code path does (the seed is unused)."""
+        return self.greedy and not self.edits_logits and self.logprobs is None
+
+    @property
     def edits_logits(self) -> bool:
         """Whether processors 1-2 (bias, min_tokens, penalties) can change this row's logits."""
         return bool(self.logit_bias) or self.min_tokens > 0 or self.penalized
