@@ -50,7 +50,7 @@ MAX_SEED = 2**64  # seeds are unsigned 64-bit: two uint32 words of a threefry ke
 
 # Streams of keyed randomness per (seed, position): the token draw, rejection sampling's acceptance
 # uniform and its residual draw.
-_TOKEN, _ACCEPT, _RESIDUAL = 0, 1, 2
+TOKEN_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,7 +362,7 @@ def processed_logits(logits: jax.Array, temperature: jax.Array, theta: jax.Array
     return jnp.where(scaled >= theta[:, None], scaled, -jnp.inf)
 
 
-def row_keys(seeds: jax.Array, positions: jax.Array, stream: int = _TOKEN) -> jax.Array:
+def row_keys(seeds: jax.Array, positions: jax.Array, stream: int = TOKEN_STREAM) -> jax.Array:
     """Keys of ``seeds [R, 2]`` at absolute ``positions [R]``: a function of (seed, position, stream) only."""
     def one(seed, position):
         key = jax.random.wrap_key_data(seed, impl="threefry2x32")
@@ -371,13 +371,13 @@ def row_keys(seeds: jax.Array, positions: jax.Array, stream: int = _TOKEN) -> ja
     return jax.vmap(one)(seeds, positions)
 
 
-def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab: int, stream: int = _TOKEN) -> jax.Array:
+def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab: int, stream: int = TOKEN_STREAM) -> jax.Array:
     """Standard Gumbel noise ``[R, vocab]`` float32 for rows ``seeds [R, 2]`` at ``positions [R]``."""
     keys = row_keys(seeds, positions, stream)
     return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
 
 
-def uniforms(seeds: jax.Array, positions: jax.Array, stream: int = _ACCEPT) -> jax.Array:
+def uniforms(seeds: jax.Array, positions: jax.Array, stream: int = ACCEPT_STREAM) -> jax.Array:
     """One uniform in [0, 1) per row of ``seeds [R, 2]`` at ``positions [R]``."""
     keys = row_keys(seeds, positions, stream)
     return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
