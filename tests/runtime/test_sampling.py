@@ -197,6 +197,20 @@ def test_flags_compile_in_only_what_the_rows_use():
     assert flags.sample and flags.top_p and not flags.top_k and not flags.edits and flags.logprobs == 0
     assert SamplingFlags.of([SamplingParams(logprobs=2)], 20).logprobs == 20
     assert SamplingFlags.of([SamplingParams(repetition_penalty=1.1)], 20).edits
+    # Candidates for the largest top-k: above it (its survivors must fit), a power of two, at most 1024.
+    sizes = [SamplingFlags.of([SamplingParams(temperature=1.0, top_k=k)], 20).top_k_candidates for k in (50, 64, 5000)]
+    assert sizes == [64, 128, 1024]
+
+
+def test_a_top_k_above_the_candidates_gets_enough_of_them():
+    logits = np.random.RandomState(11).randn(2, 3000).astype(np.float32)
+    flags = SamplingFlags.of([SamplingParams(temperature=1.0, top_k=100, top_p=0.5)], 20)
+    theta = smp.filter_thresholds(jnp.asarray(logits), jnp.full((2,), 100, jnp.int32), jnp.full((2,), 0.5),
+                                  jnp.zeros((2,)), flags=flags, candidates=8)
+    kept = np.isfinite(np.asarray(smp.processed_logits(jnp.asarray(logits), jnp.ones((2,)), theta)))
+    for row in range(2):
+        want = _hf_warped(logits[row], 1.0, 100, 0.5, 0.0)
+        np.testing.assert_array_equal(kept[row], np.isfinite(want))
 
 
 def test_draws_match_the_processed_distribution():
