@@ -8,6 +8,10 @@ JAX picks, with the engine's settings exposed.
 
     python3 bench/bench_embedded.py --blocks 16,8,4 --out bench/results/embedded.json
     python3 bench/bench_embedded.py --attention-config min_chunk=64,num_stages=2   # cached-attention tiles
+
+Then tau with sampling (``--temperatures``, default 0.7 and 1.0; seeds 0..prompts-1) for exact and rejection
+verification at the first block size, all prompts in one batch, and whether exact verification's tokens are
+target-only sampling's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 import timing
 from dflash_jax import embedded
 from dflash_jax.runtime.engine import Engine, EngineConfig
+from dflash_jax.runtime.sampling import SamplingParams
 
 
 def generate_all(engine: Engine, prompts: list[list[int]], max_new: int, eos: list[int], repeats: int):
@@ -59,6 +64,26 @@ def measure(target, drafter, prompts, block: int, args) -> dict:
             "speedup": (t_plain / tok_slow) / (t_spec / tok_fast)}
 
 
+def sampled_tau(target, drafter, prompts, block: int, args) -> list[dict]:
+    """tau per temperature and verification mode, every prompt in one batch (seed = its index)."""
+    eos = list(target.config.eos_token_ids)
+    config = EngineConfig(max_batch_size=len(prompts), max_length=max(map(len, prompts)) + args.max_new_tokens + 8,
+                          steps_per_sync=8, block_size=block)
+    spec, plain = Engine(target, drafter, config), Engine(target, None, dataclasses.replace(config, block_size=None))
+    rows = []
+    for temperature in (float(t) for t in args.temperatures.split(",") if t):
+        exact = [SamplingParams(temperature=temperature, seed=i) for i in range(len(prompts))]
+        want = [r.output_ids for r in plain.generate(prompts, args.max_new_tokens, eos, sampling=exact)]
+        for verify in ("exact", "rejection"):
+            params = [dataclasses.replace(p, verify=verify) for p in exact]
+            out = spec.generate(prompts, args.max_new_tokens, eos, sampling=params)
+            lengths = [int(n) for r in out for n in r.acceptance_lengths]
+            rows.append({"temperature": temperature, "verify": verify, "block_size": spec.block_size,
+                         "tau": float(np.mean(lengths)),
+                         "identical_to_target_only": [r.output_ids for r in out] == want})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", default="16,8,4")
@@ -67,6 +92,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--attention-config", default="", metavar="FIELD=N,...",
                     help="EngineConfig.cached_attention_tiles (GPUs), e.g. stacked_members=1,members_per_program=2")
+    ap.add_argument("--temperatures", default="0.7,1.0", help="sampled tau at these temperatures ('' : none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     target, drafter, tok = embedded.load_default()
@@ -81,6 +107,15 @@ def main() -> None:
         print(f"{block:>5} {r['tau']:>6.2f} {r['dflash_tok_per_s']:>12.0f} {r['target_only_tok_per_s']:>12.0f} "
               f"{r['speedup']:>7.2f}x {str(r['identical']):>9}", flush=True)
         timing.write_json(args.out, rows)
+    if args.temperatures:
+        block = int(args.blocks.split(",")[0])
+        print(f"\nsampled, block {block}, {len(prompts)} prompts in one batch (seed = prompt index)")
+        print(f"{'T':>5} {'verify':>9} {'tau':>6} {'exact = target-only':>20}", flush=True)
+        for r in sampled_tau(target, drafter, prompts, block, args):
+            rows.append(dict(r, device=device))
+            same = str(r["identical_to_target_only"]) if r["verify"] == "exact" else "-"
+            print(f"{r['temperature']:>5.2f} {r['verify']:>9} {r['tau']:>6.2f} {same:>20}", flush=True)
+            timing.write_json(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -340,7 +340,7 @@ class ContinuousBatcher:
         group = [self._pending.popleft() for _ in range(admitting)]
         try:
             params = [g.sampling for g in group]
-            extra = {} if all(p == GREEDY for p in params) else {"sampling": params}
+            extra = {} if all(p.plain for p in params) else {"sampling": params}
             fresh, first = self.engine.prefill([g.prompt_ids for g in group],
                                                [g.max_len - len(g.prompt_ids) for g in group],
                                                [g.stop_token_ids for g in group], **extra)

@@ -497,7 +497,7 @@ def sampled_posterior(logits: jax.Array, state: DecodeState, block_ids: jax.Arra
     u = smp.uniforms(seeds, draft_pos).reshape(b, n - 1)
     accept = u * q_d < p_d
     residual = jnp.log(jnp.maximum(p - q, 0.0)).reshape(b * (n - 1), vocab)
-    residual = residual + smp.gumbel_noise(seeds, draft_pos, vocab, smp._RESIDUAL)
+    residual = residual + smp.gumbel_noise(seeds, draft_pos, vocab, smp.RESIDUAL_STREAM)
     resampled = greedy_argmax(residual.reshape(b, n - 1, vocab))
     rejection = jnp.concatenate([jnp.where(accept, drafts, resampled), exact[:, -1:]], axis=1)
     use = (s.rejection & (s.temperature > 0))[:, None]

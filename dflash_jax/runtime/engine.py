@@ -259,7 +259,7 @@ class Engine:
             self._drafter_def, drafter_state = nnx.split(drafter)
             self._drafter_state, self._drafter_tree = jax.tree.flatten(drafter_state)
         once = _one_shot_compiler_options()
-        self._prefill = jax.jit(self._traced(self._prefill_fn), static_argnames=("flags",), compiler_options=once)
+        self._prefill = jax.jit(self._traced(self._prefill_fn), compiler_options=once)
         self._decode = jax.jit(self._traced(self._decode_fn), donate_argnums=(2,),
                                static_argnames=("window", "fixed_steps", "flags"),
                                compiler_options=_decode_compiler_options())
@@ -312,9 +312,13 @@ class Engine:
             drafter = nnx.merge(self._drafter_def, jax.tree.unflatten(self._drafter_tree, drafter_leaves))
         return target, drafter
 
-    def _prefill_fn(self, target_state, drafter_state, ids, lens, max_lens, stop_ids, sampling, *,
-                    flags: SamplingFlags = decoding.GREEDY_FLAGS):
+    def _prefill_fn(self, target_state, drafter_state, ids, lens, max_lens, stop_ids, sampling):
+        """Every processor is compiled in: a prefill draws one token per row, a small price beside its
+        prompt, so one program per shape serves greedy and sampled rows alike (neutral parameters
+        change nothing, bit for bit: a greedy row's first token is the argmax of its raw logits)."""
         target, drafter = self._models(target_state, drafter_state)
+        flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
+                              logprobs=self.config.max_logprobs)
         # Every step commits >= 1 token, so max_length bounds the steps of any row.
         state = decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, capacity=self.capacity,
                                  max_steps=self.config.max_length, mask_token_id=self._mask_id,
@@ -500,17 +504,11 @@ class Engine:
         ``stop_token_ids``: each prompt's stop ids (at most ``max_stop_ids``). Returns the rows, for
         ``admit`` (their caches hold just the prompt bucket), and ``first [rows]``, each row's first
         generated token, a copy that stays readable after the rows are admitted. ``sampling``: each
-        prompt's ``SamplingParams`` (seeded: ``SamplingParams.with_seed``; None: all greedy). A group
-        with any sampled or processed row runs the prefill variant with every processor compiled in
-        (neutral parameters change nothing), so prefills compile twice per shape at most.
+        prompt's ``SamplingParams`` (seeded: ``SamplingParams.with_seed``; None: all greedy).
         """
         params = smp.resolve(sampling, len(prompts))
-        flags = SamplingFlags.of(params, self.config.max_logprobs)
-        if not flags.greedy:
-            flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
-                                  logprobs=self.config.max_logprobs if flags.logprobs else None)
         return self._prefill(self._target_state, self._drafter_state,
-                             *self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params), flags=flags)
+                             *self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params))
 
     def _prefill_inputs(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                         stop_token_ids: Sequence[Sequence[int]],
@@ -579,7 +577,8 @@ class Engine:
         release[list(slots)] = True
         return self._release(state, release)
 
-    def warmup(self, batch_sizes: Sequence[int] | None = None, *, threads: int | None = None) -> float:
+    def warmup(self, batch_sizes: Sequence[int] | None = None, *, threads: int | None = None,
+               sampling: Sequence[SamplingFlags] = ()) -> float:
         """Compiles everything that requests of up to ``batch_sizes`` prompts at a time run (default:
         1 and ``max_batch_size``), so no request waits for XLA once serving starts; returns the
         seconds spent.
@@ -591,12 +590,14 @@ class Engine:
         state's row count (first, so that its GEMM autotuning runs alone); then every prefill shape,
         compiled on ``threads`` threads at once (default: up to 8; XLA compiles outside the GIL); then
         the admissions of stand-ins of their outputs into the states they can join, the states resized
-        into each other, and a row of each released (a cancelled request's). No model runs.
+        into each other, and a row of each released (a cancelled request's). No model runs. ``sampling``:
+        the flags of the sampled batches to compile decode for too (``SamplingFlags.of`` of their rows'
+        parameters; each is one more decode program per row count and window).
         """
         from dflash_jax.runtime.warmup import run_warmup, warmup_plan
 
         t0 = time.perf_counter()
-        plan = warmup_plan(self, batch_sizes)
+        plan = warmup_plan(self, batch_sizes, sampling=sampling)
         decodes = [s for s in plan if s.phase == "decode"]
         prefills = [s for s in plan if s.phase == "prefill"]
         # Minutes for a large model (or on a CPU) with nothing else to show for them: say what is compiling.

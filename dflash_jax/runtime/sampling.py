@@ -47,10 +47,11 @@ import numpy as np
 
 VERIFY_MODES = ("exact", "rejection")
 MAX_SEED = 2**64  # seeds are unsigned 64-bit: two uint32 words of a threefry key
+MAX_TOP_K_CANDIDATES = 1024  # rows with a larger top-k take the whole-row sort
 
 # Streams of keyed randomness per (seed, position): the token draw, rejection sampling's acceptance
 # uniform and its residual draw.
-_TOKEN, _ACCEPT, _RESIDUAL = 0, 1, 2
+TOKEN_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +120,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def plain(self) -> bool:
+        """Greedy on the raw logits without logprobs: what the greedy code path does (the seed is unused)."""
+        return self.greedy and not self.edits_logits and self.logprobs is None
+
+    @property
     def edits_logits(self) -> bool:
         """Whether processors 1-2 (bias, min_tokens, penalties) can change this row's logits."""
         return bool(self.logit_bias) or self.min_tokens > 0 or self.penalized
@@ -160,6 +166,9 @@ class SamplingFlags:
     min_p: bool = False
     rejection: bool = False    # some sampled row verifies by rejection sampling
     logprobs: int | None = None
+    # With top-k: candidates enough for the largest top-k (a power of two above it, at most
+    # ``MAX_TOP_K_CANDIDATES``), so that a row's top-k survivors fit them.
+    top_k_candidates: int = 0
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], max_logprobs: int) -> "SamplingFlags":
@@ -170,6 +179,8 @@ class SamplingFlags:
             top_k=any(p.top_k > 0 for p in sampled), top_p=any(p.top_p < 1 for p in sampled),
             min_p=any(p.min_p > 0 for p in sampled), rejection=any(p.verify == "rejection" for p in sampled),
             logprobs=None if not asks else (max_logprobs if max(asks) > 0 else 0),
+            top_k_candidates=min(MAX_TOP_K_CANDIDATES, 1 << max((p.top_k for p in sampled), default=0).bit_length())
+            if any(p.top_k > 0 for p in sampled) else 0,
         )
 
     @property
@@ -180,12 +191,6 @@ class SamplingFlags:
     @property
     def filters(self) -> bool:
         return self.top_k or self.top_p or self.min_p
-
-    def union(self, other: "SamplingFlags") -> "SamplingFlags":
-        merged = {f.name: getattr(self, f.name) or getattr(other, f.name) for f in dataclasses.fields(self)
-                  if f.name != "logprobs"}
-        lp = [x for x in (self.logprobs, other.logprobs) if x is not None]
-        return SamplingFlags(**merged, logprobs=max(lp) if lp else None)
 
 
 @jax.tree_util.register_dataclass
@@ -281,6 +286,8 @@ def top_values(x: jax.Array, k: int, *, chunk: int = 128) -> tuple[jax.Array, ja
     at least as large, and at most k slices have one), without a top-k over the whole row, which
     XLA:GPU runs as a sort (151,936 logits per row for Qwen3). Returns ``(values, indices)``."""
     rows, vocab = x.shape
+    while chunk > 8 and -(-vocab // chunk) <= 2 * k:  # narrower slices for a larger k
+        chunk //= 2
     slices = -(-vocab // chunk)
     if slices <= 2 * k:
         values, ids = jax.lax.top_k(x, k)
@@ -324,6 +331,7 @@ def filter_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min
     whole row, computed only when some row needs it.
     """
     theta = jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype)
+    candidates = max(candidates, flags.top_k_candidates)
     if flags.top_k or flags.top_p:
         top_k = top_k if flags.top_k else jnp.zeros_like(top_k)
         top_p = top_p if flags.top_p else jnp.ones_like(top_p)
@@ -357,7 +365,7 @@ def processed_logits(logits: jax.Array, temperature: jax.Array, theta: jax.Array
     return jnp.where(scaled >= theta[:, None], scaled, -jnp.inf)
 
 
-def row_keys(seeds: jax.Array, positions: jax.Array, stream: int = _TOKEN) -> jax.Array:
+def row_keys(seeds: jax.Array, positions: jax.Array, stream: int = TOKEN_STREAM) -> jax.Array:
     """Keys of ``seeds [R, 2]`` at absolute ``positions [R]``: a function of (seed, position, stream) only."""
     def one(seed, position):
         key = jax.random.wrap_key_data(seed, impl="threefry2x32")
@@ -366,13 +374,13 @@ def row_keys(seeds: jax.Array, positions: jax.Array, stream: int = _TOKEN) -> ja
     return jax.vmap(one)(seeds, positions)
 
 
-def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab: int, stream: int = _TOKEN) -> jax.Array:
+def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab: int, stream: int = TOKEN_STREAM) -> jax.Array:
     """Standard Gumbel noise ``[R, vocab]`` float32 for rows ``seeds [R, 2]`` at ``positions [R]``."""
     keys = row_keys(seeds, positions, stream)
     return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
 
 
-def uniforms(seeds: jax.Array, positions: jax.Array, stream: int = _ACCEPT) -> jax.Array:
+def uniforms(seeds: jax.Array, positions: jax.Array, stream: int = ACCEPT_STREAM) -> jax.Array:
     """One uniform in [0, 1) per row of ``seeds [R, 2]`` at ``positions [R]``."""
     keys = row_keys(seeds, positions, stream)
     return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)

@@ -47,11 +47,13 @@ class Shape:
     rows: int
     size: int = 0
     into: int = 0
+    sampling: Any = None  # decode: the batch's ``SamplingFlags`` (None: greedy)
 
     def __str__(self) -> str:
         rows = f"{self.rows} row{'s' if self.rows > 1 else ''}"
         if self.phase == "decode":
-            return f"decode, {rows}, attention window {self.size}"
+            kind = "" if self.sampling is None else ", sampled"
+            return f"decode{kind}, {rows}, attention window {self.size}"
         if self.phase == "prefill":
             return f"prefill, {rows}, prompt bucket {self.size}"
         if self.phase == "admit":
@@ -61,12 +63,13 @@ class Shape:
         return f"release, {rows}"
 
 
-def warmup_plan(engine, batch_sizes: Sequence[int] | None = None) -> list[Shape]:
+def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: Sequence[Any] = ()) -> list[Shape]:
     """Every shape that requests of up to ``batch_sizes`` prompts at a time run (default: 1 and
     ``max_batch_size``), in the order a server meets them: a lone request's (decode on one row from
     the smallest window, its prefill by prompt bucket), then a batch's (decode on the batch's rows,
     the lone prefills admitted into it, the resizes between the states, the larger prefills), then
-    the releases."""
+    the releases. ``sampling``: ``SamplingFlags`` of sampled batches, each one more decode program per
+    state and window, after the greedy one."""
     sizes = sorted({1, engine.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
     states = sorted({engine.state_rows(size) for size in sizes})  # one row, and the batch's
     prefills = sorted({engine.prefill_rows(n) for n in range(1, max(sizes) + 1)})
@@ -74,7 +77,8 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None) -> list[Shape]
     largest = max(states)
     plan: list[Shape] = []
     for state in states:
-        plan += [Shape("decode", state, window) for window in engine.windows]
+        plan += [Shape("decode", state, window, sampling=flags) for window in engine.windows
+                 for flags in (None, *sampling)]
         if state != largest:  # one row: a lone request, prefilled alone
             for bucket in buckets:
                 plan += [Shape("prefill", 1, bucket), Shape("admit", 1, bucket, state)]
@@ -144,7 +148,8 @@ class _Runner:
             # Run for no step (a fixed loop: its serving count, on a state of free rows): the running
             # states the later phases compile for are then, as a server's, decode outputs.
             steps = None if engine.fixed_loop else 0
-            self.states[shape.rows], _ = engine.decode(self.state(shape.rows), steps, window=shape.size)
+            flags = {} if shape.sampling is None else {"sampling": shape.sampling}
+            self.states[shape.rows], _ = engine.decode(self.state(shape.rows), steps, window=shape.size, **flags)
             jax.block_until_ready(self.states[shape.rows].starts)
         elif shape.phase == "prefill":
             self.prefill(shape.rows, shape.size)

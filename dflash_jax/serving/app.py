@@ -353,7 +353,7 @@ def _submit(ctx: ServerContext, prompts: list[list[int]], max_tokens: list[int],
         reqs = ctx.scheduler.submit_all(
             [(ids, m, sink) for ids, m, sink in zip(prompts, max_tokens, sinks)], stop_token_ids=stop,
             stop_checks=[text.add for text in texts] if params.stop else None,
-            sampling=None if all(sp == P.SamplingParams() for sp in sampling) else sampling)
+            sampling=None if all(sp.plain for sp in sampling) else sampling)
     except (QueueFull, SchedulerClosed) as err:
         raise P.APIError(f"the server cannot take the request now: {err}", status=503, type="server_error",
                          code="server_overloaded" if isinstance(err, QueueFull) else "shutting_down") from None

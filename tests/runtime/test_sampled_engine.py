@@ -73,6 +73,7 @@ def test_a_row_is_the_same_alone_and_greedy_rows_are_unchanged(engines, prompts)
     assert [r.output_ids for r in batch[1:]] != [r.output_ids for r in greedy[1:]]
 
 
+@pytest.mark.slow
 def test_same_seed_same_tokens_and_other_seeds_differ(engines, prompts):
     spec, _ = engines
     params = [SamplingParams(temperature=1.0, seed=s) for s in (5, 5, 6)]
@@ -97,6 +98,7 @@ def test_logprobs_equal_the_targets_log_softmax(engines, prompts, models):
             np.testing.assert_allclose(list(top.values()), row[best], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_equal_the_targets_log_softmax(engines, prompts, models):
     spec, _ = engines
     prompt = prompts[3]

@@ -197,6 +197,20 @@ def test_flags_compile_in_only_what_the_rows_use():
     assert flags.sample and flags.top_p and not flags.top_k and not flags.edits and flags.logprobs == 0
     assert SamplingFlags.of([SamplingParams(logprobs=2)], 20).logprobs == 20
     assert SamplingFlags.of([SamplingParams(repetition_penalty=1.1)], 20).edits
+    # Candidates for the largest top-k: above it (its survivors must fit), a power of two, at most 1024.
+    sizes = [SamplingFlags.of([SamplingParams(temperature=1.0, top_k=k)], 20).top_k_candidates for k in (50, 64, 5000)]
+    assert sizes == [64, 128, 1024]
+
+
+def test_a_top_k_above_the_candidates_gets_enough_of_them():
+    logits = np.random.RandomState(11).randn(2, 3000).astype(np.float32)
+    flags = SamplingFlags.of([SamplingParams(temperature=1.0, top_k=100, top_p=0.5)], 20)
+    theta = smp.filter_thresholds(jnp.asarray(logits), jnp.full((2,), 100, jnp.int32), jnp.full((2,), 0.5),
+                                  jnp.zeros((2,)), flags=flags, candidates=8)
+    kept = np.isfinite(np.asarray(smp.processed_logits(jnp.asarray(logits), jnp.ones((2,)), theta)))
+    for row in range(2):
+        want = _hf_warped(logits[row], 1.0, 100, 0.5, 0.0)
+        np.testing.assert_array_equal(kept[row], np.isfinite(want))
 
 
 def test_draws_match_the_processed_distribution():
@@ -230,3 +244,46 @@ def test_two_stage_top_values_equal_top_k():
         np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
         np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1), np.asarray(values))
         assert all(len(set(row)) == k for row in np.asarray(ids).tolist())
+
+
+def _rejection_state(batch: int, vocab: int, seeds, temperature: float = 1.0):
+    from dflash_jax.runtime.decoding import DecodeState
+
+    arrays = smp.row_arrays([SamplingParams(temperature=temperature, seed=int(s), verify="rejection") for s in seeds],
+                            batch, vocab, [0] * batch)
+    sampling = smp.new_state({k: jnp.asarray(v) for k, v in arrays.items()}, capacity=8, max_logprobs=0)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    return DecodeState(tokens=jnp.zeros((batch, 9), jnp.int32), starts=zeros, max_lens=zeros + 8,
+                       done=jnp.zeros((batch,), bool), num_steps=zeros, accepted=jnp.zeros((batch, 8), jnp.int32),
+                       stop_ids=jnp.full((batch, 1), -1, jnp.int32), target_cache=None, draft_cache=None,
+                       sampling=sampling)
+
+
+def test_rejection_sampling_commits_the_targets_distribution():
+    """Slot 0 of a verify block by rejection sampling: the draft (drawn from q) kept with probability
+    min(1, p/q), else a draw from max(0, p - q): the committed token follows p (chi-square, p > 1e-3);
+    a drafter equal to the target has every draft accepted."""
+    from scipy import stats
+
+    from dflash_jax.runtime.decoding import sampled_posterior
+
+    n, vocab, block = 4000, 6, 2
+    rs = np.random.RandomState(10)
+    p_logits = rs.randn(vocab).astype(np.float32)
+    q_logits = rs.randn(vocab).astype(np.float32)
+    q = np.exp(q_logits - q_logits.max()) / np.exp(q_logits - q_logits.max()).sum()
+    drafts = rs.choice(vocab, size=n, p=q)
+    state = _rejection_state(n, vocab, range(n))
+    logits = jnp.broadcast_to(jnp.asarray(p_logits), (n, block, vocab))
+    block_ids = jnp.stack([jnp.zeros(n, jnp.int32), jnp.asarray(drafts, jnp.int32)], axis=1)
+    positions = jnp.tile(jnp.arange(1, block + 1), (n, 1))
+    flags = SamplingFlags(sample=True, rejection=True)
+    committed = np.asarray(sampled_posterior(logits, state, block_ids, positions, flags=flags, candidates=4,
+                                             draft_logits=jnp.broadcast_to(jnp.asarray(q_logits), (n, 1, vocab))))
+    p = torch.softmax(torch.tensor(p_logits).double(), -1).numpy()
+    assert stats.chisquare(np.bincount(committed[:, 0], minlength=vocab), p * n).pvalue > 1e-3
+    accepted = committed[:, 0] == drafts
+    assert 0 < accepted.mean() < 1
+    same = np.asarray(sampled_posterior(logits, state, block_ids, positions, flags=flags, candidates=4,
+                                        draft_logits=logits[:, :1]))
+    np.testing.assert_array_equal(same[:, 0], drafts)
