@@ -136,12 +136,14 @@ def _unused(names: list[str]) -> str:
 
 
 def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str, dtype,
-              ignored: Callable[[str], bool] = lambda name: False) -> nnx.Module:
+              ignored: Callable[[str], bool] = lambda name: False,
+              spec: Callable[[tuple, tuple[int, ...]], tuple[str, Convert, Convert]] = _tensor_spec) -> nnx.Module:
     """Builds the module abstractly, then fills every parameter from the checkpoint.
 
     Every tensor is checked in the torch layout (``[out, in]``) before it is reshaped into ours, so
     a transposed or reshaped tensor of the right size is refused; so are non-float tensors and tensors
-    of the checkpoint that no parameter uses (``ignored`` names excepted).
+    of the checkpoint that no parameter uses (``ignored`` names excepted). ``spec``: how a parameter
+    is named and laid out in torch (``_tensor_spec``'s signature).
     """
     abstract = nnx.eval_shape(module_fn)
     graphdef, state = nnx.split(abstract)
@@ -151,7 +153,7 @@ def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str,
     try:
         for path, var in nnx.to_flat_state(state):
             shape = tuple(var.get_value().shape)
-            torch_name, from_torch, to_torch = _tensor_spec(path, shape)
+            torch_name, from_torch, to_torch = spec(path, shape)
             full_name = torch_name if torch_name == "lm_head.weight" else prefix + torch_name
             if full_name not in files:
                 raise CheckpointError(f"{directory}: tensor {full_name!r} is missing from the checkpoint")
