@@ -22,8 +22,12 @@ from dflash_jax.models.config import (
     drafter_config_to_dict,
     load_drafter_config,
     load_target_config,
+    read_config_json,
     target_config_to_dict,
 )
+from dflash_jax.models.hybrid import HybridTarget
+from dflash_jax.models.hybrid_config import is_hybrid_config, load_hybrid_config
+from dflash_jax.io.hybrid_checkpoint import hybrid_ignored, hybrid_tensor_spec
 from dflash_jax.models.target import Target
 from dflash_jax.io.errors import CheckpointError, parse_dtype
 
@@ -193,9 +197,15 @@ def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str,
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
-def load_target(path: str | Path, dtype="float32") -> Target:
-    """Loads a Qwen3 / Llama target from an HF directory (config.json + safetensors)."""
+def load_target(path: str | Path, dtype="float32") -> Target | HybridTarget:
+    """Loads a Qwen3 / Llama target, or a hybrid Qwen3.5 one (``models.hybrid``), from an HF
+    directory (config.json + safetensors)."""
     directory = Path(path)
+    if is_hybrid_config(read_config_json(directory / "config.json")):
+        config = load_hybrid_config(directory)
+        dt = parse_dtype(dtype)
+        return _populate(lambda: HybridTarget(config, dtype=dt, rngs=nnx.Rngs(0)), directory, config.weight_prefix,
+                         dt, hybrid_ignored(config), spec=lambda p, s: hybrid_tensor_spec(p, s, _tensor_spec))
     config = load_target_config(directory)
     dt = parse_dtype(dtype)
     tied = (lambda name: name == "lm_head.weight") if config.tie_word_embeddings else (lambda name: False)

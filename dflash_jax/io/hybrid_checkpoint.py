@@ -1,4 +1,5 @@
-"""Reading hybrid linear-attention targets (Qwen3.5 / Qwen3.6 dense) from HF safetensors.
+"""How hybrid linear-attention targets (Qwen3.5 / Qwen3.6 dense) are named and laid out in HF
+safetensors (``io.checkpoint.load_target`` reads them).
 
 Names follow transformers: ``{prefix}layers.{i}.linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,
 in_proj_a,out_proj}.weight``, ``.conv1d.weight [conv_dim, 1, kernel]``, ``.A_log``, ``.dt_bias``,
@@ -12,22 +13,22 @@ Transformers' decoder and q/k norms scale by ``1 + weight``; ours hold ``1 + wei
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Callable
 
-from flax import nnx
+import jax
 
-from dflash_jax.io.checkpoint import Convert, _populate, _tensor_spec
-from dflash_jax.io.errors import parse_dtype
-from dflash_jax.models.hybrid import HybridTarget, Rollback
-from dflash_jax.models.hybrid_config import load_hybrid_config
-from dflash_jax.ops import gated_delta
+from dflash_jax.models.hybrid_config import HybridTargetConfig
+
+Convert = Callable[[jax.Array], jax.Array]
+Spec = Callable[[tuple, tuple[int, ...]], tuple[str, Convert, Convert]]
 
 _IGNORED_PREFIXES = ("model.visual.", "mtp.")
 _ONE_CENTRED_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "norm")
 
 
-def hybrid_tensor_spec(path: tuple, shape: tuple[int, ...]) -> tuple[str, Convert, Convert]:
-    """How the hybrid target's parameter at ``path`` (our ``shape``) is named and laid out in torch."""
+def hybrid_tensor_spec(path: tuple, shape: tuple[int, ...], dense_spec: Spec) -> tuple[str, Convert, Convert]:
+    """How the hybrid target's parameter at ``path`` (our ``shape``) is named and laid out in torch;
+    what it shares with the dense targets (attention, MLP, embedding, head) is ``dense_spec``'s."""
     keys = [str(p) for p in path]
     name = ".".join(keys)
     leaf = keys[-1]
@@ -43,23 +44,13 @@ def hybrid_tensor_spec(path: tuple, shape: tuple[int, ...]) -> tuple[str, Conver
             return (name, same, same)
     if leaf == "weight" and keys[-2] in _ONE_CENTRED_NORMS:
         return (name, lambda t: t + 1, lambda x: x - 1)
-    return _tensor_spec(path, shape)
+    return dense_spec(path, shape)
 
 
-def load_hybrid_target(path: str | Path, dtype="float32", *, chunk: int = gated_delta.DEFAULT_CHUNK,
-                       rollback: Rollback = "recompute") -> HybridTarget:
-    """Loads a ``qwen3_5`` / ``qwen3_5_text`` target from an HF directory (config.json + safetensors).
-
-    A missing, misshapen or unused tensor is a ``CheckpointError`` naming the file and the tensor.
-    """
-    directory = Path(path)
-    config = load_hybrid_config(directory)
-    dt = parse_dtype(dtype)
-
+def hybrid_ignored(config: HybridTargetConfig) -> Callable[[str], bool]:
+    """Checkpoint tensors a text-only hybrid target does not use: the vision tower, the
+    multi-token-prediction head, and a tied head's copy of the embedding table."""
     def ignored(name: str) -> bool:
         return name.startswith(_IGNORED_PREFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
 
-    def build() -> HybridTarget:
-        return HybridTarget(config, dtype=dt, rngs=nnx.Rngs(0), chunk=chunk, rollback=rollback)
-
-    return _populate(build, directory, config.weight_prefix, dt, ignored, spec=hybrid_tensor_spec)
+    return ignored

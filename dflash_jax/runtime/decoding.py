@@ -25,6 +25,7 @@ from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.cache import KVCache, read_rows, read_window, write_all_layers, write_back, write_rows
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
+from dflash_jax.runtime import recurrent_state
 
 
 @jax.tree_util.register_dataclass
@@ -172,8 +173,7 @@ def commit(
 
 def new_caches(target: Target, drafter: Drafter | None, batch: int, length: int) -> tuple[KVCache, KVCache | None]:
     """Zeroed target and drafter-context caches of ``length`` positions (no drafter: no context cache)."""
-    tc = target.config
-    target_cache = KVCache.zeros(tc.num_layers, batch, length, tc.num_kv_heads, tc.head_dim, target.embed_tokens.dtype)
+    target_cache = recurrent_state.new_target_cache(target, batch, length)
     if drafter is None:
         return target_cache, None
     dc = drafter.config
@@ -263,7 +263,7 @@ def _target_block(
 ) -> tuple[jax.Array, jax.Array | None, KVCache]:
     """``target.step`` of ``ids [batch, n]`` at ``starts``, attending to the first ``window`` cache
     positions only (None: the whole cache); returns the whole updated cache either way."""
-    if window is None or window >= cache.capacity:
+    if window is None or window >= cache.capacity or not recurrent_state.windowable(cache):
         return target.step(ids, starts, cache, **step_kwargs)
     view = read_window(cache, window)
     hidden, taps, view = target.step(ids, starts, view, **step_kwargs)
@@ -308,11 +308,12 @@ def verify_block(
     starts = state.starts
     verified, taps, target_cache = _target_block(
         target, block_ids, starts, state.target_cache, window, blk_lens=valid,
-        tap_layers=drafter.config.target_layer_ids, ops=ops,
+        tap_layers=drafter.config.target_layer_ids, ops=ops, **recurrent_state.verify_kwargs(target),
     )
     posterior = greedy_argmax(target.head(verified))
     acc = greedy_accept(block_ids[:, 1:], posterior, valid)
-    new_state, _ = commit(state, block_ids, posterior, acc)
+    new_state, produced = commit(state, block_ids, posterior, acc)
+    target_cache = recurrent_state.settle(target, target_cache, produced)
     # The verify pass produced the taps of the committed tokens: project them once for all layers.
     k, v = drafter.context_kv(taps, positions)
     draft_cache = write_all_layers(state.draft_cache, k, v, starts)
