@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 
 from dflash_jax.ops.config import XLA, OpsConfig
+from dflash_jax.models.hybrid import HybridTarget
 from dflash_jax.models.target import ScanGraph, ScanParams, Target, scanned_forward, stack_layers
 from dflash_jax.training import anchors as anc
 from dflash_jax.training.losses import LossSums, finalize, loss_sums
@@ -100,7 +101,8 @@ def split_target(target: Target, *, scan: bool = True) -> tuple[TargetGraph, Tar
     ``target`` afterwards) and run under ``lax.scan``; ``scan=False``: the plain ``nnx.split``,
     layers unrolled in the step (kept for comparisons: it compiles far more slowly at 36 layers).
     """
-    return stack_layers(target) if scan else nnx.split(target)
+    # A hybrid target's layers differ in kind (linear or full attention): they stay unrolled.
+    return stack_layers(target) if scan and not isinstance(target, HybridTarget) else nnx.split(target)
 
 
 def target_shell(graph: TargetGraph, params: TargetParams) -> Target:
