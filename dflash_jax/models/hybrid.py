@@ -140,14 +140,14 @@ class GatedDeltaNet(nnx.Module):
         return gated.reshape(o.shape[:2] + (-1,)) @ self.out_proj[...]
 
     def __call__(self, x: jax.Array, conv_state: jax.Array, state: jax.Array, lens: jax.Array, *,
-                 chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 chunk: int, ops: OpsConfig = XLA) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``x [batch, seq, hidden]`` (normed) after the states, of which the first ``lens [batch]``
         tokens are real -> the mixer's output and both states after those tokens."""
         mixed, z, g, beta = self.project(x)
         q, k, v = self.qkv(mixed, conv_state)
         g, beta = gated_delta.mask_tail(g, beta, lens)
         rule = gated_delta.recurrent_gated_delta_rule if x.shape[1] == 1 else (
-            lambda *a: gated_delta.chunk_gated_delta_rule(*a, chunk=chunk))
+            lambda *a: gated_delta.chunk_gated_delta_rule(*a, chunk=chunk, ops=ops))
         o, state = rule(q, k, v, g, beta, state)
         return self.output(o, z), gated_delta.conv_state_after(mixed, conv_state, lens), state
 
@@ -324,7 +324,7 @@ class HybridTarget(nnx.Module):
                     for key, value in entries.items():
                         record.setdefault(key, []).append(value)
                 else:
-                    out, conv[j], rec[j] = layer.linear_attn(x, conv[j], rec[j], lens, chunk=self.chunk)
+                    out, conv[j], rec[j] = layer.linear_attn(x, conv[j], rec[j], lens, chunk=self.chunk, ops=ops)
             else:
                 j, full_i = full_i, full_i + 1
                 attn_mod = layer.self_attn

@@ -23,6 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.ops.config import XLA, OpsConfig
+
 DEFAULT_CHUNK = 64  # the chunk length of transformers' and fla's chunked kernels
 
 
@@ -77,7 +79,7 @@ def _unit_lower_inverse(m: jax.Array) -> jax.Array:
 
 def chunk_gated_delta_rule(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
-    *, chunk: int = DEFAULT_CHUNK, normalize_qk: bool = True,
+    *, chunk: int = DEFAULT_CHUNK, normalize_qk: bool = True, ops: OpsConfig = XLA,
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule over a sequence, a chunk at a time (the WY form: one triangular inverse
     and a few matmuls per chunk, the state carried between chunks).
@@ -85,7 +87,8 @@ def chunk_gated_delta_rule(
     ``q, k [batch, seq, heads, dk]`` (heads already repeated to the value heads), ``v [batch, seq,
     heads, dv]``, ``g, beta [batch, seq, heads]``, ``state [batch, heads, dk, dv]`` float32 ->
     ``(o [batch, seq, heads, dv]`` in ``v``'s dtype, the final state float32). ``normalize_qk``:
-    L2-normalise q and k first (Qwen3.5 always does).
+    L2-normalise q and k first (Qwen3.5 always does). With the kernels on (``ops``) and dims it
+    takes, the Pallas kernel (``kernels_pallas.gated_delta``); else this function's jnp.
     """
     out_dtype = v.dtype
     if normalize_qk:
@@ -93,6 +96,11 @@ def chunk_gated_delta_rule(
     q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
     batch, seq, heads, dk = k.shape
     dv = v.shape[-1]
+    if ops.kernels:
+        from kernels_pallas.gated_delta import chunk_gated_delta, chunk_gated_delta_supported
+
+        if chunk_gated_delta_supported(dk, dv, chunk):
+            return _by_kernel(chunk_gated_delta, q, k, v, g, beta, state, chunk, out_dtype)
     chunk = min(chunk, seq)
     pad = -seq % chunk
     if pad:  # padded slots: g = beta = 0, q = k = v = 0 (no effect on the state or the outputs)
@@ -128,6 +136,16 @@ def chunk_gated_delta_rule(
     o = jnp.moveaxis(o, 2, 3)  # [n, batch, chunk, heads, dv]
     o = jnp.moveaxis(o, 0, 1).reshape(batch, n * chunk, heads, dv)[:, :seq]
     return o.astype(out_dtype), state
+
+
+def _by_kernel(kernel, q, k, v, g, beta, state, chunk, out_dtype):
+    """The chunked rule by ``kernel`` (heads-major inputs, the sequence padded to whole chunks with
+    tokens that change nothing)."""
+    seq = k.shape[1]
+    pad = -seq % chunk
+    heads_major = lambda x: jnp.moveaxis(jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)), 1, 2)  # noqa: E731
+    o, state = kernel(*(heads_major(x) for x in (q, k, v, g, beta)), state, chunk=chunk)
+    return jnp.moveaxis(o, 2, 1)[:, :seq].astype(out_dtype), state
 
 
 def recurrent_gated_delta_rule(
