@@ -10,9 +10,10 @@ they were and attaches the block's record to the cache; ``settle`` then advances
 by exactly its accepted tokens (``runtime.recurrent_state``). Two ways to settle
 (``HybridTarget.rollback``):
 
-- ``"recompute"``: the record holds the block's convolution inputs and gated-delta inputs; the
-  state after ``n`` tokens is recomputed from the state before the block, the slots past ``n``
-  masked (``ops.gated_delta.mask_tail``: no decay, no write), in one chunk;
+- ``"recompute"``: the verify block runs as one chunk (``ops.gated_delta.gated_delta_block``) and
+  the record holds its per-token terms (keys, cumulative decays, corrected values); the state after
+  ``n`` tokens is recomputed from the state before the block as one masked sum over them
+  (``state_after``: a matmul per head, no second pass);
 - ``"per_position"``: the verify pass runs the recurrent form and keeps the state after every slot
   ``[batch, block, heads, dk, dv]``; settling selects slot ``n - 1``.
 
@@ -53,18 +54,16 @@ Rollback = Literal["recompute", "per_position"]
 class BlockRecord:
     """What a deferred verify pass keeps to settle each linear layer's state (per linear layer).
 
-    ``recompute``: ``mixed [batch, block, conv_dim]`` (the convolution's inputs) and the gated-delta
-    inputs ``q, k [batch, block, heads, dk]``, ``v [batch, block, heads, dv]``, ``g, beta [batch,
-    block, heads]``. ``per_position``: ``mixed`` and ``states [batch, block, heads, dk, dv]``; the
-    others empty tuples.
+    ``mixed [batch, block, conv_dim]``: the convolution's inputs. ``recompute``: the block's terms
+    (``ops.gated_delta.gated_delta_block``) ``k [batch, heads, block, dk]``, ``gc [batch, heads,
+    block]``, ``v_new [batch, heads, block, dv]``. ``per_position``: ``states [batch, block, heads,
+    dk, dv]``. The other fields are empty tuples.
     """
 
     mixed: tuple[jax.Array, ...]
-    q: tuple[jax.Array, ...] = ()
     k: tuple[jax.Array, ...] = ()
-    v: tuple[jax.Array, ...] = ()
-    g: tuple[jax.Array, ...] = ()
-    beta: tuple[jax.Array, ...] = ()
+    gc: tuple[jax.Array, ...] = ()
+    v_new: tuple[jax.Array, ...] = ()
     states: tuple[jax.Array, ...] = ()
 
 
@@ -160,8 +159,8 @@ class GatedDeltaNet(nnx.Module):
         if rollback == "per_position":
             o, states = gated_delta.recurrent_gated_delta_rule(q, k, v, g, beta, state, all_states=True)
             return self.output(o, z), dict(mixed=mixed, states=states)
-        o, _ = gated_delta.chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=chunk)
-        return self.output(o, z), dict(mixed=mixed, q=q, k=k, v=v, g=g, beta=beta)
+        o, (k, gc, v_new) = gated_delta.gated_delta_block(q, k, v, g, beta, state)
+        return self.output(o, z), dict(mixed=mixed, k=k, gc=gc, v_new=v_new)
 
 
 class GatedAttention(nnx.Module):
@@ -290,13 +289,8 @@ class HybridTarget(nnx.Module):
 
             recurrent = tuple(pick(s, b) for s, b in zip(record.states, cache.recurrent))
         else:
-            recurrent = []
-            for i, before in enumerate(cache.recurrent):
-                g, beta = gated_delta.mask_tail(record.g[i], record.beta[i], lens)
-                _, after = gated_delta.chunk_gated_delta_rule(record.q[i], record.k[i], record.v[i], g, beta,
-                                                              before, chunk=self.chunk)
-                recurrent.append(after)
-            recurrent = tuple(recurrent)
+            recurrent = tuple(gated_delta.state_after(before, k, gc, v_new, lens)
+                              for before, k, gc, v_new in zip(cache.recurrent, record.k, record.gc, record.v_new))
         return HybridCache(cache.kv, conv, recurrent)
 
     # -- forward passes ------------------------------------------------------------------------

@@ -112,30 +112,72 @@ def chunk_gated_delta_rule(
         x = x.reshape((batch, n, chunk, heads) + x.shape[3:])
         return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
 
-    q = chunks(q) * (dk ** -0.5)
-    k, v, g, beta = chunks(k), chunks(v), chunks(g), chunks(beta)
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    g = jnp.cumsum(g, axis=-1)  # [n, batch, heads, chunk]
-    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
-    decay = jnp.where(lower, jnp.exp(jnp.where(lower, g[..., :, None] - g[..., None, :], 0.0)), 0.0)
-    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-    t = _unit_lower_inverse(jnp.where(strict, jnp.einsum("...id,...jd->...ij", k_beta, k) * decay, 0.0))
-    u = t @ v_beta  # the chunk's values, corrected for the writes within it
-    w = t @ (k_beta * jnp.exp(g)[..., None])  # what the state carried in contributes to them
+    terms = _chunk_terms(*(chunks(x) for x in (q, k, v, g, beta)))
 
     def body(s, xs):
-        q_i, k_i, u_i, w_i, g_i, decay_i = xs
-        v_new = u_i - w_i @ s
-        scores = jnp.where(lower, jnp.einsum("...id,...jd->...ij", q_i, k_i) * decay_i, 0.0)
-        o = (q_i * jnp.exp(g_i)[..., None]) @ s + scores @ v_new
-        last = g_i[..., -1:]
-        s = s * jnp.exp(last)[..., None] + jnp.einsum("...cd,...ce->...de", k_i * jnp.exp(last - g_i)[..., None], v_new)
+        s, o, _ = _chunk_step(s, *xs)
         return s, o
 
-    state, o = jax.lax.scan(body, state.astype(jnp.float32), (q, k, u, w, g, decay))
+    state, o = jax.lax.scan(body, state.astype(jnp.float32), terms)
     o = jnp.moveaxis(o, 2, 3)  # [n, batch, chunk, heads, dv]
     o = jnp.moveaxis(o, 0, 1).reshape(batch, n * chunk, heads, dv)[:, :seq]
     return o.astype(out_dtype), state
+
+
+def _chunk_terms(q, k, v, g, beta):
+    """What a chunk's step needs that does not depend on the state carried in, for chunks
+    ``q, k [..., c, dk]``, ``v [..., c, dv]``, ``g, beta [..., c]`` float32 (q, k normalised):
+    ``(q scaled, k, u, w, gc, scores)`` with ``gc`` the cumulative log decay, ``u`` the chunk's
+    values corrected for the writes within it, ``w`` what the carried state contributes to them."""
+    c = k.shape[-2]
+    q = q * (k.shape[-1] ** -0.5)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    gc = jnp.cumsum(g, axis=-1)
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, gc[..., :, None] - gc[..., None, :], 0.0)), 0.0)
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    t = _unit_lower_inverse(jnp.where(strict, jnp.einsum("...id,...jd->...ij", k_beta, k) * decay, 0.0))
+    scores = jnp.where(lower, jnp.einsum("...id,...jd->...ij", q, k) * decay, 0.0)
+    return q, k, t @ v_beta, t @ (k_beta * jnp.exp(gc)[..., None]), gc, scores
+
+
+def _chunk_step(s, q, k, u, w, gc, scores):
+    """One chunk over the state ``s [..., dk, dv]`` -> the state after it, the chunk's outputs and
+    its corrected values ``v_new [..., c, dv]`` (what it writes)."""
+    v_new = u - w @ s
+    o = (q * jnp.exp(gc)[..., None]) @ s + scores @ v_new
+    last = gc[..., -1:]
+    s = s * jnp.exp(last)[..., None] + jnp.einsum("...cd,...ce->...de", k * jnp.exp(last - gc)[..., None], v_new)
+    return s, o, v_new
+
+
+def gated_delta_block(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
+    *, normalize_qk: bool = True,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """A verify block (shapes as ``chunk_gated_delta_rule``'s) as one chunk, the state left as it
+    was: ``o`` and the block's terms ``(k, gc, v_new)`` from which ``state_after`` gives the state
+    after any prefix of it. Token ``j``'s write ``v_new[j]`` depends only on tokens ``<= j``, so
+    the prefix's state is the same sum cut at its length: no second pass over the block."""
+    out_dtype = v.dtype
+    if normalize_qk:
+        q, k = l2_normalize(q), l2_normalize(k)
+    heads_major = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 2)  # noqa: E731
+    terms = _chunk_terms(*(heads_major(x) for x in (q, k, v, g, beta)))
+    _, o, v_new = _chunk_step(state.astype(jnp.float32), *terms)
+    return jnp.moveaxis(o, 2, 1).astype(out_dtype), (terms[1], terms[4], v_new)
+
+
+def state_after(state: jax.Array, k: jax.Array, gc: jax.Array, v_new: jax.Array, lens: jax.Array) -> jax.Array:
+    """The state after the first ``lens [batch]`` tokens of a ``gated_delta_block`` (its terms
+    ``k [batch, heads, block, dk]``, ``gc [batch, heads, block]``, ``v_new [batch, heads, block,
+    dv]``) from the ``state`` before it: ``state * exp(gc[n-1]) + sum_{j<n} exp(gc[n-1] - gc[j]) k_j v_new_j^T``."""
+    block = k.shape[-2]
+    last = jnp.take_along_axis(gc, jnp.clip(lens - 1, 0, block - 1)[:, None, None], axis=-1)  # [batch, heads, 1]
+    last = jnp.where((lens > 0)[:, None, None], last, 0.0)
+    keep = jnp.arange(block)[None, None, :] < lens[:, None, None]
+    weight = jnp.where(keep, jnp.exp(jnp.where(keep, last - gc, 0.0)), 0.0)
+    return state * jnp.exp(last)[..., None] + jnp.einsum("bhcd,bhce->bhde", k * weight[..., None], v_new)
 
 
 def _by_kernel(kernel, q, k, v, g, beta, state, chunk, out_dtype):

@@ -48,7 +48,7 @@ def test_chunked_and_recurrent_forms_match_transformers(seq, chunk):
 
 def test_masked_tail_leaves_the_state_after_the_prefix():
     """A block with its slots past n masked ends in the state after its first n tokens, per row,
-    in both forms; the recurrent form's per-slot states are those prefixes' states."""
+    in both forms; the recurrent form's per-slot states and one block's terms give the same."""
     q, k, v, g, beta, state = map(jnp.asarray, _inputs(3, seq=9))
     lens = jnp.asarray([0, 6])
     gm, bm = gated_delta.mask_tail(g, beta, lens)
@@ -59,6 +59,13 @@ def test_masked_tail_leaves_the_state_after_the_prefix():
                                                    state[1:], chunk=4)
     np.testing.assert_allclose(np.asarray(masked[1]), np.asarray(prefix[0]), atol=ATOL)
     np.testing.assert_allclose(np.asarray(every[1, 5]), np.asarray(prefix[0]), atol=ATOL)
+    # One block's terms give the state after any prefix, and the block's outputs are the rule's.
+    o_block, terms = jax.jit(gated_delta.gated_delta_block)(q, k, v, g, beta, state)
+    o_full, _ = _chunked(q, k, v, g, beta, state, chunk=4)
+    np.testing.assert_allclose(np.asarray(o_block), np.asarray(o_full), atol=ATOL)
+    after = jax.jit(gated_delta.state_after)(state, *terms, lens)
+    np.testing.assert_allclose(np.asarray(after[0]), np.asarray(state[0]), atol=0)
+    np.testing.assert_allclose(np.asarray(after[1]), np.asarray(prefix[0]), atol=ATOL)
 
 
 def test_causal_conv_and_its_state_match_torch_conv1d():
