@@ -36,8 +36,9 @@ def _drafter(target, block_size=BLOCK):
 
 def _greedy(ref, prompt, n):
     with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
+        ids = torch.tensor([prompt])  # an explicit mask: no prompt token is taken for padding
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
@@ -92,3 +93,46 @@ def test_speculative_equals_target_only_equals_transformers(model):
     assert [r.output_ids for r in only] == want
     spec = generate(target, _drafter(target), prompts, 12)
     assert [r.output_ids for r in spec] == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rollback", ["recompute", "per_position"])
+def test_multi_step_decoding_with_varied_acceptance_equals_transformers(model, rollback):
+    """Steps of the jitted verify pass with proposals right up to an offset that changes per row and
+    per step (every offset 0 .. B-1 comes up, rows of mixed lengths, a shorter last block): the
+    committed text is transformers' greedy output."""
+    directory, ref = model
+    target = load_target(directory)
+    target.rollback = rollback
+    drafter = _drafter(target)
+    vocab, new = target.config.vocab_size, 14
+    rng = np.random.RandomState(3)
+    lens = np.array([5, 9, 3, 12])
+    prompts = [list(rng.randint(0, vocab, n)) for n in lens]
+    cont = [_greedy(ref, p, new + BLOCK) for p in prompts]
+    plen = int(lens.max())
+    ids = np.array([p + [0] * (plen - len(p)) for p in prompts])
+    max_lens = lens + new
+    state = decoding.prefill(target, drafter, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(max_lens),
+                             jnp.full((4, 1), -1, jnp.int32), capacity=48, max_steps=new,
+                             mask_token_id=drafter.config.mask_token_id)
+    state = decoding.scatter_rows(
+        decoding.empty_state(target, drafter, 4, capacity=48, max_steps=new, n_stop=1), state, jnp.arange(4))
+    verify = jax.jit(lambda s, b, valid, pos: decoding.verify_block(target, drafter, s, b, valid, pos))
+    offsets_seen = set()
+    for step in range(new):
+        if bool(np.all(np.asarray(state.done))):
+            break
+        starts = np.asarray(state.starts)
+        block = []
+        for r in range(4):
+            at, m = starts[r] - lens[r], (3 * step + r) % BLOCK
+            offsets_seen.add(m)
+            block.append([cont[r][at + j] if j <= m else (cont[r][at + j] + 1) % vocab for j in range(BLOCK)])
+        valid = np.clip(max_lens - starts, 1, BLOCK)
+        state = verify(state, jnp.asarray(block), jnp.asarray(valid, jnp.int32),
+                       jnp.asarray(starts[:, None] + np.arange(BLOCK), jnp.int32))
+    assert bool(np.all(np.asarray(state.done))) and offsets_seen == set(range(BLOCK))
+    for r in range(4):
+        got = np.asarray(state.tokens[r, lens[r]:lens[r] + new]).tolist()
+        assert got == cont[r][:new], (r, got, cont[r][:new])
