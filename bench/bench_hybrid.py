@@ -73,21 +73,32 @@ def roofline_bytes(target: HybridTarget, batch: int, context: int) -> dict[str, 
     return {"weights": weights, "kv": kv, "states": 2 * (rec + conv)}
 
 
-def prefilled_state(target, drafter, batch: int, context: int, capacity: int, max_steps: int):
+def prefill_fn(target, drafter, context: int, capacity: int, max_steps: int):
+    """A jitted ``batch -> state`` of ``context`` random prompt tokens per row (compiled once per batch size)."""
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(drafter)
 
     @jax.jit
     def run(ts, ds, ids):
         t, d = nnx.merge(tdef, ts), nnx.merge(ddef, ds)
+        batch = ids.shape[0]
         lens = jnp.full((batch,), context, jnp.int32)
         rows = decoding.prefill(t, d, ids, lens, lens + max_steps * 16, jnp.full((batch, 1), -1, jnp.int32),
                                 capacity=capacity, max_steps=max_steps, mask_token_id=d.config.mask_token_id)
         empty = decoding.empty_state(t, d, batch, capacity=capacity, max_steps=max_steps, n_stop=1)
         return decoding.scatter_rows(empty, rows, jnp.arange(batch))
 
-    ids = jax.random.randint(jax.random.key(batch), (batch, context), 0, target.config.vocab_size - 2)
-    return run(tstate, dstate, ids)
+    def state(batch: int):
+        ids = jax.random.randint(jax.random.key(batch), (batch, context), 0, target.config.vocab_size - 2)
+        return run(tstate, dstate, ids)
+
+    return state
+
+
+def per_position_bytes(target, batch: int, block: int) -> int:
+    c = target.config
+    return batch * block * len(c.linear_layers) * c.linear_num_value_heads * c.linear_key_head_dim * (
+        c.linear_value_head_dim * 4)
 
 
 def time_steps(target, drafter, state, *, spec: bool, steps: int, repeats: int) -> float:
@@ -143,6 +154,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rollbacks", default="recompute,per_position")
+    parser.add_argument("--max-state-gb", type=float, default=30.0,
+                        help="skip the per-position rollback where its states would exceed this")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -152,11 +165,12 @@ def main() -> None:
     rows = []
     header = f"{'model':6} {'batch':>5} {'step':24} {'ms':>8} {'roofline ms':>11} {'% roof':>7} {'settle ms':>9} {'share':>6}"
     print(header)
+    max_steps = args.steps * (args.repeats + 3) + 2
+    capacity = -(-(args.context + 16 * max_steps) // 128) * 128
     for name in args.models.split(","):
         target, drafter = random_pair(hybrid_shape(name))
+        fresh_state = prefill_fn(target, drafter, args.context, capacity, max_steps)
         for batch in (int(b) for b in args.batches.split(",")):
-            capacity = -(-(args.context + 16 * (args.steps * (args.repeats + 2) + 2)) // 128) * 128
-            max_steps = args.steps * (args.repeats + 2) + 2
             nbytes = roofline_bytes(target, batch, args.context)
             roof = sum(nbytes.values()) / timing.HBM_BYTES_PER_S
             variants = [("target-only", False, None)] + [(f"dflash ({r})", True, r) for r in args.rollbacks.split(",")]
@@ -164,8 +178,12 @@ def main() -> None:
             for label, spec, rollback in variants:
                 if rollback is not None:
                     target.rollback = rollback
+                if rollback == "per_position" and per_position_bytes(target, batch, 16) > args.max_state_gb * 1e9:
+                    print(f"{name:6} {batch:5d} {label:24} skipped: "
+                          f"{per_position_bytes(target, batch, 16) / 1e9:.0f} GB of per-position states")
+                    continue
                 try:
-                    state = prefilled_state(target, drafter, batch, args.context, capacity, max_steps)
+                    state = fresh_state(batch)
                     settle = time_settle(target, drafter, state, args.repeats) if spec else None
                     step = time_steps(target, drafter, state, spec=spec, steps=args.steps, repeats=args.repeats)
                 except Exception as err:  # noqa: BLE001  (out of memory at a large shape: report, go on)

@@ -15,7 +15,10 @@ the rejected drafts of a verify block are masked that way, so the state after ex
 of a block is the same computation as the state after the whole block with the rest masked.
 
 Everything here is pure jnp in float32, written against transformers' torch fallbacks
-(``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``, ``causal_conv1d_fn``).
+(``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``, ``causal_conv1d_fn``). The
+chunk's triangular inverse is taken by repeated squaring (``unit_lower_inverse``: a handful of
+batched matmuls) where transformers substitutes row by row (a chunk's worth of sequential steps,
+each several GPU kernels): the same matrix, rounded differently.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.ops.config import XLA, OpsConfig
+from kernels_pallas.gated_delta.reference import unit_lower_inverse
 
 DEFAULT_CHUNK = 64  # the chunk length of transformers' and fla's chunked kernels
 
@@ -61,20 +65,6 @@ def mask_tail(g: jax.Array, beta: jax.Array, lens: jax.Array) -> tuple[jax.Array
     tokens then leave the state unchanged."""
     keep = (jnp.arange(g.shape[1])[None, :] < lens[:, None])[..., None]
     return jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
-
-
-def _unit_lower_inverse(m: jax.Array) -> jax.Array:
-    """``(I + m)^-1`` of strictly lower-triangular ``m [..., c, c]``, by forward substitution one row
-    at a time as transformers does it: row ``i`` of the strictly lower part is ``r + r @ t`` with
-    ``r = -m[i]`` (zero from column ``i`` on, so only the finished rows above it contribute)."""
-    c = m.shape[-1]
-
-    def row(i, t):
-        r = jax.lax.dynamic_index_in_dim(t, i, axis=-2, keepdims=False)  # [..., c]
-        new = r + jnp.einsum("...j,...jk->...k", r, t)
-        return jax.lax.dynamic_update_index_in_dim(t, new, i, axis=-2)
-
-    return jax.lax.fori_loop(1, c, row, -m) + jnp.eye(c, dtype=m.dtype)
 
 
 def chunk_gated_delta_rule(
@@ -136,7 +126,7 @@ def _chunk_terms(q, k, v, g, beta):
     lower = jnp.tril(jnp.ones((c, c), bool))
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, gc[..., :, None] - gc[..., None, :], 0.0)), 0.0)
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    t = _unit_lower_inverse(jnp.where(strict, jnp.einsum("...id,...jd->...ij", k_beta, k) * decay, 0.0))
+    t = unit_lower_inverse(jnp.where(strict, jnp.einsum("...id,...jd->...ij", k_beta, k) * decay, 0.0))
     scores = jnp.where(lower, jnp.einsum("...id,...jd->...ij", q, k) * decay, 0.0)
     return q, k, t @ v_beta, t @ (k_beta * jnp.exp(gc)[..., None]), gc, scores
 

@@ -1,7 +1,7 @@
 """The kernel's reference: the chunked gated delta rule in jnp, the kernel's own arithmetic (the
 unit lower-triangular inverse by repeated squaring, as a Triton program computes it) over inputs
-already L2-normalised and in float32. ``dflash_jax.ops.gated_delta`` holds the model's reference
-(transformers' forward substitution); both compute the same function."""
+already L2-normalised, heads-major, in float32. ``dflash_jax.ops.gated_delta`` is the model's
+(sequence-major, any length, held to transformers); both compute the same function."""
 
 from __future__ import annotations
 
