@@ -66,6 +66,7 @@ def test_nestings_and_tied_heads_match_transformers(tmp_path, nesting, tied):
     _assert_parity(target, ref, np.random.RandomState(2).randint(0, 97, (2, 67)), layers=(1, 4))
 
 
+@pytest.mark.slow
 def test_cached_prefill_blocks_and_tokens_equal_the_forward(text_model):
     """Padded prompts of mixed lengths, then a block per row and single tokens through the decode
     state: the logits and taps of each position equal the cache-free forward's."""

@@ -42,6 +42,7 @@ def _greedy(ref, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rollback", ["recompute", "per_position"])
 def test_forced_acceptance_rolls_back_to_every_offset(model, rollback):
     """Row r of the batch is proposed the target's own tokens for its first r drafts and wrong ones
@@ -136,3 +137,11 @@ def test_multi_step_decoding_with_varied_acceptance_equals_transformers(model, r
     for r in range(4):
         got = np.asarray(state.tokens[r, lens[r]:lens[r] + new]).tolist()
         assert got == cont[r][:new], (r, got, cont[r][:new])
+
+
+def test_engine_refuses_a_mesh_for_a_hybrid_target(model):
+    from dflash_jax.runtime.engine import Engine, EngineConfig
+    from dflash_jax.sharding import MeshConfig
+
+    with pytest.raises(ValueError, match="hybrid linear-attention target"):
+        Engine(load_target(model[0]), None, EngineConfig(max_length=64, mesh=MeshConfig(data=-1)))
