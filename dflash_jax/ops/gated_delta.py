@@ -203,6 +203,10 @@ def recurrent_gated_delta_rule(
         o = jnp.einsum("bhkv,bhk->bhv", s, q_t)
         return s, (o, s if all_states else None)
 
-    final, (o, states) = jax.lax.scan(body, state.astype(jnp.float32), (q, k, v, g, beta))
+    if q.shape[0] == 1:  # a decode token: the body itself, no one-iteration loop around it
+        final, (o, states) = body(state.astype(jnp.float32), tuple(x[0] for x in (q, k, v, g, beta)))
+        o, states = o[None], (None if states is None else states[None])
+    else:
+        final, (o, states) = jax.lax.scan(body, state.astype(jnp.float32), (q, k, v, g, beta))
     o = jnp.moveaxis(o, 0, 1).astype(out_dtype)
     return o, (jnp.moveaxis(states, 0, 1) if all_states else final)
