@@ -31,8 +31,8 @@ from dflash_jax.runtime import decoding, recurrent_state
 from dflash_jax.tiny import tiny_drafter_config
 
 
-def hybrid_shape(name: str) -> HybridTargetConfig:
-    """Published Qwen3.5 shapes (every 4th layer full attention)."""
+def hybrid_shape(name: str, layers: int | None = None) -> HybridTargetConfig:
+    """Published Qwen3.5 shapes (every 4th layer full attention); ``layers``: only that many."""
     shapes = {
         "4b": dict(hidden_size=2560, intermediate_size=9216, num_layers=32, num_heads=16, num_kv_heads=4,
                    linear_num_value_heads=32, tie_word_embeddings=True),
@@ -43,7 +43,8 @@ def hybrid_shape(name: str) -> HybridTargetConfig:
     }
     s = shapes[name]
     tiny = name == "tiny"
-    layers = s.pop("num_layers")
+    layers = layers or s.pop("num_layers")
+    s.pop("num_layers", None)
     return HybridTargetConfig(
         model_type="qwen3_5_text", vocab_size=512 if tiny else 248320, num_layers=layers,
         head_dim=16 if tiny else 256, rope_theta=1e7, max_position_embeddings=262144,
@@ -156,6 +157,7 @@ def main() -> None:
     parser.add_argument("--rollbacks", default="recompute,per_position")
     parser.add_argument("--max-state-gb", type=float, default=30.0,
                         help="skip the per-position rollback where its states would exceed this")
+    parser.add_argument("--layers", type=int, default=None, help="only this many layers (a quick look at the shapes)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -168,7 +170,7 @@ def main() -> None:
     max_steps = args.steps * (args.repeats + 3) + 2
     capacity = -(-(args.context + 16 * max_steps) // 128) * 128
     for name in args.models.split(","):
-        target, drafter = random_pair(hybrid_shape(name))
+        target, drafter = random_pair(hybrid_shape(name, args.layers))
         fresh_state = prefill_fn(target, drafter, args.context, capacity, max_steps)
         for batch in (int(b) for b in args.batches.split(",")):
             nbytes = roofline_bytes(target, batch, args.context)
