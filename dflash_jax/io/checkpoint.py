@@ -23,9 +23,13 @@ from dflash_jax.models.config import (
     drafter_config_to_dict,
     load_drafter_config,
     load_target_config,
+    read_config_json,
     target_config_to_dict,
 )
 from dflash_jax.models.dflash2 import DFlash2Config, DFlash2Drafter, dflash2_config_to_dict
+from dflash_jax.models.hybrid import HybridTarget
+from dflash_jax.models.hybrid_config import is_hybrid_config, load_hybrid_config
+from dflash_jax.io.hybrid_checkpoint import hybrid_ignored, hybrid_tensor_spec
 from dflash_jax.models.target import Target
 from dflash_jax.io import moe_checkpoint
 from dflash_jax.io.dflash2_checkpoint import read_other_config
@@ -143,12 +147,14 @@ def _unused(names: list[str]) -> str:
 
 
 def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str, dtype,
-              ignored: Callable[[str], bool] = lambda name: False, config: TargetConfig | None = None) -> nnx.Module:
+              ignored: Callable[[str], bool] = lambda name: False, config: TargetConfig | None = None,
+              spec: Callable[[tuple, tuple[int, ...]], tuple[str, Convert, Convert]] = _tensor_spec) -> nnx.Module:
     """Builds the module abstractly, then fills every parameter from the checkpoint.
 
     Every tensor is checked in the torch layout (``[out, in]``) before it is reshaped into ours, so
     a transposed or reshaped tensor of the right size is refused; so are non-float tensors and tensors
-    of the checkpoint that no parameter uses (``ignored`` names excepted).
+    of the checkpoint that no parameter uses (``ignored`` names excepted). ``spec``: how a parameter
+    is named and laid out in torch (``_tensor_spec``'s signature).
     """
     abstract = nnx.eval_shape(module_fn)
     graphdef, state = nnx.split(abstract)
@@ -200,7 +206,7 @@ def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str,
                 value = moe_checkpoint.read_expert_param(config, name, shape, read, has)
                 filled.append((path, var.replace(jnp.asarray(value, dtype))))
                 continue
-            torch_name, from_torch, to_torch = _tensor_spec(path, shape)
+            torch_name, from_torch, to_torch = spec(path, shape)
             full_name = torch_name if torch_name == "lm_head.weight" else prefix + torch_name
             tensor = read(full_name, _torch_shape(to_torch, shape))
             filled.append((path, var.replace(jnp.asarray(from_torch(tensor), dtype))))
@@ -217,9 +223,15 @@ def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str,
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
-def load_target(path: str | Path, dtype="float32") -> Target:
-    """Loads a Qwen3 / Llama target from an HF directory (config.json + safetensors)."""
+def load_target(path: str | Path, dtype="float32") -> Target | HybridTarget:
+    """Loads a Qwen3 / Llama target, or a hybrid Qwen3.5 one (``models.hybrid``), from an HF
+    directory (config.json + safetensors)."""
     directory = Path(path)
+    if is_hybrid_config(read_config_json(directory / "config.json")):
+        config = load_hybrid_config(directory)
+        dt = parse_dtype(dtype)
+        return _populate(lambda: HybridTarget(config, dtype=dt, rngs=nnx.Rngs(0)), directory, config.weight_prefix,
+                         dt, hybrid_ignored(config), spec=lambda p, s: hybrid_tensor_spec(p, s, _tensor_spec))
     config = load_target_config(directory)
     dt = parse_dtype(dtype)
     tied = (lambda name: name == "lm_head.weight") if config.tie_word_embeddings else (lambda name: False)

@@ -32,6 +32,7 @@ from dflash_jax.ops.cache import KVCache, read_rows, read_window, write_all_laye
 from dflash_jax.models.dflash2 import DFlash2Drafter
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
+from dflash_jax.runtime import recurrent_state
 
 
 @jax.tree_util.register_dataclass
@@ -183,8 +184,7 @@ def commit(
 
 def new_caches(target: Target, drafter: Drafter | None, batch: int, length: int) -> tuple[KVCache, KVCache | None]:
     """Zeroed target and drafter-context caches of ``length`` positions (no drafter: no context cache)."""
-    tc = target.config
-    target_cache = KVCache.zeros(tc.num_layers, batch, length, tc.num_kv_heads, tc.head_dim, target.embed_tokens.dtype)
+    target_cache = recurrent_state.new_target_cache(target, batch, length)
     if drafter is None:
         return target_cache, None
     dc = drafter.config
@@ -305,7 +305,7 @@ def _target_block(
 ) -> tuple[jax.Array, jax.Array | None, KVCache]:
     """``target.step`` of ``ids [batch, n]`` at ``starts``, attending to the first ``window`` cache
     positions only (None: the whole cache); returns the whole updated cache either way."""
-    if window is None or window >= cache.capacity:
+    if window is None or window >= cache.capacity or not recurrent_state.windowable(cache):
         return target.step(ids, starts, cache, **step_kwargs)
     view = read_window(cache, window)
     hidden, taps, view = target.step(ids, starts, view, **step_kwargs)
@@ -366,7 +366,7 @@ def verify_block(
     starts = state.starts
     verified, taps, target_cache = _target_block(
         target, block_ids, starts, state.target_cache, window, blk_lens=valid,
-        tap_layers=drafter.config.target_layer_ids, ops=ops,
+        tap_layers=drafter.config.target_layer_ids, ops=ops, **recurrent_state.verify_kwargs(target),
     )
     logits = target.head(verified)
     if flags.greedy:
@@ -378,6 +378,7 @@ def verify_block(
     new_state, produced = commit(state, block_ids, posterior, acc)
     if not flags.greedy:
         new_state = _record_commit(new_state, state, logits, posterior, produced, flags)
+    target_cache = recurrent_state.settle(target, target_cache, produced)
     # The verify pass produced the taps of the committed tokens: project them once for all layers.
     k, v = drafter.context_kv(taps, positions)
     draft_cache = write_all_layers(state.draft_cache, k, v, starts)

@@ -39,6 +39,7 @@ from dflash_jax.runtime.compile_cache import check_setting as check_cache_settin
 from dflash_jax.io.config import check_field_types
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.sharding import MeshConfig, kernel_mesh, make_mesh, named_sharding, shard_module
+from dflash_jax.models.hybrid import HybridTarget
 from dflash_jax.models.target import Target
 
 log = logging.getLogger("dflash_jax.runtime.engine")
@@ -238,6 +239,8 @@ class Engine:
             if module is not None and in_serving_layout(module):
                 raise ValueError(f"the {name} passed to Engine is in the serving layout (an engine's "
                                  f"engine.{name}); pass the module in its checkpoint layout")
+        if self.mesh is not None and isinstance(target, HybridTarget):
+            raise ValueError("a hybrid linear-attention target (models.hybrid) runs on one device: no mesh")
         target = serving_target(target)
         drafter = serving_drafter(drafter) if drafter is not None else None
         # The modules the engine runs (the serving layout, sharded on the mesh).

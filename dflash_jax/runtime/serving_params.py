@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.hybrid import HybridTarget
 from dflash_jax.models.layers import MLP, Attention, DecoderLayer
 from dflash_jax.models.target import Target
 from dflash_jax.ops.norms import fold_norm
@@ -35,8 +36,11 @@ from dflash_jax.ops.norms import fold_norm
 
 def serving_target(target: Target, *, fold_norms: bool = True) -> Target:
     """A copy of ``target`` in the serving layout: projections fused, and with ``fold_norms`` the
-    norms folded into the matmuls after them. ``target`` is not changed."""
+    norms folded into the matmuls after them. ``target`` is not changed. A hybrid target
+    (``models.hybrid``) has no serving layout: it is served as a plain copy."""
     served = nnx.clone(target)
+    if isinstance(served, HybridTarget):
+        return served
     for layer in served.layers:
         fuse_attention(layer.self_attn)
         if isinstance(layer.mlp, MLP):  # a mixture of experts keeps its layout

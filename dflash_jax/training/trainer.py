@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 
 from dflash_jax.ops.config import XLA, OpsConfig
+from dflash_jax.models.hybrid import HybridTarget
 from dflash_jax.models.target import (ScanGraph, ScanParams, Target, layers_stackable, scanned_forward,
                                       stack_layers)
 from dflash_jax.training import anchors as anc
@@ -106,7 +107,9 @@ def split_target(target: Target, *, scan: bool = True) -> tuple[TargetGraph, Tar
     layers unrolled in the step (kept for comparisons: it compiles far more slowly at 36 layers).
     A target whose layers differ in shape (``layers_stackable``) is split unrolled.
     """
-    return stack_layers(target) if scan and layers_stackable(target) else nnx.split(target)
+    # A hybrid target's layers differ in kind (linear or full attention): they stay unrolled.
+    stackable = not isinstance(target, HybridTarget) and layers_stackable(target)
+    return stack_layers(target) if scan and stackable else nnx.split(target)
 
 
 def target_shell(graph: TargetGraph, params: TargetParams) -> Target:
