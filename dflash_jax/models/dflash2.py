@@ -35,6 +35,7 @@ from dflash_jax.ops import attention as attention_ops
 from dflash_jax.ops.cache import KVCache
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.linear import dense
+from dflash_jax.ops.topk import top_k
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -250,11 +251,10 @@ class CandidateSelector(nnx.Module):
 
         ``unary_logits [batch, n, vocab]`` and ``hidden [batch, n, hidden]`` of the draft slots
         1..n, ``anchor_ids [batch]`` -> ``[batch, n]`` int32: at each slot the top-K unary candidate
-        (``lax.top_k``: by logit, ties to the lower token id) of highest score given the token chosen
+        (``ops.topk.top_k``: by logit, ties to the lower token id) of highest score given the token chosen
         at the slot before (the anchor for the first); score ties go to the higher-ranked candidate.
         """
-        unary, cand = jax.lax.top_k(unary_logits, self.top_k)  # [b, n, K]
-        cand = cand.astype(jnp.int32)
+        unary, cand = top_k(unary_logits, self.top_k)  # [b, n, K]
         proj = dense(hidden, self.hidden_projection)  # [b, n, rank]
         pred_book, succ_book = self.predecessor_codebook[...], self.successor_codebook[...]
         succ = jnp.take(succ_book, cand, axis=0)  # [b, n, K, rank]

@@ -45,6 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.ops import topk
+
 VERIFY_MODES = ("exact", "rejection")
 MAX_SEED = 2**64  # seeds are unsigned 64-bit: two uint32 words of a threefry key
 MAX_TOP_K_CANDIDATES = 1024  # rows with a larger top-k take the whole-row sort
@@ -279,27 +281,6 @@ def penalize(logits: jax.Array, counts: jax.Array, seen: jax.Array, repetition: 
     return logits - frequency[..., None] * counts.astype(logits.dtype) - presence[..., None] * (counts > 0)
 
 
-def top_values(x: jax.Array, k: int, *, chunk: int = 128) -> tuple[jax.Array, jax.Array]:
-    """``jax.lax.top_k(x, k)`` over the last axis of ``x [R, V]``, in two stages when the row is long:
-    the maximum of each ``chunk``-wide slice, the ``k`` slices with the largest maxima, the top ``k``
-    of their elements. The same values (every one of the k largest lies in a slice whose maximum is
-    at least as large, and at most k slices have one), without a top-k over the whole row, which
-    XLA:GPU runs as a sort (151,936 logits per row for Qwen3). Returns ``(values, indices)``."""
-    rows, vocab = x.shape
-    while chunk > 8 and -(-vocab // chunk) <= 2 * k:  # narrower slices for a larger k
-        chunk //= 2
-    slices = -(-vocab // chunk)
-    if slices <= 2 * k:
-        values, ids = jax.lax.top_k(x, k)
-        return values, ids.astype(jnp.int32)
-    padded = jnp.pad(x, ((0, 0), (0, slices * chunk - vocab)), constant_values=-jnp.inf)
-    parts = padded.reshape(rows, slices, chunk)
-    _, best = jax.lax.top_k(jnp.max(parts, axis=-1), k)                     # [R, k] slice indices
-    picked = jnp.take_along_axis(parts, best[..., None], axis=1).reshape(rows, k * chunk)
-    values, at = jax.lax.top_k(picked, k)
-    ids = jnp.take_along_axis(best, at // chunk, axis=1) * chunk + at % chunk
-    return values, ids.astype(jnp.int32)
-
 
 def _sorted_threshold(desc: jax.Array, log_norm: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Processors 4-5 as one threshold of scaled logits, from ``desc [R, N]`` (a row's largest N
@@ -344,7 +325,7 @@ def filter_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min
         if candidates >= vocab:
             theta = whole(None)
         else:
-            desc = top_values(scaled, candidates)[0]
+            desc = topk.top_k(scaled, candidates)[0]
             theta_c = _sorted_threshold(desc, log_norm, top_k, top_p)
             # Exact when every kept token is a candidate and, under top-k, every top-k survivor too
             # (top-p renormalizes over them).
@@ -454,7 +435,7 @@ def logprobs_of(logits: jax.Array, chosen: jax.Array, top: int) -> tuple[jax.Arr
     if top == 0:
         empty = jnp.zeros(logits.shape[:1] + (0,), jnp.float32)
         return chosen_lp, empty.astype(jnp.int32), empty
-    values, ids = top_values(logits, top)
+    values, ids = topk.top_k(logits, top)
     return chosen_lp, ids, values - norm[:, None]
 
 

@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -232,18 +231,6 @@ def test_draws_match_the_processed_distribution():
     assert observed[~support].sum() == 0
     assert stats.chisquare(observed[support], want[support] * n).pvalue > 1e-3
 
-
-def test_two_stage_top_values_equal_top_k():
-    rs = np.random.RandomState(9)
-    x = rs.randn(3, 5000).astype(np.float32)
-    x[1, 4000:4010] = 9.0  # ties inside one slice
-    x[2] = np.round(x[2])  # many ties
-    for k in (1, 5, 20):
-        values, ids = smp.top_values(jnp.asarray(x), k, chunk=64)
-        want_values, _ = jax.lax.top_k(jnp.asarray(x), k)
-        np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
-        np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1), np.asarray(values))
-        assert all(len(set(row)) == k for row in np.asarray(ids).tolist())
 
 
 def _rejection_state(batch: int, vocab: int, seeds, temperature: float = 1.0):
