@@ -801,6 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_jax.verbosity import configure_logging
 
     configure_logging(verbose=args.verbose)
+    log.info("starting: importing JAX" if args.command == "demo" else "starting: importing JAX, reading the settings")
     if args.command == "demo":
         from dflash_jax.serving.demo import print_demo, run_demo
 
