@@ -1,10 +1,8 @@
 """dflash-jax: train and serve DFlash block-diffusion speculative-decoding drafters in JAX/Flax.
 
-The public API loads on first use (``dflash_jax.Engine`` imports JAX then): the command-line tools
-import this package before they can say anything, and JAX takes seconds to import on a busy CPU.
-"""
+The public API loads on first use (``dflash_jax.Engine`` imports JAX then, ``dflash_jax.lazy``)."""
 
-import importlib
+from dflash_jax.lazy import lazy_api
 
 _API = {
     "draft_logits": "dflash_jax.models.api", "target_forward": "dflash_jax.models.api",
@@ -17,17 +15,5 @@ _API = {
     "DrafterConfig": "dflash_jax.models.config", "TargetConfig": "dflash_jax.models.config",
     "Target": "dflash_jax.models.target",
 }
-
 __all__ = sorted(_API)
-
-
-def __getattr__(name: str):
-    if name in _API:
-        value = getattr(importlib.import_module(_API[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'dflash_jax' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_API))
+__getattr__ = lazy_api(__name__, globals(), _API)
