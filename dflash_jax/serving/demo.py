@@ -36,7 +36,7 @@ log = logging.getLogger("dflash_jax.demo")
 # A synthetic target large enough that, on a CPU too, a step costs far more than a 1-layer drafter.
 COPYCAT_SHAPE = dict(vocab_size=2048, hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8,
                      num_kv_heads=8, head_dim=64)
-CALIBRATION_PROMPTS = 2  # held-out prompts (not among the timed ones) each block size is timed on
+CALIBRATION_PROMPTS = 3  # held-out prompts (not among the timed ones) each block size is timed on, twice
 
 
 def describe_device() -> str:
@@ -66,12 +66,13 @@ def decode_seconds_per_step(results) -> float:
 
 def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
             stop_token_ids: list[int] | None = None, *, block_sizes: Sequence[int] = (16, 8, 4),
-            calibration: list[list[int]] | None = None, warmed_up: Callable[[], None] | None = None) -> dict:
+            calibration: list[list[int]] | None = None, warmed_up: Callable[[], None] | None = None,
+            repeats: int = 2) -> dict:
     """Greedy generation with and without the drafter (batch 1: latency mode), timed after warm-up.
 
     The warm-up compiles what the prompts meet and, where ``block_sizes`` offers a choice, times each
     block size on ``calibration`` (default: the prompts) and keeps the fastest; ``warmed_up()`` is
-    called when it ends."""
+    called when it ends. Each side is then timed ``repeats`` times, alternately; the best counts."""
     calibration = calibration or prompts
     longest = max(map(len, prompts + calibration))
     config = EngineConfig(max_batch_size=1, max_length=longest + max_new_tokens, steps_per_sync=8)
@@ -84,20 +85,24 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
         engine = Engine(target, drafter, dataclasses.replace(config, block_size=block))
         warm(engine, prompts + calibration, max_new_tokens, f"DFlash block size {block}")
         if len(sizes) > 1:
-            t0 = time.perf_counter()
-            done = engine.generate(calibration, max_new_tokens, stop_token_ids)
-            rates[block] = sum(r.num_output_tokens for r in done) / (time.perf_counter() - t0)
+            for _ in range(repeats):  # the best of each: a shared machine's hiccups hit one run
+                t0 = time.perf_counter()
+                done = engine.generate(calibration, max_new_tokens, stop_token_ids)
+                rate = sum(r.num_output_tokens for r in done) / (time.perf_counter() - t0)
+                rates[block] = max(rates.get(block, 0.0), rate)
             log.info("demo warm-up: block size %d: %.1f tokens/s", block, rates[block])
         if spec is None or rates[block] > rates[spec.block_size]:
             spec = engine
     if warmed_up is not None:
         warmed_up()
-    t0 = time.perf_counter()
-    fast = spec.generate(prompts, max_new_tokens, stop_token_ids)
-    t_spec = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    slow = plain.generate(prompts, max_new_tokens, stop_token_ids)
-    t_plain = time.perf_counter() - t0
+    t_spec = t_plain = float("inf")
+    for _ in range(repeats):  # alternating, the best of each: a shared machine's hiccups hit one run, not both
+        t0 = time.perf_counter()
+        fast = spec.generate(prompts, max_new_tokens, stop_token_ids)
+        t_spec = min(t_spec, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        slow = plain.generate(prompts, max_new_tokens, stop_token_ids)
+        t_plain = min(t_plain, time.perf_counter() - t0)
     lengths = [n for r in fast for n in r.acceptance_lengths]
     return dict(
         device=describe_device(), block_size=spec.block_size, block_rates=rates,
