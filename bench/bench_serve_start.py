@@ -98,7 +98,7 @@ def main() -> None:
               f"({res['lines_before_ready']} lines before ready)", flush=True)
         if args.show_log:
             print("\n".join("    " + line for line in res["log"]))
-    print(f"\n| run | ready (s) | longest silence (s) |\n|---|---:|---:|")
+    print("\n| run | ready (s) | longest silence (s) |\n|---|---:|---:|")
     for res in results:
         print(f"| {res['kind']} | {res['ready_s'] if res['ready_s'] is None else round(res['ready_s'], 1)} | "
               f"{res['longest_silence_s']:.1f} |")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import warnings
 
 # Python loggers of the frameworks: quiet below ERROR at the default verbosity.
@@ -45,4 +47,55 @@ def configure_logging(verbose: bool = False) -> None:
     warnings.filterwarnings("ignore", module=rf"({pattern})(\.|$)")
 
 
-__all__ = ["FRAMEWORK_LOGGERS", "configure_logging"]
+class Heartbeat(logging.Handler):
+    """While a long phase runs, repeats its last log line every ``interval`` seconds that pass without
+    another (a single compile can outlast a person's patience; a silent program looks hung).
+
+    A context manager: it watches the records of ``logger`` and its children (``dflash_jax``: every
+    progress line of the package), and each reminder, ``"<last line> (still running after N s)"``,
+    goes out through the logger of that line."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 5.0):
+        super().__init__(logging.INFO)
+        self.logger, self.interval = logger, interval
+        self._last: logging.LogRecord | None = None
+        self._since = self._heard = time.perf_counter()
+        self._lock_ = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+
+    def __enter__(self) -> "Heartbeat":
+        self.logger.addHandler(self)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Ends the reminders (the long phases are over); idempotent."""
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.logger.removeHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "heartbeat", False):
+            return
+        with self._lock_:
+            self._last, self._since = record, time.perf_counter()
+            self._heard = self._since
+
+    def _beat(self) -> None:
+        while not self._done.wait(min(1.0, self.interval)):
+            with self._lock_:
+                now = time.perf_counter()
+                if self._last is None or now - self._heard < self.interval:
+                    continue
+                self._heard = now
+                record, since = self._last, self._since
+            logging.getLogger(record.name).info("%s (still running after %.0f s)", record.getMessage(), now - since,
+                                                extra={"heartbeat": True})
+
+
+__all__ = ["FRAMEWORK_LOGGERS", "Heartbeat", "configure_logging"]

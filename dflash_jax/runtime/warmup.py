@@ -191,43 +191,6 @@ def run_warmup(engine, shapes: Sequence[Shape], *, threads: int = 1,
     return len(shapes)
 
 
-class Heartbeat:
-    """Logs what a long phase is doing: ``say`` logs a line at once, and while no other line follows
-    for ``interval`` seconds, a reminder of the current one with its elapsed time (a single compile
-    can take longer than a person waits before thinking a program hangs)."""
-
-    def __init__(self, logger: logging.Logger, interval: float = 5.0):
-        self.logger, self.interval = logger, interval
-        self._text, self._since, self._last = "", time.perf_counter(), time.perf_counter()
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
-
-    def __enter__(self) -> "Heartbeat":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-
-    def say(self, text: str, *args) -> None:
-        with self._lock:
-            self._text, self._since = text % args if args else text, time.perf_counter()
-            self._last = self._since
-        self.logger.info(text, *args)
-
-    def _beat(self) -> None:
-        while not self._done.wait(min(1.0, self.interval)):
-            with self._lock:
-                now = time.perf_counter()
-                if now - self._last < self.interval or not self._text:
-                    continue
-                self._last = now
-                text, since = self._text, self._since
-            self.logger.info("%s (still running after %.0f s)", text, now - since)
-
-
 class BackgroundWarmup:
     """Compiles shapes on a daemon thread while the engine serves; ``stop`` ends it after the shape in
     progress. A request meeting a shape not compiled yet compiles it itself (correct, only slower)."""
@@ -279,4 +242,4 @@ class BackgroundWarmup:
                           time.perf_counter() - t0)
 
 
-__all__ = ["BackgroundWarmup", "Heartbeat", "Shape", "first_request_shapes", "run_warmup", "warmup_plan"]
+__all__ = ["BackgroundWarmup", "Shape", "first_request_shapes", "run_warmup", "warmup_plan"]

@@ -1,8 +1,12 @@
-"""The OpenAI-compatible server: request protocol, scheduler, metrics, Starlette app, uvicorn runner."""
+"""The OpenAI-compatible server: request protocol, scheduler, metrics, Starlette app, uvicorn runner.
 
-from dflash_jax.serving.app import create_app
-from dflash_jax.serving.runner import ServerThread, run_server
-from dflash_jax.serving.metrics import Metrics
-from dflash_jax.serving.scheduler import Scheduler
+Loaded on first use (``dflash_jax.lazy``), so that ``serve.py`` (``dflash_jax.serving.cli``) starts
+talking before JAX and the web stack are imported."""
 
+from dflash_jax.lazy import lazy_api
+
+_API = {"create_app": "dflash_jax.serving.app", "Scheduler": "dflash_jax.serving.scheduler",
+        "Metrics": "dflash_jax.serving.metrics", "ServerThread": "dflash_jax.serving.runner",
+        "run_server": "dflash_jax.serving.runner"}
 __all__ = ["create_app", "Scheduler", "Metrics", "ServerThread", "run_server"]
+__getattr__ = lazy_api(__name__, globals(), _API)

@@ -60,13 +60,12 @@ import threading
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parents[2]  # the repository: configs/ lives beside the package
 DEFAULT_CONFIG = HERE / "configs" / "serve.yaml"
 
 log = logging.getLogger("dflash_jax.serve")
-STARTED = time.perf_counter()  # reset by main: "ready N s after start"
 
 
 # The fields run_generate adds to each output line.
@@ -614,7 +613,8 @@ def raise_terminated(signum, frame) -> None:
     raise Terminated()
 
 
-def run_generate(cfg, resume: bool = False) -> dict[str, Any]:
+def run_generate(cfg, resume: bool = False, loaded: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Batch mode (the module docstring); ``loaded()`` is called once the engine is loaded."""
     from tqdm import tqdm
 
     from dflash_jax.runtime.compile_cache import compile_seconds, track_compile_time
@@ -665,6 +665,8 @@ def run_generate(cfg, resume: bool = False) -> dict[str, Any]:
             except ValueError as err:
                 raise CLIError(f"{input_path}:{lines[i].lineno}: 'sampling': {err}") from None
         stops = [] if cfg.generate.ignore_eos else stop_ids(cfg, tokenizer, target, engine)
+    if loaded is not None:
+        loaded()
 
     # Shortest first: prompts admitted together have similar lengths (less prefill padding). Rows
     # are reused as soon as they free.
@@ -742,7 +744,9 @@ def run_generate(cfg, resume: bool = False) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------- server
 
 
-def run_serve(cfg) -> None:
+def run_serve(cfg, started: float | None = None, ready: Callable[[], None] | None = None) -> None:
+    """Serves until SIGINT/SIGTERM; ``started`` (``time.perf_counter()`` at the start) dates "ready",
+    ``ready()`` is called once the server is about to bind."""
     from dflash_jax.serving import create_app, run_server
     from dflash_jax.serving.settings import api_key_problem
 
@@ -776,8 +780,10 @@ def run_serve(cfg) -> None:
     sys.setswitchinterval(s.gil_switch_interval_ms / 1000)
     if s.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("binding %s without an API key: anyone who can reach it can use it", s.host)
-    log.info("serving %r on http://%s:%d (ready %.1f s after start)", name, s.host, s.port,
-             time.perf_counter() - STARTED)
+    log.info("serving %r on http://%s:%d%s", name, s.host, s.port,
+             "" if started is None else f" (ready {time.perf_counter() - started:.1f} s after start)")
+    if ready is not None:
+        ready()
     if background is not None:
         background.start()
     try:
@@ -790,16 +796,17 @@ def run_serve(cfg) -> None:
 
 
 # A lone request with a prompt of up to this many tokens meets only the shapes compiled before the
-# server binds (server.warmup_background); a chat turn with its template fits.
-FIRST_PROMPT_TOKENS = 64
+# server binds (server.warmup_background): a short chat turn with its template. Each larger prompt
+# bucket is the first thing compiled after binding (~5 s each for a 25M-parameter target on 2 CPU
+# cores, where each bucket before binding adds as much to the start-up).
+FIRST_PROMPT_TOKENS = 32
 
 
 def warm_up(cfg, engine):
-    """Compiles what ``server.warmup`` asks before the server binds, logging each shape (and, during
-    a long compile, a line every few seconds); returns the ``BackgroundWarmup`` of the shapes left
+    """Compiles what ``server.warmup`` asks before the server binds, logging each shape; returns the ``BackgroundWarmup`` of the shapes left
     for after binding, or None."""
     from dflash_jax.runtime.compile_cache import cache_counts
-    from dflash_jax.runtime.warmup import BackgroundWarmup, Heartbeat, first_request_shapes, run_warmup, warmup_plan
+    from dflash_jax.runtime.warmup import BackgroundWarmup, first_request_shapes, run_warmup, warmup_plan
 
     s = cfg.server
     if not s.warmup:
@@ -809,15 +816,14 @@ def warm_up(cfg, engine):
     first = first_request_shapes(engine, plan, FIRST_PROMPT_TOKENS, s.default_max_tokens) if s.warmup_background \
         else plan
     before, t0 = cache_counts(), time.perf_counter()
-    with Heartbeat(log) as heart:
-        heart.say("warm-up: compiling the %d shapes of %s before serving (%d in all)", len(first),
-                  f"a lone request with up to {FIRST_PROMPT_TOKENS} prompt tokens" if s.warmup_background
-                  else "every request", len(plan))
+    log.info("warm-up: compiling the %d shapes of %s before serving (%d in all)", len(first),
+             f"a lone request with up to {FIRST_PROMPT_TOKENS} prompt tokens" if s.warmup_background
+             else "every request", len(plan))
 
-        def progress(i: int, shape) -> None:
-            heart.say("warm-up %d/%d: %s", i + 1, len(first), shape)
+    def progress(i: int, shape) -> None:
+        log.info("warm-up %d/%d: %s", i + 1, len(first), shape)
 
-        run_warmup(engine, first, on_shape=progress)
+    run_warmup(engine, first, on_shape=progress)
     counts = cache_counts() - before
     cached = ""
     if cfg.engine.compilation_cache_dir is not None:
@@ -825,16 +831,28 @@ def warm_up(cfg, engine):
                   f"{counts.compiled} compiled)")
     log.info("warm-up: %d shapes ready in %.1f s%s", len(first), time.perf_counter() - t0, cached)
     rest = [shape for shape in plan if shape not in first]
+    # What a lone request meets next first: longer prompts, then longer answers; then the rest in plan order.
+    longest = max((shape.size for shape in first if shape.phase == "decode"), default=0)
+    rest.sort(key=lambda shape: 0 if shape.rows == 1 and shape.phase in ("prefill", "admit") and shape.into < 2
+              else 1 if shape.phase == "decode" and shape.rows == 1 and shape.size > longest else 2)
     return BackgroundWarmup(engine, rest, log) if rest else None
 
 
 def main(argv: list[str] | None = None) -> int:
-    global STARTED
-    STARTED = time.perf_counter()
+    started = time.perf_counter()
     args = parse_args(argv)
-    from dflash_jax.verbosity import configure_logging
+    from dflash_jax.verbosity import Heartbeat, configure_logging
 
     configure_logging(verbose=args.verbose)
+    # A line at least every few seconds until the server binds, the batch run's progress bar starts or
+    # the demo's warm-up ends.
+    with Heartbeat(logging.getLogger("dflash_jax")) as heartbeat:
+        log.info("starting: importing JAX" if args.command == "demo" else
+                 "starting: importing JAX, reading the settings")
+        return run_command(args, started, heartbeat)
+
+
+def run_command(args: argparse.Namespace, started: float, heartbeat) -> int:
     if args.command == "demo":
         from dflash_jax.serving.demo import print_demo, run_demo
 
@@ -847,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.block_sizes!r}", file=sys.stderr)
             return 2
         report = run_demo(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, block_sizes=sizes,
-                          compilation_cache=not args.no_compilation_cache)
+                          compilation_cache=not args.no_compilation_cache, warmed_up=heartbeat.stop)
         print_demo(report)
         return 0 if report["identical"] else 1
     from dflash_jax.io.config import ConfigError
@@ -855,9 +873,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_settings(args)
         if args.command == "generate":
-            run_generate(cfg, resume=args.resume)
+            run_generate(cfg, resume=args.resume, loaded=heartbeat.stop)
         else:
-            run_serve(cfg)
+            run_serve(cfg, started, ready=heartbeat.stop)
     except (CLIError, ConfigError) as err:
         print(f"serve.py: error: {err}", file=sys.stderr)
         return 2

@@ -21,14 +21,14 @@ import logging
 import os
 import tempfile
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
 from dflash_jax.io.checkpoint import load_drafter, load_target
 from dflash_jax.runtime.engine import Engine, EngineConfig
-from dflash_jax.runtime.warmup import Heartbeat, first_request_shapes, run_warmup, warmup_plan
+from dflash_jax.runtime.warmup import first_request_shapes, run_warmup, warmup_plan
 from dflash_jax.tiny import write_copycat_pair
 
 log = logging.getLogger("dflash_jax.demo")
@@ -36,7 +36,7 @@ log = logging.getLogger("dflash_jax.demo")
 # A synthetic target large enough that, on a CPU too, a step costs far more than a 1-layer drafter.
 COPYCAT_SHAPE = dict(vocab_size=2048, hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8,
                      num_kv_heads=8, head_dim=64)
-CALIBRATION_PROMPTS = 2  # held-out prompts (not among the timed ones) each block size is timed on
+CALIBRATION_PROMPTS = 3  # held-out prompts (not among the timed ones) each block size is timed on, twice
 
 
 def describe_device() -> str:
@@ -48,12 +48,12 @@ def describe_device() -> str:
     return device.device_kind
 
 
-def warm(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, heart: Heartbeat, name: str) -> None:
+def warm(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, name: str) -> None:
     """Compiles the shapes a lone request of ``prompts`` meets (each prompt bucket, each decode window)."""
     shapes = first_request_shapes(engine, warmup_plan(engine, [1]), max(map(len, prompts)), max_new_tokens)
 
     def progress(i: int, shape) -> None:
-        heart.say("demo warm-up, %s: %d/%d %s", name, i + 1, len(shapes), shape)
+        log.info("demo warm-up, %s: %d/%d %s", name, i + 1, len(shapes), shape)
 
     run_warmup(engine, shapes, on_shape=progress)
 
@@ -66,36 +66,43 @@ def decode_seconds_per_step(results) -> float:
 
 def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
             stop_token_ids: list[int] | None = None, *, block_sizes: Sequence[int] = (16, 8, 4),
-            calibration: list[list[int]] | None = None) -> dict:
+            calibration: list[list[int]] | None = None, warmed_up: Callable[[], None] | None = None,
+            repeats: int = 2) -> dict:
     """Greedy generation with and without the drafter (batch 1: latency mode), timed after warm-up.
 
     The warm-up compiles what the prompts meet and, where ``block_sizes`` offers a choice, times each
-    block size on ``calibration`` (default: the prompts) and keeps the fastest."""
+    block size on ``calibration`` (default: the prompts) and keeps the fastest; ``warmed_up()`` is
+    called when it ends. Each side is then timed ``repeats`` times, alternately; the best counts."""
     calibration = calibration or prompts
     longest = max(map(len, prompts + calibration))
     config = EngineConfig(max_batch_size=1, max_length=longest + max_new_tokens, steps_per_sync=8)
     sizes = sorted({min(b, drafter.config.block_size) for b in block_sizes}, reverse=True)
     rates: dict[int, float] = {}
-    with Heartbeat(log) as heart:
-        plain = Engine(target, None, config)
-        warm(plain, prompts + calibration, max_new_tokens, heart, "target-only")
-        spec = None
-        for block in sizes:
-            engine = Engine(target, drafter, dataclasses.replace(config, block_size=block))
-            warm(engine, prompts + calibration, max_new_tokens, heart, f"DFlash block size {block}")
-            if len(sizes) > 1:
+    plain = Engine(target, None, config)
+    warm(plain, prompts + calibration, max_new_tokens, "target-only")
+    spec = None
+    for block in sizes:
+        engine = Engine(target, drafter, dataclasses.replace(config, block_size=block))
+        warm(engine, prompts + calibration, max_new_tokens, f"DFlash block size {block}")
+        if len(sizes) > 1:
+            for _ in range(repeats):  # the best of each: a shared machine's hiccups hit one run
                 t0 = time.perf_counter()
                 done = engine.generate(calibration, max_new_tokens, stop_token_ids)
-                rates[block] = sum(r.num_output_tokens for r in done) / (time.perf_counter() - t0)
-                heart.say("demo warm-up: block size %d: %.1f tokens/s", block, rates[block])
-            if spec is None or rates[block] > rates[spec.block_size]:
-                spec = engine
-    t0 = time.perf_counter()
-    fast = spec.generate(prompts, max_new_tokens, stop_token_ids)
-    t_spec = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    slow = plain.generate(prompts, max_new_tokens, stop_token_ids)
-    t_plain = time.perf_counter() - t0
+                rate = sum(r.num_output_tokens for r in done) / (time.perf_counter() - t0)
+                rates[block] = max(rates.get(block, 0.0), rate)
+            log.info("demo warm-up: block size %d: %.1f tokens/s", block, rates[block])
+        if spec is None or rates[block] > rates[spec.block_size]:
+            spec = engine
+    if warmed_up is not None:
+        warmed_up()
+    t_spec = t_plain = float("inf")
+    for _ in range(repeats):  # alternating, the best of each: a shared machine's hiccups hit one run, not both
+        t0 = time.perf_counter()
+        fast = spec.generate(prompts, max_new_tokens, stop_token_ids)
+        t_spec = min(t_spec, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        slow = plain.generate(prompts, max_new_tokens, stop_token_ids)
+        t_plain = min(t_plain, time.perf_counter() - t0)
     lengths = [n for r in fast for n in r.acceptance_lengths]
     return dict(
         device=describe_device(), block_size=spec.block_size, block_rates=rates,
@@ -112,7 +119,8 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
 
 
 def run_demo(num_prompts: int = 8, max_new_tokens: int = 96, block_sizes: Sequence[int] = (16, 8, 4),
-             compilation_cache: bool = True) -> dict:
+             compilation_cache: bool = True, warmed_up: Callable[[], None] | None = None) -> dict:
+    """The demo's report (``print_demo`` prints it); ``warmed_up()`` is called when the timing starts."""
     from dflash_jax import embedded
 
     if compilation_cache:
@@ -127,7 +135,7 @@ def run_demo(num_prompts: int = 8, max_new_tokens: int = 96, block_sizes: Sequen
         prompts = held[:num_prompts]
         calibration = held[num_prompts:num_prompts + CALIBRATION_PROMPTS] or held[-CALIBRATION_PROMPTS:]
         report = compare(target, drafter, prompts, max_new_tokens, list(tokenizer.stop_token_ids),
-                         block_sizes=block_sizes, calibration=calibration)
+                         block_sizes=block_sizes, calibration=calibration, warmed_up=warmed_up)
         report["pair"] = f"the embedded default pair ({embedded.EMBEDDED_DIR})"
         report["what"] = "held-out stdlib prompts (signatures and docstrings)"
         report["sample"] = (texts[0], tokenizer.decode(report["results"][0].output_ids))
@@ -140,7 +148,7 @@ def run_demo(num_prompts: int = 8, max_new_tokens: int = 96, block_sizes: Sequen
     prompts = [rng.randint(0, target.config.vocab_size - 1, rng.randint(4, 40)).tolist()
                for _ in range(num_prompts + CALIBRATION_PROMPTS)]
     report = compare(target, drafter, prompts[:num_prompts], max_new_tokens, block_sizes=block_sizes,
-                     calibration=prompts[num_prompts:])
+                     calibration=prompts[num_prompts:], warmed_up=warmed_up)
     report["pair"] = "a synthetic self-check pair (models/embedded not found)"
     report["what"] = "random prompts"
     return report

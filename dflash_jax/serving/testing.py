@@ -172,3 +172,21 @@ class GatedEngine:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
+
+
+def wait_until_serving(url: str, process, timeout: float, log_path=None) -> None:
+    """Waits until ``url``'s ``/health`` answers 200 (a ``serve.py`` subprocess coming up); fails with
+    the server's log (``log_path``) if ``process`` exits first or ``timeout`` seconds pass."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        log = "" if log_path is None else open(log_path).read()
+        assert process.poll() is None, f"the server exited with status {process.returncode}:\n{log}"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not come up in {timeout} s:\n{log}"
+        time.sleep(0.2)

@@ -1,16 +1,14 @@
 """The warm-up plan: every shape a server meets, a lone request's first; the shapes of a lone short
-request, which serve.py compiles before it binds; the progress heartbeat."""
+request, which serve.py compiles before it binds."""
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import Counter
 
 import pytest
 
 from dflash_jax.runtime.engine import Engine, EngineConfig
-from dflash_jax.runtime.warmup import Heartbeat, Shape, first_request_shapes, warmup_plan
+from dflash_jax.runtime.warmup import Shape, first_request_shapes, warmup_plan
 from dflash_jax.tiny import random_target, tiny_target_config
 
 
@@ -45,23 +43,3 @@ def test_first_request_shapes_cover_the_windows_the_host_picks(target):
     assert [s.size for s in first if s.phase == "decode"] == [64, 128, 256, 512]
     assert all(s in plan for s in first) and len(first) < len(plan) / 4
     assert str(first[0]) == "decode, 1 row, attention window 64"
-
-
-def test_heartbeat_repeats_a_long_phase_and_stays_quiet_otherwise():
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logger = logging.getLogger("dflash_jax.test_heartbeat")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(Collect())
-    logger.propagate = False
-    with Heartbeat(logger, interval=0.2) as heart:
-        heart.say("compiling %s", "decode")
-        time.sleep(1.6)
-        heart.say("done")
-    assert records[0] == "compiling decode" and records[-1] == "done"
-    reminders = records[1:-1]
-    assert 3 <= len(reminders) <= 9 and all(r.startswith("compiling decode (still running after ") for r in reminders)

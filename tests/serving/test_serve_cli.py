@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ import pytest
 import tokenizer_fixtures as tf
 
 from dflash_jax.serving import cli as serve
+from dflash_jax.serving.testing import wait_until_serving
 from dflash_jax.io.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -358,16 +358,7 @@ def test_serve_sigterm_finishes_requests_in_flight(models, tmp_path):
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_serving(url, proc, 120, log_path)
 
         headers = {"Authorization": "Bearer k"}
         first_chunk = threading.Event()

@@ -10,15 +10,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import tokenizer_fixtures as tf
 
 from dflash_jax import embedded
 from dflash_jax.serving import cli as serve
+from dflash_jax.serving.testing import wait_until_serving
 
 REPO = Path(__file__).resolve().parents[2]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -85,16 +84,7 @@ def test_chat_through_the_openai_client_with_a_quiet_staged_start(tmp_path):
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_serving(url, proc, 240, log_path)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=240)
         assert [m.id for m in client.models.list().data] == ["tiny-chat"]
         messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
