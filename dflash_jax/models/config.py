@@ -92,9 +92,13 @@ class TargetConfig(TransformerShape):
             return self.sliding_window
         return None
 
+    def model_types(self) -> tuple[str, ...]:
+        """The ``model_type`` values this config class describes (a subclass's family names its own)."""
+        return SUPPORTED_TARGETS
+
     def validate(self, source: str = "config") -> None:
         super().validate(source)
-        if self.model_type not in SUPPORTED_TARGETS:
+        if self.model_type not in self.model_types():
             raise ModelConfigError(f"{source}: model_type {self.model_type!r} is not supported")
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -116,6 +120,11 @@ class TargetConfig(TransformerShape):
             raise ModelConfigError(f"{source}: mxfp4 experts need hidden_size and the expert intermediate_size to be "
                                    f"multiples of 32 (blocks of 32 values), got {self.hidden_size} and "
                                    f"{self.moe_intermediate_size}")
+        self.validate_layer_types(source)
+
+    def validate_layer_types(self, source: str) -> None:
+        """``layer_types`` of attention layers (gpt-oss: full and sliding); a family whose layers are of
+        other kinds checks its own."""
         if self.layer_types:
             if len(self.layer_types) != self.num_layers:
                 raise ModelConfigError(f"{source}: layer_types has {len(self.layer_types)} entries for "

@@ -60,8 +60,10 @@ class HybridTargetConfig(TargetConfig):
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
             self.linear_num_value_heads * self.linear_value_head_dim)
 
-    def validate(self, source: str = "config") -> None:
-        super().validate(source)
+    def model_types(self) -> tuple[str, ...]:
+        return HYBRID_TARGETS
+
+    def validate_layer_types(self, source: str) -> None:
         if len(self.layer_types) != self.num_layers:
             raise ModelConfigError(f"{source}: field 'layer_types' has {len(self.layer_types)} entries for "
                                    f"num_hidden_layers={self.num_layers}")
@@ -69,6 +71,9 @@ class HybridTargetConfig(TargetConfig):
         if bad:
             raise ModelConfigError(f"{source}: field 'layer_types' holds {bad}; only {LINEAR!r} and {FULL!r} "
                                    "are supported")
+
+    def validate(self, source: str = "config") -> None:
+        super().validate(source)
         for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                      "linear_value_head_dim", "linear_conv_kernel_dim"):
             if getattr(self, name) <= 0:

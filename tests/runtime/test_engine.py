@@ -595,9 +595,8 @@ def test_engine_serves_fused_target_at_the_configured_precision(qwen3_pair):
     prompt = [[3, 1, 4, 1, 5]]
     assert other.generate(prompt, 6)[0].output_ids == engine.generate(prompt, 6)[0].output_ids
     assert engine._matmul_precision == "highest"
-    hlo = engine._prefill.lower(engine._target_state, engine._drafter_state, *(
-        jnp.zeros((1, 16), jnp.int32), jnp.ones((1,), jnp.int32), jnp.full((1,), 8, jnp.int32),
-        jnp.full((1, engine.max_stop_ids), -1, jnp.int32))).as_text()
+    hlo = engine._prefill.lower(engine._target_state, engine._drafter_state,
+                                *engine._prefill_inputs([[0] * 16], [8], [()])).as_text()
     assert "HIGHEST" in hlo
     again = Engine(target, None, EngineConfig(max_batch_size=1, max_length=64, matmul_precision="default"))
     assert again._matmul_precision == "default"
