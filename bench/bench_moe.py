@@ -12,7 +12,10 @@ same; ``--layers 0``: the published depth, 48 and 24).
    ``E * (1 - (1 - k / E) ** tokens)`` per layer), attention, routers, norms, the LM head, an
    embedding row per token, the K/V read (full context: the sliding layers mask, they do not skip).
    The DFlash roofline adds the drafter's weights and touches experts for ``batch * 16`` tokens.
-2. Verify cost: ``Target.step`` of a block of 16 tokens per row at batch 1 with the router forced
+2. The expert op alone, one layer, 1-256 tokens of random routing: ``routed_experts`` by
+   ``jax.lax.ragged_dot`` and by batched GEMMs of per-expert capacity, against the bytes of the experts
+   touched (which implementation the GPU should run).
+3. Verify cost: ``Target.step`` of a block of 16 tokens per row at batch 1 with the router forced
    to touch exactly N distinct experts per layer (N = 8, 32, 64, all), against the decode step of
    one token (natural routing): a user's routing statistics predict their verify cost from it.
 
@@ -38,6 +41,7 @@ from dflash_jax.models.config import TargetConfig, freeze_rope_scaling
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.ops.cache import KVCache
+from dflash_jax.ops.experts import IMPLEMENTATIONS, route, routed_experts, touched_experts
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
 
@@ -157,6 +161,35 @@ def build(family: str, layers: int, tiny_shapes: bool) -> tuple[Target, Drafter]
     return Target(cfg, dtype=dtype, rngs=nnx.Rngs(0)), Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))
 
 
+def bench_expert_op(target: Target, tokens_list, repeats: int) -> dict:
+    """One MoE layer's routed experts alone (random router logits), per implementation of
+    ``ops.experts.routed_experts``, against the bytes of the experts touched."""
+    layer = next(layer.mlp for layer in target.layers if isinstance(layer.mlp, moe.MoeMLP))
+    w = layer.experts.weights()
+    c = target.config
+    per_expert = _bytes(jax.tree.leaves(nnx.state(layer.experts, nnx.Param))) / c.num_experts
+    act = "gpt_oss" if layer.gpt_oss else "silu"
+    out = {}
+    for tokens in tokens_list:
+        key = jax.random.key(tokens)
+        x = timing.normal(key, (tokens, c.hidden_size), target.embed_tokens.dtype)
+        weights, ids = route(jax.random.normal(jax.random.fold_in(key, 1), (tokens, c.num_experts)),
+                             c.num_experts_per_tok, softmax_first=True, normalize=True)
+        weights = weights.astype(x.dtype)
+        touched = int(touched_experts(ids, c.num_experts))
+        roof = touched * per_expert / timing.HBM_BYTES_PER_S
+        row = dict(touched=touched, roofline_s=roof)
+        for impl in IMPLEMENTATIONS:
+            fn = jax.jit(lambda x, ids, weights, w, impl=impl: routed_experts(x, ids, weights, w, activation=act,
+                                                                              implementation=impl))
+            row[impl] = timing.median_time(fn, x, ids, weights, w, repeats=repeats)[0]
+        out[tokens] = row
+        print(f"  expert op, {tokens:4d} tokens, {touched:3d} experts touched: "
+              + ", ".join(f"{impl} {row[impl] * 1e3:.3f} ms ({roof / row[impl]:5.1%})" for impl in IMPLEMENTATIONS),
+              flush=True)
+    return out
+
+
 def bench_family(args, family: str) -> dict:
     t0 = time.perf_counter()
     target, drafter = build(family, args.layers, args.tiny)
@@ -168,6 +201,7 @@ def bench_family(args, family: str) -> dict:
           flush=True)
     report: dict = dict(config=dataclasses.asdict(c), weight_bytes=weights, drafter_bytes=dbytes, batches={},
                         verify={})
+    report["expert_op"] = bench_expert_op(target, (1, 4, 16, 64, 256), args.repeats)
     steps = args.steps
     for batch in args.batches:
         config = EngineConfig(max_batch_size=batch, max_length=args.context + BLOCK * steps * (args.calls + 3),

@@ -112,9 +112,11 @@ def test_grouped_experts_equal_dense_reference(tokens, kind):
     weights, experts = route(jax.random.normal(jax.random.key(2), (tokens, e)), 3, softmax_first=not gpt_oss,
                              normalize=True)
     act = "gpt_oss" if gpt_oss else "silu"
-    got = jax.jit(lambda x: routed_experts(x, experts, weights, w, activation=act))(x)
     want = routed_experts_reference(x, experts, weights, w, activation=act)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4 * float(jnp.abs(want).max()), rtol=0)
+    for impl in ("ragged_dot", "capacity"):
+        got = jax.jit(lambda x: routed_experts(x, experts, weights, w, activation=act, implementation=impl))(x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4 * float(jnp.abs(want).max()),
+                                   rtol=0, err_msg=impl)
     assert int(touched_experts(experts, e)) == len(set(np.asarray(experts).ravel().tolist()))
 
 
