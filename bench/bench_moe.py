@@ -21,6 +21,7 @@ same; ``--layers 0``: the published depth, 48 and 24).
 
     python3 bench/bench_moe.py --out bench/results/moe.json
     python3 bench/bench_moe.py --layers 0 --families qwen3_moe       # the published depth
+    python3 bench/bench_moe.py --experts-impl capacity --out bench/results/moe_capacity.json
     JAX_PLATFORMS=cpu python3 bench/bench_moe.py --tiny --batches 1 --repeats 1   # smoke test
 """
 
@@ -41,6 +42,7 @@ from dflash_jax.models.config import TargetConfig, freeze_rope_scaling
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.ops.cache import KVCache
+from dflash_jax.ops.config import OpsConfig, resolve_attention_impl
 from dflash_jax.ops.experts import IMPLEMENTATIONS, route, routed_experts, touched_experts
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
@@ -127,7 +129,7 @@ def forced_routing(distinct: int):
         moe.MoeMLP.route = original
 
 
-def time_target_step(target: Target, batch: int, tokens: int, context: int, repeats: int) -> float:
+def time_target_step(target: Target, batch: int, tokens: int, context: int, repeats: int, ops: OpsConfig) -> float:
     """Median seconds of ``Target.step`` extending every row by ``tokens`` tokens over a cache of
     ``context`` random positions (the verify pass at ``tokens = 16``, a decode step at 1)."""
     c = target.config
@@ -143,7 +145,7 @@ def time_target_step(target: Target, batch: int, tokens: int, context: int, repe
     @jax.jit
     def step(state, ids, cache):
         t = nnx.merge(graph, state)
-        hidden, _, cache = t.step(ids, starts, cache)
+        hidden, _, cache = t.step(ids, starts, cache, ops=ops)
         return t.head(hidden[:, -1]).argmax(-1), cache
 
     return timing.median_time(step, state, ids, cache, repeats=repeats)[0]
@@ -205,7 +207,7 @@ def bench_family(args, family: str) -> dict:
     steps = args.steps
     for batch in args.batches:
         config = EngineConfig(max_batch_size=batch, max_length=args.context + BLOCK * steps * (args.calls + 3),
-                              prompt_buckets=(args.context,))
+                              prompt_buckets=(args.context,), experts_impl=args.experts_impl)
         plain, spec = Engine(target, None, config), Engine(target, drafter, config)
         t_plain = timing.time_decode_pipelined(plain, batch, args.context, steps, args.calls)
         t_spec = timing.time_decode_pipelined(spec, batch, args.context, steps, args.calls)
@@ -220,12 +222,13 @@ def bench_family(args, family: str) -> dict:
               f"({roof_spec / t_spec:5.1%}, ~{e['touched_verify']:.0f} experts/layer) | "
               f"ratio {t_spec / t_plain:.2f} = acceptance length to break even", flush=True)
         del plain, spec
-    t_decode = time_target_step(target, 1, 1, args.context, args.repeats)
+    ops = OpsConfig(attention=resolve_attention_impl("auto"), experts=args.experts_impl)
+    t_decode = time_target_step(target, 1, 1, args.context, args.repeats, ops)
     report["verify"]["decode_step_s"] = t_decode
     counts = sorted({min(n, c.num_experts) for n in (8, 32, 64, c.num_experts)})
     for n in counts:
         with forced_routing(n):
-            t_verify = time_target_step(target, 1, BLOCK, args.context, args.repeats)
+            t_verify = time_target_step(target, 1, BLOCK, args.context, args.repeats, ops)
         touched = min(n, BLOCK * c.num_experts_per_tok)
         roof = step_bytes(target, BLOCK, 1, args.context, touched=touched) / timing.HBM_BYTES_PER_S
         report["verify"][n] = dict(verify_s=t_verify, roofline_s=roof, decode_steps=t_verify / t_decode)
@@ -244,6 +247,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps per timed call")
     ap.add_argument("--calls", type=int, default=4, help="back-to-back calls timed")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--experts-impl", default="ragged_dot", choices=list(IMPLEMENTATIONS),
+                    help="EngineConfig.experts_impl for the engine and verify tables")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
     ap.add_argument("--out", default=None, help="JSON report (e.g. bench/results/moe.json)")
     args = ap.parse_args()
