@@ -66,6 +66,7 @@ def test_bad_qwen3_moe_configs_are_named(change, message):
     (dict(layer_types=["chunked_attention"] * 24), "layer_types \\['chunked_attention'\\]"),
     (dict(sliding_window=None), "need a positive sliding_window"),
     (dict(quantization_config={"quant_method": "fp8"}), "only mxfp4"),
+    (dict(swiglu_limit=10.0), "'swiglu_limit' is 10.0"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 32.0}), "needs 'original_max_position_embeddings'"),
 ])
 def test_bad_gpt_oss_configs_are_named(change, message):
