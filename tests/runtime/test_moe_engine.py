@@ -51,6 +51,8 @@ def test_speculative_equals_target_only_equals_transformers(moe_pair, prompts, s
 def test_expert_and_tensor_parallel_meshes_equal_single_device(experts_impl, moe_pair, prompts, single_device):
     """On (data=2, tensor=4): 2 experts a device, heads split 4 ways; either expert implementation."""
     target, drafter = load_target(moe_pair[0]), load_drafter(moe_pair[1])
+    if experts_impl == "capacity" and target.config.model_type == "gpt_oss":
+        pytest.skip("the capacity implementation runs the same code for both families: Qwen3-MoE covers it")
     config = EngineConfig(max_batch_size=4, max_length=64, steps_per_sync=4, experts_impl=experts_impl,
                           mesh=MeshConfig(fsdp=1, data=2, tensor=4))
     engine = Engine(target, drafter, config)
