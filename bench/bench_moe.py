@@ -12,12 +12,16 @@ same; ``--layers 0``: the published depth, 48 and 24).
    ``E * (1 - (1 - k / E) ** tokens)`` per layer), attention, routers, norms, the LM head, an
    embedding row per token, the K/V read (full context: the sliding layers mask, they do not skip).
    The DFlash roofline adds the drafter's weights and touches experts for ``batch * 16`` tokens.
-2. Verify cost: ``Target.step`` of a block of 16 tokens per row at batch 1 with the router forced
+2. The expert op alone, one layer, 1-256 tokens of random routing: ``routed_experts`` by
+   ``jax.lax.ragged_dot`` and by batched GEMMs of per-expert capacity, against the bytes of the experts
+   touched (which implementation the GPU should run).
+3. Verify cost: ``Target.step`` of a block of 16 tokens per row at batch 1 with the router forced
    to touch exactly N distinct experts per layer (N = 8, 32, 64, all), against the decode step of
    one token (natural routing): a user's routing statistics predict their verify cost from it.
 
     python3 bench/bench_moe.py --out bench/results/moe.json
     python3 bench/bench_moe.py --layers 0 --families qwen3_moe       # the published depth
+    python3 bench/bench_moe.py --experts-impl capacity --out bench/results/moe_capacity.json
     JAX_PLATFORMS=cpu python3 bench/bench_moe.py --tiny --batches 1 --repeats 1   # smoke test
 """
 
@@ -38,6 +42,8 @@ from dflash_jax.models.config import TargetConfig, freeze_rope_scaling
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.ops.cache import KVCache
+from dflash_jax.ops.config import OpsConfig, resolve_attention_impl
+from dflash_jax.ops.experts import IMPLEMENTATIONS, route, routed_experts, touched_experts
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
 
@@ -123,7 +129,7 @@ def forced_routing(distinct: int):
         moe.MoeMLP.route = original
 
 
-def time_target_step(target: Target, batch: int, tokens: int, context: int, repeats: int) -> float:
+def time_target_step(target: Target, batch: int, tokens: int, context: int, repeats: int, ops: OpsConfig) -> float:
     """Median seconds of ``Target.step`` extending every row by ``tokens`` tokens over a cache of
     ``context`` random positions (the verify pass at ``tokens = 16``, a decode step at 1)."""
     c = target.config
@@ -139,7 +145,7 @@ def time_target_step(target: Target, batch: int, tokens: int, context: int, repe
     @jax.jit
     def step(state, ids, cache):
         t = nnx.merge(graph, state)
-        hidden, _, cache = t.step(ids, starts, cache)
+        hidden, _, cache = t.step(ids, starts, cache, ops=ops)
         return t.head(hidden[:, -1]).argmax(-1), cache
 
     return timing.median_time(step, state, ids, cache, repeats=repeats)[0]
@@ -157,6 +163,35 @@ def build(family: str, layers: int, tiny_shapes: bool) -> tuple[Target, Drafter]
     return Target(cfg, dtype=dtype, rngs=nnx.Rngs(0)), Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))
 
 
+def bench_expert_op(target: Target, tokens_list, repeats: int) -> dict:
+    """One MoE layer's routed experts alone (random router logits), per implementation of
+    ``ops.experts.routed_experts``, against the bytes of the experts touched."""
+    layer = next(layer.mlp for layer in target.layers if isinstance(layer.mlp, moe.MoeMLP))
+    w = layer.experts.weights()
+    c = target.config
+    per_expert = _bytes(jax.tree.leaves(nnx.state(layer.experts, nnx.Param))) / c.num_experts
+    act = "gpt_oss" if layer.gpt_oss else "silu"
+    out = {}
+    for tokens in tokens_list:
+        key = jax.random.key(tokens)
+        x = timing.normal(key, (tokens, c.hidden_size), target.embed_tokens.dtype)
+        weights, ids = route(jax.random.normal(jax.random.fold_in(key, 1), (tokens, c.num_experts)),
+                             c.num_experts_per_tok, softmax_first=True, normalize=True)
+        weights = weights.astype(x.dtype)
+        touched = int(touched_experts(ids, c.num_experts))
+        roof = touched * per_expert / timing.HBM_BYTES_PER_S
+        row = dict(touched=touched, roofline_s=roof)
+        for impl in IMPLEMENTATIONS:
+            fn = jax.jit(lambda x, ids, weights, w, impl=impl: routed_experts(x, ids, weights, w, activation=act,
+                                                                              implementation=impl))
+            row[impl] = timing.median_time(fn, x, ids, weights, w, repeats=repeats)[0]
+        out[tokens] = row
+        print(f"  expert op, {tokens:4d} tokens, {touched:3d} experts touched: "
+              + ", ".join(f"{impl} {row[impl] * 1e3:.3f} ms ({roof / row[impl]:5.1%})" for impl in IMPLEMENTATIONS),
+              flush=True)
+    return out
+
+
 def bench_family(args, family: str) -> dict:
     t0 = time.perf_counter()
     target, drafter = build(family, args.layers, args.tiny)
@@ -168,10 +203,11 @@ def bench_family(args, family: str) -> dict:
           flush=True)
     report: dict = dict(config=dataclasses.asdict(c), weight_bytes=weights, drafter_bytes=dbytes, batches={},
                         verify={})
+    report["expert_op"] = bench_expert_op(target, (1, 4, 16, 64, 256), args.repeats)
     steps = args.steps
     for batch in args.batches:
         config = EngineConfig(max_batch_size=batch, max_length=args.context + BLOCK * steps * (args.calls + 3),
-                              prompt_buckets=(args.context,))
+                              prompt_buckets=(args.context,), experts_impl=args.experts_impl)
         plain, spec = Engine(target, None, config), Engine(target, drafter, config)
         t_plain = timing.time_decode_pipelined(plain, batch, args.context, steps, args.calls)
         t_spec = timing.time_decode_pipelined(spec, batch, args.context, steps, args.calls)
@@ -186,12 +222,13 @@ def bench_family(args, family: str) -> dict:
               f"({roof_spec / t_spec:5.1%}, ~{e['touched_verify']:.0f} experts/layer) | "
               f"ratio {t_spec / t_plain:.2f} = acceptance length to break even", flush=True)
         del plain, spec
-    t_decode = time_target_step(target, 1, 1, args.context, args.repeats)
+    ops = OpsConfig(attention=resolve_attention_impl("auto"), experts=args.experts_impl)
+    t_decode = time_target_step(target, 1, 1, args.context, args.repeats, ops)
     report["verify"]["decode_step_s"] = t_decode
     counts = sorted({min(n, c.num_experts) for n in (8, 32, 64, c.num_experts)})
     for n in counts:
         with forced_routing(n):
-            t_verify = time_target_step(target, 1, BLOCK, args.context, args.repeats)
+            t_verify = time_target_step(target, 1, BLOCK, args.context, args.repeats, ops)
         touched = min(n, BLOCK * c.num_experts_per_tok)
         roof = step_bytes(target, BLOCK, 1, args.context, touched=touched) / timing.HBM_BYTES_PER_S
         report["verify"][n] = dict(verify_s=t_verify, roofline_s=roof, decode_steps=t_verify / t_decode)
@@ -210,6 +247,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps per timed call")
     ap.add_argument("--calls", type=int, default=4, help="back-to-back calls timed")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--experts-impl", default="ragged_dot", choices=list(IMPLEMENTATIONS),
+                    help="EngineConfig.experts_impl for the engine and verify tables")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
     ap.add_argument("--out", default=None, help="JSON report (e.g. bench/results/moe.json)")
     args = ap.parse_args()

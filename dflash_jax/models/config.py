@@ -376,6 +376,9 @@ def _moe_fields(data: dict, model_type: str, source: str) -> dict[str, Any]:
             raise ModelConfigError(f"{source}: field {name!r} must be positive, got {out['num_experts']}")
         return out
     out["moe_intermediate_size"] = _field(data, "intermediate_size", source, int)
+    limit = _field(data, "swiglu_limit", source, float, 7.0, nullable=True)
+    if limit != 7.0:  # ops.experts.GPT_OSS_LIMIT, as transformers hard-codes it
+        raise ModelConfigError(f"{source}: field 'swiglu_limit' is {limit}; only 7.0 is implemented")
     types = _field(data, "layer_types", source, list, None, nullable=True)
     if types is None:  # transformers' default: sliding and full layers alternating, sliding first
         types = ["sliding_attention" if i % 2 == 0 else "full_attention"

@@ -325,4 +325,4 @@ class DecoderLayer(nnx.Module):
         """``(h + output(attn), mlp(post_attention_layernorm(h + output(attn))))``: the MLP's residual
         add is the caller's."""
         h, x = self.post_attention_layernorm.add_norm(h, self.self_attn.output(attn, ops), ops)
-        return h, self.mlp(x)
+        return h, (self.mlp(x) if isinstance(self.mlp, MLP) else self.mlp(x, ops=ops))

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.models.config import TargetConfig
+from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.experts import MXFP4_BLOCK, ExpertWeights, route, routed_experts
 
 
@@ -101,11 +102,9 @@ class MoeMLP(nnx.Module):
         logits = (self.router or self.gate)(x)
         return route(logits, self.top_k, softmax_first=not self.gpt_oss, normalize=self.normalize)
 
-    def __call__(self, x: jax.Array, row_scale: jax.Array | None = None) -> jax.Array:
-        if row_scale is not None:
-            raise ValueError("a mixture-of-experts MLP takes no folded norm (runtime.serving_params leaves it)")
+    def __call__(self, x: jax.Array, *, ops: OpsConfig = XLA) -> jax.Array:
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.route(flat)
         out = routed_experts(flat, experts, weights, self.experts.weights(),
-                             activation="gpt_oss" if self.gpt_oss else "silu")
+                             activation="gpt_oss" if self.gpt_oss else "silu", implementation=ops.experts)
         return out.reshape(x.shape)

@@ -41,6 +41,9 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
     a Pallas kernel, or for a prompt, one causal block per row with no context, ``prompt_attention``).
     Attention sinks and sliding windows (gpt-oss layers) run the reference: no kernel takes them."""
     if sinks is not None or window is not None:
+        if causal and q.shape[1] == 1 and k_ctx.shape[1] == 0 and q.shape[2] > SINK_PROMPT_CHUNK:
+            return chunked_prompt_attention(q, k_blk, v_blk, blk_lens, chunk=SINK_PROMPT_CHUNK, scale=scale,
+                                            sinks=sinks, window=window)
         return block_attention_reference(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal,
                                          scale=scale, sinks=sinks, window=window)
     if ops.kernels and causal and q.shape[1] == 1 and k_ctx.shape[1] == 0:
@@ -68,6 +71,35 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
         q.reshape(batch, blocks, block, kv_heads, heads // kv_heads, head_dim), k_ctx, v_ctx, ctx_lens,
         k_blk, v_blk, blk_lens)
     return out.reshape(q.shape)
+
+
+SINK_PROMPT_CHUNK = 512  # query slots a step of ``chunked_prompt_attention``
+
+
+def chunked_prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Array, *, chunk: int,
+                             scale: float | None = None, sinks: jax.Array | None = None,
+                             window: int | None = None) -> jax.Array:
+    """``block_attention_reference`` of a prompt (one causal block per row, no context: ``q [batch, 1,
+    seq, heads, head_dim]``, ``k, v [batch, 1, seq, kv_heads, head_dim]``, ``lens [batch, 1]``) in steps
+    of ``chunk`` query slots (``lax.map``), each over the prompt's earlier slots as its context: float32
+    scores of ``chunk * seq`` a head at a time, not ``seq ** 2``. For the layers no flash attention takes
+    (attention sinks, sliding windows: gpt-oss)."""
+    b, _, seq, heads, d = q.shape
+    padded = -(-seq // chunk) * chunk
+    pad = ((0, 0), (0, 0), (0, padded - seq), (0, 0), (0, 0))
+    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+
+    def step(start):
+        def piece(x):
+            return jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=2)
+
+        # Context slots before ``start`` are the prompt's own (a query slot < lens sees only valid keys).
+        return block_attention_reference(piece(q), k[:, 0], v[:, 0], jnp.full((b, 1), start, jnp.int32), piece(k),
+                                         piece(v), jnp.clip(lens - start, 0, chunk), causal=True, scale=scale,
+                                         sinks=sinks, window=window)
+
+    out = jax.lax.map(step, jnp.arange(0, padded, chunk, dtype=jnp.int32))  # [chunks, b, 1, chunk, heads, d]
+    return jnp.moveaxis(out, 0, 2).reshape(b, 1, padded, heads, d)[:, :, :seq]
 
 
 TPU_FLASH_BLOCK = 128  # the Pallas TPU flash attention's default tiles; a prompt is padded to a multiple

@@ -22,7 +22,10 @@ class OpsConfig:
 
     ``cached_attention_tiles``: overrides of the cached-attention kernel's tile fields
     (``kernels_pallas.cached_attention.gpu.GpuConfig``) as ``(field, value)`` pairs; empty: its
-    defaults."""
+    defaults.
+
+    ``experts``: how a mixture of experts' routed experts run (``ops.experts.routed_experts``):
+    "ragged_dot" (grouped matmuls) or "capacity" (batched GEMMs of a fixed row count per expert)."""
 
     attention: AttentionImpl = "xla"
     cached_attention_tiles: tuple[tuple[str, int], ...] = ()
@@ -33,10 +36,13 @@ class OpsConfig:
     # dot: as partials a 16-row verify block cost the DFlash step 5%.
     qkv_partials: int = 8
     output_partials: int = 8
+    experts: str = "ragged_dot"
 
     def __post_init__(self):
         if self.attention not in ("xla", "pallas"):
             raise ValueError(f"ops attention must be 'xla' or 'pallas', got {self.attention!r}")
+        if self.experts not in ("ragged_dot", "capacity"):
+            raise ValueError(f"ops experts must be 'ragged_dot' or 'capacity', got {self.experts!r}")
 
     @property
     def kernels(self) -> bool:

@@ -93,6 +93,10 @@ class ExpertWeights:
         return expand(self.gate_up), expand(self.down)
 
 
+jax.tree_util.register_dataclass(ExpertWeights, data_fields=["gate_up", "down", "gate_up_bias", "down_bias"],
+                                 meta_fields=["interleaved"])  # a pytree: a jit argument
+
+
 def _leading(w) -> int:
     return (w[0] if isinstance(w, tuple) else w).shape[0]
 
@@ -130,26 +134,64 @@ def route(logits: jax.Array, top_k: int, *, softmax_first: bool, normalize: bool
     return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
 
 
+IMPLEMENTATIONS = ("ragged_dot", "capacity")
+
+
+def _sorted_pairs(experts: jax.Array, n: int, expert_offset):
+    """The (token, expert) pairs sorted by expert: ``(order [T * k], counts [n])``; pairs routed outside
+    ``[expert_offset, expert_offset + n)`` sort last and are in no count."""
+    local = experts.reshape(-1) - expert_offset
+    key = jnp.where((local >= 0) & (local < n), local, n)
+    return jnp.argsort(key, stable=True), jnp.bincount(key, length=n + 1)[:n].astype(jnp.int32)
+
+
+def _touched(counts: jax.Array, pairs: int, w: ExpertWeights) -> tuple[jax.Array, jax.Array, ExpertWeights]:
+    """With fewer pairs than experts, the touched experts only: ``(ids [G], counts [G], their weights)``,
+    ascending (as the pairs are sorted), padded to the static ``G = pairs`` by repeating a touched
+    expert with no pairs; else every expert."""
+    n = w.num_experts
+    if pairs >= n:
+        return jnp.arange(n), counts, w
+    ids = jnp.nonzero(counts > 0, size=pairs, fill_value=n)[0]
+    present = ids < n
+    ids = jnp.where(present, ids, jnp.max(jnp.where(present, ids, 0)))
+    return ids, jnp.where(present, counts[ids], 0), w.take(ids)
+
+
+def _capacity(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, activation: str,
+              expert_offset: int | jax.Array = 0) -> jax.Array:
+    """``_grouped`` as batched GEMMs: every (touched) expert multiplies ``T`` row slots (a token routes to
+    an expert at most once), its own pairs' rows and zeros; no ragged product (a library's batched GEMM
+    where ``ragged_dot`` lowers to a dense padded product), at ``G * T`` rows of work."""
+    tokens, top_k = experts.shape
+    order, counts = _sorted_pairs(experts, w.num_experts, expert_offset)
+    first = jnp.cumsum(counts) - counts  # each expert's first position among the sorted pairs
+    ids, counts, w = _touched(counts, order.size, w)
+    slot = first[ids][:, None] + jnp.arange(tokens)[None]  # [G, T]
+    valid = jnp.arange(tokens)[None] < counts[:, None]
+    pair = order[jnp.minimum(slot, order.size - 1)]
+    token = pair // top_k
+    gate_up, down = w.dense(x.dtype)
+    h = jnp.einsum("gth,ghi->gti", x[token], gate_up, preferred_element_type=jnp.float32).astype(x.dtype)
+    if w.gate_up_bias is not None:
+        h = h + w.gate_up_bias[:, None]
+    h = _activate(h, activation, w.interleaved)
+    y = jnp.einsum("gti,gih->gth", h, down, preferred_element_type=jnp.float32).astype(x.dtype)
+    if w.down_bias is not None:
+        y = y + w.down_bias[:, None]
+    y = jnp.where(valid[..., None], y * weights.reshape(-1)[pair][..., None], 0)
+    return jnp.zeros_like(x).at[token.reshape(-1)].add(y.reshape(-1, x.shape[-1]))
+
+
 def _grouped(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, activation: str,
              expert_offset: int | jax.Array = 0) -> jax.Array:
     """The routed experts' weighted sum over the experts ``w`` holds, numbers ``[expert_offset,
     expert_offset + w.num_experts)`` of the router's; pairs routed to other experts add nothing."""
     top_k = experts.shape[1]
-    n = w.num_experts
-    local = experts.reshape(-1) - expert_offset
-    key = jnp.where((local >= 0) & (local < n), local, n)  # other experts' pairs sort last, in no group
-    order = jnp.argsort(key, stable=True)
+    order, counts = _sorted_pairs(experts, w.num_experts, expert_offset)
     token = order // top_k
     rows = x[token]
-    counts = jnp.bincount(key, length=n + 1)[:n].astype(jnp.int32)
-    if key.size < n:
-        # Fewer pairs than experts: gather the touched experts' weights only, ascending (as the rows
-        # are sorted), padded to a static count by repeating a touched expert with no rows.
-        ids = jnp.nonzero(counts > 0, size=key.size, fill_value=n)[0]
-        present = ids < n
-        ids = jnp.where(present, ids, jnp.max(jnp.where(present, ids, 0)))
-        counts = jnp.where(present, counts[ids], 0)
-        w = w.take(ids)
+    ids, counts, w = _touched(counts, order.size, w)
     group = jnp.repeat(jnp.arange(counts.shape[0]), counts, total_repeat_length=rows.shape[0])
     gate_up, down = w.dense(x.dtype)
     h = jax.lax.ragged_dot(rows, gate_up, counts, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -170,16 +212,20 @@ def touched_experts(experts: jax.Array, num_experts: int) -> jax.Array:
 
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, *,
-                   activation: str) -> jax.Array:
+                   activation: str, implementation: str = "ragged_dot") -> jax.Array:
     """``x [T, hidden]`` routed to ``experts [T, top_k]`` with ``weights [T, top_k]`` -> ``[T,
-    hidden]``: ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` by grouped matmuls.
+    hidden]``: ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` by grouped matmuls
+    (``implementation``: "ragged_dot", or "capacity", batched GEMMs of ``T`` row slots an expert).
 
     Under ``sharding.kernel_mesh`` with the experts' leading axis split (logical axis ``experts``),
     each device runs its own experts and the shares are summed across the devices."""
     axes = ("experts", "embed", "mlp")
     across = sharding.kernel_mesh_axes(axes, (w.num_experts, 1, 1), 0)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"expert implementation {implementation!r} is not one of {IMPLEMENTATIONS}")
+    run_experts = _grouped if implementation == "ragged_dot" else _capacity
     if not across:
-        return _grouped(x, experts, weights, w, activation)
+        return run_experts(x, experts, weights, w, activation)
 
     def leaves(w: ExpertWeights):
         return [w.gate_up, w.down, w.gate_up_bias, w.down_bias]
@@ -190,7 +236,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Expe
         gate_up, down, gate_up_bias, down_bias = jax.tree.unflatten(tree, flat_w)
         local = ExpertWeights(gate_up, down, gate_up_bias, down_bias, w.interleaved)
         offset = jax.lax.axis_index(across) * local.num_experts
-        return (jax.lax.psum(_grouped(x, experts, weights, local, activation, offset), across),)
+        return (jax.lax.psum(run_experts(x, experts, weights, local, activation, offset), across),)
 
     replicated = (None, None)
     expert_axes = [("experts",) + (None,) * (leaf.ndim - 1) for leaf in flat]

@@ -73,6 +73,8 @@ class EngineConfig:
     # Overrides of the cached-attention kernel's tiles, "field=N,..." of
     # ``kernels_pallas.cached_attention.gpu.GpuConfig`` (e.g. "min_chunk=128,block_k=32"); "": its defaults.
     cached_attention_tiles: str = ""
+    # A mixture of experts' routed experts: "ragged_dot" or "capacity" (``OpsConfig.experts``).
+    experts_impl: str = "ragged_dot"
     # A directory for the persistent compilation cache (``dflash_jax.runtime.compile_cache``): the engine's
     # programs are saved there and loaded by the next process instead of compiled again. Process-wide.
     # On the H200 it cut an 8B engine's warm-up ~3x, and decode steps ran 2-3% slower in the processes
@@ -99,6 +101,8 @@ class EngineConfig:
             raise ValueError("matmul_precision must be 'auto', 'default', 'high' or 'highest', "
                              f"got {self.matmul_precision!r}")
         parse_tiles(self.cached_attention_tiles)
+        if self.experts_impl not in ("ragged_dot", "capacity"):
+            raise ValueError(f"experts_impl must be 'ragged_dot' or 'capacity', got {self.experts_impl!r}")
         if self.steps_per_sync < 1:
             raise ValueError(f"steps_per_sync must be >= 1, got {self.steps_per_sync}")
         if self.max_steps_per_sync is not None and self.max_steps_per_sync < self.steps_per_sync:
@@ -232,7 +236,8 @@ class Engine:
         self.attention_impl = resolve_attention_impl(config.attention_impl)
         self._rules = config.mesh.resolved_rules() if config.mesh is not None else None
         self.ops = OpsConfig(attention=self.attention_impl,
-                             cached_attention_tiles=parse_tiles(config.cached_attention_tiles))
+                             cached_attention_tiles=parse_tiles(config.cached_attention_tiles),
+                             experts=config.experts_impl)
         # The engine runs copies in the serving layout (``serving_params``); the caller's modules
         # keep theirs, so one loaded target can back several engines.
         for module, name in ((target, "target"), (drafter, "drafter")):

@@ -66,6 +66,7 @@ def test_bad_qwen3_moe_configs_are_named(change, message):
     (dict(layer_types=["chunked_attention"] * 24), "layer_types \\['chunked_attention'\\]"),
     (dict(sliding_window=None), "need a positive sliding_window"),
     (dict(quantization_config={"quant_method": "fp8"}), "only mxfp4"),
+    (dict(swiglu_limit=10.0), "'swiglu_limit' is 10.0"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 32.0}), "needs 'original_max_position_embeddings'"),
 ])
 def test_bad_gpt_oss_configs_are_named(change, message):
@@ -112,9 +113,11 @@ def test_grouped_experts_equal_dense_reference(tokens, kind):
     weights, experts = route(jax.random.normal(jax.random.key(2), (tokens, e)), 3, softmax_first=not gpt_oss,
                              normalize=True)
     act = "gpt_oss" if gpt_oss else "silu"
-    got = jax.jit(lambda x: routed_experts(x, experts, weights, w, activation=act))(x)
     want = routed_experts_reference(x, experts, weights, w, activation=act)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4 * float(jnp.abs(want).max()), rtol=0)
+    for impl in ("ragged_dot", "capacity"):
+        got = jax.jit(lambda x: routed_experts(x, experts, weights, w, activation=act, implementation=impl))(x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4 * float(jnp.abs(want).max()),
+                                   rtol=0, err_msg=impl)
     assert int(touched_experts(experts, e)) == len(set(np.asarray(experts).ravel().tolist()))
 
 
@@ -159,7 +162,10 @@ def _assert_matches_transformers(directory, ids, layers, reference):
     ("gpt_oss", dict(num_layers=4)),  # window 6, sinks, YaRN, biases, 5 experts top-2
     ("gpt_oss", dict(num_layers=3, experts_quantization="mxfp4", num_heads=8, num_kv_heads=2)),
 ])
-def test_moe_target_logits_and_taps_match_transformers(model_type, overrides, tmp_path, reference):
+def test_moe_target_logits_and_taps_match_transformers(model_type, overrides, tmp_path, reference, monkeypatch):
+    from dflash_jax.ops import attention
+
+    monkeypatch.setattr(attention, "SINK_PROMPT_CHUNK", 8)  # the 23-token prompt through sink layers: 3 chunks
     directory = _write(tmp_path, model_type, **overrides)
     layers = tuple(range(overrides["num_layers"]))
     for seq in (5, 23):  # within the sliding window and past it
@@ -251,3 +257,23 @@ def test_sharded_moe_checkpoint_loads(tmp_path):
     ids = np.random.RandomState(0).randint(0, 95, (1, 9))
     np.testing.assert_array_equal(np.asarray(target_forward(load_target(directory), ids)[0]),
                                   np.asarray(target_forward(load_target(other), ids)[0]))
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_chunked_prompt_attention_equals_the_reference(window):
+    """A long prompt through sink / window layers runs in query chunks: the same function."""
+    from dflash_jax.ops.attention import chunked_prompt_attention
+    from kernels_pallas.block_attention.reference import block_attention_reference
+
+    k = jax.random.split(jax.random.key(0), 4)
+    b, seq, heads, kv, d = 2, 11, 4, 2, 8
+    q = jax.random.normal(k[0], (b, 1, seq, heads, d))
+    keys, values = (jax.random.normal(k[i], (b, 1, seq, kv, d)) for i in (1, 2))
+    sinks = jax.random.normal(k[3], (heads,))
+    lens = jnp.asarray([[11], [6]], jnp.int32)
+    empty = jnp.zeros((b, 0, kv, d))
+    want = block_attention_reference(q, empty, empty, jnp.zeros((b, 1), jnp.int32), keys, values, lens, causal=True,
+                                     sinks=sinks, window=window)
+    got = chunked_prompt_attention(q, keys, values, lens, chunk=4, sinks=sinks, window=window)
+    for row, n in enumerate((11, 6)):
+        np.testing.assert_allclose(np.asarray(got[row, :, :n]), np.asarray(want[row, :, :n]), atol=1e-5, rtol=0)
