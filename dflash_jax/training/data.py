@@ -30,6 +30,8 @@ The tokenizer is duck-typed: anything with ``encode(text, add_special_tokens=...
 
 from __future__ import annotations
 
+import difflib
+
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -162,6 +164,10 @@ def check_record(record: Any, where: str, vocab_size: int | None = None) -> None
                             f"keys {_keys(record)}")
     elif "input_ids" in record:
         check_ids(record["input_ids"], "input_ids", where, vocab_size)
+        near = difflib.get_close_matches("loss_mask", [k for k in record if isinstance(k, str)], n=1, cutoff=0.75)
+        if "loss_mask" not in record and near:
+            # A misspelled mask would otherwise train on every token, prompt included, without a word.
+            raise DataError(f"{where}: unknown key {_show(near[0])}; did you mean 'loss_mask'?")
         if "loss_mask" in record:
             mask = record["loss_mask"]
             if not isinstance(mask, (list, np.ndarray)) or len(mask) != len(record["input_ids"]):

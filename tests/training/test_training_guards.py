@@ -118,6 +118,17 @@ def test_token_ids_outside_the_vocabulary_name_the_file_line_and_id(tmp_path, ca
     assert not (tmp_path / "run").exists()
 
 
+def test_a_misspelled_loss_mask_is_named_not_ignored(tmp_path):
+    """An ignored mask would train on every token; a near miss of the key is an error naming it."""
+    for key in ("loss_masks", "lossmask", "Loss_mask"):
+        path = _jsonl(tmp_path / "data.jsonl", [GOOD, {"input_ids": [1, 2, 3, 4], key: [0, 0, 1, 1]}])
+        with pytest.raises(DataError, match=f"^{path}:2: unknown key '{key}'; did you mean 'loss_mask'"):
+            build_dataset(_data([path]), None, vocab_size=VOCAB)
+    # Unrelated extra keys (serve.py generate lines carry several) are still fine.
+    path = _jsonl(tmp_path / "ok.jsonl", [GOOD, {"input_ids": [1, 2, 3, 4], "source": "x", "id": 7}])
+    next(iter(build_dataset(_data([path]), None, vocab_size=VOCAB)))
+
+
 def test_tokenizer_ids_outside_the_vocabulary_are_named(tmp_path):
     """Ids a tokenizer makes that the target's embedding lacks (a mismatched tokenizer)."""
 
