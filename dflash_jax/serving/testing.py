@@ -89,7 +89,7 @@ class FakeEngine:
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                 stop_token_ids: Sequence[Sequence[int]], sampling=None) -> tuple[FakeState, np.ndarray]:
         if sampling is not None:  # the batcher passes it only for sampled rows or logprobs
-            raise NotImplementedError("FakeEngine decodes greedily, without logprobs")
+            raise ValueError("FakeEngine decodes greedily: it takes no sampling state (no temperature, no logprobs)")
         self.prefills.append([list(p) for p in prompts])
         if self.fail_on_token is not None and any(self.fail_on_token in p for p in prompts):
             raise RuntimeError(f"FakeEngine: prompt contains the failing token {self.fail_on_token}")
@@ -124,7 +124,7 @@ class FakeEngine:
     def decode(self, state: FakeState, n_steps: int | None = None, *,
                window: int | None = None, sampling=None) -> tuple[FakeState, RowSnapshot]:
         if sampling is not None:
-            raise NotImplementedError("FakeEngine decodes greedily, without logprobs")
+            raise ValueError("FakeEngine decodes greedily: it takes no sampling state (no temperature, no logprobs)")
         for _ in range(self.config.steps_per_sync if n_steps is None else n_steps):
             live = np.flatnonzero(~state.done)
             if not len(live):
