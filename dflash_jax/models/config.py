@@ -100,6 +100,9 @@ class TargetConfig(TransformerShape):
         super().validate(source)
         if self.model_type not in self.model_types():
             raise ModelConfigError(f"{source}: model_type {self.model_type!r} is not supported")
+        bad_eos = [i for i in self.eos_token_ids if i >= self.vocab_size]
+        if bad_eos:  # a stop id the model can never produce would let every row run to its length limit
+            raise ModelConfigError(f"{source}: eos_token_id {bad_eos} outside the vocabulary [0, {self.vocab_size})")
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ModelConfigError(f"{source}: num_experts_per_tok must be in [1, num_experts={self.num_experts}], "

@@ -234,6 +234,7 @@ def test_every_config_field_wrong_type_boundary_and_null(pair, tmp_path):
     ("drafter", ("is_causal",), "false", "is_causal"),
     ("drafter", ("hidden_size",), "48", "hidden_size"),
     ("target", ("eos_token_id",), ["1"], "eos_token_id"),
+    ("target", ("eos_token_id",), [1, 10**6], "eos_token_id"),
     ("target", ("hidden_act",), "gelu_pytorch_tanh", "hidden_act"),
     ("target", ("hidden_act",), "relu", "hidden_act"),
     ("target", ("rope_theta",), math.nan, "rope_theta"),
