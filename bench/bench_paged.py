@@ -1,0 +1,117 @@
+"""Paged against contiguous caches: decode step times and the time to first token over a cached prefix.
+
+On a Qwen3-8B-shaped target with random bf16 weights and a 5-layer block-16 drafter (DFlash), one
+engine with contiguous caches (``page_size`` 0) and one with paged caches (``--page-size``):
+
+1. ``decode``: ms per DFlash step at each ``--batches`` from a ``--context``-token context (synthetic
+   states, synchronised calls of ``--steps`` steps; the paged state's rows hold shuffled pages);
+2. ``ttft``: the time to first token of a ``--prefix + --suffix``-token prompt through the paged
+   engine's ``ContinuousBatcher``, uncached, and with its first ``--prefix`` tokens cached by an
+   earlier request (the median of ``--repeats`` fresh prompts each), beside the contiguous engine's.
+
+    python3 bench/bench_paged.py --json bench/results/paged.json
+    JAX_PLATFORMS=cpu python3 bench/bench_paged.py --tiny            # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+import timing
+from dflash_jax.runtime.batcher import ContinuousBatcher
+from dflash_jax.runtime.engine import Engine, EngineConfig
+from dflash_jax.tiny import tiny_target_config
+
+
+def ttft(batcher: ContinuousBatcher, prompt: list[int]) -> tuple[float, int]:
+    """Seconds from submission to the first token of ``prompt`` (one new token), and its cached tokens."""
+    g = batcher.submit(prompt, 1, submitted=time.perf_counter())
+    batcher.run()
+    if g.error is not None:
+        raise g.error
+    return g.result.time_to_first_token, g.cached_tokens
+
+
+def ttft_rows(engines: dict[str, Engine], args, vocab: int) -> dict:
+    rng = np.random.default_rng(0)
+    prompt = lambda n: rng.integers(0, vocab - 1, n).tolist()  # noqa: E731
+    out = {}
+    for name, engine in engines.items():
+        batcher = ContinuousBatcher(engine)
+        for _ in range(2):  # compiles: uncached and (paged) cached shapes
+            first = prompt(args.prefix + args.suffix)
+            ttft(batcher, first)
+            ttft(batcher, first[:args.prefix] + prompt(args.suffix))
+        uncached, cached, hits = [], [], []
+        for _ in range(args.repeats):
+            first = prompt(args.prefix + args.suffix)
+            uncached.append(ttft(batcher, first)[0])
+            seconds, hit = ttft(batcher, first[:args.prefix] + prompt(args.suffix))
+            cached.append(seconds)
+            hits.append(hit)
+        row = {"uncached_ms": 1e3 * statistics.median(uncached), "cached_prefix_ms": 1e3 * statistics.median(cached),
+               "cached_tokens": hits[-1]}
+        row["cached_over_uncached"] = row["cached_prefix_ms"] / row["uncached_ms"]
+        if batcher.pages is not None:
+            row["pages_all_free"] = batcher.pages.all_free()
+        out[name] = row
+        print(f"  TTFT {name:10s}: uncached {row['uncached_ms']:8.1f} ms   second request, {hits[-1]} tokens cached: "
+              f"{row['cached_prefix_ms']:8.1f} ms ({row['cached_over_uncached']:.2f}x)", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--prefix", type=int, default=4000)
+    ap.add_argument("--suffix", type=int, default=64)
+    ap.add_argument("--parts", default="decode,ttft")
+    ap.add_argument("--tiny", action="store_true", help="tiny float32 shapes: a CPU smoke test of this script")
+    ap.add_argument("--json", default=None, help="write the numbers here")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.tiny:
+        tcfg, dtype = tiny_target_config(vocab_size=512, num_layers=6), jnp.float32
+        args.context, args.prefix, args.suffix, args.repeats = 64, 100, 8, 2
+    else:
+        tcfg, dtype = timing.qwen3_8b(args.layers), jnp.bfloat16
+    target, drafter = timing.random_pair(tcfg, dtype)
+    longest = args.prefix + args.suffix
+    buckets = tuple(sorted({64, 1 << (longest - 1).bit_length()}))
+    config = EngineConfig(max_batch_size=max(batches), max_length=max(buckets[-1], args.context) + 256,
+                          steps_per_sync=args.steps, prompt_buckets=buckets)
+    engines = {"contiguous": Engine(target, drafter, config),
+               "paged": Engine(target, drafter, EngineConfig(**{**config.__dict__, "page_size": args.page_size}))}
+    del target, drafter
+    print(timing.device_line())
+    result = {"device": timing.device_line(), "page_size": args.page_size, "layers": tcfg.num_layers,
+              "context": args.context, "decode": [], "ttft": None}
+    if "decode" in args.parts:
+        print(f"DFlash decode step, context {args.context}: ms per step")
+        for batch in batches:
+            row = {"batch": batch}
+            for name, engine in engines.items():
+                seconds, tau = timing.time_decode(engine, batch, args.context, args.steps, args.repeats)
+                row[name] = {"ms_per_step": 1e3 * seconds, "tau": tau}
+            row["paged_over_contiguous"] = row["paged"]["ms_per_step"] / row["contiguous"]["ms_per_step"]
+            result["decode"].append(row)
+            print(f"  batch {batch:3d}: contiguous {row['contiguous']['ms_per_step']:8.3f}   paged "
+                  f"{row['paged']['ms_per_step']:8.3f}   ({row['paged_over_contiguous']:.3f}x)", flush=True)
+    if "ttft" in args.parts:
+        print(f"time to first token, {args.prefix} + {args.suffix} tokens")
+        result["ttft"] = ttft_rows(engines, args, tcfg.vocab_size)
+    timing.write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
