@@ -62,6 +62,7 @@ class PageAllocator:
         """Every page free and nothing cached (the device pools were dropped)."""
         self._free = collections.deque(p for p in range(self.num_pages) if p != NULL_PAGE)
         self._refs = [0] * self.num_pages
+        self._in_use = 0  # pages with a reference
         self._key_of: dict[int, int] = {}                  # cached page -> its key
         self._page_of: dict[int, int] = {}                 # key -> cached page
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # unreferenced cached pages
@@ -82,13 +83,12 @@ class PageAllocator:
         return -(-positions // self.page_size)
 
     def stats(self) -> PageStats:
-        in_use = sum(1 for r in self._refs if r > 0)
-        return PageStats(total=self.total, free=len(self._free), cached=len(self._lru), in_use=in_use,
+        return PageStats(total=self.total, free=len(self._free), cached=len(self._lru), in_use=self._in_use,
                          prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits)
 
     def all_free(self) -> bool:
         """No page is referenced: every request let its pages go (the leak check)."""
-        return not any(self._refs) and len(self._free) + len(self._lru) == self.total
+        return self._in_use == 0 and not any(self._refs) and len(self._free) + len(self._lru) == self.total
 
     def page_keys(self, tokens: Sequence[int]) -> list[int]:
         """The hash-chain keys of the full pages of ``tokens``."""
@@ -150,12 +150,14 @@ class PageAllocator:
                 raise ValueError(f"page {page} released more often than taken")
             self._refs[page] -= 1
             if self._refs[page] == 0:
+                self._in_use -= 1
                 if page in self._key_of:
                     self._lru[page] = None
                 else:
                     self._free.append(page)
 
     def _take(self, page: int) -> None:
+        self._in_use += self._refs[page] == 0
         self._refs[page] += 1
         self._lru.pop(page, None)
 
@@ -166,4 +168,5 @@ class PageAllocator:
             page, _ = self._lru.popitem(last=False)
             del self._page_of[self._key_of.pop(page)]
         self._refs[page] = 1
+        self._in_use += 1
         return page
