@@ -325,6 +325,8 @@ class ContinuousBatcher:
             if self.pages is not None:  # the pools went with the state
                 self.pages.reset()
                 self._unreleased_pages = []
+                for g in self._pending:  # a prompt's chunks prefilled so far went too
+                    g.pages, g.cached_tokens = [], 0
             self._fail(failed, err)
 
     # -- the phases of a step ----------------------------------------------------------------------
@@ -347,7 +349,12 @@ class ContinuousBatcher:
         """Sizes the running state for its live rows plus the pending requests that fit, runs their
         prefill and dispatches their admission; returns the prefill's first tokens (on the host) and
         the newly admitted requests (None if none)."""
+        for g in self._pending:
+            if g.cancelled:  # a prompt given up on between its chunks
+                self._free_pages(g, written=False)
         self._pending = collections.deque(g for g in self._pending if not g.cancelled)
+        if self._prefill_chunk():
+            return None
         keep = [i for i, g in enumerate(self._rows) if g is not None]
         admitting = min(self.engine.config.max_batch_size - len(keep), len(self._pending))
         if self.pages is not None:
@@ -400,10 +407,42 @@ class ContinuousBatcher:
                 self.pages.register(g.prompt_ids, g.pages)
         return first, group, first_logprobs
 
+    def _prefill_chunk(self) -> bool:
+        """With ``prefill_chunk``: prefills the next chunk of the first pending request if more of its
+        prompt than a chunk is left to compute (one chunk per host sync, between the running rows'
+        decode calls), its K/V written into its pages and cached; True if it did. The last chunk is its
+        admission."""
+        chunk = getattr(self.engine.config, "prefill_chunk", 0)
+        if self.pages is None or not chunk or not self._pending:
+            return False
+        g = self._pending[0]
+        if not g.pages and self._allocate_pages(1) == 0:
+            return False
+        end = g.cached_tokens + chunk
+        if len(g.prompt_ids) - g.cached_tokens <= chunk:
+            return False
+        if self._state is None:
+            self._state = self.engine.empty_state(self.engine.state_rows(1))
+            self._rows = [None] * self.engine.state_rows(1)
+        try:
+            rows, _, admission = self.engine.prefill_paged(self._state, [g.prompt_ids[:end]], [1], [()], [g.pages],
+                                                           [g.cached_tokens])
+        except Exception as err:  # noqa: BLE001 - the running state is untouched: fail this prompt only
+            self._pending.popleft()
+            self._free_pages(g, written=False)
+            self._fail([g], err)
+            return True
+        self._state = self.engine.write_pages(self._state, rows, admission)
+        g.cached_tokens = end
+        self.pages.register(g.prompt_ids[:end], g.pages)
+        return True
+
     def _allocate_pages(self, most: int) -> int:
         """Gives pages to up to ``most`` leading pending requests, in order, stopping at the first the
-        pool cannot hold now; returns how many got theirs."""
+        pool cannot hold now; returns how many have theirs (a prompt prefilled in chunks has them already)."""
         for n, g in enumerate(itertools.islice(self._pending, most)):
+            if g.pages:
+                continue
             grant = self.pages.allocate(g.prompt_ids, g.max_len)
             if grant is None:
                 return n

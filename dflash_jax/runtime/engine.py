@@ -97,6 +97,9 @@ class EngineConfig:
     kv_memory_fraction: float | None = None
     # Reuse the cached K/V of a new prompt's longest cached prefix (full pages; paged engines only).
     prefix_cache: bool = True
+    # Paged engines: a prompt with more uncached tokens than this is prefilled this many at a time, one
+    # chunk per host sync between the running rows' decode calls (0: whole prompts). A multiple of page_size.
+    prefill_chunk: int = 0
 
     def validate(self) -> None:
         check_field_types(self)  # a config built in Python skips the YAML loader's checks
@@ -136,6 +139,9 @@ class EngineConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction}")
         if self.num_pages is not None and self.kv_memory_fraction is not None:
             raise ValueError("set num_pages or kv_memory_fraction, not both")
+        if self.prefill_chunk < 0 or self.prefill_chunk and (not self.page_size or self.prefill_chunk % self.page_size):
+            raise ValueError(f"prefill_chunk must be 0 or a multiple of a paged engine's page_size ({self.page_size}), "
+                             f"got {self.prefill_chunk}")
 
     @property
     def max_prompt_length(self) -> int:
@@ -348,6 +354,7 @@ class Engine:
         self._paged_prefill = jax.jit(self._traced(self._paged_prefill_fn), static_argnames=("suffix", "context_pages"),
                                       compiler_options=once)
         self._paged_admit = jax.jit(paged.admit, donate_argnums=(0,), compiler_options=once)
+        self._paged_write = jax.jit(paged.write_pages, donate_argnums=(0,), compiler_options=once)
         self._paged_empty = jax.jit(self._paged_empty_fn, static_argnames=("rows",), compiler_options=once)
         # The pools are donated (they keep their shape), the rows' arrays not (they change theirs).
         self._paged_resize = jax.jit(self._paged_resize_fn, donate_argnums=(0, 1), static_argnames=("rows",),
@@ -437,6 +444,13 @@ class Engine:
         index = np.full((rows.starts.shape[0],), state.starts.shape[0], np.int32)  # out of range: dropped
         index[: len(slots)] = slots
         return self._paged_admit(state, rows, index, admission.page_rows, admission.cache_from)
+
+    def write_pages(self, state: decoding.DecodeState, rows: decoding.DecodeState,
+                    admission: "PagedAdmission") -> decoding.DecodeState:
+        """The K/V ``prefill_paged`` computed into their pages, without admitting its rows (a chunk of a
+        prompt: ``EngineConfig.prefill_chunk``); donates ``state``."""
+        written = np.ones((rows.starts.shape[0],), bool)
+        return self._paged_write(state, rows, admission.page_rows, admission.cache_from, written)
 
     # -- jitted phases -------------------------------------------------------------------------
 

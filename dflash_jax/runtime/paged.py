@@ -116,10 +116,18 @@ def admit(state: DecodeState, rows: DecodeState, slots: jax.Array, page_rows: ja
     of range drop their row), with their page tables ``page_rows [rows, max_pages]``, and scatters
     each row's cache positions ``cache_from [rows] + j`` (prompt positions only) into its pages."""
     merged = decoding.scatter_rows(_without_caches(state), _without_caches(rows), slots)
-    table = state.page_table.at[slots].set(page_rows, mode="drop")
+    merged = dataclasses.replace(merged, target_cache=state.target_cache, draft_cache=state.draft_cache,
+                                 page_table=state.page_table.at[slots].set(page_rows, mode="drop"))
+    return write_pages(merged, rows, page_rows, cache_from, (slots >= 0) & (slots < state.starts.shape[0]))
+
+
+def write_pages(state: DecodeState, rows: DecodeState, page_rows: jax.Array, cache_from: jax.Array,
+                written: jax.Array) -> DecodeState:
+    """Scatters the cache positions ``cache_from [rows] + j`` (prompt positions only) of prefilled ``rows``
+    into their pages ``page_rows [rows, max_pages]`` of ``state``'s pools, for the rows where ``written
+    [rows]``; the rest of ``state`` is unchanged (a chunk of a prompt: its row is admitted later)."""
     n = rows.target_cache.capacity
-    valid_row = (slots >= 0) & (slots < state.starts.shape[0])
-    keep = valid_row[:, None] & (jnp.arange(n)[None, :] < (rows.starts - cache_from)[:, None])
+    keep = written[:, None] & (jnp.arange(n)[None, :] < (rows.starts - cache_from)[:, None])
 
     def put(pools: KVCache | None, cache: KVCache | None) -> KVCache | None:
         if pools is None:
@@ -127,8 +135,8 @@ def admit(state: DecodeState, rows: DecodeState, slots: jax.Array, page_rows: ja
         return KVCache(tuple(scatter_positions(p, page_rows, c, cache_from, keep) for p, c in zip(pools.k, cache.k)),
                        tuple(scatter_positions(p, page_rows, c, cache_from, keep) for p, c in zip(pools.v, cache.v)))
 
-    return dataclasses.replace(merged, target_cache=put(state.target_cache, rows.target_cache),
-                               draft_cache=put(state.draft_cache, rows.draft_cache), page_table=table)
+    return dataclasses.replace(state, target_cache=put(state.target_cache, rows.target_cache),
+                               draft_cache=put(state.draft_cache, rows.draft_cache))
 
 
 def resize(empty: DecodeState, state: DecodeState, slots: jax.Array) -> DecodeState:

@@ -101,3 +101,27 @@ def test_requests_wait_for_pages_and_too_large_ones_are_refused(models, base):
     for g, prompt in zip(got, prompts):
         assert g.result.output_ids == _solo(engine, prompt).output_ids
     assert batcher.pages.all_free()
+
+
+@pytest.mark.slow
+def test_chunked_prefill_interleaves_with_decoding_and_keeps_the_tokens(models, engines, base):
+    target, drafter = models
+    contiguous, _ = engines
+    engine = Engine(target, drafter, EngineConfig(page_size=PAGE, prefill_chunk=2 * PAGE, **CONFIG))
+    batcher = ContinuousBatcher(engine)
+    running = batcher.submit(base[:6], MAX_NEW, [11])
+    batcher.step()  # admitted, decoding
+    long = batcher.submit(base + base[:7], MAX_NEW, [11])  # 47 tokens: chunks of 16, 16, then 15 at admission
+    steps_before_admission = 0
+    while long.admitted is None:
+        batcher.step()
+        steps_before_admission += 1
+    assert steps_before_admission == 3 and long.cached_tokens == 32  # two chunk syncs, then the admission
+    assert len(running.output_ids) > 1  # the running row decoded between the chunks
+    batcher.run()
+    for g, prompt in ((running, base[:6]), (long, base + base[:7])):
+        assert g.error is None
+        assert g.result.output_ids == _solo(contiguous, prompt).output_ids
+    assert batcher.pages.all_free()
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        EngineConfig(page_size=PAGE, prefill_chunk=12).validate()
