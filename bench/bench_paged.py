@@ -7,7 +7,10 @@ engine with contiguous caches (``page_size`` 0) and one with paged caches (``--p
    states, synchronised calls of ``--steps`` steps; the paged state's rows hold shuffled pages);
 2. ``ttft``: the time to first token of a ``--prefix + --suffix``-token prompt through the paged
    engine's ``ContinuousBatcher``, uncached, and with its first ``--prefix`` tokens cached by an
-   earlier request (the median of ``--repeats`` fresh prompts each), beside the contiguous engine's.
+   earlier request (the median of ``--repeats`` fresh prompts each), beside the contiguous engine's;
+3. ``rows`` (host only): with the memory of ``--rows-budget`` contiguous rows of ``--max-length``
+   positions, how many requests of a mixed workload (prompts uniform in 100-8,000 tokens, 256 new
+   tokens each) hold pages at once, admitted in order by ``PageAllocator`` until the pool is full.
 
     python3 bench/bench_paged.py --json bench/results/paged.json
     JAX_PLATFORMS=cpu python3 bench/bench_paged.py --tiny            # smoke test
@@ -24,6 +27,7 @@ import numpy as np
 
 import timing
 from dflash_jax.runtime.batcher import ContinuousBatcher
+from dflash_jax.runtime.pages import PageAllocator
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.tiny import tiny_target_config
 
@@ -65,6 +69,21 @@ def ttft_rows(engines: dict[str, Engine], args, vocab: int) -> dict:
     return out
 
 
+def concurrent_rows(budget_rows: int, max_length: int, page_size: int, requests: int = 4096) -> dict:
+    """Requests of a mixed-length workload that a pool of ``budget_rows * max_length`` positions holds
+    at once (admitted in order until one does not fit), against the ``budget_rows`` contiguous rows."""
+    rng = np.random.default_rng(0)
+    pages = PageAllocator(budget_rows * max_length // page_size + 1, page_size, prefix_cache=False)
+    admitted = 0
+    for _ in range(requests):
+        prompt = rng.integers(0, 1000, int(rng.integers(100, 8001))).tolist()
+        if pages.allocate(prompt, min(len(prompt) + 256, max_length)) is None:
+            break
+        admitted += 1
+    return {"contiguous_rows": budget_rows, "paged_rows": admitted, "ratio": admitted / budget_rows,
+            "max_length": max_length, "page_size": page_size}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,16")
@@ -75,7 +94,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=4000)
     ap.add_argument("--suffix", type=int, default=64)
-    ap.add_argument("--parts", default="decode,ttft")
+    ap.add_argument("--rows-budget", type=int, default=16)
+    ap.add_argument("--max-length", type=int, default=32768)
+    ap.add_argument("--parts", default="decode,ttft,rows")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 shapes: a CPU smoke test of this script")
     ap.add_argument("--json", default=None, help="write the numbers here")
     args = ap.parse_args()
@@ -110,6 +131,10 @@ def main() -> None:
     if "ttft" in args.parts:
         print(f"time to first token, {args.prefix} + {args.suffix} tokens")
         result["ttft"] = ttft_rows(engines, args, tcfg.vocab_size)
+    if "rows" in args.parts:
+        result["rows"] = rows = concurrent_rows(args.rows_budget, args.max_length, args.page_size)
+        print(f"mixed prompts of 100-8,000 tokens in the memory of {rows['contiguous_rows']} contiguous rows of "
+              f"{rows['max_length']} positions: {rows['paged_rows']} paged rows ({rows['ratio']:.1f}x)")
     timing.write_json(args.json, result)
 
 
