@@ -4,7 +4,8 @@ On a Qwen3-8B-shaped target with random bf16 weights and a 5-layer block-16 draf
 engine with contiguous caches (``page_size`` 0) and one with paged caches (``--page-size``):
 
 1. ``decode``: ms per DFlash step at each ``--batches`` from a ``--context``-token context (synthetic
-   states, synchronised calls of ``--steps`` steps; the paged state's rows hold shuffled pages);
+   states, synchronised calls of ``--steps`` steps at the attention window the batcher would pick; the
+   paged state's rows hold shuffled pages);
 2. ``ttft``: the time to first token of a ``--prefix + --suffix``-token prompt through the paged
    engine's ``ContinuousBatcher``, uncached, and with its first ``--prefix`` tokens cached by an
    earlier request (the median of ``--repeats`` fresh prompts each), beside the contiguous engine's;
@@ -121,8 +122,10 @@ def main() -> None:
         print(f"DFlash decode step, context {args.context}: ms per step")
         for batch in batches:
             row = {"batch": batch}
+            # the window the batcher would pick: every row's reach over the calls (a paged step copies it)
+            window = args.context + (2 + args.repeats) * args.steps * engines["paged"].block_size
             for name, engine in engines.items():
-                seconds, tau = timing.time_decode(engine, batch, args.context, args.steps, args.repeats)
+                seconds, tau = timing.time_decode(engine, batch, args.context, args.steps, args.repeats, window=window)
                 row[name] = {"ms_per_step": 1e3 * seconds, "tau": tau}
             row["paged_over_contiguous"] = row["paged"]["ms_per_step"] / row["contiguous"]["ms_per_step"]
             result["decode"].append(row)

@@ -199,25 +199,28 @@ def paged_synthetic_state(engine, batch: int, context: int, seed: int) -> decodi
         sampling=None, page_table=jnp.asarray(order.reshape(batch, engine.max_pages), jnp.int32))
 
 
-def warmed_state(engine, batch: int, context: int, steps: int, seed: int) -> decoding.DecodeState:
+def warmed_state(engine, batch: int, context: int, steps: int, seed: int,
+                 window: int | None = None) -> decoding.DecodeState:
     """``synthetic_state`` after two decode calls of ``steps`` steps (the first compiles; on a mesh
-    the second compiles for the sharded state), synced."""
+    the second compiles for the sharded state), synced. ``window``: the calls' attention window, as
+    ``Engine.decode`` takes it (None: the whole cache)."""
     state = synthetic_state(engine, batch, context, seed=seed)
     for _ in range(2):
-        state, _ = engine.decode(state, n_steps=steps)
+        state, _ = engine.decode(state, n_steps=steps, window=window)
     jax.block_until_ready(state.starts)
     return state
 
 
-def time_decode(engine, batch: int, context: int, steps: int, repeats: int) -> tuple[float, float]:
+def time_decode(engine, batch: int, context: int, steps: int, repeats: int,
+                window: int | None = None) -> tuple[float, float]:
     """Median seconds per decode step over ``repeats`` synchronised calls of ``steps`` on-device
-    steps (state donated), and the tokens committed per step (tau)."""
-    state = warmed_state(engine, batch, context, steps, seed=batch)
+    steps (state donated), and the tokens committed per step (tau); ``window`` as in ``warmed_state``."""
+    state = warmed_state(engine, batch, context, steps, seed=batch, window=window)
     times = []
     for _ in range(repeats):
         before = np.asarray(state.starts)
         t0 = time.perf_counter()
-        state, _ = engine.decode(state, n_steps=steps)
+        state, _ = engine.decode(state, n_steps=steps, window=window)
         jax.block_until_ready(state.starts)
         times.append((time.perf_counter() - t0) / steps)
     tau = float((np.asarray(state.starts) - before).mean() / steps)
