@@ -125,3 +125,26 @@ def test_chunked_prefill_interleaves_with_decoding_and_keeps_the_tokens(models, 
     assert batcher.pages.all_free()
     with pytest.raises(ValueError, match="prefill_chunk"):
         EngineConfig(page_size=PAGE, prefill_chunk=12).validate()
+
+
+@pytest.mark.slow
+def test_rows_ended_on_the_host_or_cancelled_give_their_pages_back(engines, base):
+    contiguous, paged = engines
+    batcher = ContinuousBatcher(paged)
+    want = _solo(contiguous, base[:20])
+    stopped = batcher.submit(base[:20], MAX_NEW, [11], stop_check=lambda new: 1 if len(new) > 1 else None)
+    cancelled = batcher.submit(base[5:30], MAX_NEW, [11])
+    kept = batcher.submit(base[:20] + [4, 5], MAX_NEW, [11])
+    batcher.step()
+    batcher.step()
+    cancelled.cancel()
+    batcher.run()
+    assert cancelled.result is None
+    assert stopped.result.finish_reason == "stop" and stopped.result.output_ids == want.output_ids[:len(
+        stopped.result.output_ids)]
+    assert kept.result.output_ids == _solo(contiguous, base[:20] + [4, 5]).output_ids
+    assert batcher.pages.all_free()
+    # what they left cached serves a later prompt, unchanged
+    again = _run(batcher, [base[:20] + [4, 5]])[0]
+    assert again.cached_tokens == 16 and again.result.output_ids == kept.result.output_ids
+    assert batcher.pages.all_free()
