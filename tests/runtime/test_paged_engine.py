@@ -148,3 +148,17 @@ def test_rows_ended_on_the_host_or_cancelled_give_their_pages_back(engines, base
     again = _run(batcher, [base[:20] + [4, 5]])[0]
     assert again.cached_tokens == 16 and again.result.output_ids == kept.result.output_ids
     assert batcher.pages.all_free()
+
+
+@pytest.mark.slow
+def test_target_only_paged_engine_equals_contiguous_with_a_prefix_hit(models, base):
+    target, _ = models
+    contiguous = Engine(target, None, EngineConfig(**CONFIG))
+    paged = Engine(target, None, EngineConfig(page_size=PAGE, **CONFIG))
+    batcher = ContinuousBatcher(paged)
+    prompts = [base, base[:30] + [7, 8, 9]]
+    got = _run(batcher, prompts[:1]) + _run(batcher, prompts[1:])
+    assert got[1].cached_tokens == 24
+    for g, prompt in zip(got, prompts):
+        assert g.result.output_ids == _solo(contiguous, prompt).output_ids
+    assert batcher.pages.all_free()
