@@ -162,3 +162,18 @@ def test_target_only_paged_engine_equals_contiguous_with_a_prefix_hit(models, ba
     for g, prompt in zip(got, prompts):
         assert g.result.output_ids == _solo(contiguous, prompt).output_ids
     assert batcher.pages.all_free()
+
+
+@pytest.mark.slow
+def test_paged_engine_with_the_kernels_equals_contiguous(models, engines, base):
+    """The paged views through the cached-attention kernel (interpret mode here), as on a GPU."""
+    target, drafter = models
+    contiguous, _ = engines
+    paged = Engine(target, drafter, EngineConfig(page_size=PAGE, attention_impl="pallas", **CONFIG))
+    batcher = ContinuousBatcher(paged)
+    prompts = [base, base + [3, 4, 5]]
+    got = _run(batcher, prompts[:1]) + _run(batcher, prompts[1:])
+    assert got[1].cached_tokens == 40
+    for g, prompt in zip(got, prompts):
+        assert g.result.output_ids == _solo(contiguous, prompt).output_ids
+    assert batcher.pages.all_free()
