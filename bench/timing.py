@@ -141,7 +141,10 @@ def card_streaming_rate(repeats: int, *, passes: int = 8, gemvs: int = 8, vocab:
 
 
 def synthetic_state(engine, batch: int, context: int, seed: int) -> decoding.DecodeState:
-    """A decode state as after a prefill of ``context`` random tokens, its caches full of random data."""
+    """A decode state as after a prefill of ``context`` random tokens, its caches full of random data
+    (a paged engine's: ``paged_synthetic_state``)."""
+    if getattr(engine, "paged", False):
+        return paged_synthetic_state(engine, batch, context, seed)
     tc, cap = engine.target.config, engine.capacity
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     dtype = engine.target.embed_tokens.dtype
@@ -169,25 +172,55 @@ def synthetic_state(engine, batch: int, context: int, seed: int) -> decoding.Dec
     )
 
 
-def warmed_state(engine, batch: int, context: int, steps: int, seed: int) -> decoding.DecodeState:
+def paged_synthetic_state(engine, batch: int, context: int, seed: int) -> decoding.DecodeState:
+    """``synthetic_state`` of a paged engine: each row holds ``max_pages`` pages of the pool, in a
+    shuffled order (rows' pages interleave, as after admissions and evictions), filled with random data."""
+    if batch * engine.max_pages >= engine.num_pages:
+        raise ValueError(f"{batch} rows of {engine.max_pages} pages exceed the pool's {engine.num_pages - 1}")
+    rows = engine.empty_state(batch)
+    key = jax.random.key(seed)
+    order = np.random.default_rng(seed).permutation(np.arange(1, 1 + batch * engine.max_pages))
+    dtype = engine.target.embed_tokens.dtype
+
+    def fill(pools: KVCache | None, salt: int) -> KVCache | None:
+        if pools is None:
+            return None
+        keys = jax.random.split(jax.random.fold_in(key, salt), 2 * pools.num_layers)
+        n = pools.num_layers
+        return KVCache(tuple(normal(keys[i], x.shape, dtype) for i, x in enumerate(pools.k)),
+                       tuple(normal(keys[n + i], x.shape, dtype) for i, x in enumerate(pools.v)))
+
+    tc = engine.target.config
+    return dataclasses.replace(
+        rows, tokens=jax.random.randint(jax.random.fold_in(key, 3), rows.tokens.shape, 0, tc.vocab_size - 1,
+                                        jnp.int32),
+        starts=jnp.full((batch,), context, jnp.int32), max_lens=jnp.full((batch,), engine.config.max_length, jnp.int32),
+        done=jnp.zeros((batch,), bool), target_cache=fill(rows.target_cache, 1), draft_cache=fill(rows.draft_cache, 2),
+        sampling=None, page_table=jnp.asarray(order.reshape(batch, engine.max_pages), jnp.int32))
+
+
+def warmed_state(engine, batch: int, context: int, steps: int, seed: int,
+                 window: int | None = None) -> decoding.DecodeState:
     """``synthetic_state`` after two decode calls of ``steps`` steps (the first compiles; on a mesh
-    the second compiles for the sharded state), synced."""
+    the second compiles for the sharded state), synced. ``window``: the calls' attention window, as
+    ``Engine.decode`` takes it (None: the whole cache)."""
     state = synthetic_state(engine, batch, context, seed=seed)
     for _ in range(2):
-        state, _ = engine.decode(state, n_steps=steps)
+        state, _ = engine.decode(state, n_steps=steps, window=window)
     jax.block_until_ready(state.starts)
     return state
 
 
-def time_decode(engine, batch: int, context: int, steps: int, repeats: int) -> tuple[float, float]:
+def time_decode(engine, batch: int, context: int, steps: int, repeats: int,
+                window: int | None = None) -> tuple[float, float]:
     """Median seconds per decode step over ``repeats`` synchronised calls of ``steps`` on-device
-    steps (state donated), and the tokens committed per step (tau)."""
-    state = warmed_state(engine, batch, context, steps, seed=batch)
+    steps (state donated), and the tokens committed per step (tau); ``window`` as in ``warmed_state``."""
+    state = warmed_state(engine, batch, context, steps, seed=batch, window=window)
     times = []
     for _ in range(repeats):
         before = np.asarray(state.starts)
         t0 = time.perf_counter()
-        state, _ = engine.decode(state, n_steps=steps)
+        state, _ = engine.decode(state, n_steps=steps, window=window)
         jax.block_until_ready(state.starts)
         times.append((time.perf_counter() - t0) / steps)
     tau = float((np.asarray(state.starts) - before).mean() / steps)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import operator
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -47,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import jax
 import numpy as np
 
+from dflash_jax.runtime.pages import PageAllocator
 from dflash_jax.runtime.sampling import GREEDY, SamplingFlags, SamplingParams
 
 if TYPE_CHECKING:
@@ -158,6 +160,10 @@ class Generation:
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     start: int = 0
     seen_steps: int = 0
+    # A paged engine's: the pages the request holds (``runtime.pages``) and how many leading prompt
+    # tokens it found cached.
+    pages: list[int] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
 
     def cancel(self) -> None:
         """Gives the request up at the next step, with no further callbacks (from any thread)."""
@@ -205,6 +211,12 @@ class ContinuousBatcher:
         self.steps_per_call = engine.config.steps_per_sync  # the next call's (see ``_adapt_steps``)
         self._last_read: float | None = None
         self._unreleased: list[int] = []  # slots of rows ended on the host (stop checks), live on the device
+        # A paged engine's pages (None: contiguous caches), and the pages of rows ended on the host, freed
+        # once their rows are released (the device writes them until then).
+        self.pages: PageAllocator | None = None
+        if getattr(engine, "paged", False):
+            self.pages = PageAllocator(engine.num_pages, engine.page_size, prefix_cache=engine.config.prefix_cache)
+        self._unreleased_pages: list[list[int]] = []
 
     @property
     def running(self) -> int:
@@ -259,6 +271,11 @@ class ContinuousBatcher:
             raise ValueError(f"{name} has {len(prompt)} tokens; the engine's max_length is {config.max_length}")
         if (too_long := config.prompt_bucket_error(len(prompt))) is not None:
             raise ValueError(f"{name} has {len(prompt)} tokens, {too_long}")
+        if self.pages is not None and isinstance(max_new_tokens, (int, np.integer)):
+            needed = self.pages.pages_for(min(len(prompt) + int(max_new_tokens), config.max_length))
+            if needed > self.pages.total:
+                raise ValueError(f"{name} needs {needed} pages of {self.pages.page_size} positions; the engine's "
+                                 f"pool has {self.pages.total}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens for {name} must be >= 1, got {max_new_tokens}")
         if min(prompt) < 0 or max(prompt) >= vocab:
@@ -305,6 +322,11 @@ class ContinuousBatcher:
         except Exception as err:  # noqa: BLE001 - reported to every request it touched
             failed = [g for g in self._rows if g is not None and not g.finished]
             self._state, self._rows, self._in_flight, self._unreleased = None, [], None, []
+            if self.pages is not None:  # the pools went with the state
+                self.pages.reset()
+                self._unreleased_pages = []
+                for g in self._pending:  # a prompt's chunks prefilled so far went too
+                    g.pages, g.cached_tokens = [], 0
             self._fail(failed, err)
 
     # -- the phases of a step ----------------------------------------------------------------------
@@ -316,17 +338,31 @@ class ContinuousBatcher:
         if slots:
             self._state = self.engine.release(self._state, slots)
             for i in slots:
+                if self._rows[i] is not None:
+                    self._free_pages(self._rows[i])
                 self._rows[i] = None
+        for pages in self._unreleased_pages:  # their rows are done on the device from here on
+            self.pages.release(pages)
+        self._unreleased_pages = []
 
     def _admit(self) -> tuple[Any, list[Generation]] | None:
         """Sizes the running state for its live rows plus the pending requests that fit, runs their
         prefill and dispatches their admission; returns the prefill's first tokens (on the host) and
         the newly admitted requests (None if none)."""
+        for g in self._pending:
+            if g.cancelled:  # a prompt given up on between its chunks
+                self._free_pages(g, written=False)
         self._pending = collections.deque(g for g in self._pending if not g.cancelled)
+        if self._prefill_chunk():
+            return None
         keep = [i for i, g in enumerate(self._rows) if g is not None]
         admitting = min(self.engine.config.max_batch_size - len(keep), len(self._pending))
+        if self.pages is not None:
+            admitting = self._allocate_pages(admitting)
         live = len(keep) + admitting
         rows = self.engine.state_rows(live) if live else 0
+        if rows == 0 and self.pages is not None and self._state is not None:
+            rows = len(self._rows)  # a paged state stays: its pools hold the prefix cache
         if rows != len(self._rows):
             if rows == 0:
                 self._state = None
@@ -341,10 +377,16 @@ class ContinuousBatcher:
         try:
             params = [g.sampling for g in group]
             extra = {} if all(p.plain for p in params) else {"sampling": params}
-            fresh, first = self.engine.prefill([g.prompt_ids for g in group],
-                                               [g.max_len - len(g.prompt_ids) for g in group],
-                                               [g.stop_token_ids for g in group], **extra)
+            args = ([g.prompt_ids for g in group], [g.max_len - len(g.prompt_ids) for g in group],
+                    [g.stop_token_ids for g in group])
+            if self.pages is None:
+                fresh, first = self.engine.prefill(*args, **extra)
+            else:
+                fresh, first, admission = self.engine.prefill_paged(
+                    self._state, *args, [g.pages for g in group], [g.cached_tokens for g in group], **extra)
         except Exception as err:  # noqa: BLE001 - the running state is untouched: fail these prompts only
+            for g in group:
+                self._free_pages(g, written=False)
             self._fail(group, err)
             return None
         first = np.asarray(first)  # before the admission too: queued behind it, the copy waited for it
@@ -357,8 +399,65 @@ class ContinuousBatcher:
             self._rows[slot] = g
             g.admitted, g.emitted, g.start, g.seen_steps = (now, len(g.prompt_ids), len(g.prompt_ids),
                                                             self._steps_dispatched)
-        self._state = self.engine.admit(self._state, fresh, slots)
+        if self.pages is None:
+            self._state = self.engine.admit(self._state, fresh, slots)
+        else:
+            self._state = self.engine.admit_paged(self._state, fresh, slots, admission)
+            for g in group:  # their full prompt pages, for later prompts (read after this admission)
+                self.pages.register(g.prompt_ids, g.pages)
         return first, group, first_logprobs
+
+    def _prefill_chunk(self) -> bool:
+        """With ``prefill_chunk``: prefills the next chunk of the first pending request if more of its
+        prompt than a chunk is left to compute (one chunk per host sync, between the running rows'
+        decode calls), its K/V written into its pages and cached; True if it did. The last chunk is its
+        admission."""
+        chunk = getattr(self.engine.config, "prefill_chunk", 0)
+        if self.pages is None or not chunk or not self._pending:
+            return False
+        g = self._pending[0]
+        if not g.pages and self._allocate_pages(1) == 0:
+            return False
+        end = g.cached_tokens + chunk
+        if len(g.prompt_ids) - g.cached_tokens <= chunk:
+            return False
+        if self._state is None:
+            self._state = self.engine.empty_state(self.engine.state_rows(1))
+            self._rows = [None] * self.engine.state_rows(1)
+        try:
+            rows, _, admission = self.engine.prefill_paged(self._state, [g.prompt_ids[:end]], [1], [()], [g.pages],
+                                                           [g.cached_tokens])
+        except Exception as err:  # noqa: BLE001 - the running state is untouched: fail this prompt only
+            self._pending.popleft()
+            self._free_pages(g, written=False)
+            self._fail([g], err)
+            return True
+        self._state = self.engine.write_pages(self._state, rows, admission)
+        g.cached_tokens = end
+        self.pages.register(g.prompt_ids[:end], g.pages)
+        return True
+
+    def _allocate_pages(self, most: int) -> int:
+        """Gives pages to up to ``most`` leading pending requests, in order, stopping at the first the
+        pool cannot hold now; returns how many have theirs (a prompt prefilled in chunks has them already)."""
+        for n, g in enumerate(itertools.islice(self._pending, most)):
+            if g.pages:
+                continue
+            grant = self.pages.allocate(g.prompt_ids, g.max_len)
+            if grant is None:
+                return n
+            g.pages, g.cached_tokens = grant.pages, grant.cached_tokens
+        return most
+
+    def _free_pages(self, g: Generation, *, written: bool = True) -> None:
+        """Lets ``g``'s pages go (a paged engine); ``written``: its admission ran, so they hold the K/V of
+        its prompt and of every output token but the last, whose full pages are cached."""
+        if self.pages is None or not g.pages:
+            return
+        if written:
+            self.pages.register(g.prompt_ids + g.output_ids[:-1], g.pages)
+        self.pages.release(g.pages)
+        g.pages = []
 
     def _dispatch(self, admitted: bool = False) -> _Call | None:
         """Dispatches the next decode call over the live rows (None if there are none). ``admitted``:
@@ -463,6 +562,10 @@ class ContinuousBatcher:
         slot = self._rows.index(g)
         self._rows[slot] = None
         self._unreleased.append(slot)
+        if self.pages is not None and g.pages:  # freed once the row is released
+            self.pages.register(g.prompt_ids + g.output_ids[:-1], g.pages)
+            self._unreleased_pages.append(g.pages)
+            g.pages = []
 
     def _retire(self, g: Generation, snap: RowSnapshot | None, row: int, now: float, stopped: bool = False) -> None:
         out = list(g.output_ids)
@@ -488,6 +591,7 @@ class ContinuousBatcher:
         )
         if not stopped:  # a stopped row was freed by ``_end_on_host``, to be released
             self._rows[self._rows.index(g)] = None
+            self._free_pages(g)  # done on the device: its pages are written no more
         if g.on_finish is not None:
             g.on_finish(g)
 

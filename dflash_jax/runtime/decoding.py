@@ -53,6 +53,9 @@ class DecodeState:
     target_cache: KVCache
     draft_cache: KVCache | None
     sampling: SamplingState | None = None  # None: every row greedy, no logprobs
+    # A paged state (``dflash_jax.runtime.paged``): the caches are page pools and this maps each row's
+    # positions to pages, [batch, max_pages] int32. None: the caches are per row.
+    page_table: jax.Array | None = None
 
 
 GREEDY_FLAGS = SamplingFlags()
@@ -248,7 +251,36 @@ def prefill(
     hidden, taps, target_cache = target.step(ids, zeros, target_cache, blk_lens=lens, tap_layers=tap_layers,
                                              ops=ops, prefill=True)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
-    last_logits = target.head(last)
+    rows = prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, capacity=capacity, max_steps=max_steps,
+                       mask_token_id=mask_token_id, sampling=sampling, max_logprobs=max_logprobs, flags=flags,
+                       candidates=candidates)
+    if drafter is not None:
+        k, v = drafter.context_kv(taps, jnp.broadcast_to(jnp.arange(plen, dtype=jnp.int32), (batch, plen)))
+        draft_cache = write_all_layers(draft_cache, k, v, zeros)
+    return dataclasses.replace(rows, target_cache=target_cache, draft_cache=draft_cache)
+
+
+def prompt_rows(
+    last_logits: jax.Array,
+    ids: jax.Array,
+    lens: jax.Array,
+    max_lens: jax.Array,
+    stop_ids: jax.Array,
+    *,
+    capacity: int,
+    max_steps: int,
+    mask_token_id: int,
+    sampling: dict[str, jax.Array] | None = None,
+    max_logprobs: int = 0,
+    flags: SamplingFlags = GREEDY_FLAGS,
+    candidates: int = 0,
+) -> DecodeState:
+    """The rows of a prefill after the target's pass over the prompts ``ids [batch, P]`` (lengths
+    ``lens``): the first token drawn from ``last_logits [batch, vocab]`` (the target's logits after each
+    row's last prompt token), the tokens, stop ids and sampling state; no caches (``prefill``'s
+    arguments)."""
+    batch, plen = ids.shape
+    zeros = jnp.zeros((batch,), jnp.int32)
     sampling_state = None
     if sampling is not None:
         sampling_state = smp.new_state(sampling, capacity=capacity, max_logprobs=max_logprobs)
@@ -271,13 +303,10 @@ def prefill(
         sampling_state = _record(sampling_state, last_logits[:, None], first[:, None], lens,
                                  jnp.ones((batch, 1), bool), flags)
 
-    if drafter is not None:
-        k, v = drafter.context_kv(taps, jnp.broadcast_to(jnp.arange(plen, dtype=jnp.int32), (batch, plen)))
-        draft_cache = write_all_layers(draft_cache, k, v, zeros)
     return DecodeState(
         tokens=tokens, starts=lens.astype(jnp.int32), max_lens=max_lens.astype(jnp.int32), done=done,
         num_steps=zeros, accepted=jnp.zeros((batch, max_steps), jnp.int32), stop_ids=stop_ids.astype(jnp.int32),
-        target_cache=target_cache, draft_cache=draft_cache, sampling=sampling_state,
+        target_cache=None, draft_cache=None, sampling=sampling_state,
     )
 
 

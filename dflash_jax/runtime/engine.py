@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dflash_jax.runtime import decoding
+from dflash_jax.runtime import decoding, paged
 from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.sampling import SamplingFlags, SamplingParams
 from dflash_jax.ops.config import OpsConfig, parse_tiles, resolve_attention_impl
@@ -86,6 +86,20 @@ class EngineConfig:
     # top-k / top-p are read from this many largest logits of a row when that is exact, else from a
     # sort of the whole row (``sampling.filter_thresholds``).
     sampling_candidates: int = 64
+    # Paged caches (``dflash_jax.runtime.paged``): 0 keeps a contiguous cache of ``max_length`` positions
+    # per row slot; else the positions per page (a power of two <= 128), every row's K/V (target and
+    # drafter context) in pages of one pool, admitted by free pages, with prefix caching.
+    page_size: int = 0
+    # The pool's pages (one more, the null page, is added): None sizes it by ``kv_memory_fraction``, or
+    # when that is None too, to what the contiguous caches of ``max_batch_size`` rows would take.
+    num_pages: int | None = None
+    # The fraction of the device's free memory (after the weights) the pools may take.
+    kv_memory_fraction: float | None = None
+    # Reuse the cached K/V of a new prompt's longest cached prefix (full pages; paged engines only).
+    prefix_cache: bool = True
+    # Paged engines: a prompt with more uncached tokens than this is prefilled this many at a time, one
+    # chunk per host sync between the running rows' decode calls (0: whole prompts). A multiple of page_size.
+    prefill_chunk: int = 0
 
     def validate(self) -> None:
         check_field_types(self)  # a config built in Python skips the YAML loader's checks
@@ -117,6 +131,17 @@ class EngineConfig:
             raise ValueError(f"sampling_candidates must be >= 1, got {self.sampling_candidates}")
         if self.prompt_buckets is not None and (not self.prompt_buckets or min(self.prompt_buckets) < 1):
             raise ValueError(f"prompt_buckets must be positive lengths, got {self.prompt_buckets}")
+        if self.page_size < 0 or self.page_size > 128 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be 0 (contiguous caches) or a power of two <= 128, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction < 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction}")
+        if self.num_pages is not None and self.kv_memory_fraction is not None:
+            raise ValueError("set num_pages or kv_memory_fraction, not both")
+        if self.prefill_chunk < 0 or self.prefill_chunk and (not self.page_size or self.prefill_chunk % self.page_size):
+            raise ValueError(f"prefill_chunk must be 0 or a multiple of a paged engine's page_size ({self.page_size}), "
+                             f"got {self.prefill_chunk}")
 
     @property
     def max_prompt_length(self) -> int:
@@ -132,6 +157,15 @@ class EngineConfig:
         if self.max_prompt_length < n < self.max_length:  # only the buckets end prompts before max_length - 1
             return f"more than the largest prompt bucket, {self.max_prompt_length}"
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAdmission:
+    """What a paged engine's admission writes beside the prefilled rows: their page tables ``[rows,
+    max_pages]`` and the first position each row computed (its cached prefix's length) ``[rows]``."""
+
+    page_rows: jax.Array
+    cache_from: jax.Array
 
 
 def _next_pow2(n: int) -> int:
@@ -299,6 +333,124 @@ class Engine:
         self.windows = (window_buckets(self.capacity) if self.attention_impl == "xla" and not self.fixed_loop
                         else (self.capacity,))
         self._n_steps: dict[int, jax.Array] = {}
+        self._init_pages()
+
+    def _init_pages(self) -> None:
+        """A paged engine's pool size and phases (``runtime/paged.py``; ``page_size`` 0: none)."""
+        self.page_size = self.config.page_size
+        self.paged = self.page_size > 0
+        if not self.paged:
+            return
+        if self.mesh is not None:
+            raise ValueError("paged caches (engine.page_size > 0) run on one device: no mesh yet")
+        if isinstance(self.target, HybridTarget):
+            raise ValueError("paged caches (engine.page_size > 0) take attention-only targets: a hybrid target's "
+                             "recurrent state is per row")
+        self.max_pages = self.capacity // self.page_size  # the capacity is a multiple of 128
+        self.num_pages = self._pool_pages() + 1  # page 0 is the null page
+        # The view a paged step copies follows the live rows, as the XLA attention's window does.
+        self.windows = window_buckets(self.capacity) if not self.fixed_loop else (self.capacity,)
+        once = _one_shot_compiler_options()
+        self._paged_prefill = jax.jit(self._traced(self._paged_prefill_fn), static_argnames=("suffix", "context_pages"),
+                                      compiler_options=once)
+        self._paged_admit = jax.jit(paged.admit, donate_argnums=(0,), compiler_options=once)
+        self._paged_write = jax.jit(paged.write_pages, donate_argnums=(0,), compiler_options=once)
+        self._paged_empty = jax.jit(self._paged_empty_fn, static_argnames=("rows",), compiler_options=once)
+        # The pools are donated (they keep their shape), the rows' arrays not (they change theirs).
+        self._paged_resize = jax.jit(self._paged_resize_fn, donate_argnums=(0, 1), static_argnames=("rows",),
+                                     compiler_options=once)
+
+    def page_bytes(self) -> int:
+        """Device bytes of one page: its positions' K/V in every target layer and drafter layer."""
+        tc = self.target.config
+        total = 2 * tc.num_layers * tc.num_kv_heads * tc.head_dim * self.target.embed_tokens.dtype.itemsize
+        if self.drafter is not None:
+            dc = self.drafter.config
+            total += 2 * dc.num_layers * dc.num_kv_heads * dc.head_dim * self.drafter.fc.dtype.itemsize
+        return total * self.page_size
+
+    def _pool_pages(self) -> int:
+        """The pages requests may hold: ``num_pages``, or ``kv_memory_fraction`` of the device's free
+        memory, or what ``max_batch_size`` contiguous rows of ``capacity`` positions take."""
+        config = self.config
+        if config.num_pages is not None:
+            return config.num_pages
+        if config.kv_memory_fraction is None:
+            return self.state_rows(config.max_batch_size) * self.max_pages
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise ValueError("engine.kv_memory_fraction: this device reports no memory limit; set engine.num_pages")
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        pages = int(config.kv_memory_fraction * free) // self.page_bytes()
+        if pages < self.max_pages:
+            raise ValueError(f"engine.kv_memory_fraction {config.kv_memory_fraction} gives {pages} pages of "
+                             f"{self.page_size} positions, fewer than one row of max_length takes ({self.max_pages})")
+        return pages
+
+    def _paged_empty_fn(self, *, rows: int) -> decoding.DecodeState:
+        return paged.empty_state(self.target, self.drafter, rows, pages=self.num_pages, page_size=self.page_size,
+                                 max_pages=self.max_pages, capacity=self.capacity, max_steps=self.config.max_length,
+                                 n_stop=self.max_stop_ids, max_logprobs=self.config.max_logprobs)
+
+    def _paged_resize_fn(self, target_pools, draft_pools, state, slots, *, rows: int):
+        empty = dataclasses.replace(self._empty_fn(rows=rows), target_cache=None, draft_cache=None,
+                                    page_table=jnp.zeros((rows, self.max_pages), jnp.int32))
+        state = dataclasses.replace(state, target_cache=target_pools, draft_cache=draft_pools)
+        return paged.resize(empty, state, slots)
+
+    def _paged_prefill_fn(self, target_state, drafter_state, state, page_rows, ids, lens, cached, max_lens,
+                          stop_ids, sampling, *, suffix: int, context_pages: int):
+        """``_prefill_fn`` over a cached prefix in ``state``'s pages (``paged.prefill``)."""
+        target, drafter = self._models(target_state, drafter_state)
+        flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
+                              logprobs=self.config.max_logprobs)
+        rows = paged.prefill(target, drafter, state, page_rows, ids, lens, cached, max_lens, stop_ids,
+                             suffix=suffix, context_pages=context_pages, capacity=self.capacity,
+                             max_steps=self.config.max_length, mask_token_id=self._mask_id, ops=self.ops,
+                             sampling=sampling, max_logprobs=self.config.max_logprobs, flags=flags,
+                             candidates=self.config.sampling_candidates)
+        return rows, jnp.take_along_axis(rows.tokens, lens[:, None], axis=1)[:, 0]
+
+    def prefill_paged(self, state: decoding.DecodeState, prompts: Sequence[Sequence[int]],
+                      max_new_tokens: Sequence[int], stop_token_ids: Sequence[Sequence[int]],
+                      pages: Sequence[Sequence[int]], cached: Sequence[int],
+                      sampling: Sequence[SamplingParams] | None = None) -> tuple[decoding.DecodeState, jax.Array,
+                                                                                  "PagedAdmission"]:
+        """``prefill`` for a paged engine: each prompt's first ``cached`` tokens are already in its
+        ``pages`` (``runtime.pages.PageGrant``) of ``state``'s pools, and only the rest is computed.
+        Returns the rows, the first tokens and what ``admit_paged`` needs beside them."""
+        params = smp.resolve(sampling, len(prompts))
+        ids, lens, max_lens, stop_ids, arrays = self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params)
+        batch = ids.shape[0]
+        page_rows = np.zeros((batch, self.max_pages), np.int32)
+        cache_from = np.zeros((batch,), np.int32)
+        for i, (row_pages, c) in enumerate(zip(pages, cached)):
+            page_rows[i, :len(row_pages)] = row_pages
+            cache_from[i] = c
+        context_pages, suffix = 0, ids.shape[1]
+        if cache_from.any():  # powers of two: a few compiled variants
+            context_pages = min(_next_pow2(int(cache_from.max()) // self.page_size), self.max_pages)
+            suffix = self._prompt_bucket(max(len(p) - c for p, c in zip(prompts, cached)))
+        admission = PagedAdmission(self._put_batch(page_rows), self._put_batch(cache_from))
+        rows, first = self._paged_prefill(self._target_state, self._drafter_state, state, admission.page_rows, ids,
+                                          lens, admission.cache_from, max_lens, stop_ids, arrays, suffix=suffix,
+                                          context_pages=context_pages)
+        return rows, first, admission
+
+    def admit_paged(self, state: decoding.DecodeState, rows: decoding.DecodeState, slots: Sequence[int],
+                    admission: "PagedAdmission") -> decoding.DecodeState:
+        """``admit`` for a paged engine: the rows of ``prefill_paged`` into free slots, their K/V into
+        their pages; donates ``state``."""
+        index = np.full((rows.starts.shape[0],), state.starts.shape[0], np.int32)  # out of range: dropped
+        index[: len(slots)] = slots
+        return self._paged_admit(state, rows, index, admission.page_rows, admission.cache_from)
+
+    def write_pages(self, state: decoding.DecodeState, rows: decoding.DecodeState,
+                    admission: "PagedAdmission") -> decoding.DecodeState:
+        """The K/V ``prefill_paged`` computed into their pages, without admitting its rows (a chunk of a
+        prompt: ``EngineConfig.prefill_chunk``); donates ``state``."""
+        written = np.ones((rows.starts.shape[0],), bool)
+        return self._paged_write(state, rows, admission.page_rows, admission.cache_from, written)
 
     # -- jitted phases -------------------------------------------------------------------------
 
@@ -393,7 +545,7 @@ class Engine:
         target, drafter = self._models(target_state, drafter_state)
         candidates = self.config.sampling_candidates
 
-        def step(s):
+        def contiguous_step(s, window=window):
             if drafter is None:
                 s = decoding.target_only_step(target, s, ops=self.ops, window=window, flags=flags,
                                               candidates=candidates)
@@ -401,6 +553,13 @@ class Engine:
                 s = decoding.speculative_step(target, drafter, s, block_size=self.block_size,
                                               ops=self.ops, window=window, flags=flags, candidates=candidates)
             return self._constrain(s)
+
+        def step(s):
+            if s.page_table is None:
+                return contiguous_step(s)
+            # The step runs on a view of the window's pages (its whole capacity: no window inside).
+            return paged.step(functools.partial(contiguous_step, window=None), s,
+                              view_pages=-(-window // self.page_size), block=self.block_size)
 
         def cond(carry):
             i, s = carry
@@ -562,8 +721,8 @@ class Engine:
         return 1 if live <= 1 else _next_pow2(self.config.max_batch_size)
 
     def empty_state(self, rows: int) -> decoding.DecodeState:
-        """A running state of ``rows`` free slots (every row done)."""
-        return self._empty(rows=rows)
+        """A running state of ``rows`` free slots (every row done); a paged engine's with its pools."""
+        return self._paged_empty(rows=rows) if self.paged else self._empty(rows=rows)
 
     def admit(self, state: decoding.DecodeState, rows: decoding.DecodeState,
               slots: Sequence[int]) -> decoding.DecodeState:
@@ -577,6 +736,9 @@ class Engine:
         """A state of ``rows`` rows: rows ``keep`` of ``state``, in that order, then free slots."""
         index = np.full((state.starts.shape[0],), rows, np.int32)  # out of range: dropped
         index[list(keep)] = np.arange(len(keep))
+        if self.paged:  # the pools move as they are
+            rows_only = dataclasses.replace(state, target_cache=None, draft_cache=None)
+            return self._paged_resize(state.target_cache, state.draft_cache, rows_only, index, rows=rows)
         return self._resize(state, index, rows=rows)
 
     def release(self, state: decoding.DecodeState, slots: Sequence[int]) -> decoding.DecodeState:

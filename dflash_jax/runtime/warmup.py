@@ -90,6 +90,8 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: S
                 plan.append(Shape("admit", rows, bucket, largest))
             if rows == 1:
                 plan += [Shape("resize", a, 0, b) for a in states for b in states if a != b]
+    if getattr(engine, "paged", False):  # a paged engine's prefills, admissions and resizes compile when first met
+        plan = [s for s in plan if s.phase == "decode"]
     return plan + [Shape("release", state) for state in states]
 
 

@@ -59,6 +59,7 @@ class Metrics:
         self.latency = Histogram(LATENCY_BUCKETS)   # from arrival to the last token
         self.waiting = 0
         self.running = 0
+        self.pages: Any = None  # a paged engine's ``runtime.pages.PageStats`` after the last step
 
     def http(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -160,6 +161,19 @@ class Metrics:
                    [(label, self.queue_wait_seconds)])
             metric("dflash_requests_waiting", "gauge", "Requests waiting for a row.", [(label, self.waiting)])
             metric("dflash_requests_running", "gauge", "Requests holding a row.", [(label, self.running)])
+            if self.pages is not None:
+                pages = self.pages
+                metric("dflash_kv_pages_total", "gauge", "Pages of the paged KV cache requests may hold.",
+                       [(label, pages.total)])
+                metric("dflash_kv_pages_in_use", "gauge", "KV cache pages held by running requests.",
+                       [(label, pages.in_use)])
+                metric("dflash_kv_pages_cached", "gauge",
+                       "KV cache pages no request holds that keep a cached prefix (evicted as needed).",
+                       [(label, pages.cached)])
+                metric("dflash_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+                       [(label, pages.prefix_queries)])
+                metric("dflash_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+                       [(label, pages.prefix_hits)])
         return "\n".join(lines) + "\n"
 
 

@@ -187,6 +187,8 @@ class Scheduler:
             if running:
                 self.metrics.engine_step(running, time.perf_counter() - t0)
             self.metrics.running = self._batcher.running
+            if self._batcher.pages is not None:
+                self.metrics.pages = self._batcher.pages.stats()
 
     def _take_requests(self) -> list[Request] | None:
         """Waits for work; returns the queued requests that fit in free rows now (None: closed and done)."""

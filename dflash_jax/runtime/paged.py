@@ -1,0 +1,168 @@
+"""The device phases of a paged engine (``EngineConfig.page_size > 0``): a running state whose caches are
+page pools shared by all rows (``dflash_jax.ops.paged_cache``), with a page table per row.
+
+- ``empty_state``: row slots as ``decoding.empty_state``'s, the pools, and page tables of null pages.
+- ``prefill``: the new prompts. Without a cached prefix in the group it is ``decoding.prefill`` (a
+  flash attention over the prompt). With one, each row runs only its uncached suffix as one causal
+  block over its cached pages (``Target.step`` through a contiguous view of them), and the drafter
+  projects the suffix's taps; the first token and the rows' other arrays come from the same
+  ``decoding.prompt_rows`` either way. The rows' caches hold the positions they computed, from
+  ``cache_from`` (the cached prefix's length) on.
+- ``admit``: the rows into free slots, their page tables beside them, their computed positions
+  scattered into their pages (never into a cached prefix's page: those are read-only).
+- ``resize``: the rows (with their page tables) into a state of another row count; the pools move as
+  they are.
+- ``step``: a decode step of the unchanged contiguous code on a view of each row's first pages, after
+  which the block it wrote (the target's verify block and the drafter's context) is scattered into the
+  pages; done rows write into the null page. This is the XLA reference path: the view is a copy of
+  the live pages per step, which a kernel reading the page tables avoids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.target import Target
+from dflash_jax.ops.cache import KVCache, read_rows
+from dflash_jax.ops.config import XLA, OpsConfig
+from dflash_jax.ops.paged_cache import gather_view, page_pools, scatter_block, scatter_positions
+from dflash_jax.runtime import decoding
+from dflash_jax.runtime.decoding import GREEDY_FLAGS, DecodeState
+from dflash_jax.runtime.sampling import SamplingFlags
+
+
+def new_pools(target: Target, drafter: Drafter | None, pages: int, page_size: int) -> tuple[KVCache, KVCache | None]:
+    """Zeroed target and drafter-context page pools (no drafter: no context pool)."""
+    tc = target.config
+    target_pools = page_pools(tc.num_layers, pages, page_size, tc.num_kv_heads, tc.head_dim,
+                              target.embed_tokens.dtype)
+    if drafter is None:
+        return target_pools, None
+    dc = drafter.config
+    return target_pools, page_pools(dc.num_layers, pages, page_size, dc.num_kv_heads, dc.head_dim, drafter.fc.dtype)
+
+
+def _without_caches(state: DecodeState) -> DecodeState:
+    return dataclasses.replace(state, target_cache=None, draft_cache=None, page_table=None)
+
+
+def empty_state(target: Target, drafter: Drafter | None, rows: int, *, pages: int, page_size: int,
+                max_pages: int, capacity: int, max_steps: int, n_stop: int,
+                max_logprobs: int | None = None) -> DecodeState:
+    """``rows`` free slots over zeroed pools of ``pages`` pages; every table entry the null page."""
+    # The per-row caches ``decoding.empty_state`` builds are dropped: unused under jit, never allocated.
+    state = decoding.empty_state(target, drafter, rows, capacity=capacity, max_steps=max_steps, n_stop=n_stop,
+                                 max_logprobs=max_logprobs)
+    target_pools, draft_pools = new_pools(target, drafter, pages, page_size)
+    return dataclasses.replace(state, target_cache=target_pools, draft_cache=draft_pools,
+                               page_table=jnp.zeros((rows, max_pages), jnp.int32))
+
+
+def prefill(
+    target: Target, drafter: Drafter | None, state: DecodeState, page_rows: jax.Array, ids: jax.Array,
+    lens: jax.Array, cached: jax.Array, max_lens: jax.Array, stop_ids: jax.Array, *, suffix: int,
+    context_pages: int, capacity: int, max_steps: int, mask_token_id: int, ops: OpsConfig = XLA,
+    sampling: dict[str, jax.Array] | None = None, max_logprobs: int = 0, flags: SamplingFlags = GREEDY_FLAGS,
+    candidates: int = 0,
+) -> DecodeState:
+    """The prompts ``ids [rows, P]`` (lengths ``lens``), of which the first ``cached [rows]`` positions are
+    in the pages ``page_rows [rows, max_pages]`` of ``state``'s pools (a multiple of the page size,
+    ``< lens``). ``suffix``: a static length covering every ``lens - cached``; ``context_pages``: a static
+    page count covering every ``cached`` (0: nothing cached, a plain ``decoding.prefill``).
+
+    Returns the rows as ``decoding.prefill`` does, except that their caches hold ``suffix`` positions
+    from ``cached`` on (all P prompt positions when ``context_pages`` is 0)."""
+    common = dict(capacity=capacity, max_steps=max_steps, mask_token_id=mask_token_id, sampling=sampling,
+                  max_logprobs=max_logprobs, flags=flags, candidates=candidates)
+    if context_pages == 0:
+        return decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, ops=ops, **common)
+    batch, plen = ids.shape
+    offsets = jnp.arange(suffix, dtype=jnp.int32)[None, :]
+    positions = cached[:, None] + offsets
+    suffix_ids = jnp.take_along_axis(ids, jnp.clip(positions, 0, plen - 1), axis=1)
+    suffix_lens = (lens - cached).astype(jnp.int32)
+
+    def view(pools: KVCache) -> KVCache:
+        """The rows' cached pages, then room for the suffix (written at ``cached``, read back below)."""
+        ctx = gather_view(pools, page_rows, context_pages)
+        pad = ((0, 0), (0, suffix), (0, 0), (0, 0))
+        return KVCache(tuple(jnp.pad(x, pad) for x in ctx.k), tuple(jnp.pad(x, pad) for x in ctx.v))
+
+    tap_layers = drafter.config.target_layer_ids if drafter is not None else ()
+    hidden, taps, target_view = target.step(suffix_ids, cached, view(state.target_cache), blk_lens=suffix_lens,
+                                            tap_layers=tap_layers, ops=ops)
+    last = jnp.take_along_axis(hidden, (suffix_lens - 1)[:, None, None], axis=1)[:, 0]
+    rows = decoding.prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, **common)
+
+    def block(cache: KVCache) -> KVCache:
+        return KVCache(tuple(read_rows(x, cached, suffix) for x in cache.k),
+                       tuple(read_rows(x, cached, suffix) for x in cache.v))
+
+    draft_cache = None
+    if drafter is not None:
+        k, v = drafter.context_kv(taps, positions)
+        draft_cache = KVCache(tuple(k), tuple(v))
+    return dataclasses.replace(rows, target_cache=block(target_view), draft_cache=draft_cache)
+
+
+def admit(state: DecodeState, rows: DecodeState, slots: jax.Array, page_rows: jax.Array,
+          cache_from: jax.Array) -> DecodeState:
+    """Writes prefilled ``rows`` into ``slots`` of the paged ``state`` (``decoding.scatter_rows``; slots out
+    of range drop their row), with their page tables ``page_rows [rows, max_pages]``, and scatters
+    each row's cache positions ``cache_from [rows] + j`` (prompt positions only) into its pages."""
+    merged = decoding.scatter_rows(_without_caches(state), _without_caches(rows), slots)
+    merged = dataclasses.replace(merged, target_cache=state.target_cache, draft_cache=state.draft_cache,
+                                 page_table=state.page_table.at[slots].set(page_rows, mode="drop"))
+    return write_pages(merged, rows, page_rows, cache_from, (slots >= 0) & (slots < state.starts.shape[0]))
+
+
+def write_pages(state: DecodeState, rows: DecodeState, page_rows: jax.Array, cache_from: jax.Array,
+                written: jax.Array) -> DecodeState:
+    """Scatters the cache positions ``cache_from [rows] + j`` (prompt positions only) of prefilled ``rows``
+    into their pages ``page_rows [rows, max_pages]`` of ``state``'s pools, for the rows where ``written
+    [rows]``; the rest of ``state`` is unchanged (a chunk of a prompt: its row is admitted later)."""
+    n = rows.target_cache.capacity
+    keep = written[:, None] & (jnp.arange(n)[None, :] < (rows.starts - cache_from)[:, None])
+
+    def put(pools: KVCache | None, cache: KVCache | None) -> KVCache | None:
+        if pools is None:
+            return None
+        return KVCache(tuple(scatter_positions(p, page_rows, c, cache_from, keep) for p, c in zip(pools.k, cache.k)),
+                       tuple(scatter_positions(p, page_rows, c, cache_from, keep) for p, c in zip(pools.v, cache.v)))
+
+    return dataclasses.replace(state, target_cache=put(state.target_cache, rows.target_cache),
+                               draft_cache=put(state.draft_cache, rows.draft_cache))
+
+
+def resize(empty: DecodeState, state: DecodeState, slots: jax.Array) -> DecodeState:
+    """Row ``i`` of ``state`` (its page table with it) into row ``slots[i]`` of ``empty``, a state of
+    another row count without caches; the pools are ``state``'s."""
+    moved = decoding.scatter_rows(empty, dataclasses.replace(state, target_cache=None, draft_cache=None), slots)
+    return dataclasses.replace(moved, target_cache=state.target_cache, draft_cache=state.draft_cache)
+
+
+def step(contiguous_step: Callable[[DecodeState], DecodeState], state: DecodeState, *, view_pages: int,
+         block: int) -> DecodeState:
+    """``contiguous_step`` (a decode step of per-row caches, at most ``block`` positions written per
+    row from its start) on a view of each row's first ``view_pages`` pages; the positions it wrote are
+    scattered into the pages of the rows that were not done."""
+    table = state.page_table
+
+    def view(pools: KVCache | None) -> KVCache | None:
+        return None if pools is None else gather_view(pools, table, view_pages)
+
+    contiguous = dataclasses.replace(state, target_cache=view(state.target_cache),
+                                     draft_cache=view(state.draft_cache), page_table=None)
+    new = contiguous_step(contiguous)
+    keep = jnp.broadcast_to(~state.done[:, None], (table.shape[0], block))
+
+    def write(pools: KVCache | None, written: KVCache | None) -> KVCache | None:
+        return None if pools is None else scatter_block(pools, table, written, state.starts, block, keep)
+
+    return dataclasses.replace(new, target_cache=write(state.target_cache, new.target_cache),
+                               draft_cache=write(state.draft_cache, new.draft_cache), page_table=table)

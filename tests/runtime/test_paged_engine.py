@@ -1,0 +1,179 @@
+"""A paged engine (``EngineConfig.page_size``) generates what the contiguous one does, token for token,
+with prefix hits of every kind, batched or alone, and gives every page back."""
+
+import numpy as np
+import pytest
+
+from dflash_jax import ContinuousBatcher, Engine, EngineConfig, load_drafter, load_target
+from dflash_jax.runtime.sampling import SamplingParams
+from dflash_jax.tiny import write_copycat_pair
+
+PAGE = 8
+MAX_NEW = 24
+CONFIG = dict(max_batch_size=4, max_length=96, steps_per_sync=4, prompt_buckets=(64,))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target, drafter = write_copycat_pair(tmp_path_factory.mktemp("copycat"), block_size=8)
+    return load_target(target), load_drafter(drafter)
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    target, drafter = models
+    return Engine(target, drafter, EngineConfig(**CONFIG)), Engine(target, drafter, EngineConfig(page_size=PAGE, **CONFIG))
+
+
+@pytest.fixture(scope="module")
+def base():
+    return np.random.RandomState(1).randint(0, 95, 40).tolist()  # five full pages
+
+
+def _run(batcher, prompts, sampling=None):
+    generations = [batcher.submit(p, MAX_NEW, [11], sampling=sampling) for p in prompts]
+    batcher.run()
+    for g in generations:
+        assert g.error is None, g.error
+    return generations
+
+
+def _solo(engine, prompt, sampling=None):
+    return engine.generate([prompt], MAX_NEW, [11], sampling=sampling)[0]
+
+
+def test_engine_config_checks_the_page_settings():
+    for bad in (dict(page_size=3), dict(page_size=256), dict(page_size=-1), dict(num_pages=0),
+                dict(kv_memory_fraction=1.5), dict(page_size=8, num_pages=10, kv_memory_fraction=0.5)):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad).validate()
+
+
+@pytest.mark.slow
+def test_paged_engine_equals_contiguous_with_prefix_hits_and_no_leaked_pages(engines, base):
+    contiguous, paged = engines
+    rs = np.random.RandomState(2)
+    tail = rs.randint(0, 95, 10).tolist()
+    # The first request fills the cache; then, batched together: a hit ending inside a page (20 of its
+    # tokens: 2 full pages), the same prompt again (entirely cached: its last page computed again),
+    # the prompt extended (all 5 pages), one page shared, and a prompt with nothing cached.
+    later = [base[:20] + tail, base, base + tail, base[:PAGE] + tail[:3], tail + base[:5]]
+    batcher = ContinuousBatcher(paged)
+    first = _run(batcher, [base])[0]
+    got = _run(batcher, later)
+    assert [g.cached_tokens for g in got] == [16, 32, 40, PAGE, 0]
+    for g, prompt in zip([first] + got, [base] + later):
+        want = _solo(contiguous, prompt)
+        assert g.result.output_ids == want.output_ids, prompt
+        assert g.result.acceptance_lengths == want.acceptance_lengths
+    assert batcher.pages.all_free()
+    stats = batcher.pages.stats()
+    assert stats.prefix_hits == sum(g.cached_tokens for g in got) and stats.in_use == 0
+
+
+@pytest.mark.slow
+def test_paged_rows_alone_equal_batched_and_sampled_rows_keep_their_tokens(engines, base):
+    contiguous, paged = engines
+    prompts = [base[:13], base[3:30], base[:5]]
+    batched = _run(ContinuousBatcher(paged), prompts)
+    for g, prompt in zip(batched, prompts):
+        assert g.result.output_ids == _solo(paged, prompt).output_ids == _solo(contiguous, prompt).output_ids
+    sampling = SamplingParams(temperature=0.8, seed=7)
+    batcher = ContinuousBatcher(paged)
+    _run(batcher, [base])
+    hit = _run(batcher, [base + [3, 4]], sampling=sampling)[0]
+    assert hit.cached_tokens == 40
+    assert hit.result.output_ids == _solo(contiguous, base + [3, 4], sampling=sampling).output_ids
+    assert batcher.pages.all_free()
+
+
+@pytest.mark.slow
+def test_requests_wait_for_pages_and_too_large_ones_are_refused(models, base):
+    target, drafter = models
+    # 13 pages: one request of 40 + 24 positions takes 8, so two never run at once
+    engine = Engine(target, drafter, EngineConfig(page_size=PAGE, num_pages=13, **CONFIG))
+    batcher = ContinuousBatcher(engine)
+    small = ContinuousBatcher(Engine(target, drafter, EngineConfig(page_size=PAGE, num_pages=4, **CONFIG)))
+    with pytest.raises(ValueError, match="needs 8 pages"):
+        small.submit(base, MAX_NEW)
+    prompts = [base, base[::-1]]
+    got = _run(batcher, prompts)
+    for g, prompt in zip(got, prompts):
+        assert g.result.output_ids == _solo(engine, prompt).output_ids
+    assert batcher.pages.all_free()
+
+
+@pytest.mark.slow
+def test_chunked_prefill_interleaves_with_decoding_and_keeps_the_tokens(models, engines, base):
+    target, drafter = models
+    contiguous, _ = engines
+    engine = Engine(target, drafter, EngineConfig(page_size=PAGE, prefill_chunk=2 * PAGE, **CONFIG))
+    batcher = ContinuousBatcher(engine)
+    running = batcher.submit(base[:6], MAX_NEW, [11])
+    batcher.step()  # admitted, decoding
+    long = batcher.submit(base + base[:7], MAX_NEW, [11])  # 47 tokens: chunks of 16, 16, then 15 at admission
+    steps_before_admission = 0
+    while long.admitted is None:
+        batcher.step()
+        steps_before_admission += 1
+    assert steps_before_admission == 3 and long.cached_tokens == 32  # two chunk syncs, then the admission
+    assert len(running.output_ids) > 1  # the running row decoded between the chunks
+    batcher.run()
+    for g, prompt in ((running, base[:6]), (long, base + base[:7])):
+        assert g.error is None
+        assert g.result.output_ids == _solo(contiguous, prompt).output_ids
+    assert batcher.pages.all_free()
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        EngineConfig(page_size=PAGE, prefill_chunk=12).validate()
+
+
+@pytest.mark.slow
+def test_rows_ended_on_the_host_or_cancelled_give_their_pages_back(engines, base):
+    contiguous, paged = engines
+    batcher = ContinuousBatcher(paged)
+    want = _solo(contiguous, base[:20])
+    stopped = batcher.submit(base[:20], MAX_NEW, [11], stop_check=lambda new: 1 if len(new) > 1 else None)
+    cancelled = batcher.submit(base[5:30], MAX_NEW, [11])
+    kept = batcher.submit(base[:20] + [4, 5], MAX_NEW, [11])
+    batcher.step()
+    batcher.step()
+    cancelled.cancel()
+    batcher.run()
+    assert cancelled.result is None
+    assert stopped.result.finish_reason == "stop" and stopped.result.output_ids == want.output_ids[:len(
+        stopped.result.output_ids)]
+    assert kept.result.output_ids == _solo(contiguous, base[:20] + [4, 5]).output_ids
+    assert batcher.pages.all_free()
+    # what they left cached serves a later prompt, unchanged
+    again = _run(batcher, [base[:20] + [4, 5]])[0]
+    assert again.cached_tokens == 16 and again.result.output_ids == kept.result.output_ids
+    assert batcher.pages.all_free()
+
+
+@pytest.mark.slow
+def test_target_only_paged_engine_equals_contiguous_with_a_prefix_hit(models, base):
+    target, _ = models
+    contiguous = Engine(target, None, EngineConfig(**CONFIG))
+    paged = Engine(target, None, EngineConfig(page_size=PAGE, **CONFIG))
+    batcher = ContinuousBatcher(paged)
+    prompts = [base, base[:30] + [7, 8, 9]]
+    got = _run(batcher, prompts[:1]) + _run(batcher, prompts[1:])
+    assert got[1].cached_tokens == 24
+    for g, prompt in zip(got, prompts):
+        assert g.result.output_ids == _solo(contiguous, prompt).output_ids
+    assert batcher.pages.all_free()
+
+
+@pytest.mark.slow
+def test_paged_engine_with_the_kernels_equals_contiguous(models, engines, base):
+    """The paged views through the cached-attention kernel (interpret mode here), as on a GPU."""
+    target, drafter = models
+    contiguous, _ = engines
+    paged = Engine(target, drafter, EngineConfig(page_size=PAGE, attention_impl="pallas", **CONFIG))
+    batcher = ContinuousBatcher(paged)
+    prompts = [base, base + [3, 4, 5]]
+    got = _run(batcher, prompts[:1]) + _run(batcher, prompts[1:])
+    assert got[1].cached_tokens == 40
+    for g, prompt in zip(got, prompts):
+        assert g.result.output_ids == _solo(contiguous, prompt).output_ids
+    assert batcher.pages.all_free()

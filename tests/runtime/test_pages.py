@@ -1,0 +1,116 @@
+"""The page allocator and prefix cache (``runtime.pages``) and the paged cache ops (``ops.paged_cache``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.ops.cache import KVCache, read_rows, write_rows
+from dflash_jax.ops.paged_cache import NULL_PAGE, gather_view, page_pools, scatter_block, scatter_positions
+from dflash_jax.runtime.pages import PageAllocator
+
+
+def test_pages_are_taken_and_given_back_with_reference_counts():
+    pages = PageAllocator(num_pages=9, page_size=4, prefix_cache=False)
+    assert pages.total == 8 and pages.all_free()
+    a = pages.allocate(list(range(6)), max_len=10)  # 3 pages
+    b = pages.allocate(list(range(6)), max_len=16)  # 4 pages: no prefix cache, nothing shared
+    assert len(a.pages) == 3 and len(b.pages) == 4 and a.cached_tokens == b.cached_tokens == 0
+    assert NULL_PAGE not in a.pages + b.pages and not set(a.pages) & set(b.pages)
+    assert pages.allocate([1, 2], max_len=8) is None  # 2 pages, 1 left: nothing is taken
+    assert pages.available == 1
+    pages.release(a.pages)
+    pages.release(b.pages)
+    assert pages.all_free()
+    with pytest.raises(ValueError, match="released more often"):
+        pages.release(a.pages[:1])
+
+
+def test_prefix_hits_share_full_pages_and_leave_a_token_to_compute():
+    pages = PageAllocator(num_pages=32, page_size=4)
+    prompt = list(range(100, 111))  # 11 tokens: 2 full pages
+    first = pages.allocate(prompt, max_len=16)
+    pages.register(prompt, first.pages)
+    # the same prompt: both full pages, 3 tokens left to compute
+    again = pages.allocate(prompt, max_len=20)
+    assert again.cached_tokens == 8 and again.pages[:2] == first.pages[:2]
+    assert again.pages[2:] and not set(again.pages[2:]) & set(first.pages)
+    # a prefix ending inside a page: only the full pages before it
+    inside = pages.allocate(prompt[:6] + [1, 2, 3], max_len=12)
+    assert inside.cached_tokens == 4 and inside.pages[0] == first.pages[0]
+    # a prompt that is exactly the cached pages: its last page is computed again
+    exact = pages.allocate(prompt[:8], max_len=12)
+    assert exact.cached_tokens == 4
+    # another first page: no hit (the chain keys a page by every token before it)
+    assert pages.allocate([0] + prompt[1:], max_len=12).cached_tokens == 0
+    for grant in (first, again, inside, exact):
+        pages.release(grant.pages)
+    assert pages.stats().prefix_hits == 8 + 4 + 4
+
+
+def test_unreferenced_cached_pages_are_evicted_least_recently_used_first():
+    pages = PageAllocator(num_pages=5, page_size=2)  # 4 pages
+    old, new = [1, 2, 3, 4], [5, 6, 7, 8]
+    a = pages.allocate(old + [0], max_len=6)  # 3 pages
+    pages.register(old, a.pages)
+    pages.release(a.pages)
+    b = pages.allocate(new + [0], max_len=6)  # 3 pages: the two free ones, then the LRU cached one
+    pages.register(new, b.pages)
+    # ``old``'s second page went (a prefix's later pages are evicted before the ones they extend)
+    assert a.pages[1] in b.pages and a.pages[0] not in b.pages
+    hit = pages.cached_prefix(old + [9])
+    assert len(hit) == 1 and hit[0] == a.pages[0]
+    pages.release(b.pages)
+    assert pages.all_free()
+
+
+def test_a_cached_page_held_by_a_request_is_never_evicted():
+    pages = PageAllocator(num_pages=4, page_size=2)  # 3 pages
+    a = pages.allocate([1, 2, 3], max_len=4)
+    pages.register([1, 2, 3], a.pages)
+    assert pages.allocate([7, 7, 7], max_len=4) is None  # 1 free page, 2 needed; a's are held
+    pages.release(a.pages)
+    b = pages.allocate([7, 7, 7], max_len=6)  # now the cached ones may go
+    assert b is not None and len(b.pages) == 3
+    assert pages.cached_prefix([1, 2, 3]) == []
+
+
+def _contiguous(rng, batch, length, kv, dim):
+    return jnp.asarray(rng.standard_normal((batch, length, kv, dim)), jnp.float32)
+
+
+def test_paged_view_and_scatter_equal_the_contiguous_cache():
+    rng = np.random.default_rng(0)
+    batch, page_size, max_pages, kv, dim = 3, 4, 5, 2, 8
+    cache = _contiguous(rng, batch, page_size * max_pages, kv, dim)
+    # rows' pages scattered over the pool, out of order; page 0 is the null page
+    order = rng.permutation(np.arange(1, 1 + batch * max_pages))
+    table = jnp.asarray(order.reshape(batch, max_pages), jnp.int32)
+    pools = page_pools(1, 1 + batch * max_pages, page_size, kv, dim, jnp.float32)
+    everything = jnp.ones((batch, page_size * max_pages), bool)
+    pool = scatter_positions(pools.k[0], table, cache, jnp.zeros((batch,), jnp.int32), everything)
+    view = gather_view(KVCache((pool,), (pool,)), table, max_pages)
+    np.testing.assert_array_equal(view.k[0], cache)
+    np.testing.assert_array_equal(gather_view(KVCache((pool,), (pool,)), table, 2).k[0], cache[:, :8])
+
+    # a block written into the view at per-row starts lands in the pages; a done row writes nothing
+    starts = jnp.asarray([3, 9, 14], jnp.int32)
+    block = _contiguous(rng, batch, 5, kv, dim)
+    written = KVCache((write_rows(view.k[0], block, starts),), (view.v[0],))
+    keep = jnp.asarray([[True] * 5, [True] * 5, [False] * 5])
+    pools = scatter_block(KVCache((pool,), (pool,)), table, written, starts, 5, keep)
+    after = gather_view(pools, table, max_pages).k[0]
+    want = write_rows(cache, block, starts)
+    np.testing.assert_array_equal(after[:2], want[:2])
+    np.testing.assert_array_equal(after[2], cache[2])
+    np.testing.assert_array_equal(read_rows(after, starts, 5)[:2], block[:2])
+
+
+def test_positions_past_a_rows_pages_write_into_the_null_page():
+    pool = jnp.zeros((4, 2, 1, 1), jnp.float32)
+    table = jnp.asarray([[1, 2, NULL_PAGE]], jnp.int32)  # two pages, then none
+    values = jnp.arange(1.0, 9.0).reshape(1, 8, 1, 1)
+    out = scatter_positions(pool, table, values, jnp.asarray([0], jnp.int32), jnp.ones((1, 8), bool))
+    np.testing.assert_array_equal(out[1:3].reshape(-1), [1, 2, 3, 4])
+    np.testing.assert_array_equal(out[3].reshape(-1), [0, 0])  # a page of no row is untouched
+    assert jax.tree.leaves(out)[0].shape == pool.shape
