@@ -14,7 +14,8 @@ causal):
 Each case is a chain of 8 dependent calls in one jit (the host's dispatch would dominate the small
 ones); bandwidth counts the context K/V read once, in % of 4.3 TB/s. ``mosaic vs triton`` is the
 largest relative difference of the two kernels' outputs (a sanity check; correctness is
-tests/gpu/test_gpu_mosaic.py). Then the add + RMSNorm at the 8B width (4096), 1 / 16 / 64 rows:
+tests/gpu/test_gpu_mosaic.py). Then the Mosaic GPU attention's tile / split configs on the batch-1
+token at 32k (``MosaicConfig``: stages, splits, 128-key tiles), and the add + RMSNorm at the 8B width (4096), 1 / 16 / 64 rows:
 ``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs on its own: one that fails to
 compile or run prints its error and the others are still timed.
 
@@ -138,6 +139,33 @@ def attention_cases(args, shapes) -> list[dict]:
     return rows
 
 
+SWEEP = [MosaicConfig(), MosaicConfig(stages=3), MosaicConfig(stages=6), MosaicConfig(splits=32, wide_stages=2),
+         MosaicConfig(splits=32, wide_stages=3), MosaicConfig(block_k=128, stages=3),
+         MosaicConfig(block_k=128, splits=32, wide_stages=2)]
+
+
+def sweep_cases(args, shapes) -> list[dict]:
+    """The Mosaic GPU attention's tile and split configs on the batch-1 decode token at the longest
+    context (the bandwidth target)."""
+    hq, hkv, d = shapes
+    ctx = max(args.contexts)
+    ks = jax.random.split(jax.random.key(1), 5)
+    q = timing.normal(ks[0], (1, 1, hq, d), jnp.bfloat16)
+    k_blk, v_blk = (timing.normal(k, (1, 1, hkv, d), jnp.bfloat16) for k in ks[1:3])
+    k_cache, v_cache = (timing.normal(k, (1, ctx, hkv, d), jnp.bfloat16) for k in ks[3:5])
+    kernel_args = (q, k_blk, v_blk, k_cache, v_cache, jnp.full((1,), ctx, jnp.int32), jnp.ones((1,), jnp.int32))
+    kv_bytes, rows = 2 * ctx * hkv * d * 2, []
+    for cfg in SWEEP[:2] if args.tiny else SWEEP:
+        fn = chained(lambda *a, cfg=cfg: decode_attention(*a, causal=True, config=cfg), args.chain)
+        row = dict(kind="sweep", ctx=ctx, batch=1, block=1, config=str(cfg), kv_bytes=kv_bytes,
+                   splits_stages=plan(1, hkv, 1, ctx, cfg))
+        timed("mosaic", fn, kernel_args, row, chain=args.chain, repeats=args.repeats, nbytes=kv_bytes)
+        rows.append(row)
+        cell = "failed" if row.get("mosaic_us") is None else f"{row['mosaic_us']:8.1f} us {100 * row['mosaic_bw']:3.0f}%"
+        log(f"T={ctx} B=1 token (splits, stages)={row['splits_stages']} {cfg} | {cell}")
+    return rows
+
+
 def norm_cases(args) -> list[dict]:
     hidden = args.hidden
     rows_out = []
@@ -168,10 +196,10 @@ def main(argv=None) -> None:
     ap.add_argument("--blocks", default="1,16")
     ap.add_argument("--norm-rows", default="1,16,64")
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chain", type=int, default=CHAIN)
-    ap.add_argument("--budget-s", type=float, default=120.0, help="stop starting attention cases after this")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: attention,norm")
+    ap.add_argument("--budget-s", type=float, default=110.0, help="stop starting attention cases after this")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: attention,sweep,norm")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, interpret modes")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -191,6 +219,9 @@ def main(argv=None) -> None:
         log(f"== attention over a full cache, {shapes[0]}q/{shapes[1]}kv heads of {shapes[2]}, bf16: us per call, "
             f"% of {timing.HBM_BYTES_PER_S / 1e12:.1f} TB/s ==")
         result["attention"] = attention_cases(args, shapes)
+    if "sweep" not in skip:
+        log("== Mosaic GPU attention configs, batch-1 decode token at the longest context ==")
+        result["sweep"] = sweep_cases(args, shapes)
     if "norm" not in skip:
         log("== add + RMSNorm, bf16: us per call ==")
         result["norm"] = norm_cases(args)

@@ -49,6 +49,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas._common import NEG, default_scale
 from kernels_pallas._flash import merge_splits
 from kernels_pallas._mosaic import interpret_params, mosaic_interpret_available
+from kernels_pallas.block_attention.gpu import GpuConfig, num_sms
 
 ROWS = 64  # query rows of a program: the M of one warpgroup's wgmma
 LOG2E = math.log2(math.e)
@@ -61,13 +62,14 @@ class MosaicConfig:
 
     ``block_k``: context keys per TMA tile (a multiple of 64). ``stages``: tiles in flight per program
     while one program fills an SM; ``wide_stages`` where the grid has more programs than SMs (two
-    programs then share an SM's shared memory). ``num_sms``: the GPU's SMs (an H200: 132).
+    programs then share an SM's shared memory). ``num_sms``: the GPU's SMs (None: read off the device,
+    else 132, an H200's).
     ``splits``: a fixed split count (None: ``plan``)."""
 
     block_k: int = 64
     stages: int = 4
     wide_stages: int = 2
-    num_sms: int = 132
+    num_sms: int | None = None
     splits: int | None = None
 
     def __post_init__(self):
@@ -103,17 +105,16 @@ def plan(batch: int, kv_heads: int, query_tiles: int, capacity: int, cfg: Mosaic
     """``(splits, stages)``: the most splits (at most the capacity's tiles) with which every program
     runs in one wave of one program per SM, and the pipeline depth that wave allows. Grids wider
     than the SMs take no split and ``wide_stages``, so that two programs fit an SM."""
-    programs = batch * kv_heads * query_tiles
+    programs, sms = batch * kv_heads * query_tiles, num_sms(GpuConfig(num_sms=cfg.num_sms))
     if cfg.splits is not None:
         splits = min(cfg.splits, capacity // cfg.block_k)
     else:
-        splits = max(1, min(cfg.num_sms // programs, capacity // cfg.block_k))
-    stages = cfg.stages if programs * splits <= cfg.num_sms else cfg.wide_stages
+        splits = max(1, min(sms // programs, capacity // cfg.block_k))
+    stages = cfg.stages if programs * splits <= sms else cfg.wide_stages
     return splits, stages
 
 
-def _kernel(starts_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem, p_smem, o_smem, m_smem,
-            l_smem, q_loaded, *, block_k: int, stages: int, query_tiles: int, scale: float):
+def _kernel(starts_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem, p_smem, q_loaded, *, block_k: int, stages: int, query_tiles: int, scale: float):
     """One program: query tile ``qt`` of KV head ``h`` of row ``b``, split ``j`` of its context.
 
     GMEM: starts [B] int32; q [B, Hkv, R, D]; k, v caches [B, C, Hkv, D]; outputs o [B, Hkv, S, R, D]
@@ -179,14 +180,21 @@ def _kernel(starts_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem,
                                     max_concurrent_steps=stages, init_carry=init)(
         k_gmem.at[b, :, h], v_gmem.at[b, :, h])
 
-    o_smem[...] = acc / lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), acc.shape, [0])
-    m_smem[...] = m * (1.0 / LOG2E)
-    l_smem[...] = l
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, j, rows])
-    plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, h, j, rows])
-    plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, h, j, rows])
-    plgpu.wait_smem_to_gmem(0)
+    # The outputs' shared memory is scoped after the pipeline's, in the space its K/V ring held: two
+    # programs of 2 stages then fit an SM (q 16 KB, p 8 KB, ring 64 KB) where a 32 KB float32 output
+    # beside the ring would not.
+    def store(o_smem, m_smem, l_smem):
+        o_smem[...] = acc / lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), acc.shape, [0])
+        m_smem[...] = m * (1.0 / LOG2E)
+        l_smem[...] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, j, rows])
+        plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, h, j, rows])
+        plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, h, j, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    f32 = jnp.float32
+    pl.run_scoped(store, plgpu.SMEM((ROWS, head_dim), f32), plgpu.SMEM((ROWS,), f32), plgpu.SMEM((ROWS,), f32))
 
 
 def context_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array, *,
@@ -219,9 +227,6 @@ def context_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
         scratch_types=[
             plgpu.SMEM((ROWS, head_dim), q_rows.dtype, transforms=swizzled),
             plgpu.SMEM((ROWS, cfg.block_k), q_rows.dtype, transforms=swizzled),
-            plgpu.SMEM((ROWS, head_dim), f32),
-            plgpu.SMEM((ROWS,), f32),
-            plgpu.SMEM((ROWS,), f32),
             plgpu.Barrier(),
         ],
         grid=(splits, kv_heads * query_tiles, batch),
