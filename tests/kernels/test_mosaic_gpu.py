@@ -88,7 +88,8 @@ def test_gpu_lowering_is_validated():
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16])
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_add_rms_norm_interpreted_equals_reference(dtype):
     """Three rows with a delta, two without: the sum bit for bit, the norm within a rounding of the
     dtype (the kernel sums the squares in its own order)."""
