@@ -1,11 +1,13 @@
 """Pallas's two GPU lowerings side by side: the Triton kernels against their Mosaic GPU ports.
 
 Attention over a KV cache (Qwen3-8B heads: 32 q / 8 kv, head_dim 128, bf16) at contexts 1k / 4k /
-16k / 32k (the cache full), batches 1 / 8 / 32, a decode token (block 1) and a verify block (16,
-causal):
+16k / 32k (the cache full), batches 1 / 8 / 32, a verify block (16 slots, causal; ``--blocks 1,16``
+adds the decode token):
 
 - ``triton``: ``kernels_pallas.block_attention`` (Triton), the queries already normed and rotated;
 - ``mosaic``: ``kernels_pallas.cached_attention.mosaic_gpu.decode_attention``, the same inputs;
+- ``mosaic_ctx``: its Mosaic GPU kernel alone (``context_partials``: the context's split partials,
+  without XLA's query padding, the block's own keys and the split merge around it);
 - ``fused``: ``ops.attention.cached_attention`` on the Triton lowering from the raw QKV projection
   (the fused kernel: q/k norms, RoPE, attention; caches only read, as the drafter's blocks);
 - ``mosaic_ops``: the same call on ``gpu_lowering="mosaic"`` (XLA's norms and RoPE around the Mosaic
@@ -37,7 +39,7 @@ from dflash_jax.ops import OpsConfig
 from dflash_jax.ops import attention as attention_ops
 from dflash_jax.ops.rope import rope_inv_freq
 from kernels_pallas.block_attention import block_attention
-from kernels_pallas.cached_attention.mosaic_gpu import MosaicConfig, decode_attention, plan
+from kernels_pallas.cached_attention.mosaic_gpu import ROWS, MosaicConfig, context_partials, decode_attention, plan
 from kernels_pallas.rms_norm import add_rms_norm as triton_add_rms_norm
 from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
 from kernels_pallas.rms_norm.reference import add_rms_norm_reference
@@ -98,6 +100,8 @@ def attention_cases(args, shapes) -> list[dict]:
             q[:, None], kc, vc, s[:, None], kb[:, None], vb[:, None], bl[:, None], causal=True)[:, 0],
         "mosaic": lambda q, kb, vb, kc, vc, s, bl: decode_attention(q, kb, vb, kc, vc, s, bl, causal=True,
                                                                     config=mosaic_cfg),
+        "mosaic_ctx": lambda q_rows, kc, vc, s: context_partials(q_rows, kc, vc, s, scale=d ** -0.5,
+                                                                 config=mosaic_cfg),
         "fused": functools.partial(ops_call, kernels),
         "mosaic_ops": functools.partial(ops_call, mosaic_ops_cfg),
     }
@@ -123,10 +127,12 @@ def attention_cases(args, shapes) -> list[dict]:
                            mosaic_splits=plan(batch, hkv, tiles, ctx, mosaic_cfg)[0])
                 kernel_args = (q, k_blk, v_blk, k_cache, v_cache, starts, blk_lens)
                 ops_args = (qkv, k_cache, v_cache, starts, blk_lens, *norms)
+                q_rows = timing.normal(ks[5], (batch, hkv, tiles * ROWS, d), dt)
+                inputs = dict(fused=ops_args, mosaic_ops=ops_args, mosaic_ctx=(q_rows, k_cache, v_cache, starts))
                 outs = {}
                 for name, fn in fns.items():
-                    outs[name] = timed(name, fn, ops_args if name in ("fused", "mosaic_ops") else kernel_args, row,
-                                       chain=args.chain, repeats=args.repeats, nbytes=kv_bytes)
+                    outs[name] = timed(name, fn, inputs.get(name, kernel_args), row, chain=args.chain,
+                                       repeats=args.repeats, nbytes=kv_bytes)
                 if outs["triton"] is not None and outs["mosaic"] is not None:
                     row["mosaic_vs_triton"] = timing.relative_error(outs["mosaic"], outs["triton"])
                 rows.append(row)
@@ -193,12 +199,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="32768,16384,4096,1024")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--blocks", default="1,16")
+    ap.add_argument("--blocks", default="16", help="query slots per row (1: a decode token; 16: a verify block)")
     ap.add_argument("--norm-rows", default="1,16,64")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chain", type=int, default=CHAIN)
-    ap.add_argument("--budget-s", type=float, default=110.0, help="stop starting attention cases after this")
+    ap.add_argument("--budget-s", type=float, default=120.0, help="stop starting attention cases after this")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: attention,sweep,norm")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, interpret modes")
     ap.add_argument("--json", default=None, help="write the results here")
