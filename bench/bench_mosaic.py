@@ -17,7 +17,8 @@ Each case is a chain of 8 dependent calls in one jit (the host's dispatch would 
 ones); bandwidth counts the context K/V read once, in % of 4.3 TB/s. ``mosaic vs triton`` is the
 largest relative difference of the two kernels' outputs (a sanity check; correctness is
 tests/gpu/test_gpu_mosaic.py). Then the Mosaic GPU attention's tile / split configs on the batch-1
-token at 32k (``MosaicConfig``: stages, splits, 128-key tiles), and the add + RMSNorm at the 8B width (4096), 1 / 16 / 64 rows:
+token at 32k (``MosaicConfig``: stages, splits, 128-key tiles), and the add + RMSNorm at the 8B width
+(4096), 1 / 16 / 64 rows:
 ``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs on its own: one that fails to
 compile or run prints its error and the others are still timed.
 
@@ -146,7 +147,8 @@ def attention_cases(args, shapes) -> list[dict]:
 
 
 SWEEP = [MosaicConfig(), MosaicConfig(stages=3), MosaicConfig(stages=6), MosaicConfig(splits=32, wide_stages=2),
-         MosaicConfig(splits=32, wide_stages=3), MosaicConfig(block_k=128, stages=3),
+         MosaicConfig(splits=32, wide_stages=3), MosaicConfig(block_k=128, stages=2),
+         MosaicConfig(block_k=128, stages=3),
          MosaicConfig(block_k=128, splits=32, wide_stages=2)]
 
 
@@ -167,7 +169,8 @@ def sweep_cases(args, shapes) -> list[dict]:
                    splits_stages=plan(1, hkv, 1, ctx, cfg))
         timed("mosaic", fn, kernel_args, row, chain=args.chain, repeats=args.repeats, nbytes=kv_bytes)
         rows.append(row)
-        cell = "failed" if row.get("mosaic_us") is None else f"{row['mosaic_us']:8.1f} us {100 * row['mosaic_bw']:3.0f}%"
+        cell = ("failed" if row.get("mosaic_us") is None
+                else f"{row['mosaic_us']:8.1f} us {100 * row['mosaic_bw']:3.0f}%")
         log(f"T={ctx} B=1 token (splits, stages)={row['splits_stages']} {cfg} | {cell}")
     return rows
 

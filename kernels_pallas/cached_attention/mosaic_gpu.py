@@ -60,7 +60,7 @@ SWIZZLE = 128  # bytes: a tile row of 64 16-bit elements per swizzle atom
 class MosaicConfig:
     """Tiles and split planning of the Mosaic GPU decode attention.
 
-    ``block_k``: context keys per TMA tile (a multiple of 64). ``stages``: tiles in flight per program
+    ``block_k``: context keys per TMA tile (64 or 128). ``stages``: tiles in flight per program
     while one program fills an SM; ``wide_stages`` where the grid has more programs than SMs (two
     programs then share an SM's shared memory). ``num_sms``: the GPU's SMs (None: read off the device,
     else 132, an H200's).
@@ -73,8 +73,8 @@ class MosaicConfig:
     splits: int | None = None
 
     def __post_init__(self):
-        if self.block_k < 64 or self.block_k % 64 or self.block_k > 256:
-            raise ValueError(f"MosaicConfig.block_k must be a multiple of 64 in [64, 256], got {self.block_k}")
+        if self.block_k not in (64, 128):  # 256-key score tiles would hold 128 more registers a thread
+            raise ValueError(f"MosaicConfig.block_k must be 64 or 128, got {self.block_k}")
         if self.stages < 2 or self.wide_stages < 2:
             raise ValueError(f"MosaicConfig stages must be >= 2, got {self.stages} / {self.wide_stages}")
         if self.splits is not None and self.splits < 1:
@@ -86,10 +86,11 @@ DEFAULT_CONFIG = MosaicConfig()
 
 def supports(head_dim: int, capacity: int, dtype, cfg: MosaicConfig = DEFAULT_CONFIG) -> bool:
     """Whether the kernel takes these shapes: 16-bit floats (``wgmma`` runs float32 as TF32), a
-    head_dim of whole 64-element swizzle rows up to 256, and a capacity of whole ``block_k`` tiles
+    head_dim of 64 or 128 (whole 64-element swizzle rows; the float32 accumulator and a tile's P V
+    product of 256 would hold 256 registers a thread), and a capacity of whole ``block_k`` tiles
     (engine caches are multiples of 128)."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and head_dim % 64 == 0 and 64 <= head_dim <= 256 and capacity % cfg.block_k == 0 and capacity > 0)
+            and head_dim in (64, 128) and capacity % cfg.block_k == 0 and capacity > 0)
 
 
 def decode_attention_supported(head_dim: int, capacity: int, dtype) -> bool:
@@ -114,7 +115,8 @@ def plan(batch: int, kv_heads: int, query_tiles: int, capacity: int, cfg: Mosaic
     return splits, stages
 
 
-def _kernel(starts_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem, p_smem, q_loaded, *, block_k: int, stages: int, query_tiles: int, scale: float):
+def _kernel(starts_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem, p_smem, q_loaded, *,
+            block_k: int, stages: int, query_tiles: int, scale: float):
     """One program: query tile ``qt`` of KV head ``h`` of row ``b``, split ``j`` of its context.
 
     GMEM: starts [B] int32; q [B, Hkv, R, D]; k, v caches [B, C, Hkv, D]; outputs o [B, Hkv, S, R, D]

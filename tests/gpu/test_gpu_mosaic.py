@@ -1,7 +1,8 @@
 """The Mosaic GPU kernels compiled for the GPU (Hopper or later) against their references, at Qwen3-8B
 head shapes: the decode / verify attention over a KV cache (split-K over long contexts, the tile
 configs; through ``ops.attention.cached_attention`` with ``gpu_lowering="mosaic"`` in
-test_gpu_kernels.py beside the Triton kernel) and the add + RMSNorm. Tolerances are those of tests/gpu/test_gpu_kernels.py for the Triton kernels.
+test_gpu_kernels.py beside the Triton kernel) and the add + RMSNorm. Tolerances are those of
+tests/gpu/test_gpu_kernels.py for the Triton kernels.
 
     JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/gpu/test_gpu_mosaic.py
 """
