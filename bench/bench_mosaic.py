@@ -59,7 +59,7 @@ def chained(fn, chain: int):
         out = None
         for _ in range(chain):
             out = fn(x, *rest)
-            flat = (out[0] if isinstance(out, tuple) else out).reshape(-1)[: x.size]
+            flat = (out[0] if isinstance(out, (tuple, list)) else out).reshape(-1)[: x.size]
             bump = jnp.pad(jnp.where(flat == jnp.inf, 1, 0).astype(x.dtype), (0, x.size - flat.size))
             x = x + bump.reshape(x.shape)
         return x, out
