@@ -21,12 +21,12 @@ def add_rms_norm(h: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: 
     inference; its Mosaic GPU version with ``ops.gpu_lowering == "mosaic"``) where the platform and
     width allow, instead of the three XLA kernels this is otherwise at batch 1.
     """
-    if ops.mosaic and weight.dtype == h.dtype:
-        from kernels_pallas.rms_norm import mosaic_gpu
+    if ops.kernels and weight.dtype == h.dtype:
+        if ops.mosaic:
+            from kernels_pallas.rms_norm import mosaic_gpu
 
-        if mosaic_gpu.add_rms_norm_supported(h.shape[-1], h.dtype):
-            return _sharded_add_rms_norm(mosaic_gpu.add_rms_norm, h, delta, weight, eps)
-    elif ops.kernels and weight.dtype == h.dtype:
+            if mosaic_gpu.add_rms_norm_supported(h.shape[-1], h.dtype):
+                return _sharded_add_rms_norm(mosaic_gpu.add_rms_norm, h, delta, weight, eps)
         from kernels_pallas.rms_norm import add_rms_norm as kernel_add_rms_norm, add_rms_norm_supported
 
         if add_rms_norm_supported(h.shape[-1]):
