@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax import EngineConfig
 from dflash_jax.ops import attention as attention_ops
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.rope import rope_inv_freq
@@ -82,6 +83,8 @@ def test_gpu_lowering_is_validated():
     assert not OpsConfig(attention="xla", gpu_lowering="mosaic").mosaic
     with pytest.raises(ValueError, match="gpu_lowering"):
         OpsConfig(gpu_lowering="cuda")
+    with pytest.raises(ValueError, match="gpu_lowering"):
+        EngineConfig(gpu_lowering="cuda").validate()
 
 
 # -- interpret mode (jax >= 0.11) --------------------------------------------------------------------
