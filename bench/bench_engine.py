@@ -154,7 +154,8 @@ def bench_batch(args, target, drafter, batch: int, draft_batches: set[int]) -> d
     mesh = MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None
     cfg = EngineConfig(max_batch_size=batch, max_length=args.context + 512, prompt_buckets=(args.context,),
                        steps_per_sync=args.steps_per_sync, attention_impl=args.attention, mesh=mesh,
-                       decode_loop=args.decode_loop, cached_attention_tiles=args.cached_config)
+                       decode_loop=args.decode_loop, cached_attention_tiles=args.cached_config,
+                       gpu_lowering=args.gpu_lowering)
     spec, plain = Engine(target, drafter, cfg), Engine(target, None, cfg)
     t0 = time.perf_counter()
     t_plain, _ = timing.time_decode(plain, batch, args.context, args.steps, args.repeats)
@@ -244,6 +245,8 @@ def main() -> None:
                     help="EngineConfig.attention_impl (auto: pallas on GPUs and TPUs)")
     ap.add_argument("--cached-config", default="", metavar="FIELD=N,...",
                     help="EngineConfig.cached_attention_tiles, e.g. min_chunk=128,block_k=32")
+    ap.add_argument("--gpu-lowering", default="triton", choices=["triton", "mosaic"],
+                    help="EngineConfig.gpu_lowering: the Pallas GPU lowering of the kernels")
     ap.add_argument("--tensor", type=int, default=1,
                     help="tensor-parallel degree: engines on a (data=1, tensor=N) mesh; the roofline is per GPU")
     ap.add_argument("--reference", action="store_true", help="also time the authors' PyTorch code")

@@ -12,6 +12,7 @@ from typing import Literal
 import jax
 
 AttentionImpl = Literal["xla", "pallas"]
+GpuLowering = Literal["triton", "mosaic"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,13 @@ class OpsConfig:
     defaults.
 
     ``experts``: how a mixture of experts' routed experts run (``ops.experts.routed_experts``):
-    "ragged_dot" (grouped matmuls) or "capacity" (batched GEMMs of a fixed row count per expert)."""
+    "ragged_dot" (grouped matmuls) or "capacity" (batched GEMMs of a fixed row count per expert).
+
+    ``gpu_lowering``: which Pallas GPU lowering the kernels use. "triton" (the default): the Triton
+    kernels (``kernels_pallas/<op>/gpu.py``). "mosaic": the ops with a Mosaic GPU kernel
+    (``kernels_pallas/<op>/mosaic_gpu.py``: the add + RMSNorm, and the decode / verify / draft
+    attention over the KV cache, whose q/k norms, RoPE and cache write then run in XLA around it)
+    run it; the others keep their Triton kernel."""
 
     attention: AttentionImpl = "xla"
     cached_attention_tiles: tuple[tuple[str, int], ...] = ()
@@ -37,17 +44,25 @@ class OpsConfig:
     qkv_partials: int = 8
     output_partials: int = 8
     experts: str = "ragged_dot"
+    gpu_lowering: GpuLowering = "triton"
 
     def __post_init__(self):
         if self.attention not in ("xla", "pallas"):
             raise ValueError(f"ops attention must be 'xla' or 'pallas', got {self.attention!r}")
         if self.experts not in ("ragged_dot", "capacity"):
             raise ValueError(f"ops experts must be 'ragged_dot' or 'capacity', got {self.experts!r}")
+        if self.gpu_lowering not in ("triton", "mosaic"):
+            raise ValueError(f"ops gpu_lowering must be 'triton' or 'mosaic', got {self.gpu_lowering!r}")
 
     @property
     def kernels(self) -> bool:
         """Whether the Pallas kernels (and library flash attention) may run."""
         return self.attention == "pallas"
+
+    @property
+    def mosaic(self) -> bool:
+        """Whether the kernels on (``kernels``) take their Mosaic GPU versions where one exists."""
+        return self.kernels and self.gpu_lowering == "mosaic"
 
 
 XLA = OpsConfig()

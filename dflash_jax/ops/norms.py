@@ -18,20 +18,30 @@ def add_rms_norm(h: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: 
     ``rms_norm(s)``, both ``[..., hidden]``.
 
     With the kernels on: one Pallas kernel (``kernels_pallas.rms_norm``, forward only:
-    inference) where the platform and width allow, instead of the three XLA kernels this is
-    otherwise at batch 1.
+    inference; its Mosaic GPU version with ``ops.gpu_lowering == "mosaic"``) where the platform and
+    width allow, instead of the three XLA kernels this is otherwise at batch 1.
     """
     if ops.kernels and weight.dtype == h.dtype:
+        if ops.mosaic:
+            from kernels_pallas.rms_norm import mosaic_gpu
+
+            if mosaic_gpu.add_rms_norm_supported(h.shape[-1], h.dtype):
+                return _sharded_add_rms_norm(mosaic_gpu.add_rms_norm, h, delta, weight, eps)
         from kernels_pallas.rms_norm import add_rms_norm as kernel_add_rms_norm, add_rms_norm_supported
 
         if add_rms_norm_supported(h.shape[-1]):
-            rows = ("batch",) + (None,) * (h.ndim - 1)  # per device: its rows, the whole width
-            if delta is None:
-                kernel = lambda h, w: kernel_add_rms_norm(h, None, w, eps=eps)  # noqa: E731
-                return shard_kernel(kernel, (rows, (None,)), (rows, rows))(h, weight)
-            kernel = lambda h, d, w: kernel_add_rms_norm(h, d, w, eps=eps)  # noqa: E731
-            return shard_kernel(kernel, (rows, rows, (None,)), (rows, rows))(h, delta, weight)
+            return _sharded_add_rms_norm(kernel_add_rms_norm, h, delta, weight, eps)
     return add_rms_norm_reference(h, delta, weight, eps)
+
+
+def _sharded_add_rms_norm(kernel_add_rms_norm, h, delta, weight, eps):
+    """``kernel_add_rms_norm(h, delta, weight, eps=eps)`` per device under a kernel mesh."""
+    rows = ("batch",) + (None,) * (h.ndim - 1)  # per device: its rows, the whole width
+    if delta is None:
+        kernel = lambda h, w: kernel_add_rms_norm(h, None, w, eps=eps)  # noqa: E731
+        return shard_kernel(kernel, (rows, (None,)), (rows, rows))(h, weight)
+    kernel = lambda h, d, w: kernel_add_rms_norm(h, d, w, eps=eps)  # noqa: E731
+    return shard_kernel(kernel, (rows, rows, (None,)), (rows, rows))(h, delta, weight)
 
 
 def fold_norm(norm_weight: jax.Array, w: jax.Array) -> jax.Array:

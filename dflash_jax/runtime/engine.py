@@ -73,6 +73,9 @@ class EngineConfig:
     # Overrides of the cached-attention kernel's tiles, "field=N,..." of
     # ``kernels_pallas.cached_attention.gpu.GpuConfig`` (e.g. "min_chunk=128,block_k=32"); "": its defaults.
     cached_attention_tiles: str = ""
+    # The GPU kernels' Pallas lowering (``OpsConfig.gpu_lowering``): "triton", or "mosaic" (the ops
+    # with a Mosaic GPU kernel run it; the others keep Triton).
+    gpu_lowering: str = "triton"
     # A mixture of experts' routed experts: "ragged_dot" or "capacity" (``OpsConfig.experts``).
     experts_impl: str = "ragged_dot"
     # A directory for the persistent compilation cache (``dflash_jax.runtime.compile_cache``): the engine's
@@ -115,6 +118,8 @@ class EngineConfig:
             raise ValueError("matmul_precision must be 'auto', 'default', 'high' or 'highest', "
                              f"got {self.matmul_precision!r}")
         parse_tiles(self.cached_attention_tiles)
+        if self.gpu_lowering not in ("triton", "mosaic"):
+            raise ValueError(f"gpu_lowering must be 'triton' or 'mosaic', got {self.gpu_lowering!r}")
         if self.experts_impl not in ("ragged_dot", "capacity"):
             raise ValueError(f"experts_impl must be 'ragged_dot' or 'capacity', got {self.experts_impl!r}")
         if self.steps_per_sync < 1:
@@ -271,7 +276,7 @@ class Engine:
         self._rules = config.mesh.resolved_rules() if config.mesh is not None else None
         self.ops = OpsConfig(attention=self.attention_impl,
                              cached_attention_tiles=parse_tiles(config.cached_attention_tiles),
-                             experts=config.experts_impl)
+                             experts=config.experts_impl, gpu_lowering=config.gpu_lowering)
         # The engine runs copies in the serving layout (``serving_params``); the caller's modules
         # keep theirs, so one loaded target can back several engines.
         for module, name in ((target, "target"), (drafter, "drafter")):

@@ -58,11 +58,14 @@ def xla_runs(models, prompts):
             for name, drafter in (("dflash", models[1]), ("target_only", None))}
 
 
-@pytest.mark.parametrize("tiles", ["", "block_k=32,num_stages=2", "min_chunk=64,num_warps=8"])
-def test_kernel_engine_equals_xla_engine(models, prompts, xla_runs, tiles):
-    """With the Pallas kernels (and a tile config of the cached attention): the XLA engine's tokens and
-    acceptance lengths, DFlash and target-only; and DFlash's tokens are target-only greedy's."""
-    config = dataclasses.replace(CONFIG, attention_impl="pallas", cached_attention_tiles=tiles)
+@pytest.mark.parametrize("tiles,lowering", [("", "triton"), ("block_k=32,num_stages=2", "triton"),
+                                            ("min_chunk=64,num_warps=8", "triton"), ("", "mosaic")])
+def test_kernel_engine_equals_xla_engine(models, prompts, xla_runs, tiles, lowering):
+    """With the Pallas kernels (and a tile config of the cached attention; or on the Mosaic GPU
+    lowering, whose add + RMSNorm takes these float32 rows): the XLA engine's tokens and acceptance
+    lengths, DFlash and target-only; and DFlash's tokens are target-only greedy's."""
+    config = dataclasses.replace(CONFIG, attention_impl="pallas", cached_attention_tiles=tiles,
+                                 gpu_lowering=lowering)
     dflash = generations(Engine(models[0], models[1], config), prompts)
     assert dflash == xla_runs["dflash"]
     assert generations(Engine(models[0], None, config), prompts) == xla_runs["target_only"]
@@ -109,18 +112,19 @@ def relative_error(got, want) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def test_serving_layout_decode_and_verify_logits_within_bf16_rounding():
+@pytest.mark.parametrize("lowering", ["triton", "mosaic"])
+def test_serving_layout_decode_and_verify_logits_within_bf16_rounding(lowering):
     """A decode token and a 16-token verify block after a 256-token prefill, through the serving
     layout (fused projections, folded norms) with the kernels on (split-K partials, row scales, the
-    cached attention; cuDNN prefill), against a float32 forward of the same weights: no further from
-    it than twice XLA's own bf16 forward of the checkpoint layout."""
+    cached attention; cuDNN prefill), on either GPU lowering, against a float32 forward of the same
+    weights: no further from it than twice XLA's own bf16 forward of the checkpoint layout."""
     target, context = bf16_target(), 256
     c = target.config
     ids = jax.random.randint(jax.random.key(7), (1, context + 16), 0, c.vocab_size, jnp.int32)
 
     def kernel_logits(served, ids):
         cache = KVCache.zeros(c.num_layers, 1, 1152, c.num_kv_heads, c.head_dim, jnp.bfloat16)
-        zeros, ops = jnp.zeros((1,), jnp.int32), OpsConfig(attention="pallas")
+        zeros, ops = jnp.zeros((1,), jnp.int32), OpsConfig(attention="pallas", gpu_lowering=lowering)
         _, _, cache = served.step(ids[:, :context], zeros, cache, ops=ops, prefill=True)
         one, _, _ = served.step(ids[:, context:context + 1], zeros + context, cache, ops=ops)
         block, _, _ = served.step(ids[:, context:], zeros + context, cache, ops=ops)

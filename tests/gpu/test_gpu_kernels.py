@@ -5,6 +5,8 @@ what Triton compiles: split-K plans over long contexts, the tiles a config selec
 attention with its in-place cache write, the cuDNN prompt attention the engine's prefill takes.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,14 +147,18 @@ def assert_cached_matches(got, want, k_cache, v_cache, tol: float = 1e-2):
 KERNEL = OpsConfig(attention="pallas")
 
 
+@pytest.mark.parametrize("lowering", ["triton", "mosaic"])
 @pytest.mark.parametrize("mode", ["verify", "draft"])
 @pytest.mark.parametrize("batch,block", [(1, 1), (1, 16), (16, 1), (16, 16)])
-def test_cached_attention_kernel_equals_reference(batch, block, mode):
+def test_cached_attention_kernel_equals_reference(batch, block, mode, lowering):
     """The target's decode token and verify block (causal, the block written into the caches) and the
-    drafter's block (bidirectional, the caches only read), one row and sixteen."""
+    drafter's block (bidirectional, the caches only read), one row and sixteen; the fused Triton
+    kernel, or on the Mosaic GPU lowering XLA's q/k norms, RoPE and cache write around the Mosaic GPU
+    attention (tests/gpu/test_gpu_mosaic.py)."""
     args = cached_args(batch, block, seed=batch * 100 + block)
     kw = dict(causal=mode == "verify", write=mode == "verify")
-    got, want = cached(KERNEL, **kw)(*args), cached(XLA, **kw)(*args)
+    ops = dataclasses.replace(KERNEL, gpu_lowering=lowering)
+    got, want = cached(ops, **kw)(*args), cached(XLA, **kw)(*args)
     if mode == "verify":
         assert_cached_matches(got, want, args[1], args[2])
     else:

@@ -10,6 +10,7 @@ import numpy as np
 from dflash_jax.ops import gated_delta
 from kernels_pallas.gated_delta import chunk_gated_delta
 from kernels_pallas.gated_delta.reference import chunk_gated_delta_reference
+from lowering import lower_for
 
 
 def _inputs(seed, b=1, h=2, seq=48, dk=16, dv=16):
@@ -64,5 +65,5 @@ def test_gated_delta_kernel_lowers_for_gpus():
     shapes = [sd((1, 32, 128, 128), jnp.float32)] * 3 + [sd((1, 32, 128), jnp.float32)] * 2 + [
         sd((1, 32, 128, 128), jnp.float32)]
     fn = jax.jit(functools.partial(chunk_gated_delta, chunk=64, interpret=False))
-    text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for(fn, shapes, "cuda").as_text()
     assert "dflash_chunk_gated_delta" in text and "triton" in text

@@ -1,0 +1,243 @@
+"""Pallas's two GPU lowerings side by side: the Triton kernels against their Mosaic GPU ports.
+
+Attention over a KV cache (Qwen3-8B heads: 32 q / 8 kv, head_dim 128, bf16) at contexts 1k / 4k /
+16k / 32k (the cache full), batches 1 / 8 / 32, a verify block (16 slots, causal; ``--blocks 1,16``
+adds the decode token):
+
+- ``triton``: ``kernels_pallas.block_attention`` (Triton), the queries already normed and rotated;
+- ``mosaic``: ``kernels_pallas.cached_attention.mosaic_gpu.decode_attention``, the same inputs;
+- ``mosaic_ctx``: its Mosaic GPU kernel alone (``context_partials``: the context's split partials,
+  without XLA's query padding, the block's own keys and the split merge around it);
+- ``fused``: ``ops.attention.cached_attention`` on the Triton lowering from the raw QKV projection
+  (the fused kernel: q/k norms, RoPE, attention; caches only read, as the drafter's blocks);
+- ``mosaic_ops``: the same call on ``gpu_lowering="mosaic"`` (XLA's norms and RoPE around the Mosaic
+  GPU attention).
+
+Each case is a chain of 8 dependent calls in one jit (the host's dispatch would dominate the small
+ones); bandwidth counts the context K/V read once, in % of 4.3 TB/s. ``mosaic vs triton`` is the
+largest relative difference of the two kernels' outputs (a sanity check; correctness is
+tests/gpu/test_gpu_mosaic.py). Then the Mosaic GPU attention's tile / split configs on the batch-1
+token at 32k (``MosaicConfig``: stages, splits, 128-key tiles), and the add + RMSNorm at the 8B width
+(4096), 1 / 16 / 64 rows:
+``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs on its own: one that fails to
+compile or run prints its error and the others are still timed.
+
+    python3 bench/bench_mosaic.py --json bench/results/mosaic.json
+    JAX_PLATFORMS=cpu python3 bench/bench_mosaic.py --tiny       # smoke test (interpret modes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+
+import timing
+from dflash_jax.ops import OpsConfig
+from dflash_jax.ops import attention as attention_ops
+from dflash_jax.ops.rope import rope_inv_freq
+from kernels_pallas.block_attention import block_attention
+from kernels_pallas.cached_attention.mosaic_gpu import ROWS, MosaicConfig, context_partials, decode_attention, plan
+from kernels_pallas.rms_norm import add_rms_norm as triton_add_rms_norm
+from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
+from kernels_pallas.rms_norm.reference import add_rms_norm_reference
+
+CHAIN = 8
+
+
+def log(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def chained(fn, chain: int):
+    """jit of ``chain`` dependent calls of ``fn(x, *rest)`` (x_{i+1} = x_i + [out_i == inf], which is
+    x_i): returns ``(x, the last out)``; the host's dispatch is paid once per ``chain`` calls."""
+    def run(x, *rest):
+        out = None
+        for _ in range(chain):
+            out = fn(x, *rest)
+            flat = (out[0] if isinstance(out, (tuple, list)) else out).reshape(-1)[: x.size]
+            bump = jnp.pad(jnp.where(flat == jnp.inf, 1, 0).astype(x.dtype), (0, x.size - flat.size))
+            x = x + bump.reshape(x.shape)
+        return x, out
+    return jax.jit(run)
+
+
+def timed(name: str, fn, args, row: dict, *, chain: int, repeats: int, nbytes: float | None):
+    """Times ``fn`` into ``row[name + "_us"]`` (and its bandwidth); an error is recorded and printed,
+    never raised, so the other variants still run. Returns the call's output (None on an error)."""
+    try:
+        sec = timing.per_call_time(fn, *args, repeats=repeats) / chain
+        row[name + "_us"] = sec * 1e6
+        if nbytes is not None:
+            row[name + "_bw"] = nbytes / sec / timing.HBM_BYTES_PER_S
+        return fn(*args)[1]
+    except Exception as e:  # noqa: BLE001  (a kernel that does not compile must not stop the others)
+        row[name + "_us"] = None
+        row[name + "_err"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        log(f"  {name}: {row[name + '_err']}")
+        return None
+
+
+def attention_cases(args, shapes) -> list[dict]:
+    hq, hkv, d = shapes
+    groups = hq // hkv
+    inv_freq = tuple(float(f) for f in rope_inv_freq(d, 1e6, None))
+    mosaic_cfg = MosaicConfig(splits=1) if args.tiny else MosaicConfig()
+    kernels = OpsConfig(attention="pallas")
+    mosaic_ops_cfg = OpsConfig(attention="pallas", gpu_lowering="mosaic")
+    rows, t_start = [], time.time()
+
+    def ops_call(ops, qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm):
+        return attention_ops.cached_attention(qkv, starts, k_cache, v_cache, blk_lens, q_norm=q_norm, k_norm=k_norm,
+                                              eps=1e-6, inv_freq=inv_freq, num_heads=hq, causal=False, write=False,
+                                              ops=ops)[0]
+
+    variants = {
+        "triton": lambda q, kb, vb, kc, vc, s, bl: block_attention(
+            q[:, None], kc, vc, s[:, None], kb[:, None], vb[:, None], bl[:, None], causal=True)[:, 0],
+        "mosaic": lambda q, kb, vb, kc, vc, s, bl: decode_attention(q, kb, vb, kc, vc, s, bl, causal=True,
+                                                                    config=mosaic_cfg),
+        "mosaic_ctx": lambda q_rows, kc, vc, s: context_partials(q_rows, kc, vc, s, scale=d ** -0.5,
+                                                                 config=mosaic_cfg),
+        "fused": functools.partial(ops_call, kernels),
+        "mosaic_ops": functools.partial(ops_call, mosaic_ops_cfg),
+    }
+    fns = {name: chained(fn, args.chain) for name, fn in variants.items()}
+    for ctx in args.contexts:
+        for batch in args.batches:
+            for block in args.blocks:
+                if time.time() - t_start > args.budget_s:
+                    log(f"(time budget reached: skipping T={ctx} B={batch} block={block})")
+                    continue
+                ks = jax.random.split(jax.random.key(ctx + 7 * batch + block), 8)
+                dt = jnp.bfloat16
+                q = timing.normal(ks[0], (batch, block, hq, d), dt)
+                k_blk, v_blk = (timing.normal(k, (batch, block, hkv, d), dt) for k in ks[1:3])
+                k_cache, v_cache = (timing.normal(k, (batch, ctx, hkv, d), dt) for k in ks[3:5])
+                starts = jnp.full((batch,), ctx, jnp.int32)
+                blk_lens = jnp.full((batch,), block, jnp.int32)
+                qkv = timing.normal(ks[5], (batch, block, hkv, groups + 2, d), dt)
+                norms = [(1 + 0.1 * timing.normal(k, (d,), jnp.float32)).astype(dt) for k in ks[6:8]]
+                kv_bytes = 2 * batch * ctx * hkv * d * 2
+                tiles = -(-block * groups // 64)
+                row = dict(kind="attention", ctx=ctx, batch=batch, block=block, kv_bytes=kv_bytes,
+                           mosaic_splits=plan(batch, hkv, tiles, ctx, mosaic_cfg)[0])
+                kernel_args = (q, k_blk, v_blk, k_cache, v_cache, starts, blk_lens)
+                ops_args = (qkv, k_cache, v_cache, starts, blk_lens, *norms)
+                q_rows = timing.normal(ks[5], (batch, hkv, tiles * ROWS, d), dt)
+                inputs = dict(fused=ops_args, mosaic_ops=ops_args, mosaic_ctx=(q_rows, k_cache, v_cache, starts))
+                outs = {}
+                for name, fn in fns.items():
+                    outs[name] = timed(name, fn, inputs.get(name, kernel_args), row, chain=args.chain,
+                                       repeats=args.repeats, nbytes=kv_bytes)
+                if outs["triton"] is not None and outs["mosaic"] is not None:
+                    row["mosaic_vs_triton"] = timing.relative_error(outs["mosaic"], outs["triton"])
+                rows.append(row)
+                cells = " | ".join(f"{n} " + ("  failed      " if row.get(n + "_us") is None else
+                                              f"{row[n + '_us']:8.1f} {100 * row[n + '_bw']:3.0f}%")
+                                   for n in fns)
+                check = row.get("mosaic_vs_triton")
+                check = "n/a" if check is None else f"{check:.1e}" + (" MISMATCH" if check > 2e-2 else "")
+                log(f"T={ctx:>6} B={batch:>3} blk={block:>2} S={row['mosaic_splits']:>3} | {cells} | diff {check}")
+    return rows
+
+
+SWEEP = [MosaicConfig(), MosaicConfig(stages=3), MosaicConfig(stages=6), MosaicConfig(splits=32, wide_stages=2),
+         MosaicConfig(splits=32, wide_stages=3), MosaicConfig(block_k=128, stages=2),
+         MosaicConfig(block_k=128, stages=3),
+         MosaicConfig(block_k=128, splits=32, wide_stages=2)]
+
+
+def sweep_cases(args, shapes) -> list[dict]:
+    """The Mosaic GPU attention's tile and split configs on the batch-1 decode token at the longest
+    context (the bandwidth target)."""
+    hq, hkv, d = shapes
+    ctx = max(args.contexts)
+    ks = jax.random.split(jax.random.key(1), 5)
+    q = timing.normal(ks[0], (1, 1, hq, d), jnp.bfloat16)
+    k_blk, v_blk = (timing.normal(k, (1, 1, hkv, d), jnp.bfloat16) for k in ks[1:3])
+    k_cache, v_cache = (timing.normal(k, (1, ctx, hkv, d), jnp.bfloat16) for k in ks[3:5])
+    kernel_args = (q, k_blk, v_blk, k_cache, v_cache, jnp.full((1,), ctx, jnp.int32), jnp.ones((1,), jnp.int32))
+    kv_bytes, rows = 2 * ctx * hkv * d * 2, []
+    for cfg in SWEEP[:2] if args.tiny else SWEEP:
+        fn = chained(lambda *a, cfg=cfg: decode_attention(*a, causal=True, config=cfg), args.chain)
+        row = dict(kind="sweep", ctx=ctx, batch=1, block=1, config=str(cfg), kv_bytes=kv_bytes,
+                   splits_stages=plan(1, hkv, 1, ctx, cfg))
+        timed("mosaic", fn, kernel_args, row, chain=args.chain, repeats=args.repeats, nbytes=kv_bytes)
+        rows.append(row)
+        cell = ("failed" if row.get("mosaic_us") is None
+                else f"{row['mosaic_us']:8.1f} us {100 * row['mosaic_bw']:3.0f}%")
+        log(f"T={ctx} B=1 token (splits, stages)={row['splits_stages']} {cfg} | {cell}")
+    return rows
+
+
+def norm_cases(args) -> list[dict]:
+    hidden = args.hidden
+    rows_out = []
+    variants = {
+        "triton": lambda h, d, w: triton_add_rms_norm(h, d, w, eps=1e-6),
+        "mosaic": lambda h, d, w: norm_mgpu.add_rms_norm(h, d, w, eps=1e-6),
+        "xla": lambda h, d, w: add_rms_norm_reference(h, d, w, 1e-6),
+    }
+    fns = {name: chained(lambda h, d, w, fn=fn: fn(h, d, w)[::-1], args.chain) for name, fn in variants.items()}
+    for rows in args.norm_rows:
+        ks = jax.random.split(jax.random.key(rows), 3)
+        h, delta = (timing.normal(k, (rows, hidden), jnp.bfloat16) for k in ks[:2])
+        weight = (1 + 0.1 * timing.normal(ks[2], (hidden,), jnp.float32)).astype(jnp.bfloat16)
+        row = dict(kind="norm", rows=rows, hidden=hidden)
+        for name, fn in fns.items():
+            timed(name, fn, (h, delta, weight), row, chain=args.chain, repeats=args.repeats, nbytes=None)
+        rows_out.append(row)
+        cells = " | ".join(f"{n} " + ("failed" if row.get(n + "_us") is None else f"{row[n + '_us']:6.2f} us")
+                           for n in fns)
+        log(f"add+RMSNorm rows={rows:>3} hidden={hidden} | {cells}")
+    return rows_out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="32768,16384,4096,1024")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--blocks", default="16", help="query slots per row (1: a decode token; 16: a verify block)")
+    ap.add_argument("--norm-rows", default="1,16,64")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--chain", type=int, default=CHAIN)
+    ap.add_argument("--budget-s", type=float, default=120.0, help="stop starting attention cases after this")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: attention,sweep,norm")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, interpret modes")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    args.contexts, args.batches, args.blocks, args.norm_rows = map(
+        ints, (args.contexts, args.batches, args.blocks, args.norm_rows))
+    shapes = (32, 8, 128)
+    if args.tiny:
+        args.contexts, args.batches, args.blocks, args.norm_rows = [128], [1], [1, 4], [2]
+        args.hidden, args.repeats, args.chain = 256, 1, 1
+        shapes = (4, 2, 64)
+    skip = set(filter(None, args.skip.split(",")))
+    log(timing.device_line())
+    t0 = time.time()
+    result = dict(device=timing.device_line(), hbm_bytes_per_s=timing.HBM_BYTES_PER_S, chain=args.chain)
+    if "attention" not in skip:
+        log(f"== attention over a full cache, {shapes[0]}q/{shapes[1]}kv heads of {shapes[2]}, bf16: us per call, "
+            f"% of {timing.HBM_BYTES_PER_S / 1e12:.1f} TB/s ==")
+        result["attention"] = attention_cases(args, shapes)
+    if "sweep" not in skip:
+        log("== Mosaic GPU attention configs, batch-1 decode token at the longest context ==")
+        result["sweep"] = sweep_cases(args, shapes)
+    if "norm" not in skip:
+        log("== add + RMSNorm, bf16: us per call ==")
+        result["norm"] = norm_cases(args)
+    result["wall_s"] = time.time() - t0
+    log(f"total {result['wall_s']:.0f} s")
+    timing.write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""What the Mosaic GPU kernels share: their interpret mode across JAX versions.
+
+Mosaic GPU kernels (``plgpu.kernel``) copy with TMA, wait on barriers and run ``wgmma``: the generic
+Pallas interpreter has no rule for those. JAX 0.11 added Mosaic GPU's own interpreter
+(``plgpu.InterpretGPUParams``), which runs them on the CPU; with JAX 0.10 they only lower (for CUDA,
+on any host), and do not run off a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def mosaic_interpret_available() -> bool:
+    """Whether this JAX runs Mosaic GPU kernels in interpret mode (jax >= 0.11)."""
+    return hasattr(plgpu, "InterpretGPUParams")
+
+
+def interpret_params(interpret: bool) -> Any:
+    """``plgpu.kernel``'s ``interpret`` argument: Mosaic GPU's interpreter, or None (compile)."""
+    if not interpret:
+        return None
+    if not mosaic_interpret_available():
+        raise NotImplementedError("Mosaic GPU kernels run in interpret mode with jax >= 0.11 only "
+                                  "(jax.experimental.pallas.mosaic_gpu.InterpretGPUParams); on this JAX they "
+                                  "compile for a GPU or lower for CUDA")
+    return plgpu.InterpretGPUParams()

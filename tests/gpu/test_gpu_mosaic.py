@@ -1,0 +1,130 @@
+"""The Mosaic GPU kernels compiled for the GPU (Hopper or later) against their references, at Qwen3-8B
+head shapes: the decode / verify attention over a KV cache (split-K over long contexts, the tile
+configs; through ``ops.attention.cached_attention`` with ``gpu_lowering="mosaic"`` in
+test_gpu_kernels.py beside the Triton kernel) and the add + RMSNorm. Tolerances are those of
+tests/gpu/test_gpu_kernels.py for the Triton kernels.
+
+    JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/gpu/test_gpu_mosaic.py
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.ops import OpsConfig
+from dflash_jax.ops.config import XLA
+from kernels_pallas.block_attention.reference import block_attention_reference
+from kernels_pallas.cached_attention.mosaic_gpu import MosaicConfig, decode_attention, plan
+from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
+from kernels_pallas.rms_norm.reference import add_rms_norm_reference
+from test_gpu_kernels import HKV, HQ, D, cached, cached_args, errors, normal
+
+pytestmark = pytest.mark.gpu
+
+MOSAIC = OpsConfig(attention="pallas", gpu_lowering="mosaic")
+
+
+def attention_args(batch, block, capacity, *, dtype=jnp.bfloat16, seed=0, starts=None, blk_lens=None):
+    """Random queries, block K/V and caches; by default rows' contexts spread over the cache (the
+    first full, the last empty) and random block lengths."""
+    rng = np.random.default_rng(seed)
+    if starts is None:
+        starts = rng.integers(0, capacity + 1, batch)
+        starts[0] = capacity
+        if batch > 1:
+            starts[-1] = 0
+    if blk_lens is None:
+        blk_lens = rng.integers(1, block + 1, batch)
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = normal(ks[0], (batch, block, HQ, D), dtype)
+    k_blk, v_blk = (normal(k, (batch, block, HKV, D), dtype) for k in ks[1:3])
+    k_cache, v_cache = (normal(k, (batch, capacity, HKV, D), dtype) for k in ks[3:5])
+    return q, k_blk, v_blk, k_cache, v_cache, jnp.asarray(starts, jnp.int32), jnp.asarray(blk_lens, jnp.int32)
+
+
+def reference(q, k_blk, v_blk, k_cache, v_cache, starts, blk_lens, *, causal):
+    return block_attention_reference(q[:, None], k_cache, v_cache, starts[:, None], k_blk[:, None], v_blk[:, None],
+                                     blk_lens[:, None], causal=causal)[:, 0]
+
+
+def check(args, *, causal, config=None):
+    got = jax.jit(lambda *a: decode_attention(*a, causal=causal, config=config))(*args)
+    want = jax.jit(lambda *a: reference(*a, causal=causal))(*args)
+    largest, rel = errors(got, want)
+    batch, block = args[0].shape[:2]
+    splits = plan(batch, HKV, -(-block * HQ // HKV // 64), args[3].shape[1], config or MosaicConfig())[0]
+    assert rel < 1e-2 and largest < 6e-2, (largest, rel, splits)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["draft", "causal"])
+@pytest.mark.parametrize("batch,block,capacity", [(1, 1, 32768), (1, 16, 16384), (8, 1, 4096), (4, 16, 2048),
+                                                  (32, 16, 1024), (2, 32, 4096)])
+def test_decode_attention_bf16_equals_reference(batch, block, capacity, causal):
+    """A decode token and verify blocks (16 slots: one 64-row query tile; 32: two), random context and
+    block lengths (one row's context the whole cache, one none), split-K as ``plan`` fills the SMs."""
+    check(attention_args(batch, block, capacity, seed=batch * 7 + block), causal=causal)
+
+
+def test_decode_attention_float16_and_odd_contexts():
+    """float16; contexts ending inside a tile and a context of one position."""
+    args = attention_args(3, 16, 4096, dtype=jnp.float16, seed=11, starts=[4095, 1, 1000], blk_lens=[16, 3, 1])
+    check(args, causal=True)
+
+
+@pytest.mark.parametrize("config", [MosaicConfig(block_k=128), MosaicConfig(block_k=128, stages=2),
+                                    MosaicConfig(stages=2), MosaicConfig(stages=6), MosaicConfig(splits=1),
+                                    MosaicConfig(splits=7)], ids=str)
+def test_decode_attention_tile_configs_equal_reference(config):
+    for batch, block in ((1, 1), (4, 16)):
+        check(attention_args(batch, block, 8192, seed=block), causal=True, config=config)
+
+
+def test_decode_attention_is_deterministic():
+    """20 calls give the same bits: the split partials merge in a fixed order, nothing races."""
+    args = attention_args(1, 16, 16384, seed=3)
+    fn = jax.jit(lambda *a: decode_attention(*a, causal=True))
+    first = np.asarray(fn(*args))
+    for _ in range(19):
+        np.testing.assert_array_equal(np.asarray(fn(*args)), first)
+
+
+def test_cached_attention_float32_on_the_mosaic_lowering_equals_reference():
+    """float32 caches: wgmma would take them as TF32, so on the Mosaic lowering they take the unfused
+    path's block attention (the Triton kernel, as every op without a Mosaic GPU port): float32
+    tolerances at ``highest`` precision."""
+    qkv, k, v, starts, blk_lens, norms = cached_args(2, 16, seed=9)
+    args = (qkv.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), starts, blk_lens,
+            {n: w.astype(jnp.float32) for n, w in norms.items()})
+    with jax.default_matmul_precision("highest"):
+        got, want = cached(MOSAIC)(*args), cached(XLA)(*args)
+    assert errors(got[0], want[0])[0] < 1e-4
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("hidden", [4096, 5120])
+@pytest.mark.parametrize("with_delta", [True, False])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_add_rms_norm_mosaic_equals_reference(rows, with_delta, hidden):
+    """The Mosaic GPU add + RMSNorm at the 8B and 14B widths: the sum bit for bit, the norm within a
+    bf16 rounding of the largest output."""
+    ks = jax.random.split(jax.random.key(rows), 3)
+    h, delta = normal(ks[0], (rows, hidden), jnp.bfloat16), normal(ks[1], (rows, hidden), jnp.bfloat16)
+    delta = delta if with_delta else None
+    weight = (1 + 0.2 * normal(ks[2], (hidden,), jnp.float32)).astype(jnp.bfloat16)
+    got = jax.jit(lambda h, d, w: norm_mgpu.add_rms_norm(h, d, w, eps=1e-6))(h, delta, weight)
+    want = jax.jit(lambda h, d, w: add_rms_norm_reference(h, d, w, 1e-6))(h, delta, weight)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    largest = float(jnp.max(jnp.abs(want[1].astype(jnp.float32))))
+    assert errors(got[1], want[1])[0] <= largest * 2**-7
+
+
+def test_add_rms_norm_mosaic_float32():
+    ks = jax.random.split(jax.random.key(5), 3)
+    h, delta = normal(ks[0], (4, 4096), jnp.float32), normal(ks[1], (4, 4096), jnp.float32)
+    weight = 1 + 0.2 * normal(ks[2], (4096,), jnp.float32)
+    got = jax.jit(lambda h, d, w: norm_mgpu.add_rms_norm(h, d, w, eps=1e-6))(h, delta, weight)
+    want = jax.jit(lambda h, d, w: add_rms_norm_reference(h, d, w, 1e-6))(h, delta, weight)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert errors(got[1], want[1])[0] < 1e-5
