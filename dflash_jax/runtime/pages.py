@@ -6,8 +6,9 @@ admission until its row is released; a page shared by several requests (a cached
 when the last one lets it go.
 
 Prefix caching: a full page of a prompt is keyed by a hash chain of its tokens, ``key_i =
-hash((key_{i-1}, tokens of page i))``, so a key names the page's tokens and every token before them
-(the page's K/V depend on both). A new request reuses the longest run of its prompt's leading full
+blake2b(key_{i-1} || tokens of page i)`` (128 bits: a collision, which would serve one prompt another's
+K/V, is out of reach, unlike with a 64-bit ``hash``), so a key names the page's tokens and every token
+before them (the page's K/V depend on both). A new request reuses the longest run of its prompt's leading full
 pages that are cached, for the target's K/V and the drafter's context K/V alike (the drafter's
 context features depend only on the prefix too), and prefills only the rest. At least one prompt
 token is always prefilled (its logits give the first token), so a prompt that is entirely cached
@@ -20,7 +21,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 from typing import Sequence
+
+import numpy as np
 
 from dflash_jax.ops.paged_cache import NULL_PAGE
 
@@ -63,8 +67,8 @@ class PageAllocator:
         self._free = collections.deque(p for p in range(self.num_pages) if p != NULL_PAGE)
         self._refs = [0] * self.num_pages
         self._in_use = 0  # pages with a reference
-        self._key_of: dict[int, int] = {}                  # cached page -> its key
-        self._page_of: dict[int, int] = {}                 # key -> cached page
+        self._key_of: dict[int, bytes] = {}                # cached page -> its key
+        self._page_of: dict[bytes, int] = {}               # key -> cached page
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # unreferenced cached pages
         self.prefix_queries = self.prefix_hits = 0
 
@@ -90,11 +94,13 @@ class PageAllocator:
         """No page is referenced: every request let its pages go (the leak check)."""
         return self._in_use == 0 and not any(self._refs) and len(self._free) + len(self._lru) == self.total
 
-    def page_keys(self, tokens: Sequence[int]) -> list[int]:
+    def page_keys(self, tokens: Sequence[int]) -> list[bytes]:
         """The hash-chain keys of the full pages of ``tokens``."""
-        keys, key = [], 0
+        keys, key = [], b""
+        ids = np.asarray(tokens, dtype=np.int64)
         for i in range(len(tokens) // self.page_size):
-            key = hash((key, tuple(tokens[i * self.page_size:(i + 1) * self.page_size])))
+            page = ids[i * self.page_size:(i + 1) * self.page_size]
+            key = hashlib.blake2b(key + page.tobytes(), digest_size=16).digest()
             keys.append(key)
         return keys
 
