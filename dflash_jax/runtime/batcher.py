@@ -48,6 +48,7 @@ import jax
 import numpy as np
 
 from dflash_jax.runtime.sampling import GREEDY, SamplingFlags, SamplingParams
+from dflash_jax.runtime.speculation import AcceptanceEstimate, Choice, SpeculationPolicy
 
 if TYPE_CHECKING:
     from dflash_jax.runtime.engine import Engine
@@ -106,6 +107,10 @@ class GenerationResult:
     # logits) and the top ``logprobs`` tokens' (id -> logprob, most likely first).
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    # Adaptive speculation (``EngineConfig.speculation``): decode steps per block size (1: target-only)
+    # and the row's last per-position acceptance estimate (``runtime.speculation``).
+    block_steps: dict[int, int] | None = None
+    acceptance_rate: float | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -158,6 +163,10 @@ class Generation:
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     start: int = 0
     seen_steps: int = 0
+    # Adaptive speculation: the row's acceptance estimate, its decode steps read so far, per block.
+    acceptance: AcceptanceEstimate | None = None
+    row_steps: int = 0
+    block_steps: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def cancel(self) -> None:
         """Gives the request up at the next step, with no further callbacks (from any thread)."""
@@ -175,6 +184,7 @@ class _Call:
     snapshot: RowSnapshot
     rows: tuple[Generation | None, ...]
     steps_end: int                   # the steps dispatched by the batcher up to and with this call
+    block: int | None = None         # adaptive speculation: the call's block size (1: target-only)
 
 
 def cut_acceptance(accepted: Sequence[int], tokens: int) -> list[int]:
@@ -205,6 +215,7 @@ class ContinuousBatcher:
         self.steps_per_call = engine.config.steps_per_sync  # the next call's (see ``_adapt_steps``)
         self._last_read: float | None = None
         self._unreleased: list[int] = []  # slots of rows ended on the host (stop checks), live on the device
+        self.speculation: SpeculationPolicy | None = None  # adaptive speculation, made at the first call
 
     @property
     def running(self) -> int:
@@ -376,10 +387,34 @@ class ContinuousBatcher:
         window = max(min(g.start + (end - g.seen_steps) * block, g.max_len - 2 + block) for g in live)
         flags = SamplingFlags.of([g.sampling for g in live], getattr(self.engine.config, "max_logprobs", 0))
         extra = {} if flags.greedy else {"sampling": flags}
+        choice = self._choose_block(live) if getattr(self.engine, "adaptive", False) else None
+        if choice is not None:
+            extra["block"] = choice.block
         self._state, snapshot = self.engine.decode(self._state, steps, window=window, **extra)
         _start_transfer(snapshot)
         self._steps_dispatched = end
-        return _Call(snapshot, tuple(self._rows), end)
+        return _Call(snapshot, tuple(self._rows), end, block=None if choice is None else choice.block)
+
+    def _choose_block(self, live: list[Generation]) -> Choice:
+        """Adaptive speculation: the next call's block for the live rows (``runtime.speculation``); the
+        engine measures its step costs first if nothing gave them."""
+        if self.speculation is None:
+            if not self.engine.step_costs:
+                self.engine.calibrate_speculation()
+            self.speculation = SpeculationPolicy(self.engine.speculation_blocks, self.engine.step_costs)
+        for g in live:
+            if g.acceptance is None:
+                g.acceptance = self.speculation.new_row()
+        return self.speculation.choose([g.acceptance for g in live], len(self._rows))
+
+    def _observe(self, g: Generation, snap: RowSnapshot, row: int, block: int) -> None:
+        """Records the steps of ``g`` that ``snap`` shows since the last read, all run at ``block``."""
+        steps = int(snap.num_steps[row])
+        if steps > g.row_steps:
+            g.block_steps[block] = g.block_steps.get(block, 0) + steps - g.row_steps
+            if self.speculation is not None and g.acceptance is not None:
+                self.speculation.observe(g.acceptance, snap.accepted[row, g.row_steps: steps].tolist(), block)
+            g.row_steps = steps
 
     def _adapt_steps(self, *, device_idle: bool = False, waited: float = 0.0, period: float = 0.0) -> None:
         """Sizes the next calls to what the host can keep up with (for ``max_steps_per_sync``; the
@@ -418,6 +453,8 @@ class ContinuousBatcher:
         for row, g in enumerate(call.rows):
             if g is None or g.finished:
                 continue
+            if call.block is not None:
+                self._observe(g, snap, row, call.block)
             g.start, g.seen_steps = int(snap.starts[row]), call.steps_end
             upto = min(g.start + 1, g.max_len)
             if upto > g.emitted:
@@ -485,6 +522,8 @@ class ContinuousBatcher:
             num_steps=steps,
             logprobs=list(g.logprobs) if g.sampling.logprobs is not None else None,
             top_logprobs=list(g.top_logprobs) if g.sampling.logprobs is not None else None,
+            block_steps=dict(sorted(g.block_steps.items(), reverse=True)) if g.block_steps else None,
+            acceptance_rate=None if g.acceptance is None else g.acceptance.rate,
         )
         if not stopped:  # a stopped row was freed by ``_end_on_host``, to be released
             self._rows[self._rows.index(g)] = None

@@ -347,6 +347,8 @@ def draft_block(
         draft = draft_tokens(logits, state.sampling, positions[:, 1:])
     else:
         draft = greedy_argmax(logits)
+    if (override := getattr(drafter, "override_drafts", None)) is not None:  # a test drafter (``testing``)
+        draft = override(draft, state.tokens, positions)
     if flags.rejection:
         return block_ids.at[:, 1:].set(draft), valid, positions, logits
     return block_ids.at[:, 1:].set(draft), valid, positions
@@ -409,16 +411,21 @@ def speculative_step(
 
 def target_only_step(
     target: Target, state: DecodeState, *, ops: OpsConfig = XLA, window: int | None = None,
-    flags: SamplingFlags = GREEDY_FLAGS, candidates: int = 0,
+    flags: SamplingFlags = GREEDY_FLAGS, candidates: int = 0, drafter: Drafter | None = None,
 ) -> DecodeState:
     """Plain decoding of one token per row through the same caches (the speedup baseline).
 
     ``window`` as in ``speculative_step`` (with a block of one); sampled rows as ``flags`` say.
+    ``drafter``: a speculative engine's step that does not speculate (adaptive speculation,
+    ``runtime.speculation``): the drafter's context still gets the anchor's taps, so that later
+    speculative steps see every committed position, and the step records its one token in
+    ``accepted``, beside the speculative steps' lengths.
     """
     starts = state.starts
     anchor = jnp.take_along_axis(state.tokens, starts[:, None], axis=1)
-    hidden, _, target_cache = _target_block(target, anchor, starts, state.target_cache, window,
-                                            ops=ops)
+    taps_kwargs = {} if drafter is None else {"tap_layers": drafter.config.target_layer_ids}
+    hidden, taps, target_cache = _target_block(target, anchor, starts, state.target_cache, window,
+                                               ops=ops, **taps_kwargs)
     logits = target.head(hidden)
     if flags.greedy:
         posterior = greedy_argmax(logits)
@@ -429,6 +436,10 @@ def target_only_step(
     new_state, produced = commit(state, anchor, posterior, acc)
     if not flags.greedy:
         new_state = _record_commit(new_state, state, logits, posterior, produced, flags)
+    if drafter is not None:
+        k, v = drafter.context_kv(taps, starts[:, None])
+        draft_cache = write_all_layers(state.draft_cache, k, v, starts)
+        return dataclasses.replace(new_state, target_cache=target_cache, draft_cache=draft_cache)
     # Target-only rows report no acceptance lengths (``batcher``): the step leaves them unwritten.
     return dataclasses.replace(new_state, accepted=state.accepted, target_cache=target_cache)
 
