@@ -93,6 +93,10 @@ class EngineConfig:
     # The adaptive block sizes (target-only, 1, is always an option); None: the block size, its half
     # and its quarter, those >= 2. Each is one more decode program per row count and window.
     speculation_blocks: tuple[int, ...] | None = None
+    # The drafter attends to each row's last this many context positions only (0: all of them), which
+    # bounds the draft pass at long contexts (``decoding.context_window_view``); multiples of 128 keep
+    # the attention kernels' whole key tiles.
+    drafter_context_window: int = 0
 
     def validate(self) -> None:
         check_field_types(self)  # a config built in Python skips the YAML loader's checks
@@ -122,6 +126,9 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.sampling_candidates < 1:
             raise ValueError(f"sampling_candidates must be >= 1, got {self.sampling_candidates}")
+        if self.drafter_context_window < 0:
+            raise ValueError(f"drafter_context_window must be >= 0 (0: the whole context), got "
+                             f"{self.drafter_context_window}")
         if self.speculation not in ("fixed", "adaptive"):
             raise ValueError(f"speculation must be 'fixed' or 'adaptive', got {self.speculation!r}")
         if self.speculation_blocks is not None and (not self.speculation_blocks or min(self.speculation_blocks) < 2):
@@ -434,7 +441,8 @@ class Engine:
                                               candidates=candidates, drafter=drafter)
             else:
                 s = decoding.speculative_step(target, drafter, s, block_size=block or self.block_size,
-                                              ops=self.ops, window=window, flags=flags, candidates=candidates)
+                                              ops=self.ops, window=window, flags=flags, candidates=candidates,
+                                              context_window=self.config.drafter_context_window)
             return self._constrain(s)
 
         def cond(carry):
