@@ -539,30 +539,28 @@ class Engine:
     def calibrate_speculation(self, rows: Sequence[int] | None = None, *, steps: int = 8, repeats: int = 3,
                               prompt_length: int = 256) -> dict[tuple[int, int], float]:
         """Times a decode step of every speculation block on running states of ``rows`` rows (default:
-        ``state_rows`` of 1 and ``max_batch_size``), every row live with a ``prompt_length``-token
-        prompt; keeps and returns the fastest of ``repeats`` calls of ``steps`` steps per block, in
-        seconds per step (``step_costs``). Compiles what warm-up has not."""
+        ``state_rows`` of 1 and ``max_batch_size``), every row live after a prompt of ``prompt_length``
+        tokens (at most a quarter of ``max_length``); keeps and returns the fastest of ``repeats`` calls
+        of ``steps`` steps per block, each from a fresh admission of the same prefill, in seconds per
+        step (``step_costs``). Compiles what warm-up has not."""
         rows = sorted({self.state_rows(1), self.state_rows(self.config.max_batch_size)} if rows is None else set(rows))
-        plen = max(1, min(prompt_length, self.config.max_prompt_length - 1))
+        plen = max(1, min(prompt_length, self.config.max_length // 4, self.config.max_prompt_length))
         costs = {}
         for n in rows:
             live = min(n, self.config.max_batch_size)  # a full state (padding rows are done, and computed too)
             fresh, _ = self.prefill([[1] * plen] * live, [self.config.max_length] * live, [()] * live)
-            state = self.admit(self.empty_state(n), fresh, list(range(live)))
-            start = plen
             for block in self.speculation_blocks:
-                best = None
+                times = []
                 for attempt in range(repeats + 1):  # the first compiles and warms
-                    before = np.asarray(state.num_steps).max()
+                    state = self.admit(self.empty_state(n), fresh, list(range(live)))
+                    jax.block_until_ready(state.starts)
                     t0 = time.perf_counter()
-                    state, snap = self.decode(state, steps, window=start + steps * self.block_size + 1, block=block)
-                    taken = int(np.asarray(snap.num_steps).max() - before)
-                    seconds = time.perf_counter() - t0
-                    start = int(np.asarray(snap.starts).max())
+                    state, snap = self.decode(state, steps, window=plen + steps * self.block_size + 1, block=block)
+                    taken = int(np.asarray(snap.num_steps).max())  # fewer than steps once the rows are done
                     if attempt and taken > 0:
-                        best = min(np.inf if best is None else best, seconds / taken)
-                if best is not None:
-                    costs[(n, block)] = float(best)
+                        times.append((time.perf_counter() - t0) / taken)
+                if times:
+                    costs[(n, block)] = float(min(times))
         self.set_step_costs(costs)
         log.info("speculation step costs (rows, block -> ms): %s",
                  ", ".join(f"({r}, {b}) {1e3 * t:.2f}" for (r, b), t in sorted(costs.items())))

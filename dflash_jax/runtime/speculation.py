@@ -109,12 +109,13 @@ def choose(rates: Sequence[float], rows: int, costs: Mapping[tuple[int, int], fl
            blocks: Sequence[int]) -> Choice:
     """The option in ``blocks`` (``OFF`` among them) with the most expected tokens per second for live
     rows of per-position acceptance ``rates``, in a running state of ``rows`` rows whose step of each
-    block costs ``costs[(rows, block)]`` seconds. Ties go to the cheaper step (the smaller block)."""
+    block costs ``costs[(rows, block)]`` seconds (blocks without a cost are left out). Ties go to the
+    cheaper step (the smaller block)."""
     if not rates:
         raise ValueError("choose needs at least one live row")
-    missing = [b for b in blocks if (rows, b) not in costs]
-    if missing:
-        raise ValueError(f"no step cost for {rows} rows at block sizes {missing}")
+    blocks = [b for b in blocks if (rows, b) in costs]  # a block without a measured cost is not an option
+    if not blocks:
+        raise ValueError(f"no step cost for {rows} rows")
     per_step = {b: sum(expected_tokens(r, b) for r in rates) for b in blocks}
     per_second = {b: per_step[b] / costs[(rows, b)] for b in blocks}
     best = max(sorted(blocks, key=lambda b: (costs[(rows, b)], b)), key=lambda b: per_second[b])

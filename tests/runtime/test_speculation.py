@@ -58,6 +58,7 @@ def test_choose_maximises_expected_tokens_per_second():
     assert mid.block == 4 and mid.tokens_per_second[4] == max(mid.tokens_per_second.values())
     assert mid.tokens_per_step[1] == 32
     assert spec.choose([0.0], 2, {(2, 8): 1.0, (2, 1): 1.0}, (8, 1)).block == 1  # a tie: the cheaper step
+    assert spec.choose([good], 1, {k: v for k, v in costs.items() if k != (1, 16)}, blocks).block == 8
     with pytest.raises(ValueError, match="no step cost"):
         spec.choose([0.5], 4, costs, blocks)
 
@@ -160,6 +161,9 @@ def test_adaptive_engine_goes_target_only_when_speculating_cannot_pay(engines, p
     assert all(set(r.block_steps) == {8} and 0 < r.acceptance_rate < 1 for r in results)
     with pytest.raises(ValueError, match="speculation blocks"):
         adaptive.set_step_costs({(4, 16): 1.0})
+    measured = adaptive.calibrate_speculation(rows=[4], steps=2, repeats=1)
+    assert set(measured) == {(4, 8), (4, 4), (4, 1)} and all(t > 0 for t in measured.values())
+    assert adaptive.step_costs[(4, 8)] == measured[(4, 8)]
 
 
 def test_speculation_settings_are_validated(models):
