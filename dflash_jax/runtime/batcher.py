@@ -9,7 +9,8 @@ of pending requests. Every ``step`` is one host sync:
    the new prompts is scattered into free slots, and their first tokens (the prefill's) are read
    and streamed at once;
 2. the next decode call is dispatched, its attention window covering every live row (with the
-   engine's ``max_steps_per_sync``, its step count follows the host: ``_adapt_steps``);
+   engine's ``max_steps_per_sync``, its step count follows the host: ``_adapt_steps``; with adaptive
+   speculation, its block size is the ``runtime.speculation`` policy's choice for the live rows);
 3. the snapshot of the *previous* call is read while the device runs the new one: new tokens stream
    to their requests, and rows that finished become ``GenerationResult``s and free slots.
 
@@ -33,7 +34,8 @@ reused.
 The engine is anything with ``Engine``'s slot interface: ``config`` (``max_batch_size``,
 ``max_length``, ``steps_per_sync``), ``block_size``, ``vocab_size``, ``speculative``,
 ``max_stop_ids``, ``state_rows``, ``empty_state``, ``prefill``, ``admit``, ``resize``, ``release``
-and ``decode`` (``dflash_jax.serving.testing.FakeEngine`` is a host-only one).
+and ``decode`` (``dflash_jax.serving.testing.FakeEngine`` is a host-only one); an engine whose
+``adaptive`` is true also ``speculation_blocks``, ``step_costs`` and ``calibrate_speculation``.
 """
 
 from __future__ import annotations
