@@ -202,3 +202,16 @@ def test_synthetic_drafter_accepts_at_the_rate_asked_and_keeps_the_targets_token
     with pytest.raises(ValueError, match="accept_rate"):
         synthetic_drafter(base, 1.5)
     assert jnp.all(synthetic_drafter(base, 0.5).fc[...] == base.fc[...])
+
+
+def test_warmup_plan_compiles_every_block_of_an_adaptive_engine(engines, models):
+    from dflash_jax.runtime.warmup import warmup_plan
+
+    adaptive, _ = engines
+    decodes = [s for s in warmup_plan(adaptive) if s.phase == "decode"]
+    for rows in (1, 4):
+        for window in adaptive.windows:
+            assert {s.block for s in decodes if s.rows == rows and s.size == window} == {None, 4, 1}
+    assert "block 4" in str(next(s for s in decodes if s.block == 4))
+    fixed = Engine(*models, EngineConfig(max_batch_size=4, max_length=64))
+    assert all(s.block is None for s in warmup_plan(fixed))
