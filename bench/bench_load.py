@@ -71,26 +71,29 @@ def step_cost(engine: Engine, batch: int, context: int, steps: int, repeats: int
 
 def run_mode(engine: Engine, batch: int, context: int, steps: int, calls: int, mode: str,
              costs: dict) -> dict:
-    """``calls`` decode calls from a fresh state: tokens/s, tau and the blocks run (adaptive: chosen per
-    call by the policy, from the acceptance seen in the calls before)."""
+    """``calls`` timed decode calls after an untimed one, from a fresh state: tokens/s, tau and the blocks
+    run (adaptive: chosen per call by the policy, from the acceptance seen in the calls before; the
+    untimed call is its first, at the prior)."""
     state = fresh_state(engine, batch, context, seed=batch + 11)
-    start = np.asarray(state.starts).copy()
     policy = SpeculationPolicy(engine.speculation_blocks, costs) if mode == "adaptive" else None
     rows = [policy.new_row() for _ in range(batch)] if policy else []
     seen = np.zeros(batch, np.int64)
     seconds, blocks = 0.0, []
-    for _ in range(calls):
+    for call_index in range(calls + 1):
         block = {"fixed": engine.block_size, "target_only": None}.get(mode)
         if policy is not None:
             block = policy.choose(rows, batch).block
         state, snap, t = call(engine, state, steps, block)
-        seconds += t
-        blocks.append(block or 1)
+        if call_index == 0:
+            start = np.asarray(snap.starts).copy()
+        else:
+            seconds += t
+            blocks.append(block or 1)
         if policy is not None:
-            for i, row in enumerate(rows):
-                n = int(snap.num_steps[i])
-                policy.observe(row, snap.accepted[i, seen[i]:n].tolist(), block)
-                seen[i] = n
+            for r, row in enumerate(rows):
+                n = int(snap.num_steps[r])
+                policy.observe(row, snap.accepted[r, seen[r]:n].tolist(), block)
+                seen[r] = n
     tokens = int((np.asarray(snap.starts) - start).sum())
     del state
     return dict(tok_s=tokens / seconds, tau=tokens / (batch * calls * steps), blocks=blocks)
@@ -98,7 +101,7 @@ def run_mode(engine: Engine, batch: int, context: int, steps: int, calls: int, m
 
 def bench_context(args, target, drafter, context: int, t_start: float, report: dict) -> None:
     blocks = tuple(int(b) for b in args.blocks.split(","))
-    room = drafter.config.block_size * args.steps * (args.calls + 2) + 64
+    room = drafter.config.block_size * args.steps * (args.calls + 3) + 64
     cfg = EngineConfig(max_batch_size=1, max_length=context + room, prompt_buckets=(16,), steps_per_sync=args.steps,
                        speculation="adaptive", speculation_blocks=blocks, drafter_context_window=args.window)
     spec, plain = Engine(target, drafter, cfg), Engine(target, None, cfg)
