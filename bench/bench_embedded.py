@@ -9,6 +9,11 @@ JAX picks, with the engine's settings exposed.
     python3 bench/bench_embedded.py --blocks 16,8,4 --out bench/results/embedded.json
     python3 bench/bench_embedded.py --attention-config min_chunk=64,num_stages=2   # cached-attention tiles
 
+With ``--windows``: greedy tau at each drafter context window (``EngineConfig.drafter_context_window``),
+all prompts in one batch, at the first block size.
+
+    python3 bench/bench_embedded.py --blocks 16 --temperatures "" --repeats 1 --windows 0,32,64,128 --max-new-tokens 256
+
 Then tau with sampling (``--temperatures``, default 0.7 and 1.0; seeds 0..prompts-1) for exact and rejection
 verification at the first block size, all prompts in one batch, and whether exact verification's tokens are
 target-only sampling's.
@@ -84,6 +89,22 @@ def sampled_tau(target, drafter, prompts, block: int, args) -> list[dict]:
     return rows
 
 
+def window_tau(target, drafter, prompts, block: int, windows: list[int], args) -> list[dict]:
+    """Greedy tau per drafter context window (0: none), every prompt in one batch."""
+    eos = list(target.config.eos_token_ids)
+    config = EngineConfig(max_batch_size=len(prompts), max_length=max(map(len, prompts)) + args.max_new_tokens + 8,
+                          steps_per_sync=8, block_size=block)
+    want = [r.output_ids for r in Engine(target, None, config).generate(prompts, args.max_new_tokens, eos)]
+    rows = []
+    for window in windows:
+        engine = Engine(target, drafter, dataclasses.replace(config, drafter_context_window=window))
+        out = engine.generate(prompts, args.max_new_tokens, eos)
+        lengths = [int(n) for r in out for n in r.acceptance_lengths]
+        rows.append({"window": window, "block_size": engine.block_size, "tau": float(np.mean(lengths)),
+                     "identical_to_target_only": [r.output_ids for r in out] == want})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", default="16,8,4")
@@ -93,6 +114,7 @@ def main() -> None:
     ap.add_argument("--attention-config", default="", metavar="FIELD=N,...",
                     help="EngineConfig.cached_attention_tiles (GPUs), e.g. stacked_members=1,members_per_program=2")
     ap.add_argument("--temperatures", default="0.7,1.0", help="sampled tau at these temperatures ('' : none)")
+    ap.add_argument("--windows", default="", help="greedy tau at these drafter context windows (0: none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     target, drafter, tok = embedded.load_default()
@@ -107,6 +129,14 @@ def main() -> None:
         print(f"{block:>5} {r['tau']:>6.2f} {r['dflash_tok_per_s']:>12.0f} {r['target_only_tok_per_s']:>12.0f} "
               f"{r['speedup']:>7.2f}x {str(r['identical']):>9}", flush=True)
         timing.write_json(args.out, rows)
+    if args.windows:
+        block = int(args.blocks.split(",")[0])
+        print(f"\ndrafter context window, block {block}, greedy, {len(prompts)} prompts in one batch")
+        print(f"{'window':>6} {'tau':>6} {'= target-only':>14}", flush=True)
+        for r in window_tau(target, drafter, prompts, block, [int(w) for w in args.windows.split(",")], args):
+            rows.append(dict(r, device=device))
+            print(f"{r['window']:>6} {r['tau']:>6.2f} {str(r['identical_to_target_only']):>14}", flush=True)
+            timing.write_json(args.out, rows)
     if args.temperatures:
         block = int(args.blocks.split(",")[0])
         print(f"\nsampled, block {block}, {len(prompts)} prompts in one batch (seed = prompt index)")

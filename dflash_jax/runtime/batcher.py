@@ -9,7 +9,8 @@ of pending requests. Every ``step`` is one host sync:
    the new prompts is scattered into free slots, and their first tokens (the prefill's) are read
    and streamed at once;
 2. the next decode call is dispatched, its attention window covering every live row (with the
-   engine's ``max_steps_per_sync``, its step count follows the host: ``_adapt_steps``);
+   engine's ``max_steps_per_sync``, its step count follows the host: ``_adapt_steps``; with adaptive
+   speculation, its block size is the ``runtime.speculation`` policy's choice for the live rows);
 3. the snapshot of the *previous* call is read while the device runs the new one: new tokens stream
    to their requests, and rows that finished become ``GenerationResult``s and free slots.
 
@@ -33,7 +34,8 @@ reused.
 The engine is anything with ``Engine``'s slot interface: ``config`` (``max_batch_size``,
 ``max_length``, ``steps_per_sync``), ``block_size``, ``vocab_size``, ``speculative``,
 ``max_stop_ids``, ``state_rows``, ``empty_state``, ``prefill``, ``admit``, ``resize``, ``release``
-and ``decode`` (``dflash_jax.serving.testing.FakeEngine`` is a host-only one).
+and ``decode`` (``dflash_jax.serving.testing.FakeEngine`` is a host-only one); an engine whose
+``adaptive`` is true also ``speculation_blocks``, ``step_costs`` and ``calibrate_speculation``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import numpy as np
 
 from dflash_jax.runtime.pages import PageAllocator
 from dflash_jax.runtime.sampling import GREEDY, SamplingFlags, SamplingParams
+from dflash_jax.runtime.speculation import AcceptanceEstimate, Choice, SpeculationPolicy
 
 if TYPE_CHECKING:
     from dflash_jax.runtime.engine import Engine
@@ -108,6 +111,10 @@ class GenerationResult:
     # logits) and the top ``logprobs`` tokens' (id -> logprob, most likely first).
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    # Adaptive speculation (``EngineConfig.speculation``): decode steps per block size (1: target-only)
+    # and the row's last per-position acceptance estimate (``runtime.speculation``).
+    block_steps: dict[int, int] | None = None
+    acceptance_rate: float | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -164,6 +171,10 @@ class Generation:
     # tokens it found cached.
     pages: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
+    # Adaptive speculation: the row's acceptance estimate, its decode steps read so far, per block.
+    acceptance: AcceptanceEstimate | None = None
+    row_steps: int = 0
+    block_steps: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def cancel(self) -> None:
         """Gives the request up at the next step, with no further callbacks (from any thread)."""
@@ -181,6 +192,7 @@ class _Call:
     snapshot: RowSnapshot
     rows: tuple[Generation | None, ...]
     steps_end: int                   # the steps dispatched by the batcher up to and with this call
+    block: int | None = None         # adaptive speculation: the call's block size (1: target-only)
 
 
 def cut_acceptance(accepted: Sequence[int], tokens: int) -> list[int]:
@@ -217,6 +229,7 @@ class ContinuousBatcher:
         if getattr(engine, "paged", False):
             self.pages = PageAllocator(engine.num_pages, engine.page_size, prefix_cache=engine.config.prefix_cache)
         self._unreleased_pages: list[list[int]] = []
+        self.speculation: SpeculationPolicy | None = None  # adaptive speculation, made at the first call
 
     @property
     def running(self) -> int:
@@ -475,10 +488,34 @@ class ContinuousBatcher:
         window = max(min(g.start + (end - g.seen_steps) * block, g.max_len - 2 + block) for g in live)
         flags = SamplingFlags.of([g.sampling for g in live], getattr(self.engine.config, "max_logprobs", 0))
         extra = {} if flags.greedy else {"sampling": flags}
+        choice = self._choose_block(live) if getattr(self.engine, "adaptive", False) else None
+        if choice is not None:
+            extra["block"] = choice.block
         self._state, snapshot = self.engine.decode(self._state, steps, window=window, **extra)
         _start_transfer(snapshot)
         self._steps_dispatched = end
-        return _Call(snapshot, tuple(self._rows), end)
+        return _Call(snapshot, tuple(self._rows), end, block=None if choice is None else choice.block)
+
+    def _choose_block(self, live: list[Generation]) -> Choice:
+        """Adaptive speculation: the next call's block for the live rows (``runtime.speculation``); the
+        engine measures its step costs first if nothing gave them."""
+        if self.speculation is None:
+            if not self.engine.step_costs:
+                self.engine.calibrate_speculation()
+            self.speculation = SpeculationPolicy(self.engine.speculation_blocks, self.engine.step_costs)
+        for g in live:
+            if g.acceptance is None:
+                g.acceptance = self.speculation.new_row()
+        return self.speculation.choose([g.acceptance for g in live], len(self._rows))
+
+    def _observe(self, g: Generation, snap: RowSnapshot, row: int, block: int) -> None:
+        """Records the steps of ``g`` that ``snap`` shows since the last read, all run at ``block``."""
+        steps = int(snap.num_steps[row])
+        if steps > g.row_steps:
+            g.block_steps[block] = g.block_steps.get(block, 0) + steps - g.row_steps
+            if self.speculation is not None and g.acceptance is not None:
+                self.speculation.observe(g.acceptance, snap.accepted[row, g.row_steps: steps].tolist(), block)
+            g.row_steps = steps
 
     def _adapt_steps(self, *, device_idle: bool = False, waited: float = 0.0, period: float = 0.0) -> None:
         """Sizes the next calls to what the host can keep up with (for ``max_steps_per_sync``; the
@@ -517,6 +554,8 @@ class ContinuousBatcher:
         for row, g in enumerate(call.rows):
             if g is None or g.finished:
                 continue
+            if call.block is not None:
+                self._observe(g, snap, row, call.block)
             g.start, g.seen_steps = int(snap.starts[row]), call.steps_end
             upto = min(g.start + 1, g.max_len)
             if upto > g.emitted:
@@ -588,6 +627,8 @@ class ContinuousBatcher:
             num_steps=steps,
             logprobs=list(g.logprobs) if g.sampling.logprobs is not None else None,
             top_logprobs=list(g.top_logprobs) if g.sampling.logprobs is not None else None,
+            block_steps=dict(sorted(g.block_steps.items(), reverse=True)) if g.block_steps else None,
+            acceptance_rate=None if g.acceptance is None else g.acceptance.rate,
         )
         if not stopped:  # a stopped row was freed by ``_end_on_host``, to be released
             self._rows[self._rows.index(g)] = None

@@ -341,14 +341,45 @@ def _target_block(
     return hidden, taps, write_back(cache, view, starts, ids.shape[1])
 
 
+def context_window_view(drafter: Drafter, cache: KVCache, starts: jax.Array, window: int
+                        ) -> tuple[KVCache, jax.Array]:
+    """The drafter's context cut to each row's last ``window`` positions ``[starts - window, starts)``:
+    per row, a copy of ``window`` cache positions from ``offset = clip(starts - window, 0, capacity -
+    window)`` and the anchor at ``starts - offset`` -> ``(cache [batch, window, ...], starts)``.
+
+    Every position moves by ``-offset``: the copied keys, stored rotated at their absolute positions,
+    are rotated back by ``offset`` (in float32), so a draft over the view is the draft over the whole
+    cache with the older positions masked (RoPE scores depend on position differences only), on
+    every attention path, the kernels included.
+    """
+    if window <= 0 or window >= cache.capacity:
+        return cache, starts
+    offset = jnp.clip(starts - window, 0, cache.capacity - window)
+    angle = -offset.astype(jnp.float32)[:, None, None, None] * jnp.asarray(
+        drafter.layers[0].self_attn.inv_freq, jnp.float32)  # [batch, 1, 1, head_dim / 2]
+    cos, sin = jnp.cos(jnp.concatenate([angle, angle], -1)), jnp.sin(jnp.concatenate([angle, angle], -1))
+
+    def rotate(k: jax.Array) -> jax.Array:
+        x = k.astype(jnp.float32)
+        half = x.shape[-1] // 2
+        return (x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin).astype(k.dtype)
+
+    view = KVCache(tuple(rotate(read_rows(k, offset, window)) for k in cache.k),
+                   tuple(read_rows(v, offset, window) for v in cache.v))
+    return view, starts - offset
+
+
 def draft_block(
     target: Target, drafter: Drafter, state: DecodeState, *, block_size: int,
     ops: OpsConfig = XLA, window: int | None = None, flags: SamplingFlags = GREEDY_FLAGS,
+    context_window: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Drafts ``[anchor, d1 .. d_{B-1}]`` for every row in one drafter pass.
 
     ``window``: attend to the first ``window`` cache positions only (every row needs
     ``starts + B <= window``); None or a window of the whole capacity: the whole cache.
+    ``context_window``: > 0, the drafter sees only each row's last ``context_window`` context
+    positions (``context_window_view``).
 
     Returns ``block_ids [batch, B]``, ``valid [batch]`` (slots that exist: the reference's shorter
     last block) and ``positions [batch, B]``. With sampled rows (``flags.sample``), a sampled row's
@@ -366,7 +397,8 @@ def draft_block(
     cache = state.draft_cache
     if window is not None and window < cache.capacity:
         cache = read_window(cache, window)
-    hidden = drafter.draft(target.embed(block_ids)[:, None], starts, cache, valid, ops=ops)
+    cache, draft_starts = context_window_view(drafter, cache, starts, context_window)
+    hidden = drafter.draft(target.embed(block_ids)[:, None], draft_starts, cache, valid, ops=ops)
     logits = drafter.logits(target, hidden[:, 0, 1:])
     if isinstance(drafter, DFlash2Drafter):
         # A path through each slot's top-k candidates. Exact verification takes any proposal; rejection
@@ -376,6 +408,8 @@ def draft_block(
         draft = draft_tokens(logits, state.sampling, positions[:, 1:])
     else:
         draft = greedy_argmax(logits)
+    if (override := getattr(drafter, "override_drafts", None)) is not None:  # a test drafter (``testing``)
+        draft = override(draft, state.tokens, positions)
     if flags.rejection:
         return block_ids.at[:, 1:].set(draft), valid, positions, logits
     return block_ids.at[:, 1:].set(draft), valid, positions
@@ -424,30 +458,37 @@ def speculative_step(
     window: int | None = None,
     flags: SamplingFlags = GREEDY_FLAGS,
     candidates: int = 0,
+    context_window: int = 0,
 ) -> DecodeState:
     """Draft a block, verify it, commit, and extend the drafter's context: one step for every row.
 
     ``window``: attend to the first ``window`` cache positions only (rows that are not done need
     ``starts + block_size <= window``); None: the whole capacity. ``flags``, ``candidates``: the
-    batch's sampling (``verify_block``).
+    batch's sampling (``verify_block``). ``context_window``: the drafter's (``draft_block``).
     """
-    drafted = draft_block(target, drafter, state, block_size=block_size, ops=ops, window=window, flags=flags)
+    drafted = draft_block(target, drafter, state, block_size=block_size, ops=ops, window=window, flags=flags,
+                          context_window=context_window)
     return verify_block(target, drafter, state, *drafted[:3], ops=ops, window=window, flags=flags,
                         candidates=candidates, draft_logits=drafted[3] if flags.rejection else None)
 
 
 def target_only_step(
     target: Target, state: DecodeState, *, ops: OpsConfig = XLA, window: int | None = None,
-    flags: SamplingFlags = GREEDY_FLAGS, candidates: int = 0,
+    flags: SamplingFlags = GREEDY_FLAGS, candidates: int = 0, drafter: Drafter | None = None,
 ) -> DecodeState:
     """Plain decoding of one token per row through the same caches (the speedup baseline).
 
     ``window`` as in ``speculative_step`` (with a block of one); sampled rows as ``flags`` say.
+    ``drafter``: a speculative engine's step that does not speculate (adaptive speculation,
+    ``runtime.speculation``): the drafter's context still gets the anchor's taps, so that later
+    speculative steps see every committed position, and the step records its one token in
+    ``accepted``, beside the speculative steps' lengths.
     """
     starts = state.starts
     anchor = jnp.take_along_axis(state.tokens, starts[:, None], axis=1)
-    hidden, _, target_cache = _target_block(target, anchor, starts, state.target_cache, window,
-                                            ops=ops)
+    taps_kwargs = {} if drafter is None else {"tap_layers": drafter.config.target_layer_ids}
+    hidden, taps, target_cache = _target_block(target, anchor, starts, state.target_cache, window,
+                                               ops=ops, **taps_kwargs)
     logits = target.head(hidden)
     if flags.greedy:
         posterior = greedy_argmax(logits)
@@ -458,6 +499,10 @@ def target_only_step(
     new_state, produced = commit(state, anchor, posterior, acc)
     if not flags.greedy:
         new_state = _record_commit(new_state, state, logits, posterior, produced, flags)
+    if drafter is not None:
+        k, v = drafter.context_kv(taps, starts[:, None])
+        draft_cache = write_all_layers(state.draft_cache, k, v, starts)
+        return dataclasses.replace(new_state, target_cache=target_cache, draft_cache=draft_cache)
     # Target-only rows report no acceptance lengths (``batcher``): the step leaves them unwritten.
     return dataclasses.replace(new_state, accepted=state.accepted, target_cache=target_cache)
 

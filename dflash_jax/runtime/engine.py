@@ -103,6 +103,17 @@ class EngineConfig:
     # Paged engines: a prompt with more uncached tokens than this is prefilled this many at a time, one
     # chunk per host sync between the running rows' decode calls (0: whole prompts). A multiple of page_size.
     prefill_chunk: int = 0
+    # "fixed": every decode call drafts blocks of ``block_size``; "adaptive": each call picks the block
+    # size among ``speculation_blocks``, or a target-only step, with the most expected tokens per
+    # second for its live rows (``runtime.speculation``: measured step costs, each row's acceptance).
+    speculation: str = "fixed"
+    # The adaptive block sizes (target-only, 1, is always an option); None: the block size, its half
+    # and its quarter, those >= 2. Each is one more decode program per row count and window.
+    speculation_blocks: tuple[int, ...] | None = None
+    # The drafter attends to each row's last this many context positions only (0: all of them), which
+    # bounds the draft pass at long contexts (``decoding.context_window_view``); multiples of 128 keep
+    # the attention kernels' whole key tiles.
+    drafter_context_window: int = 0
 
     def validate(self) -> None:
         check_field_types(self)  # a config built in Python skips the YAML loader's checks
@@ -134,6 +145,13 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.sampling_candidates < 1:
             raise ValueError(f"sampling_candidates must be >= 1, got {self.sampling_candidates}")
+        if self.drafter_context_window < 0:
+            raise ValueError(f"drafter_context_window must be >= 0 (0: the whole context), got "
+                             f"{self.drafter_context_window}")
+        if self.speculation not in ("fixed", "adaptive"):
+            raise ValueError(f"speculation must be 'fixed' or 'adaptive', got {self.speculation!r}")
+        if self.speculation_blocks is not None and (not self.speculation_blocks or min(self.speculation_blocks) < 2):
+            raise ValueError(f"speculation_blocks must be block sizes >= 2, got {self.speculation_blocks}")
         if self.prompt_buckets is not None and (not self.prompt_buckets or min(self.prompt_buckets) < 1):
             raise ValueError(f"prompt_buckets must be positive lengths, got {self.prompt_buckets}")
         if self.page_size < 0 or self.page_size > 128 or self.page_size & (self.page_size - 1):
@@ -171,6 +189,21 @@ class PagedAdmission:
 
     page_rows: jax.Array
     cache_from: jax.Array
+def _speculation_blocks(config: EngineConfig, block_size: int, drafter: Drafter | None) -> tuple[int, ...]:
+    """The block sizes an engine's decode calls may run, largest first, 1 (target-only) last: the
+    engine's block alone with fixed speculation; else ``speculation_blocks`` (default: the block, its
+    half and its quarter, down to 2) and 1."""
+    if drafter is None:
+        return (1,)
+    if config.speculation == "fixed":
+        return (block_size,)
+    blocks = config.speculation_blocks or tuple(b for b in (block_size, block_size // 2, block_size // 4) if b >= 2)
+    if max(blocks) > block_size:
+        raise ValueError(f"speculation_blocks {blocks} exceed the block size {block_size}")
+    kernel = getattr(drafter.config, "conv_kernel_size", 1)  # a DFlash2 drafter's convolutions span its block
+    if min(blocks) < kernel:
+        raise ValueError(f"speculation_blocks {blocks}: a block is shorter than the drafter's conv_kernel_size {kernel}")
+    return tuple(sorted(set(blocks) | {block_size}, reverse=True)) + (1,)
 
 
 def _next_pow2(n: int) -> int:
@@ -268,6 +301,8 @@ class Engine:
             if config.block_size is not None and config.block_size > drafter.config.block_size:
                 raise ValueError(f"block_size {config.block_size} exceeds the drafter's {drafter.config.block_size}")
         self.block_size = (config.block_size or drafter.config.block_size) if drafter is not None else 1
+        self.speculation_blocks = _speculation_blocks(config, self.block_size, drafter)
+        self.step_costs: dict[tuple[int, int], float] = {}  # (state rows, block) -> seconds per step
         # Rounded up to whole attention tiles: the GPU kernel otherwise shrinks its key tile to a
         # divisor of the capacity (16 keys for 1025) or pads a copy of every cache buffer per call.
         self.capacity = -(-(config.max_length + self.block_size) // CACHE_ALIGNMENT) * CACHE_ALIGNMENT
@@ -308,7 +343,7 @@ class Engine:
         once = _one_shot_compiler_options()
         self._prefill = jax.jit(self._traced(self._prefill_fn), compiler_options=once)
         self._decode = jax.jit(self._traced(self._decode_fn), donate_argnums=(2,),
-                               static_argnames=("window", "fixed_steps", "flags"),
+                               static_argnames=("window", "fixed_steps", "flags", "block"),
                                compiler_options=_decode_compiler_options())
         self._empty = jax.jit(self._empty_fn, static_argnames=("rows",), compiler_options=once)
         self._admit = jax.jit(self._admit_fn, donate_argnums=(0,), compiler_options=once)
@@ -544,9 +579,11 @@ class Engine:
         return self._constrain(decoding.release_rows(state, release))
 
     def _decode_fn(self, target_state, drafter_state, state, n_steps, *, window: int, fixed_steps: int | None,
-                   flags: SamplingFlags = decoding.GREEDY_FLAGS):
+                   flags: SamplingFlags = decoding.GREEDY_FLAGS, block: int | None = None):
         """``n_steps`` (a device scalar) steps that stop early once every row is done; or, with
-        ``fixed_steps``, exactly that many (``n_steps`` None). ``flags``: what the rows' sampling uses."""
+        ``fixed_steps``, exactly that many (``n_steps`` None). ``flags``: what the rows' sampling uses.
+        ``block``: the steps' block size (None: the engine's; 1: target-only steps that keep the
+        drafter's context, ``decoding.target_only_step``)."""
         target, drafter = self._models(target_state, drafter_state)
         candidates = self.config.sampling_candidates
 
@@ -554,9 +591,13 @@ class Engine:
             if drafter is None:
                 s = decoding.target_only_step(target, s, ops=self.ops, window=window, flags=flags,
                                               candidates=candidates)
+            elif block == 1:
+                s = decoding.target_only_step(target, s, ops=self.ops, window=window, flags=flags,
+                                              candidates=candidates, drafter=drafter)
             else:
-                s = decoding.speculative_step(target, drafter, s, block_size=self.block_size,
-                                              ops=self.ops, window=window, flags=flags, candidates=candidates)
+                s = decoding.speculative_step(target, drafter, s, block_size=block or self.block_size,
+                                              ops=self.ops, window=window, flags=flags, candidates=candidates,
+                                              context_window=self.config.drafter_context_window)
             return self._constrain(s)
 
         def step(s):
@@ -564,7 +605,7 @@ class Engine:
                 return contiguous_step(s)
             # The step runs on a view of the window's pages (its whole capacity: no window inside).
             return paged.step(functools.partial(contiguous_step, window=None), s,
-                              view_pages=-(-window // self.page_size), block=self.block_size)
+                              view_pages=-(-window // self.page_size), block=block or self.block_size)
 
         def cond(carry):
             i, s = carry
@@ -615,7 +656,7 @@ class Engine:
 
     def decode(self, state: decoding.DecodeState, n_steps: int | None = None, *,
                window: int | None = None, sampling: SamplingFlags = decoding.GREEDY_FLAGS,
-               ) -> tuple[decoding.DecodeState, RowSnapshot]:
+               block: int | None = None) -> tuple[decoding.DecodeState, RowSnapshot]:
         """Up to ``n_steps`` (default ``steps_per_sync``) decode steps on device; donates ``state``.
 
         ``window``: the steps attend to the first ``window`` cache positions only, rounded up to
@@ -623,7 +664,8 @@ class Engine:
         the whole cache.
 
         ``sampling``: the flags of the live rows' ``SamplingParams`` (``SamplingFlags.of``); the default:
-        every row greedy without logprobs.
+        every row greedy without logprobs. ``block``: one of ``speculation_blocks`` (1: target-only
+        steps); None: ``block_size``.
 
         Returns the new state and a snapshot of its rows that stays readable after the state is
         donated to the next call.
@@ -631,17 +673,71 @@ class Engine:
         n = self.config.steps_per_sync if n_steps is None else int(n_steps)
         count, fixed = self._step_count(n)
         return self._decode(self._target_state, self._drafter_state, state, count,
-                            window=self._window(window), fixed_steps=fixed, flags=sampling)
+                            window=self._window(window), fixed_steps=fixed, flags=sampling,
+                            **self._block_argument(block))
+
+    def _block_argument(self, block: int | None) -> dict:
+        """``_decode``'s ``block`` for ``decode``'s (the engine's own block adds no argument: one program)."""
+        if block is None or block == self.block_size:
+            return {}
+        if block not in self.speculation_blocks:
+            raise ValueError(f"block {block} is not one of this engine's speculation blocks {self.speculation_blocks}")
+        return {"block": block}
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether decode calls pick their block size (``EngineConfig.speculation``)."""
+        return self.speculative and self.config.speculation == "adaptive"
+
+    def set_step_costs(self, costs: dict[tuple[int, int], float]) -> None:
+        """Seconds per decode step of each ``(state rows, block)``, for adaptive speculation (measured
+        elsewhere, or by ``calibrate_speculation``)."""
+        for (rows, block), seconds in costs.items():
+            if block not in self.speculation_blocks or rows < 1 or not seconds > 0:
+                raise ValueError(f"step cost {seconds!r} for ({rows} rows, block {block}): rows >= 1, one of the "
+                                 f"speculation blocks {self.speculation_blocks} and positive seconds expected")
+        self.step_costs.update(costs)
+
+    def calibrate_speculation(self, rows: Sequence[int] | None = None, *, steps: int = 8, repeats: int = 3,
+                              prompt_length: int = 256) -> dict[tuple[int, int], float]:
+        """Times a decode step of every speculation block on running states of ``rows`` rows (default:
+        ``state_rows`` of 1 and ``max_batch_size``), every row live after a prompt of ``prompt_length``
+        tokens (at most a quarter of ``max_length``); keeps and returns the fastest of ``repeats`` calls
+        of ``steps`` steps per block, each from a fresh admission of the same prefill, in seconds per
+        step (``step_costs``). Compiles what warm-up has not."""
+        rows = sorted({self.state_rows(1), self.state_rows(self.config.max_batch_size)} if rows is None else set(rows))
+        plen = max(1, min(prompt_length, self.config.max_length // 4, self.config.max_prompt_length))
+        costs = {}
+        for n in rows:
+            live = min(n, self.config.max_batch_size)  # a full state (padding rows are done, and computed too)
+            fresh, _ = self.prefill([[1] * plen] * live, [self.config.max_length] * live, [()] * live)
+            for block in self.speculation_blocks:
+                times = []
+                for attempt in range(repeats + 1):  # the first compiles and warms
+                    state = self.admit(self.empty_state(n), fresh, list(range(live)))
+                    jax.block_until_ready(state.starts)
+                    t0 = time.perf_counter()
+                    state, snap = self.decode(state, steps, window=plen + steps * self.block_size + 1, block=block)
+                    taken = int(np.asarray(snap.num_steps).max())  # fewer than steps once the rows are done
+                    if attempt and taken > 0:
+                        times.append((time.perf_counter() - t0) / taken)
+                if times:
+                    costs[(n, block)] = float(min(times))
+        self.set_step_costs(costs)
+        log.info("speculation step costs (rows, block -> ms): %s",
+                 ", ".join(f"({r}, {b}) {1e3 * t:.2f}" for (r, b), t in sorted(costs.items())))
+        return costs
 
     def decode_compiled(self, state: decoding.DecodeState, n_steps: int = 1, *,
                         window: int | None = None, sampling: SamplingFlags = decoding.GREEDY_FLAGS,
-                        ) -> jax.stages.Compiled:
+                        block: int | None = None) -> jax.stages.Compiled:
         """``decode(state, n_steps, window=window)`` as compiled: its optimised HLO (``as_text``: its
         copies, its collectives on a mesh) and its device memory (``memory_analysis``). Compiles
         only; ``state`` is not donated."""
         count, fixed = self._step_count(n_steps)
         return self._decode.lower(self._target_state, self._drafter_state, state, count,
-                                  window=self._window(window), fixed_steps=fixed, flags=sampling).compile()
+                                  window=self._window(window), fixed_steps=fixed, flags=sampling,
+                                  **self._block_argument(block)).compile()
 
     def prefill_compiled(self, rows: int, prompt_length: int) -> jax.stages.Compiled:
         """The prefill of ``rows`` prompts of ``prompt_length`` tokens (its prompt bucket), as compiled;
@@ -649,9 +745,10 @@ class Engine:
         args = self._prefill_inputs([[0] * prompt_length] * rows, [2] * rows, [()] * rows)
         return self._prefill.lower(self._target_state, self._drafter_state, *args).compile()
 
-    def decode_hlo(self, state: decoding.DecodeState, n_steps: int = 1, *, window: int | None = None) -> str:
+    def decode_hlo(self, state: decoding.DecodeState, n_steps: int = 1, *, window: int | None = None,
+                   block: int | None = None) -> str:
         """The optimised HLO text of ``decode_compiled``: what a call runs."""
-        return self.decode_compiled(state, n_steps, window=window).as_text()
+        return self.decode_compiled(state, n_steps, window=window, block=block).as_text()
 
     def _step_count(self, n: int) -> tuple[jax.Array | None, int | None]:
         """``_decode``'s ``n_steps`` and ``fixed_steps`` for ``n`` steps."""

@@ -48,11 +48,12 @@ class Shape:
     size: int = 0
     into: int = 0
     sampling: Any = None  # decode: the batch's ``SamplingFlags`` (None: greedy)
+    block: int | None = None  # decode: an adaptive speculation block other than the engine's (1: target-only)
 
     def __str__(self) -> str:
         rows = f"{self.rows} row{'s' if self.rows > 1 else ''}"
         if self.phase == "decode":
-            kind = "" if self.sampling is None else ", sampled"
+            kind = ("" if self.sampling is None else ", sampled") + ("" if self.block is None else f", block {self.block}")
             return f"decode{kind}, {rows}, attention window {self.size}"
         if self.phase == "prefill":
             return f"prefill, {rows}, prompt bucket {self.size}"
@@ -77,8 +78,9 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: S
     largest = max(states)
     plan: list[Shape] = []
     for state in states:
-        plan += [Shape("decode", state, window, sampling=flags) for window in engine.windows
-                 for flags in (None, *sampling)]
+        blocks = [None] + [b for b in getattr(engine, "speculation_blocks", ()) if b != engine.block_size]
+        plan += [Shape("decode", state, window, sampling=flags, block=block) for window in engine.windows
+                 for flags in (None, *sampling) for block in blocks]
         if state != largest:  # one row: a lone request, prefilled alone
             for bucket in buckets:
                 plan += [Shape("prefill", 1, bucket), Shape("admit", 1, bucket, state)]
@@ -151,6 +153,8 @@ class _Runner:
             # states the later phases compile for are then, as a server's, decode outputs.
             steps = None if engine.fixed_loop else 0
             flags = {} if shape.sampling is None else {"sampling": shape.sampling}
+            if shape.block is not None:
+                flags["block"] = shape.block
             self.states[shape.rows], _ = engine.decode(self.state(shape.rows), steps, window=shape.size, **flags)
             jax.block_until_ready(self.states[shape.rows].starts)
         elif shape.phase == "prefill":

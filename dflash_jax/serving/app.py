@@ -434,6 +434,9 @@ def _stats(index: int, res: Any) -> dict[str, Any]:
         "acceptance_lengths": list(res.acceptance_lengths),
         "time_to_first_token": float(res.time_to_first_token),
         "time_per_output_token": float(res.time_per_output_token),
+        **({} if getattr(res, "block_steps", None) is None else {  # adaptive speculation
+            "block_steps": {str(b): int(n) for b, n in res.block_steps.items()},
+            "acceptance_rate": None if res.acceptance_rate is None else float(res.acceptance_rate)}),
     }
 
 

@@ -830,6 +830,9 @@ def warm_up(cfg, engine):
         cached = (f" ({counts.loaded} programs loaded from the compilation cache {cfg.engine.compilation_cache_dir}, "
                   f"{counts.compiled} compiled)")
     log.info("warm-up: %d shapes ready in %.1f s%s", len(first), time.perf_counter() - t0, cached)
+    if getattr(engine, "adaptive", False):  # before serving: the first request would wait for it
+        log.info("adaptive speculation: timing a decode step of each block size %s", engine.speculation_blocks)
+        engine.calibrate_speculation()
     rest = [shape for shape in plan if shape not in first]
     # What a lone request meets next first: longer prompts, then longer answers; then the rest in plan order.
     longest = max((shape.size for shape in first if shape.phase == "decode"), default=0)

@@ -60,6 +60,11 @@ class Metrics:
         self.waiting = 0
         self.running = 0
         self.pages: Any = None  # a paged engine's ``runtime.pages.PageStats`` after the last step
+        # Adaptive speculation (``runtime.speculation``): decode steps of finished requests per block
+        # size (1: target-only), and the last call's choice with the model's estimates.
+        self.speculation_steps: collections.Counter = collections.Counter()
+        self.speculation_calls: collections.Counter = collections.Counter()
+        self.speculation_last: Any = None
 
     def http(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -74,12 +79,20 @@ class Metrics:
             self.generation_tokens += len(result.output_ids)
             self.draft_steps += len(result.acceptance_lengths)
             self.accepted_tokens += sum(result.acceptance_lengths)
+            for block, steps in (getattr(result, "block_steps", None) or {}).items():
+                self.speculation_steps[block] += steps
             self.queue_wait_seconds += queue_wait
             ttft, tpot = float(result.time_to_first_token), float(result.time_per_output_token)
             self.ttft.observe(ttft)
             if len(result.output_ids) > 1:
                 self.tpot.observe(tpot)
             self.latency.observe(ttft + tpot * max(1, len(result.output_ids) - 1))
+
+    def speculation_choice(self, choice: Any) -> None:
+        """A decode call's adaptive choice (a ``runtime.speculation.Choice``)."""
+        with self._lock:
+            self.speculation_calls[choice.block] += 1
+            self.speculation_last = choice
 
     def request_failed(self) -> None:
         with self._lock:
@@ -159,6 +172,8 @@ class Metrics:
                       self.latency)
             metric("dflash_queue_wait_seconds_total", "counter", "Seconds requests waited for a row.",
                    [(label, self.queue_wait_seconds)])
+            if self.speculation_calls:
+                self._render_speculation(metric, label)
             metric("dflash_requests_waiting", "gauge", "Requests waiting for a row.", [(label, self.waiting)])
             metric("dflash_requests_running", "gauge", "Requests holding a row.", [(label, self.running)])
             if self.pages is not None:
@@ -175,6 +190,25 @@ class Metrics:
                 metric("dflash_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
                        [(label, pages.prefix_hits)])
         return "\n".join(lines) + "\n"
+
+
+    def _render_speculation(self, metric, label: str) -> None:
+        """Adaptive speculation's series (the caller holds the lock)."""
+        last = self.speculation_last
+        metric("dflash_speculation_calls_total", "counter",
+               "Decode calls by the block size adaptive speculation chose (1: target-only).",
+               [(f'{label},block="{b}"', n) for b, n in sorted(self.speculation_calls.items())])
+        metric("dflash_speculation_steps_total", "counter",
+               "Decode steps of finished requests by block size (1: target-only).",
+               [(f'{label},block="{b}"', n) for b, n in sorted(self.speculation_steps.items())])
+        metric("dflash_speculation_block", "gauge", "The block size of the last decode call (1: target-only).",
+               [(label, last.block)])
+        metric("dflash_speculation_acceptance_rate", "gauge",
+               "The live rows' mean estimated per-position acceptance rate at the last decode call.",
+               [(label, last.mean_rate)])
+        metric("dflash_speculation_expected_tokens_per_second", "gauge",
+               "The cost model's expected tokens/s of each block size at the last decode call.",
+               [(f'{label},block="{b}"', v) for b, v in sorted(last.tokens_per_second.items())])
 
 
 def _escape(s: str) -> str:

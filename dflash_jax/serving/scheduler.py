@@ -186,6 +186,9 @@ class Scheduler:
             self._batcher.step()
             if running:
                 self.metrics.engine_step(running, time.perf_counter() - t0)
+                policy = getattr(self._batcher, "speculation", None)
+                if policy is not None and policy.last is not None:
+                    self.metrics.speculation_choice(policy.last)
             self.metrics.running = self._batcher.running
             if self._batcher.pages is not None:
                 self.metrics.pages = self._batcher.pages.stats()
