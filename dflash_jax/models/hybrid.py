@@ -1,6 +1,7 @@
-"""Hybrid linear-attention targets (Qwen3.5 / Qwen3.6 dense) in Flax NNX: Gated DeltaNet layers
-interleaved with gated full-attention layers, with the ``Target`` interface the runtime and the
-trainer use (``embed``, ``head``, ``step``, ``forward``, taps).
+"""Hybrid linear-attention targets (Qwen3.5 / Qwen3.6, dense and MoE) in Flax NNX: Gated DeltaNet
+layers interleaved with gated full-attention layers, with the ``Target`` interface the runtime and
+the trainer use (``embed``, ``head``, ``step``, ``forward``, taps). The MoE variant's MLP is
+``SharedExpertMoeMLP``: routed experts (``models.moe``) plus a sigmoid-gated shared expert.
 
 The decode state of such a target is a ``HybridCache``: a KV cache for each full-attention layer
 and, for each linear layer, a convolution state (its last ``kernel - 1`` inputs) and a recurrent
@@ -33,6 +34,7 @@ from flax import nnx
 
 from dflash_jax.models.hybrid_config import LINEAR, HybridTargetConfig
 from dflash_jax.models.layers import MLP, RMSNorm, _init
+from dflash_jax.models.moe import MoeMLP
 from dflash_jax.models.target import Target
 from dflash_jax.ops import gated_delta
 from dflash_jax.ops.attention import attend_and_write, block_attention
@@ -211,8 +213,24 @@ class GatedAttention(nnx.Module):
         return jnp.einsum("...nd,ndh->...h", gated, self.o_proj[...])
 
 
+class SharedExpertMoeMLP(MoeMLP):
+    """Qwen3.5-MoE's MLP: the routed experts of ``MoeMLP`` (softmax over all experts, top-k,
+    renormalised) plus ``sigmoid(x @ shared_expert_gate) * shared_expert(x)``, a dense SwiGLU of
+    ``config.intermediate_size`` gated per token by one logit."""
+
+    def __init__(self, config: HybridTargetConfig, *, dtype, rngs: nnx.Rngs):
+        super().__init__(config, dtype=dtype, rngs=rngs)
+        self.shared_expert = MLP(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
+        self.shared_expert_gate = nnx.Param(_init(rngs, (config.hidden_size, 1), dtype), axes=("embed", None))
+
+    def __call__(self, x: jax.Array, *, ops: OpsConfig = XLA) -> jax.Array:
+        gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...])
+        return super().__call__(x, ops=ops) + gate * self.shared_expert(x)
+
+
 class HybridLayer(nnx.Module):
-    """A pre-norm decoder layer whose token mixer is a ``GatedDeltaNet`` or a ``GatedAttention``."""
+    """A pre-norm decoder layer whose token mixer is a ``GatedDeltaNet`` or a ``GatedAttention``,
+    its MLP dense or (MoE variant) a ``SharedExpertMoeMLP``."""
 
     def __init__(self, c: HybridTargetConfig, kind: str, *, dtype, rngs: nnx.Rngs):
         self.kind = kind
@@ -222,12 +240,16 @@ class HybridLayer(nnx.Module):
         else:
             self.linear_attn, self.self_attn = None, GatedAttention(c, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
+        if c.num_experts:
+            self.mlp = SharedExpertMoeMLP(c, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
 
-    def finish(self, h: jax.Array, mixed: jax.Array) -> jax.Array:
+    def finish(self, h: jax.Array, mixed: jax.Array, ops: OpsConfig = XLA) -> jax.Array:
         """The residual add of the mixer's output and the MLP half of the layer."""
         h = h + mixed
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x, ops=ops) if isinstance(self.mlp, MoeMLP) else self.mlp(x))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,7 +356,7 @@ class HybridTarget(nnx.Module):
                     attn, ks[j], vs[j] = attend_and_write(q[:, None], k[:, None], v[:, None], starts, ks[j], vs[j],
                                                           lens, causal=True, write=True, ops=ops)
                 out = attn_mod.output(attn[:, 0], gate)
-            h = layer.finish(h, out)
+            h = layer.finish(h, out, ops)
             if i in tap_layers and i != n - 1:
                 taps[i] = h
         h = self.norm(h)
