@@ -56,13 +56,14 @@ Rollback = Literal["recompute", "per_position"]
 class BlockRecord:
     """What a deferred verify pass keeps to settle each linear layer's state (per linear layer).
 
-    ``mixed [batch, block, conv_dim]``: the convolution's inputs. ``recompute``: the block's terms
+    ``window [batch, kernel - 1 + block, conv_dim]``: the convolution's inputs (``ops.gated_delta.
+    conv_window``: the state carried in, then the block's), of which each prefix's state is a slice. ``recompute``: the block's terms
     (``ops.gated_delta.gated_delta_block``) ``k [batch, heads, block, dk]``, ``gc [batch, heads,
     block]``, ``v_new [batch, heads, block, dv]``. ``per_position``: ``states [batch, block, heads,
     dk, dv]``. The other fields are empty tuples.
     """
 
-    mixed: tuple[jax.Array, ...]
+    window: tuple[jax.Array, ...]
     k: tuple[jax.Array, ...] = ()
     gc: tuple[jax.Array, ...] = ()
     v_new: tuple[jax.Array, ...] = ()
@@ -119,11 +120,11 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         return mixed, z, g, beta
 
-    def qkv(self, mixed: jax.Array, conv_state: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The convolution over ``mixed`` after ``conv_state`` -> q, k ``[batch, seq, value_heads,
-        dk]`` (each key head repeated for its group of value heads) and v ``[batch, seq, value_heads, dv]``."""
-        conv = gated_delta.causal_conv1d(mixed, self.conv1d[...], conv_state)
-        batch, seq = mixed.shape[:2]
+    def qkv(self, window: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The convolution over a ``conv_window`` -> q, k ``[batch, seq, value_heads, dk]`` (each key
+        head repeated for its group of value heads) and v ``[batch, seq, value_heads, dv]``."""
+        conv = gated_delta.causal_conv1d(window, self.conv1d[...])
+        batch, seq = conv.shape[:2]
         key_dim = self.key_heads * self.dk
         q = conv[..., :key_dim].reshape(batch, seq, self.key_heads, self.dk)
         k = conv[..., key_dim:2 * key_dim].reshape(batch, seq, self.key_heads, self.dk)
@@ -145,24 +146,26 @@ class GatedDeltaNet(nnx.Module):
         """``x [batch, seq, hidden]`` (normed) after the states, of which the first ``lens [batch]``
         tokens are real -> the mixer's output and both states after those tokens."""
         mixed, z, g, beta = self.project(x)
-        q, k, v = self.qkv(mixed, conv_state)
+        window = gated_delta.conv_window(mixed, conv_state)
+        q, k, v = self.qkv(window)
         g, beta = gated_delta.mask_tail(g, beta, lens)
         rule = gated_delta.recurrent_gated_delta_rule if x.shape[1] == 1 else (
             lambda *a: gated_delta.chunk_gated_delta_rule(*a, chunk=chunk, ops=ops))
         o, state = rule(q, k, v, g, beta, state)
-        return self.output(o, z), gated_delta.conv_state_after(mixed, conv_state, lens), state
+        return self.output(o, z), gated_delta.conv_state_after(window, lens, conv_state.shape[1]), state
 
     def deferred(self, x: jax.Array, conv_state: jax.Array, state: jax.Array, lens: jax.Array, *,
                  chunk: int, rollback: Rollback) -> tuple[jax.Array, dict]:
         """``__call__`` without advancing the states: the output and the block's record entries."""
         mixed, z, g, beta = self.project(x)
-        q, k, v = self.qkv(mixed, conv_state)
+        window = gated_delta.conv_window(mixed, conv_state)
+        q, k, v = self.qkv(window)
         g, beta = gated_delta.mask_tail(g, beta, lens)
         if rollback == "per_position":
             o, states = gated_delta.recurrent_gated_delta_rule(q, k, v, g, beta, state, all_states=True)
-            return self.output(o, z), dict(mixed=mixed, states=states)
+            return self.output(o, z), dict(window=window, states=states)
         o, (k, gc, v_new) = gated_delta.gated_delta_block(q, k, v, g, beta, state)
-        return self.output(o, z), dict(mixed=mixed, k=k, gc=gc, v_new=v_new)
+        return self.output(o, z), dict(window=window, k=k, gc=gc, v_new=v_new)
 
 
 class GatedAttention(nnx.Module):
@@ -302,7 +305,7 @@ class HybridTarget(nnx.Module):
         record = cache.pending
         if record is None:
             raise ValueError("settle needs the cache of a step run with defer=True")
-        conv = tuple(gated_delta.conv_state_after(m, s, lens) for m, s in zip(record.mixed, cache.conv))
+        conv = tuple(gated_delta.conv_state_after(w, lens, s.shape[1]) for w, s in zip(record.window, cache.conv))
         if record.states:
             def pick(states, before):
                 index = jnp.maximum(lens - 1, 0)
