@@ -5,14 +5,14 @@ Per shape and batch: the target-only decode step, the DFlash step (draft + verif
 rollback), their ratio, each against its HBM roofline at ``timing.HBM_BYTES_PER_S`` (target-only:
 the target's weights, the full-attention layers' K/V, the linear layers' recurrent and convolution
 states read and written; DFlash adds the drafter's weights, its context K/V and a second read of the
-LM head), and the rollback's share of the DFlash step: the step timed again with ``settle`` replaced
-by dropping the verify pass's record (the linear states neither advanced nor rolled back: what the
-step costs without the rollback and the record it keeps), share = 1 - that / the DFlash step.
+LM head), and the rollback's share of the DFlash step: ``settle`` (every linear layer's state and
+convolution state advanced to a per-row count from a verify record) timed in a jitted loop of its
+own, each settling the state the previous left, over the DFlash step.
 
-Depth: the 4B-like shape runs its published 32 layers. The 27B-like shape runs 8 and 16 layers and is
+Depth: the 4B-like shape runs its published 32 layers. The 27B-like shape runs 4 and 8 layers and is
 extrapolated linearly to its published 64: every group of 4 layers (3 linear, 1 full attention) costs
-the same, the rest (embedding, LM head, drafter, sampling) is fixed, so ``t(64) = t(16) + 12 *
-(t(16) - t(8)) / 2`` (rows marked ``x``; the measured depths are reported too).
+the same, the rest (embedding, LM head, drafter, sampling) is fixed, so ``t(64) = t(8) + 56 *
+(t(8) - t(4)) / 4`` (rows marked ``x``; the measured depths are in the JSON).
 
 Steps run through ``runtime.decoding`` inside one jitted loop of ``--steps`` steps with the state
 donated, from a synthetic state as after a prefill of ``--context`` tokens (caches and recurrent
@@ -28,10 +28,8 @@ a step: this measures the DFlash step's cost, not its tokens/s. Each timed numbe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import time
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +38,7 @@ from flax import nnx
 
 import timing
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.models.hybrid import HybridCache, HybridTarget
+from dflash_jax.models.hybrid import BlockRecord, HybridCache, HybridTarget
 from dflash_jax.models.hybrid_config import FULL, LINEAR, HybridTargetConfig
 from dflash_jax.ops.cache import KVCache
 from dflash_jax.ops.config import OpsConfig, resolve_attention_impl
@@ -57,7 +55,7 @@ SHAPES = {
                  linear_num_value_heads=4, tie_word_embeddings=False),
 }
 # Depths measured per shape: one (the published depth) or two (extrapolated to the published depth).
-DEPTHS = {"4b": (32,), "27b": (8, 16), "tiny": (4, 8)}
+DEPTHS = {"4b": (32,), "27b": (4, 8), "tiny": (4, 8)}
 
 
 def hybrid_shape(name: str, layers: int | None = None) -> HybridTargetConfig:
@@ -138,16 +136,51 @@ def synthetic_state(target: HybridTarget, drafter: Drafter, batch: int, context:
         done=jnp.zeros((batch,), bool), target_cache=target_cache, draft_cache=draft_cache)
 
 
-def _drop_record(self, cache: HybridCache, lens: jax.Array) -> HybridCache:
-    """``settle`` without the rollback: the record dropped, the states left as they were."""
-    return HybridCache(cache.kv, cache.conv, cache.recurrent)
+def synthetic_record(target: HybridTarget, batch: int, seed: int) -> BlockRecord:
+    """A verify pass's record for ``target.rollback`` of random data of its shapes (decays < 0,
+    cumulative as the verify pass keeps them)."""
+    c = target.config
+    keys = iter(jax.random.split(jax.random.key(seed), 4 * len(c.linear_layers) + 1))
+    heads, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    n = len(c.linear_layers)
+    window = tuple(timing.normal(next(keys), (batch, c.linear_conv_kernel_dim - 1 + BLOCK, c.conv_dim), jnp.bfloat16)
+                   for _ in range(n))
+    if target.rollback == "per_position":
+        return BlockRecord(window, states=tuple(timing.normal(next(keys), (batch, BLOCK, heads, dk, dv), jnp.float32)
+                                                for _ in range(n)))
+    gc = tuple(jnp.cumsum(-jax.random.uniform(next(keys), (batch, heads, BLOCK), minval=0.01, maxval=1.0), axis=-1)
+               for _ in range(n))
+    k = tuple(timing.normal(next(keys), (batch, heads, BLOCK, dk), jnp.float32, dk ** -0.5) for _ in range(n))
+    v_new = tuple(timing.normal(next(keys), (batch, heads, BLOCK, dv), jnp.float32) for _ in range(n))
+    return BlockRecord(window, k=k, gc=gc, v_new=v_new)
 
 
-@contextlib.contextmanager
-def no_rollback():
-    """Within: every hybrid target's ``settle`` drops the verify record (timing only: wrong states)."""
-    with mock.patch.object(HybridTarget, "settle", _drop_record):
-        yield
+def time_settle(target: HybridTarget, cache: HybridCache, record: BlockRecord, *, steps: int,
+                repeats: int) -> float:
+    """Median seconds of one ``settle`` (all linear layers, the row counts varying) in a jitted loop of
+    ``steps``, each settling the state the previous one left (the cache donated): the rollback's
+    work without the dispatch of a call of its own."""
+    tdef, tstate = nnx.split(target)
+    batch = cache.kv.k[0].shape[0]
+
+    def loop(ts, cache, record):
+        t = nnx.merge(tdef, ts)
+
+        def body(i, c):
+            lens = (jnp.arange(batch, dtype=jnp.int32) + i) % BLOCK + 1
+            return t.settle(dataclasses.replace(c, pending=record), lens)
+
+        return jax.lax.fori_loop(0, steps, body, cache)
+
+    run = jax.jit(loop, donate_argnums=(1,))
+    box = {"c": cache}
+
+    def call():
+        box["c"] = run(tstate, box["c"], record)
+        return box["c"].recurrent
+
+    seconds, _ = timing.median_time(call, repeats=repeats)  # the first call compiles
+    return seconds / steps
 
 
 def time_steps(target, drafter, state, *, spec: bool, steps: int, repeats: int, ops: OpsConfig) -> float:
@@ -177,23 +210,27 @@ def time_steps(target, drafter, state, *, spec: bool, steps: int, repeats: int, 
 
 
 def measure(name: str, layers: int, batches: list[int], args, ops: OpsConfig, t0: float) -> dict:
-    """Seconds per step of every variant at every batch for ``name`` at ``layers`` layers."""
+    """Seconds of every step and ``settle`` at every batch for ``name`` at ``layers`` layers:
+    ``{(batch, label): seconds or None}``."""
     config = hybrid_shape(name, layers)
     target, drafter = random_pair(config)
     max_steps = args.steps * (args.repeats + 1) + 1
     capacity = -(-(args.context + BLOCK * (max_steps + 2)) // 128) * 128
-    variants = [("target_only", None, False)]
-    for rollback in args.rollbacks.split(","):
-        variants += [(f"dflash_{rollback}", rollback, False), (f"no_rollback_{rollback}", rollback, True)]
+    rollbacks = args.rollbacks.split(",")
+    labels = ["target_only"] + [f"{kind}_{r}" for r in rollbacks for kind in ("dflash", "settle")]
     out = {}
     for batch in batches:
-        for label, rollback, dropped in variants:
-            if rollback is not None:
+        for label in labels:
+            kind, _, rollback = label.partition("_")
+            if rollback in ("recompute", "per_position"):
                 target.rollback = rollback
             state = synthetic_state(target, drafter, batch, args.context, capacity, max_steps, seed=batch)
             try:
-                with no_rollback() if dropped else contextlib.nullcontext():
-                    seconds = time_steps(target, drafter, state, spec=rollback is not None, steps=args.steps,
+                if kind == "settle":
+                    seconds = time_settle(target, state.target_cache, synthetic_record(target, batch, seed=batch),
+                                          steps=args.steps, repeats=args.repeats)
+                else:
+                    seconds = time_steps(target, drafter, state, spec=kind == "dflash", steps=args.steps,
                                          repeats=args.repeats, ops=ops)
             except Exception as err:  # noqa: BLE001  (out of memory at a large shape: report, go on)
                 print(f"  {name} x{layers} batch {batch} {label}: failed: {type(err).__name__}: {str(err)[:160]}")
@@ -201,7 +238,7 @@ def measure(name: str, layers: int, batches: list[int], args, ops: OpsConfig, t0
             out[(batch, label)] = seconds
             del state
         print(f"  [{time.perf_counter() - t0:5.0f} s] {name} {layers} layers, batch {batch}: "
-              + ", ".join(f"{label} {out[(batch, label)] * 1e3:.3f} ms" for label, _, _ in variants
+              + ", ".join(f"{label} {out[(batch, label)] * 1e3:.3f} ms" for label in labels
                           if out[(batch, label)] is not None), flush=True)
     del target, drafter
     return out
@@ -257,28 +294,29 @@ def main() -> None:
 
             base = at("target_only")
             for rollback in args.rollbacks.split(","):
-                step, bare = at(f"dflash_{rollback}"), at(f"no_rollback_{rollback}")
+                step, settle = at(f"dflash_{rollback}"), at(f"settle_{rollback}")
                 rows.append(dict(
                     model=name, layers=published, measured_layers=list(ds), extrapolated=len(ds) > 1, batch=batch,
-                    rollback=rollback, target_only_s=base, dflash_s=step, no_rollback_s=bare,
+                    rollback=rollback, target_only_s=base, dflash_s=step, settle_s=settle,
                     ratio=step / base if step and base else None,
-                    rollback_share=1 - bare / step if step and bare else None,
+                    rollback_share=settle / step if step and settle else None,
                     target_only_roofline_s=roof_target, dflash_roofline_s=roof_dflash,
                     target_only_roof_share=roof_target / base if base else None,
                     dflash_roof_share=roof_dflash / step if step else None, bytes=nbytes,
                     measured={str(d): {f"{b}:{k}": v for (b, k), v in per_depth[d].items()} for d in ds}))
-    print(f"\n{'model':6} {'layers':>8} {'batch':>5} {'rollback':10} {'target ms':>9} {'% roof':>6} "
-          f"{'DFlash ms':>9} {'% roof':>6} {'ratio':>6} {'rollback':>8}")
+    print(f"\n{'model':6} {'layers':>8} {'batch':>5} {'rollback':12} {'target ms':>9} {'% roof':>6} "
+          f"{'DFlash ms':>9} {'% roof':>6} {'ratio':>6} {'settle ms':>9} {'share':>6}")
 
     def fmt(x, spec):
         return format(x, spec) if x is not None else "-"
 
     for r in rows:
         layers = f"{r['layers']}" + ("x" if r["extrapolated"] else "")
-        print(f"{r['model']:6} {layers:>8} {r['batch']:5d} {r['rollback']:10} "
+        print(f"{r['model']:6} {layers:>8} {r['batch']:5d} {r['rollback']:12} "
               f"{fmt(r['target_only_s'] and r['target_only_s'] * 1e3, '9.3f')} "
               f"{fmt(r['target_only_roof_share'], '6.1%')} {fmt(r['dflash_s'] and r['dflash_s'] * 1e3, '9.3f')} "
-              f"{fmt(r['dflash_roof_share'], '6.1%')} {fmt(r['ratio'], '6.3f')} {fmt(r['rollback_share'], '8.1%')}")
+              f"{fmt(r['dflash_roof_share'], '6.1%')} {fmt(r['ratio'], '6.3f')} "
+              f"{fmt(r['settle_s'] and r['settle_s'] * 1e3, '9.3f')} {fmt(r['rollback_share'], '6.1%')}")
     print(f"(x: extrapolated from {', '.join(f'{m} at {d}' for m, d in depths.items() if len(d) > 1 and m in args.models)}"
           f" layers; total {time.perf_counter() - t0:.0f} s)")
     timing.write_json(args.json, {"device": timing.device_line(), "ops": ops.attention, "args": vars(args),
