@@ -296,8 +296,8 @@ def main() -> None:
             for rollback in args.rollbacks.split(","):
                 step, settle = at(f"dflash_{rollback}"), at(f"settle_{rollback}")
                 rows.append(dict(
-                    model=name, layers=published, measured_layers=list(ds), extrapolated=len(ds) > 1, batch=batch,
-                    rollback=rollback, target_only_s=base, dflash_s=step, settle_s=settle,
+                    model=name, layers=published, measured_layers=list(ds), extrapolated=ds != (published,),
+                    batch=batch, rollback=rollback, target_only_s=base, dflash_s=step, settle_s=settle,
                     ratio=step / base if step and base else None,
                     rollback_share=settle / step if step and settle else None,
                     target_only_roofline_s=roof_target, dflash_roofline_s=roof_dflash,
@@ -317,8 +317,9 @@ def main() -> None:
               f"{fmt(r['target_only_roof_share'], '6.1%')} {fmt(r['dflash_s'] and r['dflash_s'] * 1e3, '9.3f')} "
               f"{fmt(r['dflash_roof_share'], '6.1%')} {fmt(r['ratio'], '6.3f')} "
               f"{fmt(r['settle_s'] and r['settle_s'] * 1e3, '9.3f')} {fmt(r['rollback_share'], '6.1%')}")
-    print(f"(x: extrapolated from {', '.join(f'{m} at {d}' for m, d in depths.items() if len(d) > 1 and m in args.models)}"
-          f" layers; total {time.perf_counter() - t0:.0f} s)")
+    measured = "; ".join(f"{m} at {', '.join(map(str, depths[m]))}" for m in args.models.split(","))
+    print(f"(layers measured: {measured}; x: extrapolated to the published depth; total "
+          f"{time.perf_counter() - t0:.0f} s)")
     timing.write_json(args.json, {"device": timing.device_line(), "ops": ops.attention, "args": vars(args),
                                   "rows": rows})
 
