@@ -1,4 +1,5 @@
-"""Tiny random Qwen3.5 checkpoints written by transformers itself (the oracle builds the files)."""
+"""Tiny random Qwen3.5 checkpoints (dense and MoE) written by transformers itself (the oracle builds
+the files)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ TINY_HYBRID = dict(
 )
 
 
+# The MoE variant: an odd expert count, top-3, expert and shared-expert widths unlike each other.
+TINY_HYBRID_MOE = dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=20,
+                       shared_expert_intermediate_size=28)
+
+
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -34,26 +40,38 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif "conv1d" in name:
                 p.copy_(0.4 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):  # the router: logits of std ~2, distinct top-k choices
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("shared_expert_gate.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
 
-def write_hf_hybrid(directory: str | Path, *, nesting: str = "text", seed: int = 0, **overrides):
+def write_hf_hybrid(directory: str | Path, *, nesting: str = "text", seed: int = 0, moe: bool = False,
+                    **overrides):
     """A random ``Qwen3_5ForCausalLM`` (``nesting="text"``, model_type ``qwen3_5_text``) or
     ``Qwen3_5ForConditionalGeneration`` (``"vl"``, model_type ``qwen3_5``, a tiny vision tower
-    included) saved to ``directory``; returns ``(directory, the torch model in float32, eval mode)``."""
-    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+    included) saved to ``directory``; with ``moe`` their ``Qwen3_5Moe*`` counterparts
+    (``qwen3_5_moe_text`` / ``qwen3_5_moe``). Returns ``(directory, the torch model in float32, eval
+    mode)``."""
+    import transformers
 
-    text = dict(TINY_HYBRID, **overrides)
+    family = "Qwen3_5Moe" if moe else "Qwen3_5"
+    causal_lm, vl_model, text_config, vl_config = (getattr(transformers, family + suffix) for suffix in (
+        "ForCausalLM", "ForConditionalGeneration", "TextConfig", "Config"))
+    text = dict(TINY_HYBRID, **(TINY_HYBRID_MOE if moe else {}))
+    if moe:
+        del text["intermediate_size"]  # the MoE config has no dense MLP width
+    text.update(overrides)
     torch.manual_seed(seed)
     if nesting == "text":
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+        model = causal_lm(text_config(**text))
     else:
         tie = text.pop("tie_word_embeddings")
         vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text["hidden_size"],
                       patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
-        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision,
-                                                              tie_word_embeddings=tie))
+        model = vl_model(vl_config(text_config=text, vision_config=vision, tie_word_embeddings=tie))
     model = model.float().eval()
     _randomize(model, seed)
     if model.config.get_text_config().tie_word_embeddings or getattr(model.config, "tie_word_embeddings", False):

@@ -231,7 +231,7 @@ def load_target(path: str | Path, dtype="float32") -> Target | HybridTarget:
         config = load_hybrid_config(directory)
         dt = parse_dtype(dtype)
         return _populate(lambda: HybridTarget(config, dtype=dt, rngs=nnx.Rngs(0)), directory, config.weight_prefix,
-                         dt, hybrid_ignored(config), spec=lambda p, s: hybrid_tensor_spec(p, s, _tensor_spec))
+                         dt, hybrid_ignored(config), config, spec=lambda p, s: hybrid_tensor_spec(p, s, _tensor_spec))
     config = load_target_config(directory)
     dt = parse_dtype(dtype)
     tied = (lambda name: name == "lm_head.weight") if config.tie_word_embeddings else (lambda name: False)

@@ -2,7 +2,7 @@
 
 Layouts a user meets, all read; the writer picks the one transformers' ``save_pretrained`` writes:
 
-- Qwen3-MoE, hub layout (what the published checkpoints and ``save_pretrained`` hold): one tensor per
+- Qwen3-MoE (and Qwen3.5-MoE, whose experts are laid out alike: every family but gpt-oss), hub layout (what the published checkpoints and ``save_pretrained`` hold): one tensor per
   expert and projection, ``mlp.experts.{e}.gate_proj.weight [inter, hidden]``, ``up_proj``,
   ``down_proj [hidden, inter]``;
 - Qwen3-MoE, transformers' fused in-memory layout: ``mlp.experts.gate_up_proj [E, 2 * inter,
@@ -36,8 +36,13 @@ def is_expert_param(keys: list[str]) -> bool:
     return len(keys) >= 2 and keys[-2] == "experts" and keys[-1] in EXPERT_LEAVES
 
 
+def _qwen_experts(config: TargetConfig) -> bool:
+    """Whether the experts are laid out as Qwen3-MoE's (every family but gpt-oss)."""
+    return config.model_type != "gpt_oss"
+
+
 def _per_expert_layout(config: TargetConfig, name: str, has: Callable[[str], bool]) -> bool:
-    return config.model_type == "qwen3_moe" and not has(name) and has(name.rsplit(".", 1)[0] + ".0.gate_proj.weight")
+    return _qwen_experts(config) and not has(name) and has(name.rsplit(".", 1)[0] + ".0.gate_proj.weight")
 
 
 def read_expert_param(config: TargetConfig, name: str, shape: tuple[int, ...], read: Read,
@@ -45,7 +50,7 @@ def read_expert_param(config: TargetConfig, name: str, shape: tuple[int, ...], r
     """Our expert parameter ``name`` (``model.layers.{i}.mlp.experts.<leaf>``, of our ``shape``) from
     whichever layout the checkpoint holds."""
     leaf = name.rsplit(".", 1)[1]
-    if config.model_type != "qwen3_moe" or leaf not in ("gate_up_proj", "down_proj"):
+    if not _qwen_experts(config) or leaf not in ("gate_up_proj", "down_proj"):
         return read(name, shape)  # gpt-oss: stored as we hold it
     e = shape[0]
     base = name.rsplit(".", 1)[0]
@@ -72,7 +77,7 @@ def expected_names(config: TargetConfig, name: str, shape: tuple[int, ...], has:
 def expert_tensors(config: TargetConfig, name: str, value: jax.Array) -> dict[str, jax.Array]:
     """Our expert parameter ``name`` as the tensors ``save_pretrained`` writes (Qwen3-MoE: per expert)."""
     leaf = name.rsplit(".", 1)[1]
-    if config.model_type != "qwen3_moe" or leaf not in ("gate_up_proj", "down_proj"):
+    if not _qwen_experts(config) or leaf not in ("gate_up_proj", "down_proj"):
         return {name: value}
     base = name.rsplit(".", 1)[0]
     if leaf == "down_proj":

@@ -1,6 +1,7 @@
-"""Hybrid linear-attention targets (Qwen3.5 / Qwen3.6 dense) in Flax NNX: Gated DeltaNet layers
-interleaved with gated full-attention layers, with the ``Target`` interface the runtime and the
-trainer use (``embed``, ``head``, ``step``, ``forward``, taps).
+"""Hybrid linear-attention targets (Qwen3.5 / Qwen3.6, dense and MoE) in Flax NNX: Gated DeltaNet
+layers interleaved with gated full-attention layers, with the ``Target`` interface the runtime and
+the trainer use (``embed``, ``head``, ``step``, ``forward``, taps). The MoE variant's MLP is
+``SharedExpertMoeMLP``: routed experts (``models.moe``) plus a sigmoid-gated shared expert.
 
 The decode state of such a target is a ``HybridCache``: a KV cache for each full-attention layer
 and, for each linear layer, a convolution state (its last ``kernel - 1`` inputs) and a recurrent
@@ -33,6 +34,7 @@ from flax import nnx
 
 from dflash_jax.models.hybrid_config import LINEAR, HybridTargetConfig
 from dflash_jax.models.layers import MLP, RMSNorm, _init
+from dflash_jax.models.moe import MoeMLP
 from dflash_jax.models.target import Target
 from dflash_jax.ops import gated_delta
 from dflash_jax.ops.attention import attend_and_write, block_attention
@@ -54,13 +56,14 @@ Rollback = Literal["recompute", "per_position"]
 class BlockRecord:
     """What a deferred verify pass keeps to settle each linear layer's state (per linear layer).
 
-    ``mixed [batch, block, conv_dim]``: the convolution's inputs. ``recompute``: the block's terms
+    ``window [batch, kernel - 1 + block, conv_dim]``: the convolution's inputs (``ops.gated_delta.
+    conv_window``: the state carried in, then the block's), of which each prefix's state is a slice. ``recompute``: the block's terms
     (``ops.gated_delta.gated_delta_block``) ``k [batch, heads, block, dk]``, ``gc [batch, heads,
     block]``, ``v_new [batch, heads, block, dv]``. ``per_position``: ``states [batch, block, heads,
     dk, dv]``. The other fields are empty tuples.
     """
 
-    mixed: tuple[jax.Array, ...]
+    window: tuple[jax.Array, ...]
     k: tuple[jax.Array, ...] = ()
     gc: tuple[jax.Array, ...] = ()
     v_new: tuple[jax.Array, ...] = ()
@@ -117,11 +120,11 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         return mixed, z, g, beta
 
-    def qkv(self, mixed: jax.Array, conv_state: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The convolution over ``mixed`` after ``conv_state`` -> q, k ``[batch, seq, value_heads,
-        dk]`` (each key head repeated for its group of value heads) and v ``[batch, seq, value_heads, dv]``."""
-        conv = gated_delta.causal_conv1d(mixed, self.conv1d[...], conv_state)
-        batch, seq = mixed.shape[:2]
+    def qkv(self, window: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The convolution over a ``conv_window`` -> q, k ``[batch, seq, value_heads, dk]`` (each key
+        head repeated for its group of value heads) and v ``[batch, seq, value_heads, dv]``."""
+        conv = gated_delta.causal_conv1d(window, self.conv1d[...])
+        batch, seq = conv.shape[:2]
         key_dim = self.key_heads * self.dk
         q = conv[..., :key_dim].reshape(batch, seq, self.key_heads, self.dk)
         k = conv[..., key_dim:2 * key_dim].reshape(batch, seq, self.key_heads, self.dk)
@@ -143,24 +146,26 @@ class GatedDeltaNet(nnx.Module):
         """``x [batch, seq, hidden]`` (normed) after the states, of which the first ``lens [batch]``
         tokens are real -> the mixer's output and both states after those tokens."""
         mixed, z, g, beta = self.project(x)
-        q, k, v = self.qkv(mixed, conv_state)
+        window = gated_delta.conv_window(mixed, conv_state)
+        q, k, v = self.qkv(window)
         g, beta = gated_delta.mask_tail(g, beta, lens)
         rule = gated_delta.recurrent_gated_delta_rule if x.shape[1] == 1 else (
             lambda *a: gated_delta.chunk_gated_delta_rule(*a, chunk=chunk, ops=ops))
         o, state = rule(q, k, v, g, beta, state)
-        return self.output(o, z), gated_delta.conv_state_after(mixed, conv_state, lens), state
+        return self.output(o, z), gated_delta.conv_state_after(window, lens, conv_state.shape[1]), state
 
     def deferred(self, x: jax.Array, conv_state: jax.Array, state: jax.Array, lens: jax.Array, *,
                  chunk: int, rollback: Rollback) -> tuple[jax.Array, dict]:
         """``__call__`` without advancing the states: the output and the block's record entries."""
         mixed, z, g, beta = self.project(x)
-        q, k, v = self.qkv(mixed, conv_state)
+        window = gated_delta.conv_window(mixed, conv_state)
+        q, k, v = self.qkv(window)
         g, beta = gated_delta.mask_tail(g, beta, lens)
         if rollback == "per_position":
             o, states = gated_delta.recurrent_gated_delta_rule(q, k, v, g, beta, state, all_states=True)
-            return self.output(o, z), dict(mixed=mixed, states=states)
+            return self.output(o, z), dict(window=window, states=states)
         o, (k, gc, v_new) = gated_delta.gated_delta_block(q, k, v, g, beta, state)
-        return self.output(o, z), dict(mixed=mixed, k=k, gc=gc, v_new=v_new)
+        return self.output(o, z), dict(window=window, k=k, gc=gc, v_new=v_new)
 
 
 class GatedAttention(nnx.Module):
@@ -211,8 +216,24 @@ class GatedAttention(nnx.Module):
         return jnp.einsum("...nd,ndh->...h", gated, self.o_proj[...])
 
 
+class SharedExpertMoeMLP(MoeMLP):
+    """Qwen3.5-MoE's MLP: the routed experts of ``MoeMLP`` (softmax over all experts, top-k,
+    renormalised) plus ``sigmoid(x @ shared_expert_gate) * shared_expert(x)``, a dense SwiGLU of
+    ``config.intermediate_size`` gated per token by one logit."""
+
+    def __init__(self, config: HybridTargetConfig, *, dtype, rngs: nnx.Rngs):
+        super().__init__(config, dtype=dtype, rngs=rngs)
+        self.shared_expert = MLP(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
+        self.shared_expert_gate = nnx.Param(_init(rngs, (config.hidden_size, 1), dtype), axes=("embed", None))
+
+    def __call__(self, x: jax.Array, *, ops: OpsConfig = XLA) -> jax.Array:
+        gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...])
+        return super().__call__(x, ops=ops) + gate * self.shared_expert(x)
+
+
 class HybridLayer(nnx.Module):
-    """A pre-norm decoder layer whose token mixer is a ``GatedDeltaNet`` or a ``GatedAttention``."""
+    """A pre-norm decoder layer whose token mixer is a ``GatedDeltaNet`` or a ``GatedAttention``,
+    its MLP dense or (MoE variant) a ``SharedExpertMoeMLP``."""
 
     def __init__(self, c: HybridTargetConfig, kind: str, *, dtype, rngs: nnx.Rngs):
         self.kind = kind
@@ -222,12 +243,16 @@ class HybridLayer(nnx.Module):
         else:
             self.linear_attn, self.self_attn = None, GatedAttention(c, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
+        if c.num_experts:
+            self.mlp = SharedExpertMoeMLP(c, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
 
-    def finish(self, h: jax.Array, mixed: jax.Array) -> jax.Array:
+    def finish(self, h: jax.Array, mixed: jax.Array, ops: OpsConfig = XLA) -> jax.Array:
         """The residual add of the mixer's output and the MLP half of the layer."""
         h = h + mixed
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x, ops=ops) if isinstance(self.mlp, MoeMLP) else self.mlp(x))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,7 +305,7 @@ class HybridTarget(nnx.Module):
         record = cache.pending
         if record is None:
             raise ValueError("settle needs the cache of a step run with defer=True")
-        conv = tuple(gated_delta.conv_state_after(m, s, lens) for m, s in zip(record.mixed, cache.conv))
+        conv = tuple(gated_delta.conv_state_after(w, lens, s.shape[1]) for w, s in zip(record.window, cache.conv))
         if record.states:
             def pick(states, before):
                 index = jnp.maximum(lens - 1, 0)
@@ -334,7 +359,7 @@ class HybridTarget(nnx.Module):
                     attn, ks[j], vs[j] = attend_and_write(q[:, None], k[:, None], v[:, None], starts, ks[j], vs[j],
                                                           lens, causal=True, write=True, ops=ops)
                 out = attn_mod.output(attn[:, 0], gate)
-            h = layer.finish(h, out)
+            h = layer.finish(h, out, ops)
             if i in tap_layers and i != n - 1:
                 taps[i] = h
         h = self.norm(h)

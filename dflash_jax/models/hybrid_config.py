@@ -1,9 +1,15 @@
-"""Configs of hybrid linear-attention targets (Qwen3.5 / Qwen3.6 dense): Gated DeltaNet layers
-interleaved with gated full-attention layers, read from HF ``config.json``.
+"""Configs of hybrid linear-attention targets (Qwen3.5 / Qwen3.6, dense and MoE): Gated DeltaNet
+layers interleaved with gated full-attention layers, read from HF ``config.json``.
 
-Two nestings are accepted: ``model_type: qwen3_5_text`` (the language model alone, weights under
-``model.``) and ``model_type: qwen3_5`` (as published: a vision-language checkpoint whose language
-model is ``text_config``, weights under ``model.language_model.``; the vision tower is ignored).
+Two nestings are accepted for each: ``model_type: qwen3_5_text`` / ``qwen3_5_moe_text`` (the language
+model alone, weights under ``model.``) and ``qwen3_5`` / ``qwen3_5_moe`` (as published: a
+vision-language checkpoint whose language model is ``text_config``, weights under
+``model.language_model.``; the vision tower is ignored).
+
+The MoE variant's every layer routes to ``num_experts`` experts (``moe_intermediate_size``; softmax
+over all, top ``num_experts_per_tok``, always renormalised) and adds a shared expert gated by a
+sigmoid; ``intermediate_size`` holds the shared expert's width (``shared_expert_intermediate_size``
+in config.json, which has no dense MLP width).
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from dflash_jax.models.config import (
     _shape_fields,
 )
 
-HYBRID_TARGETS = ("qwen3_5_text", "qwen3_5")
+HYBRID_TARGETS = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+# The vision-language nesting's model_type -> its text_config's.
+_TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 LINEAR, FULL = "linear_attention", "full_attention"
 # Older names transformers still maps onto the two layer kinds.
 _LAYER_TYPE_ALIASES = {"mamba": LINEAR, "conv": LINEAR, "attention": FULL}
@@ -30,7 +38,8 @@ _LAYER_TYPE_ALIASES = {"mamba": LINEAR, "conv": LINEAR, "attention": FULL}
 
 @dataclasses.dataclass(frozen=True)
 class HybridTargetConfig(TargetConfig):
-    """A ``TargetConfig`` (its head fields describe the full-attention layers) plus the linear layers."""
+    """A ``TargetConfig`` (its head fields describe the full-attention layers, its expert fields the
+    MoE variant's routed experts) plus the linear layers."""
 
     layer_types: tuple[str, ...] = ()
     linear_num_key_heads: int = 16
@@ -116,14 +125,18 @@ def hybrid_config_from_dict(data: dict[str, Any], source: str = "config.json") -
         raise ModelConfigError(f"{source}: model_type {_describe(model_type)} is not a hybrid target "
                                f"(supported: {', '.join(HYBRID_TARGETS)})")
     outer, prefix = data, "model."
-    if model_type == "qwen3_5":
+    if model_type in _TEXT_MODEL_TYPES:
         text = data.get("text_config")
         if not isinstance(text, dict):
-            raise ModelConfigError(f"{source}: model_type 'qwen3_5' needs a 'text_config' object, got "
+            raise ModelConfigError(f"{source}: model_type {model_type!r} needs a 'text_config' object, got "
                                    f"{_describe(text)}")
         data, source, prefix = text, f"{source} (text_config)", "model.language_model."
-        if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
-            raise ModelConfigError(f"{source}: model_type {_describe(text.get('model_type'))} is not qwen3_5_text")
+        want = _TEXT_MODEL_TYPES[model_type]
+        if text.get("model_type", want) != want:
+            raise ModelConfigError(f"{source}: model_type {_describe(text.get('model_type'))} is not {want}")
+    moe = _moe_fields(data, model_type, source)
+    if moe:
+        data = {**data, "intermediate_size": moe.pop("shared_expert_intermediate_size")}
     if _field(data, "attention_bias", source, bool, False, nullable=True):
         raise ModelConfigError(f"{source}: attention_bias=true is not supported for {model_type}")
     if "head_dim" not in data:  # transformers' default for this family, not hidden / heads
@@ -135,6 +148,7 @@ def hybrid_config_from_dict(data: dict[str, Any], source: str = "config.json") -
     eos = _eos_ids(data, source) or _eos_ids(outer, source)
     cfg = HybridTargetConfig(
         **shape,
+        **moe,
         model_type=model_type,
         tie_word_embeddings=_field(tie_from, "tie_word_embeddings", source, bool, False, nullable=True),
         max_position_embeddings=_max_positions(data, source),
@@ -150,6 +164,20 @@ def hybrid_config_from_dict(data: dict[str, Any], source: str = "config.json") -
     )
     cfg.validate(source)
     return cfg
+
+
+def _moe_fields(data: dict, model_type: str, source: str) -> dict[str, Any]:
+    """The expert fields of a ``qwen3_5_moe(_text)`` config (none for the dense variant)."""
+    if "moe" not in model_type:
+        return {}
+    out = {name: _field(data, name, source, int)
+           for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                        "shared_expert_intermediate_size")}
+    for name, value in out.items():
+        if value <= 0:
+            raise ModelConfigError(f"{source}: field {name!r} must be positive, got {value}")
+    # transformers' router always renormalises the top-k probabilities (no norm_topk_prob field).
+    return dict(out, norm_topk_prob=True)
 
 
 def is_hybrid_config(data: dict[str, Any]) -> bool:

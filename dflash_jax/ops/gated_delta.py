@@ -37,26 +37,30 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array) -> jax.Array:
-    """The depthwise causal convolution, then SiLU: ``x [batch, seq, channels]`` after the carried
-    ``state [batch, kernel - 1, channels]`` (the inputs before ``x``; zeros at the start) with
-    ``weight [kernel, channels]`` -> ``[batch, seq, channels]``.
+def conv_window(x: jax.Array, state: jax.Array) -> jax.Array:
+    """The convolution's inputs: the carried ``state [batch, kernel - 1, channels]`` (the inputs
+    before ``x``; zeros at the start), then ``x [batch, seq, channels]`` -> ``[batch, kernel - 1 +
+    seq, channels]``. A verify block keeps it: its prefixes' states are slices of it."""
+    return jnp.concatenate([state.astype(x.dtype), x], axis=1)
 
-    Output ``t`` is ``sum_j weight[j] * window[t + j]`` over ``window = state ++ x``: torch's
-    ``conv1d`` with ``kernel - 1`` zeros of left padding, as transformers runs it.
+
+def causal_conv1d(window: jax.Array, weight: jax.Array) -> jax.Array:
+    """The depthwise causal convolution, then SiLU, over a ``conv_window`` ``[batch, kernel - 1 +
+    seq, channels]`` with ``weight [kernel, channels]`` -> ``[batch, seq, channels]``.
+
+    Output ``t`` is ``sum_j weight[j] * window[t + j]``: torch's ``conv1d`` with ``kernel - 1``
+    zeros of left padding, as transformers runs it.
     """
     kernel = weight.shape[0]
-    seq = x.shape[1]
-    window = jnp.concatenate([state.astype(x.dtype), x], axis=1)
+    seq = window.shape[1] - (kernel - 1)
     out = sum(window[:, j:j + seq].astype(jnp.float32) * weight[j].astype(jnp.float32) for j in range(kernel))
-    return jax.nn.silu(out).astype(x.dtype)
+    return jax.nn.silu(out).astype(window.dtype)
 
 
-def conv_state_after(x: jax.Array, state: jax.Array, lens: jax.Array) -> jax.Array:
-    """The convolution state after the first ``lens [batch]`` tokens of ``x [batch, seq, channels]``:
-    the last ``kernel - 1`` inputs of ``state ++ x[:, :lens]``, per row -> ``[batch, kernel - 1, channels]``."""
-    window = jnp.concatenate([state, x.astype(state.dtype)], axis=1)
-    width = state.shape[1]
+def conv_state_after(window: jax.Array, lens: jax.Array, width: int) -> jax.Array:
+    """The convolution state after the first ``lens [batch]`` tokens of a ``conv_window`` (``width =
+    kernel - 1`` carried inputs, then the tokens'): its ``width`` inputs before slot ``width + lens``,
+    per row -> ``[batch, width, channels]``."""
     return jax.vmap(lambda w, n: jax.lax.dynamic_slice_in_dim(w, n, width, axis=0))(window, lens)
 
 
@@ -118,24 +122,33 @@ def _chunk_terms(q, k, v, g, beta):
     """What a chunk's step needs that does not depend on the state carried in, for chunks
     ``q, k [..., c, dk]``, ``v [..., c, dv]``, ``g, beta [..., c]`` float32 (q, k normalised):
     ``(q scaled, k, u, w, gc, scores)`` with ``gc`` the cumulative log decay, ``u`` the chunk's
-    values corrected for the writes within it, ``w`` what the carried state contributes to them."""
-    c = k.shape[-2]
-    q = q * (k.shape[-1] ** -0.5)
+    values corrected for the writes within it, ``w`` what the carried state contributes to them.
+    Products sharing an operand run as one matmul each (fewer, larger products: a verify block's
+    are tiny and launch-bound)."""
+    c, dk = k.shape[-2:]
+    q = q * (dk ** -0.5)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     gc = jnp.cumsum(g, axis=-1)
     lower = jnp.tril(jnp.ones((c, c), bool))
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, gc[..., :, None] - gc[..., None, :], 0.0)), 0.0)
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    t = unit_lower_inverse(jnp.where(strict, jnp.einsum("...id,...jd->...ij", k_beta, k) * decay, 0.0))
-    scores = jnp.where(lower, jnp.einsum("...id,...jd->...ij", q, k) * decay, 0.0)
-    return q, k, t @ v_beta, t @ (k_beta * jnp.exp(gc)[..., None]), gc, scores
+    # [k * beta; q] @ k^T: the writes' overlaps and the read scores together.
+    overlaps = jnp.einsum("...id,...jd->...ij", jnp.concatenate([k_beta, q], axis=-2), k) * jnp.tile(decay, (2, 1))
+    t = unit_lower_inverse(jnp.where(strict, overlaps[..., :c, :], 0.0))
+    scores = jnp.where(lower, overlaps[..., c:, :], 0.0)
+    uw = t @ jnp.concatenate([v_beta, k_beta * jnp.exp(gc)[..., None]], axis=-1)  # [u | w]
+    dv = v.shape[-1]
+    return q, k, uw[..., :dv], uw[..., dv:], gc, scores
 
 
 def _chunk_step(s, q, k, u, w, gc, scores):
     """One chunk over the state ``s [..., dk, dv]`` -> the state after it, the chunk's outputs and
-    its corrected values ``v_new [..., c, dv]`` (what it writes)."""
-    v_new = u - w @ s
-    o = (q * jnp.exp(gc)[..., None]) @ s + scores @ v_new
+    its corrected values ``v_new [..., c, dv]`` (what it writes). The state is read once for what
+    the writes and the reads need of it (``[w; q * exp(gc)] @ s``)."""
+    c = w.shape[-2]
+    from_state = jnp.concatenate([w, q * jnp.exp(gc)[..., None]], axis=-2) @ s
+    v_new = u - from_state[..., :c, :]
+    o = from_state[..., c:, :] + scores @ v_new
     last = gc[..., -1:]
     s = s * jnp.exp(last)[..., None] + jnp.einsum("...cd,...ce->...de", k * jnp.exp(last - gc)[..., None], v_new)
     return s, o, v_new

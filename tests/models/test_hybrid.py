@@ -159,3 +159,105 @@ def test_a_checkpoint_that_does_not_fit_its_config_names_file_and_tensor(text_mo
     nested = dict(config, model_type="qwen3_5", text_config=dict(config, model_type="qwen3_5_text"))
     with pytest.raises(CheckpointError, match="'model.language_model.embed_tokens.weight' is missing"):
         load_target(write("nesting", tensors, nested))
+
+
+# -- the MoE variant (qwen3_5_moe_text, qwen3_5_moe) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_text_model(tmp_path_factory):
+    return write_hf_hybrid(tmp_path_factory.mktemp("hybrid_moe_text"), nesting="text", moe=True, seed=1)
+
+
+def test_moe_text_checkpoint_matches_transformers(moe_text_model):
+    """Routed experts (7, top-3) plus the gated shared expert in every layer, per-expert tensors as
+    ``save_pretrained`` writes them."""
+    directory, ref = moe_text_model
+    target = load_target(directory)
+    c = target.config
+    assert (c.model_type, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob) == ("qwen3_5_moe_text", 7, 3, True)
+    assert (c.moe_intermediate_size, c.intermediate_size) == (20, 28)
+    _assert_parity(target, ref, np.random.RandomState(0).randint(0, 97, (2, 19)))
+
+
+def _fuse_experts(directory: Path, out: Path) -> None:
+    """``directory``'s checkpoint with each layer's per-expert tensors fused as transformers holds
+    them in memory (and the published Qwen3.5-MoE checkpoints store them): ``experts.gate_up_proj
+    [E, 2 * inter, hidden]``, ``experts.down_proj [E, hidden, inter]``."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(directory / "model.safetensors"))
+    fused, groups = {}, {}
+    for name, value in tensors.items():
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        if m:
+            groups.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = value
+        else:
+            fused[name] = value
+    for base, parts in groups.items():
+        n = 1 + max(e for e, _ in parts)
+        fused[f"{base}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]], 0) for e in range(n)]).contiguous()
+        fused[f"{base}.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(n)]).contiguous()
+    out.mkdir()
+    shutil.copy(directory / "config.json", out / "config.json")
+    save_file(fused, str(out / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True])
+def test_moe_vision_language_nesting_and_fused_experts_match_transformers(tmp_path, tied):
+    """``qwen3_5_moe`` (weights under ``model.language_model.``, the vision tower ignored), prompts
+    past the prefill chunk; the same weights with fused expert tensors load to the same model."""
+    directory, ref = write_hf_hybrid(tmp_path / "per_expert", nesting="vl", moe=True, seed=6,
+                                     tie_word_embeddings=tied)
+    target = load_target(directory)
+    assert target.config.weight_prefix == "model.language_model." and (target.lm_head is None) == tied
+    ids = np.random.RandomState(2).randint(0, 97, (2, 67))
+    _assert_parity(target, ref, ids, layers=(1, 4))
+    _fuse_experts(directory, tmp_path / "fused")
+    fused = load_target(tmp_path / "fused")
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(nnx_state(target)),
+                                 jax.tree_util.tree_leaves_with_path(nnx_state(fused))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+
+
+def nnx_state(module):
+    from flax import nnx
+
+    return nnx.state(module, nnx.Param)
+
+
+def test_moe_config_fields_and_errors():
+    moe = dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=20, shared_expert_intermediate_size=28)
+    cfg = hybrid_config_from_dict(_text_config(model_type="qwen3_5_moe_text", **moe), "c.json")
+    assert (cfg.num_experts, cfg.intermediate_size, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (7, 28, 20, True)
+    nested = hybrid_config_from_dict({"model_type": "qwen3_5_moe", "text_config": _text_config(
+        model_type="qwen3_5_moe_text", **moe)}, "c.json")
+    assert nested.weight_prefix == "model.language_model." and nested.num_experts == 7
+    assert hybrid_config_from_dict(_text_config(), "c.json").num_experts == 0  # the dense variant
+    for overrides, words in [
+        (dict(moe, num_experts_per_tok=9), "num_experts_per_tok must be in"),
+        (dict(moe, shared_expert_intermediate_size=0), "'shared_expert_intermediate_size' must be positive"),
+        ({k: v for k, v in moe.items() if k != "num_experts"}, "missing field 'num_experts'"),
+    ]:
+        with pytest.raises(ModelConfigError, match=words):
+            hybrid_config_from_dict(_text_config(model_type="qwen3_5_moe_text", **overrides), "c.json")
+    with pytest.raises(ModelConfigError, match="is not qwen3_5_moe_text"):
+        hybrid_config_from_dict({"model_type": "qwen3_5_moe", "text_config": _text_config(**moe)}, "c.json")
+
+
+def test_moe_checkpoint_missing_an_expert_names_the_tensor(moe_text_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory = moe_text_model[0]
+    tensors = load_file(str(directory / "model.safetensors"))
+    del tensors["model.layers.3.mlp.experts.5.up_proj.weight"]
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text((directory / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="'model.layers.3.mlp.experts.5.up_proj.weight' is missing"):
+        load_target(tmp_path / "m")

@@ -76,12 +76,13 @@ def test_causal_conv_and_its_state_match_torch_conv1d():
     w = rng.randn(4, 5).astype(np.float32)
     zeros = jnp.zeros((2, 3, 5))
     want = causal_conv1d_fn(torch.tensor(x).transpose(1, 2), torch.tensor(w.T), activation="silu").transpose(1, 2)
-    np.testing.assert_allclose(np.asarray(gated_delta.causal_conv1d(jnp.asarray(x), jnp.asarray(w), zeros)),
-                               want.numpy(), atol=1e-5)
+    conv = gated_delta.causal_conv1d(gated_delta.conv_window(jnp.asarray(x), zeros), jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(conv), want.numpy(), atol=1e-5)
     # Split at 7: the state after 7 tokens carries the convolution on exactly.
-    state = gated_delta.conv_state_after(jnp.asarray(x[:, :7]), zeros, jnp.asarray([7, 7]))
-    tail = gated_delta.causal_conv1d(jnp.asarray(x[:, 7:]), jnp.asarray(w), state)
+    head = gated_delta.conv_window(jnp.asarray(x[:, :7]), zeros)
+    state = gated_delta.conv_state_after(head, jnp.asarray([7, 7]), 3)
+    tail = gated_delta.causal_conv1d(gated_delta.conv_window(jnp.asarray(x[:, 7:]), state), jnp.asarray(w))
     np.testing.assert_allclose(np.asarray(tail), want.numpy()[:, 7:], atol=1e-5)
     # A per-row count: row 0 keeps its first 2 tokens after 1 zero of the initial state.
-    short = gated_delta.conv_state_after(jnp.asarray(x[:, :7]), zeros, jnp.asarray([2, 7]))
+    short = gated_delta.conv_state_after(head, jnp.asarray([2, 7]), 3)
     np.testing.assert_array_equal(np.asarray(short[0]), np.concatenate([np.zeros((1, 5)), x[0, :2]]))

@@ -83,9 +83,17 @@ def test_forced_acceptance_rolls_back_to_every_offset(model, rollback):
             np.testing.assert_allclose(np.asarray(got[r]), np.asarray(want[0]), atol=2e-5)
 
 
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    return write_hf_hybrid(tmp_path_factory.mktemp("hybrid_moe_rollback"), nesting="vl", moe=True, seed=8)
+
+
 @pytest.mark.slow
-def test_speculative_equals_target_only_equals_transformers(model):
-    directory, ref = model
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_speculative_equals_target_only_equals_transformers(model, moe_model, variant):
+    """Mixed-length prompts; the MoE variant (routed experts and the gated shared expert, the
+    vision-language nesting) included."""
+    directory, ref = model if variant == "dense" else moe_model
     target = load_target(directory)
     rng = np.random.RandomState(1)
     prompts = [list(rng.randint(0, 96, n)) for n in (5, 17, 9)]

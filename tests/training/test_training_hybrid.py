@@ -13,9 +13,11 @@ from dflash_jax.training.config import load_train_config  # noqa: E402
 
 
 @pytest.mark.slow
-def test_training_against_a_hybrid_target_lowers_the_loss_and_exports(tmp_path):
+@pytest.mark.parametrize("moe", [False, True])
+def test_training_against_a_hybrid_target_lowers_the_loss_and_exports(tmp_path, moe):
     """The target's taps (linear and full-attention layers) feed a fresh drafter; self-generated
-    data comes from the engine serving the hybrid target; the loss falls and the export loads."""
+    data comes from the engine serving the hybrid target (dense, or MoE: routed experts and the
+    gated shared expert); the loss falls and the export loads."""
     import yaml
 
     from dflash_jax.io.checkpoint import load_drafter
@@ -24,7 +26,7 @@ def test_training_against_a_hybrid_target_lowers_the_loss_and_exports(tmp_path):
 
     from tokenizer_fixtures import write_qwen_tokenizer
 
-    target_dir, _ = write_hf_hybrid(tmp_path / "target", nesting="vl", seed=7, vocab_size=520)
+    target_dir, _ = write_hf_hybrid(tmp_path / "target", nesting="vl", seed=7, moe=moe, vocab_size=520)
     write_qwen_tokenizer(target_dir, vocab_size=512)
     recipe = dict(
         model=dict(target=str(target_dir), compute_dtype="float32", target_dtype="float32"),
