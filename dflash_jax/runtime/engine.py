@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from dflash_jax.runtime import decoding
 from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.sampling import SamplingFlags, SamplingParams
-from dflash_jax.ops.config import OpsConfig, parse_tiles, resolve_attention_impl
+from dflash_jax.ops.config import EXPERT_IMPLEMENTATIONS, OpsConfig, parse_tiles, resolve_attention_impl
 from dflash_jax.runtime.serving_params import in_serving_layout, serving_drafter, serving_target
 from dflash_jax.runtime.batcher import (ContinuousBatcher, Generation, GenerationResult, RowSnapshot, StopCheck,
                                         stop_checks_per_prompt)
@@ -73,8 +73,8 @@ class EngineConfig:
     # Overrides of the cached-attention kernel's tiles, "field=N,..." of
     # ``kernels_pallas.cached_attention.gpu.GpuConfig`` (e.g. "min_chunk=128,block_k=32"); "": its defaults.
     cached_attention_tiles: str = ""
-    # A mixture of experts' routed experts: "ragged_dot" or "capacity" (``OpsConfig.experts``).
-    experts_impl: str = "ragged_dot"
+    # A mixture of experts' routed experts: "auto", "gemv", "ragged_dot" or "capacity" (``OpsConfig.experts``).
+    experts_impl: str = "auto"
     # A directory for the persistent compilation cache (``dflash_jax.runtime.compile_cache``): the engine's
     # programs are saved there and loaded by the next process instead of compiled again. Process-wide.
     # On the H200 it cut an 8B engine's warm-up ~3x, and decode steps ran 2-3% slower in the processes
@@ -101,8 +101,8 @@ class EngineConfig:
             raise ValueError("matmul_precision must be 'auto', 'default', 'high' or 'highest', "
                              f"got {self.matmul_precision!r}")
         parse_tiles(self.cached_attention_tiles)
-        if self.experts_impl not in ("ragged_dot", "capacity"):
-            raise ValueError(f"experts_impl must be 'ragged_dot' or 'capacity', got {self.experts_impl!r}")
+        if self.experts_impl not in EXPERT_IMPLEMENTATIONS:
+            raise ValueError(f"experts_impl must be one of {EXPERT_IMPLEMENTATIONS}, got {self.experts_impl!r}")
         if self.steps_per_sync < 1:
             raise ValueError(f"steps_per_sync must be >= 1, got {self.steps_per_sync}")
         if self.max_steps_per_sync is not None and self.max_steps_per_sync < self.steps_per_sync:
