@@ -179,14 +179,16 @@ def _pair_product(rows: jax.Array, weight, ids: jax.Array) -> jax.Array:
 
     Float ``weight [E, K, N]``. MXFP4 ``(blocks [E, N, K / 32, 16], scales [E, N, K / 32])``: a byte's
     low nibble multiplies the even input of its pair, the high nibble the odd one (as
-    ``mxfp4_dequantize``), and the power-of-two scale multiplies the product (exact). Positions in a
-    row and the byte, pair and scale indices differ by powers of two: the fused indexing is shifts."""
+    ``mxfp4_dequantize``), and the power-of-two scale multiplies the product (exact). The reduction
+    runs over bytes, two values each: a byte is loaded and its scale computed once for both."""
     if isinstance(weight, tuple):
         blocks, scales = (t.at[ids].get(mode="promise_in_bounds") for t in weight)  # [P, N, G, 16], [P, N, G]
-        codes = (blocks[..., None] >> jnp.array([0, 4], jnp.uint8)) & 0x0F  # [P, N, G, 16, 2]: low nibble first
-        values = jnp.asarray(FP4_VALUES).at[codes.astype(jnp.int32)].get(mode="promise_in_bounds")
-        inputs = rows.reshape(rows.shape[0], 1, *codes.shape[2:]).astype(jnp.float32)  # [P, 1, G, 16, 2]
-        return jnp.sum(values * inputs * _mxfp4_scale(scales)[..., None, None], axis=(2, 3, 4))
+        lut = jnp.asarray(FP4_VALUES)
+        low = lut.at[(blocks & 0x0F).astype(jnp.int32)].get(mode="promise_in_bounds")
+        high = lut.at[(blocks >> 4).astype(jnp.int32)].get(mode="promise_in_bounds")
+        inputs = rows.reshape(rows.shape[0], 1, *blocks.shape[2:], 2).astype(jnp.float32)  # [P, 1, G, 16, 2]
+        pairs = low * inputs[..., 0] + high * inputs[..., 1]
+        return jnp.sum(pairs * _mxfp4_scale(scales)[..., None], axis=(2, 3))
     gathered = weight.at[ids].get(mode="promise_in_bounds")  # [P, K, N], fused into the reduction
     return jnp.sum(rows.astype(jnp.float32)[:, :, None] * gathered.astype(jnp.float32), axis=1)
 
