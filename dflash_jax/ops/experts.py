@@ -195,22 +195,29 @@ def _pair_product(rows: jax.Array, weight, ids: jax.Array) -> jax.Array:
 
 def _gemv(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, activation: str,
           expert_offset: int | jax.Array = 0) -> jax.Array:
-    """``_grouped`` as one matrix-vector product per (token, expert) pair ``p = t * top_k + j``: no
-    sort, no grouping, no gathered weights written; the step reads ``T * top_k`` experts' bytes (each
-    once for a decode token, whose ``top_k`` experts are distinct). Pairs routed outside ``[expert_offset,
-    expert_offset + w.num_experts)`` add nothing."""
+    """``_grouped`` as one matrix-vector product per (token, expert) pair: no grouping, no gathered
+    weights written; the step reads ``T * top_k`` experts' bytes (each once for a decode token, whose
+    ``top_k`` experts are distinct). With several tokens the pairs run sorted by expert, so pairs sharing
+    an expert run side by side and its second read comes from the L2 cache. Pairs routed outside
+    ``[expert_offset, expert_offset + w.num_experts)`` add nothing."""
     tokens, top_k = experts.shape
     local = experts.reshape(-1) - expert_offset
-    mine = (local >= 0) & (local < w.num_experts)
+    combine = jnp.where((local >= 0) & (local < w.num_experts), weights.reshape(-1), 0)
     ids = jnp.clip(local, 0, w.num_experts - 1)
-    h = _pair_product(jnp.repeat(x, top_k, axis=0), w.gate_up, ids).astype(x.dtype)
+    pair = jnp.arange(tokens * top_k)
+    if tokens > 1:
+        pair = jnp.argsort(ids, stable=True)
+        ids, combine = ids[pair], combine[pair]
+    h = _pair_product(x[pair // top_k], w.gate_up, ids).astype(x.dtype)
     if w.gate_up_bias is not None:
         h = h + jnp.take(w.gate_up_bias, ids, axis=0)
     h = _activate(h, activation, w.interleaved)
     y = _pair_product(h, w.down, ids).astype(x.dtype)
     if w.down_bias is not None:
         y = y + jnp.take(w.down_bias, ids, axis=0)
-    y = jnp.where(mine[:, None], y * weights.reshape(-1)[:, None], 0)
+    y = jnp.where((combine != 0)[:, None], y * combine[:, None], 0)
+    if tokens > 1:
+        y = y[jnp.zeros_like(pair).at[pair].set(jnp.arange(pair.size))]  # back to pair order t * top_k + j
     return jnp.sum(y.reshape(tokens, top_k, -1), axis=1).astype(x.dtype)
 
 
