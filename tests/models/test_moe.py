@@ -182,6 +182,17 @@ def test_gemv_experts_read_only_the_routed_experts(mxfp4):
     assert not names & {"sort", "ragged_dot_general", "dot_general"}, names
 
 
+def test_unknown_expert_implementation_is_named():
+    from dflash_jax import EngineConfig
+    from dflash_jax.ops.config import OpsConfig
+
+    for make in (lambda: EngineConfig(experts_impl="dense").validate(), lambda: OpsConfig(experts="dense"),
+                 lambda: resolve_implementation("dense", 8, _random_experts(jax.random.key(0), 4, 32, 32,
+                                                                              gpt_oss=False, mxfp4=False))):
+        with pytest.raises(ValueError, match="'dense'"):
+            make()
+
+
 def test_mxfp4_dequantization_equals_transformers_bit_for_bit():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
