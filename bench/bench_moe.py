@@ -6,23 +6,28 @@ shapes with MXFP4 experts (32 experts, top-4, sinks, sliding windows of 128), ea
 5-layer block-16 drafter. ``--layers`` decoder layers of the published width (every layer costs the
 same; ``--layers 0``: the published depth, 48 and 24).
 
+Expert implementations: ``--experts-impl`` (``EngineConfig.experts_impl``; default "auto", which runs
+a step of few (token, expert) pairs -- decode, small verify blocks -- as per-pair matrix-vector
+products reading only the routed experts, and more pairs as ``jax.lax.ragged_dot``).
+
 1. Per batch (1, 4, 16): the engine's target-only step and DFlash step (draft + verify + commit),
    back to back in its jitted loop, each against its own roofline at ``timing.HBM_BYTES_PER_S``:
    the bytes of the experts the step touches (expected distinct experts of a uniform router:
    ``E * (1 - (1 - k / E) ** tokens)`` per layer), attention, routers, norms, the LM head, an
    embedding row per token, the K/V read (full context: the sliding layers mask, they do not skip).
    The DFlash roofline adds the drafter's weights and touches experts for ``batch * 16`` tokens.
-2. The expert op alone, one layer, 1-256 tokens of random routing: ``routed_experts`` by
-   ``jax.lax.ragged_dot`` and by batched GEMMs of per-expert capacity, against the bytes of the experts
-   touched (which implementation the GPU should run).
-3. Verify cost: ``Target.step`` of a block of 16 tokens per row at batch 1 with the router forced
+   Each row names the implementation "auto" resolves to for the step's pair count.
+2. The expert op alone, one layer, ``--op-tokens`` tokens of random routing: ``routed_experts`` by
+   each implementation against the bytes of the experts touched (which one the GPU should run).
+3. ``--verify``: ``Target.step`` of a block of 16 tokens per row at batch 1 with the router forced
    to touch exactly N distinct experts per layer (N = 8, 32, 64, all), against the decode step of
    one token (natural routing): a user's routing statistics predict their verify cost from it.
 
-    python3 bench/bench_moe.py --out bench/results/moe.json
+    python3 bench/bench_moe.py --json bench/results/moe.json           # 1 and 2, 8 layers: < 90 s on an H200
+    python3 bench/bench_moe.py --verify --json bench/results/moe_verify.json
     python3 bench/bench_moe.py --layers 0 --families qwen3_moe       # the published depth
-    python3 bench/bench_moe.py --experts-impl capacity --out bench/results/moe_capacity.json
-    JAX_PLATFORMS=cpu python3 bench/bench_moe.py --tiny --batches 1 --repeats 1   # smoke test
+    python3 bench/bench_moe.py --experts-impl ragged_dot --json bench/results/moe_ragged.json
+    JAX_PLATFORMS=cpu python3 bench/bench_moe.py --tiny --verify   # smoke test
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.ops.cache import KVCache
 from dflash_jax.ops.config import OpsConfig, resolve_attention_impl
-from dflash_jax.ops.experts import IMPLEMENTATIONS, route, routed_experts, touched_experts
+from dflash_jax.ops.experts import IMPLEMENTATIONS, resolve_implementation, route, routed_experts, touched_experts
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
 
@@ -171,6 +176,7 @@ def bench_expert_op(target: Target, tokens_list, repeats: int) -> dict:
     c = target.config
     per_expert = _bytes(jax.tree.leaves(nnx.state(layer.experts, nnx.Param))) / c.num_experts
     act = "gpt_oss" if layer.gpt_oss else "silu"
+    impls = [impl for impl in IMPLEMENTATIONS if impl != "auto"]
     out = {}
     for tokens in tokens_list:
         key = jax.random.key(tokens)
@@ -180,14 +186,14 @@ def bench_expert_op(target: Target, tokens_list, repeats: int) -> dict:
         weights = weights.astype(x.dtype)
         touched = int(touched_experts(ids, c.num_experts))
         roof = touched * per_expert / timing.HBM_BYTES_PER_S
-        row = dict(touched=touched, roofline_s=roof)
-        for impl in IMPLEMENTATIONS:
+        row = dict(touched=touched, roofline_s=roof, auto=resolve_implementation("auto", ids.size, w))
+        for impl in impls:
             fn = jax.jit(lambda x, ids, weights, w, impl=impl: routed_experts(x, ids, weights, w, activation=act,
                                                                               implementation=impl))
             row[impl] = timing.median_time(fn, x, ids, weights, w, repeats=repeats)[0]
         out[tokens] = row
-        print(f"  expert op, {tokens:4d} tokens, {touched:3d} experts touched: "
-              + ", ".join(f"{impl} {row[impl] * 1e3:.3f} ms ({roof / row[impl]:5.1%})" for impl in IMPLEMENTATIONS),
+        print(f"  expert op, {tokens:4d} tokens, {touched:3d} experts touched (auto: {row['auto']}): "
+              + ", ".join(f"{impl} {row[impl] * 1e3:.3f} ms ({roof / row[impl]:5.1%})" for impl in impls),
               flush=True)
     return out
 
@@ -201,10 +207,11 @@ def bench_family(args, family: str) -> dict:
     print(f"\n{family}: {c.num_layers} layers, {c.num_experts} experts top-{c.num_experts_per_tok}, weights "
           f"{weights / 1e9:.1f} GB (+ drafter {dbytes / 1e9:.2f} GB), built in {time.perf_counter() - t0:.0f} s",
           flush=True)
-    report: dict = dict(config=dataclasses.asdict(c), weight_bytes=weights, drafter_bytes=dbytes, batches={},
-                        verify={})
-    report["expert_op"] = bench_expert_op(target, (1, 4, 16, 64, 256), args.repeats)
+    report: dict = dict(config=dataclasses.asdict(c), weight_bytes=weights, drafter_bytes=dbytes, batches={})
+    if args.op_tokens:
+        report["expert_op"] = bench_expert_op(target, args.op_tokens, args.repeats)
     steps = args.steps
+    w = next(layer.mlp for layer in target.layers if isinstance(layer.mlp, moe.MoeMLP)).experts.weights()
     for batch in args.batches:
         config = EngineConfig(max_batch_size=batch, max_length=args.context + BLOCK * steps * (args.calls + 3),
                               prompt_buckets=(args.context,), experts_impl=args.experts_impl)
@@ -213,53 +220,75 @@ def bench_family(args, family: str) -> dict:
         t_spec = timing.time_decode_pipelined(spec, batch, args.context, steps, args.calls)
         roof_plain = step_bytes(target, batch, batch, args.context) / timing.HBM_BYTES_PER_S
         roof_spec = (step_bytes(target, batch * BLOCK, batch, args.context) + dbytes) / timing.HBM_BYTES_PER_S
+        top_k = c.num_experts_per_tok
+        impl_plain = resolve_implementation(args.experts_impl, batch * top_k, w)
+        impl_spec = resolve_implementation(args.experts_impl, batch * BLOCK * top_k, w)
         report["batches"][batch] = e = dict(
             target_step_s=t_plain, spec_step_s=t_spec, target_roofline_s=roof_plain, spec_roofline_s=roof_spec,
-            touched_decode=expected_touched(c.num_experts, c.num_experts_per_tok, batch),
-            touched_verify=expected_touched(c.num_experts, c.num_experts_per_tok, batch * BLOCK))
+            target_roofline_share=roof_plain / t_plain, spec_roofline_share=roof_spec / t_spec,
+            target_experts_impl=impl_plain, verify_experts_impl=impl_spec,
+            touched_decode=expected_touched(c.num_experts, top_k, batch),
+            touched_verify=expected_touched(c.num_experts, top_k, batch * BLOCK))
         print(f"  batch {batch:2d}: target step {t_plain * 1e3:7.2f} ms ({roof_plain / t_plain:5.1%} of its roofline, "
-              f"~{e['touched_decode']:.0f} experts/layer) | DFlash step {t_spec * 1e3:7.2f} ms "
-              f"({roof_spec / t_spec:5.1%}, ~{e['touched_verify']:.0f} experts/layer) | "
+              f"~{e['touched_decode']:.0f} experts/layer, {impl_plain}) | DFlash step {t_spec * 1e3:7.2f} ms "
+              f"({roof_spec / t_spec:5.1%}, ~{e['touched_verify']:.0f} experts/layer, verify {impl_spec}) | "
               f"ratio {t_spec / t_plain:.2f} = acceptance length to break even", flush=True)
         del plain, spec
+    if args.verify:
+        report["verify"] = bench_verify(args, target)
+    report["wall_s"] = time.perf_counter() - t0
+    return report
+
+
+def bench_verify(args, target: Target) -> dict:
+    """The verify block's cost by the distinct experts it touches (forced routings), in decode steps."""
+    c = target.config
     ops = OpsConfig(attention=resolve_attention_impl("auto"), experts=args.experts_impl)
     t_decode = time_target_step(target, 1, 1, args.context, args.repeats, ops)
-    report["verify"]["decode_step_s"] = t_decode
-    counts = sorted({min(n, c.num_experts) for n in (8, 32, 64, c.num_experts)})
-    for n in counts:
+    report: dict = dict(decode_step_s=t_decode)
+    for n in sorted({min(n, c.num_experts) for n in (8, 32, 64, c.num_experts)}):
         with forced_routing(n):
             t_verify = time_target_step(target, 1, BLOCK, args.context, args.repeats, ops)
         touched = min(n, BLOCK * c.num_experts_per_tok)
         roof = step_bytes(target, BLOCK, 1, args.context, touched=touched) / timing.HBM_BYTES_PER_S
-        report["verify"][n] = dict(verify_s=t_verify, roofline_s=roof, decode_steps=t_verify / t_decode)
+        report[n] = dict(verify_s=t_verify, roofline_s=roof, decode_steps=t_verify / t_decode)
         print(f"  verify block of {BLOCK}, {touched:3d} experts/layer: {t_verify * 1e3:7.2f} ms = "
               f"{t_verify / t_decode:5.2f} decode steps ({roof / t_verify:5.1%} of its roofline)", flush=True)
-    report["wall_s"] = time.perf_counter() - t0
     return report
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default="qwen3_moe,gpt_oss")
-    ap.add_argument("--layers", type=int, default=12, help="decoder layers (0: the published depth)")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers (0: the published depth)")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8, help="decode steps per timed call")
     ap.add_argument("--calls", type=int, default=4, help="back-to-back calls timed")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--experts-impl", default="ragged_dot", choices=list(IMPLEMENTATIONS),
+    ap.add_argument("--experts-impl", default="auto", choices=list(IMPLEMENTATIONS),
                     help="EngineConfig.experts_impl for the engine and verify tables")
+    ap.add_argument("--op-tokens", default="1,16", help="token counts of the expert-op table ('': none)")
+    ap.add_argument("--verify", action="store_true", help="also the verify cost by forced distinct experts")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
-    ap.add_argument("--out", default=None, help="JSON report (e.g. bench/results/moe.json)")
+    ap.add_argument("--json", "--out", dest="json", default=None, help="JSON report (e.g. $OUT/moe.json)")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.op_tokens = [int(t) for t in args.op_tokens.split(",") if t]
     if args.tiny:
         args.context = min(args.context, 32)
+    t0 = time.perf_counter()
     print(timing.device_line(), f"; roofline at {timing.HBM_BYTES_PER_S / 1e12:.1f} TB/s", flush=True)
     report = {"device": timing.device_line(), "args": vars(args)}
     for family in args.families.split(","):
         report[family] = bench_family(args, family)
-        timing.write_json(args.out, report)
+        timing.write_json(args.json, report)
+    print(f"\nfamily  batch  target ms  % roof  DFlash ms  % roof  break-even tau   ({time.perf_counter() - t0:.0f} s)")
+    for family in args.families.split(","):
+        for batch, e in report[family]["batches"].items():
+            print(f"{family:9s} {batch:3d}  {e['target_step_s'] * 1e3:8.2f}  {e['target_roofline_share']:6.1%}"
+                  f"  {e['spec_step_s'] * 1e3:8.2f}  {e['spec_roofline_share']:6.1%}"
+                  f"  {e['spec_step_s'] / e['target_step_s']:6.2f}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from typing import Literal
 
 import jax
 
+from dflash_jax.ops.experts import IMPLEMENTATIONS as EXPERT_IMPLEMENTATIONS
+
 AttentionImpl = Literal["xla", "pallas"]
 GpuLowering = Literal["triton", "mosaic"]
 
@@ -26,7 +28,9 @@ class OpsConfig:
     defaults.
 
     ``experts``: how a mixture of experts' routed experts run (``ops.experts.routed_experts``):
-    "ragged_dot" (grouped matmuls) or "capacity" (batched GEMMs of a fixed row count per expert).
+    "auto" (per-pair matrix-vector products for a decode or verify step's few tokens, grouped matmuls
+    for more), "gemv", "ragged_dot" (grouped matmuls) or "capacity" (batched GEMMs of a fixed row
+    count per expert).
 
     ``gpu_lowering``: which Pallas GPU lowering the kernels use. "triton" (the default): the Triton
     kernels (``kernels_pallas/<op>/gpu.py``). "mosaic": the ops with a Mosaic GPU kernel
@@ -43,14 +47,14 @@ class OpsConfig:
     # dot: as partials a 16-row verify block cost the DFlash step 5%.
     qkv_partials: int = 8
     output_partials: int = 8
-    experts: str = "ragged_dot"
+    experts: str = "auto"
     gpu_lowering: GpuLowering = "triton"
 
     def __post_init__(self):
         if self.attention not in ("xla", "pallas"):
             raise ValueError(f"ops attention must be 'xla' or 'pallas', got {self.attention!r}")
-        if self.experts not in ("ragged_dot", "capacity"):
-            raise ValueError(f"ops experts must be 'ragged_dot' or 'capacity', got {self.experts!r}")
+        if self.experts not in EXPERT_IMPLEMENTATIONS:
+            raise ValueError(f"ops experts must be one of {EXPERT_IMPLEMENTATIONS}, got {self.experts!r}")
         if self.gpu_lowering not in ("triton", "mosaic"):
             raise ValueError(f"ops gpu_lowering must be 'triton' or 'mosaic', got {self.gpu_lowering!r}")
 

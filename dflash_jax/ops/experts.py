@@ -1,17 +1,24 @@
 """Routed experts of a mixture-of-experts MLP: routing, grouped matmuls, MXFP4 weights.
 
-Every token picks ``top_k`` of ``E`` experts. ``routed_experts`` computes their weighted sum as
-grouped matmuls over the tokens routed to each expert (``jax.lax.ragged_dot``): the ``T * top_k``
-(token, expert) pairs are sorted by expert, each expert multiplies its contiguous run of rows, and
-the rows are scattered back and summed per token. Shapes are static: a run may be empty.
+Every token picks ``top_k`` of ``E`` experts. ``routed_experts`` computes their weighted sum over
+the ``T * top_k`` (token, expert) pairs in one of three ways, chosen by the static pair count:
 
-Bandwidth is the cost of a decode or verify step, so a step reads only the experts its tokens
-touch: with fewer pairs than experts (a decode token, a verify block of a small batch) the weights
-of at most ``T * top_k`` distinct experts are gathered first and the grouped matmul runs over them
-; with as many pairs as experts or more (prefill, large batches) it runs over
-all experts. MXFP4 weights (4-bit values in blocks of 32 sharing a power-of-two scale, the gpt-oss
-checkpoints' format) stay 4-bit in memory and are dequantized after that gather, so only touched
-experts are expanded.
+- "gemv", for few pairs (a decode step, the verify block of a small batch): one matrix-vector
+  product per pair, written as a multiply and a reduction so XLA fuses the gather of the pair's
+  expert weights into it. Bandwidth is the cost of such a step, and this reads only the routed
+  experts' bytes, once, with nothing gathered written back; MXFP4 weights (4-bit values in blocks of
+  32 sharing a power-of-two scale, the gpt-oss checkpoints' format) are decoded inside the same
+  reduction, so only the routed experts' 4-bit bytes are read.
+- "ragged_dot", for many pairs (prefill, training, large batches): grouped matmuls
+  (``jax.lax.ragged_dot``); the pairs are sorted by expert, each expert multiplies its contiguous run
+  of rows, the rows are scattered back and summed per token. With fewer pairs than experts the
+  touched experts' weights (at most ``T * top_k``) are gathered first; MXFP4 weights are dequantized
+  after that gather.
+- "capacity": batched GEMMs of ``T`` row slots per (touched) expert, for backends where
+  ``ragged_dot`` lowers to a dense zero-padded product.
+
+"auto" (the default) takes "gemv" up to ``gemv_pair_limit`` pairs, else "ragged_dot". Shapes are
+static everywhere: a run or slot may be empty.
 
 ``routed_experts_reference`` is the same function as a dense product over every expert, for tests.
 Under ``sharding.kernel_mesh`` with the experts split over mesh axes (logical axis ``experts``),
@@ -134,7 +141,84 @@ def route(logits: jax.Array, top_k: int, *, softmax_first: bool, normalize: bool
     return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
 
 
-IMPLEMENTATIONS = ("ragged_dot", "capacity")
+# "auto": "gemv" for as few (token, expert) pairs as a decode or verify step has
+# (``gemv_pair_limit``), else "ragged_dot".
+IMPLEMENTATIONS = ("auto", "gemv", "ragged_dot", "capacity")
+
+
+def gemv_pair_limit(w: ExpertWeights) -> int:
+    """The most (token, expert) pairs "auto" runs as "gemv": each pair reads its expert's weights once,
+    so ``gemv`` reads ``pairs`` experts' bytes where a grouped matmul over all experts reads every
+    expert's (float) or reads every expert's 4-bit bytes and writes and reads them again dequantized
+    (MXFP4, ~9x the 4-bit bytes, so per-pair reads stay cheaper up to several pairs an expert)."""
+    return w.num_experts * (4 if isinstance(w.gate_up, tuple) else 1)
+
+
+def resolve_implementation(implementation: str, pairs: int, w: ExpertWeights) -> str:
+    """The implementation ``routed_experts`` runs for ``pairs`` (token, expert) pairs (static)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"expert implementation {implementation!r} is not one of {IMPLEMENTATIONS}")
+    if implementation == "auto":
+        return "gemv" if pairs <= gemv_pair_limit(w) else "ragged_dot"
+    return implementation
+
+
+def _mxfp4_scale(scales: jax.Array) -> jax.Array:
+    """Scale bytes ``s`` -> ``2 ** (s - 127)`` float32 from the bits (an exponent field; byte 0 is the
+    subnormal ``2 ** -127``): two integer operations an element inside a fused reduction."""
+    s = scales.astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(jnp.where(s == 0, 1 << 22, s << 23), jnp.float32)
+
+
+def _pair_product(rows: jax.Array, weight, ids: jax.Array) -> jax.Array:
+    """``rows [P, K]`` times expert ``ids[p]``'s ``K x N`` matrix, pair by pair -> float32 ``[P, N]``.
+
+    ``ids`` in range. Written as a multiply and a reduction over ``K``, not a dot: XLA fuses the expert
+    gather (and the MXFP4 decoding) into the reduction, so each pair's expert bytes are read once and no
+    gathered copy is written; a dot would take the gathered weights as a materialised operand.
+
+    Float ``weight [E, K, N]``. MXFP4 ``(blocks [E, N, K / 32, 16], scales [E, N, K / 32])``: a byte's
+    low nibble multiplies the even input of its pair, the high nibble the odd one (as
+    ``mxfp4_dequantize``), and the power-of-two scale multiplies the product (exact). The reduction
+    runs over bytes, two values each: a byte is loaded and its scale computed once for both."""
+    if isinstance(weight, tuple):
+        blocks, scales = (t.at[ids].get(mode="promise_in_bounds") for t in weight)  # [P, N, G, 16], [P, N, G]
+        lut = jnp.asarray(FP4_VALUES)
+        low = lut.at[(blocks & 0x0F).astype(jnp.int32)].get(mode="promise_in_bounds")
+        high = lut.at[(blocks >> 4).astype(jnp.int32)].get(mode="promise_in_bounds")
+        inputs = rows.reshape(rows.shape[0], 1, *blocks.shape[2:], 2).astype(jnp.float32)  # [P, 1, G, 16, 2]
+        pairs = low * inputs[..., 0] + high * inputs[..., 1]
+        return jnp.sum(pairs * _mxfp4_scale(scales)[..., None], axis=(2, 3))
+    gathered = weight.at[ids].get(mode="promise_in_bounds")  # [P, K, N], fused into the reduction
+    return jnp.sum(rows.astype(jnp.float32)[:, :, None] * gathered.astype(jnp.float32), axis=1)
+
+
+def _gemv(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, activation: str,
+          expert_offset: int | jax.Array = 0) -> jax.Array:
+    """``_grouped`` as one matrix-vector product per (token, expert) pair: no grouping, no gathered
+    weights written; the step reads ``T * top_k`` experts' bytes (each once for a decode token, whose
+    ``top_k`` experts are distinct). With several tokens the pairs run sorted by expert, so pairs sharing
+    an expert run side by side and its second read comes from the L2 cache. Pairs routed outside
+    ``[expert_offset, expert_offset + w.num_experts)`` add nothing."""
+    tokens, top_k = experts.shape
+    local = experts.reshape(-1) - expert_offset
+    combine = jnp.where((local >= 0) & (local < w.num_experts), weights.reshape(-1), 0)
+    ids = jnp.clip(local, 0, w.num_experts - 1)
+    pair = jnp.arange(tokens * top_k)
+    if tokens > 1:
+        pair = jnp.argsort(ids, stable=True)
+        ids, combine = ids[pair], combine[pair]
+    h = _pair_product(x[pair // top_k], w.gate_up, ids).astype(x.dtype)
+    if w.gate_up_bias is not None:
+        h = h + jnp.take(w.gate_up_bias, ids, axis=0)
+    h = _activate(h, activation, w.interleaved)
+    y = _pair_product(h, w.down, ids).astype(x.dtype)
+    if w.down_bias is not None:
+        y = y + jnp.take(w.down_bias, ids, axis=0)
+    y = jnp.where((combine != 0)[:, None], y * combine[:, None], 0)
+    if tokens > 1:
+        y = y[jnp.zeros_like(pair).at[pair].set(jnp.arange(pair.size))]  # back to pair order t * top_k + j
+    return jnp.sum(y.reshape(tokens, top_k, -1), axis=1).astype(x.dtype)
 
 
 def _sorted_pairs(experts: jax.Array, n: int, expert_offset):
@@ -212,18 +296,19 @@ def touched_experts(experts: jax.Array, num_experts: int) -> jax.Array:
 
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, *,
-                   activation: str, implementation: str = "ragged_dot") -> jax.Array:
+                   activation: str, implementation: str = "auto") -> jax.Array:
     """``x [T, hidden]`` routed to ``experts [T, top_k]`` with ``weights [T, top_k]`` -> ``[T,
-    hidden]``: ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` by grouped matmuls
-    (``implementation``: "ragged_dot", or "capacity", batched GEMMs of ``T`` row slots an expert).
+    hidden]``: ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``. ``implementation``: "gemv"
+    (a matrix-vector product per (token, expert) pair reading only the routed experts' bytes),
+    "ragged_dot" (grouped matmuls), "capacity" (batched GEMMs of ``T`` row slots an expert), or
+    "auto": "gemv" up to ``gemv_pair_limit`` pairs (decode and verify steps), else "ragged_dot".
 
     Under ``sharding.kernel_mesh`` with the experts' leading axis split (logical axis ``experts``),
     each device runs its own experts and the shares are summed across the devices."""
     axes = ("experts", "embed", "mlp")
     across = sharding.kernel_mesh_axes(axes, (w.num_experts, 1, 1), 0)
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"expert implementation {implementation!r} is not one of {IMPLEMENTATIONS}")
-    run_experts = _grouped if implementation == "ragged_dot" else _capacity
+    run_experts = {"gemv": _gemv, "ragged_dot": _grouped, "capacity": _capacity}[
+        resolve_implementation(implementation, experts.size, w)]
     if not across:
         return run_experts(x, experts, weights, w, activation)
 

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from dflash_jax.runtime import decoding, paged
 from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.sampling import SamplingFlags, SamplingParams
-from dflash_jax.ops.config import OpsConfig, parse_tiles, resolve_attention_impl
+from dflash_jax.ops.config import EXPERT_IMPLEMENTATIONS, OpsConfig, parse_tiles, resolve_attention_impl
 from dflash_jax.runtime.serving_params import in_serving_layout, serving_drafter, serving_target
 from dflash_jax.runtime.batcher import (ContinuousBatcher, Generation, GenerationResult, RowSnapshot, StopCheck,
                                         stop_checks_per_prompt)
@@ -76,8 +76,8 @@ class EngineConfig:
     # The GPU kernels' Pallas lowering (``OpsConfig.gpu_lowering``): "triton", or "mosaic" (the ops
     # with a Mosaic GPU kernel run it; the others keep Triton).
     gpu_lowering: str = "triton"
-    # A mixture of experts' routed experts: "ragged_dot" or "capacity" (``OpsConfig.experts``).
-    experts_impl: str = "ragged_dot"
+    # A mixture of experts' routed experts: "auto", "gemv", "ragged_dot" or "capacity" (``OpsConfig.experts``).
+    experts_impl: str = "auto"
     # A directory for the persistent compilation cache (``dflash_jax.runtime.compile_cache``): the engine's
     # programs are saved there and loaded by the next process instead of compiled again. Process-wide.
     # On the H200 it cut an 8B engine's warm-up ~3x, and decode steps ran 2-3% slower in the processes
@@ -131,8 +131,8 @@ class EngineConfig:
         parse_tiles(self.cached_attention_tiles)
         if self.gpu_lowering not in ("triton", "mosaic"):
             raise ValueError(f"gpu_lowering must be 'triton' or 'mosaic', got {self.gpu_lowering!r}")
-        if self.experts_impl not in ("ragged_dot", "capacity"):
-            raise ValueError(f"experts_impl must be 'ragged_dot' or 'capacity', got {self.experts_impl!r}")
+        if self.experts_impl not in EXPERT_IMPLEMENTATIONS:
+            raise ValueError(f"experts_impl must be one of {EXPERT_IMPLEMENTATIONS}, got {self.experts_impl!r}")
         if self.steps_per_sync < 1:
             raise ValueError(f"steps_per_sync must be >= 1, got {self.steps_per_sync}")
         if self.max_steps_per_sync is not None and self.max_steps_per_sync < self.steps_per_sync:

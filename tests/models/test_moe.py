@@ -3,6 +3,7 @@
 import json
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from dflash_jax import load_target, target_forward
 from dflash_jax.io.checkpoint import CheckpointError, save_target
 from dflash_jax.models.config import ModelConfigError, target_config_from_dict
-from dflash_jax.ops.experts import (ExpertWeights, mxfp4_dequantize, route, routed_experts,
-                                    routed_experts_reference, touched_experts)
+from dflash_jax.ops.experts import (IMPLEMENTATIONS, ExpertWeights, gemv_pair_limit, mxfp4_dequantize,
+                                    resolve_implementation, route, routed_experts, routed_experts_reference,
+                                    touched_experts)
 from dflash_jax.ops.rope import rope_attention_factor, rope_inv_freq
 from dflash_jax.tiny import random_target, tiny_target_config
 
@@ -114,11 +116,81 @@ def test_grouped_experts_equal_dense_reference(tokens, kind):
                              normalize=True)
     act = "gpt_oss" if gpt_oss else "silu"
     want = routed_experts_reference(x, experts, weights, w, activation=act)
-    for impl in ("ragged_dot", "capacity"):
+    for impl in set(IMPLEMENTATIONS) - {"auto"}:  # "auto" runs one of them
         got = jax.jit(lambda x: routed_experts(x, experts, weights, w, activation=act, implementation=impl))(x)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4 * float(jnp.abs(want).max()),
                                    rtol=0, err_msg=impl)
     assert int(touched_experts(experts, e)) == len(set(np.asarray(experts).ravel().tolist()))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss_mxfp4"])
+@pytest.mark.parametrize("routing", ["shared", "repeated", pytest.param("natural", marks=pytest.mark.slow)])
+def test_gemv_experts_equal_grouped_matmuls(kind, routing):
+    """The per-pair products against the grouped matmuls, top-k 3 of 7: every token on the same three
+    experts ("shared"), a token's experts recurring across tokens ("repeated", more pairs than
+    experts), random routing; bf16 as a step runs them, to bf16 rounding."""
+    gpt_oss = kind.startswith("gpt_oss")
+    e, hidden, inter, tokens = 7, 64, 32, 5
+    w = _random_experts(jax.random.key(3), e, hidden, inter, gpt_oss=gpt_oss, mxfp4=kind.endswith("mxfp4"))
+    w = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a, w)
+    x = jax.random.normal(jax.random.key(4), (tokens, hidden), jnp.bfloat16)
+    weights, experts = route(jax.random.normal(jax.random.key(5), (tokens, e)), 3, softmax_first=not gpt_oss,
+                             normalize=True)
+    if routing == "shared":
+        experts = jnp.broadcast_to(jnp.array([4, 0, 6], jnp.int32), experts.shape)
+    elif routing == "repeated":
+        experts = jnp.array([[1, 2, 3], [3, 1, 2], [2, 5, 1], [1, 3, 2], [6, 2, 1]], jnp.int32)
+    weights = weights.astype(jnp.bfloat16)
+    act = "gpt_oss" if gpt_oss else "silu"
+    run = jax.jit(lambda x, impl: routed_experts(x, experts, weights, w, activation=act, implementation=impl),
+                  static_argnums=1)
+    want, got = np.asarray(run(x, "ragged_dot"), np.float32), np.asarray(run(x, "gemv"), np.float32)
+    np.testing.assert_allclose(got, want, atol=2e-2 * float(np.abs(want).max()), rtol=0)
+    # The step's own pair count: a decode token and a 5-token block (15 pairs > 7 experts) run "auto" as
+    # "gemv" where the per-pair bytes stay below a pass over every expert.
+    assert resolve_implementation("auto", 3, w) == "gemv"
+    assert resolve_implementation("auto", experts.size, w) == ("gemv" if gpt_oss else "ragged_dot")
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_gemv_experts_read_only_the_routed_experts(mxfp4):
+    """A decode token's "gemv" program holds no sort, no ragged or dense matmul over the experts, and
+    no value as large as one routed expert's weights times the expert count: only the routed experts'
+    weights are gathered (and decoded), inside the products' reductions."""
+    e, hidden, inter, top_k = 16, 64, 32, 2
+    w = _random_experts(jax.random.key(6), e, hidden, inter, gpt_oss=mxfp4, mxfp4=mxfp4)
+    x = jax.random.normal(jax.random.key(7), (1, hidden))
+    weights, experts = route(jax.random.normal(jax.random.key(8), (1, e)), top_k, softmax_first=True, normalize=True)
+    assert resolve_implementation("auto", experts.size, w) == "gemv" and gemv_pair_limit(w) >= e
+    jaxpr = jax.make_jaxpr(lambda x, w: routed_experts(x, experts, weights, w, activation="silu"))(x, w)
+    leaves = {id(v) for v in jaxpr.jaxpr.invars}
+    # Values in the routed experts' gate-up matrices; every expert's 4-bit blocks are 4x as many bytes.
+    routed_gate_up = top_k * 2 * inter * hidden
+
+    def eqns(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from eqns(sub)
+
+    names = set()
+    for eqn in eqns(jaxpr.jaxpr):
+        names.add(eqn.primitive.name)
+        for out in eqn.outvars:
+            if id(out) not in leaves and hasattr(out.aval, "shape"):
+                assert int(np.prod(out.aval.shape)) <= routed_gate_up, (eqn.primitive.name, out.aval)
+    assert not names & {"sort", "ragged_dot_general", "dot_general"}, names
+
+
+def test_unknown_expert_implementation_is_named():
+    from dflash_jax import EngineConfig
+    from dflash_jax.ops.config import OpsConfig
+
+    for make in (lambda: EngineConfig(experts_impl="dense").validate(), lambda: OpsConfig(experts="dense"),
+                 lambda: resolve_implementation("dense", 8, _random_experts(jax.random.key(0), 4, 32, 32,
+                                                                              gpt_oss=False, mxfp4=False))):
+        with pytest.raises(ValueError, match="'dense'"):
+            make()
 
 
 def test_mxfp4_dequantization_equals_transformers_bit_for_bit():

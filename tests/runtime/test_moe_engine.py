@@ -47,9 +47,10 @@ def test_speculative_equals_target_only_equals_transformers(moe_pair, prompts, s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("experts_impl", ["ragged_dot", "capacity"])
+@pytest.mark.parametrize("experts_impl", ["auto", "ragged_dot", "capacity"])
 def test_expert_and_tensor_parallel_meshes_equal_single_device(experts_impl, moe_pair, prompts, single_device):
-    """On (data=2, tensor=4): 2 experts a device, heads split 4 ways; either expert implementation."""
+    """On (data=2, tensor=4): 2 experts a device, heads split 4 ways; each expert implementation ("auto":
+    per-pair products for the decode steps, grouped matmuls for the prompts and verify blocks)."""
     target, drafter = load_target(moe_pair[0]), load_drafter(moe_pair[1])
     if experts_impl == "capacity" and target.config.model_type == "gpt_oss":
         pytest.skip("the capacity implementation runs the same code for both families: Qwen3-MoE covers it")
