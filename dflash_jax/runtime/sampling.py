@@ -27,8 +27,10 @@ warpers), each on one row of float32 logits:
 Filters 4-6 each keep the tokens at or above a threshold of the scaled logits, so a row's kept set
 is one threshold (``filter_thresholds``): computed from the ``candidates`` largest logits
 (``jax.lax.top_k``) when that is provably the same as from the whole sorted row, from the whole
-sorted row otherwise (a rare fallback under ``lax.cond``). Logprobs are vLLM's default: the
-log-softmax of the target's raw logits, before any processor.
+sorted row otherwise (a rare fallback under ``lax.cond``). The draws themselves are read from the
+same candidates, the noise made at their ids only, whenever no other token can win
+(``candidate_tokens``; the whole-row draw, ``draw_scores``, otherwise). Logprobs are vLLM's default:
+the log-softmax of the target's raw logits, before any processor.
 
 The batch-wide ``SamplingFlags`` (static, computed on the host from the live rows) compile out what
 no row uses: a batch of greedy rows runs the greedy code path unchanged.
