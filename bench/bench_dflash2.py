@@ -21,12 +21,10 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
 import timing
+from bench_engine import draft_loop
 from dflash_jax.models.dflash2 import DFlash2Config
-from dflash_jax.runtime import decoding
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.tiny import random_drafter, tiny_target_config
 
@@ -38,25 +36,6 @@ def dflash2_twin(drafter, *, rank: int, top_k: int, taps: int, group: int):
                         conv_group_size=group, selector_rank=rank, selector_top_k=top_k)
     cfg.validate("bench")
     return random_drafter(cfg, seed=2, std=0.02, dtype=drafter.fc.dtype)
-
-
-def draft_loop(engine: Engine, batch: int, context: int, steps: int):
-    """``steps`` drafter passes (embed, layers, head, the drafts) in one jitted loop, and its arguments."""
-    tdef, tstate = nnx.split(engine.target)
-    ddef, dstate = nnx.split(engine.drafter)
-
-    @jax.jit
-    def loop(ts, ds, state):
-        t, d = nnx.merge(tdef, ts), nnx.merge(ddef, ds)
-
-        def body(i, acc):
-            s = dataclasses.replace(state, starts=state.starts + (acc % 2))  # no pass hoisted out of the loop
-            ids, _, _ = decoding.draft_block(t, d, s, block_size=engine.block_size, ops=engine.ops)
-            return acc + ids.sum() % 7
-
-        return jax.lax.fori_loop(0, steps, body, jnp.int32(0))
-
-    return loop, (tstate, dstate, timing.synthetic_state(engine, batch, context, seed=batch + 1))
 
 
 def time_batch(engines: dict, batch: int, context: int, steps: int, repeats: int) -> tuple[dict, float]:
