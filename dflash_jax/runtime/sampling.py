@@ -478,6 +478,11 @@ def draw_scores(logits: jax.Array, rows: Rows, positions: jax.Array, *, flags: S
     return jnp.where(greedy[:, None], logits, noisy)
 
 
+# Logits of at least this many elements (~55 rows of a 152k vocabulary) compute the whole rows'
+# normalizer for top-p under a lax.cond, only when some row needs it.
+LOG_NORM_COND_ELEMENTS = 1 << 23
+
+
 def candidate_count(flags: SamplingFlags, candidates: int) -> int:
     """How many candidates a row's draw reads: ``candidates``, or enough for the batch's largest top-k."""
     return max(candidates, flags.top_k_candidates, 1)
@@ -509,11 +514,17 @@ def candidate_tokens(logits: jax.Array, rows: Rows, positions: jax.Array, *, fla
         top_p = rows.top_p if flags.top_p else jnp.ones_like(rows.top_p)
         log_norm = jnp.zeros(logits.shape[:1], jnp.float32)
         if flags.top_p:
-            # The whole row's normalizer serves top-p rows without top-k only: read only when one is there.
-            log_norm = jax.lax.cond(
-                jnp.any((top_k == 0) & (top_p < 1) & ~greedy),
-                lambda x: jax.nn.logsumexp(x.astype(jnp.float32) / temperature[:, None], axis=-1),
-                lambda x: log_norm, logits)
+            # The whole row's normalizer serves top-p rows without top-k only. Over many rows it is
+            # read only when one is there; a lax.cond costs the GPU a host round trip, more than the
+            # two passes over a few rows.
+            def whole_norm(x):
+                return jax.nn.logsumexp(x.astype(jnp.float32) / temperature[:, None], axis=-1)
+
+            if logits.size < LOG_NORM_COND_ELEMENTS:
+                log_norm = whole_norm(logits)
+            else:
+                log_norm = jax.lax.cond(jnp.any((top_k == 0) & (top_p < 1) & ~greedy), whole_norm,
+                                        lambda x: log_norm, logits)
         theta, exact = candidate_threshold(desc, log_norm, top_k, top_p)
     if flags.min_p:
         theta = jnp.maximum(theta, desc[:, 0] + jnp.log(rows.min_p))  # the row's maximum + log(min_p)

@@ -379,3 +379,23 @@ def test_drafts_from_candidates_equal_the_whole_rows_draws(scale, ties):
         assert exact.reshape(b, n)[[0, 1, 4, 6]].all()
     got = draft_tokens(logits, s, positions, flags=flags, candidates=64)
     np.testing.assert_array_equal(np.asarray(got).reshape(-1), want)
+
+
+def test_top_p_normalizer_under_a_cond_gives_the_same_draws(monkeypatch):
+    """Over many rows the whole rows' normalizer (top-p without top-k) is read under a ``lax.cond``:
+    the same tokens as computed outright, whether a row needs it or not."""
+    rows, vocab = 6, 2000
+    logits = jnp.asarray(np.random.RandomState(4).randn(rows, vocab).astype(np.float32) * 6)
+    for params in ([SamplingParams(temperature=0.8, top_p=0.7, seed=i) for i in range(rows)],
+                   [SamplingParams(temperature=0.8, top_p=0.7, top_k=20, seed=i) for i in range(rows)]):
+        flags = SamplingFlags.of(params, 0)
+        arrays = smp.row_arrays(params, rows, vocab, [0] * rows)
+        s = smp.new_state({k: jnp.asarray(v) for k, v in arrays.items()}, capacity=4, max_logprobs=0)
+        r, pos = smp.Rows.of(s, jnp.full((rows, 1), -1, jnp.int32)), jnp.arange(rows)
+        outright = [np.asarray(x) for x in smp.candidate_tokens(logits, r, pos, flags=flags, candidates=64)]
+        monkeypatch.setattr(smp, "LOG_NORM_COND_ELEMENTS", 0)
+        under_cond = [np.asarray(x) for x in smp.candidate_tokens(logits, r, pos, flags=flags, candidates=64)]
+        monkeypatch.undo()
+        np.testing.assert_array_equal(outright[0], under_cond[0])
+        np.testing.assert_array_equal(outright[1], under_cond[1])
+        assert outright[1].all()
