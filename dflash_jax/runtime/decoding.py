@@ -470,7 +470,7 @@ def _draw(logits: jax.Array, s: SamplingState, stop_ids: jax.Array, block_ids: j
 
 
 def draft_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array, *, flags: SamplingFlags = GREEDY_FLAGS,
-                 candidates: int = 0) -> jax.Array:
+                 candidates: int = 64) -> jax.Array:
     """The drafts of ``logits [b, B-1, V]`` at ``positions [b, B-1]``: greedy rows' argmax; a sampled
     row's draw from ``softmax(logits / temperature)`` within the drafter's top-k when the row has one
     (``sampling.draft_candidates``), with the target's noise for the same position, so that a
