@@ -117,9 +117,9 @@ def check_candidate_draws(vocab: int, rows: int, scale: float, candidates: int) 
                                                        candidates=candidates))
         drawn = decoding._draw(logits, s, stop_ids, block, positions, flags=flags, candidates=candidates)[:, 0]
         t, k = s.temperature, jnp.where(s.rejection, 0, s.top_k)
-        draft, draft_exact, theta = smp.draft_candidates(flat, t, k, s.seeds, pos,
-                                                         count=smp.candidate_count(flags, candidates))
-        draft_whole = decoding.greedy_argmax(smp.draft_scores(flat, t, theta, s.seeds, pos))
+        draft, draft_exact, boundary = smp.draft_candidates(flat, t, k, s.seeds, pos,
+                                                            count=smp.candidate_count(flags, candidates))
+        draft_whole = decoding.greedy_argmax(smp.draft_scores(flat, t, boundary, s.seeds, pos))
         ids = jax.lax.top_k(flat, 64)[1]
         noise_equal = jnp.all(smp.gumbel_at(s.seeds, pos, ids, vocab)
                               == jnp.take_along_axis(smp.gumbel_noise(s.seeds, pos, vocab), ids, axis=-1))

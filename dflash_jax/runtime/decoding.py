@@ -481,11 +481,11 @@ def draft_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array, *, f
     temperature = jnp.repeat(s.temperature, n)
     top_k = jnp.repeat(jnp.where(s.rejection, 0, s.top_k), n) if flags.top_k else jnp.zeros_like(temperature, jnp.int32)
     seeds, pos = jnp.repeat(s.seeds, n, axis=0), positions.reshape(-1)
-    tokens, exact, theta = smp.draft_candidates(logits.reshape(b * n, vocab), temperature, top_k, seeds, pos,
-                                                count=smp.candidate_count(flags, candidates))
+    tokens, exact, boundary = smp.draft_candidates(logits.reshape(b * n, vocab), temperature, top_k, seeds, pos,
+                                                   count=smp.candidate_count(flags, candidates))
 
     def whole_row(raw):
-        scores = smp.draft_scores(raw.reshape(b * n, vocab), temperature, theta, seeds, pos)
+        scores = smp.draft_scores(raw.reshape(b * n, vocab), temperature, boundary, seeds, pos)
         return greedy_argmax(scores.reshape(b, n, vocab)).reshape(-1)
 
     return jax.lax.cond(jnp.all(exact), lambda _: tokens, whole_row, logits).reshape(b, n)

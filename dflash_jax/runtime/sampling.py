@@ -404,22 +404,22 @@ def gumbel_at(seeds: jax.Array, positions: jax.Array, ids: jax.Array, vocab: int
     return -jnp.log(-jnp.log(uniform))
 
 
-def candidate_draw(desc: jax.Array, ids: jax.Array, theta: jax.Array, noise: jax.Array,
+def candidate_draw(desc: jax.Array, ids: jax.Array, keep: jax.Array, others_out: jax.Array, noise: jax.Array,
                    ) -> tuple[jax.Array, jax.Array]:
     """The Gumbel-max draw over a row's candidates: ``desc [R, C]`` its largest scaled logits
-    (descending) at token ``ids [R, C]``, ``theta [R]`` the filters' threshold, ``noise [R, C]`` the
-    row's Gumbel noise at ``ids`` -> ``(token [R], exact [R])``.
+    (descending) at token ``ids [R, C]``, ``keep [R, C]`` those the filters keep, ``others_out [R]``
+    whether the filters drop every other token, ``noise [R, C]`` the row's Gumbel noise at ``ids``
+    -> ``(token [R], exact [R])``.
 
-    ``token`` is the argmax of ``(desc if desc >= theta else -inf) + noise``, equal scores to the
-    lower id (as the argmax over the whole row). ``exact``: provably the draw over the whole row, as
-    no other token can reach the winning score: each is at most the smallest candidate, so it is
-    below ``theta`` (filtered out), or it stays below the winner even with the largest noise.
+    ``token`` is the argmax of ``(desc if kept else -inf) + noise``, equal scores to the lower id (as
+    the argmax over the whole row). ``exact``: provably the draw over the whole row, as no other
+    token can reach the winning score: each is filtered out, or, being at most the smallest
+    candidate, stays below the winner even with the largest noise.
     """
-    scores = jnp.where(desc >= theta[:, None], desc, -jnp.inf) + noise
+    scores = jnp.where(keep, desc, -jnp.inf) + noise
     best = jnp.max(scores, axis=-1)
     token = jnp.min(jnp.where(scores == best[:, None], ids, jnp.iinfo(jnp.int32).max), axis=-1)
-    floor = desc[:, -1]
-    exact = ((floor < theta) | (floor + GUMBEL_MAX < best)) & ~jnp.isnan(best)
+    exact = (others_out | (desc[:, -1] + GUMBEL_MAX < best)) & ~jnp.isnan(best)
     return token, exact
 
 
@@ -529,40 +529,49 @@ def candidate_tokens(logits: jax.Array, rows: Rows, positions: jax.Array, *, fla
     if flags.min_p:
         theta = jnp.maximum(theta, desc[:, 0] + jnp.log(rows.min_p))  # the row's maximum + log(min_p)
     noise = gumbel_at(rows.seeds, positions, ids, logits.shape[-1])
-    token, bounded = candidate_draw(desc, ids, theta, noise)
+    token, bounded = candidate_draw(desc, ids, desc >= theta[:, None], desc[:, -1] < theta, noise)
     return jnp.where(greedy, argmax, token), greedy | (exact & bounded) | whole
 
 
 def draft_candidates(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, seeds: jax.Array,
-                     positions: jax.Array, *, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     positions: jax.Array, *, count: int) -> tuple[jax.Array, jax.Array, tuple]:
     """Sampled drafts from a drafter's ``logits [R, V]`` (any float dtype), read from each row's
     ``count`` largest: ``temperature [R]`` (0: the argmax), ``top_k [R]`` (0: off), the row's
-    ``seeds [R, 2]`` and the ``positions [R]`` drafted -> ``(tokens [R], exact [R], theta [R])``.
+    ``seeds [R, 2]`` and the ``positions [R]`` drafted -> ``(tokens [R], exact [R], boundary)``.
 
     A sampled row's draft is the Gumbel-max draw from ``softmax(logits / temperature)`` restricted
-    to the drafter's own top-k (``theta``: its k-th largest scaled logit; ``top_k > count``: no
-    restriction), with the noise the target draws the same position with: the token the target
-    draws whenever the drafter's filtered distribution agrees with the target's. ``exact`` as in
-    ``candidate_draw``; ``draft_scores`` is the same draw over the whole row.
+    to the drafter's own k most likely tokens (``lax.top_k``'s: equal logits to the lower id; a
+    ``top_k`` above ``count``: no restriction), with the noise the target draws the same position
+    with: the token the target draws whenever the drafter's filtered distribution agrees with the
+    target's. ``exact`` as in ``candidate_draw`` (always, under a top-k); ``boundary``, the k-th
+    token's logit and id and whether the row is restricted, lets ``draft_scores`` make the same
+    draw over the whole row.
     """
     count = min(count, logits.shape[-1])
     greedy = temperature == 0
     values, ids, argmax = topk.top_k_and_argmax(logits, count)
     desc = values.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None]
-    kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, count - 1)[:, None], axis=-1)[:, 0]
-    theta = jnp.where((top_k > 0) & (top_k <= count), kth, -jnp.inf)
-    token, exact = candidate_draw(desc, ids, theta, gumbel_at(seeds, positions, ids, logits.shape[-1]))
-    return jnp.where(greedy, argmax, token), greedy | exact | (count == logits.shape[-1]), theta
+    limited = (top_k > 0) & (top_k <= count)
+    keep = ~limited[:, None] | (jnp.arange(count)[None, :] < top_k[:, None])
+    last = jnp.clip(top_k - 1, 0, count - 1)[:, None]
+    boundary = (jnp.take_along_axis(values, last, axis=-1)[:, 0].astype(jnp.float32),
+                jnp.take_along_axis(ids, last, axis=-1)[:, 0], limited)
+    token, exact = candidate_draw(desc, ids, keep, limited, gumbel_at(seeds, positions, ids, logits.shape[-1]))
+    return jnp.where(greedy, argmax, token), greedy | exact | (count == logits.shape[-1]), boundary
 
 
-def draft_scores(logits: jax.Array, temperature: jax.Array, theta: jax.Array, seeds: jax.Array,
+def draft_scores(logits: jax.Array, temperature: jax.Array, boundary: tuple, seeds: jax.Array,
                  positions: jax.Array) -> jax.Array:
     """The scores ``[R, V]`` whose argmax is ``draft_candidates``' draft, over the whole row: the
-    logits for greedy rows, else the scaled logits (-inf below ``theta``) plus the keyed noise."""
+    logits for greedy rows, else the scaled logits (-inf outside the row's top-k, ``boundary`` as
+    ``draft_candidates`` gives it) plus the keyed noise."""
+    kth, kth_id, limited = boundary
     flat = logits.astype(jnp.float32)
     greedy = temperature == 0
     scaled = flat / jnp.where(greedy, 1.0, temperature)[:, None]
-    noisy = jnp.where(scaled < theta[:, None], -jnp.inf, scaled) + gumbel_noise(seeds, positions, flat.shape[-1])
+    ids = jnp.arange(flat.shape[-1], dtype=jnp.int32)[None, :]
+    kept = ~limited[:, None] | (flat > kth[:, None]) | ((flat == kth[:, None]) & (ids <= kth_id[:, None]))
+    noisy = jnp.where(kept, scaled, -jnp.inf) + gumbel_noise(seeds, positions, flat.shape[-1])
     return jnp.where(greedy[:, None], flat, noisy)
 
 

@@ -353,7 +353,9 @@ def test_target_draws_from_candidates_equal_the_whole_rows_draws(scale, ties):
 def test_drafts_from_candidates_equal_the_whole_rows_draws(scale, ties):
     """``draft_candidates`` where exact, and ``draft_tokens`` everywhere, equal the whole row's draw
     (``draft_scores``); rows without top-k draw from the whole distribution, those with it from the
-    drafter's top-k, and rows verifying by rejection sampling ignore their top-k."""
+    drafter's k most likely tokens, and rows verifying by rejection sampling ignore their top-k."""
+    import jax
+
     from dflash_jax.runtime.decoding import draft_tokens, greedy_argmax
 
     logits, state, _, positions = _candidate_case(scale, ties=ties)
@@ -363,20 +365,24 @@ def test_drafts_from_candidates_equal_the_whole_rows_draws(scale, ties):
     temperature, seeds, pos = jnp.repeat(s.temperature, n), jnp.repeat(s.seeds, n, axis=0), positions.reshape(-1)
     top_k = jnp.repeat(jnp.where(s.rejection, 0, s.top_k), n)
     flat = logits.reshape(b * n, vocab)
-    tokens, exact, theta = smp.draft_candidates(flat, temperature, top_k, seeds, pos, count=64)
-    want = np.asarray(greedy_argmax(smp.draft_scores(flat, temperature, theta, seeds, pos)))
+    tokens, exact, boundary = smp.draft_candidates(flat, temperature, top_k, seeds, pos, count=64)
+    want = np.asarray(greedy_argmax(smp.draft_scores(flat, temperature, boundary, seeds, pos)))
     tokens, exact = np.asarray(tokens), np.asarray(exact)
     np.testing.assert_array_equal(tokens[exact], want[exact])
-    theta = np.asarray(theta).reshape(b, n)
-    assert np.isfinite(theta[1]).all() and not np.isfinite(np.delete(theta, 1, axis=0)).any()
+    limited = np.asarray(boundary[2]).reshape(b, n)
+    assert limited[1].all() and not np.delete(limited, 1, axis=0).any()
+    assert exact.reshape(b, n)[[0, 1, 6]].all()  # greedy rows, and a top-k bounds the draw
+    # The top-k rows' drafts are among the drafter's k most likely tokens (ties: the lower ids).
+    top50 = np.asarray(jax.lax.top_k(flat, 50)[1]).reshape(b, n, 50)
+    assert all(want.reshape(b, n)[1, j] in top50[1, j] for j in range(n))
     # Without a filter, the draw of the whole distribution: argmax(logits / T + noise).
     noise = np.asarray(smp.gumbel_noise(seeds, pos, vocab))
     t = np.asarray(temperature)
     plain = np.argmax(np.asarray(flat) / np.where(t == 0, 1, t)[:, None] + noise, axis=-1)
-    sampled = (t > 0) & ~np.isfinite(theta.reshape(-1))
+    sampled = (t > 0) & ~limited.reshape(-1)
     np.testing.assert_array_equal(want[sampled], plain[sampled])
-    if scale == 8.0:  # a top-k bounds the draw; without one, the noise could reach past 64 candidates here
-        assert exact.reshape(b, n)[[0, 1, 4, 6]].all()
+    if scale == 8.0:  # without a top-k, the noise could reach past 64 candidates here
+        assert exact.reshape(b, n)[4].all()
     got = draft_tokens(logits, s, positions, flags=flags, candidates=64)
     np.testing.assert_array_equal(np.asarray(got).reshape(-1), want)
 
