@@ -38,6 +38,12 @@ from dflash_jax.tiny import tiny_target_config
 def time_draft(engine: Engine, batch: int, context: int, steps: int, repeats: int) -> float:
     """Median seconds of the drafter pass alone (embed, its layers, head, argmax), ``steps`` passes in
     one jitted loop per call."""
+    loop, args = draft_loop(engine, batch, context, steps)
+    return timing.median_time(loop, *args, repeats=repeats)[0] / steps
+
+
+def draft_loop(engine: Engine, batch: int, context: int, steps: int):
+    """``steps`` drafter passes (embed, its layers, head, the drafts) in one jitted loop, and its arguments."""
     tdef, tstate = nnx.split(engine.target)
     ddef, dstate = nnx.split(engine.drafter)
 
@@ -52,8 +58,7 @@ def time_draft(engine: Engine, batch: int, context: int, steps: int, repeats: in
 
         return jax.lax.fori_loop(0, steps, body, jnp.int32(0))
 
-    state = timing.synthetic_state(engine, batch, context, seed=batch + 1)
-    return timing.median_time(loop, tstate, dstate, state, repeats=repeats)[0] / steps
+    return loop, (tstate, dstate, timing.synthetic_state(engine, batch, context, seed=batch + 1))
 
 
 def host_overhead(engine: Engine, context: int, new_tokens: int, device_step: float) -> dict:

@@ -253,25 +253,29 @@ class CandidateSelector(nnx.Module):
         1..n, ``anchor_ids [batch]`` -> ``[batch, n]`` int32: at each slot the top-K unary candidate
         (``ops.topk.top_k``: by logit, ties to the lower token id) of highest score given the token chosen
         at the slot before (the anchor for the first); score ties go to the higher-ranked candidate.
+
+        Every edge at once: slot j's scores ``[K, K]`` for each predecessor (the previous slot's K
+        candidates; K copies of the anchor at the first slot), one argmax over them all for the best
+        successor of each predecessor, then the walk as a composition of those ``[K]`` index maps,
+        in ``ceil(log2 n)`` rounds of doubling instead of n dependent steps (each a kernel launch).
         """
         unary, cand = top_k(unary_logits, self.top_k)  # [b, n, K]
+        batch, n, k = cand.shape
         proj = dense(hidden, self.hidden_projection)  # [b, n, rank]
         pred_book, succ_book = self.predecessor_codebook[...], self.successor_codebook[...]
+        predecessors = jnp.concatenate([jnp.broadcast_to(anchor_ids[:, None, None], (batch, 1, k)), cand[:, :-1]],
+                                       axis=1)  # [b, n, K]
+        ctx = jnp.take(pred_book, predecessors, axis=0) * proj[:, :, None].astype(pred_book.dtype)
         succ = jnp.take(succ_book, cand, axis=0)  # [b, n, K, rank]
-        first_ctx = jnp.take(pred_book, anchor_ids, axis=0) * proj[:, 0].astype(pred_book.dtype)
-        first = unary[:, 0] + jnp.einsum("br,bkr->bk", first_ctx, succ[:, 0]).astype(unary.dtype)
-        choice = jnp.argmax(first, axis=-1)  # [b]
-        path = [jnp.take_along_axis(cand[:, 0], choice[:, None], axis=-1)[:, 0]]
-        if unary.shape[1] > 1:
-            # Every edge (previous slot's candidate p -> this slot's candidate k) at once; the walk
-            # then only gathers the row of the previous choice.
-            ctx = jnp.take(pred_book, cand[:, :-1], axis=0) * proj[:, 1:, None].astype(pred_book.dtype)
-            edges = unary[:, 1:, None, :] + jnp.einsum("bnpr,bnkr->bnpk", ctx, succ[:, 1:]).astype(unary.dtype)
-            for slot in range(1, unary.shape[1]):
-                row = jnp.take_along_axis(edges[:, slot - 1], choice[:, None, None], axis=1)[:, 0]  # [b, K]
-                choice = jnp.argmax(row, axis=-1)
-                path.append(jnp.take_along_axis(cand[:, slot], choice[:, None], axis=-1)[:, 0])
-        return jnp.stack(path, axis=1).astype(jnp.int32)
+        edges = unary[:, :, None, :] + jnp.einsum("bnpr,bnkr->bnpk", ctx, succ).astype(unary.dtype)
+        best = jnp.argmax(edges, axis=-1).astype(jnp.int32)  # [b, n, K]: the successor of each predecessor
+        # prefix[j] = best[j] o best[j - 1] o ... o best[0] (a map applied to a predecessor index);
+        # slot 0's map is constant (every predecessor is the anchor), so prefix[j][0] is slot j's choice.
+        prefix, shift = best, 1
+        while shift < n:
+            later = jnp.take_along_axis(prefix[:, shift:], prefix[:, :-shift], axis=-1)
+            prefix, shift = jnp.concatenate([prefix[:, :shift], later], axis=1), shift * 2
+        return jnp.take_along_axis(cand, prefix[..., :1], axis=-1)[..., 0].astype(jnp.int32)
 
 
 class DFlash2Drafter(Drafter):

@@ -14,7 +14,14 @@ import jax.numpy as jnp
 
 def top_k(x: jax.Array, k: int, *, chunk: int = 128) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k(x, k)`` over the last axis of ``x [..., V]``: ``(values [..., k], ids [..., k]
-    int32)``, values descending, equal values in ascending id order (as ``lax.top_k``).
+    int32)``, values descending, equal values in ascending id order (as ``lax.top_k``)."""
+    values, ids, _ = top_k_and_argmax(x, k, chunk=chunk)
+    return values, ids
+
+
+def top_k_and_argmax(x: jax.Array, k: int, *, chunk: int = 128) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``top_k`` plus ``jnp.argmax(x, axis=-1)`` as int32 ``[...]`` (the first maximum; rows without
+    NaN), read from the same slice maxima: no second pass over the row.
 
     In two stages when the row is long: the maximum of each ``chunk``-wide slice, the ``k`` slices with
     the largest maxima (equal maxima: the lower slice), those slices in id order, the top ``k`` of their
@@ -27,12 +34,19 @@ def top_k(x: jax.Array, k: int, *, chunk: int = 128) -> tuple[jax.Array, jax.Arr
     slices = -(-vocab // chunk)
     if slices <= 2 * k:
         values, ids = jax.lax.top_k(rows, k)
+        argmax = jnp.argmax(rows, axis=-1)
     else:
         padded = jnp.pad(rows, ((0, 0), (0, slices * chunk - vocab)), constant_values=-jnp.inf)
         parts = padded.reshape(rows.shape[0], slices, chunk)
-        _, best = jax.lax.top_k(jnp.max(parts, axis=-1), k)                  # [R, k] slice indices
+        maxima = jnp.max(parts, axis=-1)                                      # [R, slices]
+        # The argmax: the first slice holding the maximum, its first maximum.
+        part = jnp.argmax(maxima, axis=-1)
+        inside = jnp.take_along_axis(parts, part[:, None, None], axis=1)[:, 0]
+        argmax = part * chunk + jnp.argmax(inside, axis=-1)
+        _, best = jax.lax.top_k(maxima, k)                                   # [R, k] slice indices
         best = jnp.sort(best, axis=-1)                                       # id order: ties to the lower id
         picked = jnp.take_along_axis(parts, best[..., None], axis=1).reshape(rows.shape[0], k * chunk)
         values, at = jax.lax.top_k(picked, k)
         ids = jnp.take_along_axis(best, at // chunk, axis=1) * chunk + at % chunk
-    return values.reshape(*lead, k), ids.astype(jnp.int32).reshape(*lead, k)
+    return (values.reshape(*lead, k), ids.astype(jnp.int32).reshape(*lead, k),
+            argmax.astype(jnp.int32).reshape(lead))

@@ -371,7 +371,7 @@ def context_window_view(drafter: Drafter, cache: KVCache, starts: jax.Array, win
 
 def draft_block(
     target: Target, drafter: Drafter, state: DecodeState, *, block_size: int,
-    ops: OpsConfig = XLA, window: int | None = None, flags: SamplingFlags = GREEDY_FLAGS,
+    ops: OpsConfig = XLA, window: int | None = None, flags: SamplingFlags = GREEDY_FLAGS, candidates: int = 64,
     context_window: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Drafts ``[anchor, d1 .. d_{B-1}]`` for every row in one drafter pass.
@@ -384,7 +384,8 @@ def draft_block(
     Returns ``block_ids [batch, B]``, ``valid [batch]`` (slots that exist: the reference's shorter
     last block) and ``positions [batch, B]``. With sampled rows (``flags.sample``), a sampled row's
     drafts are drawn from the drafter's logits over the row's temperature with the noise the target
-    draws the same positions with (``draft_tokens``); with ``flags.rejection``, the draft logits
+    draws the same positions with (``draft_tokens``, from the ``candidates`` largest logits when that
+    is exact); with ``flags.rejection``, the draft logits
     ``[batch, B-1, vocab]`` are returned fourth.
     """
     batch = state.starts.shape[0]
@@ -405,7 +406,7 @@ def draft_block(
         # sampling needs drafts drawn from q, which the selector's path is not (the batcher refuses it).
         draft = drafter.select(logits, hidden[:, 0, 1:], anchor)
     elif flags.sample:
-        draft = draft_tokens(logits, state.sampling, positions[:, 1:])
+        draft = draft_tokens(logits, state.sampling, positions[:, 1:], flags=flags, candidates=candidates)
     else:
         draft = greedy_argmax(logits)
     if (override := getattr(drafter, "override_drafts", None)) is not None:  # a test drafter (``testing``)
@@ -467,7 +468,7 @@ def speculative_step(
     batch's sampling (``verify_block``). ``context_window``: the drafter's (``draft_block``).
     """
     drafted = draft_block(target, drafter, state, block_size=block_size, ops=ops, window=window, flags=flags,
-                          context_window=context_window)
+                          candidates=candidates, context_window=context_window)
     return verify_block(target, drafter, state, *drafted[:3], ops=ops, window=window, flags=flags,
                         candidates=candidates, draft_logits=drafted[3] if flags.rejection else None)
 
@@ -517,27 +518,50 @@ def _draw(logits: jax.Array, s: SamplingState, stop_ids: jax.Array, block_ids: j
     tokens ``block_ids [b, n]`` 0..j; its penalties count tokens 1..j as generated (slot 0 is the
     committed anchor). -> ``[b, n]`` int32."""
     b, n, vocab = logits.shape
-    flat = logits.reshape(b * n, vocab).astype(jnp.float32)
     rows = smp.Rows.of(s, stop_ids, per_row=n)
     pos = positions.reshape(-1)
-    if flags.edits:
+
+    def edited(raw):
+        flat = raw.reshape(b * n, vocab).astype(jnp.float32)
+        if not flags.edits:
+            return flat
         counts, seen = smp.block_counts(s.counts, s.seen, block_ids)
-        flat = smp.edit_logits(flat, rows, pos, counts.reshape(b * n, vocab), seen.reshape(b * n, vocab))
-    scores = smp.draw_scores(flat, rows, pos, flags=flags, candidates=candidates)
-    return greedy_argmax(scores.reshape(b, n, vocab))
+        return smp.edit_logits(flat, rows, pos, counts.reshape(b * n, vocab), seen.reshape(b * n, vocab))
+
+    def whole_row(raw):
+        scores = smp.draw_scores(edited(raw), rows, pos, flags=flags, candidates=candidates)
+        return greedy_argmax(scores.reshape(b, n, vocab)).reshape(-1)
+
+    if not flags.sample:
+        return whole_row(logits).reshape(b, n)
+    # The draws from each row's largest logits (noise for those only), the whole rows' draws only
+    # when some row's could reach past them. Unedited logits stay in their dtype: no float32 copy.
+    source = edited(logits) if flags.edits else logits.reshape(b * n, vocab)
+    tokens, exact = smp.candidate_tokens(source, rows, pos, flags=flags, candidates=candidates)
+    tokens = jax.lax.cond(jnp.all(exact), lambda _: tokens, whole_row, logits)
+    return tokens.reshape(b, n)
 
 
-def draft_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array) -> jax.Array:
+def draft_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array, *, flags: SamplingFlags = GREEDY_FLAGS,
+                 candidates: int = 64) -> jax.Array:
     """The drafts of ``logits [b, B-1, V]`` at ``positions [b, B-1]``: greedy rows' argmax; a sampled
-    row's draw from ``softmax(logits / temperature)`` with the target's noise for the same position,
-    so that a drafter close to the target proposes the token the target will draw."""
+    row's draw from ``softmax(logits / temperature)`` within the drafter's top-k when the row has one
+    (``sampling.draft_candidates``), with the target's noise for the same position, so that a
+    drafter close to the target proposes the token the target will draw. Rows verifying by rejection
+    sampling draw from the whole distribution (``sampled_posterior``'s q). Read from the
+    ``candidates`` largest logits, the whole rows only when some draw could reach past them."""
     b, n, vocab = logits.shape
-    flat = logits.reshape(b * n, vocab).astype(jnp.float32)
     temperature = jnp.repeat(s.temperature, n)
-    greedy = temperature == 0
-    noise = smp.gumbel_noise(jnp.repeat(s.seeds, n, axis=0), positions.reshape(-1), vocab)
-    scores = jnp.where(greedy[:, None], flat, flat / jnp.where(greedy, 1.0, temperature)[:, None] + noise)
-    return greedy_argmax(scores.reshape(b, n, vocab))
+    top_k = jnp.repeat(jnp.where(s.rejection, 0, s.top_k), n) if flags.top_k else jnp.zeros_like(temperature, jnp.int32)
+    seeds, pos = jnp.repeat(s.seeds, n, axis=0), positions.reshape(-1)
+    tokens, exact, boundary = smp.draft_candidates(logits.reshape(b * n, vocab), temperature, top_k, seeds, pos,
+                                                   count=smp.candidate_count(flags, candidates))
+
+    def whole_row(raw):
+        scores = smp.draft_scores(raw.reshape(b * n, vocab), temperature, boundary, seeds, pos)
+        return greedy_argmax(scores.reshape(b, n, vocab)).reshape(-1)
+
+    return jax.lax.cond(jnp.all(exact), lambda _: tokens, whole_row, logits).reshape(b, n)
 
 
 def sampled_posterior(logits: jax.Array, state: DecodeState, block_ids: jax.Array, positions: jax.Array, *,

@@ -27,8 +27,10 @@ warpers), each on one row of float32 logits:
 Filters 4-6 each keep the tokens at or above a threshold of the scaled logits, so a row's kept set
 is one threshold (``filter_thresholds``): computed from the ``candidates`` largest logits
 (``jax.lax.top_k``) when that is provably the same as from the whole sorted row, from the whole
-sorted row otherwise (a rare fallback under ``lax.cond``). Logprobs are vLLM's default: the
-log-softmax of the target's raw logits, before any processor.
+sorted row otherwise (a rare fallback under ``lax.cond``). The draws themselves are read from the
+same candidates, the noise made at their ids only, whenever no other token can win
+(``candidate_tokens``; the whole-row draw, ``draw_scores``, otherwise). Logprobs are vLLM's default:
+the log-softmax of the target's raw logits, before any processor.
 
 The batch-wide ``SamplingFlags`` (static, computed on the host from the live rows) compile out what
 no row uses: a batch of greedy rows runs the greedy code path unchanged.
@@ -301,6 +303,19 @@ def _sorted_threshold(desc: jax.Array, log_norm: jax.Array, top_k: jax.Array, to
     return jnp.maximum(theta_k, theta_p)
 
 
+def candidate_threshold(desc: jax.Array, log_norm: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                        ) -> tuple[jax.Array, jax.Array]:
+    """Processors 4-5's threshold ``[R]`` from a row's largest scaled logits ``desc [R, C]``
+    (descending; ``log_norm`` as in ``_sorted_threshold``), and whether it is exact ``[R]``: every
+    kept token is a candidate and, under top-k, every top-k survivor too (top-p renormalizes over
+    them), so the mass before each is the same as in the whole sorted row."""
+    count = desc.shape[-1]
+    theta = _sorted_threshold(desc, log_norm, top_k, top_p)
+    kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, count - 1)[:, None], axis=-1)[:, 0]
+    survivors_inside = (top_k == 0) | ((top_k <= count) & (desc[:, -1] < kth))
+    return theta, (theta == -jnp.inf) | ((desc[:, -1] < theta) & survivors_inside)
+
+
 def filter_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, *,
                       flags: SamplingFlags, candidates: int) -> jax.Array:
     """Processors 4-6 on ``scaled [R, V]`` (logits over temperature): each row keeps the tokens
@@ -325,13 +340,7 @@ def filter_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min
         if candidates >= vocab:
             theta = whole(None)
         else:
-            desc = topk.top_k(scaled, candidates)[0]
-            theta_c = _sorted_threshold(desc, log_norm, top_k, top_p)
-            # Exact when every kept token is a candidate and, under top-k, every top-k survivor too
-            # (top-p renormalizes over them).
-            kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, candidates - 1)[:, None], axis=-1)[:, 0]
-            survivors_inside = (top_k == 0) | ((top_k <= candidates) & (desc[:, -1] < kth))
-            exact = (theta_c == -jnp.inf) | ((desc[:, -1] < theta_c) & survivors_inside)
+            theta_c, exact = candidate_threshold(topk.top_k(scaled, candidates)[0], log_norm, top_k, top_p)
             theta_w = jax.lax.cond(jnp.all(exact), lambda _: theta_c, whole, None)
             theta = jnp.where(exact, theta_c, theta_w)
     if flags.min_p:
@@ -358,7 +367,60 @@ def row_keys(seeds: jax.Array, positions: jax.Array, stream: int = TOKEN_STREAM)
 def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab: int, stream: int = TOKEN_STREAM) -> jax.Array:
     """Standard Gumbel noise ``[R, vocab]`` float32 for rows ``seeds [R, 2]`` at ``positions [R]``."""
     keys = row_keys(seeds, positions, stream)
-    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
+    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32, mode="low"))(keys)
+
+
+# jax's float32 Gumbel ("low" mode) is -log(-log(u)) of a uniform u <= 1 - 2**-23: at most 15.95.
+GUMBEL_MAX = 16.0
+
+
+def gumbel_at(seeds: jax.Array, positions: jax.Array, ids: jax.Array, vocab: int,
+              stream: int = TOKEN_STREAM) -> jax.Array:
+    """``gumbel_noise(seeds, positions, vocab, stream)`` at the token ids ``ids [R, C]`` only -> ``[R, C]``,
+    bit for bit.
+
+    With jax's partitionable threefry (``jax_threefry_partitionable``, the default) element ``i`` of
+    a draw of key ``k`` is a function of ``(k, i)`` alone: the xor of the two words threefry makes of
+    the counter ``(0, i)``, which are ``key_data(fold_in(k, i))``; the words become a uniform and the
+    uniform a Gumbel value as ``jax.random.gumbel`` does. Without it a value depends on the whole
+    draw, which is then made and read at ``ids``.
+    """
+    keys = row_keys(seeds, positions, stream)
+    if not jax.config.jax_threefry_partitionable:
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32, mode="low"))(keys)
+        return jnp.take_along_axis(noise, ids, axis=-1)
+
+    def row(key, row_ids):
+        words = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(row_ids.astype(jnp.uint32))
+        return words[:, 0] ^ words[:, 1]
+
+    bits = jax.vmap(row)(keys, ids)
+    # jax.random.uniform(minval=tiny, maxval=1): the 23 high bits as the mantissa of a float in
+    # [1, 2), minus 1, scaled into [tiny, 1).
+    one = jnp.asarray(np.array(1.0, np.float32).view(np.uint32))
+    floats = jax.lax.bitcast_convert_type((bits >> jnp.uint32(9)) | one, jnp.float32) - jnp.float32(1.0)
+    tiny = jnp.float32(np.finfo(np.float32).tiny)
+    uniform = jax.lax.max(tiny, floats * (jnp.float32(1.0) - tiny) + tiny)
+    return -jnp.log(-jnp.log(uniform))
+
+
+def candidate_draw(desc: jax.Array, ids: jax.Array, keep: jax.Array, others_out: jax.Array, noise: jax.Array,
+                   ) -> tuple[jax.Array, jax.Array]:
+    """The Gumbel-max draw over a row's candidates: ``desc [R, C]`` its largest scaled logits
+    (descending) at token ``ids [R, C]``, ``keep [R, C]`` those the filters keep, ``others_out [R]``
+    whether the filters drop every other token, ``noise [R, C]`` the row's Gumbel noise at ``ids``
+    -> ``(token [R], exact [R])``.
+
+    ``token`` is the argmax of ``(desc if kept else -inf) + noise``, equal scores to the lower id (as
+    the argmax over the whole row). ``exact``: provably the draw over the whole row, as no other
+    token can reach the winning score: each is filtered out, or, being at most the smallest
+    candidate, stays below the winner even with the largest noise.
+    """
+    scores = jnp.where(keep, desc, -jnp.inf) + noise
+    best = jnp.max(scores, axis=-1)
+    token = jnp.min(jnp.where(scores == best[:, None], ids, jnp.iinfo(jnp.int32).max), axis=-1)
+    exact = (others_out | (desc[:, -1] + GUMBEL_MAX < best)) & ~jnp.isnan(best)
+    return token, exact
 
 
 def uniforms(seeds: jax.Array, positions: jax.Array, stream: int = ACCEPT_STREAM) -> jax.Array:
@@ -414,6 +476,103 @@ def draw_scores(logits: jax.Array, rows: Rows, positions: jax.Array, *, flags: S
                                   candidates=candidates)
     noisy = processed_logits(logits, temperature, theta) + gumbel_noise(rows.seeds, positions, logits.shape[-1])
     return jnp.where(greedy[:, None], logits, noisy)
+
+
+# Logits of at least this many elements (~55 rows of a 152k vocabulary) compute the whole rows'
+# normalizer for top-p under a lax.cond, only when some row needs it.
+LOG_NORM_COND_ELEMENTS = 1 << 23
+
+
+def candidate_count(flags: SamplingFlags, candidates: int) -> int:
+    """How many candidates a row's draw reads: ``candidates``, or enough for the batch's largest top-k."""
+    return max(candidates, flags.top_k_candidates, 1)
+
+
+def candidate_tokens(logits: jax.Array, rows: Rows, positions: jax.Array, *, flags: SamplingFlags,
+                     candidates: int) -> tuple[jax.Array, jax.Array]:
+    """``argmax(draw_scores(...))`` read from each row's largest logits, without noise for the
+    rest of the vocabulary: ``logits [R, V]`` after ``edit_logits`` (or raw, in any float dtype, when
+    nothing edits them) -> ``(tokens [R], exact [R])``; a row's token is its draw where ``exact``
+    (always for greedy rows).
+
+    The candidates are the row's ``candidate_count`` largest logits, scaled after the top-k (dividing
+    by a temperature keeps the order, so their values are the largest scaled logits); the filters'
+    threshold comes from them as in ``filter_thresholds`` and the draw is ``candidate_draw``'s, the
+    noise generated at the candidates' ids only (``gumbel_at``). Exact unless the kept set or the
+    draw can reach past the candidates, or the threshold needs the whole sorted row.
+    """
+    count = min(candidate_count(flags, candidates), logits.shape[-1])
+    whole = count == logits.shape[-1]  # the candidates are the whole row: exact
+    greedy = rows.temperature == 0
+    temperature = jnp.where(greedy, 1.0, rows.temperature)
+    values, ids, argmax = topk.top_k_and_argmax(logits, count)
+    desc = values.astype(jnp.float32) / temperature[:, None]
+    theta = jnp.full(logits.shape[:1], -jnp.inf, jnp.float32)
+    exact = jnp.ones(logits.shape[:1], bool)
+    if flags.top_k or flags.top_p:
+        top_k = rows.top_k if flags.top_k else jnp.zeros_like(rows.top_k)
+        top_p = rows.top_p if flags.top_p else jnp.ones_like(rows.top_p)
+        log_norm = jnp.zeros(logits.shape[:1], jnp.float32)
+        if flags.top_p:
+            # The whole row's normalizer serves top-p rows without top-k only. Over many rows it is
+            # read only when one is there; a lax.cond costs the GPU a host round trip, more than the
+            # two passes over a few rows.
+            def whole_norm(x):
+                return jax.nn.logsumexp(x.astype(jnp.float32) / temperature[:, None], axis=-1)
+
+            if logits.size < LOG_NORM_COND_ELEMENTS:
+                log_norm = whole_norm(logits)
+            else:
+                log_norm = jax.lax.cond(jnp.any((top_k == 0) & (top_p < 1) & ~greedy), whole_norm,
+                                        lambda x: log_norm, logits)
+        theta, exact = candidate_threshold(desc, log_norm, top_k, top_p)
+    if flags.min_p:
+        theta = jnp.maximum(theta, desc[:, 0] + jnp.log(rows.min_p))  # the row's maximum + log(min_p)
+    noise = gumbel_at(rows.seeds, positions, ids, logits.shape[-1])
+    token, bounded = candidate_draw(desc, ids, desc >= theta[:, None], desc[:, -1] < theta, noise)
+    return jnp.where(greedy, argmax, token), greedy | (exact & bounded) | whole
+
+
+def draft_candidates(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, seeds: jax.Array,
+                     positions: jax.Array, *, count: int) -> tuple[jax.Array, jax.Array, tuple]:
+    """Sampled drafts from a drafter's ``logits [R, V]`` (any float dtype), read from each row's
+    ``count`` largest: ``temperature [R]`` (0: the argmax), ``top_k [R]`` (0: off), the row's
+    ``seeds [R, 2]`` and the ``positions [R]`` drafted -> ``(tokens [R], exact [R], boundary)``.
+
+    A sampled row's draft is the Gumbel-max draw from ``softmax(logits / temperature)`` restricted
+    to the drafter's own k most likely tokens (``lax.top_k``'s: equal logits to the lower id; a
+    ``top_k`` above ``count``: no restriction), with the noise the target draws the same position
+    with: the token the target draws whenever the drafter's filtered distribution agrees with the
+    target's. ``exact`` as in ``candidate_draw`` (always, under a top-k); ``boundary``, the k-th
+    token's logit and id and whether the row is restricted, lets ``draft_scores`` make the same
+    draw over the whole row.
+    """
+    count = min(count, logits.shape[-1])
+    greedy = temperature == 0
+    values, ids, argmax = topk.top_k_and_argmax(logits, count)
+    desc = values.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None]
+    limited = (top_k > 0) & (top_k <= count)
+    keep = ~limited[:, None] | (jnp.arange(count)[None, :] < top_k[:, None])
+    last = jnp.clip(top_k - 1, 0, count - 1)[:, None]
+    boundary = (jnp.take_along_axis(values, last, axis=-1)[:, 0].astype(jnp.float32),
+                jnp.take_along_axis(ids, last, axis=-1)[:, 0], limited)
+    token, exact = candidate_draw(desc, ids, keep, limited, gumbel_at(seeds, positions, ids, logits.shape[-1]))
+    return jnp.where(greedy, argmax, token), greedy | exact | (count == logits.shape[-1]), boundary
+
+
+def draft_scores(logits: jax.Array, temperature: jax.Array, boundary: tuple, seeds: jax.Array,
+                 positions: jax.Array) -> jax.Array:
+    """The scores ``[R, V]`` whose argmax is ``draft_candidates``' draft, over the whole row: the
+    logits for greedy rows, else the scaled logits (-inf outside the row's top-k, ``boundary`` as
+    ``draft_candidates`` gives it) plus the keyed noise."""
+    kth, kth_id, limited = boundary
+    flat = logits.astype(jnp.float32)
+    greedy = temperature == 0
+    scaled = flat / jnp.where(greedy, 1.0, temperature)[:, None]
+    ids = jnp.arange(flat.shape[-1], dtype=jnp.int32)[None, :]
+    kept = ~limited[:, None] | (flat > kth[:, None]) | ((flat == kth[:, None]) & (ids <= kth_id[:, None]))
+    noisy = jnp.where(kept, scaled, -jnp.inf) + gumbel_noise(seeds, positions, flat.shape[-1])
+    return jnp.where(greedy[:, None], flat, noisy)
 
 
 def target_probs(logits: jax.Array, rows: Rows, *, flags: SamplingFlags, candidates: int) -> jax.Array:

@@ -34,3 +34,19 @@ def test_leading_axes_and_short_rows():
     values, ids = top_k(x, 16)
     want_values, want_ids = jax.lax.top_k(x, 16)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+
+
+@pytest.mark.parametrize("vocab", [151, 5000, 5003])
+def test_argmax_from_the_slice_maxima_equals_jnp_argmax(vocab):
+    """The argmax beside the top-k is ``jnp.argmax``'s: the first maximum, ties across slices included."""
+    from dflash_jax.ops.topk import top_k_and_argmax
+
+    rs = np.random.RandomState(3)
+    x = np.round(rs.randn(5, vocab) * 2).astype(np.float32)  # ties in and across slices
+    x[1, 7] = x[1, vocab - 2] = 50.0
+    x[2, vocab // 2:] = x[2].max()  # the maximum first in a later slice
+    x[3, vocab - 1] = np.inf
+    x[4, :] = -np.inf
+    values, ids, argmax = top_k_and_argmax(jnp.asarray(x), 4)
+    np.testing.assert_array_equal(np.asarray(argmax), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(ids)[[0, 1]], np.asarray(jax.lax.top_k(jnp.asarray(x[[0, 1]]), 4)[1]))

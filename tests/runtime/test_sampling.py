@@ -274,3 +274,134 @@ def test_rejection_sampling_commits_the_targets_distribution():
     same = np.asarray(sampled_posterior(logits, state, block_ids, positions, flags=flags, candidates=4,
                                         draft_logits=logits[:, :1]))
     np.testing.assert_array_equal(same[:, 0], drafts)
+
+
+# -- draws read from the candidates against the same draws over the whole row ----------------------
+
+
+def test_noise_at_ids_equals_the_whole_rows_noise_bit_for_bit():
+    seeds = jnp.asarray([[0, 1], [7, 2**32 - 1], [3, 3]], jnp.uint32)
+    positions = jnp.asarray([5, 0, 123456])
+    whole = np.asarray(smp.gumbel_noise(seeds, positions, 5000))
+    ids = jnp.asarray(np.random.RandomState(1).randint(0, 5000, (3, 64)), jnp.int32)
+    got = np.asarray(smp.gumbel_at(seeds, positions, ids, 5000))
+    np.testing.assert_array_equal(got, np.take_along_axis(whole, np.asarray(ids), axis=1))
+    assert whole.max() < smp.GUMBEL_MAX
+    other = np.asarray(smp.gumbel_at(seeds, positions, ids, 5000, smp.RESIDUAL_STREAM))
+    np.testing.assert_array_equal(other, np.take_along_axis(
+        np.asarray(smp.gumbel_noise(seeds, positions, 5000, smp.RESIDUAL_STREAM)), np.asarray(ids), axis=1))
+
+
+CANDIDATE_ROWS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=1),
+    SamplingParams(temperature=1.0, top_p=0.8, seed=2),
+    SamplingParams(temperature=1.5, min_p=0.05, seed=3),
+    SamplingParams(temperature=0.3, seed=4),
+    SamplingParams(temperature=1.0, top_k=5, repetition_penalty=1.3, presence_penalty=0.5, seed=5),
+    SamplingParams(logit_bias={3: 40.0}),
+]
+
+
+def _candidate_case(scale: float, *, ties: bool = False):
+    """Logits ``[rows, 3, vocab]`` of the ``CANDIDATE_ROWS``, their state and the block's ids."""
+    from dflash_jax.runtime.decoding import DecodeState
+
+    rows, n, vocab = len(CANDIDATE_ROWS), 3, 3000
+    rs = np.random.RandomState(int(scale * 10) + ties)
+    logits = rs.randn(rows, n, vocab).astype(np.float32) * scale
+    if ties:
+        logits = np.round(logits)
+    arrays = smp.row_arrays(CANDIDATE_ROWS, rows, vocab, [4] * rows)
+    s = smp.new_state({k: jnp.asarray(v) for k, v in arrays.items()}, capacity=16, max_logprobs=0)
+    block = jnp.asarray(rs.randint(0, vocab, (rows, n)), jnp.int32)
+    counts, seen = smp.add_tokens(s.counts, s.seen, block, jnp.ones((rows, n), bool))
+    s = dataclasses.replace(s, counts=counts, seen=seen)
+    zeros = jnp.zeros((rows,), jnp.int32)
+    state = DecodeState(tokens=jnp.zeros((rows, 17), jnp.int32), starts=zeros + 4, max_lens=zeros + 16,
+                        done=jnp.zeros((rows,), bool), num_steps=zeros, accepted=jnp.zeros((rows, 8), jnp.int32),
+                        stop_ids=jnp.full((rows, 1), 7, jnp.int32), target_cache=None, draft_cache=None, sampling=s)
+    positions = jnp.asarray(4 + np.arange(1, n + 1)[None].repeat(rows, 0), jnp.int32)
+    return jnp.asarray(logits), state, block, positions
+
+
+@pytest.mark.parametrize("scale,ties", [(8.0, False), _SLOW(2.0, True), _SLOW(0.5, False)])
+def test_target_draws_from_candidates_equal_the_whole_rows_draws(scale, ties):
+    """Where ``candidate_tokens`` says exact, its token is the whole row's draw; ``_draw`` (both paths
+    under one ``lax.cond``) equals the whole row's draw everywhere. Peaked rows are exact."""
+    from dflash_jax.runtime.decoding import _draw, greedy_argmax
+
+    logits, state, block, positions = _candidate_case(scale, ties=ties)
+    s, (b, n, vocab) = state.sampling, logits.shape
+    flags = SamplingFlags.of(CANDIDATE_ROWS, 0)
+    rows, pos = smp.Rows.of(s, state.stop_ids, per_row=n), positions.reshape(-1)
+    counts, seen = smp.block_counts(s.counts, s.seen, block)
+    flat = smp.edit_logits(logits.reshape(b * n, vocab), rows, pos, counts.reshape(b * n, vocab),
+                           seen.reshape(b * n, vocab))
+    want = np.asarray(greedy_argmax(smp.draw_scores(flat, rows, pos, flags=flags, candidates=8)))
+    tokens, exact = (np.asarray(x) for x in smp.candidate_tokens(flat, rows, pos, flags=flags, candidates=8))
+    np.testing.assert_array_equal(tokens[exact], want[exact])
+    if scale == 8.0:
+        assert exact.all()
+    else:
+        assert not exact.all()  # the whole-row branch runs below
+    got = _draw(logits, s, state.stop_ids, block, positions, flags=flags, candidates=8)
+    np.testing.assert_array_equal(np.asarray(got).reshape(-1), want)
+
+
+@pytest.mark.parametrize("scale,ties", [(8.0, False), _SLOW(2.0, True), _SLOW(0.5, False)])
+def test_drafts_from_candidates_equal_the_whole_rows_draws(scale, ties):
+    """``draft_candidates`` where exact, and ``draft_tokens`` everywhere, equal the whole row's draw
+    (``draft_scores``); rows without top-k draw from the whole distribution, those with it from the
+    drafter's k most likely tokens, and rows verifying by rejection sampling ignore their top-k."""
+    import jax
+
+    from dflash_jax.runtime.decoding import draft_tokens, greedy_argmax
+
+    logits, state, _, positions = _candidate_case(scale, ties=ties)
+    s, (b, n, vocab) = state.sampling, logits.shape
+    s = dataclasses.replace(s, rejection=s.rejection.at[5].set(True))
+    flags = SamplingFlags.of(CANDIDATE_ROWS, 0)
+    temperature, seeds, pos = jnp.repeat(s.temperature, n), jnp.repeat(s.seeds, n, axis=0), positions.reshape(-1)
+    top_k = jnp.repeat(jnp.where(s.rejection, 0, s.top_k), n)
+    flat = logits.reshape(b * n, vocab)
+    tokens, exact, boundary = smp.draft_candidates(flat, temperature, top_k, seeds, pos, count=64)
+    want = np.asarray(greedy_argmax(smp.draft_scores(flat, temperature, boundary, seeds, pos)))
+    tokens, exact = np.asarray(tokens), np.asarray(exact)
+    np.testing.assert_array_equal(tokens[exact], want[exact])
+    limited = np.asarray(boundary[2]).reshape(b, n)
+    assert limited[1].all() and not np.delete(limited, 1, axis=0).any()
+    assert exact.reshape(b, n)[[0, 1, 6]].all()  # greedy rows, and a top-k bounds the draw
+    # The top-k rows' drafts are among the drafter's k most likely tokens (ties: the lower ids).
+    top50 = np.asarray(jax.lax.top_k(flat, 50)[1]).reshape(b, n, 50)
+    assert all(want.reshape(b, n)[1, j] in top50[1, j] for j in range(n))
+    # Without a filter, the draw of the whole distribution: argmax(logits / T + noise).
+    noise = np.asarray(smp.gumbel_noise(seeds, pos, vocab))
+    t = np.asarray(temperature)
+    plain = np.argmax(np.asarray(flat) / np.where(t == 0, 1, t)[:, None] + noise, axis=-1)
+    sampled = (t > 0) & ~limited.reshape(-1)
+    np.testing.assert_array_equal(want[sampled], plain[sampled])
+    if scale == 8.0:  # without a top-k, the noise could reach past 64 candidates here
+        assert exact.reshape(b, n)[4].all()
+    got = draft_tokens(logits, s, positions, flags=flags, candidates=64)
+    np.testing.assert_array_equal(np.asarray(got).reshape(-1), want)
+
+
+def test_top_p_normalizer_under_a_cond_gives_the_same_draws(monkeypatch):
+    """Over many rows the whole rows' normalizer (top-p without top-k) is read under a ``lax.cond``:
+    the same tokens as computed outright, whether a row needs it or not."""
+    rows, vocab = 6, 2000
+    logits = jnp.asarray(np.random.RandomState(4).randn(rows, vocab).astype(np.float32) * 6)
+    for params in ([SamplingParams(temperature=0.8, top_p=0.7, seed=i) for i in range(rows)],
+                   [SamplingParams(temperature=0.8, top_p=0.7, top_k=20, seed=i) for i in range(rows)]):
+        flags = SamplingFlags.of(params, 0)
+        arrays = smp.row_arrays(params, rows, vocab, [0] * rows)
+        s = smp.new_state({k: jnp.asarray(v) for k, v in arrays.items()}, capacity=4, max_logprobs=0)
+        r, pos = smp.Rows.of(s, jnp.full((rows, 1), -1, jnp.int32)), jnp.arange(rows)
+        outright = [np.asarray(x) for x in smp.candidate_tokens(logits, r, pos, flags=flags, candidates=64)]
+        monkeypatch.setattr(smp, "LOG_NORM_COND_ELEMENTS", 0)
+        under_cond = [np.asarray(x) for x in smp.candidate_tokens(logits, r, pos, flags=flags, candidates=64)]
+        monkeypatch.undo()
+        np.testing.assert_array_equal(outright[0], under_cond[0])
+        np.testing.assert_array_equal(outright[1], under_cond[1])
+        assert outright[1].all()
