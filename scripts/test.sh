@@ -10,4 +10,7 @@ python -m pip install -q --no-deps "dflash==0.1.0"
 python -m pip install -q --no-deps "speculators==0.9.0"
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
 export JAX_PLATFORMS=cpu
-exec python -m pytest -q "$@"
+# Two worker processes (pytest-xdist; PYTEST_WORKERS to change, 0 for one process): the suite is mostly
+# single-threaded XLA compilation, so on CI's 2 cores two processes take about half the time. Whole modules
+# go to one worker (--dist loadfile), so a module's shared engines and models are built and compiled once.
+exec python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"

@@ -9,6 +9,10 @@ _TEST_XLA_FLAGS = {"--xla_force_host_platform_device_count": "8", "--xla_backend
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_flags, *(f"{k}={v}" for k, v in _TEST_XLA_FLAGS.items() if k not in _flags)]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The oracles (torch) run tiny models: one thread each op. With a thread pool, every op of a
+# 64-wide model wakes and spins its threads, 10-20x the CPU time of one thread (worst on a loaded
+# machine); at these sizes an op runs on one thread either way, so the results are the same.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import time  # noqa: E402

@@ -367,11 +367,18 @@ def test_cached_attention_kernel_members_per_program(members, stacked, block, dr
     bit, the attention to an ulp (interpret mode on the CPU may fuse the members' ops otherwise)."""
     config = GpuConfig(block_k=16, num_splits=3, members_per_program=members, stacked_members=stacked)
     got = _check_cached_attention(9, block, 4, True, jnp.float32, drafter, config)
-    single = _check_cached_attention(9, block, 4, True, jnp.float32, drafter,
-                                     dataclasses.replace(config, members_per_program=1, stacked_members=False))
+    single = _one_member_per_program(block, drafter)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(single[0]), rtol=1e-6, atol=1e-7)
     for a, b in zip(got[1:], single[1:]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@functools.cache
+def _one_member_per_program(block: int, drafter: bool):
+    """``test_cached_attention_kernel_members_per_program``'s baseline, checked against the reference
+    and computed once for the cases that share it."""
+    config = GpuConfig(block_k=16, num_splits=3, members_per_program=1, stacked_members=False)
+    return _check_cached_attention(9, block, 4, True, jnp.float32, drafter, config)
 
 
 @pytest.mark.slow

@@ -116,9 +116,10 @@ COMBOS = [dict(), dict(top_p=0.8), dict(top_k=4, min_p=0.05), dict(top_p=0.95, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.5])
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 1.5])
 def test_sweep_speculative_equals_target_only(engines, prompts, temperature):
-    """Every combination x three seeds, all in one batch and each row alone."""
+    """Every combination x three seeds, all in one batch and each row alone, at a temperature below,
+    at and above 1 (0.7, another below, is in ``MIXED``)."""
     spec, plain = engines
     cases = [(p, SamplingParams(temperature=temperature, seed=seed, **combo))
              for (p, combo), seed in itertools.product(zip(prompts, COMBOS), (0, 1, 2))]
