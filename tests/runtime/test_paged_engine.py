@@ -4,19 +4,12 @@ with prefix hits of every kind, batched or alone, and gives every page back."""
 import numpy as np
 import pytest
 
-from dflash_jax import ContinuousBatcher, Engine, EngineConfig, load_drafter, load_target
+from dflash_jax import ContinuousBatcher, Engine, EngineConfig
 from dflash_jax.runtime.sampling import SamplingParams
-from dflash_jax.tiny import write_copycat_pair
 
 PAGE = 8
 MAX_NEW = 24
 CONFIG = dict(max_batch_size=4, max_length=96, steps_per_sync=4, prompt_buckets=(64,))
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    target, drafter = write_copycat_pair(tmp_path_factory.mktemp("copycat"), block_size=8)
-    return load_target(target), load_drafter(drafter)
 
 
 @pytest.fixture(scope="module")

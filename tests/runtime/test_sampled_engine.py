@@ -9,8 +9,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from dflash_jax import Engine, EngineConfig, SamplingParams, load_drafter, load_target, target_forward
-from dflash_jax.tiny import write_copycat_pair
+from dflash_jax import Engine, EngineConfig, SamplingParams, target_forward
 
 MAX_NEW = 24
 # A chi-square test passes at p > 1e-3: a correct sampler fails one run in a thousand (the seeds are
@@ -24,13 +23,6 @@ MIXED = [
     SamplingParams(temperature=1.5, min_p=0.05, frequency_penalty=0.3, seed=3),
     SamplingParams(temperature=0.3, logit_bias={7: 2.0, 11: -5.0}, min_tokens=5, seed=4),
 ]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A pair with varied acceptance lengths without training (``write_copycat_pair``)."""
-    target_dir, drafter_dir = write_copycat_pair(tmp_path_factory.mktemp("copycat"), block_size=8)
-    return load_target(target_dir), load_drafter(drafter_dir)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import ContinuousBatcher, Engine, EngineConfig, SamplingParams, load_drafter, load_target
+from dflash_jax import ContinuousBatcher, Engine, EngineConfig, SamplingParams
 from dflash_jax.runtime import speculation as spec
 from dflash_jax.synthetic import repeat_target, set_accept_rate, synthetic_drafter
-from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, tiny_target_config, write_copycat_pair
+from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, tiny_target_config
 
 MAX_NEW = 30
 
@@ -79,12 +79,6 @@ def test_policy_learns_rows_probes_when_off_and_seeds_new_rows_from_the_populati
 
 
 # -- the engine, forced through every choice -----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    target_dir, drafter_dir = write_copycat_pair(tmp_path_factory.mktemp("copycat"), block_size=8)
-    return load_target(target_dir), load_drafter(drafter_dir)
 
 
 @pytest.fixture(scope="module")
