@@ -395,6 +395,7 @@ class Engine:
                                       compiler_options=once)
         self._paged_admit = jax.jit(paged.admit, donate_argnums=(0,), compiler_options=once)
         self._paged_write = jax.jit(paged.write_pages, donate_argnums=(0,), compiler_options=once)
+        self._paged_set_rows = jax.jit(paged.set_page_rows, donate_argnums=(0,), compiler_options=once)
         self._paged_empty = jax.jit(self._paged_empty_fn, static_argnames=("rows",), compiler_options=once)
         # The pools are donated (they keep their shape), the rows' arrays not (they change theirs).
         self._paged_resize = jax.jit(self._paged_resize_fn, donate_argnums=(0, 1), static_argnames=("rows",),
@@ -484,6 +485,16 @@ class Engine:
         index = np.full((rows.starts.shape[0],), state.starts.shape[0], np.int32)  # out of range: dropped
         index[: len(slots)] = slots
         return self._paged_admit(state, rows, index, admission.page_rows, admission.cache_from)
+
+    def set_pages(self, state: decoding.DecodeState, pages: dict[int, Sequence[int]]) -> decoding.DecodeState:
+        """A paged engine: the page tables of running rows (``{slot: pages}``) after they got more pages
+        as they advanced; donates ``state``. One shape per row count: the slots are padded to it."""
+        rows = state.starts.shape[0]
+        slots = np.full((rows,), rows, np.int32)  # out of range: dropped
+        page_rows = np.zeros((rows, self.max_pages), np.int32)
+        for i, (slot, row_pages) in enumerate(sorted(pages.items())):
+            slots[i], page_rows[i, :len(row_pages)] = slot, row_pages
+        return self._paged_set_rows(state, self._put_batch(slots), self._put_batch(page_rows))
 
     def write_pages(self, state: decoding.DecodeState, rows: decoding.DecodeState,
                     admission: "PagedAdmission") -> decoding.DecodeState:

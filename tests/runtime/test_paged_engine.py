@@ -170,3 +170,31 @@ def test_paged_engine_with_the_kernels_equals_contiguous(models, engines, base):
     for g, prompt in zip(got, prompts):
         assert g.result.output_ids == _solo(contiguous, prompt).output_ids
     assert batcher.pages.all_free()
+
+
+@pytest.mark.slow
+def test_rows_preempted_for_pages_resume_with_their_solo_output(models, engines, base):
+    """A pool too small for every row at once: rows get pages as they advance, the newest are paused
+    when the pool runs dry and resume from the prefix cache, each with its solo output, token for token."""
+    target, drafter = models
+    contiguous, _ = engines
+    # steps_per_sync 1: a row is admitted with its prompt and 8 positions (one block), then grows.
+    engine = Engine(target, drafter, EngineConfig(page_size=PAGE, num_pages=10, **dict(CONFIG, steps_per_sync=1)))
+    batcher = ContinuousBatcher(engine)
+    with pytest.raises(ValueError, match="needs 12 pages"):  # larger than the whole pool alone
+        batcher.submit(base, 60)
+    prompts = [base[:10], base[5:20], base[20:32], base[:10] + [3, 1]]
+    sampled = SamplingParams(temperature=0.8, seed=5)
+    samplings = [None, None, sampled, None]
+    new_tokens = 48  # each request takes 8 or 9 pages alone, of 10
+    generations = [batcher.submit(p, new_tokens, sampling=s) for p, s in zip(prompts, samplings)]
+    batcher.run()
+    assert batcher.preemptions > 0 and batcher.page_stats().preemptions == batcher.preemptions
+    assert any(g.preemptions for g in generations)
+    for g, prompt, sampling in zip(generations, prompts, samplings):
+        assert g.error is None, g.error
+        want = contiguous.generate([prompt], new_tokens, sampling=sampling)[0]
+        assert g.result.output_ids == want.output_ids, (prompt, g.preemptions)
+        assert g.result.acceptance_lengths == want.acceptance_lengths
+        assert g.result.num_steps == want.num_steps
+    assert batcher.pages.all_free()
