@@ -421,6 +421,7 @@ class ContinuousBatcher:
             self._fail(group, err)
             return None
         first = np.asarray(first)  # before the admission too: queued behind it, the copy waited for it
+        fresh = _keep_emitted(fresh, first, group, contexts)
         first_logprobs = None
         if any(g.sampling.logprobs is not None for g in group):  # the first tokens' entries, from the prefill
             first_logprobs = _first_logprobs(fresh, [len(c) for c in contexts])
@@ -751,6 +752,19 @@ class ContinuousBatcher:
             g.error = err
             if g.on_finish is not None:
                 g.on_finish(g)
+
+
+def _keep_emitted(rows: Any, first: np.ndarray, group: list[Generation], contexts: list[list[int]]) -> Any:
+    """The prefilled ``rows`` with a resumed request's first token set to the last token it emitted,
+    where the prefill drew another (a prefill's logits can differ from the decode step's by rounding):
+    the row goes on from what the client has."""
+    fixes = [(i, len(c), g.output_ids[-1]) for i, (g, c) in enumerate(zip(group, contexts))
+             if g.output_ids and first[i] != g.output_ids[-1]]
+    if not fixes:
+        return rows
+    index, position, token = (np.asarray(x) for x in zip(*fixes))
+    return dataclasses.replace(rows, tokens=rows.tokens.at[index, position].set(token),
+                               done=rows.done.at[index].set(False))
 
 
 def _first_logprobs(rows: Any, prompt_lens: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

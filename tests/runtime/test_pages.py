@@ -64,6 +64,18 @@ def test_unreferenced_cached_pages_are_evicted_least_recently_used_first():
     assert pages.all_free()
 
 
+def test_requests_grow_their_pages_and_admissions_leave_room_for_growth():
+    pages = PageAllocator(num_pages=7, page_size=4, prefix_cache=False)  # 6 pages
+    a = pages.allocate([1, 2, 3, 4, 5], positions=8)  # 2 pages: the prompt and a first stretch
+    assert pages.allocate([9], positions=4, keep=4) is None  # 1 page, but the running rows need 4 more
+    assert pages.grow(a.pages, 20) and len(a.pages) == 5 and pages.available == 1
+    assert pages.grow(a.pages, 18) and len(a.pages) == 5  # covered already
+    assert not pages.grow(a.pages, 28) and len(a.pages) == 5  # 2 more needed, 1 left: nothing is taken
+    assert len(set(a.pages)) == 5 and 0 not in a.pages
+    pages.release(a.pages)
+    assert pages.all_free()
+
+
 def test_a_cached_page_held_by_a_request_is_never_evicted():
     pages = PageAllocator(num_pages=4, page_size=2)  # 3 pages
     a = pages.allocate([1, 2, 3], positions=4)
