@@ -8,7 +8,9 @@ of pending requests. Every ``step`` is one host sync:
    engine's row count for its live requests (one row for a lone request), then one prefill of just
    the new prompts is scattered into free slots, and their first tokens (the prefill's) are read
    and streamed at once;
-2. the next decode call is dispatched, its attention window covering every live row (with the
+2. a paged engine's live rows get the pages the next call may write, the newest rows preempted (paused,
+   requeued first, resumed later by a prefill of what they have) if the pool is short (``_grow_pages``);
+   the next decode call is dispatched, its attention window covering every live row (with the
    engine's ``max_steps_per_sync``, its step count follows the host: ``_adapt_steps``; with adaptive
    speculation, its block size is the ``runtime.speculation`` policy's choice for the live rows);
 3. the snapshot of the *previous* call is read while the device runs the new one: new tokens stream
@@ -504,7 +506,7 @@ class ContinuousBatcher:
         could outgrow the largest prompt bucket."""
         config = self.engine.config
         return (g.sampling.penalized or g.sampling.min_tokens > 0
-                or g.max_len - 1 > getattr(config, "max_prompt_length", config.max_length))
+                or g.max_len - 2 > getattr(config, "max_prompt_length", config.max_length))
 
     def _needed_positions(self, g: Generation, end: int) -> int:
         """The positions ``g``'s row may have written once the decode steps dispatched up to ``end`` ran:
@@ -540,7 +542,9 @@ class ContinuousBatcher:
                 self._preempt(victim)
         grown = {}
         for slot, g in enumerate(self._rows):
-            if g is not None and self._growth(g, end) and self.pages.grow(g.pages, self._needed_positions(g, end)):
+            if g is not None and self._growth(g, end):
+                if not self.pages.grow(g.pages, self._needed_positions(g, end)):  # its writes would be lost
+                    raise RuntimeError(f"the page pool ({self.pages.total} pages) cannot hold the running rows")
                 grown[slot] = g.pages
         if grown:
             self._state = self.engine.set_pages(self._state, grown)

@@ -91,7 +91,8 @@ class EngineConfig:
     sampling_candidates: int = 64
     # Paged caches (``dflash_jax.runtime.paged``): 0 keeps a contiguous cache of ``max_length`` positions
     # per row slot; else the positions per page (a power of two <= 128), every row's K/V (target and
-    # drafter context) in pages of one pool, admitted by free pages, with prefix caching.
+    # drafter context) in pages of one pool, admitted by free pages, getting more as they decode (the newest
+    # rows preempted and resumed when the pool runs dry), with prefix caching.
     page_size: int = 0
     # The pool's pages (one more, the null page, is added): None sizes it by ``kv_memory_fraction``, or
     # when that is None too, to what the contiguous caches of ``max_batch_size`` rows would take.

@@ -2,8 +2,8 @@
 
 ``PageAllocator`` hands out pages of one pool (the target's and the drafter's pools share page numbers:
 a page holds the same positions of both) with reference counts. A request holds its pages from its
-admission until its row is released or preempted, and gets more as it advances (``grow``); a page shared by several requests (a cached prefix) is freed
-when the last one lets it go.
+admission until its row is released or preempted, and gets more as it advances (``grow``); a page
+shared by several requests (a cached prefix) is freed when the last one lets it go.
 
 Prefix caching: a full page of a prompt is keyed by a hash chain of its tokens, ``key_i =
 blake2b(key_{i-1} || tokens of page i)`` (128 bits: a collision, which would serve one prompt another's
