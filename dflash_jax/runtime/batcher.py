@@ -8,7 +8,9 @@ of pending requests. Every ``step`` is one host sync:
    engine's row count for its live requests (one row for a lone request), then one prefill of just
    the new prompts is scattered into free slots, and their first tokens (the prefill's) are read
    and streamed at once;
-2. the next decode call is dispatched, its attention window covering every live row (with the
+2. a paged engine's live rows get the pages the next call may write, the newest rows preempted (paused,
+   requeued first, resumed later by a prefill of what they have) if the pool is short (``_grow_pages``);
+   the next decode call is dispatched, its attention window covering every live row (with the
    engine's ``max_steps_per_sync``, its step count follows the host: ``_adapt_steps``; with adaptive
    speculation, its block size is the ``runtime.speculation`` policy's choice for the live rows);
 3. the snapshot of the *previous* call is read while the device runs the new one: new tokens stream
@@ -50,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import jax
 import numpy as np
 
-from dflash_jax.runtime.pages import PageAllocator
+from dflash_jax.runtime.pages import PageAllocator, PageStats
 from dflash_jax.runtime.sampling import GREEDY, SamplingFlags, SamplingParams
 from dflash_jax.runtime.speculation import AcceptanceEstimate, Choice, SpeculationPolicy
 
@@ -168,9 +170,17 @@ class Generation:
     start: int = 0
     seen_steps: int = 0
     # A paged engine's: the pages the request holds (``runtime.pages``) and how many leading prompt
-    # tokens it found cached.
+    # tokens it found cached; its place in arrival order (the newest rows are preempted first), and
+    # the decode steps and acceptance lengths of its rows before preemptions.
     pages: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
+    order: int = 0
+    preemptions: int = 0
+    prior_steps: int = 0
+    prior_accepted: list[int] = dataclasses.field(default_factory=list)
+    # The row's decode steps and acceptance lengths as last read (a view into that snapshot).
+    read_steps: int = 0
+    read_accepted: Any = None
     # Adaptive speculation: the row's acceptance estimate, its decode steps read so far, per block.
     acceptance: AcceptanceEstimate | None = None
     row_steps: int = 0
@@ -183,6 +193,12 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self.cancelled or self.result is not None or self.error is not None
+
+    @property
+    def context_ids(self) -> list[int]:
+        """What its (re)admission prefills: the prompt, then the output tokens but the last (a preempted
+        request resumes there, its prefill's first token being its last output token again)."""
+        return self.prompt_ids + self.output_ids[:-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +245,8 @@ class ContinuousBatcher:
         if getattr(engine, "paged", False):
             self.pages = PageAllocator(engine.num_pages, engine.page_size, prefix_cache=engine.config.prefix_cache)
         self._unreleased_pages: list[list[int]] = []
+        self.preemptions = 0  # rows paused because the pool ran out of pages
+        self._arrivals = itertools.count()
         self.speculation: SpeculationPolicy | None = None  # adaptive speculation, made at the first call
 
     @property
@@ -307,6 +325,7 @@ class ContinuousBatcher:
             prompt_ids=prompt, max_len=min(len(prompt) + int(max_new_tokens), config.max_length),
             stop_token_ids=stops, on_tokens=on_tokens, on_finish=on_finish, stop_check=stop_check,
             submitted=time.perf_counter() if submitted is None else submitted, sampling=sampling.with_seed(),
+            order=next(self._arrivals),
         )
         self._pending.append(generation)
         return generation
@@ -329,7 +348,8 @@ class ContinuousBatcher:
             if admitted is not None:
                 self._read_first_tokens(*admitted)
                 self._release_given_up()  # rows that their first token ended: before a call runs them
-            previous, self._in_flight = self._in_flight, self._dispatch(admitted=admitted is not None)
+            call = self._dispatch(admitted=admitted is not None)  # may read the call in flight first
+            previous, self._in_flight = self._in_flight, call
             if previous is not None:
                 self._read(previous)
         except Exception as err:  # noqa: BLE001 - reported to every request it touched
@@ -390,8 +410,8 @@ class ContinuousBatcher:
         try:
             params = [g.sampling for g in group]
             extra = {} if all(p.plain for p in params) else {"sampling": params}
-            args = ([g.prompt_ids for g in group], [g.max_len - len(g.prompt_ids) for g in group],
-                    [g.stop_token_ids for g in group])
+            contexts = [g.context_ids for g in group]  # a resumed request's output so far too
+            args = (contexts, [g.max_len - len(c) for g, c in zip(group, contexts)], [g.stop_token_ids for g in group])
             if self.pages is None:
                 fresh, first = self.engine.prefill(*args, **extra)
             else:
@@ -403,21 +423,25 @@ class ContinuousBatcher:
             self._fail(group, err)
             return None
         first = np.asarray(first)  # before the admission too: queued behind it, the copy waited for it
+        fresh = _keep_emitted(fresh, first, group, contexts)
         first_logprobs = None
         if any(g.sampling.logprobs is not None for g in group):  # the first tokens' entries, from the prefill
-            first_logprobs = _first_logprobs(fresh, [len(g.prompt_ids) for g in group])
+            first_logprobs = _first_logprobs(fresh, [len(c) for c in contexts])
         slots = [i for i, g in enumerate(self._rows) if g is None][:admitting]
         now = time.perf_counter()
-        for slot, g in zip(slots, group):  # before the admission: if it fails, step() fails them too
+        for slot, g, context in zip(slots, group, contexts):  # before the admission: if it fails, step() fails them too
             self._rows[slot] = g
-            g.admitted, g.emitted, g.start, g.seen_steps = (now, len(g.prompt_ids), len(g.prompt_ids),
-                                                            self._steps_dispatched)
+            if g.admitted is None:
+                g.admitted = now
+            # A resumed request's output so far was emitted: only the tokens after it are new.
+            g.emitted, g.start, g.seen_steps = len(context) + bool(g.output_ids), len(context), self._steps_dispatched
+            g.row_steps = g.read_steps = 0
         if self.pages is None:
             self._state = self.engine.admit(self._state, fresh, slots)
         else:
             self._state = self.engine.admit_paged(self._state, fresh, slots, admission)
-            for g in group:  # their full prompt pages, for later prompts (read after this admission)
-                self.pages.register(g.prompt_ids, g.pages)
+            for g, context in zip(group, contexts):  # their full prompt pages, for later prompts
+                self.pages.register(context, g.pages)
         return first, group, first_logprobs
 
     def _prefill_chunk(self) -> bool:
@@ -432,13 +456,14 @@ class ContinuousBatcher:
         if not g.pages and self._allocate_pages(1) == 0:
             return False
         end = g.cached_tokens + chunk
-        if len(g.prompt_ids) - g.cached_tokens <= chunk:
+        context = g.context_ids
+        if len(context) - g.cached_tokens <= chunk:
             return False
         if self._state is None:
             self._state = self.engine.empty_state(self.engine.state_rows(1))
             self._rows = [None] * self.engine.state_rows(1)
         try:
-            rows, _, admission = self.engine.prefill_paged(self._state, [g.prompt_ids[:end]], [1], [()], [g.pages],
+            rows, _, admission = self.engine.prefill_paged(self._state, [context[:end]], [1], [()], [g.pages],
                                                            [g.cached_tokens])
         except Exception as err:  # noqa: BLE001 - the running state is untouched: fail this prompt only
             self._pending.popleft()
@@ -447,20 +472,102 @@ class ContinuousBatcher:
             return True
         self._state = self.engine.write_pages(self._state, rows, admission)
         g.cached_tokens = end
-        self.pages.register(g.prompt_ids[:end], g.pages)
+        self.pages.register(context[:end], g.pages)
         return True
 
     def _allocate_pages(self, most: int) -> int:
         """Gives pages to up to ``most`` leading pending requests, in order, stopping at the first the
-        pool cannot hold now; returns how many have theirs (a prompt prefilled in chunks has them already)."""
+        pool cannot hold now; returns how many have theirs (a prompt prefilled in chunks has them already).
+
+        A request gets pages for its context and one decode call's positions (``_first_stretch``), more
+        as it advances (``_grow_pages``), leaving the pages the running rows' next call needs; one that
+        cannot be preempted (``_reserves_whole_length``) gets its whole length."""
+        keep = sum(self._growth(g, self._steps_dispatched + self.steps_per_call) for g in self._rows if g is not None)
         for n, g in enumerate(itertools.islice(self._pending, most)):
             if g.pages:
                 continue
-            grant = self.pages.allocate(g.prompt_ids, g.max_len)
+            context = g.context_ids
+            positions = g.max_len if self._reserves_whole_length(g) else min(
+                len(context) + self._first_stretch(), g.max_len)
+            grant = self.pages.allocate(context, positions, keep=keep)
             if grant is None:
                 return n
             g.pages, g.cached_tokens = grant.pages, grant.cached_tokens
         return most
+
+    def _first_stretch(self) -> int:
+        """The positions a row may write in one decode call."""
+        return self.steps_per_call * self.engine.block_size
+
+    def _reserves_whole_length(self, g: Generation) -> bool:
+        """Whether ``g`` gets pages for its whole length at admission and is never preempted: a
+        resumption could not give its output again, as its sampling depends on its output's history
+        (penalties' token counts, min_tokens' count), which a prefill does not restore, or its context
+        could outgrow the largest prompt bucket."""
+        config = self.engine.config
+        return (g.sampling.penalized or g.sampling.min_tokens > 0
+                or g.max_len - 2 > getattr(config, "max_prompt_length", config.max_length))
+
+    def _needed_positions(self, g: Generation, end: int) -> int:
+        """The positions ``g``'s row may have written once the decode steps dispatched up to ``end`` ran:
+        at most ``block`` per step since its start was last seen, its last step starting at max_len - 2
+        (``_dispatch``'s window for one row); positions past ``max_len`` go to the null page."""
+        block = self.engine.block_size
+        return min(g.start + (end - g.seen_steps) * block, g.max_len - 2 + block, g.max_len)
+
+    def _growth(self, g: Generation, end: int) -> int:
+        """The pages ``g``'s row lacks to run the decode steps dispatched up to ``end``."""
+        return max(0, self.pages.pages_for(self._needed_positions(g, end)) - len(g.pages))
+
+    def _grow_pages(self, end: int) -> None:
+        """Gives the live rows the pages the decode steps up to ``end`` may write, and their page tables
+        on the device. When the pool is short, the call in flight is read first (rows it finished give
+        their pages back, and the rest need fewer), then the newest rows are preempted until the others
+        fit (``_preempt``); a pending request's pages from a chunked prefill go before an older row's."""
+        short = lambda: sum(self._growth(g, end) for g in self._rows if g is not None) - self.pages.available
+        if short() > 0 and self._in_flight is not None:
+            call, self._in_flight = self._in_flight, None
+            self._read(call)
+            self._release_given_up()
+        while short() > 0:
+            live = [g for g in self._rows if g is not None]
+            held = [g for g in self._pending if g.pages]
+            victims = [g for g in live if not self._reserves_whole_length(g)] + held
+            if len(live) <= 1 and not held or not victims:
+                break  # a lone row fits the pool (``submit`` checks it)
+            victim = max(victims, key=lambda g: g.order)
+            if victim in held:
+                self._free_pages(victim, written=False)
+            else:
+                self._preempt(victim)
+        grown = {}
+        for slot, g in enumerate(self._rows):
+            if g is not None and self._growth(g, end):
+                if not self.pages.grow(g.pages, self._needed_positions(g, end)):  # its writes would be lost
+                    raise RuntimeError(f"the page pool ({self.pages.total} pages) cannot hold the running rows")
+                grown[slot] = g.pages
+        if grown:
+            self._state = self.engine.set_pages(self._state, grown)
+
+    def _preempt(self, g: Generation) -> None:
+        """Pauses ``g``'s row (no call in flight: the host knows its tokens): the row is released, its
+        pages given back (the full ones of its context cached), and ``g`` queued first, to resume by a
+        prefill of its context, which the prefix cache usually holds. Its output stays as it is."""
+        slot = self._rows.index(g)
+        self._state = self.engine.release(self._state, [slot])
+        self._rows[slot] = None
+        self._free_pages(g)
+        g.cached_tokens = 0
+        if g.read_steps:
+            g.prior_steps += g.read_steps
+            g.prior_accepted += g.read_accepted[:g.read_steps].tolist()
+        g.preemptions += 1
+        self.preemptions += 1
+        self._pending.appendleft(g)
+
+    def page_stats(self) -> PageStats:
+        """A paged engine's page counters for ``/metrics``, preemptions included."""
+        return dataclasses.replace(self.pages.stats(), preemptions=self.preemptions)
 
     def _free_pages(self, g: Generation, *, written: bool = True) -> None:
         """Lets ``g``'s pages go (a paged engine); ``written``: its admission ran, so they hold the K/V of
@@ -483,6 +590,11 @@ class ContinuousBatcher:
             self._adapt_steps(device_idle=True)
         block, steps = self.engine.block_size, self.steps_per_call
         end = self._steps_dispatched + steps
+        if self.pages is not None:  # the pages the call may write, preempting rows if the pool is short
+            self._grow_pages(end)
+            live = [g for g in self._rows if g is not None]
+            if not live:
+                return None
         # A row advances at most ``block`` positions per step dispatched since its start was last
         # seen, and its last step starts at max_len - 2, writing a block up to max_len - 2 + block.
         window = max(min(g.start + (end - g.seen_steps) * block, g.max_len - 2 + block) for g in live)
@@ -537,7 +649,7 @@ class ContinuousBatcher:
     def _read_first_tokens(self, tokens: np.ndarray, group: list[Generation], logprobs=None) -> None:
         now = time.perf_counter()
         for i, (g, token) in enumerate(zip(group, tokens)):
-            if g.cancelled:
+            if g.cancelled or g.first_token_time is not None:  # resumed: its first token was emitted
                 continue
             g.first_token_time = now
             entries = None if logprobs is None else [(logprobs[0][i], logprobs[1][i], logprobs[2][i])]
@@ -557,6 +669,7 @@ class ContinuousBatcher:
             if call.block is not None:
                 self._observe(g, snap, row, call.block)
             g.start, g.seen_steps = int(snap.starts[row]), call.steps_end
+            g.read_steps, g.read_accepted = int(snap.num_steps[row]), snap.accepted[row]
             upto = min(g.start + 1, g.max_len)
             if upto > g.emitted:
                 entries = None
@@ -608,12 +721,13 @@ class ContinuousBatcher:
 
     def _retire(self, g: Generation, snap: RowSnapshot | None, row: int, now: float, stopped: bool = False) -> None:
         out = list(g.output_ids)
-        if not stopped:
+        if not stopped:  # with the steps of its rows before preemptions
             steps = int(snap.num_steps[row])
-            accepted = snap.accepted[row, :steps].tolist()
+            accepted = g.prior_accepted + snap.accepted[row, :steps].tolist()
+            steps += g.prior_steps
         elif self.engine.speculative:  # cut after the stop check's last token, as at a stop token
-            history = [] if snap is None else snap.accepted[row, :int(snap.num_steps[row])]
-            accepted = cut_acceptance(history, len(out) - 1)
+            history = [] if snap is None else snap.accepted[row, :int(snap.num_steps[row])].tolist()
+            accepted = cut_acceptance(g.prior_accepted + history, len(out) - 1)
             steps = len(accepted)
         else:
             accepted, steps = [], len(out) - 1
@@ -642,6 +756,19 @@ class ContinuousBatcher:
             g.error = err
             if g.on_finish is not None:
                 g.on_finish(g)
+
+
+def _keep_emitted(rows: Any, first: np.ndarray, group: list[Generation], contexts: list[list[int]]) -> Any:
+    """The prefilled ``rows`` with a resumed request's first token set to the last token it emitted,
+    where the prefill drew another (a prefill's logits can differ from the decode step's by rounding):
+    the row goes on from what the client has."""
+    fixes = [(i, len(c), g.output_ids[-1]) for i, (g, c) in enumerate(zip(group, contexts))
+             if g.output_ids and first[i] != g.output_ids[-1]]
+    if not fixes:
+        return rows
+    index, position, token = (np.asarray(x) for x in zip(*fixes))
+    return dataclasses.replace(rows, tokens=rows.tokens.at[index, position].set(token),
+                               done=rows.done.at[index].set(False))
 
 
 def _first_logprobs(rows: Any, prompt_lens: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

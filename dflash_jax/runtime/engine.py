@@ -91,7 +91,8 @@ class EngineConfig:
     sampling_candidates: int = 64
     # Paged caches (``dflash_jax.runtime.paged``): 0 keeps a contiguous cache of ``max_length`` positions
     # per row slot; else the positions per page (a power of two <= 128), every row's K/V (target and
-    # drafter context) in pages of one pool, admitted by free pages, with prefix caching.
+    # drafter context) in pages of one pool, admitted by free pages, getting more as they decode (the newest
+    # rows preempted and resumed when the pool runs dry), with prefix caching.
     page_size: int = 0
     # The pool's pages (one more, the null page, is added): None sizes it by ``kv_memory_fraction``, or
     # when that is None too, to what the contiguous caches of ``max_batch_size`` rows would take.
@@ -395,6 +396,7 @@ class Engine:
                                       compiler_options=once)
         self._paged_admit = jax.jit(paged.admit, donate_argnums=(0,), compiler_options=once)
         self._paged_write = jax.jit(paged.write_pages, donate_argnums=(0,), compiler_options=once)
+        self._paged_set_rows = jax.jit(paged.set_page_rows, donate_argnums=(0,), compiler_options=once)
         self._paged_empty = jax.jit(self._paged_empty_fn, static_argnames=("rows",), compiler_options=once)
         # The pools are donated (they keep their shape), the rows' arrays not (they change theirs).
         self._paged_resize = jax.jit(self._paged_resize_fn, donate_argnums=(0, 1), static_argnames=("rows",),
@@ -484,6 +486,16 @@ class Engine:
         index = np.full((rows.starts.shape[0],), state.starts.shape[0], np.int32)  # out of range: dropped
         index[: len(slots)] = slots
         return self._paged_admit(state, rows, index, admission.page_rows, admission.cache_from)
+
+    def set_pages(self, state: decoding.DecodeState, pages: dict[int, Sequence[int]]) -> decoding.DecodeState:
+        """A paged engine: the page tables of running rows (``{slot: pages}``) after they got more pages
+        as they advanced; donates ``state``. One shape per row count: the slots are padded to it."""
+        rows = state.starts.shape[0]
+        slots = np.full((rows,), rows, np.int32)  # out of range: dropped
+        page_rows = np.zeros((rows, self.max_pages), np.int32)
+        for i, (slot, row_pages) in enumerate(sorted(pages.items())):
+            slots[i], page_rows[i, :len(row_pages)] = slot, row_pages
+        return self._paged_set_rows(state, self._put_batch(slots), self._put_batch(page_rows))
 
     def write_pages(self, state: decoding.DecodeState, rows: decoding.DecodeState,
                     admission: "PagedAdmission") -> decoding.DecodeState:

@@ -10,6 +10,7 @@ page pools shared by all rows (``dflash_jax.ops.paged_cache``), with a page tabl
   ``cache_from`` (the cached prefix's length) on.
 - ``admit``: the rows into free slots, their page tables beside them, their computed positions
   scattered into their pages (never into a cached prefix's page: those are read-only).
+- ``set_page_rows``: new page tables for running rows (pages a row got as it advanced).
 - ``resize``: the rows (with their page tables) into a state of another row count; the pools move as
   they are.
 - ``step``: a decode step of the unchanged contiguous code on a view of each row's first pages, after
@@ -137,6 +138,12 @@ def write_pages(state: DecodeState, rows: DecodeState, page_rows: jax.Array, cac
 
     return dataclasses.replace(state, target_cache=put(state.target_cache, rows.target_cache),
                                draft_cache=put(state.draft_cache, rows.draft_cache))
+
+
+def set_page_rows(state: DecodeState, slots: jax.Array, page_rows: jax.Array) -> DecodeState:
+    """The page tables of rows ``slots [n]`` set to ``page_rows [n, max_pages]`` (rows that got pages as
+    they advanced; slots out of range are dropped)."""
+    return dataclasses.replace(state, page_table=state.page_table.at[slots].set(page_rows, mode="drop"))
 
 
 def resize(empty: DecodeState, state: DecodeState, slots: jax.Array) -> DecodeState:

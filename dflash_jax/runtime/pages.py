@@ -2,8 +2,8 @@
 
 ``PageAllocator`` hands out pages of one pool (the target's and the drafter's pools share page numbers:
 a page holds the same positions of both) with reference counts. A request holds its pages from its
-admission until its row is released; a page shared by several requests (a cached prefix) is freed
-when the last one lets it go.
+admission until its row is released or preempted, and gets more as it advances (``grow``); a page
+shared by several requests (a cached prefix) is freed when the last one lets it go.
 
 Prefix caching: a full page of a prompt is keyed by a hash chain of its tokens, ``key_i =
 blake2b(key_{i-1} || tokens of page i)`` (128 bits: a collision, which would serve one prompt another's
@@ -31,8 +31,8 @@ from dflash_jax.ops.paged_cache import NULL_PAGE
 
 @dataclasses.dataclass
 class PageGrant:
-    """What an admission got: the request's pages in order (one per ``page_size`` positions of its
-    ``max_len``) and how many leading positions are already cached (a multiple of the page size)."""
+    """What an admission got: the request's pages in order (one per ``page_size`` positions asked for)
+    and how many leading positions are already cached (a multiple of the page size)."""
 
     pages: list[int]
     cached_tokens: int
@@ -48,6 +48,7 @@ class PageStats:
     in_use: int           # referenced by a running request
     prefix_queries: int   # prompt tokens looked up
     prefix_hits: int      # of them, found cached
+    preemptions: int = 0  # running rows paused for pages (``ContinuousBatcher.preemptions``)
 
 
 class PageAllocator:
@@ -119,24 +120,35 @@ class PageAllocator:
 
     # -- allocation --------------------------------------------------------------------------------
 
-    def can_allocate(self, prompt: Sequence[int], max_len: int) -> bool:
+    def can_allocate(self, prompt: Sequence[int], positions: int, *, keep: int = 0) -> bool:
+        """Whether ``allocate(prompt, positions)`` would succeed and leave ``keep`` pages available."""
         hit = self.cached_prefix(prompt)
-        needed = self.pages_for(max_len) - len(hit)
-        return needed <= self.available - sum(1 for p in hit if self._refs[p] == 0)
+        needed = self.pages_for(positions) - len(hit)
+        return needed + keep <= self.available - sum(1 for p in hit if self._refs[p] == 0)
 
-    def allocate(self, prompt: Sequence[int], max_len: int) -> PageGrant | None:
-        """Pages for a request of ``max_len`` positions (prompt plus new tokens): its cached prefix's
-        pages, shared, then fresh ones (evicting least recently used cached pages if no page is free).
-        None if the pool cannot hold it now (nothing is taken then)."""
-        if not self.can_allocate(prompt, max_len):
+    def allocate(self, prompt: Sequence[int], positions: int, *, keep: int = 0) -> PageGrant | None:
+        """Pages for the first ``positions`` positions of a request (its prompt and a first stretch of
+        new tokens, or its whole length): its cached prefix's pages, shared, then fresh ones (evicting
+        least recently used cached pages if no page is free). None if the pool cannot hold them now
+        while leaving ``keep`` pages available (the running rows' next growth); nothing is taken then."""
+        if not self.can_allocate(prompt, positions, keep=keep):
             return None
         hit = self.cached_prefix(prompt)
         for page in hit:
             self._take(page)
-        fresh = [self._fresh_page() for _ in range(self.pages_for(max_len) - len(hit))]
+        fresh = [self._fresh_page() for _ in range(self.pages_for(positions) - len(hit))]
         self.prefix_queries += len(prompt)
         self.prefix_hits += len(hit) * self.page_size
         return PageGrant(pages=hit + fresh, cached_tokens=len(hit) * self.page_size)
+
+    def grow(self, pages: list[int], positions: int) -> bool:
+        """Appends fresh pages to a request's ``pages`` until they cover ``positions`` positions; False
+        (nothing taken) if the pool has too few available."""
+        needed = self.pages_for(positions) - len(pages)
+        if needed > self.available:
+            return False
+        pages.extend(self._fresh_page() for _ in range(needed))
+        return True
 
     def register(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
         """Caches the full pages of ``tokens`` (whose K/V are in ``pages``, in order): a later prompt

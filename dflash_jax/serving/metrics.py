@@ -189,6 +189,9 @@ class Metrics:
                        [(label, pages.prefix_queries)])
                 metric("dflash_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
                        [(label, pages.prefix_hits)])
+                metric("dflash_preemptions_total", "counter",
+                       "Running requests paused because the KV cache ran out of pages (resumed later).",
+                       [(label, pages.preemptions)])
         return "\n".join(lines) + "\n"
 
 

@@ -191,7 +191,7 @@ class Scheduler:
                     self.metrics.speculation_choice(policy.last)
             self.metrics.running = self._batcher.running
             if self._batcher.pages is not None:
-                self.metrics.pages = self._batcher.pages.stats()
+                self.metrics.pages = self._batcher.page_stats()
 
     def _take_requests(self) -> list[Request] | None:
         """Waits for work; returns the queued requests that fit in free rows now (None: closed and done)."""

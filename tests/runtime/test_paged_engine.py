@@ -1,10 +1,15 @@
 """A paged engine (``EngineConfig.page_size``) generates what the contiguous one does, token for token,
 with prefix hits of every kind, batched or alone, and gives every page back."""
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dflash_jax import ContinuousBatcher, Engine, EngineConfig
+from dflash_jax.runtime.batcher import Generation, _keep_emitted
 from dflash_jax.runtime.sampling import SamplingParams
 
 PAGE = 8
@@ -40,6 +45,26 @@ def test_engine_config_checks_the_page_settings():
                 dict(kv_memory_fraction=1.5), dict(page_size=8, num_pages=10, kv_memory_fraction=0.5)):
         with pytest.raises(ValueError):
             EngineConfig(**bad).validate()
+
+
+def test_a_resumed_row_goes_on_from_the_token_it_emitted():
+    """A resumption's prefill that draws another first token than the one emitted before (rounding) is
+    overruled, so the row continues from what the client has; a fresh request's token stands."""
+    rows = _Rows(tokens=jnp.zeros((2, 8), jnp.int32), done=jnp.array([True, True]))
+    resumed = Generation(prompt_ids=[1, 2, 3], max_len=8, stop_token_ids=(), on_tokens=None, on_finish=None,
+                         submitted=0.0, output_ids=[4, 5])
+    fresh = Generation(prompt_ids=[1, 2], max_len=8, stop_token_ids=(), on_tokens=None, on_finish=None, submitted=0.0)
+    got = _keep_emitted(rows, np.array([6, 6]), [resumed, fresh], [resumed.context_ids, fresh.context_ids])
+    assert resumed.context_ids == [1, 2, 3, 4]
+    assert got.tokens[0].tolist() == [0, 0, 0, 0, 5, 0, 0, 0] and got.tokens[1].tolist() == [0] * 8
+    assert got.done.tolist() == [False, True]
+    assert _keep_emitted(rows, np.array([5, 6]), [resumed, fresh], [resumed.context_ids, fresh.context_ids]) is rows
+
+
+@dataclasses.dataclass
+class _Rows:
+    tokens: jax.Array
+    done: jax.Array
 
 
 @pytest.mark.slow
@@ -169,4 +194,38 @@ def test_paged_engine_with_the_kernels_equals_contiguous(models, engines, base):
     assert got[1].cached_tokens == 40
     for g, prompt in zip(got, prompts):
         assert g.result.output_ids == _solo(contiguous, prompt).output_ids
+    assert batcher.pages.all_free()
+
+
+@pytest.mark.slow
+def test_rows_preempted_for_pages_resume_with_their_solo_output(models, engines, base):
+    """A pool too small for every row at once: rows get pages as they advance, the newest are paused
+    when the pool runs dry and resume from the prefix cache, each with its solo output, token for token."""
+    target, drafter = models
+    contiguous, _ = engines
+    # steps_per_sync 1: a row is admitted with its prompt and 8 positions (one block), then grows.
+    engine = Engine(target, drafter, EngineConfig(page_size=PAGE, num_pages=10, **dict(CONFIG, steps_per_sync=1)))
+    batcher = ContinuousBatcher(engine)
+    with pytest.raises(ValueError, match="needs 12 pages"):  # larger than the whole pool alone
+        batcher.submit(base, 60)
+    # The last one's penalties depend on its output's history, which a resumption would not restore: it
+    # gets its whole length at admission and is never preempted.
+    prompts = [base[:10], base[5:20], base[20:32], base[:10] + [3, 1]]
+    sampled = SamplingParams(temperature=0.8, seed=5, logprobs=2)
+    samplings = [None, None, sampled, SamplingParams(frequency_penalty=0.5)]
+    new_tokens = 48  # each request takes 8 or 9 pages alone, of 10
+    generations = [batcher.submit(p, new_tokens, sampling=s) for p, s in zip(prompts, samplings)]
+    batcher.run()
+    assert batcher.preemptions > 0 and batcher.page_stats().preemptions == batcher.preemptions
+    assert any(g.preemptions for g in generations) and generations[3].preemptions == 0
+    for g, prompt, sampling in zip(generations, prompts, samplings):
+        assert g.error is None, g.error
+        want = contiguous.generate([prompt], new_tokens, sampling=sampling)[0]
+        assert g.result.output_ids == want.output_ids, (prompt, g.preemptions)
+        assert g.result.acceptance_lengths == want.acceptance_lengths
+        assert g.result.num_steps == want.num_steps
+        if sampling is sampled:  # the logprobs of tokens emitted before a preemption are not repeated
+            assert len(g.result.logprobs) == len(want.output_ids)
+            np.testing.assert_allclose(g.result.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+            assert [list(d) for d in g.result.top_logprobs] == [list(d) for d in want.top_logprobs]
     assert batcher.pages.all_free()

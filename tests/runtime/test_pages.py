@@ -13,11 +13,11 @@ from dflash_jax.runtime.pages import PageAllocator
 def test_pages_are_taken_and_given_back_with_reference_counts():
     pages = PageAllocator(num_pages=9, page_size=4, prefix_cache=False)
     assert pages.total == 8 and pages.all_free()
-    a = pages.allocate(list(range(6)), max_len=10)  # 3 pages
-    b = pages.allocate(list(range(6)), max_len=16)  # 4 pages: no prefix cache, nothing shared
+    a = pages.allocate(list(range(6)), positions=10)  # 3 pages
+    b = pages.allocate(list(range(6)), positions=16)  # 4 pages: no prefix cache, nothing shared
     assert len(a.pages) == 3 and len(b.pages) == 4 and a.cached_tokens == b.cached_tokens == 0
     assert NULL_PAGE not in a.pages + b.pages and not set(a.pages) & set(b.pages)
-    assert pages.allocate([1, 2], max_len=8) is None  # 2 pages, 1 left: nothing is taken
+    assert pages.allocate([1, 2], positions=8) is None  # 2 pages, 1 left: nothing is taken
     assert pages.available == 1
     pages.release(a.pages)
     pages.release(b.pages)
@@ -29,20 +29,20 @@ def test_pages_are_taken_and_given_back_with_reference_counts():
 def test_prefix_hits_share_full_pages_and_leave_a_token_to_compute():
     pages = PageAllocator(num_pages=32, page_size=4)
     prompt = list(range(100, 111))  # 11 tokens: 2 full pages
-    first = pages.allocate(prompt, max_len=16)
+    first = pages.allocate(prompt, positions=16)
     pages.register(prompt, first.pages)
     # the same prompt: both full pages, 3 tokens left to compute
-    again = pages.allocate(prompt, max_len=20)
+    again = pages.allocate(prompt, positions=20)
     assert again.cached_tokens == 8 and again.pages[:2] == first.pages[:2]
     assert again.pages[2:] and not set(again.pages[2:]) & set(first.pages)
     # a prefix ending inside a page: only the full pages before it
-    inside = pages.allocate(prompt[:6] + [1, 2, 3], max_len=12)
+    inside = pages.allocate(prompt[:6] + [1, 2, 3], positions=12)
     assert inside.cached_tokens == 4 and inside.pages[0] == first.pages[0]
     # a prompt that is exactly the cached pages: its last page is computed again
-    exact = pages.allocate(prompt[:8], max_len=12)
+    exact = pages.allocate(prompt[:8], positions=12)
     assert exact.cached_tokens == 4
     # another first page: no hit (the chain keys a page by every token before it)
-    assert pages.allocate([0] + prompt[1:], max_len=12).cached_tokens == 0
+    assert pages.allocate([0] + prompt[1:], positions=12).cached_tokens == 0
     for grant in (first, again, inside, exact):
         pages.release(grant.pages)
     assert pages.stats().prefix_hits == 8 + 4 + 4
@@ -51,10 +51,10 @@ def test_prefix_hits_share_full_pages_and_leave_a_token_to_compute():
 def test_unreferenced_cached_pages_are_evicted_least_recently_used_first():
     pages = PageAllocator(num_pages=5, page_size=2)  # 4 pages
     old, new = [1, 2, 3, 4], [5, 6, 7, 8]
-    a = pages.allocate(old + [0], max_len=6)  # 3 pages
+    a = pages.allocate(old + [0], positions=6)  # 3 pages
     pages.register(old, a.pages)
     pages.release(a.pages)
-    b = pages.allocate(new + [0], max_len=6)  # 3 pages: the two free ones, then the LRU cached one
+    b = pages.allocate(new + [0], positions=6)  # 3 pages: the two free ones, then the LRU cached one
     pages.register(new, b.pages)
     # ``old``'s second page went (a prefix's later pages are evicted before the ones they extend)
     assert a.pages[1] in b.pages and a.pages[0] not in b.pages
@@ -64,13 +64,25 @@ def test_unreferenced_cached_pages_are_evicted_least_recently_used_first():
     assert pages.all_free()
 
 
+def test_requests_grow_their_pages_and_admissions_leave_room_for_growth():
+    pages = PageAllocator(num_pages=7, page_size=4, prefix_cache=False)  # 6 pages
+    a = pages.allocate([1, 2, 3, 4, 5], positions=8)  # 2 pages: the prompt and a first stretch
+    assert pages.allocate([9], positions=4, keep=4) is None  # 1 page, but the running rows need 4 more
+    assert pages.grow(a.pages, 20) and len(a.pages) == 5 and pages.available == 1
+    assert pages.grow(a.pages, 18) and len(a.pages) == 5  # covered already
+    assert not pages.grow(a.pages, 28) and len(a.pages) == 5  # 2 more needed, 1 left: nothing is taken
+    assert len(set(a.pages)) == 5 and 0 not in a.pages
+    pages.release(a.pages)
+    assert pages.all_free()
+
+
 def test_a_cached_page_held_by_a_request_is_never_evicted():
     pages = PageAllocator(num_pages=4, page_size=2)  # 3 pages
-    a = pages.allocate([1, 2, 3], max_len=4)
+    a = pages.allocate([1, 2, 3], positions=4)
     pages.register([1, 2, 3], a.pages)
-    assert pages.allocate([7, 7, 7], max_len=4) is None  # 1 free page, 2 needed; a's are held
+    assert pages.allocate([7, 7, 7], positions=4) is None  # 1 free page, 2 needed; a's are held
     pages.release(a.pages)
-    b = pages.allocate([7, 7, 7], max_len=6)  # now the cached ones may go
+    b = pages.allocate([7, 7, 7], positions=6)  # now the cached ones may go
     assert b is not None and len(b.pages) == 3
     assert pages.cached_prefix([1, 2, 3]) == []
 
