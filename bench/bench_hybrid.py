@@ -21,7 +21,6 @@ a step: this measures the DFlash step's cost, not its tokens/s. Each timed numbe
 ``--repeats`` loops after a compiling one.
 
     python3 bench/bench_hybrid.py --json $OUT/hybrid.json                  # H200: the table (< 2 min)
-    python3 bench/bench_hybrid.py --rollbacks recompute,per_position       # both rollback schemes
     JAX_PLATFORMS=cpu python3 bench/bench_hybrid.py --tiny                  # smoke test
 """
 
@@ -137,7 +136,7 @@ def synthetic_state(target: HybridTarget, drafter: Drafter, batch: int, context:
 
 
 def synthetic_record(target: HybridTarget, batch: int, seed: int) -> BlockRecord:
-    """A verify pass's record for ``target.rollback`` of random data of its shapes (decays < 0,
+    """A verify pass's record of random data of its shapes (decays < 0,
     cumulative as the verify pass keeps them)."""
     c = target.config
     keys = iter(jax.random.split(jax.random.key(seed), 4 * len(c.linear_layers) + 1))
@@ -145,9 +144,6 @@ def synthetic_record(target: HybridTarget, batch: int, seed: int) -> BlockRecord
     n = len(c.linear_layers)
     window = tuple(timing.normal(next(keys), (batch, c.linear_conv_kernel_dim - 1 + BLOCK, c.conv_dim), jnp.bfloat16)
                    for _ in range(n))
-    if target.rollback == "per_position":
-        return BlockRecord(window, states=tuple(timing.normal(next(keys), (batch, BLOCK, heads, dk, dv), jnp.float32)
-                                                for _ in range(n)))
     gc = tuple(jnp.cumsum(-jax.random.uniform(next(keys), (batch, heads, BLOCK), minval=0.01, maxval=1.0), axis=-1)
                for _ in range(n))
     k = tuple(timing.normal(next(keys), (batch, heads, BLOCK, dk), jnp.float32, dk ** -0.5) for _ in range(n))
@@ -216,14 +212,11 @@ def measure(name: str, layers: int, batches: list[int], args, ops: OpsConfig, t0
     target, drafter = random_pair(config)
     max_steps = args.steps * (args.repeats + 1) + 1
     capacity = -(-(args.context + BLOCK * (max_steps + 2)) // 128) * 128
-    rollbacks = args.rollbacks.split(",")
-    labels = ["target_only"] + [f"{kind}_{r}" for r in rollbacks for kind in ("dflash", "settle")]
+    labels = ["target_only", "dflash", "settle"]
     out = {}
     for batch in batches:
         for label in labels:
-            kind, _, rollback = label.partition("_")
-            if rollback in ("recompute", "per_position"):
-                target.rollback = rollback
+            kind = label
             state = synthetic_state(target, drafter, batch, args.context, capacity, max_steps, seed=batch)
             try:
                 if kind == "settle":
@@ -262,7 +255,6 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rollbacks", default="recompute", help="comma list of recompute, per_position")
     parser.add_argument("--depths", default=None,
                         help="MODEL=D or MODEL=D1:D2 comma list (two depths: extrapolated to the published one)")
     parser.add_argument("--attention-impl", default="xla", help="xla, pallas or auto (OpsConfig.attention)")
@@ -293,18 +285,17 @@ def main() -> None:
                 return extrapolate({d: per_depth[d][(batch, label)] for d in ds}, ds, published)
 
             base = at("target_only")
-            for rollback in args.rollbacks.split(","):
-                step, settle = at(f"dflash_{rollback}"), at(f"settle_{rollback}")
-                rows.append(dict(
-                    model=name, layers=published, measured_layers=list(ds), extrapolated=ds != (published,),
-                    batch=batch, rollback=rollback, target_only_s=base, dflash_s=step, settle_s=settle,
-                    ratio=step / base if step and base else None,
-                    rollback_share=settle / step if step and settle else None,
-                    target_only_roofline_s=roof_target, dflash_roofline_s=roof_dflash,
-                    target_only_roof_share=roof_target / base if base else None,
-                    dflash_roof_share=roof_dflash / step if step else None, bytes=nbytes,
-                    measured={str(d): {f"{b}:{k}": v for (b, k), v in per_depth[d].items()} for d in ds}))
-    print(f"\n{'model':6} {'layers':>8} {'batch':>5} {'rollback':12} {'target ms':>9} {'% roof':>6} "
+            step, settle = at("dflash"), at("settle")
+            rows.append(dict(
+                model=name, layers=published, measured_layers=list(ds), extrapolated=ds != (published,),
+                batch=batch, target_only_s=base, dflash_s=step, settle_s=settle,
+                ratio=step / base if step and base else None,
+                rollback_share=settle / step if step and settle else None,
+                target_only_roofline_s=roof_target, dflash_roofline_s=roof_dflash,
+                target_only_roof_share=roof_target / base if base else None,
+                dflash_roof_share=roof_dflash / step if step else None, bytes=nbytes,
+                measured={str(d): {f"{b}:{k}": v for (b, k), v in per_depth[d].items()} for d in ds}))
+    print(f"\n{'model':6} {'layers':>8} {'batch':>5} {'target ms':>9} {'% roof':>6} "
           f"{'DFlash ms':>9} {'% roof':>6} {'ratio':>6} {'settle ms':>9} {'share':>6}")
 
     def fmt(x, spec):
@@ -312,7 +303,7 @@ def main() -> None:
 
     for r in rows:
         layers = f"{r['layers']}" + ("x" if r["extrapolated"] else "")
-        print(f"{r['model']:6} {layers:>8} {r['batch']:5d} {r['rollback']:12} "
+        print(f"{r['model']:6} {layers:>8} {r['batch']:5d} "
               f"{fmt(r['target_only_s'] and r['target_only_s'] * 1e3, '9.3f')} "
               f"{fmt(r['target_only_roof_share'], '6.1%')} {fmt(r['dflash_s'] and r['dflash_s'] * 1e3, '9.3f')} "
               f"{fmt(r['dflash_roof_share'], '6.1%')} {fmt(r['ratio'], '6.3f')} "

@@ -8,15 +8,12 @@ and, for each linear layer, a convolution state (its last ``kernel - 1`` inputs)
 state ``[value_heads, dk, dv]``. Unlike a KV cache, those states cannot be rolled back by
 bookkeeping: a verify pass runs the block with ``defer=True``, which leaves the linear states as
 they were and attaches the block's record to the cache; ``settle`` then advances each row's states
-by exactly its accepted tokens (``runtime.recurrent_state``). Two ways to settle
-(``HybridTarget.rollback``):
-
-- ``"recompute"``: the verify block runs as one chunk (``ops.gated_delta.gated_delta_block``) and
-  the record holds its per-token terms (keys, cumulative decays, corrected values); the state after
-  ``n`` tokens is recomputed from the state before the block as one masked sum over them
-  (``state_after``: a matmul per head, no second pass);
-- ``"per_position"``: the verify pass runs the recurrent form and keeps the state after every slot
-  ``[batch, block, heads, dk, dv]``; settling selects slot ``n - 1``.
+by exactly its accepted tokens (``runtime.recurrent_state``): the verify block runs as one chunk
+(``ops.gated_delta.gated_delta_block``) and the record holds its per-token terms (keys, cumulative
+decays, corrected values); the state after ``n`` tokens is recomputed from the state before the block
+as one masked sum over them (``state_after``: a matmul per head, no second pass). Keeping every
+slot's state instead (``[batch, block, heads, dk, dv]``, settling by selection) measured 1.7x slower
+DFlash steps on the H200 (docs/performance.md).
 
 Norms follow transformers: the decoder norms (and q/k norms) scale by ``1 + weight`` in the
 checkpoint; ours hold ``1 + weight`` itself (``io.hybrid_checkpoint`` converts), so they are the
@@ -26,8 +23,6 @@ plain ``RMSNorm``. The gated output norm of the linear layers scales by its weig
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -43,9 +38,6 @@ from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.norms import row_scale
 from dflash_jax.ops.rope import apply_rope, rope_inv_freq
 
-Rollback = Literal["recompute", "per_position"]
-
-
 # ----------------------------------------------------------------------------------------------
 # Decode state
 # ----------------------------------------------------------------------------------------------
@@ -57,17 +49,15 @@ class BlockRecord:
     """What a deferred verify pass keeps to settle each linear layer's state (per linear layer).
 
     ``window [batch, kernel - 1 + block, conv_dim]``: the convolution's inputs (``ops.gated_delta.
-    conv_window``: the state carried in, then the block's), of which each prefix's state is a slice. ``recompute``: the block's terms
-    (``ops.gated_delta.gated_delta_block``) ``k [batch, heads, block, dk]``, ``gc [batch, heads,
-    block]``, ``v_new [batch, heads, block, dv]``. ``per_position``: ``states [batch, block, heads,
-    dk, dv]``. The other fields are empty tuples.
+    conv_window``: the state carried in, then the block's), of which each prefix's state is a slice; the
+    block's terms (``ops.gated_delta.gated_delta_block``) ``k [batch, heads, block, dk]``, ``gc [batch,
+    heads, block]``, ``v_new [batch, heads, block, dv]``.
     """
 
     window: tuple[jax.Array, ...]
     k: tuple[jax.Array, ...] = ()
     gc: tuple[jax.Array, ...] = ()
     v_new: tuple[jax.Array, ...] = ()
-    states: tuple[jax.Array, ...] = ()
 
 
 @jax.tree_util.register_dataclass
@@ -155,15 +145,12 @@ class GatedDeltaNet(nnx.Module):
         return self.output(o, z), gated_delta.conv_state_after(window, lens, conv_state.shape[1]), state
 
     def deferred(self, x: jax.Array, conv_state: jax.Array, state: jax.Array, lens: jax.Array, *,
-                 chunk: int, rollback: Rollback) -> tuple[jax.Array, dict]:
+                 chunk: int) -> tuple[jax.Array, dict]:
         """``__call__`` without advancing the states: the output and the block's record entries."""
         mixed, z, g, beta = self.project(x)
         window = gated_delta.conv_window(mixed, conv_state)
         q, k, v = self.qkv(window)
         g, beta = gated_delta.mask_tail(g, beta, lens)
-        if rollback == "per_position":
-            o, states = gated_delta.recurrent_gated_delta_rule(q, k, v, g, beta, state, all_states=True)
-            return self.output(o, z), dict(window=window, states=states)
         o, (k, gc, v_new) = gated_delta.gated_delta_block(q, k, v, g, beta, state)
         return self.output(o, z), dict(window=window, k=k, gc=gc, v_new=v_new)
 
@@ -264,18 +251,15 @@ class HybridTarget(nnx.Module):
     """A hybrid decoder-only LM with ``Target``'s interface (taps as ``Target``'s: HF
     ``output_hidden_states[lid + 1]``, the last layer's final-normed).
 
-    ``chunk``: the chunk length of the chunked gated delta rule (prompts, training, the recompute
-    rollback). ``rollback``: how a deferred verify pass is settled (module docstring).
+    ``chunk``: the chunk length of the chunked gated delta rule (prompts, training, the verify
+    rollback).
     """
 
     def __init__(self, config: HybridTargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 chunk: int = gated_delta.DEFAULT_CHUNK, rollback: Rollback = "recompute"):
-        if rollback not in ("recompute", "per_position"):
-            raise ValueError(f"rollback must be 'recompute' or 'per_position', got {rollback!r}")
+                 chunk: int = gated_delta.DEFAULT_CHUNK):
         self.config = config
         c = config
         self.chunk = chunk
-        self.rollback = rollback
         self.embed_tokens = nnx.Param(_init(rngs, (c.vocab_size, c.hidden_size), dtype), axes=("vocab", "embed"))
         self.layers = nnx.List([HybridLayer(c, kind, dtype=dtype, rngs=rngs) for kind in c.layer_types])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
@@ -306,16 +290,8 @@ class HybridTarget(nnx.Module):
         if record is None:
             raise ValueError("settle needs the cache of a step run with defer=True")
         conv = tuple(gated_delta.conv_state_after(w, lens, s.shape[1]) for w, s in zip(record.window, cache.conv))
-        if record.states:
-            def pick(states, before):
-                index = jnp.maximum(lens - 1, 0)
-                after = jnp.take_along_axis(states, index[:, None, None, None, None], axis=1)[:, 0]
-                return jnp.where((lens > 0)[:, None, None, None], after, before)
-
-            recurrent = tuple(pick(s, b) for s, b in zip(record.states, cache.recurrent))
-        else:
-            recurrent = tuple(gated_delta.state_after(before, k, gc, v_new, lens)
-                              for before, k, gc, v_new in zip(cache.recurrent, record.k, record.gc, record.v_new))
+        recurrent = tuple(gated_delta.state_after(before, k, gc, v_new, lens)
+                          for before, k, gc, v_new in zip(cache.recurrent, record.k, record.gc, record.v_new))
         return HybridCache(cache.kv, conv, recurrent)
 
     # -- forward passes ------------------------------------------------------------------------
@@ -338,8 +314,7 @@ class HybridTarget(nnx.Module):
             if layer.linear_attn is not None:
                 j, linear_i = linear_i, linear_i + 1
                 if defer:
-                    out, entries = layer.linear_attn.deferred(x, conv[j], rec[j], lens, chunk=self.chunk,
-                                                              rollback=self.rollback)
+                    out, entries = layer.linear_attn.deferred(x, conv[j], rec[j], lens, chunk=self.chunk)
                     for key, value in entries.items():
                         record.setdefault(key, []).append(value)
                 else:

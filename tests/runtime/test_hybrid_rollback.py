@@ -43,14 +43,12 @@ def _greedy(ref, prompt, n):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rollback", ["recompute", "per_position"])
-def test_forced_acceptance_rolls_back_to_every_offset(model, rollback):
+def test_forced_acceptance_rolls_back_to_every_offset(model):
     """Row r of the batch is proposed the target's own tokens for its first r drafts and wrong ones
     after: it accepts exactly r, and its settled linear states equal a fresh prefill of everything it
     has committed, for every offset 0 .. B-1 at once (rows of mixed prompt lengths)."""
     directory, ref = model
     target = load_target(directory)
-    target.rollback = rollback
     drafter = _drafter(target)
     vocab = target.config.vocab_size
     rng = np.random.RandomState(0)
@@ -105,14 +103,12 @@ def test_speculative_equals_target_only_equals_transformers(model, moe_model, va
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rollback", ["recompute", "per_position"])
-def test_multi_step_decoding_with_varied_acceptance_equals_transformers(model, rollback):
+def test_multi_step_decoding_with_varied_acceptance_equals_transformers(model):
     """Steps of the jitted verify pass with proposals right up to an offset that changes per row and
     per step (every offset 0 .. B-1 comes up, rows of mixed lengths, a shorter last block): the
     committed text is transformers' greedy output."""
     directory, ref = model
     target = load_target(directory)
-    target.rollback = rollback
     drafter = _drafter(target)
     vocab, new = target.config.vocab_size, 14
     rng = np.random.RandomState(3)
