@@ -24,6 +24,6 @@ def interpret_params(interpret: bool) -> Any:
         return None
     if not mosaic_interpret_available():
         raise RuntimeError("Mosaic GPU kernels run in interpret mode with jax >= 0.11 only "
-                                  "(jax.experimental.pallas.mosaic_gpu.InterpretGPUParams); on this JAX they "
-                                  "compile for a GPU or lower for CUDA")
+                           "(jax.experimental.pallas.mosaic_gpu.InterpretGPUParams); on this JAX they "
+                           "compile for a GPU or lower for CUDA")
     return plgpu.InterpretGPUParams()
