@@ -195,12 +195,11 @@ def _by_kernel(kernel, q, k, v, g, beta, state, chunk, out_dtype):
 
 def recurrent_gated_delta_rule(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
-    *, normalize_qk: bool = True, all_states: bool = False,
+    *, normalize_qk: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule a token at a time (decode; shapes as ``chunk_gated_delta_rule``).
 
-    Returns ``o`` and the final state, or with ``all_states`` the state after every token
-    ``[batch, seq, heads, dk, dv]``.
+    Returns ``o`` and the final state.
     """
     out_dtype = v.dtype
     if normalize_qk:
@@ -214,12 +213,11 @@ def recurrent_gated_delta_rule(
         recalled = jnp.einsum("bhkv,bhk->bhv", s, k_t)
         s = s + k_t[..., :, None] * ((v_t - recalled) * b_t[..., None])[..., None, :]
         o = jnp.einsum("bhkv,bhk->bhv", s, q_t)
-        return s, (o, s if all_states else None)
+        return s, o
 
     if q.shape[0] == 1:  # a decode token: the body itself, no one-iteration loop around it
-        final, (o, states) = body(state.astype(jnp.float32), tuple(x[0] for x in (q, k, v, g, beta)))
-        o, states = o[None], (None if states is None else states[None])
+        final, o = body(state.astype(jnp.float32), tuple(x[0] for x in (q, k, v, g, beta)))
+        o = o[None]
     else:
-        final, (o, states) = jax.lax.scan(body, state.astype(jnp.float32), (q, k, v, g, beta))
-    o = jnp.moveaxis(o, 0, 1).astype(out_dtype)
-    return o, (jnp.moveaxis(states, 0, 1) if all_states else final)
+        final, o = jax.lax.scan(body, state.astype(jnp.float32), (q, k, v, g, beta))
+    return jnp.moveaxis(o, 0, 1).astype(out_dtype), final
