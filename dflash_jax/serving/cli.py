@@ -255,14 +255,17 @@ def load_engine(cfg):
 
 
 def check_block_size(cfg) -> None:
-    """``engine.block_size`` against the drafter's, from its config.json, before any weights load."""
+    """``engine.block_size`` and, with adaptive speculation, ``engine.speculation_blocks`` against the
+    drafter's block size, from its config.json, before any weights load (``EngineConfig.drafter_block_error``)."""
     from dflash_jax.models.config import load_drafter_config
 
     block = cfg.engine.block_size
-    if block is None:
+    adaptive_blocks = cfg.engine.speculation_blocks if cfg.engine.speculation == "adaptive" else None
+    if block is None and not adaptive_blocks:  # the drafter's blocks
         return
     if cfg.model.no_draft:
-        log.warning("engine.block_size (--block-size) %d is ignored: target-only decoding drafts no blocks", block)
+        if block is not None:
+            log.warning("engine.block_size (--block-size) %d is ignored: target-only decoding drafts no blocks", block)
         return
     if not (Path(cfg.model.draft) / "config.json").exists():  # an Orbax checkpoint: the engine checks
         return
@@ -270,9 +273,11 @@ def check_block_size(cfg) -> None:
         drafter_block = load_drafter_config(cfg.model.draft).block_size
     except ValueError as err:
         raise CLIError(f"cannot read the drafter's config: {err}") from None
-    if block > drafter_block:
+    if block is not None and block > drafter_block:
         raise CLIError(f"engine.block_size (--block-size) {block} exceeds the drafter's block size {drafter_block} "
                        f"({cfg.model.draft}/config.json): it may only lower it")
+    if (error := cfg.engine.drafter_block_error(drafter_block)) is not None:
+        raise CLIError(f"engine.{error} ({cfg.model.draft}/config.json)")
 
 
 def load_tokenizer(cfg, required: bool):

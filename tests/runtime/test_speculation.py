@@ -1,17 +1,22 @@
 """Adaptive speculation: the policy alone (cost model, acceptance estimates, choices), and the engine
 forced through every choice (block sizes, target-only, switching between calls mid-generation) giving
 target-only decoding's tokens, greedy and seeded-sampled, batched rows equal to rows alone; the
-synthetic drafter's acceptance is the one asked for."""
+drafter interface's override hook, the largest block checked against the drafter; the synthetic drafter's
+acceptance is the one asked for."""
 
+import inspect
 import itertools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dflash_jax import ContinuousBatcher, Engine, EngineConfig, SamplingParams
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.runtime import decoding
 from dflash_jax.runtime import speculation as spec
-from dflash_jax.synthetic import repeat_target, set_accept_rate, synthetic_drafter
+from dflash_jax.synthetic import SyntheticDrafter, repeat_target, set_accept_rate, synthetic_drafter
 from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, tiny_target_config
 
 MAX_NEW = 30
@@ -166,12 +171,59 @@ def test_speculation_settings_are_validated(models):
         EngineConfig(speculation="auto").validate()
     with pytest.raises(ValueError, match="speculation_blocks"):
         EngineConfig(speculation_blocks=(8, 1)).validate()
-    with pytest.raises(ValueError, match="exceed the block size"):
-        Engine(target, drafter, EngineConfig(max_length=32, speculation="adaptive", speculation_blocks=(16,)))
     fixed = Engine(target, drafter, EngineConfig(max_length=32))
     assert fixed.speculation_blocks == (8,) and not fixed.adaptive
     with pytest.raises(ValueError, match="not one of"):
         fixed.decode(fixed.empty_state(1), 1, block=4)
+
+
+def test_the_largest_speculation_block_is_checked_against_the_drafter_and_sizes_the_engine(models):
+    target, drafter = models  # a drafter of block 8
+    adaptive = dict(max_length=32, speculation="adaptive")
+    with pytest.raises(ValueError, match=r"speculation_blocks \(16, 4\): block 16 exceeds the drafter's block size 8"):
+        Engine(target, drafter, EngineConfig(**adaptive, speculation_blocks=(16, 4)))
+    with pytest.raises(ValueError, match="block_size 16 exceeds the drafter's block size 8"):
+        Engine(target, drafter, EngineConfig(**adaptive, block_size=16, speculation_blocks=(4,)))
+    # A block_size below the largest speculation block: the engine's block is the largest, what its caches hold.
+    engine = Engine(target, drafter, EngineConfig(**adaptive, block_size=4, speculation_blocks=(8, 2)))
+    assert engine.block_size == 8 and engine.speculation_blocks == (8, 4, 2, 1)
+    assert engine.capacity >= 32 + 8
+    assert EngineConfig(**adaptive, block_size=4, speculation_blocks=(8, 2)).largest_block(8) == 8
+    # Fixed speculation runs block_size alone: its speculation_blocks are no block of it.
+    fixed = EngineConfig(max_length=32, block_size=4, speculation_blocks=(16,))
+    assert fixed.largest_block(8) == 4 and fixed.drafter_block_error(8) is None
+    assert Engine(target, drafter, fixed).speculation_blocks == (4,)
+
+
+# -- the drafter interface's override hook and the synthetic drafter ----------------------------------------
+
+
+class _Fives(Drafter):
+    """A drafter that always proposes token 5, through ``Drafter.override_drafts``."""
+
+    def override_drafts(self, draft, tokens, positions):
+        return jnp.full_like(draft, 5)
+
+
+def test_draft_block_proposes_a_drafters_own_drafts_unless_it_overrides_them(models):
+    target, drafter = models
+    draft = jnp.arange(14, dtype=jnp.int32).reshape(2, 7)
+    assert drafter.override_drafts(draft, jnp.zeros((2, 40), jnp.int32), jnp.zeros((2, 8), jnp.int32)) is draft
+    hook = inspect.signature(Drafter.override_drafts)  # the synthetic drafter implements the interface's hook
+    assert inspect.signature(SyntheticDrafter.override_drafts) == hook
+    assert list(hook.parameters) == ["self", "draft", "tokens", "positions"]
+    fives = _Fives(drafter.config, rngs=nnx.Rngs(0))
+    nnx.update(fives, nnx.state(drafter, nnx.Param))
+    ids = jnp.asarray([[3, 9, 11, 4], [7, 2, 0, 0]], jnp.int32)
+    lens = jnp.asarray([4, 2], jnp.int32)
+    state = decoding.prefill(target, drafter, ids, lens, jnp.asarray([30, 30], jnp.int32),
+                             jnp.full((2, 1), -1, jnp.int32), capacity=40, max_steps=30,
+                             mask_token_id=drafter.config.mask_token_id)
+    own, _, _ = decoding.draft_block(target, drafter, state, block_size=8)
+    replaced, valid, positions = decoding.draft_block(target, fives, state, block_size=8)
+    assert replaced.shape == own.shape == (2, 8) and replaced.dtype == own.dtype
+    assert jnp.all(replaced[:, 0] == own[:, 0]) and jnp.all(replaced[:, 1:] == 5)  # the anchors stay
+    assert jnp.all(positions[:, 0] == lens)
 
 
 # -- the synthetic drafter -------------------------------------------------------------------------------

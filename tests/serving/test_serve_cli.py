@@ -273,6 +273,13 @@ def test_missing_models_and_files(models, tmp_path, capsys, monkeypatch):
                        "--input", str(src), "--output", out, *ENGINE_FLAGS]) == 2
     err = capsys.readouterr().err
     assert "--block-size) 16 exceeds the drafter's block size 8" in err and "cannot load" not in err
+    # So is an adaptive engine's largest speculation block.
+    assert serve.main(["generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--input", str(src),
+                       "--output", out, *ENGINE_FLAGS, "--set", "engine.speculation=adaptive",
+                       "--set", "engine.speculation_blocks=[16, 4]"]) == 2
+    err = capsys.readouterr().err
+    assert "engine.speculation_blocks (16, 4): block 16 exceeds the drafter's block size 8" in err
+    assert "cannot load" not in err
     assert not Path(out).exists()
 
 
