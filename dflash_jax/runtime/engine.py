@@ -769,10 +769,18 @@ class Engine:
         """``decode(state, n_steps, window=window)`` as compiled: its optimised HLO (``as_text``: its
         copies, its collectives on a mesh) and its device memory (``memory_analysis``). Compiles
         only; ``state`` is not donated."""
+        return self.decode_lowered(state, n_steps, window=window, sampling=sampling, block=block).compile()
+
+    def decode_lowered(self, state: decoding.DecodeState, n_steps: int = 1, *,
+                       window: int | None = None, sampling: SamplingFlags = decoding.GREEDY_FLAGS,
+                       block: int | None = None) -> jax.stages.Lowered:
+        """``decode(state, n_steps, window=window)`` traced and lowered, not compiled. ``state`` may be
+        abstract (``jax.eval_shape``). Its ``compile()`` may run on another thread (XLA compiles
+        outside the GIL), and a later ``decode`` of a state of the same shapes runs that program."""
         count, fixed = self._step_count(n_steps)
         return self._decode.lower(self._target_state, self._drafter_state, state, count,
                                   window=self._window(window), fixed_steps=fixed, flags=sampling,
-                                  **self._block_argument(block)).compile()
+                                  **self._block_argument(block))
 
     def prefill_compiled(self, rows: int, prompt_length: int) -> jax.stages.Compiled:
         """The prefill of ``rows`` prompts of ``prompt_length`` tokens (its prompt bucket), as compiled;
