@@ -163,7 +163,8 @@ def profile_step(args, target, drafter, out_dir: str, calls: int = 3) -> dict:
         launches = sum(1 for a in attributed if a["category"] == "attention")
         traced = launches / layers if launches else calls * steps
         entry = dict(step_s=step_s, steps_traced=traced, **profile_ops.summarize(attributed, traced),
-                     unattributed=sorted({a["name"] for a in attributed if a["label"] == "(not in the HLO)"}),
+                     unattributed=sorted({a["name"] for a in attributed
+                                          if a["label"].startswith(profile_ops.NOT_IN_HLO + " ")}),
                      event_args=sorted(events[0]["args"]) if events else [],
                      roofline=profile_ops.roofline(tc, dc, batch, engine.block_size, args.context))
         report["engines"][name] = entry
@@ -189,13 +190,21 @@ def print_profile(report: dict) -> None:
             print(f"{cat:29s} | {a:14.1f} | {b:19.1f} | {a - b:15.1f} | {100 * a / max(spec['kernel_us'], 1e-9):6.1f}%")
     for name, e in engines.items():
         print(f"\n{name}: the 14 largest ops (us per step, launches per step, TFLOP/s and % of the bf16 peak for GEMMs)")
-        for (cat, label), row in sorted(e["labels"].items(), key=lambda kv: -kv[1]["us"])[:14]:
+        for row in e["labels"][:14]:
+            cat, label = row["category"], row["label"]
             rate = f"{row['flops'] / row['us'] / 1e6:6.0f} TFLOP/s ({100 * row['flops'] / row['us'] * 1e6 / profile_ops.H200_BF16_FLOPS:3.0f}%)" \
                 if row["flops"] and row["us"] else ""
-            print(f"  {row['us']:8.1f} us {row['launches']:6.1f}x  {cat[:14]:14s} {label[:70]:70s} {rate}")
+            print(f"  {row['us']:8.1f} us {row['launches']:6.1f}x  {cat[:14]:14s} {label[:60]:60s} {rate} "
+                  f"[{', '.join(row['hlo'][:2])}]")
         if e["unattributed"]:
             print(f"  kernels matched by name only: {', '.join(n[:60] for n in e['unattributed'][:8])}")
         ops = e["roofline"]
+        gemm_flops, gemm_us = sum(o["flops"] for o in ops if o["flops"] and "attention" not in o["op"]), \
+            e["categories"].get("GEMM", {}).get("us", 0.0)
+        if gemm_us:
+            print(f"  GEMMs: {gemm_flops / 1e12:.2f} TFLOP per step (from the shapes) in {gemm_us:.0f} us of kernels: "
+                  f"{gemm_flops / gemm_us / 1e6:.0f} TFLOP/s, {100 * gemm_flops / gemm_us * 1e6 / profile_ops.H200_BF16_FLOPS:.0f}% "
+                  "of the bf16 peak")
         flops, nbytes = sum(o["flops"] for o in ops), sum(o["bytes"] for o in ops)
         compute_s, memory_s = sum(o["compute_s"] for o in ops), sum(o["memory_s"] for o in ops)
         print(f"  roofline from the shapes: {flops / 1e12:.2f} TFLOP ({compute_s * 1e3:.3f} ms at "

@@ -183,6 +183,19 @@ def hlo_kernels(hlo: str, roles: dict) -> dict[str, HloKernel]:
     return kernels
 
 
+NOT_IN_HLO = "kernel"  # the label of a kernel matched to no HLO instruction: this and its name
+
+
+def lookup(kernels: dict[str, HloKernel], name: str) -> HloKernel | None:
+    """The instruction of a kernel name (or ``hlo_op``): the name itself, or without a suffix XLA may
+    add to a fusion's kernel (``_impl``, a trailing ``_N``)."""
+    key = normalize(name)
+    for candidate in (key, re.sub(r"_impl$", "", key), re.sub(r"(_impl)?_\d+$", "", key)):
+        if candidate in kernels:
+            return kernels[candidate]
+    return None
+
+
 _LIBRARY_GEMM = re.compile(r"gemm|gemv|xmma|nvjet|cutlass|cublas|sm\d\d_", re.I)
 
 
@@ -193,7 +206,7 @@ def attribute(events: list[dict], kernels: dict[str, HloKernel]) -> list[dict]:
         args = e.get("args") or {}
         found = None
         for key in (args.get("hlo_op"), args.get("long_name"), e["name"]):
-            if key and (found := kernels.get(normalize(str(key)))) is not None:
+            if key and (found := lookup(kernels, str(key))) is not None:
                 break
         if found is None:  # by its name alone
             low = e["name"].lower()
@@ -203,22 +216,28 @@ def attribute(events: list[dict], kernels: dict[str, HloKernel]) -> list[dict]:
                         "argmax / top-k" if "argmax" in low or "topk" in low or "top_k" in low else
                         "cache and state writes" if "dynamic_update_slice" in low or "scatter" in low else
                         "copies and slices" if "copy" in low or "memcpy" in low or "memset" in low else "other")
-            found = HloKernel(e["name"], category, "(not in the HLO)")
+            found = HloKernel(e["name"], category, f"{NOT_IN_HLO} {e['name'][:60]}")
         out.append(dict(name=e["name"], dur=e["dur"], category=found.category, label=found.label,
                         flops=found.flops, hlo=found.name, hlo_op=args.get("hlo_op")))
     return out
 
 
 def summarize(attributed: list[dict], steps: float) -> dict:
-    """Per category and per (category, label): us per step, launches per step, achieved TFLOP/s."""
-    by_cat, by_label = {}, {}
+    """Per category, and per (category, label) largest first: us, launches and FLOPs per step."""
+    by_cat, by_label, names = {}, {}, {}
     for a in attributed:
         for table, key in ((by_cat, a["category"]), (by_label, (a["category"], a["label"]))):
             row = table.setdefault(key, dict(us=0.0, launches=0, flops=0.0))
             row["us"] += a["dur"] / steps
             row["launches"] += 1 / steps
             row["flops"] += a["flops"] / steps
-    return dict(categories=by_cat, labels=by_label, kernel_us=sum(r["us"] for r in by_cat.values()))
+        label_names = names.setdefault((a["category"], a["label"]), {})
+        label_names[a["hlo"]] = label_names.get(a["hlo"], 0.0) + a["dur"]
+    # Each label's instructions, the longest first: the fusions to look at in the HLO.
+    labels = [dict(category=cat, label=label, **row, hlo=sorted(names[cat, label], key=lambda n: -names[cat, label][n])[:4])
+              for (cat, label), row in by_label.items()]
+    return dict(categories=by_cat, labels=sorted(labels, key=lambda r: -r["us"]),
+                kernel_us=sum(r["us"] for r in by_cat.values()))
 
 
 def roofline(tc, dc, batch: int, block: int, context: int, *, bytes_per_param: int = 2,
