@@ -4,9 +4,11 @@ target-only decoding's tokens, greedy and seeded-sampled, batched rows equal to 
 drafter interface's override hook, the largest block checked against the drafter; the synthetic drafter's
 acceptance is the one asked for."""
 
+import dataclasses
 import inspect
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -214,16 +216,14 @@ def test_draft_block_proposes_a_drafters_own_drafts_unless_it_overrides_them(mod
     assert list(hook.parameters) == ["self", "draft", "tokens", "positions"]
     fives = _Fives(drafter.config, rngs=nnx.Rngs(0))
     nnx.update(fives, nnx.state(drafter, nnx.Param))
-    ids = jnp.asarray([[3, 9, 11, 4], [7, 2, 0, 0]], jnp.int32)
-    lens = jnp.asarray([4, 2], jnp.int32)
-    state = decoding.prefill(target, drafter, ids, lens, jnp.asarray([30, 30], jnp.int32),
-                             jnp.full((2, 1), -1, jnp.int32), capacity=40, max_steps=30,
-                             mask_token_id=drafter.config.mask_token_id)
-    own, _, _ = decoding.draft_block(target, drafter, state, block_size=8)
-    replaced, valid, positions = decoding.draft_block(target, fives, state, block_size=8)
-    assert replaced.shape == own.shape == (2, 8) and replaced.dtype == own.dtype
-    assert jnp.all(replaced[:, 0] == own[:, 0]) and jnp.all(replaced[:, 1:] == 5)  # the anchors stay
-    assert jnp.all(positions[:, 0] == lens)
+    state = decoding.empty_state(target, drafter, 2, capacity=40, max_steps=30, n_stop=1)
+    state = dataclasses.replace(state, starts=jnp.asarray([4, 2], jnp.int32), max_lens=jnp.asarray([30, 30], jnp.int32),
+                                done=jnp.zeros(2, bool), tokens=state.tokens.at[:, :5].set(jnp.asarray([[3], [7]])))
+    own, replaced = jax.jit(lambda s: [decoding.draft_block(target, d, s, block_size=8) for d in (drafter, fives)])(state)
+    assert own[0].shape == replaced[0].shape == (2, 8) and replaced[0].dtype == own[0].dtype
+    assert jnp.all(replaced[0][:, 0] == own[0][:, 0]) and jnp.all(replaced[0][:, 0] == jnp.asarray([3, 7]))
+    assert jnp.all(replaced[0][:, 1:] == 5) and not jnp.all(own[0][:, 1:] == 5)  # the anchors stay, the drafts go
+    assert jnp.all(replaced[2][:, 0] == jnp.asarray([4, 2]))  # positions from each row's anchor
 
 
 # -- the synthetic drafter -------------------------------------------------------------------------------
