@@ -285,6 +285,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="append", default=None, metavar="CONTEXT:B,B,...",
                     help=f"a context and its batch sizes, in order; repeatable (default: {' '.join(DEFAULT_SWEEP)})")
+    ap.add_argument("--contexts", default=None, help="with --batches: every context at every batch (instead of --sweep)")
+    ap.add_argument("--batches", default=None, help="with --contexts (default 1024): the batch sizes, e.g. 1,16")
     ap.add_argument("--taus", default="1.5,3,6", help="acceptance levels: tau of a block of 16 (1 to 16)")
     ap.add_argument("--blocks", default="16,8,4", help="EngineConfig.speculation_blocks")
     ap.add_argument("--window", type=int, default=0, help="EngineConfig.drafter_context_window (0: none)")
@@ -300,6 +302,11 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--png", default=None, help="plot the report here (default: the --json path with .png)")
     args = ap.parse_args()
+    if args.batches or args.contexts:
+        if args.sweep:
+            raise SystemExit("give --sweep, or --contexts and --batches, not both")
+        batches = args.batches or "1,2,4,8,16,32,64"
+        args.sweep = [f"{c}:{batches}" for c in (args.contexts or "1024").split(",")]
     if args.tiny:
         args.sweep, args.steps, args.calls, args.repeats = args.sweep or list(TINY_SWEEP), 2, 3, 1
     if args.budget_s is None:
