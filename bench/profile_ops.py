@@ -96,8 +96,11 @@ def _gemm(instrs: dict, name: str, roles: dict) -> tuple[str, float]:
     shape, _, operands, attrs = instrs[name]
     out = _dims(shape)
     lhs = _dims(instrs[operands[0]][0]) if operands and operands[0] in instrs else []
-    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attrs)
-    k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 0
+    # A dot's attribute, or a library GEMM's backend config (``"lhs_contracting_dimensions":["1"]``).
+    contracting = (re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attrs)
+                   or re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', attrs))
+    dims = [int(d) for d in re.findall(r"\d+", contracting.group(1))] if contracting else []
+    k = math.prod(lhs[d] for d in dims if d < len(lhs)) if dims and lhs else 0
     if not out or not k:
         return "GEMM", 0.0
     n, m = out[-1], math.prod(out[:-1])
