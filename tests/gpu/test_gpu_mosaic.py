@@ -22,7 +22,8 @@ from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, plan
 from kernels_pallas.block_attention.reference import block_attention_reference
 from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
 from kernels_pallas.rms_norm.reference import add_rms_norm_reference
-from test_gpu_kernels import BLOCK, HKV, HQ, block_args, cached, cached_args, errors, normal
+from test_gpu_kernels import (BLOCK, HKV, HQ, assert_training_pattern_gradients, block_args, cached,
+                              cached_args, errors, normal)
 
 pytestmark = pytest.mark.gpu
 
@@ -103,18 +104,7 @@ def test_block_attention_several_blocks_equals_reference(batch, blocks, ctx, cau
 def test_block_attention_mosaic_forward_gradients_of_the_training_pattern():
     """64 anchor blocks over 1024 tokens: the Mosaic GPU forward with the Triton backward kernels from
     its log-sum-exp, against the reference's autodiff, every input's gradient."""
-    anchors = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 1024 - BLOCK + 1, (1, 64))), jnp.int32)
-    args = block_args(1, 64, 1024, seed=3, ctx_lens=anchors)
-    ct = jax.random.normal(jax.random.PRNGKey(5), args[0].shape, jnp.float32)
-
-    def grads(fn, **kw):
-        def loss(q, kc, vc, kb, vb, cl, bl, ct):
-            return jnp.sum(fn(q, kc, vc, cl, kb, vb, bl, causal=False, **kw).astype(jnp.float32) * ct)
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*[args[i] for i in (0, 1, 2, 4, 5, 3, 6)], ct)
-
-    for name, got, want in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"),
-                               grads(block_attention, lowering="mosaic"), grads(block_attention_reference)):
-        assert errors(got, want)[1] < 2e-2, name
+    assert_training_pattern_gradients(lowering="mosaic")
 
 
 def test_block_attention_is_deterministic():

@@ -148,11 +148,11 @@ def test_block_attention_interpreted_blocks_tiles_and_lse():
     np.testing.assert_array_equal(np.asarray(zero_row), 0)
 
 
-@interpreted
 @pytest.mark.slow
 def test_block_attention_mosaic_lowering_is_differentiable():
-    """``block_attention(lowering="mosaic")``: the Mosaic GPU forward, the XLA backward from its
-    log-sum-exp; gradients equal the reference's."""
+    """``block_attention(lowering="mosaic")``: the Mosaic GPU forward (interpreted; on a JAX without
+    Mosaic GPU's interpreter the Triton kernel's), the XLA backward from its log-sum-exp; gradients
+    equal the reference's."""
     args = attention_args(1, 2, 2, 4, 2, 64, 64, [[30, 64]], [[2, 1]], seed=2)
     q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens = args
 
