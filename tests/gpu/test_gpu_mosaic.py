@@ -16,7 +16,7 @@ import pytest
 from dflash_jax.ops import OpsConfig
 from dflash_jax.ops import attention as attention_ops
 from dflash_jax.ops.config import XLA
-from kernels_pallas.block_attention import block_attention
+from kernels_pallas.block_attention import block_attention, block_attention_fwd
 from kernels_pallas.block_attention import mosaic_gpu as attention_mgpu
 from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, plan
 from kernels_pallas.block_attention.reference import block_attention_reference
@@ -94,8 +94,6 @@ def test_block_attention_several_blocks_equals_reference(batch, blocks, ctx, cau
     want = jax.jit(lambda *a: block_attention_reference(*a, causal=causal))(*args)
     largest, rel = errors(got, want)
     assert rel < 1e-2 and largest < 6e-2, (largest, rel)
-    from kernels_pallas.block_attention import block_attention_fwd
-
     lse = [jax.jit(lambda *a, lo=lo: block_attention_fwd(*a, causal=causal, lowering=lo)[1])(*args)
            for lo in ("mosaic", "triton")]
     np.testing.assert_allclose(np.asarray(lse[0]), np.asarray(lse[1]), rtol=1e-3, atol=1e-3)
