@@ -20,8 +20,8 @@ tests/gpu/test_gpu_mosaic.py). Then the training pattern (batch 1, 4,096 tokens,
 of 16, bidirectional): the forward on either lowering, and forward + backward (the backward is the
 Triton kernels' on both); the Mosaic GPU attention's tile / split configs on the batch-1 token at
 the longest context (``MosaicConfig``: stages, splits, 128-key tiles); and the add + RMSNorm at the
-8B width (4096), 1 / 16 / 64 rows: ``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs on its own: one that fails to
-compile or run prints its error and the others are still timed.
+8B width (4096), 1 / 16 / 64 rows: ``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs
+on its own: one that fails to compile or run prints its error and the others are still timed.
 
     python3 bench/bench_mosaic.py --json bench/results/mosaic.json     # ~90 s on an H200
     JAX_PLATFORMS=cpu python3 bench/bench_mosaic.py --tiny       # smoke test (interpret modes)
@@ -231,7 +231,8 @@ def training_cases(args, shapes) -> list[dict]:
         row["mosaic_vs_triton"] = timing.relative_error(outs["mosaic"], outs["triton"])
     cells = " | ".join(f"{k[:-3]} " + ("failed" if v is None else f"{v:7.3f} ms")
                        for k, v in row.items() if k.endswith("_ms"))
-    log(f"train B={b} seq={t} anchors={n} block={block} | {cells} | diff {row.get('mosaic_vs_triton', float('nan')):.1e}")
+    diff = row.get("mosaic_vs_triton", float("nan"))
+    log(f"train B={b} seq={t} anchors={n} block={block} | {cells} | diff {diff:.1e}")
     return [row]
 
 
