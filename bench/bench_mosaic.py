@@ -23,7 +23,7 @@ the longest context (``MosaicConfig``: stages, splits, 128-key tiles); and the a
 8B width (4096), 1 / 16 / 64 rows: ``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs
 on its own: one that fails to compile or run prints its error and the others are still timed.
 
-    python3 bench/bench_mosaic.py --json bench/results/mosaic.json     # ~90 s on an H200
+    python3 bench/bench_mosaic.py --json bench/results/mosaic.json     # attention cases start until --budget-s
     JAX_PLATFORMS=cpu python3 bench/bench_mosaic.py --tiny       # smoke test (interpret modes)
 """
 
