@@ -243,8 +243,7 @@ class CandidateSelector(nnx.Module):
         ``candidate_ids [..., K]`` -> the candidates' scores ``[..., K]``: unary plus transition."""
         unary = jnp.take_along_axis(unary_logits, candidate_ids, axis=-1)
         succ = jnp.take(self.successor_codebook[...], candidate_ids, axis=0)  # [..., K, rank]
-        transition = jnp.einsum("...r,...kr->...k", self.context(hidden, predecessor_ids), succ)
-        return unary + transition.astype(unary.dtype)
+        return unary + transition_scores(self.context(hidden, predecessor_ids), succ).astype(unary.dtype)
 
     def select_path(self, unary_logits: jax.Array, hidden: jax.Array, anchor_ids: jax.Array) -> jax.Array:
         """The greedy path through the block's candidates.
@@ -255,9 +254,9 @@ class CandidateSelector(nnx.Module):
         at the slot before (the anchor for the first); score ties go to the higher-ranked candidate.
 
         Every edge at once: slot j's scores ``[K, K]`` for each predecessor (the previous slot's K
-        candidates; K copies of the anchor at the first slot), one argmax over them all for the best
-        successor of each predecessor, then the walk as a composition of those ``[K]`` index maps,
-        in ``ceil(log2 n)`` rounds of doubling instead of n dependent steps (each a kernel launch).
+        candidates; K copies of the anchor at the first slot) in one multiply-reduce with the codebook
+        rows gathered inside it, then the walk (``greedy_walk``) as elementwise selects over those
+        scores: after the top-K, the whole selection is two kernels whatever the block size.
         """
         unary, cand = top_k(unary_logits, self.top_k)  # [b, n, K]
         batch, n, k = cand.shape
@@ -265,17 +264,59 @@ class CandidateSelector(nnx.Module):
         pred_book, succ_book = self.predecessor_codebook[...], self.successor_codebook[...]
         predecessors = jnp.concatenate([jnp.broadcast_to(anchor_ids[:, None, None], (batch, 1, k)), cand[:, :-1]],
                                        axis=1)  # [b, n, K]
-        ctx = jnp.take(pred_book, predecessors, axis=0) * proj[:, :, None].astype(pred_book.dtype)
-        succ = jnp.take(succ_book, cand, axis=0)  # [b, n, K, rank]
-        edges = unary[:, :, None, :] + jnp.einsum("bnpr,bnkr->bnpk", ctx, succ).astype(unary.dtype)
-        best = jnp.argmax(edges, axis=-1).astype(jnp.int32)  # [b, n, K]: the successor of each predecessor
-        # prefix[j] = best[j] o best[j - 1] o ... o best[0] (a map applied to a predecessor index);
-        # slot 0's map is constant (every predecessor is the anchor), so prefix[j][0] is slot j's choice.
-        prefix, shift = best, 1
-        while shift < n:
-            later = jnp.take_along_axis(prefix[:, shift:], prefix[:, :-shift], axis=-1)
-            prefix, shift = jnp.concatenate([prefix[:, :shift], later], axis=1), shift * 2
-        return jnp.take_along_axis(cand, prefix[..., :1], axis=-1)[..., 0].astype(jnp.int32)
+        ctx = jnp.take(pred_book, predecessors, axis=0) * proj[:, :, None].astype(pred_book.dtype)  # [b, n, K, rank]
+        succ = jnp.take(succ_book, cand, axis=0)[:, :, None]  # [b, n, 1, K, rank]
+        edges = unary[:, :, None, :] + transition_scores(ctx, succ).astype(unary.dtype)  # [b, n, K, K]
+        return greedy_walk(edges, cand)
+
+
+def transition_scores(context: jax.Array, successors: jax.Array) -> jax.Array:
+    """``<context, successor>`` per candidate: ``context [..., rank]``, ``successors [..., K, rank]``
+    (broadcast against each other) -> ``[..., K]`` in the codebooks' dtype.
+
+    As the reference computes it: the products in that dtype, summed in float32, rounded once. A
+    multiply-reduce rather than a batched matmul, so that the gathers of codebook rows feeding it
+    fuse into the one reduction instead of materialising both operands of a dot."""
+    products = context[..., None, :] * successors
+    return jnp.sum(products, axis=-1, dtype=jnp.float32).astype(products.dtype)
+
+
+def greedy_walk(edges: jax.Array, candidates: jax.Array) -> jax.Array:
+    """The greedy path through per-slot edge scores.
+
+    ``edges [batch, n, K, K]`` (slot j's score of candidate k after the previous slot's candidate p;
+    at slot 0 every row p is the anchor's), ``candidates [batch, n, K]`` -> the chosen tokens
+    ``[batch, n]`` int32: slot j takes the first maximum of ``edges[j, p]`` with p the index chosen
+    at slot j - 1 (NaN counts as the maximum, as in ``jnp.argmax``).
+
+    Written as elementwise compares and selects over static slices (K - 1 steps for each argmax,
+    K - 1 selects for each step of the walk), so XLA fuses the argmaxes, the walk and the token pick
+    into one kernel rather than a reduction plus a chain of dependent gathers; the walk costs
+    ``n * K * K`` scalar operations per row."""
+    *_, n, k = candidates.shape
+    # best[j][:, p]: the successor index chosen after predecessor p at slot j.
+    best = []
+    for j in range(n):
+        top_value, top_index = edges[:, j, :, 0], jnp.zeros(edges.shape[:1] + edges.shape[2:3], jnp.int32)
+        for c in range(1, k):
+            value = edges[:, j, :, c]
+            wins = (value > top_value) | (jnp.isnan(value) & ~jnp.isnan(top_value))
+            top_value, top_index = jnp.where(wins, value, top_value), jnp.where(wins, c, top_index)
+        best.append(top_index)
+
+    def pick(table: jax.Array, index: jax.Array) -> jax.Array:
+        """``table [batch, K]`` at ``index [batch]``, by selects."""
+        out = table[:, 0]
+        for c in range(1, k):
+            out = jnp.where(index == c, table[:, c], out)
+        return out
+
+    index = best[0][:, 0]  # slot 0: every predecessor is the anchor
+    tokens = [pick(candidates[:, 0], index)]
+    for j in range(1, n):
+        index = pick(best[j], index)
+        tokens.append(pick(candidates[:, j], index))
+    return jnp.stack(tokens, axis=1).astype(jnp.int32)
 
 
 class DFlash2Drafter(Drafter):
