@@ -159,12 +159,17 @@ class DFlash2Layer(nnx.Module):
             conv.base_kernel[...] = jnp.zeros_like(conv.base_kernel[...]).at[:, 0].set(1)
             conv.kernel_projection[...] = jnp.zeros_like(conv.kernel_projection[...])
 
-    def _forward(self, h: jax.Array, attend) -> jax.Array:
-        """``h [batch, blocks, block, hidden]``; ``attend(x)`` -> the attention's ``[..., heads, head_dim]``."""
-        x, delta = self.attention_conv.prepare(self.input_layernorm(h))
-        h = h + self.attention_conv.finish(self.self_attn.output(attend(x)), delta)
-        x, delta = self.mlp_conv.prepare(self.post_attention_layernorm(h))
-        return h + self.mlp_conv.finish(self.mlp(x), delta)
+    def _forward(self, h: jax.Array, delta: jax.Array | None, attend, ops: OpsConfig) -> tuple[jax.Array, jax.Array]:
+        """The residual stream entering the layer is ``h + delta`` (``delta`` None: ``h``),
+        ``[batch, blocks, block, hidden]``; ``attend(x)`` -> the attention's ``[..., heads, head_dim]``.
+        Returns ``(h, delta)`` whose sum is the layer's output: each residual add is left to the norm
+        that reads it, one kernel with the kernels on (``DecoderLayer.cached``)."""
+        h, x = self.input_layernorm.add_norm(h, delta, ops)
+        x, out_delta = self.attention_conv.prepare(x)
+        h, x = self.post_attention_layernorm.add_norm(
+            h, self.attention_conv.finish(self.self_attn.output(attend(x), ops), out_delta), ops)
+        x, out_delta = self.mlp_conv.prepare(x)
+        return h, self.mlp_conv.finish(self.mlp(x), out_delta)
 
     def __call__(self, h, positions, k_ctx, v_ctx, ctx_lens, blk_lens, *, ops: OpsConfig = XLA) -> jax.Array:
         """Training: ``h [batch, blocks, block, hidden]`` over context ``[batch, ctx, kv_heads, head_dim]``
@@ -176,11 +181,14 @@ class DFlash2Layer(nnx.Module):
                                                 window=self.window, causal=self.block_causal)
             return attention_ops.block_attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens,
                                                  causal=self.block_causal, ops=ops)
-        return self._forward(h, attend)
+        h, delta = self._forward(h, None, attend, XLA)
+        return h + delta
 
-    def cached(self, h, starts, k_cache, v_cache, blk_lens, *, ops: OpsConfig = XLA) -> jax.Array:
-        """Decoding: one block per row ``h [batch, 1, block, hidden]`` at ``starts [batch] + slot``
-        over the context cache ``[batch, capacity, kv_heads, head_dim]`` (not written)."""
+    def cached(self, h, delta, starts, k_cache, v_cache, blk_lens, *,
+               ops: OpsConfig = XLA) -> tuple[jax.Array, jax.Array]:
+        """Decoding: one block per row, the residual stream ``h + delta`` (``delta`` None: ``h``),
+        ``[batch, 1, block, hidden]``, at ``starts [batch] + slot`` over the context cache ``[batch,
+        capacity, kv_heads, head_dim]`` (not written) -> ``(h, delta)`` as ``_forward``."""
         def attend(x):
             if self.window is None:
                 return self.self_attn.attend_cached(x, starts, k_cache, v_cache, blk_lens, ops=ops,
@@ -189,7 +197,7 @@ class DFlash2Layer(nnx.Module):
             q, k_blk, v_blk = self.self_attn.project(x, positions)
             return windowed_block_attention(q, k_cache, v_cache, starts[:, None], k_blk, v_blk, blk_lens[:, None],
                                             window=self.window, causal=self.block_causal)
-        return self._forward(h, attend)
+        return self._forward(h, delta, attend, ops)
 
 
 def windowed_block_attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, window: int,
@@ -352,10 +360,10 @@ class DFlash2Drafter(Drafter):
 
     def draft(self, block_embeds, starts, cache: KVCache, blk_lens, *, ops: OpsConfig = XLA) -> jax.Array:
         """As ``Drafter.draft``: final-normed hidden ``[batch, 1, block, hidden]``."""
-        h = self._scale_embeds(block_embeds)
+        h, delta = self._scale_embeds(block_embeds), None
         for i, layer in enumerate(self.layers):
-            h = layer.cached(h, starts, cache.k[i], cache.v[i], blk_lens, ops=ops)
-        return self.norm(h)
+            h, delta = layer.cached(h, delta, starts, cache.k[i], cache.v[i], blk_lens, ops=ops)
+        return self.norm.add_norm(h, delta, ops)[1]
 
     def select(self, logits: jax.Array, hidden: jax.Array, anchor_ids: jax.Array) -> jax.Array:
         """Draft tokens ``[batch, B - 1]`` from the block's ``logits [batch, B - 1, vocab]`` and

@@ -270,3 +270,40 @@ def test_sliding_window_layers_match_speculators(tmp_path):
     assert model.sliding_window_indices == [0] and model.sliding_window == 4
     ids = np.random.default_rng(5).integers(0, cfg.vocab_size - 1, (1, 30))
     compare_block_logits(target, drafter, model, ids, np.array([1, 6, 13, 21]))
+
+
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_serving_draft_equals_training_forward(impl):
+    """``DFlash2Drafter.draft`` in the serving layout over a context cache (each residual add carried to
+    the norm after it; the Pallas kernels in interpret mode for ``impl="pallas"``) equals
+    ``__call__`` in the checkpoint layout: a sliding and a full layer, rows of different context
+    lengths, a short block, stale cache entries past each row's context."""
+    import jax
+
+    from dflash_jax.ops.cache import KVCache, write_all_layers
+    from dflash_jax.ops.config import OpsConfig
+    from dflash_jax.runtime.serving_params import serving_drafter
+
+    tcfg = tiny_target_config(num_layers=6)
+    cfg = dataclasses.replace(tiny_dflash2_config(tcfg, num_layers=2, block_size=8, conv_kernel_size=3,
+                                                  conv_group_size=8),
+                              layer_types=("sliding_attention", "full_attention"), sliding_window=6)
+    drafter = random_drafter(cfg, seed=4, std=0.1)
+    keys = jax.random.split(jax.random.key(1), 4)
+    batch, n, cap, block = 3, 20, 48, cfg.block_size
+    taps = jax.random.normal(keys[0], (batch, n, len(cfg.target_layer_ids) * tcfg.hidden_size))
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
+    starts = jnp.array([20, 5, 13], jnp.int32)
+    valid = jnp.array([block, block, 3], jnp.int32)
+    embeds = jax.random.normal(keys[1], (batch, 1, block, tcfg.hidden_size))
+    k, v = drafter.context_kv(taps, positions)
+    junk = KVCache.zeros(cfg.num_layers, batch, cap, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+    junk = KVCache(tuple(x + jax.random.normal(keys[2], x.shape) for x in junk.k),
+                   tuple(x + jax.random.normal(keys[3], x.shape) for x in junk.v))
+    cache = write_all_layers(junk, k, v, jnp.zeros((batch,), jnp.int32))
+    block_pos = (starts[:, None] + jnp.arange(block, dtype=jnp.int32))[:, None]
+    want = drafter(embeds, block_pos, jnp.stack(cache.k), jnp.stack(cache.v), starts[:, None], valid[:, None])
+    served = serving_drafter(drafter)
+    got = jax.jit(lambda e, c: served.draft(e, starts, c, valid, ops=OpsConfig(attention=impl)))(embeds, cache)
+    rows = np.arange(block)[None, :] < np.asarray(valid)[:, None]  # the short block's padding slots are free
+    np.testing.assert_allclose(np.asarray(got)[:, 0][rows], np.asarray(want)[:, 0][rows], atol=1e-5, rtol=1e-5)
