@@ -264,7 +264,7 @@ class CandidateSelector(nnx.Module):
         Every edge at once: slot j's scores ``[K, K]`` for each predecessor (the previous slot's K
         candidates; K copies of the anchor at the first slot) in one multiply-reduce with the codebook
         rows gathered inside it, then the walk (``greedy_walk``) as elementwise selects over those
-        scores: after the top-K, the whole selection is two kernels whatever the block size.
+        scores: after the top-K and the hidden projection, two kernels whatever the block size.
         """
         unary, cand = top_k(unary_logits, self.top_k)  # [b, n, K]
         batch, n, k = cand.shape
@@ -297,34 +297,45 @@ def greedy_walk(edges: jax.Array, candidates: jax.Array) -> jax.Array:
     ``[batch, n]`` int32: slot j takes the first maximum of ``edges[j, p]`` with p the index chosen
     at slot j - 1 (NaN counts as the maximum, as in ``jnp.argmax``).
 
-    Written as elementwise compares and selects over static slices (K - 1 steps for each argmax,
-    K - 1 selects for each step of the walk), so XLA fuses the argmaxes, the walk and the token pick
-    into one kernel rather than a reduction plus a chain of dependent gathers; the walk costs
-    ``n * K * K`` scalar operations per row."""
-    *_, n, k = candidates.shape
-    # best[j][:, p]: the successor index chosen after predecessor p at slot j.
-    best = []
-    for j in range(n):
-        top_value, top_index = edges[:, j, :, 0], jnp.zeros(edges.shape[:1] + edges.shape[2:3], jnp.int32)
-        for c in range(1, k):
-            value = edges[:, j, :, c]
-            wins = (value > top_value) | (jnp.isnan(value) & ~jnp.isnan(top_value))
-            top_value, top_index = jnp.where(wins, value, top_value), jnp.where(wins, c, top_index)
-        best.append(top_index)
+    Elementwise compares and selects over static slices only (``first_argmax``, ``pick``), which XLA
+    can fuse into one kernel (the argmaxes, the walk and the token pick) where a reduction and a chain
+    of dependent gathers are a kernel launch each; the walk is ``n * log2(K)`` selects per row."""
+    best = first_argmax(edges)  # [b, n, K]: the successor index after each predecessor index
+    index = best[:, 0, 0]  # slot 0: every predecessor is the anchor
+    indices = [index]
+    for j in range(1, candidates.shape[1]):
+        index = pick(best[:, j], index)
+        indices.append(index)
+    return pick(candidates, jnp.stack(indices, axis=1)).astype(jnp.int32)
 
-    def pick(table: jax.Array, index: jax.Array) -> jax.Array:
-        """``table [batch, K]`` at ``index [batch]``, by selects."""
-        out = table[:, 0]
-        for c in range(1, k):
-            out = jnp.where(index == c, table[:, c], out)
-        return out
 
-    index = best[0][:, 0]  # slot 0: every predecessor is the anchor
-    tokens = [pick(candidates[:, 0], index)]
-    for j in range(1, n):
-        index = pick(best[j], index)
-        tokens.append(pick(candidates[:, j], index))
-    return jnp.stack(tokens, axis=1).astype(jnp.int32)
+def _pad_to_power_of_two(x: jax.Array, fill) -> jax.Array:
+    """``x [..., K]`` padded with ``fill`` at the end of its last axis to the next power of two."""
+    k = x.shape[-1]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (k - 1).bit_length()) - k)], constant_values=fill)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as int32 (the first maximum; the first NaN where there is one) by a
+    tournament of halves: ``log2(K)`` rounds of elementwise compares and selects, no reduction."""
+    values = _pad_to_power_of_two(x, -jnp.inf)  # the pads lie after every real entry: they never win a tie
+    index = jnp.broadcast_to(jnp.arange(values.shape[-1], dtype=jnp.int32), values.shape)
+    while values.shape[-1] > 1:
+        left, right = values[..., 0::2], values[..., 1::2]
+        # The left entry holds the lower indices: it keeps ties and NaNs of its own.
+        take = (right > left) | (jnp.isnan(right) & ~jnp.isnan(left))
+        values, index = jnp.where(take, right, left), jnp.where(take, index[..., 1::2], index[..., 0::2])
+    return index[..., 0]
+
+
+def pick(table: jax.Array, index: jax.Array) -> jax.Array:
+    """``table [..., K]`` at ``index [...]`` (``take_along_axis``) by ``log2(K)`` selects on the
+    index's bits: elementwise, so it fuses with what computes the index."""
+    values, bit = _pad_to_power_of_two(table, 0), 0
+    while values.shape[-1] > 1:
+        odd = ((index >> bit) & 1).astype(bool)[..., None]
+        values, bit = jnp.where(odd, values[..., 1::2], values[..., 0::2]), bit + 1
+    return values[..., 0]
 
 
 class DFlash2Drafter(Drafter):

@@ -279,8 +279,8 @@ def test_serving_draft_equals_training_forward(impl):
     ``__call__`` in the checkpoint layout: a sliding and a full layer, rows of different context
     lengths, a short block, stale cache entries past each row's context."""
     import jax
+    from drafter_cases import draft_case
 
-    from dflash_jax.ops.cache import KVCache, write_all_layers
     from dflash_jax.ops.config import OpsConfig
     from dflash_jax.runtime.serving_params import serving_drafter
 
@@ -289,21 +289,27 @@ def test_serving_draft_equals_training_forward(impl):
                                                   conv_group_size=8),
                               layer_types=("sliding_attention", "full_attention"), sliding_window=6)
     drafter = random_drafter(cfg, seed=4, std=0.1)
-    keys = jax.random.split(jax.random.key(1), 4)
-    batch, n, cap, block = 3, 20, 48, cfg.block_size
-    taps = jax.random.normal(keys[0], (batch, n, len(cfg.target_layer_ids) * tcfg.hidden_size))
-    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
-    starts = jnp.array([20, 5, 13], jnp.int32)
-    valid = jnp.array([block, block, 3], jnp.int32)
-    embeds = jax.random.normal(keys[1], (batch, 1, block, tcfg.hidden_size))
-    k, v = drafter.context_kv(taps, positions)
-    junk = KVCache.zeros(cfg.num_layers, batch, cap, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
-    junk = KVCache(tuple(x + jax.random.normal(keys[2], x.shape) for x in junk.k),
-                   tuple(x + jax.random.normal(keys[3], x.shape) for x in junk.v))
-    cache = write_all_layers(junk, k, v, jnp.zeros((batch,), jnp.int32))
-    block_pos = (starts[:, None] + jnp.arange(block, dtype=jnp.int32))[:, None]
-    want = drafter(embeds, block_pos, jnp.stack(cache.k), jnp.stack(cache.v), starts[:, None], valid[:, None])
+    case = draft_case(drafter, tcfg.hidden_size, seed=1)
     served = serving_drafter(drafter)
-    got = jax.jit(lambda e, c: served.draft(e, starts, c, valid, ops=OpsConfig(attention=impl)))(embeds, cache)
-    rows = np.arange(block)[None, :] < np.asarray(valid)[:, None]  # the short block's padding slots are free
-    np.testing.assert_allclose(np.asarray(got)[:, 0][rows], np.asarray(want)[:, 0][rows], atol=1e-5, rtol=1e-5)
+    got = jax.jit(lambda e, c: served.draft(e, case.starts, c, case.valid, ops=OpsConfig(attention=impl)))(
+        case.embeds, case.cache)
+    np.testing.assert_allclose(np.asarray(got)[:, 0][case.rows], np.asarray(case.want)[:, 0][case.rows],
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 6, 16])
+def test_first_argmax_and_pick_equal_argmax_and_take(k):
+    """The selection's elementwise argmax and lookup equal ``jnp.argmax`` (first maximum, first NaN)
+    and ``take_along_axis``, for a K that is not a power of two too."""
+    from dflash_jax.models.dflash2 import first_argmax, pick
+
+    rng = np.random.default_rng(k)
+    x = rng.integers(0, 3, (40, k)).astype(np.float32)  # many ties
+    x[0] = -np.inf
+    if k > 2:
+        x[1, [1, 2]] = np.nan
+        x[2, k - 1] = np.nan
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+    table, index = rng.integers(0, 1000, (40, k)), rng.integers(0, k, 40)
+    np.testing.assert_array_equal(np.asarray(pick(jnp.asarray(table), jnp.asarray(index))),
+                                  table[np.arange(40), index])
