@@ -8,9 +8,9 @@ first and alone, so that the target's GEMMs autotune undisturbed, then the rest 
 the two generations are timed in interleaved rounds. The convolutions and the selector should add
 at most 5% to the draft pass.
 
-Then one traced call of each draft loop (``--no-profile``: none): the GPU kernels of a draft pass,
-their count and busy time per pass, and DFlash2's largest kernels, which say where its extra time
-goes (kernels, or the gaps between them). ``--baseline`` prints another run's report beside this
+Then one traced call of each draft loop (one profile; ``--no-profile``: none): the GPU kernels of
+a draft pass, their count and busy time per pass, and DFlash2's largest kernels, which say where its
+extra time goes (kernels, or the gaps between them). ``--baseline`` prints another run's report beside this
 one's (by default the committed ``bench/results/dflash2.json``, read before anything is written).
 
     python3 bench/bench_dflash2.py --json bench/results/dflash2.json        # < 90 s on one H200
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import gzip
 import json
 import statistics
 import tempfile
@@ -81,28 +82,45 @@ def time_batch(engines: dict, batch: int, context: int, steps: int, repeats: int
         entry[f"{name}_draft_s"] = statistics.median(draft_times[name])
         entry[f"{name}_step_s"] = statistics.median(step_times[name])
     if profile:
-        for name, e in engines.items():
-            entry[f"{name}_kernels"] = draft_kernels(drafts[name], steps, e.drafter.config.num_layers)
+        layers = next(iter(engines.values())).drafter.config.num_layers
+        for name, kernels in draft_kernels(drafts, steps, layers).items():
+            entry[f"{name}_kernels"] = kernels
     return entry, compile_s
 
 
-def draft_kernels(draft, steps: int, drafter_layers: int, top: int = 12) -> dict | None:
-    """The GPU kernels of one traced call of the draft loop ``draft`` (``steps`` passes), per pass:
-    their number, their busy time, and the ``top`` largest by time (None: no GPU trace). Under a
+def draft_kernels(drafts: dict, steps: int, drafter_layers: int, top: int = 12) -> dict:
+    """The GPU kernels of one call of each draft loop in ``drafts`` (name -> (jitted fn, args); ``steps``
+    passes a call), all traced in one profile, each call inside its own annotation: per name and per
+    pass the number of kernels, their busy time and the ``top`` largest ({}: no GPU trace). Under a
     CUDA graph the trace may show fewer loop iterations than ran: passes are counted by the drafter's
     attention kernels when their names say so (one per layer), else taken as ``steps``."""
-    fn, args = draft
     with tempfile.TemporaryDirectory() as out_dir:
-        durations = timing.gpu_kernel_times(lambda: jax.block_until_ready(fn(*args)), out_dir, calls=1)
-    if not durations:
-        return None
-    attention = sum(len(d) for name, d in durations.items() if "attention" in name)
-    passes = attention / drafter_layers if attention else steps
-    largest = sorted(durations.items(), key=lambda kv: -sum(kv[1]))[:top]
-    return dict(passes_traced=passes, per_pass=sum(map(len, durations.values())) / passes,
-                busy_us_per_pass=sum(map(sum, durations.values())) / passes,
-                largest=[dict(name=name[:120], us_per_pass=sum(d) / passes, launches_per_pass=len(d) / passes)
-                         for name, d in largest])
+        with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+            for name, (fn, args) in drafts.items():
+                with jax.profiler.TraceAnnotation(f"draft_loop_{name}"):
+                    jax.block_until_ready(fn(*args))
+        paths = sorted(Path(out_dir).rglob("perfetto_trace.json.gz"))
+        events = json.loads(gzip.open(paths[-1]).read())["traceEvents"] if paths else []
+    gpu = {e["pid"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e["args"].get("name"))}
+    windows = {e["name"][len("draft_loop_"):]: (e["ts"], e["ts"] + e["dur"]) for e in events
+               if e.get("ph") == "X" and str(e.get("name", "")).startswith("draft_loop_")}
+    out = {}
+    for name, (start, end) in windows.items():
+        durations: dict[str, list[float]] = {}
+        for e in events:
+            if e.get("ph") == "X" and e.get("pid") in gpu and start <= e["ts"] <= end:
+                durations.setdefault(e["name"], []).append(e["dur"])
+        if not durations:
+            continue
+        attention = sum(len(d) for k, d in durations.items() if "attention" in k)
+        passes = attention / drafter_layers if attention else steps
+        largest = sorted(durations.items(), key=lambda kv: -sum(kv[1]))[:top]
+        out[name] = dict(passes_traced=passes, per_pass=sum(map(len, durations.values())) / passes,
+                         busy_us_per_pass=sum(map(sum, durations.values())) / passes,
+                         largest=[dict(name=k[:120], us_per_pass=sum(d) / passes, launches_per_pass=len(d) / passes)
+                                  for k, d in largest])
+    return out
 
 
 def main() -> None:

@@ -267,7 +267,7 @@ class CandidateSelector(nnx.Module):
         scores: after the top-K and the hidden projection, two kernels whatever the block size.
         """
         unary, cand = top_k(unary_logits, self.top_k)  # [b, n, K]
-        batch, n, k = cand.shape
+        batch, _, k = cand.shape
         proj = dense(hidden, self.hidden_projection)  # [b, n, rank]
         pred_book, succ_book = self.predecessor_codebook[...], self.successor_codebook[...]
         predecessors = jnp.concatenate([jnp.broadcast_to(anchor_ids[:, None, None], (batch, 1, k)), cand[:, :-1]],
