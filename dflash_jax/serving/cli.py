@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--block-sizes", default="16,8,4", metavar="N,N,...",
                       help="the block sizes tried during the warm-up; the fastest on this device is used "
                            "(at most the drafter's)")
+    demo.add_argument("--temperatures", default="0.7,1.0", metavar="T,T,...",
+                      help="also report tau of seeded sampling at these temperatures, exact and rejection "
+                           "verification ('' : greedy only)")
     demo.add_argument("--no-compilation-cache", action="store_true",
                       help="compile in this process only (default: the user cache directory keeps the programs)")
     demo.add_argument("-v", "--verbose", action="store_true",
@@ -872,10 +875,20 @@ def run_command(args: argparse.Namespace, started: float, heartbeat) -> int:
             print(f"serve.py: error: --block-sizes must be block sizes >= 2 separated by commas, got "
                   f"{args.block_sizes!r}", file=sys.stderr)
             return 2
+        try:
+            temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+            if any(not (0 < t < float("inf")) for t in temperatures):
+                raise ValueError
+        except ValueError:
+            print(f"serve.py: error: --temperatures must be temperatures > 0 separated by commas (or ''), got "
+                  f"{args.temperatures!r}", file=sys.stderr)
+            return 2
         report = run_demo(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, block_sizes=sizes,
-                          compilation_cache=not args.no_compilation_cache, warmed_up=heartbeat.stop)
+                          compilation_cache=not args.no_compilation_cache, warmed_up=heartbeat.stop,
+                          temperatures=temperatures)
         print_demo(report)
-        return 0 if report["identical"] else 1
+        exact = all(row.get("identical_to_target_only", True) for row in report["sampled"])
+        return 0 if report["identical"] and exact else 1
     from dflash_jax.io.config import ConfigError
 
     try:

@@ -346,6 +346,13 @@ def test_demo_refuses_counts_below_one(argv, capsys):
     assert f"argument {argv[0]}: must be a positive integer, got {int(argv[1])}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0.7,x", "-1", "0", "inf"])
+def test_demo_refuses_temperatures_that_are_not_positive_numbers(value, capsys):
+    assert serve.main(["demo", "--temperatures", value]) == 2
+    assert f"--temperatures must be temperatures > 0 separated by commas (or ''), got {value!r}" in \
+        capsys.readouterr().err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
