@@ -481,15 +481,22 @@ class ContinuousBatcher:
 
         A request gets pages for its context and one decode call's positions (``_first_stretch``), more
         as it advances (``_grow_pages``), leaving the pages the running rows' next call needs; one that
-        cannot be preempted (``_reserves_whole_length``) gets its whole length."""
+        cannot be preempted (``_reserves_whole_length``) gets its whole length. A request whose context
+        equals an earlier one's in this admission (``n`` > 1 choices of a prompt) shares that one's full
+        context pages: the prefill runs the context once (``Engine.prefill_paged``)."""
         keep = sum(self._growth(g, self._steps_dispatched + self.steps_per_call) for g in self._rows if g is not None)
+        firsts: dict[tuple[int, ...], Generation] = {}  # context -> the first request admitted with it
         for n, g in enumerate(itertools.islice(self._pending, most)):
+            context = g.context_ids
+            first = firsts.setdefault(tuple(context), g)
             if g.pages:
                 continue
-            context = g.context_ids
             positions = g.max_len if self._reserves_whole_length(g) else min(
                 len(context) + self._first_stretch(), g.max_len)
-            grant = self.pages.allocate(context, positions, keep=keep)
+            if first is not g:
+                grant = self.pages.share(first.pages[:len(context) // self.pages.page_size], positions, keep=keep)
+            else:
+                grant = self.pages.allocate(context, positions, keep=keep)
             if grant is None:
                 return n
             g.pages, g.cached_tokens = grant.pages, grant.cached_tokens

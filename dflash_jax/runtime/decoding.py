@@ -231,6 +231,7 @@ def prefill(
     max_logprobs: int = 0,
     flags: SamplingFlags = GREEDY_FLAGS,
     candidates: int = 0,
+    source: jax.Array | None = None,
 ) -> DecodeState:
     """Runs the padded prompts ``ids [batch, P]`` (lengths ``lens``, stop ids ``stop_ids [batch, n_stop]``)
     and samples the first token. With the kernels on (``ops``) the prompt's attention is a library's
@@ -243,6 +244,10 @@ def prefill(
 
     ``sampling``: the rows' parameters (``sampling.row_arrays``), for a state with a ``SamplingState``
     (``max_logprobs`` top logprobs per token); the first token is then drawn as ``flags`` say.
+
+    ``source [rows]``: rows sharing a prompt (``n`` > 1 choices of one request). ``ids`` and ``lens`` are
+    then the distinct prompts, run once each, and row r of the result is prompt ``source[r]``'s pass (its
+    caches and last logits copied) with row r's own ``max_lens``, ``stop_ids``, sampling and first draw.
     """
     batch, plen = ids.shape
     tap_layers = drafter.config.target_layer_ids if drafter is not None else ()
@@ -251,12 +256,15 @@ def prefill(
     hidden, taps, target_cache = target.step(ids, zeros, target_cache, blk_lens=lens, tap_layers=tap_layers,
                                              ops=ops, prefill=True)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
-    rows = prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, capacity=capacity, max_steps=max_steps,
-                       mask_token_id=mask_token_id, sampling=sampling, max_logprobs=max_logprobs, flags=flags,
-                       candidates=candidates)
     if drafter is not None:
         k, v = drafter.context_kv(taps, jnp.broadcast_to(jnp.arange(plen, dtype=jnp.int32), (batch, plen)))
         draft_cache = write_all_layers(draft_cache, k, v, zeros)
+    if source is not None:  # the distinct prompts' pass, copied to the rows that share each
+        last, ids, lens, target_cache, draft_cache = jax.tree.map(
+            lambda x: x[source], (last, ids, lens, target_cache, draft_cache))
+    rows = prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, capacity=capacity, max_steps=max_steps,
+                       mask_token_id=mask_token_id, sampling=sampling, max_logprobs=max_logprobs, flags=flags,
+                       candidates=candidates)
     return dataclasses.replace(rows, target_cache=target_cache, draft_cache=draft_cache)
 
 

@@ -141,6 +141,19 @@ class PageAllocator:
         self.prefix_hits += len(hit) * self.page_size
         return PageGrant(pages=hit + fresh, cached_tokens=len(hit) * self.page_size)
 
+    def share(self, pages: Sequence[int], positions: int, *, keep: int = 0) -> PageGrant | None:
+        """Pages for the first ``positions`` positions of a request whose leading full pages are another
+        live request's ``pages`` (an equal prompt admitted with it: a request's ``n`` > 1 choices): those,
+        shared, then fresh ones. None (nothing taken) if the pool cannot hold the fresh ones while leaving
+        ``keep`` pages available."""
+        fresh = self.pages_for(positions) - len(pages)
+        if fresh + keep > self.available:
+            return None
+        for page in pages:
+            self._take(page)
+        return PageGrant(pages=list(pages) + [self._fresh_page() for _ in range(fresh)],
+                         cached_tokens=len(pages) * self.page_size)
+
     def grow(self, pages: list[int], positions: int) -> bool:
         """Appends fresh pages to a request's ``pages`` until they cover ``positions`` positions; False
         (nothing taken) if the pool has too few available."""

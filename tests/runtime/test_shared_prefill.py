@@ -1,0 +1,87 @@
+"""Rows sharing a prompt (a request's ``n`` > 1 choices) share its prefill: the prompt runs once, each
+row draws its own first token, and every row generates what it generates alone; a paged engine's rows
+share the prompt's full pages and give every page back."""
+
+import numpy as np
+import pytest
+
+from dflash_jax import ContinuousBatcher, Engine, EngineConfig, SamplingParams
+from dflash_jax.runtime.engine import shared_prompts
+from dflash_jax.serving.protocol import choice_seed
+
+MAX_NEW = 16
+PAGE = 8
+CONFIG = dict(max_batch_size=4, max_length=80, steps_per_sync=4, prompt_buckets=(64,), sampling_candidates=8)
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    target, drafter = models
+    return (Engine(target, drafter, EngineConfig(**CONFIG)),
+            Engine(target, drafter, EngineConfig(page_size=PAGE, **CONFIG)))
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return np.random.RandomState(3).randint(0, 95, 21).tolist()  # two full pages and a part
+
+
+def _choices(seed: int, n: int = 3, **kw) -> list[SamplingParams]:
+    return [SamplingParams(temperature=1.0, seed=choice_seed(seed, j), **kw) for j in range(n)]
+
+
+def test_shared_prompts_maps_equal_prompts_to_the_least_cached():
+    assert shared_prompts([[1, 2], [3], [4]]) is None
+    assert shared_prompts([[1, 2], [3], [1, 2], [1, 2]]) == [0, 1, 0, 0]
+    assert shared_prompts([[1, 2], [1, 2], [1, 2]], cached=[8, 0, 8]) == [1, 1, 1]
+
+
+def test_n_choices_prefill_once_and_equal_solo_runs(engines, prompt):
+    spec, _ = engines
+    params = _choices(7, logprobs=2)
+    solo = [spec.generate([prompt], MAX_NEW, [11], sampling=p)[0] for p in params]
+    before = (spec.prefilled_prompts, spec.prefilled_tokens)
+    shared = spec.generate([prompt] * 3, MAX_NEW, [11], sampling=params)
+    assert (spec.prefilled_prompts - before[0], spec.prefilled_tokens - before[1]) == (1, len(prompt))
+    assert [r.output_ids for r in shared] == [r.output_ids for r in solo]
+    assert len({tuple(r.output_ids) for r in shared}) == 3
+    for a, b in zip(shared, solo):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    greedy = spec.generate([prompt] * 3, MAX_NEW, [11])
+    assert all(r.output_ids == spec.generate([prompt], MAX_NEW, [11])[0].output_ids for r in greedy)
+
+
+def test_shared_prompts_among_distinct_ones_in_one_prefill(engines, prompt):
+    spec, _ = engines
+    other = prompt[:9]
+    prompts = [prompt, other, prompt, other]
+    params = [SamplingParams(temperature=0.8, seed=s) for s in (1, 2, 3, 4)]
+    before = spec.prefilled_prompts
+    got = spec.generate(prompts, MAX_NEW, [11], sampling=params)
+    assert spec.prefilled_prompts - before == 2
+    assert [r.output_ids for r in got] == [spec.generate([p], MAX_NEW, [11], sampling=sp)[0].output_ids
+                                           for p, sp in zip(prompts, params)]
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_paged_choices_share_the_prompt_pages_and_give_them_back(engines, prompt, cached):
+    """``cached``: the prompt's first pages are in the prefix cache already (an earlier request): the
+    choices compute only the rest, once."""
+    spec, paged = engines
+    params = _choices(5)
+    batcher = ContinuousBatcher(paged)
+    if cached:
+        batcher.submit(prompt[:17], 2, [11])
+        batcher.run()
+    before = (paged.prefilled_prompts, paged.prefilled_tokens)
+    generations = [batcher.submit(prompt, MAX_NEW, [11], sampling=p) for p in params]
+    batcher.step()  # the admission: one prefill of the prompt, its two full pages held by all three rows
+    full = len(prompt) // PAGE
+    assert paged.prefilled_prompts - before[0] == 1
+    assert paged.prefilled_tokens - before[1] == len(prompt) - (2 * PAGE if cached else 0)
+    assert all(g.pages[:full] == generations[0].pages[:full] for g in generations)
+    assert len({p for g in generations for p in g.pages}) == full + 3 * (len(generations[0].pages) - full)
+    batcher.run()
+    assert [g.result.output_ids for g in generations] == [
+        spec.generate([prompt], MAX_NEW, [11], sampling=p)[0].output_ids for p in params]
+    assert batcher.pages.all_free()
