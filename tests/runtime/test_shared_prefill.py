@@ -51,6 +51,7 @@ def test_n_choices_prefill_once_and_equal_solo_runs(engines, prompt):
     assert all(r.output_ids == spec.generate([prompt], MAX_NEW, [11])[0].output_ids for r in greedy)
 
 
+@pytest.mark.slow
 def test_shared_prompts_among_distinct_ones_in_one_prefill(engines, prompt):
     spec, _ = engines
     other = prompt[:9]
@@ -63,6 +64,7 @@ def test_shared_prompts_among_distinct_ones_in_one_prefill(engines, prompt):
                                            for p, sp in zip(prompts, params)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cached", [False, True])
 def test_paged_choices_share_the_prompt_pages_and_give_them_back(engines, prompt, cached):
     """``cached``: the prompt's first pages are in the prefix cache already (an earlier request): the

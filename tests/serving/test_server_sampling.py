@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import httpx
+
 import pytest
 import tokenizer_fixtures as tf
 
@@ -49,14 +51,21 @@ def test_seeded_completion_repeats_and_equals_the_engine(server):
 
 def test_n_choices_have_their_own_seeds(server):
     tok, engine, client = server
+    prefilled = engine.prefilled_prompts
     r = client.completions.create(model="tiny", prompt=HELLO, max_tokens=MAX_TOKENS, temperature=1.0, seed=3, n=3,
                                   extra_body={"return_token_ids": True})
+    assert engine.prefilled_prompts - prefilled == 1  # the three choices share the prompt's prefill
     ids = [c.model_extra["token_ids"] for c in r.choices]
     assert [c.index for c in r.choices] == [0, 1, 2] and len({tuple(i) for i in ids}) == 3
-    want = engine.generate([tok.encode(HELLO)] * 3, MAX_TOKENS, tok.stop_token_ids,
-                           sampling=[SamplingParams(temperature=1.0, seed=choice_seed(3, j)) for j in range(3)])
-    assert ids == [w.output_ids for w in want]
+    solo = [engine.generate([tok.encode(HELLO)], MAX_TOKENS, tok.stop_token_ids,
+                            sampling=SamplingParams(temperature=1.0, seed=choice_seed(3, j)))[0] for j in range(3)]
+    assert ids == [w.output_ids for w in solo]
     assert r.usage.completion_tokens == sum(len(i) for i in ids)
+    greedy = client.completions.create(model="tiny", prompt=HELLO, max_tokens=MAX_TOKENS, n=3,
+                                       extra_body={"return_token_ids": True})
+    assert len({tuple(c.model_extra["token_ids"]) for c in greedy.choices}) == 1
+    metrics = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    assert f'dflash_prefill_prompts_total{{model="tiny"}} {engine.prefilled_prompts}' in metrics
 
 
 def test_chat_logprobs_in_openais_shape_streamed_or_not(server):
