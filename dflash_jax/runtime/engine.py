@@ -296,6 +296,8 @@ class Engine:
     """Batched generation (greedy, or sampled per ``SamplingParams``) with an optional DFlash drafter
     (``drafter=None``: target-only)."""
 
+    records_prompt_logprobs = True  # the prefill records ``SamplingParams.prompt_logprobs`` (completions' echo)
+
     def __init__(self, target: Target, drafter: Drafter | None, config: EngineConfig = EngineConfig(),
                  mesh: Mesh | None = None):
         config.validate()
@@ -364,8 +366,6 @@ class Engine:
         # a new shape: nothing to donate to
         self._resize = jax.jit(self._resize_fn, static_argnames=("rows",), compiler_options=once)
         self._release = jax.jit(self._release_fn, donate_argnums=(0,), compiler_options=once)
-        self._prompt_logprobs = jax.jit(self._traced(self._prompt_logprobs_fn), static_argnames=("top",),
-                                        compiler_options=once)
         self._mask_id = drafter.config.mask_token_id if drafter is not None else 0
         self.vocab_size = target.config.vocab_size
         self.speculative = drafter is not None
@@ -463,11 +463,14 @@ class Engine:
         target, drafter = self._models(target_state, drafter_state)
         flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
                               logprobs=self.config.max_logprobs)
+        sampling = dict(sampling)
+        want = sampling.pop("prompt_logprobs")
         rows = paged.prefill(target, drafter, state, page_rows, ids, lens, cached, max_lens, stop_ids,
                              suffix=suffix, context_pages=context_pages, capacity=self.capacity,
                              max_steps=self.config.max_length, mask_token_id=self._mask_id, ops=self.ops,
                              sampling=sampling, max_logprobs=self.config.max_logprobs, flags=flags,
-                             candidates=self.config.sampling_candidates, source=source, row_cached=row_cached)
+                             candidates=self.config.sampling_candidates, source=source, row_cached=row_cached,
+                             prompt_logprobs=want)
         return rows, jnp.take_along_axis(rows.tokens, rows.starts[:, None], axis=1)[:, 0]
 
     def prefill_paged(self, state: decoding.DecodeState, prompts: Sequence[Sequence[int]],
@@ -567,48 +570,16 @@ class Engine:
         target, drafter = self._models(target_state, drafter_state)
         flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
                               logprobs=self.config.max_logprobs)
+        sampling = dict(sampling)
+        want = sampling.pop("prompt_logprobs")
         # Every step commits >= 1 token, so max_length bounds the steps of any row.
         state = decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, capacity=self.capacity,
                                  max_steps=self.config.max_length, mask_token_id=self._mask_id,
                                  ops=self.ops, sampling=sampling, max_logprobs=self.config.max_logprobs,
-                                 flags=flags, candidates=self.config.sampling_candidates, source=source)
+                                 flags=flags, candidates=self.config.sampling_candidates, source=source,
+                                 prompt_logprobs=want)
         first = jnp.take_along_axis(state.tokens, state.starts[:, None], axis=1)[:, 0]
         return self._constrain(state), first
-
-    def _prompt_logprobs_fn(self, target_state, ids, lens, *, top: int):
-        """Per position of ``ids [1, P]`` the logprob of the next prompt token and the ``top`` best,
-        from the raw logits; the head runs over 64 positions at a time (a whole prompt's logits are
-        P x vocab floats)."""
-        target = nnx.merge(self._target_def, jax.tree.unflatten(self._target_tree, target_state))
-        plen = ids.shape[1]
-        cache, _ = decoding.new_caches(target, None, 1, plen)
-        hidden, _, _ = target.step(ids, jnp.zeros((1,), jnp.int32), cache, blk_lens=lens, ops=self.ops,
-                                   prefill=True)
-        chunk = min(64, plen)
-        pad = -plen % chunk
-        hidden = jnp.pad(hidden[0], ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[-1])
-        nxt = jnp.pad(ids[0, 1:], (0, pad + 1)).reshape(-1, chunk)
-
-        def one(args):
-            h, t = args
-            return smp.logprobs_of(target.head(h), t, top)
-
-        lp, top_ids, top_lps = jax.lax.map(one, (hidden, nxt))
-        return lp.reshape(-1)[:plen], top_ids.reshape(-1, top)[:plen], top_lps.reshape(-1, top)[:plen]
-
-    def prompt_logprobs(self, prompt: Sequence[int], top: int = 0) -> tuple[list[float | None], list[dict | None]]:
-        """The prompt's own logprobs (completions' ``echo`` with ``logprobs``): for each token, the
-        log-softmax of the target's raw logits after the tokens before it (None for the first), and
-        the ``top`` most likely tokens there (token id -> logprob; None for the first)."""
-        n = len(prompt)
-        bucket = self._prompt_bucket(n)
-        ids = np.zeros((1, bucket), np.int32)
-        ids[0, :n] = prompt
-        lp, top_ids, top_lps = jax.device_get(self._prompt_logprobs(
-            self._target_state, self._put_batch(ids), self._put_batch(np.asarray([n], np.int32)), top=top))
-        logprobs = [None] + [float(x) for x in lp[:n - 1]]
-        tops = [None] + [{int(t): float(v) for t, v in zip(top_ids[i], top_lps[i])} for i in range(n - 1)]
-        return logprobs, tops
 
     def _empty_fn(self, *, rows: int) -> decoding.DecodeState:
         # Only the models' configs and dtypes are read: no weights enter the computation.
@@ -875,6 +846,9 @@ class Engine:
         max_lens[:n] = [min(l + m, self.config.max_length) for l, m in zip(lens, max_new_tokens)]
         put = self._put_batch
         arrays = smp.row_arrays(sampling, batch, self.vocab_size, lens)
+        # The rows whose prompt logprobs the prefill records (``decoding.prompt_entries``), beside their parameters.
+        arrays["prompt_logprobs"] = np.zeros((batch,), bool)
+        arrays["prompt_logprobs"][:len(sampling)] = [p.prompt_logprobs is not None for p in sampling]
         return put(ids), put(row_lens), put(max_lens), put(stop_ids), {k: put(v) for k, v in arrays.items()}
 
     def prefill_rows(self, prompts: int) -> int:

@@ -106,8 +106,13 @@ def test_completion_logprobs_and_echo(server):
     blp, n = both.choices[0].logprobs, len(tok.encode(HELLO))
     assert len(blp.tokens) == n + len(lp.tokens) and blp.token_logprobs[0] is None and blp.top_logprobs[0] is None
     assert blp.token_logprobs[n:] == pytest.approx(lp.token_logprobs, abs=1e-6)
-    prompt_lps, _ = engine.prompt_logprobs(tok.encode(HELLO), 2)
-    assert blp.token_logprobs[1:n] == pytest.approx(prompt_lps[1:], abs=1e-6)
+    (want,) = engine.generate([tok.encode(HELLO)], 1, sampling=SamplingParams(prompt_logprobs=2))
+    assert blp.token_logprobs[1:n] == pytest.approx(want.prompt_logprobs[1:], abs=1e-6)
+    streamed = list(client.completions.create(model="tiny", prompt=HELLO, max_tokens=MAX_TOKENS, temperature=0.9,
+                                              seed=1, echo=True, logprobs=2, stream=True))
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [x for p in pieces for x in p.token_logprobs] == pytest.approx(blp.token_logprobs, abs=1e-6)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == both.choices[0].text
 
 
 def test_penalties_bias_and_bad_sampling_fields(server):
