@@ -87,3 +87,26 @@ def test_paged_choices_share_the_prompt_pages_and_give_them_back(engines, prompt
     assert [g.result.output_ids for g in generations] == [
         spec.generate([prompt], MAX_NEW, [11], sampling=p)[0].output_ids for p in params]
     assert batcher.pages.all_free()
+
+
+@pytest.mark.slow
+def test_paged_prompt_logprobs_compute_the_whole_prompt_despite_a_cached_prefix(models, engines, prompt):
+    """A prompt whose logprobs are asked is computed whole (its cached prefix and chunking skipped): the
+    logprobs equal the contiguous engine's, for each of its choices, and every page comes back."""
+    spec, _ = engines
+    paged = Engine(*models, EngineConfig(page_size=PAGE, prefill_chunk=PAGE, **CONFIG))
+    params = [SamplingParams(temperature=0.7, seed=s, prompt_logprobs=2) for s in (1, 2)]
+    want = spec.generate([prompt], MAX_NEW, [11], sampling=params[0])[0]
+    batcher = ContinuousBatcher(paged)
+    batcher.submit(prompt, 2, [11])
+    batcher.run()  # the prompt's full pages are cached now
+    before = paged.prefilled_tokens
+    generations = [batcher.submit(prompt, MAX_NEW, [11], sampling=p) for p in params]
+    batcher.run()
+    assert paged.prefilled_tokens - before == len(prompt)  # once, whole, in one prefill
+    for g in generations:
+        assert g.result.prompt_logprobs[0] is None
+        np.testing.assert_allclose(g.result.prompt_logprobs[1:], want.prompt_logprobs[1:], atol=1e-5)
+        assert [list(d) for d in g.result.prompt_top_logprobs[1:]] == [list(d) for d in want.prompt_top_logprobs[1:]]
+    assert generations[0].result.output_ids == want.output_ids
+    assert batcher.pages.all_free()
