@@ -68,6 +68,20 @@ def test_n_choices_have_their_own_seeds(server):
     assert f'dflash_prefill_prompts_total{{model="tiny"}} {engine.prefilled_prompts}' in metrics
 
 
+def test_streamed_chat_choices_equal_the_unstreamed_ones(server):
+    _, engine, client = server
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=MAX_TOKENS, temperature=1.0,
+               top_p=0.95, seed=11, n=3)
+    prefilled = engine.prefilled_prompts
+    whole = client.chat.completions.create(**ask)
+    assert engine.prefilled_prompts - prefilled == 1
+    texts = [""] * 3
+    for c in client.chat.completions.create(**ask, stream=True):
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == [c.message.content for c in whole.choices] and len(set(texts)) > 1
+
+
 def test_chat_logprobs_in_openais_shape_streamed_or_not(server):
     _, _, client = server
     ask = dict(model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=MAX_TOKENS, temperature=0.7,
