@@ -277,7 +277,9 @@ def prefill(
     return dataclasses.replace(rows, target_cache=target_cache, draft_cache=draft_cache)
 
 
-PROMPT_LOGPROB_POSITIONS = 64  # prompt positions per pass of the head (a [rows, 64, vocab] float32 block)
+# Positions (summed over rows) per pass of the head for prompt logprobs: a [64, vocab] float32 block, in the
+# memory of every prefill program (a conditional's branches share its peak).
+PROMPT_LOGPROB_POSITIONS = 64
 
 
 def prompt_entries(target: Target, hidden: jax.Array, block_ids: jax.Array, wanted: jax.Array, top: int,
@@ -286,10 +288,10 @@ def prompt_entries(target: Target, hidden: jax.Array, block_ids: jax.Array, want
     log-softmax of the target's raw logits after token j at token j + 1 of the block, and the ``top``
     best -> ``(logprob [b, n], top_ids [b, n, top], top_logprobs [b, n, top])`` (the last entry, and any
     past a row's prompt, read nothing meaningful). Computed only when ``wanted`` (a device bool; zeros
-    otherwise), the head over ``PROMPT_LOGPROB_POSITIONS`` positions at a time: a whole prompt's logits
-    are n x vocab floats per row."""
+    otherwise), the head over ``PROMPT_LOGPROB_POSITIONS`` positions of all rows at a time: a whole
+    prompt's logits are n x vocab floats per row."""
     b, n, width = hidden.shape
-    chunk = min(PROMPT_LOGPROB_POSITIONS, n)
+    chunk = min(max(1, PROMPT_LOGPROB_POSITIONS // b), n)
     pad = -n % chunk
     nxt = jnp.pad(block_ids[:, 1:], ((0, 0), (0, pad + 1)))
 
