@@ -48,7 +48,8 @@ def test_n_choices_prefill_once_and_equal_solo_runs(engines, prompt):
     for a, b in zip(shared, solo):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
     greedy = spec.generate([prompt] * 3, MAX_NEW, [11])
-    assert all(r.output_ids == spec.generate([prompt], MAX_NEW, [11])[0].output_ids for r in greedy)
+    alone = spec.generate([prompt], MAX_NEW, [11])[0]
+    assert all(r.output_ids == alone.output_ids for r in greedy)
 
 
 @pytest.mark.slow
