@@ -5,6 +5,10 @@ two tokens, committed in steps of 1..block_size tokens (so ``acceptance_lengths`
 DFlash's). Its state is numpy arrays with ``DecodeState``'s row semantics, so the real
 ``ContinuousBatcher`` drives it; rows are independent, so a request gets the same answer alone or
 batched, whenever it was admitted.
+
+``FakePagedEngine`` adds a paged engine's interface (``prefill_paged``, ``admit_paged``, ``set_pages``,
+``write_pages``): the batcher's page accounting, admission by pages and preemption run as they do on a
+device, and every decode step checks that a row's committed positions lie in the pages it was given.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dflash_jax.runtime.batcher import RowSnapshot
+from dflash_jax.runtime.batcher import ContinuousBatcher, RowSnapshot
 from dflash_jax.runtime.engine import EngineConfig
 
 
@@ -31,12 +35,14 @@ class FakeState:
     num_steps: np.ndarray  # [rows]
     accepted: np.ndarray   # [rows, max_length]
     stop_ids: np.ndarray   # [rows, n_stop], -1 pads
+    pages: np.ndarray      # [rows]: the pages a paged engine's row holds (its page table's length)
 
     @classmethod
     def empty(cls, rows: int, max_length: int, n_stop: int) -> "FakeState":
         zeros = np.zeros((rows,), np.int64)
         return cls(np.zeros((rows, max_length + 1), np.int64), zeros.copy(), zeros.copy(), np.ones((rows,), bool),
-                   zeros.copy(), np.zeros((rows, max_length), np.int64), np.full((rows, n_stop), -1, np.int64))
+                   zeros.copy(), np.zeros((rows, max_length), np.int64), np.full((rows, n_stop), -1, np.int64),
+                   zeros.copy())
 
     def copy_row(self, row: int, into: "FakeState", slot: int) -> None:
         for field in dataclasses.fields(self):
@@ -153,6 +159,71 @@ class FakeEngine:
         s.accepted[row, s.num_steps[row]] = produced
         s.num_steps[row] += 1
         s.done[row] = stopped or s.starts[row] + 1 >= s.max_lens[row]
+
+
+class FakePagedEngine(FakeEngine):
+    """``FakeEngine`` with a paged engine's interface: a pool of ``num_pages`` pages of ``page_size``
+    positions (the null page besides), handed out by the batcher's ``PageAllocator``. Nothing is stored in
+    the pages; each row knows how many it holds, and a decode step whose committed positions pass them
+    raises (the device would have lost their K/V)."""
+
+    paged = True
+
+    def __init__(self, vocab_size: int, *, page_size: int, num_pages: int, prefix_cache: bool = True,
+                 prefill_chunk: int = 0, max_preemptions: int = 2, **kwargs):
+        super().__init__(vocab_size, **kwargs)
+        self.config = dataclasses.replace(self.config, page_size=page_size, num_pages=num_pages,
+                                          prefix_cache=prefix_cache, prefill_chunk=prefill_chunk,
+                                          max_preemptions=max_preemptions)
+        self.config.validate()
+        self.page_size = page_size
+        self.num_pages = num_pages + 1  # as ``Engine``: page 0 is the null page
+        self.chunks: list[int] = []     # the prompt tokens each chunked prefill covered
+
+    def prefill_paged(self, state: FakeState, prompts, max_new_tokens, stop_token_ids, pages, cached,
+                      sampling=None) -> tuple[FakeState, np.ndarray, list[int]]:
+        rows, first = self.prefill(prompts, max_new_tokens, stop_token_ids, sampling)
+        rows.pages[:len(pages)] = [len(p) for p in pages]
+        return rows, first, [len(p) for p in pages]
+
+    def admit_paged(self, state: FakeState, rows: FakeState, slots: Sequence[int], admission) -> FakeState:
+        return self.admit(state, rows, slots)
+
+    def set_pages(self, state: FakeState, pages: dict[int, Sequence[int]]) -> FakeState:
+        for slot, row_pages in pages.items():
+            state.pages[slot] = len(row_pages)
+        return state
+
+    def write_pages(self, state: FakeState, rows: FakeState, admission) -> FakeState:
+        self.chunks.append(int(rows.starts[0]))
+        return state
+
+    def _step(self, s: FakeState, row: int) -> None:
+        super()._step(s, row)
+        if s.starts[row] > s.pages[row] * self.page_size:
+            raise RuntimeError(f"row {row} committed position {int(s.starts[row]) - 1} past its "
+                               f"{int(s.pages[row])} pages of {self.page_size}")
+
+
+def live_rows(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict:
+    """How many requests ``engine``'s ``ContinuousBatcher`` runs at once on a workload: every prompt
+    submitted at once (no stop ids), then steps until all are done. Returns the rows admitted by the first
+    step (``first``), the mean and the most rows live after a step while requests were still waiting
+    (``mean``, ``most``: admission, growth and preemption at work on a saturated engine), and the
+    preemptions. Host-only with a ``FakeEngine`` or ``FakePagedEngine``: admission is accounting."""
+    batcher = ContinuousBatcher(engine)
+    generations = [batcher.submit(p, max_new_tokens) for p in prompts]
+    live: list[int] = []
+    while batcher.waiting:
+        batcher.step()
+        live.append(batcher.running)
+    batcher.run()
+    failed = [g.error for g in generations if g.error is not None]
+    if failed:
+        raise failed[0]
+    if batcher.pages is not None and not batcher.pages.all_free():
+        raise RuntimeError("pages were not all given back")
+    return {"first": live[0], "mean": float(np.mean(live)), "most": max(live), "preemptions": batcher.preemptions}
 
 
 class GatedEngine:
