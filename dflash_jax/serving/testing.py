@@ -14,6 +14,8 @@ device, and every decode step checks that a row's committed positions lie in the
 from __future__ import annotations
 
 import dataclasses
+import json
+import random
 import threading
 import time
 from typing import Sequence
@@ -261,3 +263,80 @@ def wait_until_serving(url: str, process, timeout: float, log_path=None) -> None
             pass
         assert time.monotonic() < deadline, f"the server did not come up in {timeout} s:\n{log}"
         time.sleep(0.2)
+
+
+def completion_ids(client, prompt: list[int], max_tokens: int, streamed: bool) -> list[int]:
+    """The token ids a server (``client``: an ``httpx.Client`` on its URL) answers ``prompt`` with on
+    ``/v1/completions``: an SSE stream joined, or one JSON body. Raises ``AssertionError`` on an error."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "return_token_ids": True}
+    if not streamed:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+    ids: list[int] = []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                ids.extend(choice.get("token_ids") or [])
+    return ids
+
+
+def run_clients(url: str, requests: Sequence[tuple[list[int], int]], clients: int, duration_s: float,
+                timeout_s: float = 300.0) -> tuple[list[tuple[int, list[int], float]], list[BaseException]]:
+    """A bounded load: ``clients`` threads, each with its own connection, send requests drawn from
+    ``requests`` (``(prompt ids, max_tokens)``; half of them streamed) one after the other until
+    ``duration_s`` has passed, then wait for their last answers. Returns ``(index, token ids, seconds)`` per
+    answered request and the errors met (a client stops at its first)."""
+    import httpx
+
+    deadline = time.monotonic() + duration_s
+    answers: list[tuple[int, list[int], float]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def user(n: int) -> None:
+        rng = random.Random(n)
+        try:
+            with httpx.Client(base_url=url, timeout=timeout_s) as client:
+                while time.monotonic() < deadline:
+                    i = rng.randrange(len(requests))
+                    t0 = time.perf_counter()
+                    ids = completion_ids(client, *requests[i], streamed=rng.random() < 0.5)
+                    with lock:
+                        answers.append((i, ids, time.perf_counter() - t0))
+        except BaseException as err:  # noqa: BLE001 - returned to the caller
+            with lock:
+                errors.append(err)
+
+    threads = [threading.Thread(target=user, args=(n,)) for n in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers, errors
+
+
+def metric_values(client) -> dict[str, float]:
+    """A server's ``/metrics`` as ``{name: value}`` (labels dropped; ``client``: an ``httpx.Client``)."""
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    return values
+
+
+def pages_back(client, timeout_s: float = 10.0) -> dict[str, float]:
+    """``metric_values`` once no KV page is in use (the last rows' pages go back at the host sync that
+    retires them, after their answers), or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = metric_values(client)
+        if metrics.get("dflash_kv_pages_in_use", 0) == 0 or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)

@@ -1,14 +1,9 @@
 """A bounded load on loopback: 64 HTTP clients against a server whose tiny engine has a paged cache (prefix
 caching on, a pool small enough that rows are preempted), sending requests that share system prompts, with
-varied lengths, for a fixed duration. Every request is answered with its solo run's tokens (a contiguous
-engine's, alone), streamed or not, and every page is back in the pool at the end (``/metrics``)."""
+varied lengths, for a fixed duration. Every request is answered with its solo run's tokens (the engine's,
+each request alone), streamed or not, and every page is back in the pool at the end (``/metrics``)."""
 
 from __future__ import annotations
-
-import json
-import random
-import threading
-import time
 
 import httpx
 import numpy as np
@@ -18,6 +13,7 @@ import tokenizer_fixtures as tf
 from dflash_jax import Engine, EngineConfig, load_drafter, load_target
 from dflash_jax.io.tokenizer import Tokenizer
 from dflash_jax.serving import ServerThread, create_app
+from dflash_jax.serving.testing import completion_ids, pages_back, run_clients
 
 CLIENTS = 64
 DURATION_S = 5.0  # clients send new requests until then; every request sent is answered
@@ -42,35 +38,6 @@ def workload(seed: int = 0) -> list[tuple[list[int], int]]:
     return requests
 
 
-def metric_values(client: httpx.Client) -> dict[str, float]:
-    values = {}
-    for line in client.get("/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name.split("{")[0]] = float(value)
-    return values
-
-
-def ask(client: httpx.Client, prompt: list[int], max_tokens: int, streamed: bool) -> list[int]:
-    """The token ids the server answers ``prompt`` with (an SSE stream joined, or one JSON body)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "return_token_ids": True}
-    if not streamed:
-        r = client.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["token_ids"]
-    ids: list[int] = []
-    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line or line == "data: [DONE]":
-                continue
-            event = json.loads(line.removeprefix("data: "))
-            assert "error" not in event, event
-            for choice in event["choices"]:
-                ids.extend(choice.get("token_ids") or [])
-    return ids
-
-
 @pytest.mark.slow
 def test_64_clients_sharing_system_prompts_get_their_solo_tokens_and_leak_no_pages(tmp_path):
     # two target layers and one drafter layer: the engine's programs compile in half the time
@@ -86,40 +53,15 @@ def test_64_clients_sharing_system_prompts_get_their_solo_tokens_and_leak_no_pag
     solo = [engine.generate([p], m, stops)[0].output_ids for p, m in requests]
     app = create_app(engine, tokenizer, model_name="tiny", max_length=CONFIG["max_length"],
                      vocab_size=target.config.vocab_size)
-    answers: list[tuple[int, list[int]]] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
     with ServerThread(app) as srv:
         with httpx.Client(base_url=srv.url, timeout=300) as client:
-            assert ask(client, *requests[0], streamed=False) == solo[0]
-        deadline = time.monotonic() + DURATION_S
-
-        def user(n: int) -> None:
-            rng = random.Random(n)
-            try:
-                with httpx.Client(base_url=srv.url, timeout=300) as client:
-                    while time.monotonic() < deadline:
-                        i = rng.randrange(len(requests))
-                        ids = ask(client, *requests[i], streamed=rng.random() < 0.5)
-                        with lock:
-                            answers.append((i, ids))
-            except BaseException as err:  # noqa: BLE001 - reported by the test
-                errors.append(err)
-
-        clients = [threading.Thread(target=user, args=(n,)) for n in range(CLIENTS)]
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join()
+            assert completion_ids(client, *requests[0], streamed=False) == solo[0]
+        answers, errors = run_clients(srv.url, requests, CLIENTS, DURATION_S)
         assert not errors, errors[:3]
         with httpx.Client(base_url=srv.url, timeout=30) as client:
-            for _ in range(100):  # the pages of the last rows go back at the step that retires them
-                metrics = metric_values(client)
-                if metrics["dflash_kv_pages_in_use"] == 0:
-                    break
-                time.sleep(0.1)
+            metrics = pages_back(client)
     assert len(answers) >= CLIENTS  # every client's requests were answered (each sent at least one)
-    for i, ids in answers:
+    for i, ids, _ in answers:
         assert ids == solo[i], (i, requests[i])
     assert metrics["dflash_kv_pages_in_use"] == 0 and metrics["dflash_kv_pages_total"] == PAGED["num_pages"]
     assert metrics["dflash_preemptions_total"] > 0 and metrics["dflash_prefix_cache_hits_total"] > 0
