@@ -565,7 +565,9 @@ class ContinuousBatcher:
             g.prior_accepted += g.read_accepted[:g.read_steps].tolist()
         g.preemptions += 1
         self.preemptions += 1
-        self._pending.appendleft(g)
+        # First in the queue, but behind a prompt being prefilled in chunks: that one keeps its pages and
+        # goes on (queued before it, ``g`` could wait for its pages while it waited for its turn).
+        self._pending.insert(next((i for i, p in enumerate(self._pending) if not p.pages), len(self._pending)), g)
 
     def page_stats(self) -> PageStats:
         """A paged engine's page counters for ``/metrics``, preemptions included."""

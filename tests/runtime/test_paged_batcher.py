@@ -67,3 +67,27 @@ def test_the_fake_paged_engine_refuses_a_row_past_its_pages():
     state = engine.admit_paged(state, rows, [0], admission)
     with pytest.raises(RuntimeError, match="past its 1 pages"):
         engine.decode(state, 4)
+
+
+@pytest.mark.parametrize("seed", [137, 154, 276, 392, 7])
+def test_every_request_finishes_with_chunked_prompts_preemption_and_whole_length_rows(seed):
+    """Random workloads over a tight pool with chunked prefill and every ``max_preemptions``: each request
+    finishes with its own tokens and every page comes back. A row paused while another prompt is prefilled
+    in chunks queues behind that prompt, which keeps its pages: queued before it, the row could wait for
+    those pages while the prompt waited for its turn (these seeds would stall so)."""
+    rs = np.random.RandomState(seed)
+    engine = FakePagedEngine(VOCAB, page_size=4, num_pages=int(rs.randint(56, 90)), max_batch_size=4, max_length=256,
+                             block_size=4, steps_per_sync=int(rs.randint(1, 3)), prefill_chunk=8,
+                             max_preemptions=int(rs.randint(0, 3)))
+    batcher = ContinuousBatcher(engine)
+    generations = [batcher.submit(rs.randint(0, 500, int(rs.randint(4, 120))).tolist(), int(rs.randint(10, 100)))
+                   for _ in range(10)]
+    for _ in range(5000):
+        if batcher.idle:
+            break
+        batcher.step()
+    assert batcher.idle, [(g.preemptions, len(g.pages), g.finished) for g in generations]
+    for g in generations:
+        assert g.error is None, g.error
+        assert g.result.output_ids == engine.reference(g.prompt_ids, g.max_len - len(g.prompt_ids))
+    assert batcher.pages.all_free()

@@ -18,16 +18,20 @@ from dflash_jax.serving.testing import completion_ids, pages_back, run_clients
 CLIENTS = 64
 DURATION_S = 5.0  # clients send new requests until then; every request sent is answered
 PAGE = 16
-CONFIG = dict(max_length=128, prompt_buckets=(64,), steps_per_sync=2)
+# A 128-token bucket: a resumed row's context (its prompt and output) may outgrow 64, and a request whose
+# context could outgrow the largest bucket is never paused (it gets its whole length at admission).
+CONFIG = dict(max_length=128, prompt_buckets=(64, 128), steps_per_sync=2)
 # 8 usable pages: a request takes at most 7 alone (a 60-token prompt and 48 new tokens), so two rows
-# run at once while short and the newer is paused when the older grows. Two rows, one prompt bucket and a
+# run at once while short and the newer is paused when the older grows. Two rows, two prompt buckets and a
 # few cached-prefix lengths keep the compiled programs few.
 PAGED = dict(max_batch_size=2, page_size=PAGE, num_pages=8, prefix_cache=True, **CONFIG)
 
 
 def workload(seed: int = 0) -> list[tuple[list[int], int]]:
-    """24 requests: three system prompts (20, 27 and 35 tokens: a cached prefix ends inside a page) each
-    with user turns of 1-25 tokens, and 4-48 new tokens; some prompts repeat with another length."""
+    """30 requests: three system prompts (20, 27 and 35 tokens: a cached prefix ends inside a page) each
+    with user turns of 1-25 tokens and 4-48 new tokens, some prompts repeated with another length; and six
+    long answers to short prompts (64 new tokens: 6 pages each when done, so two of them running at once
+    outgrow the pool and one is paused)."""
     rs = np.random.RandomState(seed)
     systems = [rs.randint(10, 500, n).tolist() for n in (20, 27, 35)]
     requests = []
@@ -35,12 +39,13 @@ def workload(seed: int = 0) -> list[tuple[list[int], int]]:
         user = rs.randint(10, 500, int(rs.randint(1, 26))).tolist()
         requests.append((systems[i % 3] + user, int(rs.choice([4, 8, 16, 32, 48]))))
     requests[-1] = (requests[0][0], 48 if requests[0][1] != 48 else 32)  # a prompt entirely cached
+    requests += [(systems[0] + rs.randint(10, 500, int(rs.randint(1, 5))).tolist(), 64) for _ in range(6)]
     return requests
 
 
 @pytest.mark.slow
 def test_64_clients_sharing_system_prompts_get_their_solo_tokens_and_leak_no_pages(tmp_path):
-    # two target layers and one drafter layer: the engine's programs compile in half the time
+    # a two-layer target and a one-layer drafter: the smallest programs
     target_dir, drafter_dir = tf.write_tiny_models_with_tokenizer(tmp_path, target_overrides={"num_layers": 2},
                                                                   drafter_overrides={"num_layers": 1})
     tokenizer = Tokenizer(target_dir)
