@@ -180,7 +180,6 @@ class FakePagedEngine(FakeEngine):
         self.config.validate()
         self.page_size = page_size
         self.num_pages = num_pages + 1  # as ``Engine``: page 0 is the null page
-        self.chunks: list[int] = []     # the prompt tokens each chunked prefill covered
 
     def prefill_paged(self, state: FakeState, prompts, max_new_tokens, stop_token_ids, pages, cached,
                       sampling=None) -> tuple[FakeState, np.ndarray, list[int]]:
@@ -197,7 +196,6 @@ class FakePagedEngine(FakeEngine):
         return state
 
     def write_pages(self, state: FakeState, rows: FakeState, admission) -> FakeState:
-        self.chunks.append(int(rows.starts[0]))
         return state
 
     def _step(self, s: FakeState, row: int) -> None:
