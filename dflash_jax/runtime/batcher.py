@@ -524,13 +524,15 @@ class ContinuousBatcher:
         return self.steps_per_call * self.engine.block_size
 
     def _reserves_whole_length(self, g: Generation) -> bool:
-        """Whether ``g`` gets pages for its whole length at admission and is never preempted: a
-        resumption could not give its output again, as its sampling depends on its output's history
-        (penalties' token counts, min_tokens' count), which a prefill does not restore, or its context
-        could outgrow the largest prompt bucket."""
+        """Whether ``g`` gets pages for its whole length at admission and is never preempted: it was
+        preempted ``max_preemptions`` times already (resumed with room to finish, it is not paused again
+        and again while older rows grow, prefilling its context anew each time), or a resumption could
+        not give its output again, as its sampling depends on its output's history (penalties' token
+        counts, min_tokens' count), which a prefill does not restore, or its context could outgrow the
+        largest prompt bucket."""
         config = self.engine.config
-        return (g.sampling.penalized or g.sampling.min_tokens > 0
-                or g.max_len - 2 > getattr(config, "max_prompt_length", config.max_length))
+        return (g.preemptions >= getattr(config, "max_preemptions", 2) or g.sampling.penalized
+                or g.sampling.min_tokens > 0 or g.max_len - 2 > getattr(config, "max_prompt_length", config.max_length))
 
     def _needed_positions(self, g: Generation, end: int) -> int:
         """The positions ``g``'s row may have written once the decode steps dispatched up to ``end`` ran:
@@ -556,7 +558,7 @@ class ContinuousBatcher:
         while short() > 0:
             live = [g for g in self._rows if g is not None]
             held = [g for g in self._pending if g.pages]
-            victims = [g for g in live if not self._reserves_whole_length(g)] + held
+            victims = [g for g in live + held if not self._reserves_whole_length(g)]
             if len(live) <= 1 and not held or not victims:
                 break  # a lone row fits the pool (``submit`` checks it)
             victim = max(victims, key=lambda g: g.order)
@@ -587,7 +589,9 @@ class ContinuousBatcher:
             g.prior_accepted += g.read_accepted[:g.read_steps].tolist()
         g.preemptions += 1
         self.preemptions += 1
-        self._pending.appendleft(g)
+        # First in the queue, but behind a prompt being prefilled in chunks: that one keeps its pages and
+        # goes on (queued before it, ``g`` could wait for its pages while it waited for its turn).
+        self._pending.insert(next((i for i, p in enumerate(self._pending) if not p.pages), len(self._pending)), g)
 
     def page_stats(self) -> PageStats:
         """A paged engine's page counters for ``/metrics``, preemptions included."""

@@ -107,6 +107,9 @@ class EngineConfig:
     # Paged engines: a prompt with more uncached tokens than this is prefilled this many at a time, one
     # chunk per host sync between the running rows' decode calls (0: whole prompts). A multiple of page_size.
     prefill_chunk: int = 0
+    # Paged engines: a request paused this many times for pages resumes with pages for its whole length
+    # and is not paused again (0: every request gets its whole length at admission, none is paused).
+    max_preemptions: int = 2
     # "fixed": every decode call drafts blocks of ``block_size``; "adaptive": each call picks the block
     # size among ``speculation_blocks``, or a target-only step, with the most expected tokens per
     # second for its live rows (``runtime.speculation``: measured step costs, each row's acceptance).
@@ -166,6 +169,8 @@ class EngineConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction}")
         if self.num_pages is not None and self.kv_memory_fraction is not None:
             raise ValueError("set num_pages or kv_memory_fraction, not both")
+        if self.max_preemptions < 0:
+            raise ValueError(f"max_preemptions must be >= 0, got {self.max_preemptions}")
         if self.prefill_chunk < 0 or self.prefill_chunk and (not self.page_size or self.prefill_chunk % self.page_size):
             raise ValueError(f"prefill_chunk must be 0 or a multiple of a paged engine's page_size ({self.page_size}), "
                              f"got {self.prefill_chunk}")
