@@ -29,6 +29,7 @@ from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.sampling import SamplingFlags, SamplingState
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.cache import KVCache, read_rows, read_window, write_all_layers, write_back, write_rows
+from dflash_jax.ops.topk import top_k
 from dflash_jax.models.dflash2 import DFlash2Drafter
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
@@ -476,7 +477,12 @@ def draft_block(
     if isinstance(drafter, DFlash2Drafter):
         # A path through each slot's top-k candidates. Exact verification takes any proposal; rejection
         # sampling needs drafts drawn from q, which the selector's path is not (the batcher refuses it).
-        draft = drafter.select(logits, hidden[:, 0, 1:], anchor)
+        if flags.sample:
+            unary, ids, noise = selector_candidates(logits, state.sampling, positions[:, 1:],
+                                                    drafter.config.selector_top_k, candidates)
+            draft = drafter.select(logits, hidden[:, 0, 1:], anchor, (unary, ids), (noise, state.sampling.temperature))
+        else:
+            draft = drafter.select(logits, hidden[:, 0, 1:], anchor)
     elif flags.sample:
         draft = draft_tokens(logits, state.sampling, positions[:, 1:], flags=flags, candidates=candidates)
     else:
@@ -623,9 +629,9 @@ def draft_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array, *, f
     ``candidates`` largest logits, the whole rows only when some draw could reach past them."""
     b, n, vocab = logits.shape
     temperature = jnp.repeat(s.temperature, n)
-    top_k = jnp.repeat(jnp.where(s.rejection, 0, s.top_k), n) if flags.top_k else jnp.zeros_like(temperature, jnp.int32)
+    top_ks = jnp.repeat(jnp.where(s.rejection, 0, s.top_k), n) if flags.top_k else jnp.zeros_like(temperature, jnp.int32)
     seeds, pos = jnp.repeat(s.seeds, n, axis=0), positions.reshape(-1)
-    tokens, exact, boundary = smp.draft_candidates(logits.reshape(b * n, vocab), temperature, top_k, seeds, pos,
+    tokens, exact, boundary = smp.draft_candidates(logits.reshape(b * n, vocab), temperature, top_ks, seeds, pos,
                                                    count=smp.candidate_count(flags, candidates))
 
     def whole_row(raw):
@@ -633,6 +639,46 @@ def draft_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array, *, f
         return greedy_argmax(scores.reshape(b, n, vocab)).reshape(-1)
 
     return jax.lax.cond(jnp.all(exact), lambda _: tokens, whole_row, logits).reshape(b, n)
+
+
+def selector_candidates(logits: jax.Array, s: SamplingState, positions: jax.Array, k: int,
+                        count: int = 64) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A DFlash2 selector's ``k`` candidates per draft slot for a batch with sampled rows:
+    ``logits [b, n, V]`` of the slots at ``positions [b, n]`` -> ``(unary [b, n, k], ids [b, n, k],
+    gumbel [b, n, k])``, the candidates' logits, ids and noise.
+
+    ``gumbel`` is the noise the target draws the same position with, at the candidates' ids: the selector
+    walks ``score / T + gumbel`` (``CandidateSelector.select_path``), the counterpart of the target's
+    draw ``argmax(logits / T + gumbel)``, so that a drafter close to the target proposes the tokens the
+    target will draw (exact verification accepts a draft only when it equals the draw; a greedy path
+    rarely does at T >= 0.7). A sampled row's candidates are the top ``k`` of ``logits / T + gumbel``,
+    read from its ``count`` largest logits when no other token can reach them (as ``draft_tokens``),
+    else from the whole row; a greedy row's (T = 0) are the top ``k`` logits, as ``select_path`` takes
+    them, with zero noise."""
+    b, n, vocab = logits.shape
+    temperature = s.temperature.astype(jnp.float32)[:, None, None]
+    sampled = temperature > 0
+    scale = jnp.where(sampled, temperature, 1.0)
+    seeds, flat_pos = jnp.repeat(s.seeds, n, axis=0), positions.reshape(-1)
+
+    def pick(values, ids, noise):
+        rank = jnp.where(sampled, values.astype(jnp.float32) / scale + noise, values.astype(jnp.float32))
+        top, picked = top_k(rank, k)  # over candidates in logit order: ties keep the lower id
+        take = functools.partial(jnp.take_along_axis, indices=picked, axis=-1)
+        return top, (take(values), take(ids), jnp.where(sampled, take(noise), 0.0))
+
+    values, ids = top_k(logits, max(count, k))  # [b, n, C], by logit, ties to the lower id
+    noise = smp.gumbel_at(seeds, flat_pos, ids.reshape(b * n, -1), vocab).reshape(ids.shape)
+    top, chosen = pick(values, ids, noise)
+    # No token outside the C largest logits can reach the k-th score, even with the largest noise.
+    exact = ~sampled[..., 0] | (values[..., -1].astype(jnp.float32) / scale[..., 0] + smp.GUMBEL_MAX < top[..., -1])
+
+    def whole_row(raw):
+        full = smp.gumbel_noise(seeds, flat_pos, vocab).reshape(b, n, vocab)
+        ids_all = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), raw.shape)
+        return pick(raw, ids_all, full)[1]
+
+    return jax.lax.cond(jnp.all(exact), lambda _: chosen, whole_row, logits)
 
 
 def sampled_posterior(logits: jax.Array, state: DecodeState, block_ids: jax.Array, positions: jax.Array, *,
