@@ -5,7 +5,10 @@ server-sent events in OpenAI's chunk format ending with ``data: [DONE]``), ``GET
 ``GET /health`` and ``GET /metrics`` (Prometheus text format).
 
 Bad input is answered 400 with an OpenAI error body naming the problem, and the server keeps serving.
-With an API key, the ``/v1`` endpoints need ``Authorization: Bearer <key>``. Decoding is greedy.
+With an API key, the ``/v1`` endpoints need ``Authorization: Bearer <key>``. Decoding is greedy unless a
+request samples (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, penalties, ``logit_bias``,
+``min_tokens``; ``n`` choices share the prompt's prefill), with ``logprobs`` / ``top_logprobs`` and, for
+completions, ``echo`` with the prompt's logprobs from the prefill.
 
 ``stop`` strings end a choice where its text completes one (the text is cut before it; the tokens
 run through the one that completed it): ``dflash_jax.serving.text_stream``. Extensions (as in vLLM):
