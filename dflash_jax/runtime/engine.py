@@ -794,10 +794,15 @@ class Engine:
                                   window=self._window(window), fixed_steps=fixed, flags=sampling,
                                   **self._block_argument(block))
 
-    def prefill_compiled(self, rows: int, prompt_length: int) -> jax.stages.Compiled:
+    def prefill_compiled(self, rows: int, prompt_length: int, *, distinct: int | None = None) -> jax.stages.Compiled:
         """The prefill of ``rows`` prompts of ``prompt_length`` tokens (its prompt bucket), as compiled;
-        compiles only. Its ``out_info`` is the prefilled rows' shapes and placement."""
+        compiles only. Its ``out_info`` is the prefilled rows' shapes and placement. ``distinct``: rows
+        sharing prompts (``prefill`` of ``n`` > 1 choices), whose prompts run on that many rows."""
         args = self._prefill_inputs([[0] * prompt_length] * rows, [2] * rows, [()] * rows)
+        if distinct is not None:  # as ``_distinct_inputs`` places them
+            put = self._put_batch
+            args = (put(np.zeros((distinct, args[0].shape[1]), np.int32)), put(np.ones((distinct,), np.int32)),
+                    *args[2:], put(np.zeros((args[1].shape[0],), np.int32)))
         return self._prefill.lower(self._target_state, self._drafter_state, *args).compile()
 
     def decode_hlo(self, state: decoding.DecodeState, n_steps: int = 1, *, window: int | None = None,
@@ -944,7 +949,8 @@ class Engine:
         group of waiting prompts) and prompt bucket, and an admission per prefill and running
         state. So (``dflash_jax.runtime.warmup``): decode at every attention window for each running
         state's row count (first, so that its GEMM autotuning runs alone); then every prefill shape,
-        compiled on ``threads`` threads at once (default: up to 8; XLA compiles outside the GIL); then
+        compiled on ``threads`` threads at once (default: up to 8; XLA compiles outside the GIL), with
+        the prefills of one prompt's ``n`` > 1 choices at each row count above one; then
         the admissions of stand-ins of their outputs into the states they can join, the states resized
         into each other, and a row of each released (a cancelled request's). No model runs. ``sampling``:
         the flags of the sampled batches to compile decode for too (``SamplingFlags.of`` of their rows'
@@ -964,8 +970,9 @@ class Engine:
         def progress(index: int, shape) -> None:
             if shape.phase == "prefill" and index == len(decodes):
                 log.info("warm-up: decode compiled after %.1f s; compiling %d prefill shapes (%d prompt counts x %d "
-                         "prompt buckets) on %d threads", time.perf_counter() - t0, len(prefills),
-                         len({s.rows for s in prefills}), len({s.size for s in prefills}), workers)
+                         "prompt buckets, and %d of one prompt's n choices) on %d threads", time.perf_counter() - t0,
+                         len(prefills), len({s.rows for s in prefills}), len({s.size for s in prefills}),
+                         sum(1 for s in prefills if s.distinct), workers)
             elif index == len(decodes) + len(prefills):
                 log.info("warm-up: prefills compiled after %.1f s; compiling the admissions, resizes and releases",
                          time.perf_counter() - t0)

@@ -4,8 +4,9 @@ A shape compiled while serving stalls every running request for its compile (sec
 on an accelerator; ~10 s per decode shape for a 25M-parameter model on two CPU cores). A server meets
 many: decode per running state's row count (``Engine.state_rows``) and attention window
 (``Engine.windows``), a prefill per row count (``Engine.prefill_rows``) and prompt bucket, an
-admission of each prefill into each running state it can join, the states resized into each other,
-a row of each released (a cancelled request's).
+admission of each prefill into each running state it can join, the prefills of one prompt's ``n`` > 1
+choices (a shared prefill: the prompt runs once on one row, copied to each choice's row), the states
+resized into each other, a row of each released (a cancelled request's).
 
 ``warmup_plan`` lists them in the order a server meets them (a lone request's shapes first, then a
 batch's); ``first_request_shapes`` picks those of a lone request with a short prompt, which a server
@@ -40,7 +41,8 @@ class Shape:
 
     ``rows``: the running state's rows (decode, resize, release) or the prefill's rows (prefill,
     admit); ``size``: the attention window (decode) or the prompt bucket (prefill, admit); ``into``:
-    the running state's rows an admission writes into, or the rows a resize makes.
+    the running state's rows an admission writes into, or the rows a resize makes; ``distinct``: a
+    shared prefill's rows of distinct prompts, whose pass is copied to its ``rows`` (0: a row per prompt).
     """
 
     phase: str
@@ -49,6 +51,7 @@ class Shape:
     into: int = 0
     sampling: Any = None  # decode: the batch's ``SamplingFlags`` (None: greedy)
     block: int | None = None  # decode: an adaptive speculation block other than the engine's (1: target-only)
+    distinct: int = 0
 
     def __str__(self) -> str:
         rows = f"{self.rows} row{'s' if self.rows > 1 else ''}"
@@ -56,7 +59,8 @@ class Shape:
             kind = ("" if self.sampling is None else ", sampled") + ("" if self.block is None else f", block {self.block}")
             return f"decode{kind}, {rows}, attention window {self.size}"
         if self.phase == "prefill":
-            return f"prefill, {rows}, prompt bucket {self.size}"
+            shared = f" sharing {self.distinct} prompt{'s' if self.distinct > 1 else ''}" if self.distinct else ""
+            return f"prefill, {rows}{shared}, prompt bucket {self.size}"
         if self.phase == "admit":
             return f"admission of a {rows} prefill (bucket {self.size}) into {self.into} rows"
         if self.phase == "resize":
@@ -68,9 +72,12 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: S
     """Every shape that requests of up to ``batch_sizes`` prompts at a time run (default: 1 and
     ``max_batch_size``), in the order a server meets them: a lone request's (decode on one row from
     the smallest window, its prefill by prompt bucket), then a batch's (decode on the batch's rows,
-    the lone prefills admitted into it, the resizes between the states, the larger prefills), then
-    the releases. ``sampling``: ``SamplingFlags`` of sampled batches, each one more decode program per
-    state and window, after the greedy one."""
+    the lone prefills admitted into it, the resizes between the states, the larger prefills, then the
+    prefills of one prompt's ``n`` choices for each of those row counts above one), then the releases.
+    A shared prefill's rows are admitted by the program of a plain prefill of as many rows; prefills
+    mixing several prompts with choices (more distinct rows than one) compile when first met: ``n`` is
+    unbounded, and their row combinations would double the prefills. ``sampling``: ``SamplingFlags``
+    of sampled batches, each one more decode program per state and window, after the greedy one."""
     sizes = sorted({1, engine.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
     states = sorted({engine.state_rows(size) for size in sizes})  # one row, and the batch's
     prefills = sorted({engine.prefill_rows(n) for n in range(1, max(sizes) + 1)})
@@ -92,6 +99,7 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: S
                 plan.append(Shape("admit", rows, bucket, largest))
             if rows == 1:
                 plan += [Shape("resize", a, 0, b) for a in states for b in states if a != b]
+        plan += [Shape("prefill", rows, bucket, distinct=1) for rows in prefills if rows > 1 for bucket in buckets]
     if getattr(engine, "paged", False):  # a paged engine's prefills, admissions and resizes compile when first met
         plan = [s for s in plan if s.phase == "decode"]
     return plan + [Shape("release", state) for state in states]
@@ -140,11 +148,11 @@ class _Runner:
             self.states[rows] = self.engine.empty_state(rows)
         return self.states[rows]
 
-    def prefill(self, rows: int, bucket: int):
-        if (rows, bucket) not in self.prefilled:
-            compiled = self.engine.prefill_compiled(rows, self.shortest[bucket])
-            self.prefilled[rows, bucket] = _stand_in(compiled, self.engine.mesh is not None)[0]
-        return self.prefilled[rows, bucket]
+    def prefill(self, rows: int, bucket: int, distinct: int = 0):
+        if (rows, bucket, distinct) not in self.prefilled:
+            compiled = self.engine.prefill_compiled(rows, self.shortest[bucket], distinct=distinct or None)
+            self.prefilled[rows, bucket, distinct] = _stand_in(compiled, self.engine.mesh is not None)[0]
+        return self.prefilled[rows, bucket, distinct]
 
     def run(self, shape: Shape) -> None:
         engine = self.engine
@@ -158,7 +166,7 @@ class _Runner:
             self.states[shape.rows], _ = engine.decode(self.state(shape.rows), steps, window=shape.size, **flags)
             jax.block_until_ready(self.states[shape.rows].starts)
         elif shape.phase == "prefill":
-            self.prefill(shape.rows, shape.size)
+            self.prefill(shape.rows, shape.size, shape.distinct)
         elif shape.phase == "admit":
             rows = self.prefill(shape.rows, shape.size)
             self.states[shape.into] = engine.admit(self.state(shape.into), rows, range(shape.rows))
@@ -190,7 +198,7 @@ def run_warmup(engine, shapes: Sequence[Shape], *, threads: int = 1,
         prefills = [s for s in shapes[i:] if s.phase == "prefill"] if shape.phase == "prefill" else []
         if threads > 1 and len(prefills) > 1:
             with concurrent.futures.ThreadPoolExecutor(min(threads, len(prefills))) as pool:
-                list(pool.map(lambda s: runner.prefill(s.rows, s.size), prefills))  # re-raises a failed compile
+                list(pool.map(lambda s: runner.prefill(s.rows, s.size, s.distinct), prefills))  # re-raises a failed compile
             pooled = True
         else:
             runner.run(shape)

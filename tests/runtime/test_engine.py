@@ -389,7 +389,7 @@ def test_warmup_compiles_everything_serving_runs(models, caplog):
     progress = [r.getMessage() for r in caplog.records if r.name == "dflash_jax.runtime.engine"]
     assert len(progress) == 3
     assert "decode for running states of [1, 2] rows at 2 attention windows" in progress[0]
-    assert "8 prefill shapes (2 prompt counts x 4 prompt buckets)" in progress[1]
+    assert "12 prefill shapes (2 prompt counts x 4 prompt buckets, and 4 of one prompt's n choices)" in progress[1]
     compiles: list[str] = []  # XLA compilations while the requests below run: none
 
     def listen(event: str, duration: float, **_) -> None:
