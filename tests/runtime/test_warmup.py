@@ -91,7 +91,7 @@ def test_after_warmup_a_request_of_three_choices_compiles_nothing(target):
     engine = Engine(target, None, EngineConfig(max_batch_size=4, max_length=48, steps_per_sync=4,
                                                prompt_buckets=(16,)))
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
-    engine.warmup(sampling=[SamplingFlags.of(params, engine.config.max_logprobs)])
+    engine.warmup(threads=1, sampling=[SamplingFlags.of(params, engine.config.max_logprobs)])  # in plan order
     prompt = np.random.RandomState(5).randint(0, 95, 11).tolist()
     batcher = ContinuousBatcher(engine)
     with _compilations() as compiles:
