@@ -805,6 +805,27 @@ class Engine:
                     *args[2:], put(np.zeros((args[1].shape[0],), np.int32)))
         return self._prefill.lower(self._target_state, self._drafter_state, *args).compile()
 
+    def prefill_paged_compiled(self, state: decoding.DecodeState, rows: int, prompt_length: int, *,
+                               distinct: int | None = None) -> tuple[jax.stages.Compiled, "PagedAdmission"]:
+        """``prefill_paged`` of ``rows`` prompts of ``prompt_length`` tokens with nothing cached, beside
+        ``state`` (its pools), as compiled (compiles only), and an admission of its rows to the null page.
+        ``distinct``: rows sharing prompts, as in ``prefill_compiled``."""
+        ids, lens, max_lens, stop_ids, arrays = self._prefill_inputs([[0] * prompt_length] * rows, [2] * rows,
+                                                                      [()] * rows)
+        put = self._put_batch
+        batch, bucket = ids.shape
+        admission = PagedAdmission(put(np.zeros((batch, self.max_pages), np.int32)), put(np.zeros((batch,), np.int32)))
+        model_rows, cached, shared = admission.page_rows, admission.cache_from, {}
+        if distinct is not None:  # as ``prefill_paged`` places them
+            ids, lens = put(np.zeros((distinct, bucket), np.int32)), put(np.ones((distinct,), np.int32))
+            model_rows = put(np.zeros((distinct, self.max_pages), np.int32))
+            cached = put(np.zeros((distinct,), np.int32))
+            shared = {"source": put(np.zeros((batch,), np.int32)), "row_cached": admission.cache_from}
+        compiled = self._paged_prefill.lower(self._target_state, self._drafter_state, state, model_rows, ids, lens,
+                                             cached, max_lens, stop_ids, arrays, suffix=bucket, context_pages=0,
+                                             **shared).compile()
+        return compiled, admission
+
     def decode_hlo(self, state: decoding.DecodeState, n_steps: int = 1, *, window: int | None = None,
                    block: int | None = None) -> str:
         """The optimised HLO text of ``decode_compiled``: what a call runs."""

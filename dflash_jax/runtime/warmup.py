@@ -13,9 +13,10 @@ batch's); ``first_request_shapes`` picks those of a lone request with a short pr
 compiles before it binds while the rest compile on a ``BackgroundWarmup`` thread as it serves.
 ``Engine.warmup`` compiles the whole plan before it returns (decode first, prefills on several threads).
 
-Nothing here runs a model over a token: the prefills are compiled only (``Engine.prefill_compiled``),
-decode runs for zero steps, and the admissions, resizes and releases run on states of the warm-up's own
-(an empty state per row count, zero stand-ins for the prefills' outputs).
+Nothing here runs a model over a token: the prefills are compiled only (``Engine.prefill_compiled``;
+a paged engine's with the admission into the state whose pools they read, ``Engine.prefill_paged_compiled``),
+decode runs for zero steps, and the admissions, page tables, resizes and releases run on states of the
+warm-up's own (an empty state per row count, zero stand-ins for the prefills' outputs).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 
 log = logging.getLogger("dflash_jax.runtime.warmup")
 
-PHASES = ("decode", "prefill", "admit", "resize", "release")
+PHASES = ("decode", "prefill", "admit", "pages", "resize", "release")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +59,13 @@ class Shape:
         if self.phase == "decode":
             kind = ("" if self.sampling is None else ", sampled") + ("" if self.block is None else f", block {self.block}")
             return f"decode{kind}, {rows}, attention window {self.size}"
+        shared = f" sharing {self.distinct} prompt{'s' if self.distinct > 1 else ''}" if self.distinct else ""
         if self.phase == "prefill":
-            shared = f" sharing {self.distinct} prompt{'s' if self.distinct > 1 else ''}" if self.distinct else ""
             return f"prefill, {rows}{shared}, prompt bucket {self.size}"
         if self.phase == "admit":
-            return f"admission of a {rows} prefill (bucket {self.size}) into {self.into} rows"
+            return f"admission of a {rows} prefill{shared} (bucket {self.size}) into {self.into} rows"
+        if self.phase == "pages":
+            return f"page tables of {rows} set"
         if self.phase == "resize":
             return f"resize, {self.rows} to {self.into} rows"
         return f"release, {rows}"
@@ -77,7 +80,10 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: S
     A shared prefill's rows are admitted by the program of a plain prefill of as many rows; prefills
     mixing several prompts with choices (more distinct rows than one) compile when first met: ``n`` is
     unbounded, and their row combinations would double the prefills. ``sampling``: ``SamplingFlags``
-    of sampled batches, each one more decode program per state and window, after the greedy one."""
+    of sampled batches, each one more decode program per state and window, after the greedy one.
+
+    A paged engine's plan has no prefill shapes: its admissions compile their prefills (of prompts with
+    nothing cached) beside the state they join, and a ``pages`` shape per state follows its decode."""
     sizes = sorted({1, engine.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
     states = sorted({engine.state_rows(size) for size in sizes})  # one row, and the batch's
     prefills = sorted({engine.prefill_rows(n) for n in range(1, max(sizes) + 1)})
@@ -99,9 +105,19 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: S
                 plan.append(Shape("admit", rows, bucket, largest))
             if rows == 1:
                 plan += [Shape("resize", a, 0, b) for a in states for b in states if a != b]
-        plan += [Shape("prefill", rows, bucket, distinct=1) for rows in prefills if rows > 1 for bucket in buckets]
-    if getattr(engine, "paged", False):  # a paged engine's prefills, admissions and resizes compile when first met
-        plan = [s for s in plan if s.phase == "decode"]
+        shared = [(rows, bucket) for rows in prefills if rows > 1 for bucket in buckets]  # one prompt's n choices
+        if getattr(engine, "paged", False):
+            plan += [Shape("admit", rows, bucket, largest, distinct=1) for rows, bucket in shared]
+        else:  # admitted by a plain prefill's program of as many rows
+            plan += [Shape("prefill", rows, bucket, distinct=1) for rows, bucket in shared]
+    if getattr(engine, "paged", False):
+        # A paged prefill takes the running state (its pools): each admission compiles its prefill of prompts with
+        # nothing cached beside it. A state's rows get page tables as they grow. Prefills over a cached prefix and
+        # a chunk's write compile when first met.
+        plan = [s for s in plan if s.phase != "prefill"]
+        for state in states:
+            last = max(i for i, s in enumerate(plan) if s.phase == "decode" and s.rows == state)
+            plan.insert(last + 1, Shape("pages", state))
     return plan + [Shape("release", state) for state in states]
 
 
@@ -121,7 +137,8 @@ def first_request_shapes(engine, plan: Sequence[Shape], prompt_tokens: int, max_
     largest = window(end - 2 + block)
     return [s for s in plan if (s.phase in ("prefill", "admit") and s.rows == 1 and s.size in buckets
                                 and s.into in (0, 1))
-            or (s.phase == "decode" and s.rows == 1 and smallest <= s.size <= largest)]
+            or (s.phase == "decode" and s.rows == 1 and smallest <= s.size <= largest)
+            or (s.phase == "pages" and s.rows == 1)]
 
 
 def _stand_in(compiled: jax.stages.Compiled, on_mesh: bool) -> Any:
@@ -156,6 +173,7 @@ class _Runner:
 
     def run(self, shape: Shape) -> None:
         engine = self.engine
+        paged = getattr(engine, "paged", False)
         if shape.phase == "decode":
             # Run for no step (a fixed loop: its serving count, on a state of free rows): the running
             # states the later phases compile for are then, as a server's, decode outputs.
@@ -167,12 +185,26 @@ class _Runner:
             jax.block_until_ready(self.states[shape.rows].starts)
         elif shape.phase == "prefill":
             self.prefill(shape.rows, shape.size, shape.distinct)
+        elif shape.phase == "admit" and paged:  # its prefill reads the state's pools: compiled beside it
+            state = self.state(shape.into)
+            compiled, admission = engine.prefill_paged_compiled(state, shape.rows, self.shortest[shape.size],
+                                                                distinct=shape.distinct or None)
+            rows = _stand_in(compiled, False)[0]
+            self.states[shape.into] = engine.admit_paged(state, rows, range(shape.rows), admission)
+            jax.block_until_ready(self.states[shape.into].starts)
         elif shape.phase == "admit":
-            rows = self.prefill(shape.rows, shape.size)
+            rows = self.prefill(shape.rows, shape.size, shape.distinct)
             self.states[shape.into] = engine.admit(self.state(shape.into), rows, range(shape.rows))
             jax.block_until_ready(self.states[shape.into].starts)
+        elif shape.phase == "pages":
+            self.states[shape.rows] = engine.set_pages(self.state(shape.rows), {0: [0]})
+            jax.block_until_ready(self.states[shape.rows].starts)
         elif shape.phase == "resize":
-            jax.block_until_ready(engine.resize(self.state(shape.rows), [0], rows=shape.into).starts)
+            resized = engine.resize(self.state(shape.rows), [0], rows=shape.into)
+            if paged:  # the pools moved into the new state (donated)
+                del self.states[shape.rows]
+                self.states[shape.into] = resized
+            jax.block_until_ready(resized.starts)
         elif shape.phase == "release":
             self.states[shape.rows] = engine.release(self.state(shape.rows), [0])
             jax.block_until_ready(self.states[shape.rows].starts)
@@ -198,7 +230,8 @@ def run_warmup(engine, shapes: Sequence[Shape], *, threads: int = 1,
         prefills = [s for s in shapes[i:] if s.phase == "prefill"] if shape.phase == "prefill" else []
         if threads > 1 and len(prefills) > 1:
             with concurrent.futures.ThreadPoolExecutor(min(threads, len(prefills))) as pool:
-                list(pool.map(lambda s: runner.prefill(s.rows, s.size, s.distinct), prefills))  # re-raises a failed compile
+                # re-raises a failed compile
+                list(pool.map(lambda s: runner.prefill(s.rows, s.size, s.distinct), prefills))
             pooled = True
         else:
             runner.run(shape)

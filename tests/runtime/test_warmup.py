@@ -104,3 +104,36 @@ def test_after_warmup_a_request_of_three_choices_compiles_nothing(target):
             batcher.submit(p, 8, sampling=sampling)
         batcher.run()
     assert compiles and engine.prefilled_prompts == 3
+
+
+def test_paged_plan_admits_prompts_with_nothing_cached_into_each_state(target):
+    engine = Engine(target, None, EngineConfig(max_batch_size=2, max_length=100, page_size=8, prompt_buckets=(16, 64)))
+    plan = warmup_plan(engine)
+    assert not [s for s in plan if s.phase == "prefill"]  # a paged prefill compiles with its admission's state
+    assert [s for s in plan if s.distinct] == [Shape("admit", 2, b, 2, distinct=1) for b in (16, 64)]
+    assert [s for s in plan if s.phase == "pages"] == [Shape("pages", 1), Shape("pages", 2)]
+    assert plan.index(Shape("pages", 1)) == len(engine.windows)  # after the lone row's decode
+    first = first_request_shapes(engine, plan, 32, 64)
+    assert [s for s in first if s.phase != "decode"] == [Shape("pages", 1), Shape("admit", 1, 16, 1),
+                                                         Shape("admit", 1, 64, 1)]
+
+
+@pytest.mark.slow
+def test_after_a_paged_warmup_three_choices_of_a_prompt_compile_nothing(target):
+    """A paged engine: the choices' prefill of their prompt (nothing cached) beside the batch's state,
+    their admission into its pages, the page tables as they grow and the state shrinking back to one
+    row when they end were all compiled by the warm-up."""
+    engine = Engine(target, None, EngineConfig(max_batch_size=4, max_length=48, steps_per_sync=4,
+                                               prompt_buckets=(32,), page_size=8))  # rows that fit it grow pages
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
+    engine.warmup(sampling=[SamplingFlags.of(params, engine.config.max_logprobs)])
+    prompt = np.random.RandomState(6).randint(0, 95, 11).tolist()
+    batcher = ContinuousBatcher(engine)
+    with _compilations() as compiles:
+        lone = batcher.submit(prompt[:4], 20)  # a lone row first: the choices join it, the state grows to 4 rows
+        batcher.step()
+        choices = [batcher.submit(prompt, 20, sampling=p) for p in params]
+        batcher.run()
+    assert compiles == []
+    assert engine.prefilled_prompts == 2 and len({tuple(g.result.output_ids) for g in choices}) == 3
+    assert len(lone.result.output_ids) == 20 and batcher.pages.all_free()
