@@ -138,15 +138,18 @@ def cells(row: dict, names, bandwidth: bool) -> str:
 
 
 def tokamax_attention_ops(tokamax, names: list[str]) -> dict:
-    """Tokamax's attention ops by our name for them; an implementation absent here maps to its reason.
-    The per-query-row key end is not in ``tokamax.dot_product_attention``'s arguments (it takes one
+    """Tokamax's attention ops by our name for them, each with its mask class; an implementation absent
+    here maps to its reason. The per-query-row key end is not in ``tokamax.dot_product_attention``'s arguments (it takes one
     length per row): the ops are called directly with ``Mask(k_end=...)``."""
-    from tokamax._src.ops.attention import api
-
+    try:
+        from tokamax._src.ops.attention import api, base
+    except ImportError as e:  # private modules: another tokamax version may have moved them
+        return {name: f"tokamax's attention ops are not where 0.0.17 has them ({e})" for name in names}
     found = {}
     for name in names:
         key = {"mosaic": "mosaic_gpu"}.get(name, name)
-        found[name] = api.IMPLEMENTATIONS.get(key) or f"no '{key}' attention in this tokamax install"
+        op = api.IMPLEMENTATIONS.get(key)
+        found[name] = (op, base.Mask) if op is not None else f"no '{key}' attention in this tokamax install"
     return found
 
 
@@ -154,7 +157,6 @@ def attention_cases(args, tokamax) -> list[dict]:
     hq, hkv, d = args.attention_shapes
     ours = {"ours_triton": "triton", "ours_mosaic": "mosaic"}
     tk_ops = tokamax_attention_ops(tokamax, args.tokamax)
-    from tokamax._src.ops.attention.base import Mask
 
     def our_attention(lowering, causal):
         def fn(q, k_cache, v_cache, ctx_lens, k_blk, v_blk, blk_lens):
@@ -163,6 +165,8 @@ def attention_cases(args, tokamax) -> list[dict]:
         return fn
 
     def tokamax_attention(op, causal):
+        op, Mask = op  # noqa: N806  (tokamax's class)
+
         def fn(q, k_all, v_all, ctx_lens):
             slot = jnp.arange(q.shape[1], dtype=jnp.int32)
             k_end = ctx_lens[:, None] + (slot + 1 if causal else q.shape[1])  # [B, T]: exclusive
