@@ -22,7 +22,7 @@ page pools shared by all rows (``dflash_jax.ops.paged_cache``), with a page tabl
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -192,11 +192,13 @@ def resize(empty: DecodeState, state: DecodeState, slots: jax.Array) -> DecodeSt
     return dataclasses.replace(moved, target_cache=state.target_cache, draft_cache=state.draft_cache)
 
 
-def step(contiguous_step: Callable[[DecodeState], DecodeState], state: DecodeState, *, view_pages: int,
-         block: int) -> DecodeState:
+def step(contiguous_step: Callable[[DecodeState], DecodeState | tuple[DecodeState, Any]], state: DecodeState, *,
+         view_pages: int, block: int) -> DecodeState | tuple[DecodeState, Any]:
     """``contiguous_step`` (a decode step of per-row caches, at most ``block`` positions written per
     row from its start) on a view of each row's first ``view_pages`` pages; the positions it wrote are
-    scattered into the pages of the rows that were not done."""
+    scattered into the pages of the rows that were not done. A state without a drafter's context pool
+    (``draft_cache`` None) gathers none. A step returning ``(state, extra)`` returns ``(paged state,
+    extra)``."""
     table = state.page_table
 
     def view(pools: KVCache | None) -> KVCache | None:
@@ -204,11 +206,24 @@ def step(contiguous_step: Callable[[DecodeState], DecodeState], state: DecodeSta
 
     contiguous = dataclasses.replace(state, target_cache=view(state.target_cache),
                                      draft_cache=view(state.draft_cache), page_table=None)
-    new = contiguous_step(contiguous)
+    out = contiguous_step(contiguous)
+    new, extra = out if isinstance(out, tuple) else (out, None)
     keep = jnp.broadcast_to(~state.done[:, None], (table.shape[0], block))
 
     def write(pools: KVCache | None, written: KVCache | None) -> KVCache | None:
         return None if pools is None else scatter_block(pools, table, written, state.starts, block, keep)
 
-    return dataclasses.replace(new, target_cache=write(state.target_cache, new.target_cache),
-                               draft_cache=write(state.draft_cache, new.draft_cache), page_table=table)
+    new = dataclasses.replace(new, target_cache=write(state.target_cache, new.target_cache),
+                              draft_cache=write(state.draft_cache, new.draft_cache), page_table=table)
+    return (new, extra) if isinstance(out, tuple) else new
+
+
+def extend_context(drafter: Drafter, state: DecodeState, taps: jax.Array, starts: jax.Array, count: jax.Array
+                   ) -> DecodeState:
+    """``decoding.extend_context`` into the drafter's context pool: the deferred positions ``starts + j``
+    (``j < count``) through each row's page table."""
+    k, v, keep = decoding.deferred_context(drafter, taps, starts, count)
+    pools, table = state.draft_cache, state.page_table
+    return dataclasses.replace(state, draft_cache=KVCache(
+        tuple(scatter_positions(p, table, x, starts, keep) for p, x in zip(pools.k, k)),
+        tuple(scatter_positions(p, table, x, starts, keep) for p, x in zip(pools.v, v))))
