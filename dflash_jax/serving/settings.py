@@ -79,10 +79,11 @@ class ServerSettings:
     # server is up in seconds to a minute (a request meeting a shape first compiles it itself). False:
     # every shape before binding (minutes for an 8B model or on a CPU; no request ever waits for XLA).
     warmup_background: bool = True
-    # The sampled decoding to compile too (each entry one more decode program per running state and
-    # attention window, compiled in the background; greedy decoding always is): the features of a batch's
-    # rows joined by '+', from sample, top_p, top_k=N, min_p, penalties, rejection, logprobs, top_logprobs
-    # (``runtime.warmup.sampling_kind``). A combination not listed compiles when a batch first uses it.
+    # The sampled decoding to compile too (greedy decoding always is), after binding with
+    # warmup_background: each entry one more decode program per running state and attention window, for
+    # batches whose rows together use its features, joined by '+': sample, top_p, top_k=N, min_p,
+    # penalties, rejection, logprobs, top_logprobs (``runtime.warmup.sampling_kind``; "sample" also covers
+    # a batch of greedy and sampled rows). A combination not listed compiles when a batch first uses it.
     warmup_sampling: tuple[str, ...] = ("sample",)
     # Python's GIL switch interval while serving (its default is 5 ms): after each device wait the
     # scheduler thread waits up to this long for the GIL while the event loop streams; on the H200 a
