@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from dflash_jax import ContinuousBatcher, Engine, EngineConfig, SamplingParams
+from dflash_jax.sharding import MeshConfig
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.runtime import decoding
 from dflash_jax.runtime import speculation as spec
@@ -22,6 +23,7 @@ from dflash_jax.synthetic import SyntheticDrafter, repeat_target, set_accept_rat
 from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, tiny_target_config
 
 MAX_NEW = 30
+_SLOW = lambda *values: pytest.param(*values, marks=pytest.mark.slow)  # noqa: E731
 
 # -- the policy ---------------------------------------------------------------------------------------
 
@@ -167,17 +169,19 @@ def test_adaptive_engine_goes_target_only_when_speculating_cannot_pay(engines, p
     assert adaptive.step_costs[(4, 8)] == measured[(4, 8)]
 
 
-@pytest.mark.parametrize("page_size", [0, 8])
-def test_target_only_calls_extend_the_drafters_context_as_a_prefill_of_their_tokens(prompts, page_size):
+@pytest.mark.parametrize("layout", ["contiguous", "paged", _SLOW("mesh")])
+def test_target_only_calls_extend_the_drafters_context_as_a_prefill_of_their_tokens(prompts, layout):
     """A target-only call keeps its steps' taps and projects them into the drafter's context after its
     last step: then every committed position's context K/V is what a prefill of the same tokens writes
     (float32, to rounding), through the page tables too; a call of more steps than the buffer holds
     runs as several. The rows stop at different steps (max lengths), one is done before the call."""
     tcfg = tiny_target_config()
     target, drafter = random_target(tcfg, seed=5), random_drafter(tiny_drafter_config(tcfg, block_size=8), seed=6)
+    page_size = 8 if layout == "paged" else 0
+    mesh = dict(mesh=MeshConfig(data=2, fsdp=1, tensor=4), decode_loop="fixed") if layout == "mesh" else {}
     engine = Engine(target, drafter, EngineConfig(max_batch_size=4, max_length=64, steps_per_sync=3,
                                                   speculation="adaptive", speculation_blocks=(8, 4),
-                                                  page_size=page_size))
+                                                  page_size=page_size, **mesh))
     new_tokens = [20, 4, 1, 8]
     if page_size:
         pages = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(4)]
@@ -189,7 +193,7 @@ def test_target_only_calls_extend_the_drafters_context_as_a_prefill_of_their_tok
         state = engine.admit(engine.empty_state(4), rows, [0, 1, 2, 3])
     before = np.asarray(state.starts)
     state, _ = engine.decode(state, 3, block=1)   # the buffer's 3 slots
-    state, snap = engine.decode(state, 8, block=1)  # 3 + 3 + 2
+    state, snap = engine.decode(state, 8, block=1)  # 3 + 3 + 2 (a fixed loop: one call of 8 slots)
     starts, tokens = np.asarray(snap.starts), np.asarray(snap.tokens)
     assert (starts - before).tolist() == [11, 3, 0, 7]
     cache = state.draft_cache
