@@ -32,7 +32,8 @@ def interpret_params(interpret: bool) -> Any:
 
 def load(ref: Any, layout: Any) -> Any:
     """``plgpu.load`` of the whole ``ref`` in ``layout``: JAX 0.10 requires the index argument that
-    JAX 0.12 no longer takes."""
-    if "idx" in inspect.signature(plgpu.load).parameters:
+    JAX 0.11 deprecates and JAX 0.12 no longer takes."""
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)

@@ -51,6 +51,10 @@ def block_attention_fwd(
     if lowering not in ("triton", "mosaic"):
         raise ValueError(f"lowering must be 'triton' or 'mosaic', got {lowering!r}")
     backend, interpret = _resolve(backend, interpret)
+    if lowering == "mosaic" and config is not None:
+        from kernels_pallas.block_attention.mosaic_gpu_bwd import MosaicBwdConfig
+
+        config = None if isinstance(config, MosaicBwdConfig) else config  # the backward's, not the forward's
     if backend == "gpu" and lowering == "mosaic":
         from kernels_pallas.block_attention import mosaic_gpu
 
