@@ -211,7 +211,8 @@ def _dkv_kernel(counts_gmem, order_gmem, ctx_lens_gmem, packed_gmem, stats_gmem,
 
     def block_of(i):
         """Step ``i``'s block (its row of ``packed``'s first axis) and query tile."""
-        return b * blocks + order_gmem[b * blocks + lax.div(i, jnp.int32(query_tiles))], lax.rem(i, jnp.int32(query_tiles))
+        qt = lax.rem(i, jnp.int32(query_tiles))
+        return b * blocks + order_gmem[b * blocks + lax.div(i, jnp.int32(query_tiles))], qt
 
     def q_tile(i):
         bn, qt = block_of(i)
