@@ -34,8 +34,8 @@ KV head, split over enough programs to fill the GPU:
   one fusion merges them (``_flash.merge_splits``), unfolds the rows and casts.
 
 16-bit floats only: ``wgmma`` takes float32 operands as TF32, which would not match the float32
-reference. Forward only: the backward is the Triton kernels' or XLA's (``block_attention``'s
-``bwd``). Mosaic GPU compiles for Hopper and later (sm_90a); on the CPU the kernel runs in Mosaic
+reference. The backward is ``mosaic_gpu_bwd.py`` (or the Triton kernels', or XLA's: ``block_attention``'s
+``bwd`` and ``lowering``). Mosaic GPU compiles for Hopper and later (sm_90a); on the CPU the kernel runs in Mosaic
 GPU's interpret mode (jax >= 0.11) and lowers for CUDA (``tests/kernels/test_mosaic_gpu.py``).
 """
 
