@@ -19,9 +19,9 @@ largest relative difference of the two kernels' outputs (a sanity check; correct
 tests/gpu/test_gpu_mosaic.py). Then the training pattern (``--train``: batch 1 x 4,096 tokens x 512
 anchor blocks of 16 and batch 2 x 2,048 x 256, bidirectional, the Qwen3-8B drafter's heads): the
 forward, the backward kernels alone and a training step's attention (forward + backward) on each
-lowering (Triton: gpu.py + gpu_bwd.py; Mosaic GPU: mosaic_gpu.py + mosaic_gpu_bwd.py); the Mosaic GPU attention's tile / split configs on the batch-1 token at
-the longest context (``MosaicConfig``: stages, splits, 128-key tiles); and the add + RMSNorm at the
-8B width (4096), 1 / 16 / 64 rows: ``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs
+lowering (Triton: gpu.py + gpu_bwd.py; Mosaic GPU: mosaic_gpu.py + mosaic_gpu_bwd.py); the Mosaic
+GPU attention's tile / split configs on the batch-1 token at the longest context (``MosaicConfig``:
+stages, splits, 128-key tiles); and the add + RMSNorm at the 8B width (4096), 1 / 16 / 64 rows: ``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs
 on its own: one that fails to compile or run prints its error and the others are still timed.
 
     python3 bench/bench_mosaic.py --json bench/results/mosaic.json     # attention cases start until --budget-s
@@ -44,6 +44,7 @@ from dflash_jax.ops import OpsConfig
 from dflash_jax.ops import attention as attention_ops
 from dflash_jax.ops.rope import rope_inv_freq
 from kernels_pallas.block_attention import block_attention, block_attention_fwd, mosaic_gpu_bwd
+from kernels_pallas.block_attention.mosaic_gpu_bwd import MosaicBwdConfig
 from kernels_pallas.block_attention.gpu_bwd import block_attention_bwd_pallas
 from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, attention_partials, pack_inputs, plan
 from kernels_pallas.rms_norm import add_rms_norm as triton_add_rms_norm
@@ -191,12 +192,16 @@ def sweep_cases(args, shapes) -> list[dict]:
     return rows
 
 
+BWD_SWEEP = [(3, 2), (2, 3), (3, 3)]  # (dq_stages, dkv_stages) beside the default (2, 2)
+
+
 def training_cases(args, shapes) -> list[dict]:
     """The training pattern per ``--train`` shape (batch x tokens x anchor blocks of 16 per row, each
     over the context before its anchor, bidirectional inside the block): ms per call of the forward
     (``triton_fwd``, ``mosaic_fwd``), the backward kernels alone from the same forward output, lse and
     output gradient (``triton_bwd``: gpu_bwd.py; ``mosaic_bwd``: mosaic_gpu_bwd.py), and a training
-    step's attention, forward + backward, each lowering end to end (``triton_step``, ``mosaic_step``).
+    step's attention, forward + backward, each lowering end to end (``triton_step``, ``mosaic_step``);
+    at the first shape also the Mosaic GPU backward at other pipeline depths (``mosaic_bwd_<dq><dkv>``).
     ``fwd diff`` / ``bwd diff``: the largest relative difference of the two lowerings' outputs and
     gradients (sanity; correctness is tests/gpu/test_gpu_mosaic.py)."""
     hq, hkv, d = shapes
@@ -251,6 +256,16 @@ def training_cases(args, shapes) -> list[dict]:
                 row[f"{what}_mosaic_vs_triton"] = max(
                     timing.relative_error(m, t) for m, t in zip(jax.tree.leaves(outs[f"mosaic_{what}"]),
                                                                 jax.tree.leaves(outs[f"triton_{what}"])))
+        if (b, t, n) == train[0]:  # the Mosaic GPU backward's pipeline depths, at the first shape
+            for depths in BWD_SWEEP[:1] if args.tiny else BWD_SWEEP:
+                cfg = MosaicBwdConfig(*depths)
+                fn = jax.jit(lambda *a, cfg=cfg: mosaic_gpu_bwd.backward(*a, causal=False, scale=scale, config=cfg))
+                try:
+                    row[f"mosaic_bwd_{depths[0]}{depths[1]}_ms"] = timing.median_time(
+                        fn, *kernel_args, out, lse, cotangent, repeats=max(args.repeats, 5))[0] * 1e3
+                except Exception as e:  # noqa: BLE001
+                    row[f"mosaic_bwd_{depths[0]}{depths[1]}_ms"] = None
+                    log(f"  mosaic_bwd {cfg}: {type(e).__name__}: {str(e).strip()[:200]}")
         rows.append(row)
         cells = " | ".join(f"{k[:-3]} " + ("failed" if v is None else f"{v:7.3f}")
                            for k, v in row.items() if k.endswith("_ms"))

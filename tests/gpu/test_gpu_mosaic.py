@@ -109,8 +109,8 @@ def test_block_attention_mosaic_gradients_of_the_training_pattern():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["draft", "causal"])
-@pytest.mark.parametrize("batch,blocks,block,ctx,dtype", [(1, 512, 16, 4096, jnp.bfloat16),
-                                                          (2, 8, 32, 2048, jnp.bfloat16), (4, 1, 16, 8192, jnp.float16)])
+@pytest.mark.parametrize("batch,blocks,block,ctx,dtype", [
+    (1, 512, 16, 4096, jnp.bfloat16), (2, 8, 32, 2048, jnp.bfloat16), (4, 1, 16, 8192, jnp.float16)])
 def test_block_attention_mosaic_backward_equals_reference(batch, blocks, block, ctx, dtype, causal):
     """The backward kernels alone against the blockwise jnp backward (``reference_bwd``) from the same
     forward output and log-sum-exp: training's 512 anchors over 4k tokens, blocks of 32 slots (two
@@ -130,6 +130,21 @@ def test_block_attention_mosaic_backward_equals_reference(batch, blocks, block, 
     want = jax.jit(lambda *a: block_attention_bwd(*a, causal=causal, scale=scale))(*args, out, lse, cotangent)
     for name, g, w in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), got, want):
         assert g.dtype == w.dtype and errors(g, w)[1] < 2e-2, (name, errors(g, w))
+
+
+@pytest.mark.parametrize("config", [attention_mgpu_bwd.MosaicBwdConfig(dq_stages=1, dkv_stages=1),
+                                    attention_mgpu_bwd.MosaicBwdConfig(dq_stages=3, dkv_stages=4)], ids=str)
+def test_block_attention_mosaic_backward_pipeline_depths(config):
+    """Other pipeline depths of the two backward kernels give the same gradients."""
+    anchors = jnp.asarray(np.sort(np.random.default_rng(4).integers(0, 1024 - BLOCK + 1, (2, 32))), jnp.int32)
+    args = block_args(2, 32, 1024, seed=8, ctx_lens=anchors)
+    out, lse = attention_mgpu.forward(*args, causal=False)
+    cotangent = normal(jax.random.key(4), out.shape, jnp.bfloat16)
+    got = jax.jit(lambda *a: attention_mgpu_bwd.backward(*a, causal=False, scale=D ** -0.5, config=config))(
+        *args, out, lse, cotangent)
+    want = jax.jit(lambda *a: block_attention_bwd(*a, causal=False, scale=D ** -0.5))(*args, out, lse, cotangent)
+    for name, g, w in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), got, want):
+        assert errors(g, w)[1] < 2e-2, name
 
 
 def test_block_attention_mosaic_backward_is_deterministic():
