@@ -21,8 +21,8 @@ anchor blocks of 16 and batch 2 x 2,048 x 256, bidirectional, the Qwen3-8B draft
 forward, the backward kernels alone and a training step's attention (forward + backward) on each
 lowering (Triton: gpu.py + gpu_bwd.py; Mosaic GPU: mosaic_gpu.py + mosaic_gpu_bwd.py); the Mosaic
 GPU attention's tile / split configs on the batch-1 token at the longest context (``MosaicConfig``:
-stages, splits, 128-key tiles); and the add + RMSNorm at the 8B width (4096), 1 / 16 / 64 rows: ``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs
-on its own: one that fails to compile or run prints its error and the others are still timed.
+stages, splits, 128-key tiles); and the add + RMSNorm at the 8B width (4096), 1 / 16 / 64 rows:
+``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs on its own: one that fails to compile or run prints its error and the others are still timed.
 
     python3 bench/bench_mosaic.py --json bench/results/mosaic.json     # attention cases start until --budget-s
     JAX_PLATFORMS=cpu python3 bench/bench_mosaic.py --tiny       # smoke test (interpret modes)
