@@ -22,7 +22,8 @@ forward, the backward kernels alone and a training step's attention (forward + b
 lowering (Triton: gpu.py + gpu_bwd.py; Mosaic GPU: mosaic_gpu.py + mosaic_gpu_bwd.py); the Mosaic
 GPU attention's tile / split configs on the batch-1 token at the longest context (``MosaicConfig``:
 stages, splits, 128-key tiles); and the add + RMSNorm at the 8B width (4096), 1 / 16 / 64 rows:
-``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs on its own: one that fails to compile or run prints its error and the others are still timed.
+``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs on its own: one that fails to
+compile or run prints its error and the others are still timed.
 
     python3 bench/bench_mosaic.py --json bench/results/mosaic.json     # attention cases start until --budget-s
     JAX_PLATFORMS=cpu python3 bench/bench_mosaic.py --tiny       # smoke test (interpret modes)
