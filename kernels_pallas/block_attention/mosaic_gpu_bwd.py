@@ -16,12 +16,16 @@ delta)`` with ``delta = rowsum(dout * out)``; the dense ``[queries x keys]`` mas
   the strided cache view, as the forward), then its block's own key tiles; per tile ``S = Q K^T``,
   ``dP = dO V^T``, ``dQ += dS K`` are ``wgmma``. The own tiles also give ``dK_blk = dS^T Q`` and
   ``dV_blk = P^T dO`` (the transposed operands read from shared memory as ``wgmma``'s transposed A):
-  they belong to this block alone, so no other program adds to them.
-- **dk/dv kernel, grid ``(context tiles, kv_heads, batch)``:** a program holds one 64-key tile of K
+  they belong to this block alone, so no other program adds to them. Blocks are the fastest grid
+  axis (Mosaic GPU launches the last one fastest): programs running together are neighbouring blocks
+  of one KV head, whose contexts (training's anchors, in order) overlap in L2.
+- **dk/dv kernel, grid ``(batch, kv_heads, context tiles)``:** a program holds one 64-key tile of K
   and V and walks the (block, query tile)s that see it. The blocks are ordered by context length
   (longest first, one XLA sort), so those seeing tile ``j`` are the first ``counts[j]``: the pipeline
   has that dynamic trip count and fetches the next block's Q, dO and statistics by TMA through the
-  order (no load and no step for a block that does not see the tile). The products are transposed so
+  order (no load and no step for a block that does not see the tile). Tiles are the fastest grid axis:
+  the programs running together read one KV head's Q and dO (L2), the longest (tile 0) first. The
+  products are transposed so
   that every ``wgmma`` takes its operands as stored: ``S^T = K Q^T``, ``dP^T = V dO^T``, ``dV += P^T
   dO``, ``dK += dS^T Q``.
 - **Numerics of the Triton backward:** float32 scores, probabilities and accumulators, 16-bit
@@ -326,7 +330,7 @@ def backward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, out, lse, dout, 
                        plgpu.SMEM((BLOCK_K, d), dtype, transforms=_SWIZZLED),
                        plgpu.SMEM((BLOCK_K, ROWS), dtype, transforms=_SWIZZLED),
                        plgpu.Barrier(num_barriers=2)],
-        grid=(tiles, hkv, b), grid_names=("tiles", "heads", "batch"),
+        grid=(b, hkv, tiles), grid_names=("batch", "heads", "tiles"),
         kernel_name="dflash_block_attention_bwd_dkv_mgpu", **params,
     )(counts, order.reshape(bn), ctx_lens.reshape(bn), packed.reshape(-1, d), stats.reshape(-1), k_ctx, v_ctx)
 
