@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +50,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas._common import check_shapes, round_up
 from kernels_pallas._mosaic import interpret_params, load, mosaic_interpret_available
-from kernels_pallas.block_attention.mosaic_gpu import ROWS, SWIZZLE, fold_rows, supports as forward_supports
+from kernels_pallas.block_attention.mosaic_gpu import LOG2E, ROWS, SWIZZLE, fold_rows, supports as forward_supports
 
-LOG2E = math.log2(math.e)
 BLOCK_K = 64  # keys per tile: the M of the dk/dv kernel's one-warpgroup wgmma
 
 
