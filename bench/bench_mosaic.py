@@ -208,8 +208,11 @@ def training_cases(args, shapes) -> list[dict]:
     hq, hkv, d = shapes
     train = [(1, 128, 4)] if args.tiny else args.train
     block = 4 if args.tiny else 16
-    rows = []
+    rows, t_start = [], time.time()
     for b, t, n in train:
+        if time.time() - t_start > args.budget_s:
+            log(f"(time budget reached: skipping train B={b} seq={t} anchors={n})")
+            continue
         ks = jax.random.split(jax.random.key(21 + t + n), 6)
         dt = jnp.bfloat16
         q = timing.normal(ks[0], (b, n, block, hq, d), dt)
@@ -309,7 +312,8 @@ def main(argv=None) -> None:
     ap.add_argument("--chain", type=int, default=CHAIN)
     ap.add_argument("--train", default="1x4096x512,2x2048x256",
                     help="training pattern shapes, batch x tokens x anchor blocks per row, comma separated")
-    ap.add_argument("--budget-s", type=float, default=50.0, help="stop starting attention cases after this")
+    ap.add_argument("--budget-s", type=float, default=50.0,
+                    help="stop starting attention cases, and training shapes, after this many seconds of each")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: attention,train,sweep,norm")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, interpret modes")
     ap.add_argument("--json", default=None, help="write the results here")
