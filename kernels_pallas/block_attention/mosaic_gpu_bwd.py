@@ -93,10 +93,17 @@ _COL = plgpu.Layout.WGMMA.reduce(0)  # a value per score column
 
 def _matmul(shape, a, b):
     """``a @ b`` by ``wgmma`` into a fresh float32 accumulator of ``shape`` (shared-memory operands)."""
-    def run(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+    return _matmuls(shape, (a, b))[0]
+
+
+def _matmuls(shape, *products):
+    """``[a @ b for a, b in products]``, each ``shape``: every ``wgmma`` issued before the first
+    result is read, so the warpgroup waits for them once."""
+    def run(*acc_refs):
+        for acc_ref, (a, b) in zip(acc_refs, products):
+            plgpu.wgmma(acc_ref, a, b)
+        return [acc_ref[...] for acc_ref in acc_refs]
+    return pl.run_scoped(run, *(plgpu.ACC(shape, jnp.float32) for _ in products))
 
 
 def _dq_kernel(ctx_lens_gmem, blk_lens_gmem, packed_gmem, stats_gmem, k_gmem, v_gmem,
@@ -133,9 +140,8 @@ def _dq_kernel(ctx_lens_gmem, blk_lens_gmem, packed_gmem, stats_gmem, k_gmem, v_
 
     def grads(valid, k_smem, v_smem, dq):
         """One tile of keys: ``(dQ + dS K, P, dS)``; ``P`` and ``dS`` are left in shared memory."""
-        s = _matmul(tile_shape, q_smem, k_smem.transpose((1, 0)))
+        s, dp = _matmuls(tile_shape, (q_smem, k_smem.transpose((1, 0))), (do_smem, v_smem.transpose((1, 0))))
         p = jnp.where(valid, jnp.exp2(s * log2_scale - lse), 0.0)
-        dp = _matmul(tile_shape, do_smem, v_smem.transpose((1, 0)))
         ds = p * (dp - delta)
         ds_smem[...] = ds.astype(ds_smem.dtype)
         plgpu.commit_smem()
@@ -239,10 +245,9 @@ def _dkv_kernel(counts_gmem, order_gmem, ctx_lens_gmem, packed_gmem, stats_gmem,
     def step(indices, q_smem, do_smem, lse_smem, delta_smem, carry):
         dk, dv = carry
         ctx_len = ctx_lens_gmem[block_of(indices[0])[0]]
-        st = _matmul(tile_shape, k_smem, q_smem.transpose((1, 0)))
+        st, dpt = _matmuls(tile_shape, (k_smem, q_smem.transpose((1, 0))), (v_smem, do_smem.transpose((1, 0))))
         lse = lax.broadcast_in_dim(load(lse_smem, layout=_COL), tile_shape, [1])
         pt = jnp.where(key < ctx_len, jnp.exp2(st * log2_scale - lse), 0.0)
-        dpt = _matmul(tile_shape, v_smem, do_smem.transpose((1, 0)))
         pt_smem[...] = pt.astype(pt_smem.dtype)
         plgpu.commit_smem()
         dv = dv + _matmul((BLOCK_K, head_dim), pt_smem, do_smem)
