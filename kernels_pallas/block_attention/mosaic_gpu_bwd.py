@@ -132,23 +132,25 @@ def _dq_kernel(ctx_lens_gmem, blk_lens_gmem, packed_gmem, stats_gmem, k_gmem, v_
     for i in range(4):
         plgpu.barrier_wait(bars.at[i])
     tile_shape = (ROWS, BLOCK_K)
-    lse = lax.broadcast_in_dim(load(lse_smem, layout=_ROW), tile_shape, [0])
-    delta = lax.broadcast_in_dim(load(delta_smem, layout=_ROW), tile_shape, [0])
+    # Per-row vectors, broadcast in each step: [64, 64] tiles held across the loop would take 32
+    # registers a thread each beside the 64 of the dQ accumulator.
+    lse, delta = load(lse_smem, layout=_ROW), load(delta_smem, layout=_ROW)
     log2_scale = scale * LOG2E
-    key = plgpu.broadcasted_iota(jnp.int32, tile_shape, 1, layout=plgpu.Layout.WGMMA)
-    row = plgpu.broadcasted_iota(jnp.int32, tile_shape, 0, layout=plgpu.Layout.WGMMA) + qt * ROWS
+
+    def key_index():
+        return plgpu.broadcasted_iota(jnp.int32, tile_shape, 1, layout=plgpu.Layout.WGMMA)
 
     def grads(valid, k_smem, v_smem, dq):
-        """One tile of keys: ``(dQ + dS K, P, dS)``; ``P`` and ``dS`` are left in shared memory."""
+        """One tile of keys: ``(dQ + dS K, P)``; ``dS`` is left in shared memory."""
         s, dp = _matmuls(tile_shape, (q_smem, k_smem.transpose((1, 0))), (do_smem, v_smem.transpose((1, 0))))
-        p = jnp.where(valid, jnp.exp2(s * log2_scale - lse), 0.0)
-        ds = p * (dp - delta)
+        p = jnp.where(valid, jnp.exp2(s * log2_scale - lax.broadcast_in_dim(lse, tile_shape, [0])), 0.0)
+        ds = p * (dp - lax.broadcast_in_dim(delta, tile_shape, [0]))
         ds_smem[...] = ds.astype(ds_smem.dtype)
         plgpu.commit_smem()
         return dq + _matmul((ROWS, head_dim), ds_smem, k_smem), p
 
     def context_step(indices, k_smem, v_smem, dq):
-        return grads(key + indices[0] * BLOCK_K < ctx_len, k_smem, v_smem, dq)[0]
+        return grads(key_index() + indices[0] * BLOCK_K < ctx_len, k_smem, v_smem, dq)[0]
 
     ctx_spec = plgpu.BlockSpec((BLOCK_K, head_dim), lambda i: (i, 0), transforms=_SWIZZLED)
     dq = plgpu.emit_pipeline(context_step, grid=(lax.div(ctx_len + BLOCK_K - 1, jnp.int32(BLOCK_K)),),
@@ -166,9 +168,10 @@ def _dq_kernel(ctx_lens_gmem, blk_lens_gmem, packed_gmem, stats_gmem, k_gmem, v_
                                     own_bars.at[1])
             plgpu.barrier_wait(own_bars.at[0])
             plgpu.barrier_wait(own_bars.at[1])
-            slot = key + tile * BLOCK_K
+            slot = key_index() + tile * BLOCK_K
             valid = slot < blk_len
             if causal:
+                row = plgpu.broadcasted_iota(jnp.int32, tile_shape, 0, layout=plgpu.Layout.WGMMA) + qt * ROWS
                 valid = valid & (slot * groups <= row)
             dq, p = grads(valid, kb_smem, vb_smem, dq)
             p_smem[...] = p.astype(p_smem.dtype)
@@ -240,13 +243,13 @@ def _dkv_kernel(counts_gmem, order_gmem, ctx_lens_gmem, packed_gmem, stats_gmem,
 
     tile_shape = (BLOCK_K, ROWS)
     log2_scale = scale * LOG2E
-    key = plgpu.broadcasted_iota(jnp.int32, tile_shape, 0, layout=plgpu.Layout.WGMMA) + j * BLOCK_K
 
     def step(indices, q_smem, do_smem, lse_smem, delta_smem, carry):
         dk, dv = carry
         ctx_len = ctx_lens_gmem[block_of(indices[0])[0]]
         st, dpt = _matmuls(tile_shape, (k_smem, q_smem.transpose((1, 0))), (v_smem, do_smem.transpose((1, 0))))
         lse = lax.broadcast_in_dim(load(lse_smem, layout=_COL), tile_shape, [1])
+        key = plgpu.broadcasted_iota(jnp.int32, tile_shape, 0, layout=plgpu.Layout.WGMMA) + j * BLOCK_K
         pt = jnp.where(key < ctx_len, jnp.exp2(st * log2_scale - lse), 0.0)
         pt_smem[...] = pt.astype(pt_smem.dtype)
         plgpu.commit_smem()
