@@ -34,8 +34,8 @@ KV head, split over enough programs to fill the GPU:
   one fusion merges them (``_flash.merge_splits``), unfolds the rows and casts.
 
 16-bit floats only: ``wgmma`` takes float32 operands as TF32, which would not match the float32
-reference. Forward only: the backward is the Triton kernels' or XLA's (``block_attention``'s
-``bwd``). Mosaic GPU compiles for Hopper and later (sm_90a); on the CPU the kernel runs in Mosaic
+reference. The backward is ``mosaic_gpu_bwd.py`` (or the Triton kernels', or XLA's: ``block_attention``'s
+``bwd`` and ``lowering``). Mosaic GPU compiles for Hopper and later (sm_90a); on the CPU the kernel runs in Mosaic
 GPU's interpret mode (jax >= 0.11) and lowers for CUDA (``tests/kernels/test_mosaic_gpu.py``).
 """
 
@@ -51,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas._common import NEG, check_shapes, default_scale, round_up
+from kernels_pallas._common import NEG, check_shapes, default_scale, fold_q, round_up
 from kernels_pallas._flash import merge_splits
 from kernels_pallas._mosaic import interpret_params, mosaic_interpret_available
 from kernels_pallas.block_attention.gpu import GpuConfig, num_sms
@@ -239,6 +239,14 @@ def _kernel(ctx_lens_gmem, blk_lens_gmem, packed_gmem, k_gmem, v_gmem, o_gmem, m
                   plgpu.SMEM((ROWS,), f32))
 
 
+def fold_rows(x: jax.Array, kv_heads: int, rows: int) -> jax.Array:
+    """``x [B, N, T, Hq, D]`` -> ``[B * N, Hkv, rows, D]``: per KV head its ``T * G`` query rows (row
+    ``t * G + g``), zero-padded to ``rows``."""
+    b, n, t, hq, d = x.shape
+    x = fold_q(x, kv_heads).reshape(b * n, kv_heads, t * hq // kv_heads, d)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, rows - x.shape[2]), (0, 0)))
+
+
 def pack_inputs(q: jax.Array, k_blk: jax.Array, v_blk: jax.Array, block_k: int) -> jax.Array:
     """The kernel's one small input: ``q [B, N, T, Hq, D]``, ``k_blk, v_blk [B, N, T, Hkv, D]`` ->
     ``[B * N, Hkv, 2 * slots + q_rows, D]``: per KV head the block's K and V, each padded to whole
@@ -246,10 +254,8 @@ def pack_inputs(q: jax.Array, k_blk: jax.Array, v_blk: jax.Array, block_k: int) 
     64-row tiles (``q_rows``). One XLA fusion."""
     b, n, t, hq, d = q.shape
     hkv = k_blk.shape[3]
-    g = hq // hkv
-    q_rows, slots = round_up(t * g, ROWS), round_up(t, block_k)
-    q = q.reshape(b * n, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b * n, hkv, t * g, d)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, q_rows - t * g), (0, 0)))
+    q_rows, slots = round_up(t * (hq // hkv), ROWS), round_up(t, block_k)
+    q = fold_rows(q, hkv, q_rows)
 
     def own(x):
         x = x.reshape(b * n, t, hkv, d).transpose(0, 2, 1, 3)

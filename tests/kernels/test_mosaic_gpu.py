@@ -18,6 +18,7 @@ from kernels_pallas._mosaic import mosaic_interpret_available
 from kernels_pallas.block_attention.reference import block_attention_reference
 from kernels_pallas.block_attention import block_attention
 from kernels_pallas.block_attention import mosaic_gpu as attention_mgpu
+from kernels_pallas.block_attention import mosaic_gpu_bwd as attention_mgpu_bwd
 from kernels_pallas.block_attention.gpu import forward as triton_forward
 from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, plan
 from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
@@ -63,6 +64,20 @@ def test_block_attention_lowers_for_cuda(batch, blocks, block, ctx):
     fn = jax.jit(lambda *a: attention_mgpu.forward(*a, causal=True, interpret=False)[0])
     text = lower_for(fn, shapes, "cuda").as_text()
     assert text.count("custom_call @mosaic_gpu") == 1 and "dot_general" not in text
+
+
+@pytest.mark.parametrize("blocks,block,ctx", [(512, 16, 4096), (2, 32, 1024)])
+def test_block_attention_backward_lowers_for_cuda(blocks, block, ctx):
+    """The backward at Qwen3-8B heads in bf16: training's 512 anchor blocks of 16 over 4k tokens (one
+    64-row query tile), and blocks of 32 (two query tiles): two Mosaic GPU kernels, every product in
+    them (no matrix product in XLA)."""
+    q = sd((1, blocks, block, 32, 128), jnp.bfloat16)
+    kv_ctx, kv_blk, lens = sd((1, ctx, 8, 128), jnp.bfloat16), sd((1, blocks, block, 8, 128), jnp.bfloat16), \
+        sd((1, blocks), jnp.int32)
+    lse = sd((1, blocks, 8, block * 4), jnp.float32)
+    fn = jax.jit(lambda *a: attention_mgpu_bwd.backward(*a, causal=False, scale=128 ** -0.5, interpret=False))
+    text = lower_for(fn, (q, kv_ctx, kv_ctx, lens, kv_blk, kv_blk, lens, q, lse, q), "cuda").as_text()
+    assert text.count("custom_call @mosaic_gpu") == 2 and "dot_general" not in text
 
 
 @pytest.mark.parametrize("with_delta", [True, False])
@@ -151,10 +166,12 @@ def test_block_attention_interpreted_blocks_tiles_and_lse():
 
 
 @pytest.mark.slow
-def test_block_attention_mosaic_lowering_is_differentiable():
+@pytest.mark.parametrize("bwd", ["xla", "pallas"])
+def test_block_attention_mosaic_lowering_is_differentiable(bwd):
     """``block_attention(lowering="mosaic")``: the Mosaic GPU forward (interpreted; on a JAX without
-    Mosaic GPU's interpreter the Triton kernel's), the XLA backward from its log-sum-exp; gradients
-    equal the reference's."""
+    Mosaic GPU's interpreter the Triton kernel's) and, from its log-sum-exp, the XLA backward or the
+    Mosaic GPU backward kernels (``bwd="pallas"``; the Triton ones where Mosaic GPU does not run);
+    gradients equal the reference's."""
     args = attention_args(1, 2, 2, 4, 2, 64, 64, [[30, 64]], [[2, 1]], seed=2)
     q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens = args
 
@@ -162,7 +179,8 @@ def test_block_attention_mosaic_lowering_is_differentiable():
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)
 
     def mosaic(q, k, v):
-        return block_attention(q, k, v, ctx_lens, k_blk, v_blk, blk_lens, causal=False, lowering="mosaic")
+        return block_attention(q, k, v, ctx_lens, k_blk, v_blk, blk_lens, causal=False, lowering="mosaic",
+                               bwd=bwd)
 
     def ref(q, k, v):
         return block_attention_reference(q, k, v, ctx_lens, k_blk, v_blk, blk_lens, causal=False)
@@ -171,6 +189,72 @@ def test_block_attention_mosaic_lowering_is_differentiable():
     want = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k_ctx, v_ctx)
     for g, w in zip(got, want):
         assert largest_error(g, w) < 5e-2 * float(jnp.max(jnp.abs(w.astype(jnp.float32))))
+
+
+def reference_grads(args, causal, cotangent):
+    """jax.grad of the reference: (dq, dk_ctx, dv_ctx, dk_blk, dv_blk) for ``sum(out * cotangent)``."""
+    q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens = args
+
+    def loss(q, k_ctx, v_ctx, k_blk, v_blk):
+        out = block_attention_reference(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal)
+        return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*(args[i] for i in (0, 1, 2, 4, 5)))
+
+
+def assert_gradients_close(got, want):
+    """The Triton backward's bf16 tolerance: each gradient within 2% (relative L2) of the reference's."""
+    for name, g, w in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.linalg.norm(g - w) <= 2e-2 * np.linalg.norm(w), name
+
+
+@interpreted
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True], ids=["draft", "causal"])
+def test_block_attention_backward_interpreted_equals_reference(causal):
+    """The Mosaic GPU backward kernels from the Mosaic GPU forward's log-sum-exp, against the
+    reference's autodiff: two rows of blocks with unsorted contexts (the dk/dv kernel's order), a
+    block of no context and one of the whole context, blocks one short; then two 64-row query tiles
+    (32 slots of 8 / 2 heads: dK_blk, dV_blk summed over them); then 80 slots of one head (two own
+    key tiles) in float16."""
+    cases = (((2, 3, 3, 4, 2, 64, 192), [[100, 7, 192], [0, 150, 64]], [[3, 2, 3], [1, 3, 0]], jnp.bfloat16),
+             ((1, 2, 32, 8, 2, 64, 128), [[128, 37]], [[32, 20]], jnp.bfloat16),
+             ((1, 1, 80, 1, 1, 64, 64), [[64]], [[75]], jnp.float16))
+    for shape, ctx_lens, blk_lens, dtype in cases:
+        args = attention_args(*shape, ctx_lens, blk_lens, dtype=dtype, seed=shape[1])
+        out, lse = attention_mgpu.forward(*args, causal=causal, interpret=True)
+        cotangent = normal(jax.random.key(7), out.shape, dtype)
+        got = attention_mgpu_bwd.backward(*args, out, lse, cotangent, causal=causal, scale=64 ** -0.5,
+                                          interpret=True)
+        assert_gradients_close(got, reference_grads(args, causal, cotangent))
+
+
+@interpreted
+@pytest.mark.slow
+def test_block_attention_backward_through_the_custom_vjp():
+    """``jax.grad`` of ``block_attention(lowering="mosaic", bwd="pallas")`` runs the Mosaic GPU
+    backward (its kernels in the jaxpr) in bf16 and equals the reference; float32, which ``wgmma``
+    would take as TF32, keeps the Triton backward, to float32 tolerances."""
+    for dtype in (jnp.bfloat16, jnp.float32):
+        args = attention_args(1, 3, 4, 4, 2, 64, 128, [[0, 60, 128]], [[4, 4, 2]], dtype=dtype, seed=4)
+        cotangent = normal(jax.random.key(8), args[0].shape, dtype)
+
+        def loss(q, k_ctx, v_ctx, k_blk, v_blk):
+            out = block_attention(q, k_ctx, v_ctx, args[3], k_blk, v_blk, args[6], causal=True,
+                                  lowering="mosaic", bwd="pallas")
+            return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32))
+
+        grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+        inputs = [args[i] for i in (0, 1, 2, 4, 5)]
+        assert ("dflash_block_attention_bwd_dq_mgpu" in str(jax.make_jaxpr(grad)(*inputs))) == (dtype == jnp.bfloat16)
+        got, want = grad(*inputs), reference_grads(args, True, cotangent)
+        if dtype == jnp.float32:
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=5e-5)
+        else:
+            assert_gradients_close(got, want)
 
 
 @interpreted
