@@ -1,0 +1,197 @@
+"""The routed experts' products in Pallas's Mosaic GPU lowering: each touched expert's weights streamed
+once, with TMA, for the few rows a decode or verify step routes to it.
+
+``expert_products(rows, weight, experts, counts)`` computes ``reference.expert_products_reference``:
+group ``g``'s ``S`` row slots ``rows[g] [S, K]`` times expert ``experts[g]``'s ``weight [E, K, N]``,
+float32 ``[G, S, N]``; a group of ``counts[g] == 0`` reads nothing and gives zeros.
+``dflash_jax.ops.experts`` groups a step's (token, expert) pairs by expert, runs the gate-up
+projection through it, the activation in XLA, and the down projection through it again.
+
+Bandwidth is the cost of such a step (one token touches ``top_k`` experts of megabytes each and
+multiplies each by one row), so the kernel is built to stream exactly the touched experts' bytes:
+
+- **Grid ``(splits, N / 64, G)``**, one warpgroup per program: a 64-column tile of one group's
+  expert over ``1 / splits`` of the inputs. The expert id is read in the kernel and addresses the
+  weight tiles, so only touched experts are read and nothing is gathered first. The split count
+  (``plan``) makes ``2 * SMs`` programs or more, so that every SM has loads in flight; the float32
+  partials of the splits are summed by the XLA fusion that reads them (the activation, or the
+  routing weights' combination).
+- **TMA pipeline:** ``plgpu.emit_pipeline`` copies each ``[block_k, 64]`` weight tile and the
+  group's ``[S, block_k]`` rows into a ring of ``stages`` shared-memory slots, so ``stages`` tiles
+  per program are in flight while the warpgroup multiplies the oldest.
+- **Swapped operands on the tensor cores:** ``acc [64, S] += W_tile^T [64, block_k] @ rows^T
+  [block_k, S]`` (``wgmma`` with both operands transposed in shared memory): the weight columns fill
+  the instruction's M of 64 and the few rows its N (8 to 64), so a decode token wastes no more
+  than 8 / 1 of the tensor cores' work -- far below the time its bytes take to arrive -- where
+  rows-as-M would pad one token to 64. Float32 accumulation.
+- **Output** ``[splits, G, N, S]`` float32, written with TMA; the sum over splits and the transpose
+  fuse into the XLA that follows.
+
+16-bit floats only (``wgmma`` takes float32 as TF32). Mosaic GPU compiles for Hopper and later
+(sm_90a); on the CPU the kernel runs in Mosaic GPU's interpret mode (jax >= 0.11) and lowers for CUDA
+(``tests/kernels/test_experts_mosaic_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas._mosaic import interpret_params, mosaic_interpret_available
+
+TILE_N = 64  # weight columns of a program: the M of one warpgroup's wgmma
+SLOT_ALIGN = 8  # a group's row slots: the N of a wgmma, a multiple of 8
+MAX_SLOTS = 64  # more rows per expert than this: grouped matmuls (ragged_dot) are the better tool
+SWIZZLE = 128  # bytes: 64 16-bit elements per swizzle row
+SWIZZLE_ELEMS = SWIZZLE // 2
+H200_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Tiles of the Mosaic GPU expert products. ``block_k``: inputs per TMA tile (64, 128 or 256;
+    64 where the inputs ``K`` are no multiple of it: gpt-oss's 2,880). ``stages``: tiles in flight per program. ``num_sms``: the
+    GPU's SMs (None: read off the device, else 132, an H200's). ``splits``: a fixed split of the
+    inputs (None: ``plan``)."""
+
+    block_k: int = 128
+    stages: int = 4
+    num_sms: int | None = None
+    splits: int | None = None
+
+    def __post_init__(self):
+        if self.block_k not in (64, 128, 256):  # a TMA box holds at most 256 rows
+            raise ValueError(f"MosaicConfig.block_k must be 64, 128 or 256, got {self.block_k}")
+        if self.stages < 2:
+            raise ValueError(f"MosaicConfig.stages must be >= 2, got {self.stages}")
+        if self.splits is not None and self.splits < 1:
+            raise ValueError(f"MosaicConfig.splits must be >= 1, got {self.splits}")
+
+
+DEFAULT_CONFIG = MosaicConfig()
+
+
+def slots_for(tokens: int) -> int:
+    """Row slots of a group for a step of ``tokens`` tokens: a token routes to an expert at most once,
+    so an expert holds at most ``tokens`` rows; rounded up to the wgmma's multiple of 8."""
+    return -(-tokens // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def supports(inputs: int, outputs: int, tokens: int, dtype, cfg: MosaicConfig = DEFAULT_CONFIG) -> bool:
+    """Whether the kernel takes ``weight [E, inputs, outputs]`` of ``dtype`` for ``tokens`` tokens:
+    16-bit floats, whole 64-input tiles, whole 64-column output tiles, at most 64 tokens."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and inputs % SWIZZLE_ELEMS == 0 and inputs > 0 and outputs % TILE_N == 0 and outputs > 0
+            and 0 < tokens <= MAX_SLOTS)
+
+
+def runs_here() -> bool:
+    """Whether the kernel runs on this platform: a GPU, or the CPU in Mosaic GPU's interpret mode."""
+    platform = jax.default_backend()
+    return platform == "gpu" or (platform != "tpu" and mosaic_interpret_available())
+
+
+def _num_sms(cfg: MosaicConfig) -> int:
+    if cfg.num_sms is not None:
+        return cfg.num_sms
+    device = jax.devices()[0]
+    return getattr(device, "core_count", None) or H200_SMS if device.platform == "gpu" else H200_SMS
+
+
+def block_k_for(inputs: int, cfg: MosaicConfig = DEFAULT_CONFIG) -> int:
+    """The input tile: ``cfg.block_k``, or 64 where ``inputs`` is no multiple of it."""
+    return cfg.block_k if inputs % cfg.block_k == 0 else SWIZZLE_ELEMS
+
+
+def plan(groups: int, inputs: int, outputs: int, cfg: MosaicConfig = DEFAULT_CONFIG) -> int:
+    """The split of the inputs: the fewest splits (at most the input tiles) that make at least two
+    programs per SM, so that one SM's loads overlap another program's multiply."""
+    tiles = inputs // block_k_for(inputs, cfg)
+    if cfg.splits is not None:
+        return min(cfg.splits, tiles)
+    programs = groups * (outputs // TILE_N)
+    wanted = -(-2 * _num_sms(cfg) // programs)
+    return max(1, min(wanted, tiles))
+
+
+def _kernel(experts_gmem, counts_gmem, rows_gmem, weight_gmem, out_gmem, *, steps: int, steps_per_split: int,
+            block_k: int, stages: int, slots: int):
+    """One program: column tile ``n`` of group ``g``'s expert over input split ``j``.
+
+    GMEM: experts, counts [G] int32; rows [G, S, K]; weight [E, K, N]; out [splits, G, N, S] float32."""
+    j = lax.axis_index("splits")
+    n = lax.axis_index("tiles")
+    g = lax.axis_index("groups")
+    expert = experts_gmem[g]
+    first = j * steps_per_split
+    # The last split may hold fewer tiles; an unused group reads no weights (its output tile is zeros).
+    mine = jnp.where(counts_gmem[g] > 0, jnp.minimum(jnp.int32(steps_per_split), steps - first), jnp.int32(0))
+    transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+
+    def multiply(acc_ref):
+        def step(_, weight_smem, rows_smem):
+            plgpu.wgmma(acc_ref, weight_smem.transpose((1, 0)), rows_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(0)  # the slot is refilled once the step returns
+
+        weight_spec = plgpu.BlockSpec((block_k, TILE_N), lambda i: (first + i, n), transforms=transforms)
+        rows_spec = plgpu.BlockSpec((slots, block_k), lambda i: (0, first + i), transforms=transforms)
+        plgpu.emit_pipeline(step, grid=(mine,), in_specs=[weight_spec, rows_spec],
+                            max_concurrent_steps=stages)(weight_gmem.at[expert], rows_gmem.at[g])
+        return acc_ref[...]
+
+    acc = pl.run_scoped(multiply, plgpu.ACC((TILE_N, slots), jnp.float32))
+
+    def store(out_smem):
+        out_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[j, g, pl.ds(n * TILE_N, TILE_N)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM((TILE_N, slots), jnp.float32))
+
+
+def expert_partials(rows: jax.Array, weight: jax.Array, experts: jax.Array, counts: jax.Array, *,
+                    config: MosaicConfig | None = None, interpret: bool | None = None) -> jax.Array:
+    """The kernel: ``rows [G, S, K]``, ``weight [E, K, N]``, ``experts, counts [G]`` -> float32
+    partial products ``[splits, G, N, S]`` (their sum over splits, transposed, is
+    ``expert_products``). ``S`` a multiple of 8 up to 64; ``experts`` in range."""
+    cfg = config or DEFAULT_CONFIG
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    groups, slots, inputs = rows.shape
+    num_experts, w_inputs, outputs = weight.shape
+    if w_inputs != inputs or rows.dtype != weight.dtype:
+        raise ValueError(f"rows {rows.shape} {rows.dtype} do not match weight {weight.shape} {weight.dtype}")
+    if experts.shape != (groups,) or counts.shape != (groups,):
+        raise ValueError(f"experts {experts.shape} and counts {counts.shape} must be [{groups}]")
+    if slots % SLOT_ALIGN or not supports(inputs, outputs, slots, weight.dtype, cfg):
+        raise ValueError(f"the Mosaic GPU expert products do not take {slots} row slots of {inputs} inputs, "
+                         f"{outputs} outputs in {weight.dtype} (see mosaic_gpu.supports)")
+    splits = plan(groups, inputs, outputs, cfg)
+    block_k = block_k_for(inputs, cfg)
+    steps = inputs // block_k
+    steps_per_split = -(-steps // splits)
+    splits = -(-steps // steps_per_split)  # no split left without a tile
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, steps=steps, steps_per_split=steps_per_split, block_k=block_k, stages=cfg.stages,
+                          slots=slots),
+        out_type=jax.ShapeDtypeStruct((splits, groups, outputs, slots), jnp.float32),
+        grid=(splits, outputs // TILE_N, groups),
+        grid_names=("splits", "tiles", "groups"),
+        interpret=interpret_params(interpret),
+        kernel_name="dflash_expert_products_mgpu",
+    )
+    return kernel(experts.astype(jnp.int32), counts.astype(jnp.int32), rows, weight)
+
+
+def expert_products(rows: jax.Array, weight: jax.Array, experts: jax.Array, counts: jax.Array, *,
+                    config: MosaicConfig | None = None, interpret: bool | None = None) -> jax.Array:
+    """``reference.expert_products_reference``'s contract: float32 ``[G, S, N]``."""
+    partials = expert_partials(rows, weight, experts, counts, config=config, interpret=interpret)
+    return jnp.swapaxes(jnp.sum(partials, axis=0), 1, 2)
