@@ -33,34 +33,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dflash_jax import sharding
-
-# The 16 values of a 4-bit E2M1 code, as the MXFP4 format (and transformers) decode them.
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                      np.float32)
-MXFP4_BLOCK = 32  # values sharing one scale
-MXFP4_SCALE_BIAS = 127  # a scale byte s means 2 ** (s - 127)
+from kernels_pallas.experts.reference import FP4_VALUES, MXFP4_BLOCK, MXFP4_SCALE_BIAS, mxfp4_dequantize
 
 ACTIVATIONS = ("silu", "gpt_oss")
 GPT_OSS_ALPHA = 1.702
 GPT_OSS_LIMIT = 7.0
-
-
-def mxfp4_dequantize(blocks: jax.Array, scales: jax.Array, dtype) -> jax.Array:
-    """MXFP4 ``blocks [..., rows, groups, 16]`` uint8 (two 4-bit codes a byte, low nibble first) and
-    ``scales [..., rows, groups]`` uint8 -> ``[..., rows, groups * 32]`` in ``dtype``.
-
-    Each value is ``FP4_VALUES[code] * 2 ** (scale - 127)``, computed in float32 (exact: a power of two
-    times a 3-bit mantissa) and rounded to ``dtype``, as transformers' ``convert_moe_packed_tensors``.
-    """
-    lut = jnp.asarray(FP4_VALUES)
-    low, high = lut[(blocks & 0x0F).astype(jnp.int32)], lut[(blocks >> 4).astype(jnp.int32)]
-    values = jnp.stack([low, high], axis=-1).reshape(blocks.shape[:-1] + (blocks.shape[-1] * 2,))
-    exponent = scales.astype(jnp.int32) - MXFP4_SCALE_BIAS
-    values = jnp.ldexp(values, exponent[..., None])
-    return values.reshape(values.shape[:-2] + (-1,)).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas._mosaic import interpret_params, mosaic_interpret_available
+from kernels_pallas.experts.reference import MXFP4_BLOCK
 
 TILE_N = 64  # weight columns of a program: the M of one warpgroup's wgmma
 SLOT_ALIGN = 8  # a group's row slots: the N of a wgmma, a multiple of 8
@@ -51,6 +53,9 @@ MAX_SLOTS = 64  # more rows per expert than this: grouped matmuls (ragged_dot) a
 SWIZZLE = 128  # bytes: 64 16-bit elements per swizzle row
 SWIZZLE_ELEMS = SWIZZLE // 2
 H200_SMS = 132
+FP4_STEP = 64  # MXFP4 inputs per pipeline step: a [64, 32]-byte code tile, two scale groups
+FP4_HALF = FP4_STEP // 2  # the step's even inputs, then its odd ones: 64-byte swizzle rows
+WGMMA = plgpu.Layout.WGMMA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +67,15 @@ class MosaicConfig:
 
     block_k: int = 128
     stages: int = 4
+    fp4_stages: int = 8
     num_sms: int | None = None
     splits: int | None = None
 
     def __post_init__(self):
         if self.block_k not in (64, 128, 256):  # a TMA box holds at most 256 rows
             raise ValueError(f"MosaicConfig.block_k must be 64, 128 or 256, got {self.block_k}")
-        if self.stages < 2:
-            raise ValueError(f"MosaicConfig.stages must be >= 2, got {self.stages}")
+        if self.stages < 2 or self.fp4_stages < 2:
+            raise ValueError(f"MosaicConfig stages must be >= 2, got {self.stages} / {self.fp4_stages}")
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"MosaicConfig.splits must be >= 1, got {self.splits}")
 
@@ -194,4 +200,153 @@ def expert_products(rows: jax.Array, weight: jax.Array, experts: jax.Array, coun
                     config: MosaicConfig | None = None, interpret: bool | None = None) -> jax.Array:
     """``reference.expert_products_reference``'s contract: float32 ``[G, S, N]``."""
     partials = expert_partials(rows, weight, experts, counts, config=config, interpret=interpret)
+    return jnp.swapaxes(jnp.sum(partials, axis=0), 1, 2)
+
+
+# -- MXFP4 experts -----------------------------------------------------------------------------------
+
+
+def _load(ref, layout):
+    """``ref``'s whole value in registers of ``layout`` (jax 0.10 takes an index argument, 0.12 none)."""
+    index = inspect.signature(plgpu.load).parameters.get("idx")
+    if index is not None and index.default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def _scaled_fp4(magnitude: jax.Array, sign: jax.Array, factor: jax.Array) -> jax.Array:
+    """E2M1 codes moved into float32 bit positions -> their values times ``factor`` (float32).
+
+    ``magnitude`` holds a code's 2-bit exponent and 1-bit mantissa at bits 23-24 and 22, ``sign`` its
+    sign at bit 31. With the exponent biased to 126 that is the float ``2 ** (e - 1) * (1 + m / 2)``:
+    the code's value for ``e >= 1``, and 0.5 or 0.75 for the codes 0 and 0.5, which ``2 v - 1`` maps
+    there. No subnormal on the way: GPUs and XLA's CPU flush those to zero."""
+    value = lax.bitcast_convert_type(magnitude + jnp.int32(126 << 23), jnp.float32)
+    value = jnp.where(magnitude < jnp.int32(2 << 22), value * 2.0 - 1.0, value)
+    value = lax.bitcast_convert_type(lax.bitcast_convert_type(value, jnp.int32) | sign, jnp.float32)
+    return value * factor
+
+
+def _scale_factor(scales_row) -> jax.Array:
+    """A ``[64]`` row of scale bytes in shared memory -> ``2 ** (s - 127)`` float32 in the WGMMA
+    layout's row vector (byte 0 is the subnormal ``2 ** -127``)."""
+    s = _load(scales_row, WGMMA.reduce(1)).astype(jnp.int32)
+    bits = jnp.where(s == 0, jnp.int32(1 << 22), lax.shift_left(s, jnp.int32(23)))
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _mxfp4_kernel(experts_gmem, counts_gmem, rows_gmem, codes_gmem, scales_gmem, out_gmem, low_smem, high_smem,
+                  *, steps: int, steps_per_split: int, stages: int, slots: int):
+    """One program: column tile ``n`` of group ``g``'s MXFP4 expert over input split ``j``.
+
+    GMEM: experts, counts [G] int32; rows [G, S, K] with each step's 64 inputs as its 32 even ones,
+    then its 32 odd ones; codes [E, N, K / 2] uint8; the groups' scales transposed [G, K / 32, N];
+    out [splits, G, N, S] float32. Scratch: the step's decoded low and high nibbles [64, 32]."""
+    j = lax.axis_index("splits")
+    n = lax.axis_index("tiles")
+    g = lax.axis_index("groups")
+    expert = experts_gmem[g]
+    first = j * steps_per_split
+    mine = jnp.where(counts_gmem[g] > 0, jnp.minimum(jnp.int32(steps_per_split), steps - first), jnp.int32(0))
+    swizzled = (plgpu.TilingTransform((8, FP4_HALF)), plgpu.SwizzleTransform(FP4_HALF * 2))
+    dtype = low_smem.dtype
+
+    def multiply(acc_ref):
+        def step(_, codes_smem, scales_smem, even_smem, odd_smem):
+            codes = _load(codes_smem, WGMMA).astype(jnp.int32)  # [64, 32]: byte b holds inputs 2b, 2b + 1
+            # Bytes 0-15 of a row are its first scale group, 16-31 its second.
+            column = plgpu.broadcasted_iota(jnp.int32, codes.shape, 1, layout=WGMMA)
+            factor = jnp.where(column < MXFP4_BLOCK // 2,
+                               lax.broadcast_in_dim(_scale_factor(scales_smem.at[0]), codes.shape, [0]),
+                               lax.broadcast_in_dim(_scale_factor(scales_smem.at[1]), codes.shape, [0]))
+            low = _scaled_fp4(lax.shift_left(codes & 0x7, jnp.int32(22)), lax.shift_left(codes & 0x8, jnp.int32(28)),
+                              factor)
+            high = _scaled_fp4(lax.shift_left(codes & 0x70, jnp.int32(18)),
+                               lax.shift_left(codes & 0x80, jnp.int32(24)), factor)
+            low_smem[...] = low.astype(dtype)  # exact: 3-bit mantissas
+            high_smem[...] = high.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.wgmma(acc_ref, low_smem, even_smem.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, high_smem, odd_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(0)  # the decoded tiles are rewritten by the next step
+
+        codes_spec = plgpu.BlockSpec((TILE_N, FP4_HALF), lambda i: (n, first + i))
+        scales_spec = plgpu.BlockSpec((FP4_STEP // MXFP4_BLOCK, TILE_N), lambda i: (first + i, n))
+        even_spec = plgpu.BlockSpec((slots, FP4_HALF), lambda i: (0, 2 * (first + i)), transforms=swizzled)
+        odd_spec = plgpu.BlockSpec((slots, FP4_HALF), lambda i: (0, 2 * (first + i) + 1), transforms=swizzled)
+        plgpu.emit_pipeline(step, grid=(mine,), in_specs=[codes_spec, scales_spec, even_spec, odd_spec],
+                            max_concurrent_steps=stages)(
+            codes_gmem.at[expert], scales_gmem.at[g], rows_gmem.at[g], rows_gmem.at[g])
+        return acc_ref[...]
+
+    acc = pl.run_scoped(multiply, plgpu.ACC((TILE_N, slots), jnp.float32))
+
+    def store(out_smem):
+        out_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[j, g, pl.ds(n * TILE_N, TILE_N)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM((TILE_N, slots), jnp.float32))
+
+
+def mxfp4_supports(inputs: int, outputs: int, tokens: int, dtype) -> bool:
+    """Whether the kernel takes MXFP4 experts of ``inputs`` x ``outputs`` for ``tokens`` tokens in
+    ``dtype``: 16-bit floats, whole 64-input steps, whole 64-column tiles, at most 64 tokens."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and inputs % FP4_STEP == 0 and inputs > 0 and outputs % TILE_N == 0 and outputs > 0
+            and 0 < tokens <= MAX_SLOTS)
+
+
+def mxfp4_expert_partials(rows: jax.Array, blocks: jax.Array, scales: jax.Array, experts: jax.Array,
+                          counts: jax.Array, *, config: MosaicConfig | None = None,
+                          interpret: bool | None = None) -> jax.Array:
+    """``expert_partials`` of MXFP4 experts ``blocks [E, N, K / 32, 16]`` uint8, ``scales [E, N, K /
+    32]`` uint8 (outputs first, the checkpoints' layout): float32 ``[splits, G, N, S]``.
+
+    Two small XLA ops come before the kernel: the groups' scales, transposed to ``[G, K / 32, N]`` (a
+    row of 2,880 inputs has 90 scale bytes, no row stride TMA can take), and the rows with each
+    64-input step's even inputs first (the low nibbles' partners), then its odd ones."""
+    cfg = config or DEFAULT_CONFIG
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    groups, slots, inputs = rows.shape
+    num_experts, outputs, scale_groups, half_block = blocks.shape
+    if (scale_groups * MXFP4_BLOCK != inputs or half_block * 2 != MXFP4_BLOCK
+            or scales.shape != (num_experts, outputs, scale_groups)):
+        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not take rows {rows.shape}")
+    if experts.shape != (groups,) or counts.shape != (groups,):
+        raise ValueError(f"experts {experts.shape} and counts {counts.shape} must be [{groups}]")
+    if slots % SLOT_ALIGN or not mxfp4_supports(inputs, outputs, slots, rows.dtype):
+        raise ValueError(f"the Mosaic GPU expert products do not take {slots} row slots of {inputs} inputs, "
+                         f"{outputs} MXFP4 outputs in {rows.dtype} (see mosaic_gpu.mxfp4_supports)")
+    steps = inputs // FP4_STEP
+    splits = min(plan(groups, inputs, outputs, MosaicConfig(block_k=FP4_STEP, num_sms=cfg.num_sms,
+                                                            splits=cfg.splits)), steps)
+    steps_per_split = -(-steps // splits)
+    splits = -(-steps // steps_per_split)
+    experts = experts.astype(jnp.int32)
+    group_scales = jnp.swapaxes(jnp.take(scales, experts, axis=0), 1, 2)  # [G, K / 32, N]
+    interleaved = rows.reshape(groups, slots, steps, FP4_HALF, 2)
+    interleaved = jnp.swapaxes(interleaved, -1, -2).reshape(rows.shape)
+    kernel = plgpu.kernel(
+        functools.partial(_mxfp4_kernel, steps=steps, steps_per_split=steps_per_split, stages=cfg.fp4_stages,
+                          slots=slots),
+        out_type=jax.ShapeDtypeStruct((splits, groups, outputs, slots), jnp.float32),
+        scratch_types=[plgpu.SMEM((TILE_N, FP4_HALF), rows.dtype, transforms=(
+            plgpu.TilingTransform((8, FP4_HALF)), plgpu.SwizzleTransform(FP4_HALF * 2)))] * 2,
+        grid=(splits, outputs // TILE_N, groups),
+        grid_names=("splits", "tiles", "groups"),
+        interpret=interpret_params(interpret),
+        kernel_name="dflash_mxfp4_expert_products_mgpu",
+    )
+    codes = blocks.reshape(num_experts, outputs, inputs // 2)
+    return kernel(experts, counts.astype(jnp.int32), interleaved, codes, group_scales)
+
+
+def mxfp4_expert_products(rows: jax.Array, blocks: jax.Array, scales: jax.Array, experts: jax.Array,
+                          counts: jax.Array, *, config: MosaicConfig | None = None,
+                          interpret: bool | None = None) -> jax.Array:
+    """``reference.mxfp4_expert_products_reference``'s contract: float32 ``[G, S, N]``."""
+    partials = mxfp4_expert_partials(rows, blocks, scales, experts, counts, config=config, interpret=interpret)
     return jnp.swapaxes(jnp.sum(partials, axis=0), 1, 2)
