@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import sharding
-from kernels_pallas.experts.reference import FP4_VALUES, MXFP4_BLOCK, MXFP4_SCALE_BIAS, mxfp4_dequantize
+from kernels_pallas.experts.reference import FP4_VALUES, MXFP4_BLOCK, mxfp4_dequantize
 
 ACTIVATIONS = ("silu", "gpt_oss")
 GPT_OSS_ALPHA = 1.702
@@ -211,17 +211,22 @@ def _sorted_pairs(experts: jax.Array, n: int, expert_offset):
     return jnp.argsort(key, stable=True), jnp.bincount(key, length=n + 1)[:n].astype(jnp.int32)
 
 
-def _touched(counts: jax.Array, pairs: int, w: ExpertWeights) -> tuple[jax.Array, jax.Array, ExpertWeights]:
-    """With fewer pairs than experts, the touched experts only: ``(ids [G], counts [G], their weights)``,
+def _touched_ids(counts: jax.Array, pairs: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """With fewer pairs than the ``n`` experts, the touched experts only: ``(ids [G], counts [G])``,
     ascending (as the pairs are sorted), padded to the static ``G = pairs`` by repeating a touched
     expert with no pairs; else every expert."""
-    n = w.num_experts
     if pairs >= n:
-        return jnp.arange(n), counts, w
+        return jnp.arange(n), counts
     ids = jnp.nonzero(counts > 0, size=pairs, fill_value=n)[0]
     present = ids < n
     ids = jnp.where(present, ids, jnp.max(jnp.where(present, ids, 0)))
-    return ids, jnp.where(present, counts[ids], 0), w.take(ids)
+    return ids, jnp.where(present, counts[ids], 0)
+
+
+def _touched(counts: jax.Array, pairs: int, w: ExpertWeights) -> tuple[jax.Array, jax.Array, ExpertWeights]:
+    """``_touched_ids`` and those experts' weights (all of them where every expert is touched)."""
+    ids, counts = _touched_ids(counts, pairs, w.num_experts)
+    return ids, counts, (w if pairs >= w.num_experts else w.take(ids))
 
 
 def _capacity(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, activation: str,
@@ -272,25 +277,97 @@ def _grouped(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeig
     return jnp.zeros_like(x).at[token].add(y)
 
 
+def mosaic_kernel_fits(tokens: int, w: ExpertWeights, dtype) -> bool:
+    """Whether the Mosaic GPU expert-products kernel (``kernels_pallas.experts``) takes a step of
+    ``tokens`` tokens through experts ``w`` in ``dtype``: 16-bit floats, at most 64 tokens (a few rows
+    per expert: decode and verify steps), widths of whole 64-column tiles."""
+    from kernels_pallas.experts import mosaic_gpu
+
+    if isinstance(w.gate_up, tuple):
+        (gate_up, _), (down, _) = w.gate_up, w.down
+        hidden, gate_up_out = gate_up.shape[2] * MXFP4_BLOCK, gate_up.shape[1]
+        inter, down_out = down.shape[2] * MXFP4_BLOCK, down.shape[1]
+        fits = mosaic_gpu.mxfp4_supports
+    else:
+        hidden, gate_up_out = w.gate_up.shape[1:]
+        inter, down_out = w.down.shape[1:]
+        fits = mosaic_gpu.supports
+        if w.gate_up.dtype != dtype or w.down.dtype != dtype:
+            return False
+    return fits(hidden, gate_up_out, tokens, dtype) and fits(inter, down_out, tokens, dtype)
+
+
+def mosaic_routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights,
+                          activation: str, expert_offset: int | jax.Array = 0, *,
+                          interpret: bool | None = None) -> jax.Array:
+    """``_grouped`` through the Mosaic GPU expert-products kernel (``kernels_pallas.experts``): the
+    pairs sorted by expert, each touched expert one group of ``S`` row slots (``S`` the tokens rounded
+    up to 8: a token routes to an expert at most once), the gate-up and down products in the kernel
+    (only the touched experts' bytes read, MXFP4 codes decoded inside), biases, the activation and the
+    routing weights in XLA between and after. ``mosaic_kernel_fits`` must hold."""
+    from kernels_pallas.experts import mosaic_gpu
+
+    tokens, top_k = experts.shape
+    order, counts = _sorted_pairs(experts, w.num_experts, expert_offset)
+    first = jnp.cumsum(counts) - counts  # each expert's first position among the sorted pairs
+    ids, counts = _touched_ids(counts, order.size, w.num_experts)
+    slots = mosaic_gpu.slots_for(tokens)
+    slot = first[ids][:, None] + jnp.arange(slots)[None]  # [G, S]
+    valid = jnp.arange(slots)[None] < counts[:, None]
+    pair = order[jnp.minimum(slot, order.size - 1)]
+    token = pair // top_k
+    rows = jnp.where(valid[..., None], x[token], 0)
+
+    def products(rows, weight):
+        if isinstance(weight, tuple):
+            return mosaic_gpu.mxfp4_expert_products(rows, *weight, ids, counts, interpret=interpret)
+        return mosaic_gpu.expert_products(rows, weight, ids, counts, interpret=interpret)
+
+    h = products(rows, w.gate_up).astype(x.dtype)
+    if w.gate_up_bias is not None:
+        h = h + jnp.take(w.gate_up_bias, ids, axis=0)[:, None]
+    h = _activate(h, activation, w.interleaved)
+    y = products(h, w.down).astype(x.dtype)
+    if w.down_bias is not None:
+        y = y + jnp.take(w.down_bias, ids, axis=0)[:, None]
+    y = jnp.where(valid[..., None], y * weights.reshape(-1)[pair][..., None], 0)
+    return jnp.zeros_like(x).at[token.reshape(-1)].add(y.reshape(-1, x.shape[-1]))
+
+
 def touched_experts(experts: jax.Array, num_experts: int) -> jax.Array:
     """How many distinct experts ``experts [..., top_k]`` route to (what a step's expert weights cost)."""
     return jnp.sum(jnp.bincount(experts.reshape(-1), length=num_experts) > 0)
 
 
+def uses_mosaic_kernel(implementation: str, experts_shape: tuple[int, int], w: ExpertWeights, dtype, *,
+                       mosaic: bool) -> bool:
+    """Whether ``routed_experts`` runs the Mosaic GPU kernel: ``mosaic`` asked for (``OpsConfig.mosaic``)
+    on a GPU, ``implementation`` "auto" or "gemv" (the few pairs of a decode or verify step:
+    ``gemv_pair_limit``'s four an expert), and ``mosaic_kernel_fits``."""
+    tokens, top_k = experts_shape
+    return (mosaic and jax.default_backend() == "gpu" and implementation in ("auto", "gemv")
+            and tokens * top_k <= 4 * w.num_experts and mosaic_kernel_fits(tokens, w, dtype))
+
+
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, *,
-                   activation: str, implementation: str = "auto") -> jax.Array:
+                   activation: str, implementation: str = "auto", mosaic: bool = False) -> jax.Array:
     """``x [T, hidden]`` routed to ``experts [T, top_k]`` with ``weights [T, top_k]`` -> ``[T,
     hidden]``: ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``. ``implementation``: "gemv"
     (a matrix-vector product per (token, expert) pair reading only the routed experts' bytes),
     "ragged_dot" (grouped matmuls), "capacity" (batched GEMMs of ``T`` row slots an expert), or
-    "auto": "gemv" for MXFP4 experts up to ``gemv_pair_limit`` pairs, else "ragged_dot".
+    "auto": "gemv" for MXFP4 experts up to ``gemv_pair_limit`` pairs, else "ragged_dot". ``mosaic``
+    (``OpsConfig.mosaic``): on a GPU, "auto" and "gemv" steps the Mosaic GPU kernel takes run it
+    instead (``uses_mosaic_kernel``).
 
     Under ``sharding.kernel_mesh`` with the experts' leading axis split (logical axis ``experts``),
     each device runs its own experts and the shares are summed across the devices."""
     axes = ("experts", "embed", "mlp")
     across = sharding.kernel_mesh_axes(axes, (w.num_experts, 1, 1), 0)
-    run_experts = {"gemv": _gemv, "ragged_dot": _grouped, "capacity": _capacity}[
-        resolve_implementation(implementation, experts.size, w)]
+    if uses_mosaic_kernel(implementation, experts.shape, w, x.dtype, mosaic=mosaic):
+        run_experts = mosaic_routed_experts
+    else:
+        run_experts = {"gemv": _gemv, "ragged_dot": _grouped, "capacity": _capacity}[
+            resolve_implementation(implementation, experts.size, w)]
     if not across:
         return run_experts(x, experts, weights, w, activation)
 
