@@ -297,26 +297,46 @@ def mosaic_kernel_fits(tokens: int, w: ExpertWeights, dtype) -> bool:
     return fits(hidden, gate_up_out, tokens, dtype) and fits(inter, down_out, tokens, dtype)
 
 
+def _expert_groups(experts: jax.Array, n: int, expert_offset) -> tuple[jax.Array, ...]:
+    """The (token, expert) pairs ``p = t * top_k + j`` as groups by expert, without a sort:
+    ``(ids [G], counts [G], group [P], slot [P])``, ``G = min(P, n)``: group ``g`` is expert ``ids[g]``
+    with ``counts[g]`` pairs (0: an unused group), pair ``p`` the row ``slot[p]`` of its ``group[p]``
+    (``G``: routed outside ``[expert_offset, expert_offset + n)``). A decode token's distinct experts
+    are its groups as they come; more tokens rank each pair among its expert's pairs (a cumulative
+    sum over a one-hot ``[P, n]``) and each touched expert among the touched ones."""
+    pairs = experts.size
+    groups = min(pairs, n)
+    local = experts.reshape(-1) - expert_offset
+    inside = (local >= 0) & (local < n)
+    expert = jnp.clip(local, 0, n - 1)
+    if experts.shape[0] == 1 and pairs <= n:  # one token: top_k distinct experts, a group each
+        return expert, inside.astype(jnp.int32), jnp.where(inside, jnp.arange(pairs), groups), jnp.zeros_like(expert)
+    onehot = (expert[:, None] == jnp.arange(n)[None]) & inside[:, None]  # [P, n]
+    slot = jnp.take_along_axis(jnp.cumsum(onehot, axis=0, dtype=jnp.int32), expert[:, None], axis=1)[:, 0] - 1
+    per_expert = jnp.sum(onehot, axis=0, dtype=jnp.int32)
+    touched = per_expert > 0
+    group_of = jnp.cumsum(touched, dtype=jnp.int32) - 1
+    target = jnp.where(touched, group_of, groups)  # untouched experts write nowhere
+    ids = jnp.zeros((groups,), jnp.int32).at[target].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    counts = jnp.zeros((groups,), jnp.int32).at[target].set(per_expert, mode="drop")
+    return ids, counts, jnp.where(inside, group_of[expert], groups), slot
+
+
 def mosaic_routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights,
                           activation: str, expert_offset: int | jax.Array = 0, *,
                           interpret: bool | None = None) -> jax.Array:
-    """``_grouped`` through the Mosaic GPU expert-products kernel (``kernels_pallas.experts``): the
-    pairs sorted by expert, each touched expert one group of ``S`` row slots (``S`` the tokens rounded
-    up to 8: a token routes to an expert at most once), the gate-up and down products in the kernel
-    (only the touched experts' bytes read, MXFP4 codes decoded inside), biases, the activation and the
-    routing weights in XLA between and after. ``mosaic_kernel_fits`` must hold."""
+    """``_grouped`` through the Mosaic GPU expert-products kernel (``kernels_pallas.experts``): each
+    touched expert one group of ``S`` row slots (``S`` the tokens rounded up to 8: a token routes to
+    an expert at most once; ``_expert_groups``), the gate-up and down products in the kernel (only the
+    touched experts' bytes read, MXFP4 codes decoded inside), biases, the activation and the routing
+    weights in XLA between and after. ``mosaic_kernel_fits`` must hold."""
     from kernels_pallas.experts import mosaic_gpu
 
     tokens, top_k = experts.shape
-    order, counts = _sorted_pairs(experts, w.num_experts, expert_offset)
-    first = jnp.cumsum(counts) - counts  # each expert's first position among the sorted pairs
-    ids, counts = _touched_ids(counts, order.size, w.num_experts)
+    ids, counts, group, slot = _expert_groups(experts, w.num_experts, expert_offset)
     slots = mosaic_gpu.slots_for(tokens)
-    slot = first[ids][:, None] + jnp.arange(slots)[None]  # [G, S]
-    valid = jnp.arange(slots)[None] < counts[:, None]
-    pair = order[jnp.minimum(slot, order.size - 1)]
-    token = pair // top_k
-    rows = jnp.where(valid[..., None], x[token], 0)
+    token = jnp.arange(experts.size) // top_k
+    rows = jnp.zeros((ids.shape[0], slots, x.shape[-1]), x.dtype).at[group, slot].set(x[token], mode="drop")
 
     def products(rows, weight):
         if isinstance(weight, tuple):
@@ -330,8 +350,11 @@ def mosaic_routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     y = products(h, w.down).astype(x.dtype)
     if w.down_bias is not None:
         y = y + jnp.take(w.down_bias, ids, axis=0)[:, None]
-    y = jnp.where(valid[..., None], y * weights.reshape(-1)[pair][..., None], 0)
-    return jnp.zeros_like(x).at[token.reshape(-1)].add(y.reshape(-1, x.shape[-1]))
+    outside = group == ids.shape[0]
+    y = y.at[jnp.where(outside, 0, group), slot].get(mode="promise_in_bounds")  # [P, hidden]: each pair's row
+    combine = jnp.where(outside, 0, weights.reshape(-1))
+    y = jnp.where((combine != 0)[:, None], y * combine[:, None], 0)
+    return jnp.sum(y.reshape(tokens, top_k, -1), axis=1).astype(x.dtype)
 
 
 def touched_experts(experts: jax.Array, num_experts: int) -> jax.Array:

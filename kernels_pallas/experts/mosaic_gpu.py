@@ -53,6 +53,8 @@ MAX_SLOTS = 64  # more rows per expert than this: grouped matmuls (ragged_dot) a
 SWIZZLE = 128  # bytes: 64 16-bit elements per swizzle row
 SWIZZLE_ELEMS = SWIZZLE // 2
 H200_SMS = 132
+SMEM_PER_SM = 228 * 1024  # Hopper; each resident program also reserves 1 KB
+MAX_PROGRAMS_PER_SM = 8
 FP4_STEP = 64  # MXFP4 inputs per pipeline step: a [64, 32]-byte code tile, two scale groups
 FP4_HALF = FP4_STEP // 2  # the step's even inputs, then its odd ones: 64-byte swizzle rows
 WGMMA = plgpu.Layout.WGMMA
@@ -115,15 +117,28 @@ def block_k_for(inputs: int, cfg: MosaicConfig = DEFAULT_CONFIG) -> int:
     return cfg.block_k if inputs % cfg.block_k == 0 else SWIZZLE_ELEMS
 
 
-def plan(groups: int, inputs: int, outputs: int, cfg: MosaicConfig = DEFAULT_CONFIG) -> int:
-    """The split of the inputs: the fewest splits (at most the input tiles) that make at least two
-    programs per SM, so that one SM's loads overlap another program's multiply."""
-    tiles = inputs // block_k_for(inputs, cfg)
+def smem_bytes(slots: int, inputs: int, cfg: MosaicConfig = DEFAULT_CONFIG, *, mxfp4: bool = False) -> int:
+    """Shared memory of one program: its ring of input tiles, the decoded MXFP4 tiles, the output."""
+    out = TILE_N * slots * 4
+    if mxfp4:
+        step = TILE_N * FP4_HALF + (FP4_STEP // MXFP4_BLOCK) * TILE_N + 2 * slots * FP4_HALF * 2
+        return cfg.fp4_stages * step + 2 * TILE_N * FP4_HALF * 2 + out
+    block_k = block_k_for(inputs, cfg)
+    return cfg.stages * (block_k * TILE_N + slots * block_k) * 2 + out
+
+
+def plan(groups: int, inputs: int, outputs: int, slots: int, cfg: MosaicConfig = DEFAULT_CONFIG, *,
+         mxfp4: bool = False) -> int:
+    """The split of the inputs: as many splits (at most the input tiles) as fit the programs into one
+    wave of as many programs an SM as its shared memory holds (``SMEM_PER_SM``), so that every SM
+    streams with several programs' loads in flight and no second wave leaves most SMs idle. Grids of
+    a wave or more run unsplit."""
+    tiles = inputs // (FP4_STEP if mxfp4 else block_k_for(inputs, cfg))
     if cfg.splits is not None:
         return min(cfg.splits, tiles)
+    per_sm = max(1, min(MAX_PROGRAMS_PER_SM, SMEM_PER_SM // (smem_bytes(slots, inputs, cfg, mxfp4=mxfp4) + 1024)))
     programs = groups * (outputs // TILE_N)
-    wanted = -(-2 * _num_sms(cfg) // programs)
-    return max(1, min(wanted, tiles))
+    return max(1, min(_num_sms(cfg) * per_sm // programs, tiles))
 
 
 def _kernel(experts_gmem, counts_gmem, rows_gmem, weight_gmem, out_gmem, *, steps: int, steps_per_split: int,
@@ -179,7 +194,7 @@ def expert_partials(rows: jax.Array, weight: jax.Array, experts: jax.Array, coun
     if slots % SLOT_ALIGN or not supports(inputs, outputs, slots, weight.dtype, cfg):
         raise ValueError(f"the Mosaic GPU expert products do not take {slots} row slots of {inputs} inputs, "
                          f"{outputs} outputs in {weight.dtype} (see mosaic_gpu.supports)")
-    splits = plan(groups, inputs, outputs, cfg)
+    splits = plan(groups, inputs, outputs, slots, cfg)
     block_k = block_k_for(inputs, cfg)
     steps = inputs // block_k
     steps_per_split = -(-steps // splits)
@@ -321,8 +336,7 @@ def mxfp4_expert_partials(rows: jax.Array, blocks: jax.Array, scales: jax.Array,
         raise ValueError(f"the Mosaic GPU expert products do not take {slots} row slots of {inputs} inputs, "
                          f"{outputs} MXFP4 outputs in {rows.dtype} (see mosaic_gpu.mxfp4_supports)")
     steps = inputs // FP4_STEP
-    splits = min(plan(groups, inputs, outputs, MosaicConfig(block_k=FP4_STEP, num_sms=cfg.num_sms,
-                                                            splits=cfg.splits)), steps)
+    splits = plan(groups, inputs, outputs, slots, cfg, mxfp4=True)
     steps_per_split = -(-steps // splits)
     splits = -(-steps // steps_per_split)
     experts = experts.astype(jnp.int32)

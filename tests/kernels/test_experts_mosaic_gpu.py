@@ -72,14 +72,15 @@ def test_routed_experts_lower_for_cuda(quantized, tokens):
 
 
 def test_plan_and_fits():
-    """Splits make two programs per SM of an H200 where the groups' tiles do not; shapes the kernel
-    does not take fall back to XLA (float32, a width of no whole tiles, many tokens); the kernel runs
-    only where asked for on a GPU."""
+    """Splits fill one wave of an H200 (132 SMs, as many programs an SM as its shared memory holds)
+    where the groups' tiles do not; shapes the kernel does not take fall back to XLA (float32, a width
+    of no whole tiles, many tokens); the kernel runs only where asked for on a GPU."""
     cfg = MosaicConfig(num_sms=132)
-    assert plan(8, 2048, 1536, cfg) == 2  # a Qwen3-30B-A3B decode token's gate-up: 192 tiles
-    assert plan(8, 768, 2048, cfg) == 2
-    assert plan(80, 2048, 1536, cfg) == 1
-    assert plan(1, 256, 64, cfg) == 2  # capped by the input tiles
+    assert plan(8, 2048, 1536, 8, cfg) == 2  # a Qwen3-30B-A3B decode token's gate-up: 192 tiles, 3 an SM
+    assert plan(8, 768, 2048, 8, cfg) == 1  # its down projection: 256 tiles
+    assert plan(80, 2048, 1536, 16, cfg) == 1
+    assert plan(1, 256, 64, 8, cfg) == 2  # capped by the input tiles
+    assert plan(4, 2880, 2880, 8, cfg, mxfp4=True) == 4  # gpt-oss-20b's down projection: 180 tiles, 6 an SM
     assert mosaic_gpu.supports(2880, 5760, 1, bf16) and mosaic_gpu.block_k_for(2880) == 64
     assert not mosaic_gpu.supports(2048, 1536, 1, jnp.float32)
     assert not mosaic_gpu.supports(2048, 1000, 1, bf16) and not mosaic_gpu.supports(2048, 1536, 65, bf16)
@@ -147,7 +148,7 @@ def test_mosaic_routed_experts_interpreted_equal_reference(family):
     """The whole op through the kernel: Qwen3-MoE's SwiGLU on bf16 experts (7 experts, top-3) and
     gpt-oss's clamped interleaved SwiGLU with biases on MXFP4 experts (5 experts, top-2); a decode
     token, and three tokens sharing experts (one expert chosen by all three); then the same step as
-    one device's share under expert parallelism (experts 2-4 of 7 held, the other pairs adding nothing)."""
+    one device's share under expert parallelism (experts 2-4 held, the other pairs adding nothing)."""
     quantized = family == "gpt_oss"
     num_experts, top_k = (5, 2) if quantized else (7, 3)
     activation = "gpt_oss" if quantized else "silu"
@@ -161,6 +162,9 @@ def test_mosaic_routed_experts_interpreted_equal_reference(family):
         want = routed_experts_reference(*args, activation=activation)
         assert relative_error(got, want) < 2e-2, tokens
     local = jax.tree.map(lambda a: a[2:5], w)
-    got = mosaic_routed_experts(x, routing, weights, local, activation, 2, interpret=True)
-    mine = jnp.where((routing >= 2) & (routing < 5), weights, 0)
-    assert relative_error(got, routed_experts_reference(x, routing, mine, w, activation=activation)) < 2e-2
+    for tokens in (1, 3):
+        args = (x[:tokens], routing[:tokens], weights[:tokens])
+        got = mosaic_routed_experts(*args, local, activation, 2, interpret=True)
+        mine = jnp.where((args[1] >= 2) & (args[1] < 5), args[2], 0)
+        want = routed_experts_reference(args[0], args[1], mine, w, activation=activation)
+        assert relative_error(got, want) < 2e-2, tokens
