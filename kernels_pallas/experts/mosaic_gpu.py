@@ -1,9 +1,10 @@
 """The routed experts' products in Pallas's Mosaic GPU lowering: each touched expert's weights streamed
-once, with TMA, for the few rows a decode or verify step routes to it.
+once, with TMA, for the few rows a decode or verify step routes to it (README.md beside this file).
 
 ``expert_products(rows, weight, experts, counts)`` computes ``reference.expert_products_reference``:
 group ``g``'s ``S`` row slots ``rows[g] [S, K]`` times expert ``experts[g]``'s ``weight [E, K, N]``,
 float32 ``[G, S, N]``; a group of ``counts[g] == 0`` reads nothing and gives zeros.
+``mxfp4_expert_products`` is the same for MXFP4 experts (codes and scales decoded in the kernel).
 ``dflash_jax.ops.experts`` groups a step's (token, expert) pairs by expert, runs the gate-up
 projection through it, the activation in XLA, and the down projection through it again.
 
@@ -13,17 +14,20 @@ multiplies each by one row), so the kernel is built to stream exactly the touche
 - **Grid ``(splits, N / 64, G)``**, one warpgroup per program: a 64-column tile of one group's
   expert over ``1 / splits`` of the inputs. The expert id is read in the kernel and addresses the
   weight tiles, so only touched experts are read and nothing is gathered first. The split count
-  (``plan``) makes ``2 * SMs`` programs or more, so that every SM has loads in flight; the float32
-  partials of the splits are summed by the XLA fusion that reads them (the activation, or the
-  routing weights' combination).
+  (``plan``) fills one wave of as many programs an SM as shared memory holds, so that every SM has
+  several programs' loads in flight; the float32 partials of the splits are summed by the XLA fusion
+  that reads them (the activation, or the routing weights' combination).
 - **TMA pipeline:** ``plgpu.emit_pipeline`` copies each ``[block_k, 64]`` weight tile and the
   group's ``[S, block_k]`` rows into a ring of ``stages`` shared-memory slots, so ``stages`` tiles
   per program are in flight while the warpgroup multiplies the oldest.
 - **Swapped operands on the tensor cores:** ``acc [64, S] += W_tile^T [64, block_k] @ rows^T
   [block_k, S]`` (``wgmma`` with both operands transposed in shared memory): the weight columns fill
-  the instruction's M of 64 and the few rows its N (8 to 64), so a decode token wastes no more
-  than 8 / 1 of the tensor cores' work -- far below the time its bytes take to arrive -- where
-  rows-as-M would pad one token to 64. Float32 accumulation.
+  the instruction's M of 64 and the few rows its N (8 to 64), so a decode token does 8x the products
+  it needs -- far less work than the time its bytes take to arrive -- where rows as M would pad one
+  token to 64. Float32 accumulation.
+- **MXFP4:** each step's ``[64, 32]``-byte code tile is decoded by the warpgroup into two bf16
+  operands (low and high nibbles, each times its row's power-of-two scale) in shared memory, against
+  the rows' even and odd inputs.
 - **Output** ``[splits, G, N, S]`` float32, written with TMA; the sum over splits and the transpose
   fuse into the XLA that follows.
 
@@ -44,7 +48,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas._mosaic import interpret_params, mosaic_interpret_available
+from kernels_pallas._mosaic import interpret_params
+from kernels_pallas.block_attention.gpu import GpuConfig, num_sms
 from kernels_pallas.experts.reference import MXFP4_BLOCK
 
 TILE_N = 64  # weight columns of a program: the M of one warpgroup's wgmma
@@ -52,7 +57,6 @@ SLOT_ALIGN = 8  # a group's row slots: the N of a wgmma, a multiple of 8
 MAX_SLOTS = 64  # more rows per expert than this: grouped matmuls (ragged_dot) are the better tool
 SWIZZLE = 128  # bytes: 64 16-bit elements per swizzle row
 SWIZZLE_ELEMS = SWIZZLE // 2
-H200_SMS = 132
 SMEM_PER_SM = 228 * 1024  # Hopper; each resident program also reserves 1 KB
 MAX_PROGRAMS_PER_SM = 8
 FP4_STEP = 64  # MXFP4 inputs per pipeline step: a [64, 32]-byte code tile, two scale groups
@@ -62,10 +66,11 @@ WGMMA = plgpu.Layout.WGMMA
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-    """Tiles of the Mosaic GPU expert products. ``block_k``: inputs per TMA tile (64, 128 or 256;
-    64 where the inputs ``K`` are no multiple of it: gpt-oss's 2,880). ``stages``: tiles in flight per program. ``num_sms``: the
-    GPU's SMs (None: read off the device, else 132, an H200's). ``splits``: a fixed split of the
-    inputs (None: ``plan``)."""
+    """Tiles of the Mosaic GPU expert products. ``block_k``: inputs per TMA tile of float experts (64,
+    128 or 256; 64 where the inputs are no multiple of it: gpt-oss's 2,880). ``stages``: tiles in
+    flight per program; ``fp4_stages`` for MXFP4 experts, whose steps carry 2 KB of codes against a
+    float step's 16 KB. ``num_sms``: the GPU's SMs (None: read off the device, else 132, an H200's).
+    ``splits``: a fixed split of the inputs (None: ``plan``)."""
 
     block_k: int = 128
     stages: int = 4
@@ -91,25 +96,12 @@ def slots_for(tokens: int) -> int:
     return -(-tokens // SLOT_ALIGN) * SLOT_ALIGN
 
 
-def supports(inputs: int, outputs: int, tokens: int, dtype, cfg: MosaicConfig = DEFAULT_CONFIG) -> bool:
+def supports(inputs: int, outputs: int, tokens: int, dtype) -> bool:
     """Whether the kernel takes ``weight [E, inputs, outputs]`` of ``dtype`` for ``tokens`` tokens:
     16-bit floats, whole 64-input tiles, whole 64-column output tiles, at most 64 tokens."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and inputs % SWIZZLE_ELEMS == 0 and inputs > 0 and outputs % TILE_N == 0 and outputs > 0
             and 0 < tokens <= MAX_SLOTS)
-
-
-def runs_here() -> bool:
-    """Whether the kernel runs on this platform: a GPU, or the CPU in Mosaic GPU's interpret mode."""
-    platform = jax.default_backend()
-    return platform == "gpu" or (platform != "tpu" and mosaic_interpret_available())
-
-
-def _num_sms(cfg: MosaicConfig) -> int:
-    if cfg.num_sms is not None:
-        return cfg.num_sms
-    device = jax.devices()[0]
-    return getattr(device, "core_count", None) or H200_SMS if device.platform == "gpu" else H200_SMS
 
 
 def block_k_for(inputs: int, cfg: MosaicConfig = DEFAULT_CONFIG) -> int:
@@ -138,7 +130,7 @@ def plan(groups: int, inputs: int, outputs: int, slots: int, cfg: MosaicConfig =
         return min(cfg.splits, tiles)
     per_sm = max(1, min(MAX_PROGRAMS_PER_SM, SMEM_PER_SM // (smem_bytes(slots, inputs, cfg, mxfp4=mxfp4) + 1024)))
     programs = groups * (outputs // TILE_N)
-    return max(1, min(_num_sms(cfg) * per_sm // programs, tiles))
+    return max(1, min(num_sms(GpuConfig(num_sms=cfg.num_sms)) * per_sm // programs, tiles))
 
 
 def _kernel(experts_gmem, counts_gmem, rows_gmem, weight_gmem, out_gmem, *, steps: int, steps_per_split: int,
@@ -191,7 +183,7 @@ def expert_partials(rows: jax.Array, weight: jax.Array, experts: jax.Array, coun
         raise ValueError(f"rows {rows.shape} {rows.dtype} do not match weight {weight.shape} {weight.dtype}")
     if experts.shape != (groups,) or counts.shape != (groups,):
         raise ValueError(f"experts {experts.shape} and counts {counts.shape} must be [{groups}]")
-    if slots % SLOT_ALIGN or not supports(inputs, outputs, slots, weight.dtype, cfg):
+    if slots % SLOT_ALIGN or not supports(inputs, outputs, slots, weight.dtype):
         raise ValueError(f"the Mosaic GPU expert products do not take {slots} row slots of {inputs} inputs, "
                          f"{outputs} outputs in {weight.dtype} (see mosaic_gpu.supports)")
     splits = plan(groups, inputs, outputs, slots, cfg)
