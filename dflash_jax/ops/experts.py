@@ -335,8 +335,11 @@ def mosaic_routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     tokens, top_k = experts.shape
     ids, counts, group, slot = _expert_groups(experts, w.num_experts, expert_offset)
     slots = mosaic_gpu.slots_for(tokens)
-    token = jnp.arange(experts.size) // top_k
-    rows = jnp.zeros((ids.shape[0], slots, x.shape[-1]), x.dtype).at[group, slot].set(x[token], mode="drop")
+    if tokens == 1 and ids.shape[0] == top_k:  # the token's groups: its row in every group's first slot
+        rows = jnp.pad(jnp.broadcast_to(x[None], (top_k, 1, x.shape[-1])), ((0, 0), (0, slots - 1), (0, 0)))
+    else:
+        token = jnp.arange(experts.size) // top_k
+        rows = jnp.zeros((ids.shape[0], slots, x.shape[-1]), x.dtype).at[group, slot].set(x[token], mode="drop")
 
     def products(rows, weight):
         if isinstance(weight, tuple):
