@@ -11,7 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
+from dflash_jax.models.moe import MoeMLP
+from dflash_jax.ops import OpsConfig
 from dflash_jax.ops.experts import ExpertWeights, route, routed_experts, uses_mosaic_kernel
+from dflash_jax.tiny import tiny_target_config
 from kernels_pallas.experts import mosaic_gpu
 from kernels_pallas.experts.mosaic_gpu import MosaicConfig
 from kernels_pallas.experts.reference import expert_products_reference, mxfp4_expert_products_reference
@@ -100,3 +105,21 @@ def test_routed_experts_on_the_mosaic_kernel_equal_grouped_matmuls(family, token
     want = routed_experts(x, ids, weights, w, activation=activation, implementation="ragged_dot")
     assert relative(got, want) < 1e-2
     np.testing.assert_array_equal(np.asarray(run(x, ids, weights, w)), np.asarray(got))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_mlp_on_the_mosaic_lowering_equals_xla(family):
+    """A model's MoE MLP (router and experts, 7 experts of 128 / 64, MXFP4 for gpt-oss) with
+    ``OpsConfig(attention="pallas", gpu_lowering="mosaic")`` against the XLA ops, for a decode token and
+    a block of 8 (24 pairs: within the kernel's four an expert)."""
+    overrides = dict(hidden_size=128, moe_intermediate_size=64, num_experts=7, num_experts_per_tok=3)
+    if family == "gpt_oss":
+        overrides["experts_quantization"] = "mxfp4"
+    mlp = MoeMLP(tiny_target_config(family, **overrides), dtype=bf16, rngs=nnx.Rngs(0))
+    mosaic = OpsConfig(attention="pallas", gpu_lowering="mosaic")
+    for tokens in (1, 8):
+        assert uses_mosaic_kernel("auto", (tokens, 3), mlp.experts.weights(), bf16, mosaic=mosaic.mosaic)
+        x = jax.random.normal(jax.random.key(tokens), (tokens, 128)).astype(bf16)
+        got = nnx.jit(lambda m, x: m(x, ops=mosaic))(mlp, x)
+        want = nnx.jit(lambda m, x: m(x))(mlp, x)
+        assert relative(got, want) < 1e-2, tokens
