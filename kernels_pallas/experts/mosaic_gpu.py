@@ -96,12 +96,37 @@ def slots_for(tokens: int) -> int:
     return -(-tokens // SLOT_ALIGN) * SLOT_ALIGN
 
 
+def _fits(inputs: int, outputs: int, tokens: int, dtype, step: int) -> bool:
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and inputs % step == 0 and inputs > 0 and outputs % TILE_N == 0 and outputs > 0
+            and 0 < tokens <= MAX_SLOTS)
+
+
 def supports(inputs: int, outputs: int, tokens: int, dtype) -> bool:
     """Whether the kernel takes ``weight [E, inputs, outputs]`` of ``dtype`` for ``tokens`` tokens:
     16-bit floats, whole 64-input tiles, whole 64-column output tiles, at most 64 tokens."""
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and inputs % SWIZZLE_ELEMS == 0 and inputs > 0 and outputs % TILE_N == 0 and outputs > 0
-            and 0 < tokens <= MAX_SLOTS)
+    return _fits(inputs, outputs, tokens, dtype, SWIZZLE_ELEMS)
+
+
+def mxfp4_supports(inputs: int, outputs: int, tokens: int, dtype) -> bool:
+    """Whether the kernel takes MXFP4 experts of ``inputs`` x ``outputs`` for ``tokens`` tokens in
+    ``dtype``: 16-bit floats, whole 64-input steps, whole 64-column tiles, at most 64 tokens."""
+    return _fits(inputs, outputs, tokens, dtype, FP4_STEP)
+
+
+def _check_groups(rows: jax.Array, experts: jax.Array, counts: jax.Array, outputs: int, *, mxfp4: bool):
+    groups, slots, inputs = rows.shape
+    if experts.shape != (groups,) or counts.shape != (groups,):
+        raise ValueError(f"experts {experts.shape} and counts {counts.shape} must be [{groups}]")
+    fits = (mxfp4_supports if mxfp4 else supports)(inputs, outputs, slots, rows.dtype)
+    if slots % SLOT_ALIGN or not fits:
+        raise ValueError(f"the Mosaic GPU expert products do not take {slots} row slots of {inputs} inputs, {outputs} "
+                         f"{'MXFP4 ' if mxfp4 else ''}outputs in {rows.dtype} (see mosaic_gpu.supports)")
+
+
+def _summed(partials: jax.Array) -> jax.Array:
+    """Float32 partials ``[splits, G, N, S]`` -> products ``[G, S, N]`` (one XLA fusion)."""
+    return jnp.swapaxes(jnp.sum(partials, axis=0), 1, 2)
 
 
 def block_k_for(inputs: int, cfg: MosaicConfig = DEFAULT_CONFIG) -> int:
@@ -133,32 +158,23 @@ def plan(groups: int, inputs: int, outputs: int, slots: int, cfg: MosaicConfig =
     return max(1, min(num_sms(GpuConfig(num_sms=cfg.num_sms)) * per_sm // programs, tiles))
 
 
-def _kernel(experts_gmem, counts_gmem, rows_gmem, weight_gmem, out_gmem, *, steps: int, steps_per_split: int,
-            block_k: int, stages: int, slots: int):
-    """One program: column tile ``n`` of group ``g``'s expert over input split ``j``.
-
-    GMEM: experts, counts [G] int32; rows [G, S, K]; weight [E, K, N]; out [splits, G, N, S] float32."""
+def _program(experts_gmem, counts_gmem, out_gmem, multiply, *, steps: int, steps_per_split: int, slots: int):
+    """What every program does around its product: column tile ``n`` of group ``g``'s expert over
+    input split ``j``; ``multiply(acc_ref, expert, g, n, first, count)`` accumulates the ``count``
+    input steps from ``first`` into the float32 ``[64, S]`` accumulator, which goes to ``out_gmem
+    [splits, G, N, S]`` by TMA."""
     j = lax.axis_index("splits")
     n = lax.axis_index("tiles")
     g = lax.axis_index("groups")
-    expert = experts_gmem[g]
     first = j * steps_per_split
-    # The last split may hold fewer tiles; an unused group reads no weights (its output tile is zeros).
-    mine = jnp.where(counts_gmem[g] > 0, jnp.minimum(jnp.int32(steps_per_split), steps - first), jnp.int32(0))
-    transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    # The last split may hold fewer steps; an unused group reads no weights (its output tile is zeros).
+    count = jnp.where(counts_gmem[g] > 0, jnp.minimum(jnp.int32(steps_per_split), steps - first), jnp.int32(0))
 
-    def multiply(acc_ref):
-        def step(_, weight_smem, rows_smem):
-            plgpu.wgmma(acc_ref, weight_smem.transpose((1, 0)), rows_smem.transpose((1, 0)))
-            plgpu.wgmma_wait(0)  # the slot is refilled once the step returns
-
-        weight_spec = plgpu.BlockSpec((block_k, TILE_N), lambda i: (first + i, n), transforms=transforms)
-        rows_spec = plgpu.BlockSpec((slots, block_k), lambda i: (0, first + i), transforms=transforms)
-        plgpu.emit_pipeline(step, grid=(mine,), in_specs=[weight_spec, rows_spec],
-                            max_concurrent_steps=stages)(weight_gmem.at[expert], rows_gmem.at[g])
+    def accumulate(acc_ref):
+        multiply(acc_ref, experts_gmem[g], g, n, first, count)
         return acc_ref[...]
 
-    acc = pl.run_scoped(multiply, plgpu.ACC((TILE_N, slots), jnp.float32))
+    acc = pl.run_scoped(accumulate, plgpu.ACC((TILE_N, slots), jnp.float32))
 
     def store(out_smem):
         out_smem[...] = acc
@@ -167,6 +183,48 @@ def _kernel(experts_gmem, counts_gmem, rows_gmem, weight_gmem, out_gmem, *, step
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(store, plgpu.SMEM((TILE_N, slots), jnp.float32))
+
+
+def _kernel(experts_gmem, counts_gmem, rows_gmem, weight_gmem, out_gmem, *, block_k: int, stages: int,
+            **program):
+    """Float experts. GMEM: experts, counts [G] int32; rows [G, S, K]; weight [E, K, N]; out."""
+    transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    slots = program["slots"]
+
+    def multiply(acc_ref, expert, g, n, first, count):
+        def step(_, weight_smem, rows_smem):
+            plgpu.wgmma(acc_ref, weight_smem.transpose((1, 0)), rows_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(0)  # the slot is refilled once the step returns
+
+        weight_spec = plgpu.BlockSpec((block_k, TILE_N), lambda i: (first + i, n), transforms=transforms)
+        rows_spec = plgpu.BlockSpec((slots, block_k), lambda i: (0, first + i), transforms=transforms)
+        plgpu.emit_pipeline(step, grid=(count,), in_specs=[weight_spec, rows_spec],
+                            max_concurrent_steps=stages)(weight_gmem.at[expert], rows_gmem.at[g])
+
+    _program(experts_gmem, counts_gmem, out_gmem, multiply, **program)
+
+
+def _split(groups: int, inputs: int, outputs: int, slots: int, step: int, cfg: MosaicConfig, *,
+           mxfp4: bool = False) -> tuple[dict, int]:
+    """``(program, splits)``: ``_program``'s static arguments (the input steps of ``step`` inputs,
+    ``plan``'s split of them with none left empty, the slots) and the split count."""
+    steps = inputs // step
+    per_split = -(-steps // plan(groups, inputs, outputs, slots, cfg, mxfp4=mxfp4))
+    return dict(steps=steps, steps_per_split=per_split, slots=slots), -(-steps // per_split)
+
+
+def _launch(body, program: dict, splits: int, groups: int, outputs: int, name: str, interpret: bool, *args,
+            scratch_types=()):
+    """``body`` over the grid ``(splits, N / 64, G)`` -> float32 ``[splits, G, N, S]``."""
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((splits, groups, outputs, program["slots"]), jnp.float32),
+        scratch_types=list(scratch_types),
+        grid=(splits, outputs // TILE_N, groups),
+        grid_names=("splits", "tiles", "groups"),
+        interpret=interpret_params(interpret),
+        kernel_name=name,
+    )(*args)
 
 
 def expert_partials(rows: jax.Array, weight: jax.Array, experts: jax.Array, counts: jax.Array, *,
@@ -181,33 +239,18 @@ def expert_partials(rows: jax.Array, weight: jax.Array, experts: jax.Array, coun
     num_experts, w_inputs, outputs = weight.shape
     if w_inputs != inputs or rows.dtype != weight.dtype:
         raise ValueError(f"rows {rows.shape} {rows.dtype} do not match weight {weight.shape} {weight.dtype}")
-    if experts.shape != (groups,) or counts.shape != (groups,):
-        raise ValueError(f"experts {experts.shape} and counts {counts.shape} must be [{groups}]")
-    if slots % SLOT_ALIGN or not supports(inputs, outputs, slots, weight.dtype):
-        raise ValueError(f"the Mosaic GPU expert products do not take {slots} row slots of {inputs} inputs, "
-                         f"{outputs} outputs in {weight.dtype} (see mosaic_gpu.supports)")
-    splits = plan(groups, inputs, outputs, slots, cfg)
+    _check_groups(rows, experts, counts, outputs, mxfp4=False)
     block_k = block_k_for(inputs, cfg)
-    steps = inputs // block_k
-    steps_per_split = -(-steps // splits)
-    splits = -(-steps // steps_per_split)  # no split left without a tile
-    kernel = plgpu.kernel(
-        functools.partial(_kernel, steps=steps, steps_per_split=steps_per_split, block_k=block_k, stages=cfg.stages,
-                          slots=slots),
-        out_type=jax.ShapeDtypeStruct((splits, groups, outputs, slots), jnp.float32),
-        grid=(splits, outputs // TILE_N, groups),
-        grid_names=("splits", "tiles", "groups"),
-        interpret=interpret_params(interpret),
-        kernel_name="dflash_expert_products_mgpu",
-    )
-    return kernel(experts.astype(jnp.int32), counts.astype(jnp.int32), rows, weight)
+    program, splits = _split(groups, inputs, outputs, slots, block_k, cfg)
+    body = functools.partial(_kernel, block_k=block_k, stages=cfg.stages, **program)
+    return _launch(body, program, splits, groups, outputs, "dflash_expert_products_mgpu", interpret,
+                   experts.astype(jnp.int32), counts.astype(jnp.int32), rows, weight)
 
 
 def expert_products(rows: jax.Array, weight: jax.Array, experts: jax.Array, counts: jax.Array, *,
                     config: MosaicConfig | None = None, interpret: bool | None = None) -> jax.Array:
     """``reference.expert_products_reference``'s contract: float32 ``[G, S, N]``."""
-    partials = expert_partials(rows, weight, experts, counts, config=config, interpret=interpret)
-    return jnp.swapaxes(jnp.sum(partials, axis=0), 1, 2)
+    return _summed(expert_partials(rows, weight, experts, counts, config=config, interpret=interpret))
 
 
 # -- MXFP4 experts -----------------------------------------------------------------------------------
@@ -243,22 +286,14 @@ def _scale_factor(scales_row) -> jax.Array:
 
 
 def _mxfp4_kernel(experts_gmem, counts_gmem, rows_gmem, codes_gmem, scales_gmem, out_gmem, low_smem, high_smem,
-                  *, steps: int, steps_per_split: int, stages: int, slots: int):
-    """One program: column tile ``n`` of group ``g``'s MXFP4 expert over input split ``j``.
-
-    GMEM: experts, counts [G] int32; rows [G, S, K] with each step's 64 inputs as its 32 even ones,
-    then its 32 odd ones; codes [E, N, K / 2] uint8; the groups' scales transposed [G, K / 32, N];
-    out [splits, G, N, S] float32. Scratch: the step's decoded low and high nibbles [64, 32]."""
-    j = lax.axis_index("splits")
-    n = lax.axis_index("tiles")
-    g = lax.axis_index("groups")
-    expert = experts_gmem[g]
-    first = j * steps_per_split
-    mine = jnp.where(counts_gmem[g] > 0, jnp.minimum(jnp.int32(steps_per_split), steps - first), jnp.int32(0))
+                  *, stages: int, **program):
+    """MXFP4 experts. GMEM: experts, counts [G] int32; rows [G, S, K] with each step's 64 inputs as its
+    32 even ones, then its 32 odd ones; codes [E, N, K / 2] uint8; the groups' scales transposed [G,
+    K / 32, N]; out. Scratch: the step's decoded low and high nibbles [64, 32]."""
     swizzled = (plgpu.TilingTransform((8, FP4_HALF)), plgpu.SwizzleTransform(FP4_HALF * 2))
-    dtype = low_smem.dtype
+    dtype, slots = low_smem.dtype, program["slots"]
 
-    def multiply(acc_ref):
+    def multiply(acc_ref, expert, g, n, first, count):
         def step(_, codes_smem, scales_smem, even_smem, odd_smem):
             codes = _load(codes_smem, WGMMA).astype(jnp.int32)  # [64, 32]: byte b holds inputs 2b, 2b + 1
             # Bytes 0-15 of a row are its first scale group, 16-31 its second.
@@ -281,28 +316,11 @@ def _mxfp4_kernel(experts_gmem, counts_gmem, rows_gmem, codes_gmem, scales_gmem,
         scales_spec = plgpu.BlockSpec((FP4_STEP // MXFP4_BLOCK, TILE_N), lambda i: (first + i, n))
         even_spec = plgpu.BlockSpec((slots, FP4_HALF), lambda i: (0, 2 * (first + i)), transforms=swizzled)
         odd_spec = plgpu.BlockSpec((slots, FP4_HALF), lambda i: (0, 2 * (first + i) + 1), transforms=swizzled)
-        plgpu.emit_pipeline(step, grid=(mine,), in_specs=[codes_spec, scales_spec, even_spec, odd_spec],
+        plgpu.emit_pipeline(step, grid=(count,), in_specs=[codes_spec, scales_spec, even_spec, odd_spec],
                             max_concurrent_steps=stages)(
             codes_gmem.at[expert], scales_gmem.at[g], rows_gmem.at[g], rows_gmem.at[g])
-        return acc_ref[...]
 
-    acc = pl.run_scoped(multiply, plgpu.ACC((TILE_N, slots), jnp.float32))
-
-    def store(out_smem):
-        out_smem[...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[j, g, pl.ds(n * TILE_N, TILE_N)])
-        plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(store, plgpu.SMEM((TILE_N, slots), jnp.float32))
-
-
-def mxfp4_supports(inputs: int, outputs: int, tokens: int, dtype) -> bool:
-    """Whether the kernel takes MXFP4 experts of ``inputs`` x ``outputs`` for ``tokens`` tokens in
-    ``dtype``: 16-bit floats, whole 64-input steps, whole 64-column tiles, at most 64 tokens."""
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and inputs % FP4_STEP == 0 and inputs > 0 and outputs % TILE_N == 0 and outputs > 0
-            and 0 < tokens <= MAX_SLOTS)
+    _program(experts_gmem, counts_gmem, out_gmem, multiply, **program)
 
 
 def mxfp4_expert_partials(rows: jax.Array, blocks: jax.Array, scales: jax.Array, experts: jax.Array,
@@ -322,37 +340,23 @@ def mxfp4_expert_partials(rows: jax.Array, blocks: jax.Array, scales: jax.Array,
     if (scale_groups * MXFP4_BLOCK != inputs or half_block * 2 != MXFP4_BLOCK
             or scales.shape != (num_experts, outputs, scale_groups)):
         raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not take rows {rows.shape}")
-    if experts.shape != (groups,) or counts.shape != (groups,):
-        raise ValueError(f"experts {experts.shape} and counts {counts.shape} must be [{groups}]")
-    if slots % SLOT_ALIGN or not mxfp4_supports(inputs, outputs, slots, rows.dtype):
-        raise ValueError(f"the Mosaic GPU expert products do not take {slots} row slots of {inputs} inputs, "
-                         f"{outputs} MXFP4 outputs in {rows.dtype} (see mosaic_gpu.mxfp4_supports)")
-    steps = inputs // FP4_STEP
-    splits = plan(groups, inputs, outputs, slots, cfg, mxfp4=True)
-    steps_per_split = -(-steps // splits)
-    splits = -(-steps // steps_per_split)
+    _check_groups(rows, experts, counts, outputs, mxfp4=True)
+    program, splits = _split(groups, inputs, outputs, slots, FP4_STEP, cfg, mxfp4=True)
     experts = experts.astype(jnp.int32)
     group_scales = jnp.swapaxes(jnp.take(scales, experts, axis=0), 1, 2)  # [G, K / 32, N]
-    interleaved = rows.reshape(groups, slots, steps, FP4_HALF, 2)
+    interleaved = rows.reshape(groups, slots, inputs // FP4_STEP, FP4_HALF, 2)
     interleaved = jnp.swapaxes(interleaved, -1, -2).reshape(rows.shape)
-    kernel = plgpu.kernel(
-        functools.partial(_mxfp4_kernel, steps=steps, steps_per_split=steps_per_split, stages=cfg.fp4_stages,
-                          slots=slots),
-        out_type=jax.ShapeDtypeStruct((splits, groups, outputs, slots), jnp.float32),
-        scratch_types=[plgpu.SMEM((TILE_N, FP4_HALF), rows.dtype, transforms=(
-            plgpu.TilingTransform((8, FP4_HALF)), plgpu.SwizzleTransform(FP4_HALF * 2)))] * 2,
-        grid=(splits, outputs // TILE_N, groups),
-        grid_names=("splits", "tiles", "groups"),
-        interpret=interpret_params(interpret),
-        kernel_name="dflash_mxfp4_expert_products_mgpu",
-    )
-    codes = blocks.reshape(num_experts, outputs, inputs // 2)
-    return kernel(experts, counts.astype(jnp.int32), interleaved, codes, group_scales)
+    swizzled = (plgpu.TilingTransform((8, FP4_HALF)), plgpu.SwizzleTransform(FP4_HALF * 2))
+    decoded = plgpu.SMEM((TILE_N, FP4_HALF), rows.dtype, transforms=swizzled)
+    body = functools.partial(_mxfp4_kernel, stages=cfg.fp4_stages, **program)
+    return _launch(body, program, splits, groups, outputs, "dflash_mxfp4_expert_products_mgpu", interpret,
+                   experts, counts.astype(jnp.int32), interleaved, blocks.reshape(num_experts, outputs, inputs // 2),
+                   group_scales, scratch_types=[decoded, decoded])
 
 
 def mxfp4_expert_products(rows: jax.Array, blocks: jax.Array, scales: jax.Array, experts: jax.Array,
                           counts: jax.Array, *, config: MosaicConfig | None = None,
                           interpret: bool | None = None) -> jax.Array:
     """``reference.mxfp4_expert_products_reference``'s contract: float32 ``[G, S, N]``."""
-    partials = mxfp4_expert_partials(rows, blocks, scales, experts, counts, config=config, interpret=interpret)
-    return jnp.swapaxes(jnp.sum(partials, axis=0), 1, 2)
+    return _summed(mxfp4_expert_partials(rows, blocks, scales, experts, counts, config=config,
+                                         interpret=interpret))
