@@ -264,17 +264,20 @@ def _load(ref, layout):
     return plgpu.load(ref, layout=layout)
 
 
-def _scaled_fp4(magnitude: jax.Array, sign: jax.Array, factor: jax.Array) -> jax.Array:
-    """E2M1 codes moved into float32 bit positions -> their values times ``factor`` (float32).
+def _scaled_fp4(codes: jax.Array, shift: int, factor: jax.Array) -> jax.Array:
+    """The E2M1 codes in bits ``shift``..``shift + 3`` of ``codes`` (int32) -> their values times
+    ``factor`` (float32), in a few full-rate operations a value and no table.
 
-    ``magnitude`` holds a code's 2-bit exponent and 1-bit mantissa at bits 23-24 and 22, ``sign`` its
-    sign at bit 31. With the exponent biased to 126 that is the float ``2 ** (e - 1) * (1 + m / 2)``:
-    the code's value for ``e >= 1``, and 0.5 or 0.75 for the codes 0 and 0.5, which ``2 v - 1`` maps
-    there. No subnormal on the way: GPUs and XLA's CPU flush those to zero."""
-    value = lax.bitcast_convert_type(magnitude + jnp.int32(126 << 23), jnp.float32)
-    value = jnp.where(magnitude < jnp.int32(2 << 22), value * 2.0 - 1.0, value)
-    value = lax.bitcast_convert_type(lax.bitcast_convert_type(value, jnp.int32) | sign, jnp.float32)
-    return value * factor
+    The code's 2 exponent bits and 1 mantissa bit go to the float's bits 23-24 and 22 under an
+    exponent biased to 126: ``x = 2 ** (e - 1) * (1 + m / 2)``, the code's magnitude for ``e >= 1``
+    and 0.5 or 0.75 for the codes 0 and 0.5, which ``2 x - 1`` maps there; ``min(2 x - 1, x)`` picks
+    the right one for every code (``2 x - 1 >= x`` exactly where ``x >= 1``). No subnormal on the way
+    (GPUs and XLA's CPU flush those); the sign bit is or-ed in last."""
+    magnitude = (lax.shift_left(codes, jnp.int32(22 - shift)) & jnp.int32(0x7 << 22)) + jnp.int32(126 << 23)
+    x = lax.bitcast_convert_type(magnitude, jnp.float32)
+    value = jnp.minimum(x * 2.0 - 1.0, x) * factor
+    sign = lax.shift_left(codes, jnp.int32(28 - shift)) & jnp.int32(-(1 << 31))
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(value, jnp.int32) | sign, jnp.float32)
 
 
 def _scale_factor(scales_row) -> jax.Array:
@@ -301,12 +304,8 @@ def _mxfp4_kernel(experts_gmem, counts_gmem, rows_gmem, codes_gmem, scales_gmem,
             factor = jnp.where(column < MXFP4_BLOCK // 2,
                                lax.broadcast_in_dim(_scale_factor(scales_smem.at[0]), codes.shape, [0]),
                                lax.broadcast_in_dim(_scale_factor(scales_smem.at[1]), codes.shape, [0]))
-            low = _scaled_fp4(lax.shift_left(codes & 0x7, jnp.int32(22)), lax.shift_left(codes & 0x8, jnp.int32(28)),
-                              factor)
-            high = _scaled_fp4(lax.shift_left(codes & 0x70, jnp.int32(18)),
-                               lax.shift_left(codes & 0x80, jnp.int32(24)), factor)
-            low_smem[...] = low.astype(dtype)  # exact: 3-bit mantissas
-            high_smem[...] = high.astype(dtype)
+            low_smem[...] = _scaled_fp4(codes, 0, factor).astype(dtype)  # exact: 3-bit mantissas
+            high_smem[...] = _scaled_fp4(codes, 4, factor).astype(dtype)
             plgpu.commit_smem()
             plgpu.wgmma(acc_ref, low_smem, even_smem.transpose((1, 0)))
             plgpu.wgmma(acc_ref, high_smem, odd_smem.transpose((1, 0)))

@@ -16,7 +16,7 @@ from dflash_jax.ops.experts import ExpertWeights, mosaic_routed_experts, routed_
 from kernels_pallas._mosaic import mosaic_interpret_available
 from kernels_pallas.experts import mosaic_gpu
 from kernels_pallas.experts.mosaic_gpu import MosaicConfig, plan
-from kernels_pallas.experts.reference import expert_products_reference, mxfp4_expert_products_reference
+from kernels_pallas.experts.reference import FP4_VALUES, expert_products_reference, mxfp4_expert_products_reference
 from lowering import lower_for
 
 interpreted = pytest.mark.skipif(not mosaic_interpret_available(),
@@ -89,6 +89,19 @@ def test_plan_and_fits():
     assert not uses_mosaic_kernel("auto", (1, 8), w, bf16, mosaic=True)  # not a GPU
     with pytest.raises(ValueError, match="block_k"):
         MosaicConfig(block_k=96)
+
+
+def test_every_mxfp4_byte_decodes_to_its_two_values():
+    """The kernel's decoding arithmetic (plain jnp here): both nibbles of all 256 bytes, signs and
+    negative zeros included, times powers of two from 2 ** -20 to 2 ** 20, equal the E2M1 table."""
+    codes = jnp.arange(256, dtype=jnp.int32)
+    for exponent in (-20, 0, 20):
+        factor = jnp.float32(2.0**exponent)
+        for shift, nibble in ((0, np.arange(256) & 15), (4, np.arange(256) >> 4)):
+            got = np.asarray(mosaic_gpu._scaled_fp4(codes, shift, factor))
+            want = FP4_VALUES[nibble] * np.float32(2.0**exponent)
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
 def test_dispatch_on_a_gpu(monkeypatch):
