@@ -21,6 +21,11 @@ the ``T * top_k`` (token, expert) pairs in one of three ways, chosen by the stat
 (measured on the H200, ``gemv_pair_limit``). Shapes are
 static everywhere: a run or slot may be empty.
 
+With ``OpsConfig.gpu_lowering == "mosaic"`` on a GPU, "auto" and "gemv" steps of few pairs run
+``mosaic_routed_experts`` instead: the pairs grouped by expert and two calls of the Mosaic GPU
+expert-products kernel (``kernels_pallas.experts``), which streams only the touched experts' weight
+tiles (MXFP4 decoded inside) with TMA.
+
 ``routed_experts_reference`` is the same function as a dense product over every expert, for tests.
 Under ``sharding.kernel_mesh`` with the experts split over mesh axes (logical axis ``experts``),
 each device computes its own experts' share of every token and a ``psum`` adds the shares (expert
