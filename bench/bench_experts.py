@@ -195,6 +195,8 @@ def main(argv=None) -> None:
                 cells.append(f"{s * 1e3:7.3f} ({row['roofline_s'] / s:5.1%})" if s else f"{'-':>16s}")
             touched = sum(row["touched"]) / len(row["touched"])
             print(f"{family:10s} {tokens:6d} {touched:7.1f} " + " ".join(cells))
+            for impl, why in row["failed"].items():
+                print(f"{'':18s} {impl} failed: {why[:200]}")
     report["wall_s"] = time.perf_counter() - t0
     timing.write_json(args.json, report)
 
