@@ -51,7 +51,8 @@ import numpy as np
 
 import timing
 from bench_mosaic import chained, log, timed
-from dflash_jax.ops.experts import FP4_VALUES, MXFP4_BLOCK, MXFP4_SCALE_BIAS, _pair_product, mxfp4_dequantize, route
+from dflash_jax.ops.experts import FP4_VALUES, MXFP4_BLOCK, _pair_product, mxfp4_dequantize, route
+from kernels_pallas.experts.reference import MXFP4_SCALE_BIAS
 from kernels_pallas.block_attention import block_attention
 from kernels_pallas.rms_norm import add_rms_norm as triton_add_rms_norm
 from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
