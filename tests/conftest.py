@@ -107,7 +107,12 @@ def tpu_flash_interpreted(monkeypatch):
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` (``tests/gpu``: the kernels compiled by Triton, the engine's GPU-only paths)
     need a GPU and are skipped elsewhere. This file defaults ``JAX_PLATFORMS`` to ``cpu``, so on a GPU
-    machine run them as ``JAX_PLATFORMS=cuda python -m pytest -m gpu tests/gpu``."""
+    machine run them as ``JAX_PLATFORMS=cuda python -m pytest -m gpu tests/gpu``.
+
+    In a pytest-xdist worker, modules run in the order of their number of ``slow`` tests, most first
+    (each module's tests stay together and in their order)."""
+    if hasattr(config, "workerinput"):
+        _slow_modules_first(items)
     import jax
 
     if jax.default_backend() == "gpu":
@@ -117,3 +122,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _slow_modules_first(items) -> None:
+    """scripts/test.sh hands whole modules to its workers (``--dist loadfile``) in collection order
+    (``--no-loadscope-reorder``): with the modules of most slow tests first, the last ones handed out
+    are short and both workers finish together. pytest-xdist's own order (most tests first) leaves the
+    single-test end-to-end modules (the demo job, the loaded servers) for the end, and a worker that
+    takes one of them also takes the next modules while the other runs dry."""
+    from collections import Counter
+
+    slow = Counter(item.path for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])  # stable: a module's tests stay together, in order
