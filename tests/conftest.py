@@ -7,7 +7,7 @@ import os
 # Both flags reach the subprocesses the tests start, through the environment.
 _TEST_XLA_FLAGS = {"--xla_force_host_platform_device_count": "8", "--xla_backend_optimization_level": "0"}
 # XLA:CPU's classic elemental emitters compile these tiny programs in about two thirds of the CPU time
-# of its fusion emitters (the suite ~25% shorter). Only some jaxlib versions know the flag, and XLA
+# of its fusion emitters (the suite about 30% less CPU time). Only some jaxlib versions know the flag, and XLA
 # aborts the process on a flag it does not know: a subprocess asks this jaxlib first (once: the
 # workers of pytest-xdist and the tests' subprocesses inherit the result through the environment).
 _CLASSIC_EMITTERS = ("--xla_cpu_use_fusion_emitters", "false")
