@@ -91,13 +91,12 @@ def paged_block_attention(q: jax.Array, k_ctx: PagedKV, v_ctx: PagedKV, ctx_lens
     GPU block attention, ``ops.mosaic``, one block per row), or None where none takes it."""
     if not (ops.kernels and ops.mosaic and sinks is None and window is None and q.shape[1] == 1):
         return None
-    from kernels_pallas.block_attention.mosaic_gpu import paged_block_attention_supported
-    from kernels_pallas.block_attention.mosaic_gpu import paged_block_attention as mosaic_paged
+    from kernels_pallas.block_attention import mosaic_gpu
 
-    if not paged_block_attention_supported(q.shape, k_ctx.pool.shape, k_ctx.n_pages):
+    if not mosaic_gpu.paged_supported(q.shape, k_ctx.pool.shape, k_ctx.n_pages, k_ctx.dtype):
         return None
-    return mosaic_paged(q, k_ctx.pool, v_ctx.pool, k_ctx.page_table[:, :k_ctx.n_pages], ctx_lens, k_blk, v_blk,
-                        blk_lens, causal=causal, scale=scale)
+    return mosaic_gpu.paged_forward(q, k_ctx.pool, v_ctx.pool, k_ctx.page_table[:, :k_ctx.n_pages], ctx_lens[:, 0],
+                                    k_blk, v_blk, blk_lens[:, 0], causal=causal, scale=scale)[0]
 
 
 SINK_PROMPT_CHUNK = 512  # query slots a step of ``chunked_prompt_attention``

@@ -44,11 +44,6 @@ class PagedKV:
     writable: jax.Array    # [batch] bool
     n_pages: int = dataclasses.field(metadata=dict(static=True))
 
-    def __post_init__(self):
-        if not isinstance(self.n_pages, int) or not 0 < self.n_pages <= self.page_table.shape[-1]:
-            raise ValueError(f"PagedKV.n_pages must be a static page count in 1..{self.page_table.shape[-1]} "
-                             f"(the page table's width), got {self.n_pages!r}")
-
     @property
     def page_size(self) -> int:
         return self.pool.shape[1]
@@ -79,7 +74,11 @@ class PagedKV:
 
 
 def paged_layers(pools: KVCache, page_table: jax.Array, writable: jax.Array, n_pages: int) -> KVCache:
-    """The pools as a cache of ``PagedKV`` layers (what a decode step's models take)."""
+    """The pools as a cache of ``PagedKV`` layers (what a decode step's models take), each reading the
+    rows' first ``n_pages`` pages."""
+    if not isinstance(n_pages, int) or not 0 < n_pages <= page_table.shape[-1]:
+        raise ValueError(f"n_pages must be a static page count in 1..{page_table.shape[-1]} (the page table's "
+                         f"width), got {n_pages!r}")
     return KVCache(tuple(PagedKV(x, page_table, writable, n_pages) for x in pools.k),
                    tuple(PagedKV(x, page_table, writable, n_pages) for x in pools.v))
 
