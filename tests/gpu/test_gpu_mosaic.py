@@ -67,6 +67,28 @@ def test_block_attention_over_a_cache_bf16_equals_reference(batch, block, capaci
     check(attention_args(batch, block, capacity, seed=batch * 7 + block), causal=causal)
 
 
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("batch,block,capacity", [(1, 1, 16384), (16, 16, 2048), (32, 1, 1024)])
+def test_paged_block_attention_equals_the_contiguous_kernel(batch, block, capacity, page_size):
+    """The paged kernel over the rows' contexts scattered into shuffled pages of a pool equals the
+    contiguous kernel over the same contexts bit for bit (the same tiles in the same order), and the
+    reference to bf16 rounding."""
+    args = attention_args(batch, block, capacity, seed=batch + page_size)
+    n = capacity // page_size
+    table = np.random.default_rng(page_size).permutation(np.arange(1, batch * n + 3))[:batch * n].reshape(batch, n)
+
+    def pool(x):
+        out = jnp.zeros((batch * n + 3, page_size) + x.shape[2:], x.dtype)
+        return out.at[table.ravel()].set(x.reshape((batch * n, page_size) + x.shape[2:]))
+
+    q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens = args
+    got = jax.jit(lambda *a: attention_mgpu.paged_forward(*a, causal=True)[0])(
+        q, pool(k_ctx), pool(v_ctx), jnp.asarray(table, jnp.int32), ctx_lens, k_blk, v_blk, blk_lens)
+    contiguous = jax.jit(lambda *a: attention_mgpu.forward(*a, causal=True)[0])(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(contiguous))
+    check(args, causal=True)
+
+
 def test_block_attention_float16_and_odd_contexts():
     """float16; contexts ending inside a tile, a context of one position, a block of no valid slot."""
     args = attention_args(4, 16, 4096, dtype=jnp.float16, seed=11, starts=[4095, 1, 1000, 64],
