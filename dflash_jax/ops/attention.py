@@ -43,8 +43,9 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
     Attention sinks and sliding windows (gpt-oss layers) run the reference: no kernel takes them.
 
     ``k_ctx, v_ctx`` may be paged (``PagedKV``, the context read through the rows' page tables): the
-    Mosaic GPU kernel loads the pages the table names; every other path runs on the rows' pages of this
-    layer gathered into a contiguous context (``PagedKV.gather``, the XLA reference of the read)."""
+    Mosaic GPU kernel and the TPU kernel load the pages the table names (``paged_block_attention``);
+    every other path runs on the rows' pages of this layer gathered into a contiguous context
+    (``PagedKV.gather``, the XLA reference of the read)."""
     if isinstance(k_ctx, PagedKV):
         out = paged_block_attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale,
                                     ops=ops, sinks=sinks, window=window)
@@ -87,16 +88,26 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
 def paged_block_attention(q: jax.Array, k_ctx: PagedKV, v_ctx: PagedKV, ctx_lens: jax.Array, k_blk: jax.Array,
                           v_blk: jax.Array, blk_lens: jax.Array, *, causal: bool, scale: float | None, ops: OpsConfig,
                           sinks: jax.Array | None, window: int | None) -> jax.Array | None:
-    """``block_attention`` over a paged context by a kernel that reads through the page table (the Mosaic
-    GPU block attention, ``ops.mosaic``, one block per row), or None where none takes it."""
-    if not (ops.kernels and ops.mosaic and sinks is None and window is None and q.shape[1] == 1):
+    """``block_attention`` over a paged context by a kernel that reads through the page table, or None
+    where none takes it: one block per row, no sinks or window, and the Mosaic GPU block attention
+    (``ops.mosaic``, pages of whole key tiles) or on a TPU its block attention (a tile per page)."""
+    if not (ops.kernels and sinks is None and window is None and q.shape[1] == 1):
+        return None
+    table = k_ctx.page_table[:, :k_ctx.n_pages]
+    args = (q, k_ctx.pool, v_ctx.pool, table, ctx_lens[:, 0], k_blk, v_blk, blk_lens[:, 0])
+    if jax.default_backend() == "tpu":
+        from kernels_pallas.block_attention import tpu
+
+        if k_ctx.page_size % 8:
+            return None
+        return tpu.paged_forward(*args, causal=causal, scale=scale)[0]
+    if not ops.mosaic:
         return None
     from kernels_pallas.block_attention import mosaic_gpu
 
     if not mosaic_gpu.paged_supported(q.shape, k_ctx.pool.shape, k_ctx.n_pages, k_ctx.dtype):
         return None
-    return mosaic_gpu.paged_forward(q, k_ctx.pool, v_ctx.pool, k_ctx.page_table[:, :k_ctx.n_pages], ctx_lens[:, 0],
-                                    k_blk, v_blk, blk_lens[:, 0], causal=causal, scale=scale)[0]
+    return mosaic_gpu.paged_forward(*args, causal=causal, scale=scale)[0]
 
 
 SINK_PROMPT_CHUNK = 512  # query slots a step of ``chunked_prompt_attention``
