@@ -61,7 +61,10 @@ def write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array) -> jax.A
 
 def read_rows(buffer: jax.Array, starts: jax.Array, n: int) -> jax.Array:
     """Positions ``[starts, starts + n)`` of ``buffer [batch, capacity, ...]`` per row -> ``[batch, n, ...]``:
-    the read that ``write_rows`` at the same ``starts`` writes back."""
+    the read that ``write_rows`` at the same ``starts`` writes back. A paged cache layer
+    (``ops.paged_cache.PagedKV``) is read from its rows' pages, gathered."""
+    if not isinstance(buffer, jax.Array):
+        buffer = buffer.gather()
     return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, n, axis=0))(buffer, starts)
 
 

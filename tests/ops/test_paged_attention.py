@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.ops import attention as attention_ops
-from dflash_jax.ops.cache import KVCache, write_rows
+from dflash_jax.ops.cache import KVCache, read_rows, write_rows
 from dflash_jax.ops.config import XLA
 from dflash_jax.ops.paged_cache import NULL_PAGE, PagedKV, layer_pools, paged_layers
 
@@ -80,6 +80,9 @@ def test_write_rows_past_the_read_pages_lands_in_the_rows_later_pages():
     written = write_rows(k_cache, block, starts)
     whole = PagedKV(written.pool, written.page_table, written.writable, MAX_PAGES).gather()
     np.testing.assert_array_equal(whole[0, 8:11], block[0])
+    # and reads go through the table too (the drafter's context window reads positions of a row)
+    whole_cache = PagedKV(written.pool, written.page_table, written.writable, MAX_PAGES)
+    np.testing.assert_array_equal(read_rows(whole_cache, starts, 3), read_rows(whole, starts, 3))
 
 
 def test_paged_layers_refuse_a_page_count_past_the_table():

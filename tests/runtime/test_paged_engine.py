@@ -230,3 +230,14 @@ def test_rows_preempted_for_pages_resume_with_their_solo_output(models, engines,
             np.testing.assert_allclose(g.result.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
             assert [list(d) for d in g.result.top_logprobs] == [list(d) for d in want.top_logprobs]
     assert batcher.pages.all_free()
+
+
+@pytest.mark.slow
+def test_paged_engine_with_a_drafter_context_window_equals_contiguous(models, base):
+    """The drafter's context window reads a window of each row's positions through its page table."""
+    target, drafter = models
+    config = dict(CONFIG, drafter_context_window=16)
+    prompts = [base, base[:13]]
+    want = Engine(target, drafter, EngineConfig(**config)).generate(prompts, MAX_NEW, [11])
+    got = Engine(target, drafter, EngineConfig(page_size=PAGE, **config)).generate(prompts, MAX_NEW, [11])
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
