@@ -328,9 +328,8 @@ def attention_partials(packed: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ct
     splits, stages = plan(rows_n, kv_heads, query_tiles, ctx, cfg)
     f32 = jnp.float32
     swizzled = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
-    static = dict(blocks=rows_n // batch, groups=groups, q_rows=q_rows, slots=slots,
-                          out_rows=out_rows, block_k=cfg.block_k, stages=stages, query_tiles=query_tiles,
-                  causal=causal, scale=scale)
+    static = dict(blocks=rows_n // batch, groups=groups, q_rows=q_rows, slots=slots, out_rows=out_rows,
+                  block_k=cfg.block_k, stages=stages, query_tiles=query_tiles, causal=causal, scale=scale)
     if page_table is None:
         body, table = functools.partial(_kernel, **static), ()
     else:  # the pools as [pages * page_size, Hkv, D]: a bitcast
