@@ -261,3 +261,27 @@ def test_add_rms_norm_mosaic_float32():
     want = jax.jit(lambda h, d, w: add_rms_norm_reference(h, d, w, 1e-6))(h, delta, weight)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     assert errors(got[1], want[1])[0] < 1e-5
+
+
+def test_paged_engine_on_the_mosaic_lowering_generates_the_contiguous_tokens():
+    """A bf16 DFlash engine with head_dim 128 and 64-position pages: its decode steps read the pages
+    through the Mosaic GPU paged attention, equal to the contiguous Mosaic kernel bit for bit, so the
+    paged engine generates the contiguous engine's tokens."""
+    from flax import nnx
+
+    from dflash_jax import Engine, EngineConfig
+    from dflash_jax.models.drafter import Drafter
+    from dflash_jax.models.target import Target
+    from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
+
+    tcfg = tiny_target_config(vocab_size=512, hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=128)
+    dcfg = tiny_drafter_config(tcfg, block_size=16, mask_token_id=511)
+    target = Target(tcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    drafter = Drafter(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    config = dict(max_batch_size=4, max_length=512, prompt_buckets=(256,), attention_impl="pallas",
+                  gpu_lowering="mosaic")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 500, n).tolist() for n in (200, 70, 5)]
+    want = Engine(target, drafter, EngineConfig(**config)).generate(prompts, 64)
+    got = Engine(target, drafter, EngineConfig(page_size=64, **config)).generate(prompts, 64)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
