@@ -2,7 +2,8 @@
 head shapes: the block attention (one block per row over a KV cache: decode tokens, verify and draft
 blocks, split-K over long contexts, the tile configs; several blocks per row: the training pattern,
 its gradients through the Mosaic GPU backward kernels; through ``ops.attention.cached_attention`` with
-``gpu_lowering="mosaic"`` in test_gpu_kernels.py beside the Triton kernel) and the add + RMSNorm.
+``gpu_lowering="mosaic"`` in test_gpu_kernels.py beside the Triton kernel; over paged contexts, the
+pages of a pool named by page tables, and a paged engine on it) and the add + RMSNorm.
 Tolerances are those of tests/gpu/test_gpu_kernels.py for the Triton kernels.
 
     JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/gpu/test_gpu_mosaic.py
