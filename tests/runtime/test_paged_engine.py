@@ -241,3 +241,17 @@ def test_paged_engine_with_a_drafter_context_window_equals_contiguous(models, ba
     want = Engine(target, drafter, EngineConfig(**config)).generate(prompts, MAX_NEW, [11])
     got = Engine(target, drafter, EngineConfig(page_size=PAGE, **config)).generate(prompts, MAX_NEW, [11])
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
+
+
+def test_a_paged_decode_step_holds_no_copy_of_the_caches(models):
+    """The step reads and writes the pools through the page tables: its compiled program needs no more
+    scratch memory than the contiguous step's (a contiguous view of every layer's pages would add the
+    caches' size again)."""
+    target, drafter = models
+    config = dict(CONFIG, max_length=1024)
+    temp = {}
+    for page_size in (0, PAGE):
+        engine = Engine(target, drafter, EngineConfig(page_size=page_size, **config))
+        compiled = engine.decode_compiled(engine.empty_state(4), 1, window=1024)
+        temp[page_size] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp[PAGE] <= 1.01 * temp[0], temp
