@@ -255,3 +255,19 @@ def test_a_paged_decode_step_holds_no_copy_of_the_caches(models):
         compiled = engine.decode_compiled(engine.empty_state(4), 1, window=1024)
         temp[page_size] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[PAGE] <= 1.01 * temp[0], temp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_moe"])
+def test_paged_moe_engines_equal_contiguous(model_type, base):
+    """Mixture-of-experts targets, gpt-oss's attention sinks and sliding windows among them (the
+    attention's reference path, over each layer's pages gathered): the paged engine's tokens are the
+    contiguous engine's."""
+    from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, tiny_target_config
+
+    tcfg = tiny_target_config(model_type)
+    target, drafter = random_target(tcfg, seed=0), random_drafter(tiny_drafter_config(tcfg, block_size=8), seed=1)
+    prompts = [base, base[:13]]
+    want = Engine(target, drafter, EngineConfig(**CONFIG)).generate(prompts, MAX_NEW, [11])
+    got = Engine(target, drafter, EngineConfig(page_size=PAGE, **CONFIG)).generate(prompts, MAX_NEW, [11])
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
