@@ -652,19 +652,16 @@ class Engine:
             return self._constrain(s), taps
 
         def step(i, s, taps):
-            view_pages = -(-window // self.page_size) if s.page_table is not None else 0
+            read_pages = -(-window // self.page_size) if s.page_table is not None else 0
             if not deferred:
                 if s.page_table is None:
                     return contiguous_step(s), taps
-                # The step runs on a view of the window's pages (its whole capacity: no window inside).
-                return paged.step(functools.partial(contiguous_step, window=None), s, view_pages=view_pages,
-                                  block=block or self.block_size), taps
+                # The step reads the window's pages through the tables (its whole capacity: no window inside).
+                return paged.step(functools.partial(contiguous_step, window=None), s, read_pages=read_pages), taps
             if s.page_table is None:
                 return deferred_step(s, taps, i)
-            # Target-only steps read no drafter context: its pool stays out of the step's view.
-            new, taps = paged.step(functools.partial(deferred_step, taps=taps, slot=i, window=None),
-                                   dataclasses.replace(s, draft_cache=None), view_pages=view_pages, block=1)
-            return dataclasses.replace(new, draft_cache=s.draft_cache), taps
+            return paged.step(functools.partial(deferred_step, taps=taps, slot=i, window=None), s,
+                              read_pages=read_pages)
 
         def cond(carry):
             i, s, _ = carry

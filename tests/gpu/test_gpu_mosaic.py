@@ -2,7 +2,8 @@
 head shapes: the block attention (one block per row over a KV cache: decode tokens, verify and draft
 blocks, split-K over long contexts, the tile configs; several blocks per row: the training pattern,
 its gradients through the Mosaic GPU backward kernels; through ``ops.attention.cached_attention`` with
-``gpu_lowering="mosaic"`` in test_gpu_kernels.py beside the Triton kernel) and the add + RMSNorm.
+``gpu_lowering="mosaic"`` in test_gpu_kernels.py beside the Triton kernel; over paged contexts, the
+pages of a pool named by page tables, and a paged engine on it) and the add + RMSNorm.
 Tolerances are those of tests/gpu/test_gpu_kernels.py for the Triton kernels.
 
     JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/gpu/test_gpu_mosaic.py
@@ -65,6 +66,28 @@ def test_block_attention_over_a_cache_bf16_equals_reference(batch, block, capaci
     context and block lengths (one row's context the whole cache, one none), split-K as ``plan``
     fills the SMs, the block's own keys in the last split."""
     check(attention_args(batch, block, capacity, seed=batch * 7 + block), causal=causal)
+
+
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("batch,block,capacity", [(1, 1, 16384), (16, 16, 2048), (32, 1, 1024)])
+def test_paged_block_attention_equals_the_contiguous_kernel(batch, block, capacity, page_size):
+    """The paged kernel over the rows' contexts scattered into shuffled pages of a pool equals the
+    contiguous kernel over the same contexts bit for bit (the same tiles in the same order), and the
+    reference to bf16 rounding."""
+    args = attention_args(batch, block, capacity, seed=batch + page_size)
+    n = capacity // page_size
+    table = np.random.default_rng(page_size).permutation(np.arange(1, batch * n + 3))[:batch * n].reshape(batch, n)
+
+    def pool(x):
+        out = jnp.zeros((batch * n + 3, page_size) + x.shape[2:], x.dtype)
+        return out.at[table.ravel()].set(x.reshape((batch * n, page_size) + x.shape[2:]))
+
+    q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens = args
+    got = jax.jit(lambda *a: attention_mgpu.paged_forward(*a, causal=True)[0])(
+        q, pool(k_ctx), pool(v_ctx), jnp.asarray(table, jnp.int32), ctx_lens, k_blk, v_blk, blk_lens)
+    contiguous = jax.jit(lambda *a: attention_mgpu.forward(*a, causal=True)[0])(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(contiguous))
+    check(args, causal=True)
 
 
 def test_block_attention_float16_and_odd_contexts():
@@ -239,3 +262,27 @@ def test_add_rms_norm_mosaic_float32():
     want = jax.jit(lambda h, d, w: add_rms_norm_reference(h, d, w, 1e-6))(h, delta, weight)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     assert errors(got[1], want[1])[0] < 1e-5
+
+
+def test_paged_engine_on_the_mosaic_lowering_generates_the_contiguous_tokens():
+    """A bf16 DFlash engine with head_dim 128 and 64-position pages: its decode steps read the pages
+    through the Mosaic GPU paged attention, equal to the contiguous Mosaic kernel bit for bit, so the
+    paged engine generates the contiguous engine's tokens."""
+    from flax import nnx
+
+    from dflash_jax import Engine, EngineConfig
+    from dflash_jax.models.drafter import Drafter
+    from dflash_jax.models.target import Target
+    from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
+
+    tcfg = tiny_target_config(vocab_size=512, hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=128)
+    dcfg = tiny_drafter_config(tcfg, block_size=16, mask_token_id=511)
+    target = Target(tcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    drafter = Drafter(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    config = dict(max_batch_size=4, max_length=512, prompt_buckets=(256,), attention_impl="pallas",
+                  gpu_lowering="mosaic")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 500, n).tolist() for n in (200, 70, 5)]
+    want = Engine(target, drafter, EngineConfig(**config)).generate(prompts, 64)
+    got = Engine(target, drafter, EngineConfig(page_size=64, **config)).generate(prompts, 64)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]

@@ -66,6 +66,74 @@ def test_block_attention_lowers_for_cuda(batch, blocks, block, ctx):
     assert text.count("custom_call @mosaic_gpu") == 1 and "dot_general" not in text
 
 
+def paged_args(args, page_size, pages, seed):
+    """``attention_args``' contexts ``[B, C, Hkv, D]`` scattered into shuffled pages of a pool ``[pages,
+    page_size, Hkv, D]`` (page 0 unused) -> the pools and the page table ``[B, C / page_size]``."""
+    k_ctx, v_ctx = args[1], args[2]
+    batch, ctx = k_ctx.shape[:2]
+    n = ctx // page_size
+    table = np.random.default_rng(seed).permutation(np.arange(1, pages))[:batch * n].reshape(batch, n)
+
+    def pool(x):
+        out = jnp.zeros((pages, page_size) + x.shape[2:], x.dtype)
+        return out.at[table.ravel()].set(x.reshape((batch * n, page_size) + x.shape[2:]))
+
+    return pool(k_ctx), pool(v_ctx), jnp.asarray(table, jnp.int32)
+
+
+def test_paged_block_attention_lowers_for_cuda():
+    """A decode token and a verify block of Qwen3-8B heads over 64-position pages: one Mosaic GPU
+    kernel reading the pools through the table, no gather of the context in XLA."""
+    for batch, block, page_size in ((1, 1, 64), (16, 16, 128)):
+        args = attention_args(batch, 1, block, 32, 8, 128, 128, [[0]] * batch, [[block]] * batch)
+        shapes = [sd(x.shape, x.dtype) for x in args]
+        pool = sd((4096, page_size, 8, 128), jnp.bfloat16)
+        table = sd((batch, 8192 // page_size), jnp.int32)
+        fn = jax.jit(lambda q, kp, vp, t, cl, kb, vb, bl: attention_mgpu.paged_forward(
+            q, kp, vp, t, cl, kb, vb, bl, causal=True, interpret=False)[0])
+        text = lower_for(fn, [shapes[0], pool, pool, table] + shapes[3:], "cuda").as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1 and "dot_general" not in text and "gather" not in text
+
+
+@interpreted
+@pytest.mark.slow
+def test_paged_block_attention_interpreted_equals_reference():
+    """Rows of different lengths (a context ending inside a page, one over several splits, none) with
+    their pages shuffled over the pool, 64-key tiles of 64- and 128-position pages: the paged kernel
+    equals the reference over the contiguous contexts, and the contiguous kernel to the last bit."""
+    for page_size, config in ((64, MosaicConfig(splits=2)), (128, MosaicConfig(splits=3))):
+        args = attention_args(3, 1, 3, 4, 2, 64, 256, [[100], [256], [0]], [[3], [2], [3]], seed=page_size)
+        k_pool, v_pool, table = paged_args(args, page_size, 3 * 256 // page_size + 2, seed=page_size)
+        q, _, _, ctx_lens, k_blk, v_blk, blk_lens = args
+        got = attention_mgpu.paged_forward(q, k_pool, v_pool, table, ctx_lens, k_blk, v_blk, blk_lens, causal=True,
+                                           config=config, interpret=True)[0]
+        assert largest_error(got, block_attention_reference(*args, causal=True)) < 2e-2, page_size
+        contiguous = attention_mgpu.forward(*args, causal=True, config=config, interpret=True)[0]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(contiguous))
+
+
+@interpreted
+@pytest.mark.slow
+def test_paged_attention_on_the_mosaic_lowering_equals_the_gathered_cache():
+    """``ops.attention.attend_and_write`` over ``PagedKV`` caches with ``gpu_lowering="mosaic"``: the
+    paged kernel, equal to the Mosaic kernel over the gathered view; the block written into the pages."""
+    from dflash_jax.ops.paged_cache import PagedKV
+
+    args = attention_args(2, 1, 2, 4, 2, 64, 128, [[70], [5]], [[2], [1]], seed=3)
+    k_pool, v_pool, table = paged_args(args, 64, 6, seed=3)
+    q, _, _, ctx_lens, k_blk, v_blk, blk_lens = args
+    writable = jnp.ones((2,), bool)
+    k_cache, v_cache = PagedKV(k_pool, table, writable, 2), PagedKV(v_pool, table, writable, 2)
+    mosaic = OpsConfig(attention="pallas", gpu_lowering="mosaic")
+    common = dict(causal=True, write=True, ops=mosaic)
+    got, k_got, _ = attention_ops.attend_and_write(q, k_blk, v_blk, ctx_lens[:, 0], k_cache, v_cache, blk_lens[:, 0],
+                                                   **common)
+    want, k_want, _ = attention_ops.attend_and_write(q, k_blk, v_blk, ctx_lens[:, 0], k_cache.gather(),
+                                                     v_cache.gather(), blk_lens[:, 0], **common)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(k_got.gather()), np.asarray(k_want))
+
+
 @pytest.mark.parametrize("blocks,block,ctx", [(512, 16, 4096), (2, 32, 1024)])
 def test_block_attention_backward_lowers_for_cuda(blocks, block, ctx):
     """The backward at Qwen3-8B heads in bf16: training's 512 anchor blocks of 16 over 4k tokens (one
