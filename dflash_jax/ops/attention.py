@@ -26,7 +26,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.ops.cache import CACHE_AXES, write_rows
+from dflash_jax.ops.cache import CACHE_AXES, read_rows, write_rows
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.norms import rms_norm
 from dflash_jax.ops.paged_cache import PagedKV
@@ -282,8 +282,19 @@ def cached_attention(
     (``attend_and_write``).
     """
     batch, block, head_dim = k_cache.shape[0], qkv.shape[-4], k_cache.shape[-1]
-    paged = isinstance(k_cache, PagedKV)  # the fused kernel takes contiguous caches only
-    if ops.kernels and not ops.mosaic and not paged and sinks is None and window is None and rope_factor == 1.0:
+    fused = ops.kernels and not ops.mosaic and sinks is None and window is None and rope_factor == 1.0
+    if fused and isinstance(k_cache, PagedKV):
+        # The fused kernel takes contiguous caches: it runs on this layer's pages gathered (the copy the
+        # XLA path makes too), and the block it wrote goes into the rows' pages; the norms, RoPE, write
+        # and attention stay one kernel rather than the ~12 XLA kernels of the unfused path.
+        attn, k_view, v_view = cached_attention(
+            qkv, starts, k_cache.gather(), v_cache.gather(), blk_lens, q_norm=q_norm, k_norm=k_norm, eps=eps,
+            inv_freq=inv_freq, num_heads=num_heads, causal=causal, write=write, row_scale=row_scale, ops=ops)
+        if not write:
+            return attn, k_cache, v_cache
+        return (attn, write_rows(k_cache, read_rows(k_view, starts, block), starts),
+                write_rows(v_cache, read_rows(v_view, starts, block), starts))
+    if fused:
         from kernels_pallas.cached_attention import cached_block_attention, cached_block_attention_supported
         from kernels_pallas.cached_attention.gpu import DEFAULT_CONFIG
 

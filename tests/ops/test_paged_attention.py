@@ -71,6 +71,35 @@ def test_cached_attention_through_page_tables_equals_the_gathered_cache():
         np.testing.assert_array_equal(k_got.gather()[:2], k_want[:2])
 
 
+def test_fused_cached_attention_kernel_runs_on_the_gathered_pages():
+    """With the kernels on (the fused cached-attention kernel, interpret mode on the CPU), a paged layer
+    gives the contiguous cache's attention and written K/V: the kernel runs on the layer's pages
+    gathered and the block it wrote is scattered into the rows' pages."""
+    from dflash_jax.ops.config import OpsConfig
+    from kernels_pallas.cached_attention.gpu import cached_block_attention_supported
+
+    rng = np.random.default_rng(3)
+    batch, block, dim = 3, 2, 16
+    pages = 1 + batch * MAX_PAGES
+    table = jnp.asarray(rng.permutation(np.arange(1, pages)).reshape(batch, MAX_PAGES), jnp.int32)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal((pages, PAGE, KV, dim)), jnp.float32) for _ in range(2))
+    writable = jnp.asarray([True, True, False])
+    k_cache, v_cache = PagedKV(k_pool, table, writable, 4), PagedKV(v_pool, table, writable, 4)
+    qkv = jnp.asarray(rng.standard_normal((batch, block, KV, HEADS // KV + 2, dim)), jnp.float32)
+    assert cached_block_attention_supported(qkv.shape, k_cache.shape[1])
+    starts, blk_lens = jnp.asarray([3, 9, 7], jnp.int32), jnp.asarray([2, 2, 1], jnp.int32)
+    norm = jnp.asarray(rng.standard_normal(dim), jnp.float32)
+    common = dict(q_norm=norm, k_norm=norm, eps=1e-6, inv_freq=tuple(1.0 / 10000 ** (np.arange(0, dim, 2) / dim)),
+                  num_heads=HEADS, ops=OpsConfig(attention="pallas"))
+    got, k_got, v_got = attention_ops.cached_attention(qkv, starts, k_cache, v_cache, blk_lens, **common)
+    want, k_want, v_want = attention_ops.cached_attention(qkv, starts, k_cache.gather(), v_cache.gather(), blk_lens,
+                                                          **common)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(k_got.gather()[:2], k_want[:2])
+    np.testing.assert_array_equal(v_got.gather()[:2], v_want[:2])
+    np.testing.assert_array_equal(k_got.gather()[2], k_cache.gather()[2])  # the done row wrote nothing
+
+
 def test_write_rows_past_the_read_pages_lands_in_the_rows_later_pages():
     """A step reads ``n_pages`` pages but writes through the whole table: a block past them is kept."""
     rng = np.random.default_rng(2)
