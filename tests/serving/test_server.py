@@ -529,6 +529,23 @@ def test_request_body_limit(tokenizer):
         assert metric_values(client)['dflash_http_requests_total{model="tiny",endpoint="/v1/completions",status="413"}'] == 2
 
 
+def test_rejection_verification_is_refused_by_a_drafter_that_selects_its_drafts(tokenizer):
+    """``verify: "rejection"`` needs drafts drawn from the drafter's distribution: a server whose drafter
+    selects a path (DFlash2) answers 400 naming ``verify`` and keeps serving; a bad mode is a 400 too."""
+    from types import SimpleNamespace
+
+    engine = FakeEngine(MODEL_VOCAB, token_range=(0, TOKENIZER_VOCAB))
+    engine.drafter = SimpleNamespace(selects_drafts=True)
+    app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+        body = {"prompt": [10, 11], "max_tokens": 3, "temperature": 0.7, "seed": 1}
+        assert_error(client.post("/v1/completions", json={**body, "verify": "rejection"}), 400, None, "verify",
+                     "DFlash2")
+        assert_error(client.post("/v1/completions", json={**body, "verify": "sometimes"}), 400, None, "verify")
+        r = client.post("/v1/completions", json={"prompt": [10, 11], "max_tokens": 3})  # (the fake decodes greedily)
+        assert r.status_code == 200, r.text
+
+
 def test_api_key(tokenizer):
     engine = FakeEngine(MODEL_VOCAB, token_range=(0, TOKENIZER_VOCAB))
     app = create_app(engine, tokenizer, model_name="tiny", max_length=MAX_LENGTH, api_key="s3cret")
