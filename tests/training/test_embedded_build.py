@@ -8,18 +8,19 @@ import numpy as np
 import pytest
 
 from dflash_jax.training import embedded_build as eb
+from dflash_jax.training import stdlib_corpus as sc
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    return eb.train_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=600, max_files=6)
+    return sc.train_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=600, max_files=6)
 
 
 def test_tokenizer_has_role_tokens_template_and_chat_stop(tokenizer_dir):
     from dflash_jax.io.tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer_dir)
-    ids = {t: tok.token_to_id(t) for t in eb.SPECIAL_TOKENS}
+    ids = {t: tok.token_to_id(t) for t in sc.SPECIAL_TOKENS}
     assert list(ids.values()) == [0, 1, 2, 3]
     assert tok.eos_token_id == 0 and tok.stop_token_ids == [0, 3]  # end of document, end of a chat turn
     messages = [{"role": "user", "content": "Write a function `f(x)`."}]
@@ -34,17 +35,17 @@ def test_instruction_examples_are_chat_turns_of_real_functions(tokenizer_dir):
     from dflash_jax.io.tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer_dir)
-    fns = eb.documented_functions("train", max_files=6)
+    fns = sc.documented_functions("train", max_files=6)
     assert fns and all(fn["code"].startswith(("def ", "async def ")) and fn["doc"] for fn in fns)
-    texts = eb.instruction_texts(tok, "train", max_files=6)
+    texts = sc.instruction_texts(tok, "train", max_files=6)
     assert texts and all(t.startswith("<|im_start|>user\n") and t.endswith("<|im_end|>\n") for t in texts)
     assert all("<|im_start|>assistant\ndef " in t or "<|im_start|>assistant\nasync def " in t for t in texts)
     code = ["x = 1\n" * 200] * 10
-    mixed = eb.mix_documents(code, texts, share=0.15)
+    mixed = sc.mix_documents(code, texts, share=0.15)
     chat_chars = sum(len(t) for t in mixed if t.startswith("<|im_start|>"))
     total = sum(map(len, mixed))
     assert len(mixed) > len(code) and 0.10 < chat_chars / total < 0.15 + max(map(len, texts)) / total
-    assert eb.mix_documents(code, texts, 0.15) == mixed  # seeded
+    assert sc.mix_documents(code, texts, 0.15) == mixed  # seeded
 
 
 def test_prompt_kinds_interleave_two_code_one_chat():
@@ -59,11 +60,12 @@ def test_bfloat16_sharded_target_loads_as_float32(tmp_path):
 
     from dflash_jax.io.checkpoint import load_target, save_target
     from dflash_jax.tiny import random_target, tiny_target_config
+    from dflash_jax.training.pretrain import shard_safetensors
 
     target = random_target(tiny_target_config())
     save_target(target, tmp_path, dtype="bfloat16")
     single = (tmp_path / "model.safetensors").stat().st_size
-    files = eb.shard_safetensors(tmp_path, max_shard_bytes=single // 3)
+    files = shard_safetensors(tmp_path, max_shard_bytes=single // 3)
     assert len(files) >= 3 and not (tmp_path / "model.safetensors").exists()
     assert all(f.stat().st_size <= single // 3 + 4096 for f in files)  # + the header
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
