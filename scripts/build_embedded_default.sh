@@ -2,7 +2,7 @@
 # Rebuilds the embedded default pair under models/embedded/ from the running interpreter's stdlib:
 # tokenizer -> target pretraining -> the target's own answers -> drafter training -> evaluation,
 # all in one process. Sized for one accelerator: about 6-8 minutes on one H200 (hours on a CPU;
-# `--tiny` checks the whole pipeline there in ~3 minutes with a toy model).
+# `--tiny` checks the whole pipeline there in a few minutes with a toy model).
 # Stages whose outputs exist are skipped; --force STAGE (tokenizer|target|answers|drafter|eval) redoes
 # one and those after it. Work files: runs/embedded_build/ (or --work DIR). --output DIR writes elsewhere;
 # --pack DIR also writes the output as DIR/embedded.tar.partNN (<= 15 MiB each), restored by

@@ -128,10 +128,11 @@ def load_pretrain_config(path, overrides=()) -> PretrainConfig:
 
 
 def token_stream(texts, tokenizer, eos_id: int) -> np.ndarray:
-    """All texts tokenized (no special tokens) and joined by ``eos_id`` (also after the last)."""
+    """All texts tokenized (no special tokens; in parallel threads) and joined by ``eos_id`` (also after
+    the last)."""
     ids = []
-    for text in texts:
-        ids.extend(tokenizer.encode(text, add_special_tokens=False))
+    for doc in tokenizer.encode_batch(texts, add_special_tokens=False):
+        ids.extend(doc)
         ids.append(eos_id)
     return np.asarray(ids, np.int32)
 
