@@ -316,11 +316,15 @@ def _drafter_exported(drafter_dir: Path) -> bool:
     return (drafter_dir / "model.safetensors").exists() or (drafter_dir / "model.safetensors.index.json").exists()
 
 
-def build(output: Path, work: Path, force: str | None = None, settings: BuildSettings = BuildSettings()) -> dict:
+def build(output: Path, work: Path, force: str | None = None, settings: BuildSettings = BuildSettings(),
+          until: str | None = None) -> dict:
+    """Runs the stages (those done already skipped, ``force`` and the ones after it redone), stopping after
+    ``until`` when given; returns the evaluation report (empty when the eval stage did not run)."""
     output, work = output.resolve(), work.resolve()
     output.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     redo = set(STAGES[STAGES.index(force):]) if force else set()
+    last = STAGES.index(until) if until else len(STAGES) - 1
     s = settings
     tok_dir, target_dir, drafter_dir = work / "tokenizer", output / "target", output / "drafter"
     times = {}
@@ -328,6 +332,9 @@ def build(output: Path, work: Path, force: str | None = None, settings: BuildSet
           f"work files {work}", flush=True)
 
     def stage(name: str, done: bool) -> bool:
+        if STAGES.index(name) > last:
+            print(f"== {name}: not run (--until {until})", flush=True)
+            return False
         run = name in redo or not done
         print(f"== {name}: {'running' if run else 'done already (--force ' + name + ' redoes it)'}", flush=True)
         times[f"{name}_s"] = 0.0
@@ -351,6 +358,8 @@ def build(output: Path, work: Path, force: str | None = None, settings: BuildSet
         pretrain(config)
         times["target_s"] = time.time() - t0
 
+    if last < STAGES.index("answers"):
+        return {}
     from dflash_jax.io.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(target_dir)
@@ -517,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=str(REPO / "models" / "embedded"))
     parser.add_argument("--work", default=str(REPO / "runs" / "embedded_build"))
     parser.add_argument("--force", choices=STAGES, default=None, help="redo this stage and the ones after it")
+    parser.add_argument("--until", choices=STAGES, default=None,
+                        help="stop after this stage (a later run continues from the next one)")
     parser.add_argument("--tiny", action="store_true", help="a toy build in a few CPU minutes (checks the pipeline)")
     parser.add_argument("--target-set", action="append", default=[], help="override for the target pretraining")
     parser.add_argument("--drafter-set", action="append", default=[], help="override for the drafter training")
@@ -539,9 +550,11 @@ def main(argv: list[str] | None = None) -> int:
         eval_prompts=args.eval_prompts or settings.eval_prompts,
     )
     t0 = time.time()
-    build(Path(args.output), Path(args.work), args.force, settings)
+    build(Path(args.output), Path(args.work), args.force, settings, until=args.until)
     print(f"embedded build: {time.time() - t0:.0f}s in all", flush=True)
-    if args.pack:
+    if args.pack and args.until not in (None, STAGES[-1]):
+        print("--pack skipped: the build stopped early (--until)", flush=True)
+    elif args.pack:
         parts = pack(Path(args.output), Path(args.pack))
         print(f"packed {args.output} into {len(parts)} parts under {args.pack}: "
               + ", ".join(f"{p.name} ({p.stat().st_size / 2**20:.1f} MiB)" for p in parts), flush=True)

@@ -119,3 +119,13 @@ def test_pretrain_samples_on_device_keeps_best_and_stops_early(tokenizer_dir, tm
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     assert load_target(tmp_path / "hf").config.eos_token_ids == (0, 3)
+
+
+def test_build_stops_after_until_and_skips_finished_stages(tmp_path, capsys):
+    settings = eb.BuildSettings(vocab_size=300, max_files=3)
+    assert eb.build(tmp_path / "out", tmp_path / "work", settings=settings, until="tokenizer") == {}
+    assert (tmp_path / "work" / "tokenizer" / "tokenizer.json").exists()
+    assert not (tmp_path / "out" / "target").exists()
+    eb.build(tmp_path / "out", tmp_path / "work", settings=settings, until="tokenizer")
+    out = capsys.readouterr().out
+    assert "== tokenizer: done already" in out and "== target: not run (--until tokenizer)" in out
