@@ -14,6 +14,7 @@ from pathlib import Path
 EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "models" / "embedded"
 DEFAULT_TARGET = EMBEDDED_DIR / "target"
 DEFAULT_DRAFTER = EMBEDDED_DIR / "drafter"
+DEFAULT_DRAFTER2 = EMBEDDED_DIR / "drafter2"  # the same recipe, DFlash2 (convolutions + candidate selector)
 HELDOUT_PROMPTS = EMBEDDED_DIR / "heldout_prompts.jsonl"  # {"prompt": ..., "source": ..., "kind"?: ...} per line
 EVAL_REPORT = EMBEDDED_DIR / "eval.json"
 SERVED_NAME = "dflash-embedded"  # the model id the server gives the pair (serve.py without --target)
@@ -52,5 +53,5 @@ def heldout_prompts(limit: int | None = None, kind: str | None = None) -> list[s
     return [r["prompt"] for r in rows][:limit]
 
 
-__all__ = ["DEFAULT_DRAFTER", "DEFAULT_TARGET", "EMBEDDED_DIR", "HELDOUT_PROMPTS", "SERVED_NAME", "available",
-           "heldout_prompts", "load_default"]
+__all__ = ["DEFAULT_DRAFTER", "DEFAULT_DRAFTER2", "DEFAULT_TARGET", "EMBEDDED_DIR", "HELDOUT_PROMPTS", "SERVED_NAME",
+           "available", "heldout_prompts", "load_default"]

@@ -235,6 +235,41 @@ def tau_by_kind(report: dict, kinds: list[str]) -> dict[str, float]:
     return out
 
 
+def sampled_tau(target_dir, drafters: dict, prompts: list[list[int]], max_new_tokens: int,
+                temperatures, block_size: int = 16, seed: int = 0) -> list[dict]:
+    """tau of seeded sampled decoding (each prompt seeded ``seed + i``) for each drafter,
+    temperature and verification mode; for exact verification also whether the output equals the
+    target-only draw of the same seeds (it must: exact mode is lossless token for token)."""
+    import numpy as np
+
+    from dflash_jax.io.checkpoint import load_drafter, load_target
+    from dflash_jax.runtime.engine import Engine, EngineConfig
+    from dflash_jax.runtime.sampling import SamplingParams
+
+    target = load_target(target_dir)
+    eos = list(target.config.eos_token_ids)
+    cfg = EngineConfig(max_batch_size=min(len(prompts), 8), max_length=max(map(len, prompts)) + max_new_tokens + 8,
+                       steps_per_sync=8, block_size=block_size)  # rows decode as they would alone
+    plain = Engine(target, None, dataclasses.replace(cfg, block_size=None))
+    rows = []
+    for temperature in temperatures:
+        def params(verify: str) -> list[SamplingParams]:
+            return [SamplingParams(temperature=temperature, seed=seed + i, verify=verify) for i in range(len(prompts))]
+
+        reference = [r.output_ids for r in plain.generate(prompts, max_new_tokens, eos, sampling=params("exact"))]
+        for name, directory in drafters.items():
+            engine = Engine(target, load_drafter(directory), cfg)
+            for verify in ("exact", "rejection"):
+                results = engine.generate(prompts, max_new_tokens, eos, sampling=params(verify))
+                lengths = [int(n) for r in results for n in r.acceptance_lengths]
+                row = {"drafter": name, "temperature": temperature, "verify": verify,
+                       "tau": float(np.mean(lengths)), "block_size": block_size}
+                if verify == "exact":
+                    row["identical_to_target_only"] = [r.output_ids for r in results] == reference
+                rows.append(row)
+    return rows
+
+
 SAMPLE_CHAT = "Write a function `is_palindrome(text)` that returns True when text reads the same backwards."
 
 
@@ -261,7 +296,7 @@ def greedy_samples(target_dir, code_prompt: str, chat_request_text: str, max_new
 # Pipeline
 # ---------------------------------------------------------------------------------------------
 
-STAGES = ("tokenizer", "target", "answers", "drafter", "eval")
+STAGES = ("tokenizer", "target", "answers", "drafter", "drafter2", "eval")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +309,9 @@ class BuildSettings:
     drafter_config: str = "configs/embedded_drafter.yaml"
     target_overrides: tuple[str, ...] = ()
     drafter_overrides: tuple[str, ...] = ()
+    # The DFlash2 drafter: the DFlash recipe with convolutions and a candidate selector, started from the
+    # trained DFlash drafter's weights (its own config file would repeat the DFlash one but for these).
+    drafter2_overrides: tuple[str, ...] = ("drafter.kind=dflash2", "drafter.selector_rank=128", "steps=1500")
     num_prompts: int = 12288  # answered by the target for the drafter's training: 3/8 code, 3/8 signatures, 1/4 chat
     prompt_tokens: int = 32  # code prompts
     max_prompt_tokens: int = 96  # signature and chat prompts
@@ -282,6 +320,7 @@ class BuildSettings:
     eval_prompts: int = 24
     eval_new_tokens: int = 128
     sample_tokens: int = 160
+    sampled_temperatures: tuple[float, ...] = (0.7, 1.0)  # tau of sampled decoding, both verification modes
 
 
 # A whole build in a few CPU minutes: a toy model on a few files, a few steps per stage, the default
@@ -295,6 +334,7 @@ TINY = BuildSettings(
     drafter_overrides=("steps=12", "data.batch_size=4", "data.seq_len=96", "loss.num_anchors=8",
                        "eval.every=6", "save_every=6", "eval.num_prompts=2", "eval.max_new_tokens=16",
                        "drafter.target_layer_ids=[1,3]"),
+    drafter2_overrides=("drafter.kind=dflash2", "drafter.selector_rank=16", "drafter.selector_top_k=4"),
     num_prompts=48, answer_tokens=24, answer_batch=16, eval_prompts=3, eval_new_tokens=24, sample_tokens=24,
 )
 
@@ -316,6 +356,27 @@ def _drafter_exported(drafter_dir: Path) -> bool:
     return (drafter_dir / "model.safetensors").exists() or (drafter_dir / "model.safetensors.index.json").exists()
 
 
+def train_drafter(run_dir: Path, export_dir: Path, choice_path: Path, overrides: list[str], config: Path) -> None:
+    """``train.py --config config overrides`` in this process, then the checkpoint of the best held-out tau
+    exported to ``export_dir`` (z-lab format, bfloat16) and the choice recorded in ``choice_path``."""
+    from dflash_jax.training.checkpointing import export_checkpoint
+    from dflash_jax.training.cli import main as train_main
+
+    if run_dir.exists():  # a fresh run: a resumed one would mix two answer sets
+        shutil.rmtree(run_dir)
+    argv = ["--config", str(config), f"output_dir={run_dir}", *overrides]
+    print("+ train.py " + " ".join(argv), flush=True)
+    if train_main(argv) != 0:
+        raise SystemExit(f"drafter training failed (train.py {' '.join(argv)})")
+    step, tau = best_eval_step(run_dir)
+    print(f"{export_dir.name}: exporting step {step} (held-out tau {tau})" if step is not None
+          else f"{export_dir.name}: no evaluated checkpoint, exporting the last", flush=True)
+    if export_dir.exists():
+        shutil.rmtree(export_dir)
+    export_checkpoint(run_dir, export_dir, step=step, dtype="bfloat16")
+    choice_path.write_text(json.dumps({"step": step, "tau": tau}))
+
+
 def build(output: Path, work: Path, force: str | None = None, settings: BuildSettings = BuildSettings(),
           until: str | None = None) -> dict:
     """Runs the stages (those done already skipped, ``force`` and the ones after it redone), stopping after
@@ -327,6 +388,7 @@ def build(output: Path, work: Path, force: str | None = None, settings: BuildSet
     last = STAGES.index(until) if until else len(STAGES) - 1
     s = settings
     tok_dir, target_dir, drafter_dir = work / "tokenizer", output / "target", output / "drafter"
+    drafter2_dir = output / "drafter2"
     times = {}
     print(f"embedded build: Python {platform.python_version()} stdlib at {stdlib_root()}, output {output}, "
           f"work files {work}", flush=True)
@@ -382,27 +444,18 @@ def build(output: Path, work: Path, force: str | None = None, settings: BuildSet
         times["answers_s"] = time.time() - t0
 
     t0 = time.time()
-    run_dir = work / "drafter_run"
+    common = [f"model.target={target_dir}", f"data.train_files=[{answers_path}]", f"data.eval_prompts={eval_path}"]
     if stage("drafter", _drafter_exported(drafter_dir)):
-        from dflash_jax.training.checkpointing import export_checkpoint
-        from dflash_jax.training.cli import main as train_main
-
-        if run_dir.exists():  # a fresh run: a resumed one would mix two answer sets
-            shutil.rmtree(run_dir)
-        argv = ["--config", str(REPO / s.drafter_config), f"model.target={target_dir}",
-                f"data.train_files=[{answers_path}]", f"data.eval_prompts={eval_path}", f"output_dir={run_dir}",
-                *s.drafter_overrides]
-        print("+ train.py " + " ".join(argv), flush=True)
-        if train_main(argv) != 0:
-            raise SystemExit(f"drafter training failed (train.py {' '.join(argv)})")
-        step, tau = best_eval_step(run_dir)
-        print(f"drafter: exporting step {step} (held-out tau {tau})" if step is not None
-              else "drafter: no evaluated checkpoint, exporting the last", flush=True)
-        if drafter_dir.exists():
-            shutil.rmtree(drafter_dir)
-        export_checkpoint(run_dir, drafter_dir, step=step, dtype="bfloat16")
-        (work / "drafter_choice.json").write_text(json.dumps({"step": step, "tau": tau}))
+        train_drafter(work / "drafter_run", drafter_dir, work / "drafter_choice.json",
+                      [*common, *s.drafter_overrides], REPO / s.drafter_config)
         times["drafter_s"] = time.time() - t0
+
+    t0 = time.time()
+    if stage("drafter2", _drafter_exported(drafter2_dir)):
+        train_drafter(work / "drafter2_run", drafter2_dir, work / "drafter2_choice.json",
+                      [*common, *s.drafter_overrides, *s.drafter2_overrides, f"model.drafter={drafter_dir}"],
+                      REPO / s.drafter_config)
+        times["drafter2_s"] = time.time() - t0
 
     t0 = time.time()
     report = {}
@@ -414,8 +467,9 @@ def build(output: Path, work: Path, force: str | None = None, settings: BuildSet
             "params", "train_tokens", "heldout_tokens", "unigram_entropy", "best_eval_loss", "best_step",
             "exported_step", "steps", "epochs", "tokens_per_s", "wall_s")}
         report["target"]["heldout_loss_nats_per_token"] = summary.get("best_eval_loss")
-        choice = work / "drafter_choice.json"
-        report["drafter_training"] = json.loads(choice.read_text()) if choice.exists() else None
+        for name in ("drafter", "drafter2"):
+            choice = work / f"{name}_choice.json"
+            report[f"{name}_training"] = json.loads(choice.read_text()) if choice.exists() else None
         code_row = next(r for r in rows if r["kind"] == "code")
         chat_row = next((r for r in rows if r["kind"] == "chat"), None)
         report["samples"] = greedy_samples(target_dir, code_row["prompt"],
@@ -425,6 +479,11 @@ def build(output: Path, work: Path, force: str | None = None, settings: BuildSet
             r = evaluate(target_dir, drafter_dir, ids, s.eval_new_tokens, block_size=block)
             r["tau_by_kind"] = tau_by_kind(r, kinds)
             report[f"block_{block}"] = r
+        r = evaluate(target_dir, drafter2_dir, ids, s.eval_new_tokens, block_size=16)
+        r["tau_by_kind"] = tau_by_kind(r, kinds)
+        report["dflash2_block_16"] = r
+        report["sampled"] = sampled_tau(target_dir, {"dflash": drafter_dir, "dflash2": drafter2_dir}, ids,
+                                        s.eval_new_tokens, s.sampled_temperatures)
         report["prompts_kind"] = "held-out function signatures + docstrings (code) and chat requests (chat), 2:1"
         report["device"] = _device()
         report["python"] = platform.python_version()
@@ -442,7 +501,10 @@ def _headline(report: dict) -> dict:
         return {}
     return {"target_heldout_loss": report["target"]["best_eval_loss"], "target_params": report["target"]["params"],
             **{f"tau_block_{b}": report[f"block_{b}"]["tau"] for b in (16, 8)},
-            **{f"identical_block_{b}": report[f"block_{b}"]["identical"] for b in (16, 8)}}
+            **{f"identical_block_{b}": report[f"block_{b}"]["identical"] for b in (16, 8)},
+            "dflash2_tau_block_16": report["dflash2_block_16"]["tau"],
+            "sampled_tau": {f"{row['drafter']} T={row['temperature']} {row['verify']}": row["tau"]
+                            for row in report["sampled"]}}
 
 
 def _device() -> str:
