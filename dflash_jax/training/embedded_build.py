@@ -238,7 +238,7 @@ def tau_by_kind(report: dict, kinds: list[str]) -> dict[str, float]:
 def sampled_tau(target_dir, drafters: dict, prompts: list[list[int]], max_new_tokens: int,
                 temperatures, block_size: int = 16, seed: int = 0) -> list[dict]:
     """tau of seeded sampled decoding (each prompt seeded ``seed + i``) for each drafter,
-    temperature and verification mode; for exact verification also whether the output equals the
+    temperature and verification mode it supports (a DFlash2 drafter: exact only); for exact verification also whether the output equals the
     target-only draw of the same seeds (it must: exact mode is lossless token for token)."""
     import numpy as np
 
@@ -258,8 +258,11 @@ def sampled_tau(target_dir, drafters: dict, prompts: list[list[int]], max_new_to
 
         reference = [r.output_ids for r in plain.generate(prompts, max_new_tokens, eos, sampling=params("exact"))]
         for name, directory in drafters.items():
-            engine = Engine(target, load_drafter(directory), cfg)
-            for verify in ("exact", "rejection"):
+            drafter = load_drafter(directory)
+            engine = Engine(target, drafter, cfg)
+            # Rejection sampling needs drafts drawn from the drafter's distribution; a selector's path is not.
+            modes = ("exact",) if getattr(drafter, "selects_drafts", False) else ("exact", "rejection")
+            for verify in modes:
                 results = engine.generate(prompts, max_new_tokens, eos, sampling=params(verify))
                 lengths = [int(n) for r in results for n in r.acceptance_lengths]
                 row = {"drafter": name, "temperature": temperature, "verify": verify,
