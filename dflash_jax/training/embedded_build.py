@@ -15,8 +15,9 @@ Stages (each skipped when its output already exists, ``--force STAGE`` redoes it
 2. ``target``: ``dflash_jax.training.pretrain`` with ``configs/embedded_target.yaml`` (next-token CE on the
    train split, a share of it chat-formatted "write a function" examples; the weights of the best
    held-out loss) -> ``<output>/target`` (HF format, bfloat16, sharded, + tokenizer files).
-3. ``answers``: prompts cut from the train split (function openings, signatures + docstrings, and chat
-   requests), answered greedily by the shipped target itself with the batched ``Engine``.
+3. ``answers``: prompts cut from the drafter split, text the target never trained on (windows from random
+   lines, signatures + docstrings, and chat requests), answered greedily by the shipped target itself
+   with the batched ``Engine``.
 4. ``drafter``: the project's trainer (``train.py --config configs/embedded_drafter.yaml``, in-process)
    on those answers; the checkpoint of the best held-out tau -> ``<output>/drafter`` (z-lab format).
 5. ``eval``: held-out loss of the target, greedy samples (a code prompt and a chat prompt), tau at
@@ -58,36 +59,39 @@ REPO = Path(__file__).resolve().parents[2]  # the repository root (configs/, mod
 # ---------------------------------------------------------------------------------------------
 
 
-def _def_starts(text: str) -> list[int]:
-    """Character offsets of lines that start a ``def`` (any indentation)."""
+def _line_starts(text: str) -> list[int]:
+    """Character offsets of the non-blank lines of ``text``."""
     offs, pos = [], 0
     for line in text.splitlines(keepends=True):
-        if line.lstrip().startswith(("def ", "async def ")):
+        if line.strip():
             offs.append(pos)
         pos += len(line)
     return offs
 
 
-def train_prompts(tokenizer, num: int, prompt_tokens: int, seed: int = 0, max_files: int = 0) -> list[list[int]]:
-    """``num`` prompts of ``prompt_tokens`` tokens, each starting at a random ``def`` line of a random
-    train-split file (through the def line and into its body)."""
+def code_prompts(tokenizer, split: str, num: int, prompt_tokens: int, seed: int = 0,
+                 max_files: int = 0) -> list[list[int]]:
+    """``num`` prompts of ``prompt_tokens`` tokens, each starting at a random non-blank line of a random
+    ``split`` file (a line is used once)."""
     rng = random.Random(seed)
     starts = []
-    for path in corpus_files("train", max_files=max_files):
+    for path in corpus_files(split, max_files=max_files):
         text = read_text(path)
         if text:
-            starts.extend((path, off) for off in _def_starts(text))
+            starts.extend((path, off) for off in _line_starts(text))
     rng.shuffle(starts)
-    prompts, cache = [], {}
+    starts.sort(key=lambda s: str(s[0]))  # one file read at a time; the sample stays random per file
+    chosen, texts = [], {}
     for path, off in starts:
-        if len(prompts) >= num:
-            break
-        text = cache.get(path) or read_text(path)
-        cache = {path: text}
+        text = texts.get(path)
+        if text is None:
+            texts = {path: read_text(path)}
+            text = texts[path]
         ids = tokenizer.encode(text[off: off + 8 * prompt_tokens], add_special_tokens=False)
         if len(ids) >= prompt_tokens:
-            prompts.append(ids[:prompt_tokens])
-    return prompts
+            chosen.append(ids[:prompt_tokens])
+    rng.shuffle(chosen)
+    return chosen[:num]
 
 
 def heldout_prompts(tokenizer, num: int, max_tokens: int = 96, seed: int = 0) -> list[dict]:
@@ -150,16 +154,27 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def generate_answers(target_dir: Path, prompts: list[list[int]], new_tokens: int, batch_size: int) -> list[dict]:
-    """The shipped target's greedy answers (its own stop tokens end them), ``batch_size`` rows at a time
-    through the ``Engine``: ``{"prompt_ids", "output_ids"}`` per prompt, the format ``train.py`` reads."""
+    """The shipped target's greedy answers (its own stop tokens end them) through the ``Engine``:
+    ``{"prompt_ids", "output_ids"}`` per prompt, the format ``train.py`` reads.
+
+    The prompts go in waves of ``batch_size`` of similar length: each wave is admitted by one prefill of
+    one shape, where a continuous stream would admit a few rows at every sync, each admission a prefill
+    of its own."""
     from dflash_jax.io.checkpoint import load_target
     from dflash_jax.runtime.engine import Engine, EngineConfig
 
     target = load_target(target_dir, dtype="float32")  # as served: the bfloat16 file, float32 compute
     max_len = max(map(len, prompts)) + new_tokens + 8
     engine = Engine(target, None, EngineConfig(max_batch_size=batch_size, max_length=max_len, steps_per_sync=16))
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results = [None] * len(prompts)
     t0 = time.time()
-    results = engine.generate(prompts, new_tokens, stop_token_ids=list(target.config.eos_token_ids))
+    for start in range(0, len(order), batch_size):
+        wave = order[start: start + batch_size]
+        done = engine.generate([prompts[i] for i in wave], new_tokens,
+                               stop_token_ids=list(target.config.eos_token_ids))
+        for i, r in zip(wave, done):
+            results[i] = r
     dt = time.time() - t0
     tokens = sum(r.num_output_tokens for r in results)
     print(f"answers: {len(prompts)} prompts, {tokens} tokens in {dt:.1f}s ({tokens / dt:.0f} tokens/s, "
@@ -314,12 +329,12 @@ class BuildSettings:
     drafter_overrides: tuple[str, ...] = ()
     # The DFlash2 drafter: the DFlash recipe with convolutions and a candidate selector, started from the
     # trained DFlash drafter's weights (its own config file would repeat the DFlash one but for these).
-    drafter2_overrides: tuple[str, ...] = ("drafter.kind=dflash2", "drafter.selector_rank=128", "steps=1500")
-    num_prompts: int = 12288  # answered by the target for the drafter's training: 3/8 code, 3/8 signatures, 1/4 chat
+    drafter2_overrides: tuple[str, ...] = ("drafter.kind=dflash2", "drafter.selector_rank=128", "steps=1000")
+    num_prompts: int = 24576  # answered by the target for the drafter's training (drafter split)
     prompt_tokens: int = 32  # code prompts
     max_prompt_tokens: int = 96  # signature and chat prompts
     answer_tokens: int = 128
-    answer_batch: int = 256
+    answer_batch: int = 512
     eval_prompts: int = 24
     eval_new_tokens: int = 128
     sample_tokens: int = 160
@@ -431,15 +446,15 @@ def build(output: Path, work: Path, force: str | None = None, settings: BuildSet
     t0 = time.time()
     answers_path, eval_path = work / "answers.jsonl", work / "eval_prompts.jsonl"
     if stage("answers", answers_path.exists() and eval_path.exists()):
-        # From the train split only: 3/8 the first tokens of random function definitions (code in the
-        # body), 3/8 signatures + docstrings (the shape of the code evaluation prompts), 1/4 chat requests.
-        n_chat = s.num_prompts // 4
-        n_sig = (s.num_prompts - n_chat) // 2
-        prompts = train_prompts(tokenizer, s.num_prompts - n_chat - n_sig, s.prompt_tokens, max_files=s.max_files)
-        prompts += [r["prompt_ids"] for r in signature_prompts(tokenizer, "train", n_sig, s.max_prompt_tokens,
-                                                               max_files=s.max_files)]
-        prompts += [r["prompt_ids"] for r in chat_prompts(tokenizer, "train", n_chat, s.max_prompt_tokens,
-                                                          max_files=s.max_files)]
+        # From the drafter split (text the target never trained on): up to 1/4 signatures + docstrings
+        # (the shape of the code evaluation prompts), up to 1/4 chat requests, the rest windows starting at
+        # random lines.
+        prompts = [r["prompt_ids"] for r in signature_prompts(tokenizer, "drafter", s.num_prompts // 4,
+                                                              s.max_prompt_tokens, max_files=s.max_files)]
+        prompts += [r["prompt_ids"] for r in chat_prompts(tokenizer, "drafter", s.num_prompts // 4,
+                                                          s.max_prompt_tokens, max_files=s.max_files)]
+        prompts += code_prompts(tokenizer, "drafter", s.num_prompts - len(prompts), s.prompt_tokens,
+                                max_files=s.max_files)
         held = interleave(heldout_prompts(tokenizer, 256, s.max_prompt_tokens),
                           chat_prompts(tokenizer, "heldout", 128, s.max_prompt_tokens), 256)
         write_jsonl(eval_path, held)

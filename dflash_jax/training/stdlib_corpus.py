@@ -29,7 +29,14 @@ CHAT_TEMPLATE = (
 )
 SKIP_DIRS = {"test", "tests", "idlesave", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo",
              "__pycache__", "ensurepip", "config-3.11-x86_64-linux-gnu", "tkinter"}
-HELDOUT_BYTE = 26  # md5(relpath)[0] < 26 of 256: ~10% held out
+# A file's split from the first byte of md5(its path relative to the stdlib root): < 26 (~10%) "heldout",
+# the evaluation's; < 64 (~15%) "drafter", text the target never trains on, where the drafter's training
+# prompts come from (a 17M-parameter target memorises its own training text, and a drafter trained on
+# its recitations of it learns that text instead of how the target continues text it does not know);
+# the rest "train", the target's.
+HELDOUT_BYTE = 26
+DRAFTER_BYTE = 64
+SPLITS = ("train", "heldout", "drafter")
 MAX_FILE_BYTES = 200_000  # skip generated giants (e.g. pydoc_data/topics.py)
 
 
@@ -42,13 +49,17 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def is_heldout(relpath: str) -> bool:
-    return hashlib.md5(relpath.encode()).digest()[0] < HELDOUT_BYTE
+def split_of(relpath: str) -> str:
+    """The split ("train" | "heldout" | "drafter") of the stdlib file at ``relpath``."""
+    byte = hashlib.md5(relpath.encode()).digest()[0]
+    return "heldout" if byte < HELDOUT_BYTE else "drafter" if byte < DRAFTER_BYTE else "train"
 
 
 def corpus_files(split: str, root: Path | None = None, max_files: int = 0) -> list[Path]:
-    """The stdlib ``.py`` files of ``split`` ("train" | "heldout"), sorted by relative path (the first
-    ``max_files`` only, when > 0)."""
+    """The stdlib ``.py`` files of ``split`` ("train" | "heldout" | "drafter"), sorted by relative path
+    (the first ``max_files`` only, when > 0)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     root = root or stdlib_root()
     out = []
     for path in sorted(root.rglob("*.py")):
@@ -62,7 +73,7 @@ def corpus_files(split: str, root: Path | None = None, max_files: int = 0) -> li
                 continue
         except OSError:
             continue
-        if is_heldout(rel.as_posix()) == (split == "heldout"):
+        if split_of(rel.as_posix()) == split:
             out.append(path)
     return out[:max_files] if max_files else out
 
