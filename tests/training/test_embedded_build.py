@@ -129,3 +129,44 @@ def test_build_stops_after_until_and_skips_finished_stages(tmp_path, capsys):
     eb.build(tmp_path / "out", tmp_path / "work", settings=settings, until="tokenizer")
     out = capsys.readouterr().out
     assert "== tokenizer: done already" in out and "== target: not run (--until tokenizer)" in out
+
+
+def test_the_three_splits_partition_the_stdlib_files():
+    splits = {name: set(sc.corpus_files(name)) for name in sc.SPLITS}
+    assert all(splits.values())
+    assert not (splits["train"] & splits["heldout"] or splits["train"] & splits["drafter"]
+                or splits["heldout"] & splits["drafter"])
+    total = sum(len(files) for files in splits.values())
+    assert 0.04 < len(splits["heldout"]) / total < 0.2 and 0.08 < len(splits["drafter"]) / total < 0.25
+    with pytest.raises(ValueError, match="split must be one of"):
+        sc.corpus_files("validation")
+
+
+def test_code_prompts_are_windows_of_the_split_they_are_cut_from(tokenizer_dir):
+    from dflash_jax.io.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer_dir)
+    prompts = eb.code_prompts(tok, "drafter", 12, 16, max_files=4)
+    assert len(prompts) == 12 and all(len(p) == 16 for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 12
+    texts = [sc.read_text(p) for p in sc.corpus_files("drafter", max_files=4)]
+    # a window decodes to text of one of the split's files (its last token may be cut mid-word)
+    assert all(any(tok.decode(p[:-1]) in t for t in texts) for p in prompts)
+    assert eb.code_prompts(tok, "drafter", 12, 16, max_files=4) == prompts  # seeded
+
+
+@pytest.mark.slow
+def test_answers_in_waves_are_the_rows_answers_alone(tmp_path):
+    from dflash_jax.io.checkpoint import save_target
+    from dflash_jax.runtime.engine import generate
+    from dflash_jax.tiny import random_target, tiny_target_config
+
+    target = random_target(tiny_target_config())
+    save_target(target, tmp_path)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, target.config.vocab_size, int(n)).tolist() for n in (3, 9, 5, 12, 4)]
+    rows = eb.generate_answers(tmp_path, prompts, 6, batch_size=2)
+    assert [r["prompt_ids"] for r in rows] == prompts  # in the prompts' order, whatever the waves' order
+    alone = [generate(target, None, [p], max_new_tokens=6, stop_token_ids=list(target.config.eos_token_ids))[0]
+             for p in prompts]
+    assert [r["output_ids"] for r in rows] == [list(a.output_ids) for a in alone]
