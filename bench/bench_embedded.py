@@ -31,8 +31,8 @@ import numpy as np
 
 import timing
 from dflash_jax import embedded
+from dflash_jax.runtime.acceptance import sampled_tau
 from dflash_jax.runtime.engine import Engine, EngineConfig
-from dflash_jax.runtime.sampling import SamplingParams
 
 
 def generate_all(engine: Engine, prompts: list[list[int]], max_new: int, eos: list[int], repeats: int):
@@ -67,26 +67,6 @@ def measure(target, drafter, prompts, block: int, args) -> dict:
             "output_tokens": tok_fast, "dflash_s": t_spec, "target_only_s": t_plain,
             "dflash_tok_per_s": tok_fast / t_spec, "target_only_tok_per_s": tok_slow / t_plain,
             "speedup": (t_plain / tok_slow) / (t_spec / tok_fast)}
-
-
-def sampled_tau(target, drafter, prompts, block: int, args) -> list[dict]:
-    """tau per temperature and verification mode, every prompt in one batch (seed = its index)."""
-    eos = list(target.config.eos_token_ids)
-    config = EngineConfig(max_batch_size=len(prompts), max_length=max(map(len, prompts)) + args.max_new_tokens + 8,
-                          steps_per_sync=8, block_size=block)
-    spec, plain = Engine(target, drafter, config), Engine(target, None, dataclasses.replace(config, block_size=None))
-    rows = []
-    for temperature in (float(t) for t in args.temperatures.split(",") if t):
-        exact = [SamplingParams(temperature=temperature, seed=i) for i in range(len(prompts))]
-        want = [r.output_ids for r in plain.generate(prompts, args.max_new_tokens, eos, sampling=exact)]
-        for verify in ("exact", "rejection"):
-            params = [dataclasses.replace(p, verify=verify) for p in exact]
-            out = spec.generate(prompts, args.max_new_tokens, eos, sampling=params)
-            lengths = [int(n) for r in out for n in r.acceptance_lengths]
-            rows.append({"temperature": temperature, "verify": verify, "block_size": spec.block_size,
-                         "tau": float(np.mean(lengths)),
-                         "identical_to_target_only": [r.output_ids for r in out] == want})
-    return rows
 
 
 def window_tau(target, drafter, prompts, block: int, windows: list[int], args) -> list[dict]:
@@ -141,7 +121,11 @@ def main() -> None:
         block = int(args.blocks.split(",")[0])
         print(f"\nsampled, block {block}, {len(prompts)} prompts in one batch (seed = prompt index)")
         print(f"{'T':>5} {'verify':>9} {'tau':>6} {'exact = target-only':>20}", flush=True)
-        for r in sampled_tau(target, drafter, prompts, block, args):
+        config = EngineConfig(max_batch_size=len(prompts), steps_per_sync=8, block_size=block,
+                              max_length=max(map(len, prompts)) + args.max_new_tokens + 8)
+        spec, plain = Engine(target, drafter, config), Engine(target, None, dataclasses.replace(config, block_size=None))
+        temperatures = [float(t) for t in args.temperatures.split(",") if t]
+        for r in sampled_tau(spec, plain, prompts, args.max_new_tokens, temperatures, list(target.config.eos_token_ids)):
             rows.append(dict(r, device=device))
             same = str(r["identical_to_target_only"]) if r["verify"] == "exact" else "-"
             print(f"{r['temperature']:>5.2f} {r['verify']:>9} {r['tau']:>6.2f} {same:>20}", flush=True)

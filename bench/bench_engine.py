@@ -6,11 +6,14 @@ engine's jitted on-device loop (state donated), each timed by synchronised calls
 DFlash step drafting and verifying take); the target step against its HBM roofline (weights of the
 serving layout plus the K/V read). At batch 1 also the host overhead of ``Engine.generate`` per step
 and the time to first token. Random weights accept ~1 token per step, so DFlash tokens/s are also
-projected at ``--tau`` (the published 6.5 on GSM8K) from the measured step.
+projected at ``--tau`` (the published 6.5 on GSM8K) from the measured step. ``--profile-batch N`` does
+only this: the GPU time of the batch-N DFlash and target-only steps by kind of op (GEMMs by role),
+against the step's compute and memory roofline (``profile_ops.py``).
 
     python3 bench/bench_engine.py --batches 1,4,16,32 --draft-batches 1,16 --out bench/results/engine.json
     python3 bench/bench_engine.py --reference        # also the authors' PyTorch code on the same shapes
     python3 bench/bench_engine.py --tensor 2         # on a (data=1, tensor=2) mesh; roofline per GPU
+    python3 bench/bench_engine.py --profile-batch 16 --context 1024 --repeats 3 --out $OUT/profile16.json  # < 60 s
     JAX_PLATFORMS=cpu python3 bench/bench_engine.py --tiny --batches 1 --steps 2 --repeats 1   # smoke test
 """
 
@@ -112,6 +115,105 @@ def profile_decode(engine: Engine, context: int, steps: int, out_dir: str, top: 
     print(f"profile ({out_dir}): {traced:.1f} steps traced; top kernels, us per step (launches per step):")
     for name, d in sorted(durations.items(), key=lambda kv: -sum(kv[1]))[:top]:
         print(f"  {sum(d) / traced:9.1f} us  {len(d) / traced:5.1f}x  {name[:110]}", flush=True)
+
+
+def profile_step(args, target, drafter, out_dir: str, calls: int = 3) -> dict:
+    """``--profile-batch``: the DFlash and target-only decode steps of ``args.profile_batch`` rows at
+    ``args.context``, compiled in parallel, timed by synchronised calls, then traced: each one's GPU
+    kernel time per step by kind of op (``profile_ops.CATEGORIES``; GEMMs by role and shape, with the
+    TFLOP/s they reach), beside the step's roofline from the model's shapes. Matching kernels to HLO
+    instructions uses the profiler's ``hlo_op`` annotation or XLA's kernel names; what matches
+    neither is listed by name."""
+    import concurrent.futures
+
+    import profile_ops
+
+    batch, steps = args.profile_batch, 8
+    cfg = EngineConfig(max_batch_size=batch, max_length=args.context + 512, prompt_buckets=(args.context,),
+                       steps_per_sync=steps, attention_impl=args.attention, decode_loop=args.decode_loop,
+                       cached_attention_tiles=args.cached_config, gpu_lowering=args.gpu_lowering)
+    engines = {"dflash": Engine(target, drafter, cfg), "target-only": Engine(target, None, cfg)}
+    t0 = time.perf_counter()
+    lowered = {name: engine.decode_lowered(jax.eval_shape(
+        lambda e=engine: timing.synthetic_state(e, batch, args.context, seed=0)), steps)
+        for name, engine in engines.items()}
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+        hlo = dict(zip(lowered, pool.map(lambda low: low.compile().as_text(), lowered.values())))
+    print(f"profile: batch {batch}, context {args.context}: both decode programs compiled in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    tc, dc = target.config, drafter.config
+    roles = profile_ops.model_roles(tc, dc)
+    report = dict(batch=batch, context=args.context, engines={})
+    for name, engine in engines.items():
+        step_s, _ = timing.time_decode(engine, batch, args.context, steps, args.repeats)
+        state = timing.warmed_state(engine, batch, args.context, steps, seed=5)
+
+        def run():
+            nonlocal state
+            state, _ = engine.decode(state, n_steps=steps)
+            jax.block_until_ready(state.starts)
+
+        events = timing.gpu_kernel_events(run, str(Path(out_dir) / name), calls=calls) or []
+        if not events:
+            print(f"profile: no GPU kernels in the {name} trace ({jax.default_backend()})", flush=True)
+        attributed = profile_ops.attribute(events, profile_ops.hlo_kernels(hlo[name], roles))
+        # In a CUDA graph the profiler may see fewer loop iterations than ran: steps are counted by the
+        # attention kernels' launches (one per target layer, and per drafter layer in a DFlash step).
+        layers = tc.num_layers + (dc.num_layers if engine.drafter is not None else 0)
+        launches = sum(1 for a in attributed if a["category"] == "attention")
+        traced = launches / layers if launches else calls * steps
+        entry = dict(step_s=step_s, steps_traced=traced, **profile_ops.summarize(attributed, traced),
+                     unattributed=sorted({a["name"] for a in attributed
+                                          if a["label"].startswith(profile_ops.NOT_IN_HLO + " ")}),
+                     event_args=sorted(events[0]["args"]) if events else [],
+                     roofline=profile_ops.roofline(tc, dc, batch, engine.block_size, args.context))
+        report["engines"][name] = entry
+        del state
+    print_profile(report)
+    return report
+
+
+def print_profile(report: dict) -> None:
+    """``profile_step``'s tables."""
+    import profile_ops
+
+    engines = report["engines"]
+    spec, plain = engines["dflash"], engines["target-only"]
+    print(f"\nbatch {report['batch']}, context {report['context']}: DFlash step {spec['step_s'] * 1e3:.3f} ms, "
+          f"target-only {plain['step_s'] * 1e3:.3f} ms ({spec['step_s'] / plain['step_s']:.2f}x); GPU kernel time per "
+          f"step {spec['kernel_us'] / 1e3:.3f} / {plain['kernel_us'] / 1e3:.3f} ms ({spec['steps_traced']:.1f} / "
+          f"{plain['steps_traced']:.1f} steps traced; profiler args: {spec['event_args']})")
+    print("category                      | DFlash us/step | target-only us/step | DFlash - target | % of DFlash kernels")
+    for cat in profile_ops.CATEGORIES:
+        a, b = (e["categories"].get(cat, {}).get("us", 0.0) for e in (spec, plain))
+        if a or b:
+            print(f"{cat:29s} | {a:14.1f} | {b:19.1f} | {a - b:15.1f} | {100 * a / max(spec['kernel_us'], 1e-9):6.1f}%")
+    for name, e in engines.items():
+        print(f"\n{name}: the 14 largest ops (us per step, launches per step, TFLOP/s and % of the bf16 peak for GEMMs)")
+        for row in e["labels"][:14]:
+            cat, label = row["category"], row["label"]
+            rate = f"{row['flops'] / row['us'] / 1e6:6.0f} TFLOP/s ({100 * row['flops'] / row['us'] * 1e6 / profile_ops.H200_BF16_FLOPS:3.0f}%)" \
+                if row["flops"] and row["us"] else ""
+            print(f"  {row['us']:8.1f} us {row['launches']:6.1f}x  {cat[:14]:14s} {label[:60]:60s} {rate} "
+                  f"[{', '.join(row['hlo'][:2])}]")
+        if e["unattributed"]:
+            print(f"  kernels matched by name only: {', '.join(n[:60] for n in e['unattributed'][:8])}")
+        ops = e["roofline"]
+        gemm_flops, gemm_us = sum(o["flops"] for o in ops if o["flops"] and "attention" not in o["op"]), \
+            e["categories"].get("GEMM", {}).get("us", 0.0)
+        if gemm_us:
+            print(f"  GEMMs: {gemm_flops / 1e12:.2f} TFLOP per step (from the shapes) in {gemm_us:.0f} us of kernels: "
+                  f"{gemm_flops / gemm_us / 1e6:.0f} TFLOP/s, {100 * gemm_flops / gemm_us * 1e6 / profile_ops.H200_BF16_FLOPS:.0f}% "
+                  "of the bf16 peak")
+        flops, nbytes = sum(o["flops"] for o in ops), sum(o["bytes"] for o in ops)
+        compute_s, memory_s = sum(o["compute_s"] for o in ops), sum(o["memory_s"] for o in ops)
+        print(f"  roofline from the shapes: {flops / 1e12:.2f} TFLOP ({compute_s * 1e3:.3f} ms at "
+              f"{profile_ops.H200_BF16_FLOPS / 1e12:.0f} TFLOP/s), {nbytes / 1e9:.2f} GB ({memory_s * 1e3:.3f} ms at "
+              f"{timing.HBM_BYTES_PER_S / 1e12:.1f} TB/s); the step takes {e['step_s'] * 1e3:.3f} ms = "
+              f"{100 * max(compute_s, memory_s) / e['step_s']:.0f}% of the larger")
+        for o in ops:
+            print(f"    {o['op'][:40]:40s} {o['flops'] / 1e9:9.1f} GFLOP {o['bytes'] / 1e6:9.1f} MB  "
+                  f"{o['compute_s'] * 1e6:8.1f} us compute {o['memory_s'] * 1e6:8.1f} us memory")
 
 
 def reference_torch(cfg: TargetConfig, drafter_layers: int, block: int, context: int, new_tokens: int,
@@ -259,6 +361,9 @@ def main() -> None:
     ap.add_argument("--collectives", action="store_true", help="list the collectives of the batch-1 decode steps")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="trace batch-1 decode steps into DIR and print the top kernels per step")
+    ap.add_argument("--profile-batch", type=int, default=0, metavar="N",
+                    help="only profile the DFlash and target-only steps of N rows at --context: GPU time per step "
+                         "by kind of op against the roofline (trace into --profile, default /tmp/dflash_profile)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
     ap.add_argument("--out", default=None, help="JSON report (e.g. bench/results/engine.json)")
     args = ap.parse_args()
@@ -267,6 +372,10 @@ def main() -> None:
     tcfg = tiny_target_config(num_layers=4) if args.tiny else timing.qwen3_8b(args.layers)
     t0 = time.perf_counter()
     target, drafter = timing.random_pair(tcfg)
+    if args.profile_batch:
+        report = dict(config=vars(args), profile=profile_step(args, target, drafter, args.profile or "/tmp/dflash_profile"))
+        timing.write_json(args.out, report)
+        return
     served = Engine(target, drafter, EngineConfig(max_batch_size=1, max_length=64, attention_impl="xla"))
     tbytes, dbytes = timing.streamed_bytes(served.target), timing.param_bytes(served.drafter)
     del served

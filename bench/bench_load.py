@@ -4,41 +4,68 @@ DFlash (``EngineConfig.speculation: adaptive``) per batch size, context and acce
 Qwen3-8B shapes with random bf16 weights: the target made to repeat its last token
 (``synthetic.repeat_target``: same shapes, same step cost) and a 5-layer block-16 drafter whose drafts
 are right with a chosen per-position rate (``synthetic.SyntheticDrafter``), so acceptance is known:
-each level is given as the tau a block of 16 reaches (``--taus``). Per (context, batch):
+each level is given as the tau a block of 16 reaches (``--taus``). Per context (``--sweep``, each with
+its batch sizes), first every decode program of the context is compiled, in parallel
+(``--compile-threads``: XLA compiles outside the GIL; the tracing runs on this thread meanwhile), then
+per batch size, on copies of one random state:
 
-- the step costs of the adaptive engine's blocks (16, 8, 4 and its target-only step) and of a plain
-  target-only engine, by synchronised calls (the b16 DFlash step / target step ratio comes from them);
-- per acceptance level, ``--calls`` synchronised decode calls of ``--steps`` steps from a fresh state in
-  each mode, tokens/s = committed tokens / seconds: target-only (the plain engine), fixed block 16, and
-  adaptive, where before every call ``runtime.speculation.SpeculationPolicy`` (the batcher's policy,
-  with the step costs measured here) picks the block from the rows' acceptance seen so far.
+- the step costs of the adaptive engine's blocks (16, 8, 4 and its target-only step, which still
+  feeds the drafter's context) and of a plain target-only engine, by synchronised calls (the block-16
+  DFlash step / target step ratio comes from them);
+- ``--calls`` synchronised decode calls of ``--steps`` steps after an untimed one, tokens/s =
+  committed tokens / seconds: target-only (the plain engine, once: it does not depend on the level),
+  and per acceptance level fixed block 16 and adaptive, where before every call
+  ``runtime.speculation.SpeculationPolicy`` (the batcher's policy, with the step costs measured here)
+  picks the block from the rows' acceptance seen so far.
 
-Compilation dominates (five decode programs per context and batch): ``--budget-s`` stops the sweep
-before a configuration that would start past it, and says what it skipped.
+Compiling and measuring never overlap (XLA's autotuning runs on the device). ``--budget-s`` starts no
+context's compilation and no batch's measurement past it, and says what it skipped; the JSON is
+rewritten after every batch. ``--png`` (default: beside ``--json``) plots the JSON (``plot_load.py``;
+skipped without matplotlib).
 
-    python3 bench/bench_load.py --json /tmp/load.json                   # default: context 1k, batches 1,16,32,4; < 4 min
-    python3 bench/bench_load.py --batches 1,2,4,8,16,32,64 --contexts 1024,8192 --budget-s 3000   # the full sweep
-    python3 bench/bench_load.py --contexts 32768 --batches 1,4 --window 2048   # long context, windowed drafter
-    JAX_PLATFORMS=cpu python3 bench/bench_load.py --tiny --json /tmp/load_tiny.json   # CPU smoke test
+    python3 bench/bench_load.py --json $OUT/load.json        # the sweep below on one H200, < 240 s
+    python3 bench/bench_load.py --sweep 32768:1,4 --window 2048 --json /tmp/w.json   # windowed drafter
+    JAX_PLATFORMS=cpu python3 bench/bench_load.py --tiny --json /tmp/load_tiny.json  # CPU smoke test
+    python3 bench/plot_load.py /tmp/load_tiny.json --png /tmp/load_tiny.png           # the plot alone
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import gc
+import os
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import monitoring
 
 import timing
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.runtime.speculation import SpeculationPolicy, expected_tokens, rate_for_tau
 from dflash_jax.synthetic import repeat_target, set_accept_rate, synthetic_drafter
 from dflash_jax.tiny import tiny_target_config
+
+# Context 1k at every batch size, then long contexts at a few (the drafter's context pass grows with it).
+DEFAULT_SWEEP = ("1024:1,2,4,8,16,32,64", "8192:1,16", "32768:1,4")
+TINY_SWEEP = ("64:1,2", "128:1")
+
+
+def parse_sweep(items) -> list[tuple[int, list[int]]]:
+    """``["CONTEXT:B,B,...", ...]`` -> ``[(context, [batch, ...]), ...]`` (a clear error for a bad item)."""
+    sweep = []
+    for item in items:
+        context, _, batches = item.partition(":")
+        try:
+            sweep.append((int(context), [int(b) for b in batches.split(",")]))
+        except ValueError:
+            raise SystemExit(f"--sweep {item!r}: expected CONTEXT:BATCH,BATCH,... (e.g. 1024:1,2,4)") from None
+    return sweep
 
 
 def fresh_state(engine: Engine, batch: int, context: int, seed: int):
@@ -49,6 +76,14 @@ def fresh_state(engine: Engine, batch: int, context: int, seed: int):
     return dataclasses.replace(state, tokens=jnp.broadcast_to(token[:, None], state.tokens.shape))
 
 
+def state_for(engine: Engine, base):
+    """A copy of ``base`` (a speculative engine's state) for ``engine``: decode donates its state, so
+    every measurement starts from its own copy of the same rows; a target-only engine's has no drafter cache."""
+    if engine.drafter is None:
+        base = dataclasses.replace(base, draft_cache=None)
+    return jax.tree.map(lambda x: x.copy(), base)
+
+
 def call(engine: Engine, state, steps: int, block: int | None):
     """One synchronised decode call: (state, snapshot on the host, seconds)."""
     t0 = time.perf_counter()
@@ -57,24 +92,71 @@ def call(engine: Engine, state, steps: int, block: int | None):
     return state, snap, time.perf_counter() - t0
 
 
-def step_cost(engine: Engine, batch: int, context: int, steps: int, repeats: int, block: int | None) -> float:
-    """Median seconds per step of ``repeats`` synchronised calls after a compiling one."""
-    state = fresh_state(engine, batch, context, seed=batch)
-    state, _, _ = call(engine, state, steps, block)
+class CompileCounter:
+    """Counts XLA compilations by function name while ``active`` (a decode program compiled during
+    the measurement would mean the parallel compilation missed it)."""
+
+    def __init__(self):
+        self.active, self.names = False, []
+        monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if self.active and event.endswith("backend_compile_duration"):
+            self.names.append(str(kwargs.get("fun_name", "?")))
+
+
+def compile_context(engines: dict, batches: list[int], context: int, steps: int, threads: int,
+                    deadline: float) -> dict:
+    """Compiles the decode program of every (engine, batch, block) of a context: traced and lowered here
+    one by one (Python, under the GIL; ``Engine.decode_lowered``), each compiled on a pool of
+    ``threads`` as soon as it is lowered. A later ``engine.decode`` of a state of the same shapes runs
+    the compiled program. Lowers nothing past ``deadline`` (``time.perf_counter()``). Returns the
+    batches whose programs all compiled, and the timings."""
+    t0 = time.perf_counter()
+    jobs = [(batch, engine, block) for batch in batches for engine in engines.values()
+            for block in (engine.speculation_blocks if engine.drafter is not None else (None,))]
+    pending = {batch: 0 for batch in batches}  # programs of each batch not (yet) compiled
+    futures, lowering_s, failed = [], 0.0, {}
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+        for batch, engine, block in jobs:
+            pending[batch] += 1
+            if time.perf_counter() > deadline or batch in failed:
+                continue
+            try:
+                shapes = jax.eval_shape(lambda: fresh_state(engine, batch, context, seed=0))
+                t = time.perf_counter()
+                lowered = engine.decode_lowered(shapes, steps, block=block)
+                lowering_s += time.perf_counter() - t
+                futures.append((batch, pool.submit(lowered.compile)))
+            except Exception as err:  # noqa: BLE001 - reported with the batch, the others go on
+                failed[batch] = repr(err)[:300]
+        for batch, future in futures:
+            try:
+                future.result()
+                pending[batch] -= 1
+            except Exception as err:  # noqa: BLE001 - e.g. out of memory while autotuning
+                failed[batch] = repr(err)[:300]
+    return dict(context=context, programs=len(futures), of=len(jobs), threads=threads, lowering_s=lowering_s,
+                wall_s=time.perf_counter() - t0, ready=[b for b in batches if pending[b] == 0], failed=failed)
+
+
+def step_cost(engine: Engine, base, steps: int, repeats: int, block: int | None) -> float:
+    """Median seconds per step of ``repeats`` synchronised calls after an untimed one."""
+    state, _, _ = call(engine, state_for(engine, base), steps, block)
     times = []
     for _ in range(repeats):
-        state, snap, seconds = call(engine, state, steps, block)
+        state, _, seconds = call(engine, state, steps, block)
         times.append(seconds / steps)
     del state
     return statistics.median(times)
 
 
-def run_mode(engine: Engine, batch: int, context: int, steps: int, calls: int, mode: str,
-             costs: dict) -> dict:
-    """``calls`` timed decode calls after an untimed one, from a fresh state: tokens/s, tau and the blocks
-    run (adaptive: chosen per call by the policy, from the acceptance seen in the calls before; the
-    untimed call is its first, at the prior)."""
-    state = fresh_state(engine, batch, context, seed=batch + 11)
+def run_mode(engine: Engine, base, steps: int, calls: int, mode: str, costs: dict) -> dict:
+    """``calls`` timed decode calls after an untimed one, from a copy of ``base``: tokens/s, tau and the
+    blocks run (adaptive: chosen per call by the policy, from the acceptance seen in the calls before;
+    the untimed call is its first, at the prior)."""
+    batch = base.starts.shape[0]
+    state = state_for(engine, base)
     policy = SpeculationPolicy(engine.speculation_blocks, costs) if mode == "adaptive" else None
     rows = [policy.new_row() for _ in range(batch)] if policy else []
     seen = np.zeros(batch, np.int64)
@@ -99,44 +181,65 @@ def run_mode(engine: Engine, batch: int, context: int, steps: int, calls: int, m
     return dict(tok_s=tokens / seconds, tau=tokens / (batch * calls * steps), blocks=blocks)
 
 
-def bench_context(args, target, drafter, context: int, t_start: float, report: dict) -> None:
+def bench_batch(args, spec: Engine, plain: Engine, rates: dict, batch: int, context: int) -> dict:
+    """One (context, batch): the step costs, then target-only once and fixed / adaptive per level."""
+    base = fresh_state(spec, batch, context, seed=batch)
+    costs = {(batch, b): step_cost(spec, base, args.steps, args.repeats, b) for b in spec.speculation_blocks}
+    target_step = step_cost(plain, base, args.steps, args.repeats, None)
+    entry = dict(context=context, batch=batch, target_step_s=target_step,
+                 step_s={str(b): c for (_, b), c in costs.items()},
+                 dflash_step_ratio={str(b): c / target_step for (_, b), c in costs.items()}, levels=[])
+    target_only = run_mode(plain, base, args.steps, args.calls, "target_only", costs)
+    for tau, rate in rates.items():
+        set_accept_rate(spec, rate)
+        level = dict(tau16=tau, rate=rate, target_only=target_only)
+        for mode in ("fixed", "adaptive"):
+            level[mode] = run_mode(spec, base, args.steps, args.calls, mode, costs)
+        level["expected_fixed_tok_s"] = batch * expected_tokens(rate, spec.block_size) / costs[(batch, spec.block_size)]
+        entry["levels"].append(level)
+    del base
+    return entry
+
+
+def bench_context(args, target, drafter, context: int, batches: list[int], t_start: float, report: dict,
+                  counter: CompileCounter) -> None:
     blocks = tuple(int(b) for b in args.blocks.split(","))
     room = drafter.config.block_size * args.steps * (args.calls + 3) + 64
     cfg = EngineConfig(max_batch_size=1, max_length=context + room, prompt_buckets=(16,), steps_per_sync=args.steps,
                        speculation="adaptive", speculation_blocks=blocks, drafter_context_window=args.window)
-    spec, plain = Engine(target, drafter, cfg), Engine(target, None, cfg)
+    engines = dict(spec=Engine(target, drafter, cfg), plain=Engine(target, None, cfg))
+    spec, plain = engines["spec"], engines["plain"]
+    compiled = compile_context(engines, batches, context, args.steps, args.compile_threads,
+                               deadline=t_start + args.budget_s)
+    report["compile"].append(compiled)
+    print(f"context {context}: {compiled['programs']} of {compiled['of']} decode programs compiled in "
+          f"{compiled['wall_s']:.0f} s on {compiled['threads']} threads (tracing and lowering "
+          f"{compiled['lowering_s']:.0f} s of it)" + (f"; failed: {compiled['failed']}" if compiled["failed"] else ""),
+          flush=True)
     rates = {tau: rate_for_tau(tau, drafter.config.block_size) for tau in args.taus}
-    for batch in args.batches:
+    for batch in batches:
         elapsed = time.perf_counter() - t_start
-        if elapsed > args.budget_s:
-            report["skipped"].append(dict(context=context, batch=batch))
-            print(f"context {context}, batch {batch}: skipped, {elapsed:.0f} s past the --budget-s", flush=True)
+        if batch not in compiled["ready"] or elapsed > args.budget_s:
+            why = "not compiled" if batch not in compiled["ready"] else f"{elapsed:.0f} s past the --budget-s"
+            report["skipped"].append(dict(context=context, batch=batch, why=why))
+            print(f"context {context}, batch {batch}: skipped, {why}", flush=True)
             continue
         t0 = time.perf_counter()
+        counter.active, before = True, len(counter.names)
         try:
-            costs = {(batch, b): step_cost(spec, batch, context, args.steps, args.repeats, b)
-                     for b in spec.speculation_blocks}
-            target_step = step_cost(plain, batch, context, args.steps, args.repeats, None)
-            entry = dict(context=context, batch=batch, target_step_s=target_step,
-                         step_s={str(b): c for (_, b), c in costs.items()},
-                         dflash_step_ratio={str(b): c / target_step for (_, b), c in costs.items()}, levels=[])
-            for tau, rate in rates.items():
-                set_accept_rate(spec, rate)
-                level = dict(tau16=tau, rate=rate)
-                for mode, engine in (("target_only", plain), ("fixed", spec), ("adaptive", spec)):
-                    level[mode] = run_mode(engine, batch, context, args.steps, args.calls, mode, costs)
-                level["expected_fixed_tok_s"] = batch * expected_tokens(rate, spec.block_size) / costs[(batch, spec.block_size)]
-                entry["levels"].append(level)
+            entry = bench_batch(args, spec, plain, rates, batch, context)
         except Exception as err:  # noqa: BLE001 - e.g. out of memory at the largest shapes: keep the rest
             entry = dict(context=context, batch=batch, error=repr(err)[:500])
             print(f"context {context}, batch {batch}: failed: {err!r:.300}", flush=True)
+        counter.active = False
+        entry["compiled_while_measuring"] = sorted(set(counter.names[before:]))
         entry["wall_s"] = time.perf_counter() - t0
         report["results"].append(entry)
         timing.write_json(args.json, report)
         if "error" not in entry:
             print_entry(entry)
         gc.collect()
-    del spec, plain
+    del engines, spec, plain
     gc.collect()
 
 
@@ -158,49 +261,88 @@ def print_table(report: dict) -> None:
             used = sorted(set(lv["adaptive"]["blocks"]), reverse=True)
             print(f"{e['context']:7d} | {e['batch']:5d} | {lv['tau16']:6.2f} | {base:17.1f} | {fixed:9.1f} ({fixed / base:4.2f}) "
                   f"| {adaptive:9.1f} ({adaptive / base:4.2f}) | {','.join(map(str, used))}")
+    print("\nDFlash step / target-only step, per block (1: target-only steps of the speculative engine)")
+    for e in report["results"]:
+        if "error" not in e:
+            print(f"context {e['context']:6d}, batch {e['batch']:3d}: "
+                  + ", ".join(f"b{b} {r:.2f}" for b, r in e["dflash_step_ratio"].items()))
     for e in report["results"]:
         if "error" not in e and e["batch"] in (16, 32) and "16" in e["dflash_step_ratio"]:
             print(f"batch {e['batch']}, context {e['context']}: the DFlash block-16 step costs "
                   f"{e['dflash_step_ratio']['16']:.2f} target steps")
+    stray = sorted({n for e in report["results"] for n in e.get("compiled_while_measuring", ()) if "decode" in n})
+    if stray:  # its compile fell in an untimed call, but the sweep took longer than it had to
+        print(f"WARNING: decode programs compiled while measuring, not in parallel beforehand: {stray}")
+
+
+def default_threads() -> int:
+    """The compile pool: one thread per core but the one tracing, at most 16."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, min(16, cores - 1))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,16,32,4", help="batch sizes, in this order (the full sweep: 1,2,4,8,16,32,64)")
-    ap.add_argument("--contexts", default="1024", help="context lengths (the full sweep: 1024,8192; 32768 optional)")
+    ap.add_argument("--sweep", action="append", default=None, metavar="CONTEXT:B,B,...",
+                    help=f"a context and its batch sizes, in order; repeatable (default: {' '.join(DEFAULT_SWEEP)})")
+    ap.add_argument("--contexts", default=None, help="with --batches: every context at every batch (instead of --sweep)")
+    ap.add_argument("--batches", default=None, help="with --contexts (default 1024): the batch sizes, e.g. 1,16")
     ap.add_argument("--taus", default="1.5,3,6", help="acceptance levels: tau of a block of 16 (1 to 16)")
     ap.add_argument("--blocks", default="16,8,4", help="EngineConfig.speculation_blocks")
     ap.add_argument("--window", type=int, default=0, help="EngineConfig.drafter_context_window (0: none)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per call")
-    ap.add_argument("--calls", type=int, default=6, help="decode calls per mode and level")
+    ap.add_argument("--calls", type=int, default=6, help="timed decode calls per mode and level")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per step cost")
     ap.add_argument("--layers", type=int, default=36, help="the target's layers")
-    ap.add_argument("--budget-s", type=float, default=150.0, help="start no configuration past this many seconds")
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes, contexts 64 and batches 1,2: a CPU smoke test")
+    ap.add_argument("--compile-threads", type=int, default=default_threads(), help="parallel XLA compilations")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no context's compilation and no batch's measurement past this many seconds "
+                         "(default: 190; none with --tiny)")
+    ap.add_argument("--tiny", action="store_true", help=f"tiny shapes, sweep {' '.join(TINY_SWEEP)}: a CPU smoke test")
     ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument("--png", default=None, help="plot the report here (default: the --json path with .png)")
     args = ap.parse_args()
+    if args.batches or args.contexts:
+        if args.sweep:
+            raise SystemExit("give --sweep, or --contexts and --batches, not both")
+        batches = args.batches or "1,2,4,8,16,32,64"
+        args.sweep = [f"{c}:{batches}" for c in (args.contexts or "1024").split(",")]
     if args.tiny:
-        args.batches, args.contexts, args.steps, args.calls, args.repeats = "1,2", "64", 2, 3, 1
-    args.batches = [int(b) for b in args.batches.split(",")]
-    args.contexts = [int(c) for c in args.contexts.split(",")]
+        args.sweep, args.steps, args.calls, args.repeats = args.sweep or list(TINY_SWEEP), 2, 3, 1
+    if args.budget_s is None:
+        args.budget_s = float("inf") if args.tiny else 190.0
+    sweep = parse_sweep(args.sweep or DEFAULT_SWEEP)
     args.taus = [float(t) for t in args.taus.split(",")]
 
     t_start = time.perf_counter()
+    counter = CompileCounter()
     print(timing.device_line(), flush=True)
     tcfg = tiny_target_config(num_layers=4) if args.tiny else timing.qwen3_8b(args.layers)
     target, base = timing.random_pair(tcfg)
     target = repeat_target(target)
     drafter = synthetic_drafter(base, 0.0)
     del base
-    report = dict(config={k: v for k, v in vars(args).items()}, device=timing.device_line(), results=[], skipped=[])
+    report = dict(config={**vars(args), "sweep": [f"{c}:{','.join(map(str, b))}" for c, b in sweep]},
+                  device=timing.device_line(), results=[], skipped=[], compile=[])
     print(f"models built in {time.perf_counter() - t_start:.1f} s", flush=True)
-    for context in args.contexts:
-        bench_context(args, target, drafter, context, t_start, report)
+    for context, batches in sweep:
+        elapsed = time.perf_counter() - t_start
+        if elapsed > args.budget_s:
+            report["skipped"] += [dict(context=context, batch=b, why=f"{elapsed:.0f} s past the --budget-s")
+                                  for b in batches]
+            print(f"context {context}: skipped, {elapsed:.0f} s past the --budget-s", flush=True)
+            continue
+        bench_context(args, target, drafter, context, batches, t_start, report, counter)
     report["wall_s"] = time.perf_counter() - t_start
     timing.write_json(args.json, report)
     print_table(report)
     if report["skipped"]:
-        print(f"skipped past --budget-s {args.budget_s:.0f}: {report['skipped']}")
+        print(f"skipped: {report['skipped']}")
+    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if png:
+        import plot_load
+
+        plot_load.plot(report, png)
     print(f"total {report['wall_s']:.0f} s")
 
 

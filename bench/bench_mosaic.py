@@ -5,9 +5,9 @@ Attention over a KV cache (Qwen3-8B heads: 32 q / 8 kv, head_dim 128, bf16) at c
 adds the decode token):
 
 - ``triton``: ``kernels_pallas.block_attention`` (Triton), the queries already normed and rotated;
-- ``mosaic``: ``kernels_pallas.cached_attention.mosaic_gpu.decode_attention``, the same inputs;
-- ``mosaic_ctx``: its Mosaic GPU kernel alone (``context_partials``: the context's split partials,
-  without XLA's query padding, the block's own keys and the split merge around it);
+- ``mosaic``: the same call with ``lowering="mosaic"`` (``block_attention/mosaic_gpu.py``);
+- ``mosaic_ctx``: its Mosaic GPU kernel alone (``attention_partials``: the context's and the block's
+  split partials, without XLA's packing of the inputs before and the split merge after);
 - ``fused``: ``ops.attention.cached_attention`` on the Triton lowering from the raw QKV projection
   (the fused kernel: q/k norms, RoPE, attention; caches only read, as the drafter's blocks);
 - ``mosaic_ops``: the same call on ``gpu_lowering="mosaic"`` (XLA's norms and RoPE around the Mosaic
@@ -16,13 +16,14 @@ adds the decode token):
 Each case is a chain of 8 dependent calls in one jit (the host's dispatch would dominate the small
 ones); bandwidth counts the context K/V read once, in % of 4.3 TB/s. ``mosaic vs triton`` is the
 largest relative difference of the two kernels' outputs (a sanity check; correctness is
-tests/gpu/test_gpu_mosaic.py). Then the Mosaic GPU attention's tile / split configs on the batch-1
-token at 32k (``MosaicConfig``: stages, splits, 128-key tiles), and the add + RMSNorm at the 8B width
-(4096), 1 / 16 / 64 rows:
-``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs on its own: one that fails to
-compile or run prints its error and the others are still timed.
+tests/gpu/test_gpu_mosaic.py). Then the training pattern (batch 1, 4,096 tokens, 512 anchor blocks
+of 16, bidirectional): the forward on either lowering, and forward + backward (the backward is the
+Triton kernels' on both); the Mosaic GPU attention's tile / split configs on the batch-1 token at
+the longest context (``MosaicConfig``: stages, splits, 128-key tiles); and the add + RMSNorm at the
+8B width (4096), 1 / 16 / 64 rows: ``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs
+on its own: one that fails to compile or run prints its error and the others are still timed.
 
-    python3 bench/bench_mosaic.py --json bench/results/mosaic.json
+    python3 bench/bench_mosaic.py --json bench/results/mosaic.json     # attention cases start until --budget-s
     JAX_PLATFORMS=cpu python3 bench/bench_mosaic.py --tiny       # smoke test (interpret modes)
 """
 
@@ -34,13 +35,14 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import timing
 from dflash_jax.ops import OpsConfig
 from dflash_jax.ops import attention as attention_ops
 from dflash_jax.ops.rope import rope_inv_freq
 from kernels_pallas.block_attention import block_attention
-from kernels_pallas.cached_attention.mosaic_gpu import ROWS, MosaicConfig, context_partials, decode_attention, plan
+from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, attention_partials, pack_inputs, plan
 from kernels_pallas.rms_norm import add_rms_norm as triton_add_rms_norm
 from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
 from kernels_pallas.rms_norm.reference import add_rms_norm_reference
@@ -96,17 +98,24 @@ def attention_cases(args, shapes) -> list[dict]:
                                               eps=1e-6, inv_freq=inv_freq, num_heads=hq, causal=False, write=False,
                                               ops=ops)[0]
 
+    def lowered(lowering, config=None):
+        return lambda q, kb, vb, kc, vc, s, bl: block_attention(
+            q[:, None], kc, vc, s[:, None], kb[:, None], vb[:, None], bl[:, None], causal=True, config=config,
+            lowering=lowering)[:, 0]
+
+    def mosaic_kernel(packed, kc, vc, s, bl, *, block):
+        return attention_partials(packed, kc, vc, s, bl, block=block, groups=groups, causal=True,
+                                  scale=d ** -0.5, config=mosaic_cfg)
+
     variants = {
-        "triton": lambda q, kb, vb, kc, vc, s, bl: block_attention(
-            q[:, None], kc, vc, s[:, None], kb[:, None], vb[:, None], bl[:, None], causal=True)[:, 0],
-        "mosaic": lambda q, kb, vb, kc, vc, s, bl: decode_attention(q, kb, vb, kc, vc, s, bl, causal=True,
-                                                                    config=mosaic_cfg),
-        "mosaic_ctx": lambda q_rows, kc, vc, s: context_partials(q_rows, kc, vc, s, scale=d ** -0.5,
-                                                                 config=mosaic_cfg),
+        "triton": lowered("triton"),
+        "mosaic": lowered("mosaic", mosaic_cfg),
+        "mosaic_ctx": None,  # per block size, below
         "fused": functools.partial(ops_call, kernels),
         "mosaic_ops": functools.partial(ops_call, mosaic_ops_cfg),
     }
-    fns = {name: chained(fn, args.chain) for name, fn in variants.items()}
+    fns = {name: fn and chained(fn, args.chain) for name, fn in variants.items()}
+    kernel_fns = {block: chained(functools.partial(mosaic_kernel, block=block), args.chain) for block in args.blocks}
     for ctx in args.contexts:
         for batch in args.batches:
             for block in args.blocks:
@@ -128,8 +137,10 @@ def attention_cases(args, shapes) -> list[dict]:
                            mosaic_splits=plan(batch, hkv, tiles, ctx, mosaic_cfg)[0])
                 kernel_args = (q, k_blk, v_blk, k_cache, v_cache, starts, blk_lens)
                 ops_args = (qkv, k_cache, v_cache, starts, blk_lens, *norms)
-                q_rows = timing.normal(ks[5], (batch, hkv, tiles * ROWS, d), dt)
-                inputs = dict(fused=ops_args, mosaic_ops=ops_args, mosaic_ctx=(q_rows, k_cache, v_cache, starts))
+                packed = pack_inputs(q[:, None], k_blk[:, None], v_blk[:, None], mosaic_cfg.block_k)
+                fns["mosaic_ctx"] = kernel_fns[block]
+                inputs = dict(fused=ops_args, mosaic_ops=ops_args,
+                              mosaic_ctx=(packed, k_cache, v_cache, starts, blk_lens))
                 outs = {}
                 for name, fn in fns.items():
                     outs[name] = timed(name, fn, inputs.get(name, kernel_args), row, chain=args.chain,
@@ -164,7 +175,9 @@ def sweep_cases(args, shapes) -> list[dict]:
     kernel_args = (q, k_blk, v_blk, k_cache, v_cache, jnp.full((1,), ctx, jnp.int32), jnp.ones((1,), jnp.int32))
     kv_bytes, rows = 2 * ctx * hkv * d * 2, []
     for cfg in SWEEP[:2] if args.tiny else SWEEP:
-        fn = chained(lambda *a, cfg=cfg: decode_attention(*a, causal=True, config=cfg), args.chain)
+        fn = chained(lambda q, kb, vb, kc, vc, s, bl, cfg=cfg: block_attention(
+            q[:, None], kc, vc, s[:, None], kb[:, None], vb[:, None], bl[:, None], causal=True, config=cfg,
+            lowering="mosaic")[:, 0], args.chain)
         row = dict(kind="sweep", ctx=ctx, batch=1, block=1, config=str(cfg), kv_bytes=kv_bytes,
                    splits_stages=plan(1, hkv, 1, ctx, cfg))
         timed("mosaic", fn, kernel_args, row, chain=args.chain, repeats=args.repeats, nbytes=kv_bytes)
@@ -173,6 +186,54 @@ def sweep_cases(args, shapes) -> list[dict]:
                 else f"{row['mosaic_us']:8.1f} us {100 * row['mosaic_bw']:3.0f}%")
         log(f"T={ctx} B=1 token (splits, stages)={row['splits_stages']} {cfg} | {cell}")
     return rows
+
+
+def training_cases(args, shapes) -> list[dict]:
+    """The training pattern: ``anchors`` blocks of 16 per row, each over the context before its
+    anchor (bidirectional inside the block), forward on either lowering and forward + backward (the
+    Triton backward on both, from the forward's log-sum-exp). ms per call."""
+    hq, hkv, d = shapes
+    b, n, t, block = (1, 4, 128, 4) if args.tiny else (1, args.anchors, args.seq, 16)
+    ks = jax.random.split(jax.random.key(21), 6)
+    dt = jnp.bfloat16
+    q = timing.normal(ks[0], (b, n, block, hq, d), dt)
+    k_ctx, v_ctx = (timing.normal(k, (b, t, hkv, d), dt) for k in ks[1:3])
+    k_blk, v_blk = (timing.normal(k, (b, n, block, hkv, d), dt) for k in ks[3:5])
+    ctx_lens = jnp.asarray(np.sort(np.random.default_rng(1).integers(0, t - block + 1, (b, n))), jnp.int32)
+    blk_lens = jnp.full((b, n), block, jnp.int32)
+    cotangent = timing.normal(ks[5], q.shape, dt)
+
+    def forward(lowering):
+        return jax.jit(lambda q, kc, vc, kb, vb: block_attention(q, kc, vc, ctx_lens, kb, vb, blk_lens, causal=False,
+                                                                 lowering=lowering))
+
+    def forward_backward(lowering):
+        def loss(q, kc, vc, kb, vb, ct):
+            out = block_attention(q, kc, vc, ctx_lens, kb, vb, blk_lens, causal=False, lowering=lowering)
+            return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+    row = dict(kind="train", batch=b, seq=t, anchors=n, block=block)
+    outs = {}
+    for lowering in ("triton", "mosaic"):
+        for what, fn, fargs in (("fwd", forward(lowering), (q, k_ctx, v_ctx, k_blk, v_blk)),
+                                ("fwdbwd", forward_backward(lowering), (q, k_ctx, v_ctx, k_blk, v_blk, cotangent))):
+            name = f"{lowering}_{what}"
+            try:  # ms-scale calls: timed one by one
+                row[name + "_ms"] = timing.median_time(fn, *fargs, repeats=max(args.repeats, 5))[0] * 1e3
+                if what == "fwd":
+                    outs[lowering] = fn(*fargs)
+            except Exception as e:  # noqa: BLE001  (a variant that fails must not stop the others)
+                row[name + "_ms"] = None
+                row[name + "_err"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+                log(f"  {name}: {row[name + '_err']}")
+    if len(outs) == 2:
+        row["mosaic_vs_triton"] = timing.relative_error(outs["mosaic"], outs["triton"])
+    cells = " | ".join(f"{k[:-3]} " + ("failed" if v is None else f"{v:7.3f} ms")
+                       for k, v in row.items() if k.endswith("_ms"))
+    diff = row.get("mosaic_vs_triton", float("nan"))
+    log(f"train B={b} seq={t} anchors={n} block={block} | {cells} | diff {diff:.1e}")
+    return [row]
 
 
 def norm_cases(args) -> list[dict]:
@@ -207,8 +268,10 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chain", type=int, default=CHAIN)
-    ap.add_argument("--budget-s", type=float, default=120.0, help="stop starting attention cases after this")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: attention,sweep,norm")
+    ap.add_argument("--seq", type=int, default=4096, help="training pattern: tokens per row")
+    ap.add_argument("--anchors", type=int, default=512, help="training pattern: blocks per row")
+    ap.add_argument("--budget-s", type=float, default=50.0, help="stop starting attention cases after this")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: attention,train,sweep,norm")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, interpret modes")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -228,6 +291,9 @@ def main(argv=None) -> None:
         log(f"== attention over a full cache, {shapes[0]}q/{shapes[1]}kv heads of {shapes[2]}, bf16: us per call, "
             f"% of {timing.HBM_BYTES_PER_S / 1e12:.1f} TB/s ==")
         result["attention"] = attention_cases(args, shapes)
+    if "train" not in skip:
+        log("== block attention, training pattern, bf16: ms per call ==")
+        result["train"] = training_cases(args, shapes)
     if "sweep" not in skip:
         log("== Mosaic GPU attention configs, batch-1 decode token at the longest context ==")
         result["sweep"] = sweep_cases(args, shapes)

@@ -254,6 +254,19 @@ def gpu_kernel_times(run: Callable[[], None], out_dir: str, calls: int = 3) -> d
     """Runs ``run`` (one synchronised call) once, then ``calls`` times under ``jax.profiler``: the GPU
     kernels' durations (us) by kernel name, read off the Perfetto trace written under ``out_dir``
     (None: no trace). Kernel time without the launch gaps between them."""
+    events = gpu_kernel_events(run, out_dir, calls)
+    if events is None:
+        return None
+    durations: dict[str, list[float]] = {}
+    for e in events:
+        durations.setdefault(e["name"], []).append(e["dur"])
+    return durations
+
+
+def gpu_kernel_events(run: Callable[[], None], out_dir: str, calls: int = 3) -> list[dict] | None:
+    """``gpu_kernel_times``' trace as its GPU kernel events: ``name``, ``dur`` (us) and the profiler's
+    ``args`` of each (on XLA:GPU, where the profiler annotates them, ``hlo_op`` names the HLO
+    instruction that launched it). None: no trace."""
     run()
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
         for _ in range(calls):
@@ -264,11 +277,8 @@ def gpu_kernel_times(run: Callable[[], None], out_dir: str, calls: int = 3) -> d
     events = json.loads(gzip.open(paths[-1]).read())["traceEvents"]
     gpu = {e["pid"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e["args"].get("name"))}
-    durations: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu:
-            durations.setdefault(e["name"], []).append(e["dur"])
-    return durations
+    return [dict(name=e["name"], dur=e["dur"], args=e.get("args", {})) for e in events
+            if e.get("ph") == "X" and e.get("pid") in gpu]
 
 
 def write_json(path: str | Path | None, obj) -> None:

@@ -38,7 +38,7 @@ class SyntheticDrafter(Drafter):
         self.seed = nnx.Variable(jnp.uint32(seed))
 
     def override_drafts(self, draft: jax.Array, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        """``draft [batch, B-1]`` replaced: slot ``j``'s proposal for position ``positions[:, j]`` is
+        """``Drafter.override_drafts``: ``draft [batch, B-1]`` replaced: slot ``j``'s proposal for position ``positions[:, j]`` is
         the target's token there after the anchor (at ``positions[:, 0]`` of ``tokens``) and right
         proposals, with probability ``accept_rate``, else another token."""
         transition = self.transition[...]

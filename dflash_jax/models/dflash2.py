@@ -159,12 +159,17 @@ class DFlash2Layer(nnx.Module):
             conv.base_kernel[...] = jnp.zeros_like(conv.base_kernel[...]).at[:, 0].set(1)
             conv.kernel_projection[...] = jnp.zeros_like(conv.kernel_projection[...])
 
-    def _forward(self, h: jax.Array, attend) -> jax.Array:
-        """``h [batch, blocks, block, hidden]``; ``attend(x)`` -> the attention's ``[..., heads, head_dim]``."""
-        x, delta = self.attention_conv.prepare(self.input_layernorm(h))
-        h = h + self.attention_conv.finish(self.self_attn.output(attend(x)), delta)
-        x, delta = self.mlp_conv.prepare(self.post_attention_layernorm(h))
-        return h + self.mlp_conv.finish(self.mlp(x), delta)
+    def _forward(self, h: jax.Array, delta: jax.Array | None, attend, ops: OpsConfig) -> tuple[jax.Array, jax.Array]:
+        """The residual stream entering the layer is ``h + delta`` (``delta`` None: ``h``),
+        ``[batch, blocks, block, hidden]``; ``attend(x)`` -> the attention's ``[..., heads, head_dim]``.
+        Returns ``(h, delta)`` whose sum is the layer's output: each residual add is left to the norm
+        that reads it, one kernel with the kernels on (``DecoderLayer.cached``)."""
+        h, x = self.input_layernorm.add_norm(h, delta, ops)
+        x, out_delta = self.attention_conv.prepare(x)
+        h, x = self.post_attention_layernorm.add_norm(
+            h, self.attention_conv.finish(self.self_attn.output(attend(x), ops), out_delta), ops)
+        x, out_delta = self.mlp_conv.prepare(x)
+        return h, self.mlp_conv.finish(self.mlp(x), out_delta)
 
     def __call__(self, h, positions, k_ctx, v_ctx, ctx_lens, blk_lens, *, ops: OpsConfig = XLA) -> jax.Array:
         """Training: ``h [batch, blocks, block, hidden]`` over context ``[batch, ctx, kv_heads, head_dim]``
@@ -176,11 +181,14 @@ class DFlash2Layer(nnx.Module):
                                                 window=self.window, causal=self.block_causal)
             return attention_ops.block_attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens,
                                                  causal=self.block_causal, ops=ops)
-        return self._forward(h, attend)
+        h, delta = self._forward(h, None, attend, XLA)
+        return h + delta
 
-    def cached(self, h, starts, k_cache, v_cache, blk_lens, *, ops: OpsConfig = XLA) -> jax.Array:
-        """Decoding: one block per row ``h [batch, 1, block, hidden]`` at ``starts [batch] + slot``
-        over the context cache ``[batch, capacity, kv_heads, head_dim]`` (not written)."""
+    def cached(self, h, delta, starts, k_cache, v_cache, blk_lens, *,
+               ops: OpsConfig = XLA) -> tuple[jax.Array, jax.Array]:
+        """Decoding: one block per row, the residual stream ``h + delta`` (``delta`` None: ``h``),
+        ``[batch, 1, block, hidden]``, at ``starts [batch] + slot`` over the context cache ``[batch,
+        capacity, kv_heads, head_dim]`` (not written) -> ``(h, delta)`` as ``_forward``."""
         def attend(x):
             if self.window is None:
                 return self.self_attn.attend_cached(x, starts, k_cache, v_cache, blk_lens, ops=ops,
@@ -189,7 +197,7 @@ class DFlash2Layer(nnx.Module):
             q, k_blk, v_blk = self.self_attn.project(x, positions)
             return windowed_block_attention(q, k_cache, v_cache, starts[:, None], k_blk, v_blk, blk_lens[:, None],
                                             window=self.window, causal=self.block_causal)
-        return self._forward(h, attend)
+        return self._forward(h, delta, attend, ops)
 
 
 def windowed_block_attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, window: int,
@@ -243,8 +251,7 @@ class CandidateSelector(nnx.Module):
         ``candidate_ids [..., K]`` -> the candidates' scores ``[..., K]``: unary plus transition."""
         unary = jnp.take_along_axis(unary_logits, candidate_ids, axis=-1)
         succ = jnp.take(self.successor_codebook[...], candidate_ids, axis=0)  # [..., K, rank]
-        transition = jnp.einsum("...r,...kr->...k", self.context(hidden, predecessor_ids), succ)
-        return unary + transition.astype(unary.dtype)
+        return unary + transition_scores(self.context(hidden, predecessor_ids), succ).astype(unary.dtype)
 
     def select_path(self, unary_logits: jax.Array, hidden: jax.Array, anchor_ids: jax.Array) -> jax.Array:
         """The greedy path through the block's candidates.
@@ -255,27 +262,80 @@ class CandidateSelector(nnx.Module):
         at the slot before (the anchor for the first); score ties go to the higher-ranked candidate.
 
         Every edge at once: slot j's scores ``[K, K]`` for each predecessor (the previous slot's K
-        candidates; K copies of the anchor at the first slot), one argmax over them all for the best
-        successor of each predecessor, then the walk as a composition of those ``[K]`` index maps,
-        in ``ceil(log2 n)`` rounds of doubling instead of n dependent steps (each a kernel launch).
+        candidates; K copies of the anchor at the first slot) in one multiply-reduce with the codebook
+        rows gathered inside it, then the walk (``greedy_walk``) as elementwise selects over those
+        scores: after the top-K and the hidden projection, two kernels whatever the block size.
         """
         unary, cand = top_k(unary_logits, self.top_k)  # [b, n, K]
-        batch, n, k = cand.shape
+        batch, _, k = cand.shape
         proj = dense(hidden, self.hidden_projection)  # [b, n, rank]
         pred_book, succ_book = self.predecessor_codebook[...], self.successor_codebook[...]
         predecessors = jnp.concatenate([jnp.broadcast_to(anchor_ids[:, None, None], (batch, 1, k)), cand[:, :-1]],
                                        axis=1)  # [b, n, K]
-        ctx = jnp.take(pred_book, predecessors, axis=0) * proj[:, :, None].astype(pred_book.dtype)
-        succ = jnp.take(succ_book, cand, axis=0)  # [b, n, K, rank]
-        edges = unary[:, :, None, :] + jnp.einsum("bnpr,bnkr->bnpk", ctx, succ).astype(unary.dtype)
-        best = jnp.argmax(edges, axis=-1).astype(jnp.int32)  # [b, n, K]: the successor of each predecessor
-        # prefix[j] = best[j] o best[j - 1] o ... o best[0] (a map applied to a predecessor index);
-        # slot 0's map is constant (every predecessor is the anchor), so prefix[j][0] is slot j's choice.
-        prefix, shift = best, 1
-        while shift < n:
-            later = jnp.take_along_axis(prefix[:, shift:], prefix[:, :-shift], axis=-1)
-            prefix, shift = jnp.concatenate([prefix[:, :shift], later], axis=1), shift * 2
-        return jnp.take_along_axis(cand, prefix[..., :1], axis=-1)[..., 0].astype(jnp.int32)
+        ctx = jnp.take(pred_book, predecessors, axis=0) * proj[:, :, None].astype(pred_book.dtype)  # [b, n, K, rank]
+        succ = jnp.take(succ_book, cand, axis=0)[:, :, None]  # [b, n, 1, K, rank]
+        edges = unary[:, :, None, :] + transition_scores(ctx, succ).astype(unary.dtype)  # [b, n, K, K]
+        return greedy_walk(edges, cand)
+
+
+def transition_scores(context: jax.Array, successors: jax.Array) -> jax.Array:
+    """``<context, successor>`` per candidate: ``context [..., rank]``, ``successors [..., K, rank]``
+    (broadcast against each other) -> ``[..., K]`` in the codebooks' dtype.
+
+    As the reference computes it: the products in that dtype, summed in float32, rounded once. A
+    multiply-reduce rather than a batched matmul, so that the gathers of codebook rows feeding it
+    fuse into the one reduction instead of materialising both operands of a dot."""
+    products = context[..., None, :] * successors
+    return jnp.sum(products, axis=-1, dtype=jnp.float32).astype(products.dtype)
+
+
+def greedy_walk(edges: jax.Array, candidates: jax.Array) -> jax.Array:
+    """The greedy path through per-slot edge scores.
+
+    ``edges [batch, n, K, K]`` (slot j's score of candidate k after the previous slot's candidate p;
+    at slot 0 every row p is the anchor's), ``candidates [batch, n, K]`` -> the chosen tokens
+    ``[batch, n]`` int32: slot j takes the first maximum of ``edges[j, p]`` with p the index chosen
+    at slot j - 1 (NaN counts as the maximum, as in ``jnp.argmax``).
+
+    Elementwise compares and selects over static slices only (``first_argmax``, ``pick``), which XLA
+    can fuse into one kernel (the argmaxes, the walk and the token pick) where a reduction and a chain
+    of dependent gathers are a kernel launch each; the walk is ``n * log2(K)`` selects per row."""
+    best = first_argmax(edges)  # [b, n, K]: the successor index after each predecessor index
+    index = best[:, 0, 0]  # slot 0: every predecessor is the anchor
+    indices = [index]
+    for j in range(1, candidates.shape[1]):
+        index = pick(best[:, j], index)
+        indices.append(index)
+    return pick(candidates, jnp.stack(indices, axis=1)).astype(jnp.int32)
+
+
+def _pad_to_power_of_two(x: jax.Array, fill) -> jax.Array:
+    """``x [..., K]`` padded with ``fill`` at the end of its last axis to the next power of two."""
+    k = x.shape[-1]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (k - 1).bit_length()) - k)], constant_values=fill)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as int32 (the first maximum; the first NaN where there is one) by a
+    tournament of halves: ``log2(K)`` rounds of elementwise compares and selects, no reduction."""
+    values = _pad_to_power_of_two(x, -jnp.inf)  # the pads lie after every real entry: they never win a tie
+    index = jnp.broadcast_to(jnp.arange(values.shape[-1], dtype=jnp.int32), values.shape)
+    while values.shape[-1] > 1:
+        left, right = values[..., 0::2], values[..., 1::2]
+        # The left entry holds the lower indices: it keeps ties and NaNs of its own.
+        take = (right > left) | (jnp.isnan(right) & ~jnp.isnan(left))
+        values, index = jnp.where(take, right, left), jnp.where(take, index[..., 1::2], index[..., 0::2])
+    return index[..., 0]
+
+
+def pick(table: jax.Array, index: jax.Array) -> jax.Array:
+    """``table [..., K]`` at ``index [...]`` (``take_along_axis``) by ``log2(K)`` selects on the
+    index's bits: elementwise, so it fuses with what computes the index."""
+    values, bit = _pad_to_power_of_two(table, 0), 0
+    while values.shape[-1] > 1:
+        odd = ((index >> bit) & 1).astype(bool)[..., None]
+        values, bit = jnp.where(odd, values[..., 1::2], values[..., 0::2]), bit + 1
+    return values[..., 0]
 
 
 class DFlash2Drafter(Drafter):
@@ -311,10 +371,10 @@ class DFlash2Drafter(Drafter):
 
     def draft(self, block_embeds, starts, cache: KVCache, blk_lens, *, ops: OpsConfig = XLA) -> jax.Array:
         """As ``Drafter.draft``: final-normed hidden ``[batch, 1, block, hidden]``."""
-        h = self._scale_embeds(block_embeds)
+        h, delta = self._scale_embeds(block_embeds), None
         for i, layer in enumerate(self.layers):
-            h = layer.cached(h, starts, cache.k[i], cache.v[i], blk_lens, ops=ops)
-        return self.norm(h)
+            h, delta = layer.cached(h, delta, starts, cache.k[i], cache.v[i], blk_lens, ops=ops)
+        return self.norm.add_norm(h, delta, ops)[1]
 
     def select(self, logits: jax.Array, hidden: jax.Array, anchor_ids: jax.Array) -> jax.Array:
         """Draft tokens ``[batch, B - 1]`` from the block's ``logits [batch, B - 1, vocab]`` and

@@ -120,6 +120,20 @@ class Drafter(nnx.Module):
                                           ops=ops, causal=self.config.causal, write=False)
         return self.norm.add_norm(h, delta, ops)[1]
 
+    def override_drafts(self, draft: jax.Array, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """The proposals a decode step verifies, given the drafter's own: a drafter proposes its own
+        (returns ``draft`` unchanged, adding nothing to the compiled step); a drafter of known acceptance
+        for benchmarks and tests (``dflash_jax.synthetic.SyntheticDrafter``) overrides this to replace them.
+
+        Called by ``runtime.decoding.draft_block`` inside the compiled step, after the drafts are chosen
+        (greedy, sampled or a DFlash2 selector's path): ``draft [batch, B-1]`` int32 (slots 1..B-1 of the
+        block), ``tokens [batch, capacity + 1]`` int32 (each row's prompt and committed tokens) and
+        ``positions [batch, B]`` int32 (the block's positions, the anchor's first). An override must be
+        jittable and return ``[batch, B-1]`` token ids (cast to ``draft``'s dtype).
+        """
+        del tokens, positions
+        return draft
+
     def _scale_embeds(self, block_embeds: jax.Array) -> jax.Array:
         h = block_embeds.astype(self.fc.dtype)
         if self.config.input_embedding_scale != 1.0:

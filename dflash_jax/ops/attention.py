@@ -62,7 +62,7 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
     def kernel(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens):
         b, n, s, kv, g, d = q.shape
         out = pallas_block_attention(q.reshape(b, n, s, kv * g, d), k_ctx, v_ctx, ctx_lens, k_blk, v_blk,
-                                     blk_lens, causal=causal, scale=scale)
+                                     blk_lens, causal=causal, scale=scale, lowering=ops.gpu_lowering)
         return (out.reshape(q.shape),)
 
     rows, kv_rows = ("batch", None, None, "kv_heads", None, None), ("batch", None, None, "kv_heads", None)
@@ -294,36 +294,10 @@ def attend_and_write(q, k, v, starts, k_cache, v_cache, blk_lens, *, causal: boo
                      window: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Block attention of ``q [batch, 1, block, heads, head_dim]`` over the caches plus the block's
     own ``k, v [batch, 1, block, kv_heads, head_dim]``, which ``write`` then writes at ``starts``.
-    With ``ops.gpu_lowering == "mosaic"``: the Mosaic GPU decode attention where it takes the shapes."""
-    attn = (mosaic_decode_attention(q, k, v, starts, k_cache, v_cache, blk_lens, causal=causal)
-            if ops.mosaic and sinks is None and window is None else None)
-    if attn is None:
-        attn = block_attention(q, k_cache, v_cache, starts[:, None], k, v, blk_lens[:, None], causal=causal,
-                               ops=ops, sinks=sinks, window=window)
+    With ``ops.gpu_lowering == "mosaic"``: the Mosaic GPU block attention where it takes the shapes."""
+    attn = block_attention(q, k_cache, v_cache, starts[:, None], k, v, blk_lens[:, None], causal=causal,
+                           ops=ops, sinks=sinks, window=window)
     if not write:
         return attn, k_cache, v_cache
     return attn, write_rows(k_cache, k[:, 0], starts), write_rows(v_cache, v[:, 0], starts)
 
-
-def mosaic_decode_attention(q, k, v, starts, k_cache, v_cache, blk_lens, *, causal: bool) -> jax.Array | None:
-    """``attend_and_write``'s attention by the Mosaic GPU kernel
-    (``kernels_pallas.cached_attention.mosaic_gpu``), per device under a kernel mesh; None where the
-    kernel does not take the shapes or the platform."""
-    from kernels_pallas.cached_attention.mosaic_gpu import decode_attention, decode_attention_supported
-
-    if not decode_attention_supported(k_cache.shape[-1], k_cache.shape[1], k_cache.dtype) or q.dtype != k_cache.dtype:
-        return None
-    batch, _, block, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-
-    def kernel(q, k, v, k_cache, v_cache, starts, blk_lens):
-        b, t, kv, g, d = q.shape
-        out = decode_attention(q.reshape(b, t, kv * g, d), k, v, k_cache, v_cache, starts, blk_lens, causal=causal)
-        return (out.reshape(q.shape),)
-
-    per_head = ("batch", None, "kv_heads", None, None)
-    kv_rows, rows = ("batch", None, "kv_heads", None), ("batch",)
-    (out,) = shard_kernel(kernel, (per_head, kv_rows, kv_rows, CACHE_AXES, CACHE_AXES, rows, rows), (per_head,))(
-        q[:, 0].reshape(batch, block, kv_heads, heads // kv_heads, head_dim), k[:, 0], v[:, 0], k_cache, v_cache,
-        starts, blk_lens)
-    return out.reshape(q.shape)

@@ -409,8 +409,7 @@ def draft_block(
         draft = draft_tokens(logits, state.sampling, positions[:, 1:], flags=flags, candidates=candidates)
     else:
         draft = greedy_argmax(logits)
-    if (override := getattr(drafter, "override_drafts", None)) is not None:  # a test drafter (``testing``)
-        draft = override(draft, state.tokens, positions)
+    draft = drafter.override_drafts(draft, state.tokens, positions)  # unchanged but for a test drafter's
     if flags.rejection:
         return block_ids.at[:, 1:].set(draft), valid, positions, logits
     return block_ids.at[:, 1:].set(draft), valid, positions

@@ -52,7 +52,10 @@ class EngineConfig:
     max_batch_size: int = 8
     max_length: int = 2048           # prompt + generated tokens, per row
     prompt_buckets: tuple[int, ...] | None = None  # None: powers of two from 16
-    block_size: int | None = None    # None: the drafter's; may only lower it
+    # None: the drafter's; may only lower it. With adaptive speculation the engine's block (what its caches and
+    # attention windows are sized for, and a decode call without a block runs) is the largest of it and
+    # ``speculation_blocks`` (``largest_block``).
+    block_size: int | None = None
     attention_impl: str = "auto"     # "xla" | "pallas" | "auto": pallas on GPUs/TPUs, else xla
     steps_per_sync: int = 8          # decode steps per device call between host syncs
     # None: every call runs steps_per_sync steps. Else the host loop doubles a call's steps, up to
@@ -108,8 +111,8 @@ class EngineConfig:
     # size among ``speculation_blocks``, or a target-only step, with the most expected tokens per
     # second for its live rows (``runtime.speculation``: measured step costs, each row's acceptance).
     speculation: str = "fixed"
-    # The adaptive block sizes (target-only, 1, is always an option); None: the block size, its half
-    # and its quarter, those >= 2. Each is one more decode program per row count and window.
+    # The adaptive block sizes (target-only, 1, is always an option), at most the drafter's block; None: the
+    # block size, its half and its quarter, those >= 2. Each is one more decode program per row count and window.
     speculation_blocks: tuple[int, ...] | None = None
     # The drafter attends to each row's last this many context positions only (0: all of them), which
     # bounds the draft pass at long contexts (``decoding.context_window_view``); multiples of 128 keep
@@ -167,6 +170,26 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be 0 or a multiple of a paged engine's page_size ({self.page_size}), "
                              f"got {self.prefill_chunk}")
 
+    def largest_block(self, drafter_block: int) -> int:
+        """The largest block an engine of this config drafts with a drafter of ``drafter_block`` slots:
+        ``block_size`` (None: the drafter's) and, with adaptive speculation, ``speculation_blocks``."""
+        block = self.block_size or drafter_block
+        if self.speculation == "adaptive" and self.speculation_blocks:
+            return max(block, *self.speculation_blocks)
+        return block
+
+    def drafter_block_error(self, drafter_block: int) -> str | None:
+        """Why this config's blocks do not fit a drafter of ``drafter_block`` slots (None if they do): a
+        drafter drafts at most its own block, so ``block_size`` and, with adaptive speculation, every one of
+        ``speculation_blocks`` must be at most that."""
+        if self.block_size is not None and self.block_size > drafter_block:
+            return f"block_size {self.block_size} exceeds the drafter's block size {drafter_block}"
+        largest = self.largest_block(drafter_block)
+        if largest > drafter_block:
+            return (f"speculation_blocks {self.speculation_blocks}: block {largest} exceeds the drafter's block "
+                    f"size {drafter_block}")
+        return None
+
     @property
     def max_prompt_length(self) -> int:
         """The longest prompt an engine admits: room for one generated token, within the largest
@@ -193,18 +216,18 @@ class PagedAdmission:
 def _speculation_blocks(config: EngineConfig, block_size: int, drafter: Drafter | None) -> tuple[int, ...]:
     """The block sizes an engine's decode calls may run, largest first, 1 (target-only) last: the
     engine's block alone with fixed speculation; else ``speculation_blocks`` (default: the block, its
-    half and its quarter, down to 2) and 1."""
+    half and its quarter, down to 2), ``block_size``, the engine's block (their largest,
+    ``EngineConfig.largest_block``) and 1."""
     if drafter is None:
         return (1,)
     if config.speculation == "fixed":
         return (block_size,)
     blocks = config.speculation_blocks or tuple(b for b in (block_size, block_size // 2, block_size // 4) if b >= 2)
-    if max(blocks) > block_size:
-        raise ValueError(f"speculation_blocks {blocks} exceed the block size {block_size}")
     kernel = getattr(drafter.config, "conv_kernel_size", 1)  # a DFlash2 drafter's convolutions span its block
     if min(blocks) < kernel:
         raise ValueError(f"speculation_blocks {blocks}: a block is shorter than the drafter's conv_kernel_size {kernel}")
-    return tuple(sorted(set(blocks) | {block_size}, reverse=True)) + (1,)
+    blocks = set(blocks) | {block_size} | ({config.block_size} if config.block_size else set())
+    return tuple(sorted(blocks, reverse=True)) + (1,)
 
 
 def _next_pow2(n: int) -> int:
@@ -299,9 +322,9 @@ class Engine:
             if drafter.config.num_target_layers != target.config.num_layers:
                 raise ValueError(f"drafter num_target_layers {drafter.config.num_target_layers} != target "
                                  f"num_hidden_layers {target.config.num_layers}")
-            if config.block_size is not None and config.block_size > drafter.config.block_size:
-                raise ValueError(f"block_size {config.block_size} exceeds the drafter's {drafter.config.block_size}")
-        self.block_size = (config.block_size or drafter.config.block_size) if drafter is not None else 1
+            if (error := config.drafter_block_error(drafter.config.block_size)) is not None:
+                raise ValueError(error)
+        self.block_size = config.largest_block(drafter.config.block_size) if drafter is not None else 1
         self.speculation_blocks = _speculation_blocks(config, self.block_size, drafter)
         self.step_costs: dict[tuple[int, int], float] = {}  # (state rows, block) -> seconds per step
         # Rounded up to whole attention tiles: the GPU kernel otherwise shrinks its key tile to a
@@ -746,10 +769,18 @@ class Engine:
         """``decode(state, n_steps, window=window)`` as compiled: its optimised HLO (``as_text``: its
         copies, its collectives on a mesh) and its device memory (``memory_analysis``). Compiles
         only; ``state`` is not donated."""
+        return self.decode_lowered(state, n_steps, window=window, sampling=sampling, block=block).compile()
+
+    def decode_lowered(self, state: decoding.DecodeState, n_steps: int = 1, *,
+                       window: int | None = None, sampling: SamplingFlags = decoding.GREEDY_FLAGS,
+                       block: int | None = None) -> jax.stages.Lowered:
+        """``decode(state, n_steps, window=window)`` traced and lowered, not compiled. ``state`` may be
+        abstract (``jax.eval_shape``). Its ``compile()`` may run on another thread (XLA compiles
+        outside the GIL), and a later ``decode`` of a state of the same shapes runs that program."""
         count, fixed = self._step_count(n_steps)
         return self._decode.lower(self._target_state, self._drafter_state, state, count,
                                   window=self._window(window), fixed_steps=fixed, flags=sampling,
-                                  **self._block_argument(block)).compile()
+                                  **self._block_argument(block))
 
     def prefill_compiled(self, rows: int, prompt_length: int) -> jax.stages.Compiled:
         """The prefill of ``rows`` prompts of ``prompt_length`` tokens (its prompt bucket), as compiled;

@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--block-sizes", default="16,8,4", metavar="N,N,...",
                       help="the block sizes tried during the warm-up; the fastest on this device is used "
                            "(at most the drafter's)")
+    demo.add_argument("--temperatures", default="0.7,1.0", metavar="T,T,...",
+                      help="also report tau of seeded sampling at these temperatures, exact and rejection "
+                           "verification ('' : greedy only)")
     demo.add_argument("--no-compilation-cache", action="store_true",
                       help="compile in this process only (default: the user cache directory keeps the programs)")
     demo.add_argument("-v", "--verbose", action="store_true",
@@ -255,14 +258,17 @@ def load_engine(cfg):
 
 
 def check_block_size(cfg) -> None:
-    """``engine.block_size`` against the drafter's, from its config.json, before any weights load."""
+    """``engine.block_size`` and, with adaptive speculation, ``engine.speculation_blocks`` against the
+    drafter's block size, from its config.json, before any weights load (``EngineConfig.drafter_block_error``)."""
     from dflash_jax.models.config import load_drafter_config
 
     block = cfg.engine.block_size
-    if block is None:
+    adaptive_blocks = cfg.engine.speculation_blocks if cfg.engine.speculation == "adaptive" else None
+    if block is None and not adaptive_blocks:  # the drafter's blocks
         return
     if cfg.model.no_draft:
-        log.warning("engine.block_size (--block-size) %d is ignored: target-only decoding drafts no blocks", block)
+        if block is not None:
+            log.warning("engine.block_size (--block-size) %d is ignored: target-only decoding drafts no blocks", block)
         return
     if not (Path(cfg.model.draft) / "config.json").exists():  # an Orbax checkpoint: the engine checks
         return
@@ -270,9 +276,11 @@ def check_block_size(cfg) -> None:
         drafter_block = load_drafter_config(cfg.model.draft).block_size
     except ValueError as err:
         raise CLIError(f"cannot read the drafter's config: {err}") from None
-    if block > drafter_block:
+    if block is not None and block > drafter_block:
         raise CLIError(f"engine.block_size (--block-size) {block} exceeds the drafter's block size {drafter_block} "
                        f"({cfg.model.draft}/config.json): it may only lower it")
+    if (error := cfg.engine.drafter_block_error(drafter_block)) is not None:
+        raise CLIError(f"engine.{error} ({cfg.model.draft}/config.json)")
 
 
 def load_tokenizer(cfg, required: bool):
@@ -867,10 +875,20 @@ def run_command(args: argparse.Namespace, started: float, heartbeat) -> int:
             print(f"serve.py: error: --block-sizes must be block sizes >= 2 separated by commas, got "
                   f"{args.block_sizes!r}", file=sys.stderr)
             return 2
+        try:
+            temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+            if any(not (0 < t < float("inf")) for t in temperatures):
+                raise ValueError
+        except ValueError:
+            print(f"serve.py: error: --temperatures must be temperatures > 0 separated by commas (or ''), got "
+                  f"{args.temperatures!r}", file=sys.stderr)
+            return 2
         report = run_demo(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, block_sizes=sizes,
-                          compilation_cache=not args.no_compilation_cache, warmed_up=heartbeat.stop)
+                          compilation_cache=not args.no_compilation_cache, warmed_up=heartbeat.stop,
+                          temperatures=temperatures)
         print_demo(report)
-        return 0 if report["identical"] else 1
+        exact = all(row.get("identical_to_target_only", True) for row in report["sampled"])
+        return 0 if report["identical"] and exact else 1
     from dflash_jax.io.config import ConfigError
 
     try:

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from dflash_jax.io.checkpoint import load_drafter, load_target
+from dflash_jax.runtime.acceptance import mean_acceptance, sampled_tau
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.runtime.warmup import first_request_shapes, run_warmup, warmup_plan
 from dflash_jax.tiny import write_copycat_pair
@@ -67,14 +68,16 @@ def decode_seconds_per_step(results) -> float:
 def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
             stop_token_ids: list[int] | None = None, *, block_sizes: Sequence[int] = (16, 8, 4),
             calibration: list[list[int]] | None = None, warmed_up: Callable[[], None] | None = None,
-            repeats: int = 2, others: dict | None = None) -> dict:
+            repeats: int = 2, others: dict | None = None, temperatures: Sequence[float] = ()) -> dict:
     """Greedy generation with and without the drafter (batch 1: latency mode), timed after warm-up.
 
     The warm-up compiles what the prompts meet and, where ``block_sizes`` offers a choice, times each
     block size on ``calibration`` (default: the prompts) and keeps the fastest; ``warmed_up()`` is
     called when it ends. Each side is then timed ``repeats`` times, alternately; the best counts.
     ``others`` (name -> drafter, e.g. the pair's DFlash2 drafter) are timed the same way at the chosen
-    block size and reported under ``"others"`` against the same target-only time."""
+    block size and reported under ``"others"`` against the same target-only time.
+    Then, untimed, tau of seeded sampling at each of ``temperatures`` in both verification modes, and
+    whether exact verification gave target-only sampling's tokens (``runtime.acceptance.sampled_tau``)."""
     calibration = calibration or prompts
     longest = max(map(len, prompts + calibration))
     config = EngineConfig(max_batch_size=1, max_length=longest + max_new_tokens, steps_per_sync=8)
@@ -114,16 +117,17 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
     fast, slow, t_spec, t_plain = outputs["dflash"], outputs["target-only"], seconds["dflash"], seconds["target-only"]
     lengths = [n for r in fast for n in r.acceptance_lengths]
     others_report = {
-        name: dict(block_size=extra[name].block_size, tau=_tau(outputs[name]), speedup=t_plain / seconds[name],
+        name: dict(block_size=extra[name].block_size, tau=mean_acceptance(outputs[name]), speedup=t_plain / seconds[name],
                    dflash_s=seconds[name], identical=all(a.output_ids == b.output_ids
                                                          for a, b in zip(outputs[name], slow)))
         for name in extra}
-    return dict(
+    sampled = sampled_tau(spec, plain, prompts, max_new_tokens, temperatures, stop_token_ids) if temperatures else []
+    return dict(sampled=sampled,
         device=describe_device(), block_size=spec.block_size, block_rates=rates,
         prompts=len(prompts), max_new_tokens=max_new_tokens, output_tokens=sum(r.num_output_tokens for r in fast),
         identical=all(a.output_ids == b.output_ids for a, b in zip(fast, slow)),
         identical_prompts=sum(a.output_ids == b.output_ids for a, b in zip(fast, slow)),
-        tau=_tau(fast), others=others_report,
+        tau=mean_acceptance(fast), others=others_report,
         histogram=dict(sorted(collections.Counter(lengths).items())),
         dflash_s=t_spec, target_only_s=t_plain, speedup=t_plain / t_spec,
         # what one DFlash step (draft a block, verify it) costs in target-only steps, here
@@ -132,14 +136,9 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
     )
 
 
-def _tau(results) -> float:
-    """Mean acceptance length over every DFlash step of ``results``."""
-    lengths = [n for r in results for n in r.acceptance_lengths]
-    return float(np.mean(lengths)) if lengths else 1.0
-
-
 def run_demo(num_prompts: int = 8, max_new_tokens: int = 96, block_sizes: Sequence[int] = (16, 8, 4),
-             compilation_cache: bool = True, warmed_up: Callable[[], None] | None = None) -> dict:
+             compilation_cache: bool = True, warmed_up: Callable[[], None] | None = None,
+             temperatures: Sequence[float] = (0.7, 1.0)) -> dict:
     """The demo's report (``print_demo`` prints it); ``warmed_up()`` is called when the timing starts."""
     from dflash_jax import embedded
 
@@ -158,7 +157,8 @@ def run_demo(num_prompts: int = 8, max_new_tokens: int = 96, block_sizes: Sequen
         others = ({"DFlash2": load_drafter(embedded.DEFAULT_DRAFTER2)} if embedded.DEFAULT_DRAFTER2.is_dir()
                   else {})
         report = compare(target, drafter, prompts, max_new_tokens, list(tokenizer.stop_token_ids),
-                         block_sizes=block_sizes, calibration=calibration, warmed_up=warmed_up, others=others)
+                         block_sizes=block_sizes, calibration=calibration, warmed_up=warmed_up,
+                         temperatures=temperatures, others=others)
         report["pair"] = f"the embedded default pair ({embedded.EMBEDDED_DIR})"
         report["what"] = "held-out stdlib prompts (signatures and docstrings)"
         report["sample"] = (texts[0], tokenizer.decode(report["results"][0].output_ids))
@@ -171,7 +171,7 @@ def run_demo(num_prompts: int = 8, max_new_tokens: int = 96, block_sizes: Sequen
     prompts = [rng.randint(0, target.config.vocab_size - 1, rng.randint(4, 40)).tolist()
                for _ in range(num_prompts + CALIBRATION_PROMPTS)]
     report = compare(target, drafter, prompts[:num_prompts], max_new_tokens, block_sizes=block_sizes,
-                     calibration=prompts[num_prompts:], warmed_up=warmed_up)
+                     calibration=prompts[num_prompts:], warmed_up=warmed_up, temperatures=temperatures)
     report["pair"] = "a synthetic self-check pair (models/embedded not found)"
     report["what"] = "random prompts"
     return report
@@ -197,6 +197,14 @@ def print_demo(report: dict) -> None:
     for name, other in report.get("others", {}).items():
         print(f"  {name} drafter, block size {other['block_size']}: tau {other['tau']:.2f}, speedup "
               f"{other['speedup']:.2f}x, output identical: {'yes' if other['identical'] else 'NO'}")
+    if report.get("sampled"):
+        by_t: dict[float, list[str]] = {}
+        for row in report["sampled"]:
+            text = f"{row['verify']} {row['tau']:.2f}"
+            if "identical_to_target_only" in row:
+                text += f" (= target-only sampling: {'yes' if row['identical_to_target_only'] else 'NO'})"
+            by_t.setdefault(row["temperature"], []).append(text)
+        print("  tau with seeded sampling: " + "; ".join(f"T={t:g} " + ", ".join(v) for t, v in by_t.items()))
     if speedup < 0.9 * tau:
         print(f"  why not {tau:.1f}x: here one DFlash step (drafting {report['block_size']} tokens and verifying them) "
               f"costs {report['step_cost']:.1f} target-only steps, so tau {tau:.2f} gives {speedup:.2f}x; where the "

@@ -250,41 +250,23 @@ def tau_by_kind(report: dict, kinds: list[str]) -> dict[str, float]:
     return out
 
 
-def sampled_tau(target_dir, drafters: dict, prompts: list[list[int]], max_new_tokens: int,
-                temperatures, block_size: int = 16, seed: int = 0) -> list[dict]:
-    """tau of seeded sampled decoding (each prompt seeded ``seed + i``) for each drafter,
-    temperature and verification mode it supports (a DFlash2 drafter: exact only); for exact verification also whether the output equals the
-    target-only draw of the same seeds (it must: exact mode is lossless token for token)."""
-    import numpy as np
-
+def sampled_taus(target_dir, drafters: dict, prompts: list[list[int]], max_new_tokens: int,
+                 temperatures, block_size: int = 16) -> list[dict]:
+    """``runtime.acceptance.sampled_tau`` of each drafter (name -> directory), rows tagged ``"drafter"``;
+    every prompt in one batch (rows decode as they would alone)."""
     from dflash_jax.io.checkpoint import load_drafter, load_target
+    from dflash_jax.runtime.acceptance import sampled_tau
     from dflash_jax.runtime.engine import Engine, EngineConfig
-    from dflash_jax.runtime.sampling import SamplingParams
 
     target = load_target(target_dir)
-    eos = list(target.config.eos_token_ids)
-    cfg = EngineConfig(max_batch_size=min(len(prompts), 8), max_length=max(map(len, prompts)) + max_new_tokens + 8,
-                       steps_per_sync=8, block_size=block_size)  # rows decode as they would alone
+    cfg = EngineConfig(max_batch_size=len(prompts), max_length=max(map(len, prompts)) + max_new_tokens + 8,
+                       steps_per_sync=8, block_size=block_size)
     plain = Engine(target, None, dataclasses.replace(cfg, block_size=None))
     rows = []
-    for temperature in temperatures:
-        def params(verify: str) -> list[SamplingParams]:
-            return [SamplingParams(temperature=temperature, seed=seed + i, verify=verify) for i in range(len(prompts))]
-
-        reference = [r.output_ids for r in plain.generate(prompts, max_new_tokens, eos, sampling=params("exact"))]
-        for name, directory in drafters.items():
-            drafter = load_drafter(directory)
-            engine = Engine(target, drafter, cfg)
-            # Rejection sampling needs drafts drawn from the drafter's distribution; a selector's path is not.
-            modes = ("exact",) if getattr(drafter, "selects_drafts", False) else ("exact", "rejection")
-            for verify in modes:
-                results = engine.generate(prompts, max_new_tokens, eos, sampling=params(verify))
-                lengths = [int(n) for r in results for n in r.acceptance_lengths]
-                row = {"drafter": name, "temperature": temperature, "verify": verify,
-                       "tau": float(np.mean(lengths)), "block_size": block_size}
-                if verify == "exact":
-                    row["identical_to_target_only"] = [r.output_ids for r in results] == reference
-                rows.append(row)
+    for name, directory in drafters.items():
+        spec = Engine(target, load_drafter(directory), cfg)
+        rows += [dict(row, drafter=name) for row in sampled_tau(spec, plain, prompts, max_new_tokens, temperatures,
+                                                                list(target.config.eos_token_ids))]
     return rows
 
 
@@ -500,7 +482,7 @@ def build(output: Path, work: Path, force: str | None = None, settings: BuildSet
         r = evaluate(target_dir, drafter2_dir, ids, s.eval_new_tokens, block_size=16)
         r["tau_by_kind"] = tau_by_kind(r, kinds)
         report["dflash2_block_16"] = r
-        report["sampled"] = sampled_tau(target_dir, {"dflash": drafter_dir, "dflash2": drafter2_dir}, ids,
+        report["sampled"] = sampled_taus(target_dir, {"dflash": drafter_dir, "dflash2": drafter2_dir}, ids,
                                         s.eval_new_tokens, s.sampled_temperatures)
         report["prompts_kind"] = "held-out function signatures + docstrings (code) and chat requests (chat), 2:1"
         report["device"] = _device()

@@ -4,10 +4,13 @@
 of queries over a shared context prefix of per-block length plus the block's own K/V; GQA folded
 into the query rows; float32 softmax; rows that see no key give zeros) with a Pallas forward kernel:
 
-- ``jax.default_backend() == "gpu"``: ``gpu.py`` (Pallas, Triton lowering, split-K);
+- ``jax.default_backend() == "gpu"``: ``gpu.py`` (Pallas, Triton lowering, split-K), or with
+  ``lowering="mosaic"`` ``mosaic_gpu.py`` (Pallas, Mosaic GPU lowering: TMA and ``wgmma``, split-K)
+  where it takes the shapes (16-bit, head_dim 64 or 128, whole context tiles);
 - ``"tpu"``: ``tpu.py`` (Mosaic TPU, scalar-prefetched lengths);
 - ``"cpu"``: the GPU kernel in Pallas interpret mode (``backend="tpu"`` selects the TPU kernel in
-  TPU interpret mode instead).
+  TPU interpret mode instead; ``lowering="mosaic"`` the Mosaic GPU kernel in its interpret mode,
+  jax >= 0.11).
 
 It is differentiable through ``jax.custom_vjp``: the forward kernel also returns the per-row
 log-sum-exp, and the backward recomputes the probabilities from it without ever materialising the
@@ -41,10 +44,21 @@ def _resolve(backend: str | None, interpret: bool | None):
 
 def block_attention_fwd(
     q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal, scale=None,
-    interpret=None, backend=None, config=None,
+    interpret=None, backend=None, config=None, lowering="triton",
 ):
     """Forward only: ``(out, lse)``; ``lse`` is ``[batch, blocks, kv_heads, block * groups]``."""
+    if lowering not in ("triton", "mosaic"):
+        raise ValueError(f"lowering must be 'triton' or 'mosaic', got {lowering!r}")
     backend, interpret = _resolve(backend, interpret)
+    if backend == "gpu" and lowering == "mosaic":
+        from kernels_pallas.block_attention import mosaic_gpu
+
+        mosaic_config = config if isinstance(config, mosaic_gpu.MosaicConfig) else None
+        if mosaic_gpu.runs_here(q.shape[-1], k_ctx.shape[1], k_ctx.dtype, mosaic_config or mosaic_gpu.DEFAULT_CONFIG) \
+                and q.dtype == k_ctx.dtype:
+            return mosaic_gpu.forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale,
+                                      interpret=interpret, config=mosaic_config)
+        config = None if mosaic_config is not None else config  # the Triton kernel's defaults
     if backend == "gpu":
         from kernels_pallas.block_attention import gpu as impl
     else:
@@ -55,28 +69,31 @@ def block_attention_fwd(
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13))
 def _attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal, scale, interpret,
-               backend, config, bwd):
+               backend, config, bwd, lowering):
     out, _ = block_attention_fwd(
         q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale,
-        interpret=interpret, backend=backend, config=config,
+        interpret=interpret, backend=backend, config=config, lowering=lowering,
     )
     return out
 
 
 def _attention_fwd(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal, scale, interpret,
-                   backend, config, bwd):
+                   backend, config, bwd, lowering):
     out, lse = block_attention_fwd(
         q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale,
-        interpret=interpret, backend=backend, config=config,
+        interpret=interpret, backend=backend, config=config, lowering=lowering,
     )
     return out, (q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, out, lse)
 
 
-def _attention_bwd(causal, scale, interpret, backend, config, bwd, res, dout):
+def _attention_bwd(causal, scale, interpret, backend, config, bwd, lowering, res, dout):
     q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, out, lse = res
     if bwd == "pallas":
+        from kernels_pallas.block_attention.gpu import GpuConfig
+
+        config = config if isinstance(config, GpuConfig) else None  # a MosaicConfig is the forward's
         from kernels_pallas.block_attention.gpu_bwd import block_attention_bwd_pallas
 
         _, interpret = _resolve("gpu", interpret)
@@ -101,7 +118,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: jax.Array, k_blk: jax.Array,
     v_blk: jax.Array, blk_lens: jax.Array, *, causal: bool, scale: float | None = None,
-    interpret: bool | None = None, backend: str | None = None, config=None, bwd: str | None = None) -> jax.Array:
+    interpret: bool | None = None, backend: str | None = None, config=None, bwd: str | None = None,
+    lowering: str = "triton") -> jax.Array:
     """``reference.block_attention_reference`` as a Pallas kernel (differentiable).
 
     Args: as the reference (q ``[batch, blocks, block, q_heads, head_dim]``, k_ctx/v_ctx
@@ -110,7 +128,10 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
       interpret: run the kernel in Pallas interpret mode; default: when the kernel's backend is not
         the platform (so on the CPU).
       backend: "gpu" or "tpu" kernel; default from ``jax.default_backend()`` ("gpu" on CPU).
-      config: a ``GpuConfig`` / ``TpuConfig`` of tile sizes (None: defaults).
+      config: a ``GpuConfig`` / ``TpuConfig`` / ``mosaic_gpu.MosaicConfig`` of tile sizes (None:
+        defaults).
+      lowering: the GPU forward's Pallas lowering: "triton" (``gpu.py``) or "mosaic"
+        (``mosaic_gpu.py`` where it takes the shapes and the platform runs it, else ``gpu.py``).
       bwd: the backward: "pallas" (two Pallas kernels with the Triton lowering; the default when
         the GPU kernel runs compiled, i.e. on a GPU) or "xla" (blockwise jnp recomputation; the
         default on TPU and in interpret mode). Either may be asked for explicitly.
@@ -121,6 +142,6 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
     scale = default_scale(q.shape[-1], scale)
     return _attention(
         q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, bool(causal), scale, interpret,
-        backend, config, bwd,
+        backend, config, bwd, lowering,
     )
 

@@ -81,11 +81,9 @@ def test_block_attention_float32_odd_shapes(causal):
     assert errors(got, want)[0] < 1e-4
 
 
-@pytest.mark.parametrize("bwd", ["xla", "pallas"])
-def test_block_attention_gradients_of_the_training_pattern(bwd):
-    """64 anchor blocks over a 1024-token sequence, each seeing the context before its anchor: the
-    kernel's custom VJP (Pallas backward kernels, or the blockwise jnp backward) against the
-    reference's autodiff, every input's gradient."""
+def assert_training_pattern_gradients(**kw):
+    """64 anchor blocks over a 1024-token sequence, each seeing the context before its anchor:
+    ``block_attention(**kw)``'s custom VJP against the reference's autodiff, every input's gradient."""
     anchors = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 1024 - BLOCK + 1, (1, 64))), jnp.int32)
     args = block_args(1, 64, 1024, seed=3, ctx_lens=anchors)
     ct = jax.random.normal(jax.random.PRNGKey(5), args[0].shape, jnp.float32)
@@ -96,8 +94,14 @@ def test_block_attention_gradients_of_the_training_pattern(bwd):
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*[args[i] for i in (0, 1, 2, 4, 5, 3, 6)], ct)
 
     for name, got, want in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"),
-                               grads(block_attention, bwd=bwd), grads(block_attention_reference)):
+                               grads(block_attention, **kw), grads(block_attention_reference)):
         assert errors(got, want)[1] < 2e-2, name
+
+
+@pytest.mark.parametrize("bwd", ["xla", "pallas"])
+def test_block_attention_gradients_of_the_training_pattern(bwd):
+    """The training pattern's gradients: Pallas backward kernels, or the blockwise jnp backward."""
+    assert_training_pattern_gradients(bwd=bwd)
 
 
 # -- the fused cached attention ------------------------------------------------------------------------

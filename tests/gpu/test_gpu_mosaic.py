@@ -1,8 +1,9 @@
 """The Mosaic GPU kernels compiled for the GPU (Hopper or later) against their references, at Qwen3-8B
-head shapes: the decode / verify attention over a KV cache (split-K over long contexts, the tile
-configs; through ``ops.attention.cached_attention`` with ``gpu_lowering="mosaic"`` in
-test_gpu_kernels.py beside the Triton kernel) and the add + RMSNorm. Tolerances are those of
-tests/gpu/test_gpu_kernels.py for the Triton kernels.
+head shapes: the block attention (one block per row over a KV cache: decode tokens, verify and draft
+blocks, split-K over long contexts, the tile configs; several blocks per row: the training pattern,
+its gradients through the Triton backward; through ``ops.attention.cached_attention`` with
+``gpu_lowering="mosaic"`` in test_gpu_kernels.py beside the Triton kernel) and the add + RMSNorm.
+Tolerances are those of tests/gpu/test_gpu_kernels.py for the Triton kernels.
 
     JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/gpu/test_gpu_mosaic.py
 """
@@ -13,12 +14,16 @@ import numpy as np
 import pytest
 
 from dflash_jax.ops import OpsConfig
+from dflash_jax.ops import attention as attention_ops
 from dflash_jax.ops.config import XLA
+from kernels_pallas.block_attention import block_attention, block_attention_fwd
+from kernels_pallas.block_attention import mosaic_gpu as attention_mgpu
+from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, plan
 from kernels_pallas.block_attention.reference import block_attention_reference
-from kernels_pallas.cached_attention.mosaic_gpu import MosaicConfig, decode_attention, plan
 from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
 from kernels_pallas.rms_norm.reference import add_rms_norm_reference
-from test_gpu_kernels import HKV, HQ, D, cached, cached_args, errors, normal
+from test_gpu_kernels import (BLOCK, HKV, HQ, assert_training_pattern_gradients, block_args, cached,
+                              cached_args, errors, normal)
 
 pytestmark = pytest.mark.gpu
 
@@ -26,8 +31,8 @@ MOSAIC = OpsConfig(attention="pallas", gpu_lowering="mosaic")
 
 
 def attention_args(batch, block, capacity, *, dtype=jnp.bfloat16, seed=0, starts=None, blk_lens=None):
-    """Random queries, block K/V and caches; by default rows' contexts spread over the cache (the
-    first full, the last empty) and random block lengths."""
+    """One block per row over a cache (``block_attention``'s arguments, ``blocks == 1``): by default
+    rows' contexts spread over the cache (the first full, the last empty) and random block lengths."""
     rng = np.random.default_rng(seed)
     if starts is None:
         starts = rng.integers(0, capacity + 1, batch)
@@ -36,57 +41,87 @@ def attention_args(batch, block, capacity, *, dtype=jnp.bfloat16, seed=0, starts
             starts[-1] = 0
     if blk_lens is None:
         blk_lens = rng.integers(1, block + 1, batch)
-    ks = jax.random.split(jax.random.key(seed), 5)
-    q = normal(ks[0], (batch, block, HQ, D), dtype)
-    k_blk, v_blk = (normal(k, (batch, block, HKV, D), dtype) for k in ks[1:3])
-    k_cache, v_cache = (normal(k, (batch, capacity, HKV, D), dtype) for k in ks[3:5])
-    return q, k_blk, v_blk, k_cache, v_cache, jnp.asarray(starts, jnp.int32), jnp.asarray(blk_lens, jnp.int32)
-
-
-def reference(q, k_blk, v_blk, k_cache, v_cache, starts, blk_lens, *, causal):
-    return block_attention_reference(q[:, None], k_cache, v_cache, starts[:, None], k_blk[:, None], v_blk[:, None],
-                                     blk_lens[:, None], causal=causal)[:, 0]
+    return block_args(batch, 1, capacity, dtype=dtype, seed=seed, block=block,
+                      ctx_lens=jnp.asarray(starts, jnp.int32)[:, None],
+                      blk_lens=jnp.asarray(blk_lens, jnp.int32)[:, None])
 
 
 def check(args, *, causal, config=None):
-    got = jax.jit(lambda *a: decode_attention(*a, causal=causal, config=config))(*args)
-    want = jax.jit(lambda *a: reference(*a, causal=causal))(*args)
+    got = jax.jit(lambda *a: attention_mgpu.forward(*a, causal=causal, config=config)[0])(*args)
+    want = jax.jit(lambda *a: block_attention_reference(*a, causal=causal))(*args)
     largest, rel = errors(got, want)
-    batch, block = args[0].shape[:2]
-    splits = plan(batch, HKV, -(-block * HQ // HKV // 64), args[3].shape[1], config or MosaicConfig())[0]
+    batch, blocks, block = args[0].shape[:3]
+    splits = plan(batch * blocks, HKV, -(-block * HQ // HKV // 64), args[1].shape[1], config or MosaicConfig())[0]
     assert rel < 1e-2 and largest < 6e-2, (largest, rel, splits)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["draft", "causal"])
 @pytest.mark.parametrize("batch,block,capacity", [(1, 1, 32768), (1, 16, 16384), (8, 1, 4096), (4, 16, 2048),
                                                   (32, 16, 1024), (2, 32, 4096)])
-def test_decode_attention_bf16_equals_reference(batch, block, capacity, causal):
-    """A decode token and verify blocks (16 slots: one 64-row query tile; 32: two), random context and
-    block lengths (one row's context the whole cache, one none), split-K as ``plan`` fills the SMs."""
+def test_block_attention_over_a_cache_bf16_equals_reference(batch, block, capacity, causal):
+    """A decode token and verify / draft blocks (16 slots: one 64-row query tile; 32: two), random
+    context and block lengths (one row's context the whole cache, one none), split-K as ``plan``
+    fills the SMs, the block's own keys in the last split."""
     check(attention_args(batch, block, capacity, seed=batch * 7 + block), causal=causal)
 
 
-def test_decode_attention_float16_and_odd_contexts():
-    """float16; contexts ending inside a tile and a context of one position."""
-    args = attention_args(3, 16, 4096, dtype=jnp.float16, seed=11, starts=[4095, 1, 1000], blk_lens=[16, 3, 1])
+def test_block_attention_float16_and_odd_contexts():
+    """float16; contexts ending inside a tile, a context of one position, a block of no valid slot."""
+    args = attention_args(4, 16, 4096, dtype=jnp.float16, seed=11, starts=[4095, 1, 1000, 64],
+                          blk_lens=[16, 3, 1, 0])
     check(args, causal=True)
 
 
 @pytest.mark.parametrize("config", [MosaicConfig(block_k=128), MosaicConfig(block_k=128, stages=2),
                                     MosaicConfig(stages=2), MosaicConfig(stages=6), MosaicConfig(splits=1),
                                     MosaicConfig(splits=7)], ids=str)
-def test_decode_attention_tile_configs_equal_reference(config):
+def test_block_attention_tile_configs_equal_reference(config):
     for batch, block in ((1, 1), (4, 16)):
         check(attention_args(batch, block, 8192, seed=block), causal=True, config=config)
 
 
-def test_decode_attention_is_deterministic():
+@pytest.mark.parametrize("causal", [False, True], ids=["draft", "causal"])
+@pytest.mark.parametrize("batch,blocks,ctx", [(1, 64, 1024), (4, 3, 2048), (1, 512, 4096)])
+def test_block_attention_several_blocks_equals_reference(batch, blocks, ctx, causal):
+    """Several blocks per row (the training pattern: anchor blocks over the context before them, and
+    random lengths with one block of no context), on the Mosaic GPU lowering through
+    ``block_attention``; the log-sum-exp (the backward's input) equals the Triton kernel's."""
+    rng = np.random.default_rng(ctx + blocks)
+    ctx_lens = jnp.asarray(np.sort(rng.integers(0, ctx - BLOCK + 1, (batch, blocks))), jnp.int32).at[0, 0].set(0)
+    blk_lens = jnp.asarray(rng.integers(1, BLOCK + 1, (batch, blocks)), jnp.int32)
+    args = block_args(batch, blocks, ctx, seed=blocks, ctx_lens=ctx_lens, blk_lens=blk_lens)
+    got = jax.jit(lambda *a: block_attention(*a, causal=causal, lowering="mosaic"))(*args)
+    want = jax.jit(lambda *a: block_attention_reference(*a, causal=causal))(*args)
+    largest, rel = errors(got, want)
+    assert rel < 1e-2 and largest < 6e-2, (largest, rel)
+    lse = [jax.jit(lambda *a, lo=lo: block_attention_fwd(*a, causal=causal, lowering=lo)[1])(*args)
+           for lo in ("mosaic", "triton")]
+    np.testing.assert_allclose(np.asarray(lse[0]), np.asarray(lse[1]), rtol=1e-3, atol=1e-3)
+
+
+def test_block_attention_mosaic_forward_gradients_of_the_training_pattern():
+    """64 anchor blocks over 1024 tokens: the Mosaic GPU forward with the Triton backward kernels from
+    its log-sum-exp, against the reference's autodiff, every input's gradient."""
+    assert_training_pattern_gradients(lowering="mosaic")
+
+
+def test_block_attention_is_deterministic():
     """20 calls give the same bits: the split partials merge in a fixed order, nothing races."""
     args = attention_args(1, 16, 16384, seed=3)
-    fn = jax.jit(lambda *a: decode_attention(*a, causal=True))
+    fn = jax.jit(lambda *a: attention_mgpu.forward(*a, causal=True)[0])
     first = np.asarray(fn(*args))
     for _ in range(19):
         np.testing.assert_array_equal(np.asarray(fn(*args)), first)
+
+
+def test_ops_block_attention_takes_the_mosaic_kernel():
+    """``ops.attention.block_attention`` with ``gpu_lowering="mosaic"`` runs the Mosaic GPU kernel
+    (its name in the compiled program) and equals the reference."""
+    args = block_args(2, 4, 2048, seed=4)
+    fn = jax.jit(lambda *a: attention_ops.block_attention(*a, causal=False, ops=MOSAIC))
+    assert "dflash_block_attention_mgpu" in fn.lower(*args).as_text()
+    largest, rel = errors(fn(*args), block_attention_reference(*args, causal=False))
+    assert rel < 1e-2 and largest < 6e-2
 
 
 def test_cached_attention_float32_on_the_mosaic_lowering_equals_reference():

@@ -16,7 +16,10 @@ from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.rope import rope_inv_freq
 from kernels_pallas._mosaic import mosaic_interpret_available
 from kernels_pallas.block_attention.reference import block_attention_reference
-from kernels_pallas.cached_attention.mosaic_gpu import MosaicConfig, decode_attention, plan
+from kernels_pallas.block_attention import block_attention
+from kernels_pallas.block_attention import mosaic_gpu as attention_mgpu
+from kernels_pallas.block_attention.gpu import forward as triton_forward
+from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, plan
 from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
 from kernels_pallas.rms_norm.reference import add_rms_norm_reference
 from lowering import lower_for
@@ -30,32 +33,36 @@ def normal(key, shape, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def attention_args(batch, block, heads, kv_heads, head_dim, capacity, starts, blk_lens, *, dtype=jnp.bfloat16,
-                   seed=0):
+def attention_args(batch, blocks, block, heads, kv_heads, head_dim, ctx, ctx_lens, blk_lens, *,
+                   dtype=jnp.bfloat16, seed=0):
+    """``block_attention``'s arguments: ``ctx_lens, blk_lens`` are ``[batch, blocks]`` lists."""
     ks = jax.random.split(jax.random.key(seed), 5)
-    q = normal(ks[0], (batch, block, heads, head_dim), dtype)
-    k_blk, v_blk = (normal(k, (batch, block, kv_heads, head_dim), dtype) for k in ks[1:3])
-    k_cache, v_cache = (normal(k, (batch, capacity, kv_heads, head_dim), dtype) for k in ks[3:5])
-    return (q, k_blk, v_blk, k_cache, v_cache, jnp.asarray(starts, jnp.int32), jnp.asarray(blk_lens, jnp.int32))
+    q = normal(ks[0], (batch, blocks, block, heads, head_dim), dtype)
+    k_blk, v_blk = (normal(k, (batch, blocks, block, kv_heads, head_dim), dtype) for k in ks[1:3])
+    k_ctx, v_ctx = (normal(k, (batch, ctx, kv_heads, head_dim), dtype) for k in ks[3:5])
+    return (q, k_ctx, v_ctx, jnp.asarray(ctx_lens, jnp.int32), k_blk, v_blk, jnp.asarray(blk_lens, jnp.int32))
 
 
-def reference(q, k_blk, v_blk, k_cache, v_cache, starts, blk_lens, *, causal):
-    return block_attention_reference(q[:, None], k_cache, v_cache, starts[:, None], k_blk[:, None], v_blk[:, None],
-                                     blk_lens[:, None], causal=causal)[:, 0]
+def largest_error(got, want) -> float:
+    return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
 
 
 # -- lowering for CUDA (any JAX) -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("batch,block,capacity", [(1, 1, 32768), (8, 16, 4096), (32, 1, 1024)])
-def test_decode_attention_lowers_for_cuda(batch, block, capacity):
+@pytest.mark.parametrize("batch,blocks,block,ctx", [(1, 1, 1, 32768), (8, 1, 16, 4096), (32, 1, 1, 1024),
+                                                   (1, 64, 16, 4096), (2, 1, 32, 2048)])
+def test_block_attention_lowers_for_cuda(batch, blocks, block, ctx):
     """Qwen3-8B heads in bf16: a decode token over a 32k cache (16 splits), a verify block of 64 query
-    rows, a wide batch (no split): the Pallas Mosaic GPU lowering accepts every layout and copy."""
-    shapes = [sd(x.shape, x.dtype) for x in attention_args(batch, block, 32, 8, 128, 128, [0] * batch,
-                                                              [block] * batch)]
-    shapes[3] = shapes[4] = sd((batch, capacity, 8, 128), jnp.bfloat16)
-    fn = jax.jit(lambda *a: decode_attention(*a, causal=True, interpret=False))
-    assert "mosaic_gpu" in lower_for(fn, shapes, "cuda").as_text()
+    rows, a wide batch (no split), training's anchor blocks, two query tiles: the Pallas Mosaic GPU
+    lowering accepts every layout and copy. The attention is the kernel's alone: one kernel call and
+    no matrix product in XLA (the block's own keys are inside the kernel)."""
+    shapes = [sd(x.shape, x.dtype) for x in attention_args(batch, blocks, block, 32, 8, 128, 128,
+                                                              [[0] * blocks] * batch, [[block] * blocks] * batch)]
+    shapes[1] = shapes[2] = sd((batch, ctx, 8, 128), jnp.bfloat16)
+    fn = jax.jit(lambda *a: attention_mgpu.forward(*a, causal=True, interpret=False)[0])
+    text = lower_for(fn, shapes, "cuda").as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1 and "dot_general" not in text
 
 
 @pytest.mark.parametrize("with_delta", [True, False])
@@ -111,16 +118,59 @@ def test_add_rms_norm_interpreted_equals_reference(dtype):
 @interpreted
 @pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False], ids=["verify", "draft"])
-def test_decode_attention_interpreted_equals_reference(causal):
-    """Two rows (a context of 100 positions over two splits' balanced tiles, and none), GQA 4 / 2
-    heads of 64, a block of 3 with one row's block one short; then a decode token of 4 / 1 heads of
-    128 (one query tile of 4 real rows)."""
-    for shape, starts, blk_lens in (((2, 3, 4, 2, 64, 192), [100, 0], [3, 2]),
-                                    ((1, 1, 4, 1, 128, 128), [77], [1])):
-        args = attention_args(*shape, starts, blk_lens, seed=len(starts))
-        got = decode_attention(*args, causal=causal, config=MosaicConfig(splits=2), interpret=True)
-        want = reference(*args, causal=causal)
-        assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))) < 2e-2, shape
+def test_block_attention_interpreted_equals_reference(causal):
+    """The drafter's block and the target's verify block over a context: two rows (a context of 100
+    positions over two splits' balanced tiles, and none), GQA 4 / 2 heads of 64, a block of 3 with
+    one row's block one short, the block's own keys in the last split; then a decode token of 4 / 1
+    heads of 128 (one query tile of 4 real rows, stored without padding)."""
+    for shape, ctx_lens, blk_lens in (((2, 1, 3, 4, 2, 64, 192), [[100], [0]], [[3], [2]]),
+                                      ((1, 1, 1, 4, 1, 128, 128), [[77]], [[1]])):
+        args = attention_args(*shape, ctx_lens, blk_lens, seed=len(ctx_lens))
+        got = attention_mgpu.forward(*args, causal=causal, config=MosaicConfig(splits=2), interpret=True)[0]
+        assert largest_error(got, block_attention_reference(*args, causal=causal)) < 2e-2, shape
+
+
+@interpreted
+@pytest.mark.slow
+def test_block_attention_interpreted_blocks_tiles_and_lse():
+    """Several blocks per row (training's anchors: contexts 0, 50 and the whole 128, a row that sees
+    no key at all gets zeros), two 64-row query tiles (32 slots of 8 / 2 heads), 128-key tiles; the
+    log-sum-exp equals the Triton kernel's (the backward's input)."""
+    cases = (((1, 3, 2, 4, 2, 64, 128), [[0, 50, 128]], [[0, 1, 2]], MosaicConfig()),
+             ((1, 1, 32, 8, 2, 64, 256), [[200]], [[30]], MosaicConfig(splits=3)),
+             ((2, 1, 16, 4, 1, 64, 256), [[0], [256]], [[0], [16]], MosaicConfig(block_k=128)))
+    for shape, ctx_lens, blk_lens, config in cases:
+        args = attention_args(*shape, ctx_lens, blk_lens, seed=shape[1])
+        got, lse = attention_mgpu.forward(*args, causal=True, config=config, interpret=True)
+        assert largest_error(got, block_attention_reference(*args, causal=True)) < 2e-2, shape
+        want_lse = triton_forward(*args, causal=True, interpret=True)[1]
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+    zero_row = attention_mgpu.forward(*attention_args(1, 1, 2, 2, 1, 64, 64, [[0]], [[0]]), causal=True,
+                                      interpret=True)[0]
+    np.testing.assert_array_equal(np.asarray(zero_row), 0)
+
+
+@pytest.mark.slow
+def test_block_attention_mosaic_lowering_is_differentiable():
+    """``block_attention(lowering="mosaic")``: the Mosaic GPU forward (interpreted; on a JAX without
+    Mosaic GPU's interpreter the Triton kernel's), the XLA backward from its log-sum-exp; gradients
+    equal the reference's."""
+    args = attention_args(1, 2, 2, 4, 2, 64, 64, [[30, 64]], [[2, 1]], seed=2)
+    q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens = args
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)
+
+    def mosaic(q, k, v):
+        return block_attention(q, k, v, ctx_lens, k_blk, v_blk, blk_lens, causal=False, lowering="mosaic")
+
+    def ref(q, k, v):
+        return block_attention_reference(q, k, v, ctx_lens, k_blk, v_blk, blk_lens, causal=False)
+
+    got = jax.grad(loss(mosaic), argnums=(0, 1, 2))(q, k_ctx, v_ctx)
+    want = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k_ctx, v_ctx)
+    for g, w in zip(got, want):
+        assert largest_error(g, w) < 5e-2 * float(jnp.max(jnp.abs(w.astype(jnp.float32))))
 
 
 @interpreted

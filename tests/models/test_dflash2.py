@@ -270,3 +270,46 @@ def test_sliding_window_layers_match_speculators(tmp_path):
     assert model.sliding_window_indices == [0] and model.sliding_window == 4
     ids = np.random.default_rng(5).integers(0, cfg.vocab_size - 1, (1, 30))
     compare_block_logits(target, drafter, model, ids, np.array([1, 6, 13, 21]))
+
+
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_serving_draft_equals_training_forward(impl):
+    """``DFlash2Drafter.draft`` in the serving layout over a context cache (each residual add carried to
+    the norm after it; the Pallas kernels in interpret mode for ``impl="pallas"``) equals
+    ``__call__`` in the checkpoint layout: a sliding and a full layer, rows of different context
+    lengths, a short block, stale cache entries past each row's context."""
+    import jax
+    from drafter_cases import draft_case
+
+    from dflash_jax.ops.config import OpsConfig
+    from dflash_jax.runtime.serving_params import serving_drafter
+
+    tcfg = tiny_target_config(num_layers=6)
+    cfg = dataclasses.replace(tiny_dflash2_config(tcfg, num_layers=2, block_size=8, conv_kernel_size=3,
+                                                  conv_group_size=8),
+                              layer_types=("sliding_attention", "full_attention"), sliding_window=6)
+    drafter = random_drafter(cfg, seed=4, std=0.1)
+    case = draft_case(drafter, tcfg.hidden_size, seed=1)
+    served = serving_drafter(drafter)
+    got = jax.jit(lambda e, c: served.draft(e, case.starts, c, case.valid, ops=OpsConfig(attention=impl)))(
+        case.embeds, case.cache)
+    np.testing.assert_allclose(np.asarray(got)[:, 0][case.rows], np.asarray(case.want)[:, 0][case.rows],
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 6, 16])
+def test_first_argmax_and_pick_equal_argmax_and_take(k):
+    """The selection's elementwise argmax and lookup equal ``jnp.argmax`` (first maximum, first NaN)
+    and ``take_along_axis``, for a K that is not a power of two too."""
+    from dflash_jax.models.dflash2 import first_argmax, pick
+
+    rng = np.random.default_rng(k)
+    x = rng.integers(0, 3, (40, k)).astype(np.float32)  # many ties
+    x[0] = -np.inf
+    if k > 2:
+        x[1, [1, 2]] = np.nan
+        x[2, k - 1] = np.nan
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+    table, index = rng.integers(0, 1000, (40, k)), rng.integers(0, k, 40)
+    np.testing.assert_array_equal(np.asarray(pick(jnp.asarray(table), jnp.asarray(index))),
+                                  table[np.arange(40), index])

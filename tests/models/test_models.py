@@ -397,9 +397,9 @@ def test_drafter_serving_layout_draft_equals_training_forward(impl, bias):
     for all layers; Pallas kernels in interpret mode for ``impl="pallas"``) over a context cache equals
     ``Drafter.__call__`` in the checkpoint layout: rows of different context lengths, a short block,
     stale cache entries past each row's context that must not be read."""
+    from drafter_cases import draft_case
     from flax import nnx
 
-    from dflash_jax.ops.cache import write_all_layers
     from dflash_jax.models.drafter import Drafter
     from dflash_jax.ops.config import OpsConfig
     from dflash_jax.runtime.serving_params import serving_drafter
@@ -412,32 +412,20 @@ def test_drafter_serving_layout_draft_equals_training_forward(impl, bias):
         for path, var in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
             if "bias" in str(path[-1]):
                 var.set_value(0.1 * jax.random.normal(jax.random.key(len(path)), var.get_value().shape))
-    keys = jax.random.split(jax.random.key(0), 4)
-    batch, n, cap, block = 3, 20, 48, dcfg.block_size
-    taps = jax.random.normal(keys[0], (batch, n, len(dcfg.target_layer_ids) * tcfg.hidden_size))
-    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
-    starts = jnp.array([20, 5, 13], jnp.int32)
-    valid = jnp.array([block, block, 3], jnp.int32)
-    embeds = jax.random.normal(keys[1], (batch, 1, block, tcfg.hidden_size))
-
-    k, v = drafter.context_kv(taps, positions)
-    junk = KVCache.zeros(dcfg.num_layers, batch, cap, dcfg.num_kv_heads, dcfg.head_dim, jnp.float32)
-    junk = KVCache(tuple(x + jax.random.normal(keys[2], x.shape) for x in junk.k),
-                   tuple(x + jax.random.normal(keys[3], x.shape) for x in junk.v))
-    cache = write_all_layers(junk, k, v, jnp.zeros((batch,), jnp.int32))
-    block_pos = (starts[:, None] + jnp.arange(block, dtype=jnp.int32))[:, None]
-    want = drafter(embeds, block_pos, jnp.stack(cache.k), jnp.stack(cache.v), starts[:, None], valid[:, None])
+    case = draft_case(drafter, tcfg.hidden_size)
+    k, v = drafter.context_kv(case.taps, case.positions)
 
     served = serving_drafter(drafter)
     assert served.context_kv_proj.shape == (tcfg.hidden_size, dcfg.num_kv_heads, dcfg.num_layers, 2, dcfg.head_dim)
     assert served.layers[0].self_attn.k_proj is None and drafter.layers[0].self_attn.k_proj is not None
-    got_k, got_v = jax.jit(served.context_kv)(taps, positions)
+    got_k, got_v = jax.jit(served.context_kv)(case.taps, case.positions)
     np.testing.assert_allclose(np.asarray(got_k), np.asarray(k), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got_v), np.asarray(v), atol=1e-5, rtol=1e-5)
-    got = jax.jit(lambda e, c: served.draft(e, starts, c, valid, ops=OpsConfig(attention=impl)))(embeds, cache)
-    assert got.shape == want.shape
-    rows = np.arange(block)[None, :] < np.asarray(valid)[:, None]  # the short block's padding slots are free
-    np.testing.assert_allclose(np.asarray(got)[:, 0][rows], np.asarray(want)[:, 0][rows], atol=1e-5, rtol=1e-5)
+    got = jax.jit(lambda e, c: served.draft(e, case.starts, c, case.valid, ops=OpsConfig(attention=impl)))(
+        case.embeds, case.cache)
+    assert got.shape == case.want.shape
+    np.testing.assert_allclose(np.asarray(got)[:, 0][case.rows], np.asarray(case.want)[:, 0][case.rows],
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -1,17 +1,24 @@
 """Adaptive speculation: the policy alone (cost model, acceptance estimates, choices), and the engine
 forced through every choice (block sizes, target-only, switching between calls mid-generation) giving
 target-only decoding's tokens, greedy and seeded-sampled, batched rows equal to rows alone; the
-synthetic drafter's acceptance is the one asked for."""
+drafter interface's override hook, the largest block checked against the drafter; the synthetic drafter's
+acceptance is the one asked for."""
 
+import dataclasses
+import inspect
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dflash_jax import ContinuousBatcher, Engine, EngineConfig, SamplingParams
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.runtime import decoding
 from dflash_jax.runtime import speculation as spec
-from dflash_jax.synthetic import repeat_target, set_accept_rate, synthetic_drafter
+from dflash_jax.synthetic import SyntheticDrafter, repeat_target, set_accept_rate, synthetic_drafter
 from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, tiny_target_config
 
 MAX_NEW = 30
@@ -166,12 +173,57 @@ def test_speculation_settings_are_validated(models):
         EngineConfig(speculation="auto").validate()
     with pytest.raises(ValueError, match="speculation_blocks"):
         EngineConfig(speculation_blocks=(8, 1)).validate()
-    with pytest.raises(ValueError, match="exceed the block size"):
-        Engine(target, drafter, EngineConfig(max_length=32, speculation="adaptive", speculation_blocks=(16,)))
     fixed = Engine(target, drafter, EngineConfig(max_length=32))
     assert fixed.speculation_blocks == (8,) and not fixed.adaptive
     with pytest.raises(ValueError, match="not one of"):
         fixed.decode(fixed.empty_state(1), 1, block=4)
+
+
+def test_the_largest_speculation_block_is_checked_against_the_drafter_and_sizes_the_engine(models):
+    target, drafter = models  # a drafter of block 8
+    adaptive = dict(max_length=32, speculation="adaptive")
+    with pytest.raises(ValueError, match=r"speculation_blocks \(16, 4\): block 16 exceeds the drafter's block size 8"):
+        Engine(target, drafter, EngineConfig(**adaptive, speculation_blocks=(16, 4)))
+    with pytest.raises(ValueError, match="block_size 16 exceeds the drafter's block size 8"):
+        Engine(target, drafter, EngineConfig(**adaptive, block_size=16, speculation_blocks=(4,)))
+    # A block_size below the largest speculation block: the engine's block is the largest, what its caches hold.
+    engine = Engine(target, drafter, EngineConfig(**adaptive, block_size=4, speculation_blocks=(8, 2)))
+    assert engine.block_size == 8 and engine.speculation_blocks == (8, 4, 2, 1)
+    assert engine.capacity >= 32 + 8
+    assert EngineConfig(**adaptive, block_size=4, speculation_blocks=(8, 2)).largest_block(8) == 8
+    # Fixed speculation runs block_size alone: its speculation_blocks are no block of it.
+    fixed = EngineConfig(max_length=32, block_size=4, speculation_blocks=(16,))
+    assert fixed.largest_block(8) == 4 and fixed.drafter_block_error(8) is None
+    assert Engine(target, drafter, fixed).speculation_blocks == (4,)
+
+
+# -- the drafter interface's override hook and the synthetic drafter ----------------------------------------
+
+
+class _Fives(Drafter):
+    """A drafter that always proposes token 5, through ``Drafter.override_drafts``."""
+
+    def override_drafts(self, draft, tokens, positions):
+        return jnp.full_like(draft, 5)
+
+
+def test_draft_block_proposes_a_drafters_own_drafts_unless_it_overrides_them(models):
+    target, drafter = models
+    draft = jnp.arange(14, dtype=jnp.int32).reshape(2, 7)
+    assert drafter.override_drafts(draft, jnp.zeros((2, 40), jnp.int32), jnp.zeros((2, 8), jnp.int32)) is draft
+    hook = inspect.signature(Drafter.override_drafts)  # the synthetic drafter implements the interface's hook
+    assert inspect.signature(SyntheticDrafter.override_drafts) == hook
+    assert list(hook.parameters) == ["self", "draft", "tokens", "positions"]
+    fives = _Fives(drafter.config, rngs=nnx.Rngs(0))
+    nnx.update(fives, nnx.state(drafter, nnx.Param))
+    state = decoding.empty_state(target, drafter, 2, capacity=40, max_steps=30, n_stop=1)
+    state = dataclasses.replace(state, starts=jnp.asarray([4, 2], jnp.int32), max_lens=jnp.asarray([30, 30], jnp.int32),
+                                done=jnp.zeros(2, bool), tokens=state.tokens.at[:, :5].set(jnp.asarray([[3], [7]])))
+    own, replaced = jax.jit(lambda s: [decoding.draft_block(target, d, s, block_size=8) for d in (drafter, fives)])(state)
+    assert own[0].shape == replaced[0].shape == (2, 8) and replaced[0].dtype == own[0].dtype
+    assert jnp.all(replaced[0][:, 0] == own[0][:, 0]) and jnp.all(replaced[0][:, 0] == jnp.asarray([3, 7]))
+    assert jnp.all(replaced[0][:, 1:] == 5) and not jnp.all(own[0][:, 1:] == 5)  # the anchors stay, the drafts go
+    assert jnp.all(replaced[2][:, 0] == jnp.asarray([4, 2]))  # positions from each row's anchor
 
 
 # -- the synthetic drafter -------------------------------------------------------------------------------

@@ -41,6 +41,9 @@ def test_main_job_reports_tau_and_speedup_on_a_fresh_checkout(tmp_path):
     if (checkout / "models" / "embedded" / "drafter2").is_dir():  # the DFlash2 drafter side by side
         assert re.search(r"DFlash2 drafter, block size \d+: tau [0-9.]+, speedup [0-9.]+x, output identical: yes",
                          out), out
+    # tau of seeded sampling in both verification modes; exact verification is target-only sampling's tokens
+    assert re.search(r"tau with seeded sampling: T=0\.7 exact [0-9.]+ \(= target-only sampling: yes\), "
+                     r"rejection [0-9.]+; T=1 exact [0-9.]+ \(= target-only sampling: yes\), rejection [0-9.]+", out), out
     if speedup < 0.9 * tau:  # says why, in target-only steps per DFlash step
         assert re.search(r"why not [0-9.]+x: here one DFlash step .* costs [0-9.]+ target-only steps", out), out
     prompt_at, completion_at = out.index("---- prompt ----"), out.index("---- completion (DFlash")

@@ -273,6 +273,13 @@ def test_missing_models_and_files(models, tmp_path, capsys, monkeypatch):
                        "--input", str(src), "--output", out, *ENGINE_FLAGS]) == 2
     err = capsys.readouterr().err
     assert "--block-size) 16 exceeds the drafter's block size 8" in err and "cannot load" not in err
+    # So is an adaptive engine's largest speculation block.
+    assert serve.main(["generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--input", str(src),
+                       "--output", out, *ENGINE_FLAGS, "--set", "engine.speculation=adaptive",
+                       "--set", "engine.speculation_blocks=[16, 4]"]) == 2
+    err = capsys.readouterr().err
+    assert "engine.speculation_blocks (16, 4): block 16 exceeds the drafter's block size 8" in err
+    assert "cannot load" not in err
     assert not Path(out).exists()
 
 
@@ -337,6 +344,13 @@ def test_demo_refuses_counts_below_one(argv, capsys):
         serve.main(["demo", *argv])
     assert exit_.value.code == 2
     assert f"argument {argv[0]}: must be a positive integer, got {int(argv[1])}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0.7,x", "-1", "0", "inf"])
+def test_demo_refuses_temperatures_that_are_not_positive_numbers(value, capsys):
+    assert serve.main(["demo", "--temperatures", value]) == 2
+    assert f"--temperatures must be temperatures > 0 separated by commas (or ''), got {value!r}" in \
+        capsys.readouterr().err
 
 
 def _free_port() -> int:

@@ -1,0 +1,333 @@
+"""Block attention in Pallas's Mosaic GPU lowering: flash decoding with TMA and ``wgmma``.
+
+``forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal)`` computes
+``reference.block_attention_reference`` (the contract of ``gpu.forward``: ``(out, lse)``): each block
+of queries sees its row's context positions ``< ctx_lens`` plus the block's own ``blk_lens`` slots
+(causally or not). One block per row is the drafter's block and the target's decode token or verify
+block over a KV cache; several are the training pattern's anchor blocks.
+
+Split-K ("flash decoding"): the context is what costs HBM bandwidth, so the kernel reads it once per
+KV head, split over enough programs to fill the GPU:
+
+- **Grid ``(splits, kv_heads * query tiles, batch * blocks)``**, one warpgroup per program. A program
+  holds the ``block * groups`` query rows of its KV head (row ``t * groups + g``: slot ``t``, group
+  member ``g``) in a 64-row tile (the M of one ``wgmma``); more rows run as several query tiles,
+  each reading the context again.
+- **One XLA kernel before:** the block's own K and V, padded to whole key tiles, and the folded
+  queries, padded to whole 64-row tiles, go to the kernel as ONE array ``[batch * blocks, kv_heads,
+  2 * slots + rows, head_dim]`` (one fusion of transposes, pads and a concatenation).
+- **Balanced splits:** a block's context ``ctx_lens`` in whole ``block_k`` tiles, dealt to its
+  ``splits`` programs (``ceil(tiles / splits)`` each), so a short context is not left to the first
+  splits. The split count fills the SMs once (``plan``) from the static shapes.
+- **TMA pipeline:** ``plgpu.emit_pipeline`` over the split's tiles (a dynamic trip count) copies each
+  ``[block_k, head_dim]`` K and V tile of the strided cache view ``[ctx, head_dim]`` into a ring of
+  ``stages`` shared-memory slots with the bulk tensor-copy engine, so ``stages`` tiles are in flight
+  while the warpgroup computes on the oldest.
+- **The block's own keys in the kernel:** the last split, which holds the fewest context tiles,
+  runs one more pipeline of ``slots / block_k`` steps over them (zero steps on the other splits),
+  masked to the first ``blk_lens`` slots and, causally, to ``slot * groups <= row``.
+- **Tensor cores:** ``S = Q K^T`` and ``P V`` are ``wgmma`` (Q, P and the tiles in 128-byte-swizzled
+  shared memory); the online softmax in float32 between them, in base 2 (``exp2`` of scores
+  pre-scaled by ``scale * log2(e)``).
+- **One XLA kernel after, or none:** with one split the kernel writes the normalised output in the
+  query dtype; with several, each program its normalised float32 output, running max and sum, and
+  one fusion merges them (``_flash.merge_splits``), unfolds the rows and casts.
+
+16-bit floats only: ``wgmma`` takes float32 operands as TF32, which would not match the float32
+reference. Forward only: the backward is the Triton kernels' or XLA's (``block_attention``'s
+``bwd``). Mosaic GPU compiles for Hopper and later (sm_90a); on the CPU the kernel runs in Mosaic
+GPU's interpret mode (jax >= 0.11) and lowers for CUDA (``tests/kernels/test_mosaic_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas._common import NEG, check_shapes, default_scale, round_up
+from kernels_pallas._flash import merge_splits
+from kernels_pallas._mosaic import interpret_params, mosaic_interpret_available
+from kernels_pallas.block_attention.gpu import GpuConfig, num_sms
+
+ROWS = 64  # query rows of a program: the M of one warpgroup's wgmma
+LOG2E = math.log2(math.e)
+SWIZZLE = 128  # bytes: a tile row of 64 16-bit elements per swizzle atom
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Tiles and split planning of the Mosaic GPU block attention.
+
+    ``block_k``: keys per TMA tile (64 or 128), of the context and of the block's own keys.
+    ``stages``: context tiles in flight per program while one program fills an SM; ``wide_stages``
+    where the grid has more programs than SMs (two programs then share an SM's shared memory).
+    ``num_sms``: the GPU's SMs (None: read off the device, else 132, an H200's). ``splits``: a fixed
+    split count (None: ``plan``)."""
+
+    block_k: int = 64
+    stages: int = 4
+    wide_stages: int = 2
+    num_sms: int | None = None
+    splits: int | None = None
+
+    def __post_init__(self):
+        if self.block_k not in (64, 128):  # 256-key score tiles would hold 128 more registers a thread
+            raise ValueError(f"MosaicConfig.block_k must be 64 or 128, got {self.block_k}")
+        if self.stages < 2 or self.wide_stages < 2:
+            raise ValueError(f"MosaicConfig stages must be >= 2, got {self.stages} / {self.wide_stages}")
+        if self.splits is not None and self.splits < 1:
+            raise ValueError(f"MosaicConfig.splits must be >= 1, got {self.splits}")
+
+
+DEFAULT_CONFIG = MosaicConfig()
+
+
+def supports(head_dim: int, ctx: int, dtype, cfg: MosaicConfig = DEFAULT_CONFIG) -> bool:
+    """Whether the kernel takes these shapes: 16-bit floats (``wgmma`` runs float32 as TF32), a
+    head_dim of 64 or 128 (whole 64-element swizzle rows; the float32 accumulator and a tile's P V
+    product of 256 would hold 256 registers a thread), and a context of whole ``block_k`` tiles
+    (engine caches are multiples of 128)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and head_dim in (64, 128) and ctx % cfg.block_k == 0 and ctx > 0)
+
+
+def runs_here(head_dim: int, ctx: int, dtype, cfg: MosaicConfig = DEFAULT_CONFIG) -> bool:
+    """Whether ``forward`` runs on this platform and shapes: a GPU, or the CPU in Mosaic GPU's
+    interpret mode (jax >= 0.11), and ``supports``."""
+    platform = jax.default_backend()
+    if platform == "tpu" or (platform != "gpu" and not mosaic_interpret_available()):
+        return False
+    return supports(head_dim, ctx, dtype, cfg)
+
+
+def plan(rows: int, kv_heads: int, query_tiles: int, ctx: int, cfg: MosaicConfig) -> tuple[int, int]:
+    """``(splits, stages)`` for ``rows`` query blocks (batch * blocks): the most splits (at most the
+    context's tiles) with which every program runs in one wave of one program per SM, and the
+    pipeline depth that wave allows. Grids wider than the SMs take no split and ``wide_stages``, so
+    that two programs fit an SM."""
+    programs, sms = rows * kv_heads * query_tiles, num_sms(GpuConfig(num_sms=cfg.num_sms))
+    if cfg.splits is not None:
+        splits = min(cfg.splits, ctx // cfg.block_k)
+    else:
+        splits = max(1, min(sms // programs, ctx // cfg.block_k))
+    stages = cfg.stages if programs * splits <= sms else cfg.wide_stages
+    return splits, stages
+
+
+def _kernel(ctx_lens_gmem, blk_lens_gmem, packed_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem,
+            q_smem, p_smem, q_loaded, *, blocks: int, groups: int, q_rows: int, slots: int, out_rows: int,
+            block_k: int, stages: int, query_tiles: int, causal: bool, scale: float):
+    """One program: query tile ``qt`` of KV head ``h`` of block ``bn`` (row ``bn // blocks``), split
+    ``j`` of its context.
+
+    GMEM: ctx_lens, blk_lens [B * N] int32; packed [B * N, Hkv, 2 * slots + q_rows, D] (the block's
+    K, its V, the folded queries); k, v contexts [B, C, Hkv, D]; outputs o [B * N, Hkv, S, out_rows,
+    D] (normalised per split), m, l [B * N, Hkv, S, q_rows] float32 (running max in natural-log
+    units, sum of exponentials)."""
+    j = lax.axis_index("splits")
+    head_tile = lax.axis_index("heads")
+    bn = lax.axis_index("blocks")
+    b = lax.div(bn, jnp.int32(blocks))
+    h = lax.div(head_tile, jnp.int32(query_tiles))
+    qt = lax.rem(head_tile, jnp.int32(query_tiles))
+    splits = lax.axis_size("splits")
+    head_dim = q_smem.shape[-1]
+
+    plgpu.copy_gmem_to_smem(packed_gmem.at[bn, h, pl.ds(2 * slots + qt * ROWS, ROWS)], q_smem, q_loaded)
+
+    ctx_len = ctx_lens_gmem[bn]
+    blk_len = blk_lens_gmem[bn]
+    tiles = lax.div(ctx_len + block_k - 1, jnp.int32(block_k))
+    per_split = lax.div(tiles + splits - 1, splits)
+    first = j * per_split
+    n_tiles = jnp.clip(tiles - first, 0, per_split)
+
+    plgpu.barrier_wait(q_loaded)
+    log2_scale = scale * LOG2E
+    row = (plgpu.broadcasted_iota(jnp.int32, (ROWS, block_k), 0, layout=plgpu.Layout.WGMMA) + qt * ROWS)
+
+    def attend(valid_of_key, k_smem, v_smem, carry):
+        """One flash step over a tile of keys: ``valid_of_key(key index within the tile)`` the mask."""
+        acc, m, l = carry
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
+            return acc_ref[...]
+
+        key = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_k), 1, layout=plgpu.Layout.WGMMA)
+        valid = valid_of_key(key)
+        s = jnp.where(valid, pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32)) * log2_scale, NEG)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        # Masked keys count zero even where the row has seen no key yet (m_new still NEG).
+        p = jnp.where(valid, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+        l = l * alpha + p.sum(axis=1)
+
+        # P through shared memory and into a fresh accumulator, added to the rescaled one: Mosaic
+        # GPU's interpreter runs wgmma on shared-memory operands and scoped accumulators only, and
+        # the 8 KB round trip is small against a tile's 32 KB from HBM
+        p_smem[...] = p.astype(p_smem.dtype)
+        plgpu.commit_smem()
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_smem)
+            return acc_ref[...]
+
+        pv_tile = pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_tile, m_new, l
+
+    def context_step(indices, k_smem, v_smem, carry):
+        tile_start = (first + indices[0]) * block_k
+        return attend(lambda key: key + tile_start < ctx_len, k_smem, v_smem, carry)
+
+    def own_step(indices, k_smem, v_smem, carry):
+        tile_start = indices[0] * block_k
+
+        def valid_of_key(key):
+            slot = key + tile_start
+            valid = slot < blk_len
+            return (valid & (slot * groups <= row)) if causal else valid
+
+        return attend(valid_of_key, k_smem, v_smem, carry)
+
+    transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    ctx_spec = plgpu.BlockSpec((block_k, head_dim), lambda i: (first + i, 0), transforms=transforms)
+    init = (
+        plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.full((ROWS,), NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+    )
+    carry = plgpu.emit_pipeline(context_step, grid=(n_tiles,), in_specs=[ctx_spec, ctx_spec],
+                                max_concurrent_steps=stages, init_carry=init)(
+        k_gmem.at[b, :, h], v_gmem.at[b, :, h])
+
+    # The block's own K and V open the packed array, in whole key tiles.
+    own_tiles = slots // block_k
+    k_spec = plgpu.BlockSpec((block_k, head_dim), lambda i: (i, 0), transforms=transforms)
+    v_spec = plgpu.BlockSpec((block_k, head_dim), lambda i: (own_tiles + i, 0), transforms=transforms)
+    own_steps = jnp.where(j == splits - 1, jnp.int32(own_tiles), jnp.int32(0))
+    acc, m, l = plgpu.emit_pipeline(own_step, grid=(own_steps,), in_specs=[k_spec, v_spec],
+                                    max_concurrent_steps=min(2, own_tiles), init_carry=carry)(
+        packed_gmem.at[bn, h], packed_gmem.at[bn, h])
+
+    # The outputs' shared memory is scoped after the pipelines', in the space their rings held: two
+    # programs of 2 stages then fit an SM (q 16 KB, p 8 KB, ring 64 KB) where a 32 KB float32 output
+    # beside the ring would not.
+    def store(o_smem, m_smem, l_smem):
+        o_smem[...] = (acc / lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), acc.shape, [0])).astype(o_smem.dtype)
+        m_smem[...] = m * (1.0 / LOG2E)
+        l_smem[...] = l
+        plgpu.commit_smem()
+        if query_tiles == 1:  # only the real rows (a decode token's groups): no slice after the kernel
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_gmem.at[bn, h, j])
+        else:
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[bn, h, j, pl.ds(qt * ROWS, ROWS)])
+        rows = pl.ds(qt * ROWS, ROWS)
+        plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[bn, h, j, rows])
+        plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[bn, h, j, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    f32 = jnp.float32
+    pl.run_scoped(store, plgpu.SMEM((ROWS, head_dim), o_gmem.dtype), plgpu.SMEM((ROWS,), f32),
+                  plgpu.SMEM((ROWS,), f32))
+
+
+def pack_inputs(q: jax.Array, k_blk: jax.Array, v_blk: jax.Array, block_k: int) -> jax.Array:
+    """The kernel's one small input: ``q [B, N, T, Hq, D]``, ``k_blk, v_blk [B, N, T, Hkv, D]`` ->
+    ``[B * N, Hkv, 2 * slots + q_rows, D]``: per KV head the block's K and V, each padded to whole
+    ``block_k`` tiles (``slots``), then its ``T * G`` query rows (row ``t * G + g``) padded to whole
+    64-row tiles (``q_rows``). One XLA fusion."""
+    b, n, t, hq, d = q.shape
+    hkv = k_blk.shape[3]
+    g = hq // hkv
+    q_rows, slots = round_up(t * g, ROWS), round_up(t, block_k)
+    q = q.reshape(b * n, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b * n, hkv, t * g, d)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, q_rows - t * g), (0, 0)))
+
+    def own(x):
+        x = x.reshape(b * n, t, hkv, d).transpose(0, 2, 1, 3)
+        return jnp.pad(x.astype(q.dtype), ((0, 0), (0, 0), (0, slots - t), (0, 0)))
+
+    return jnp.concatenate([own(k_blk), own(v_blk), q], axis=2)
+
+
+def attention_partials(packed: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: jax.Array,
+                       blk_lens: jax.Array, *, block: int, groups: int, causal: bool, scale: float,
+                       config: MosaicConfig | None = None, interpret: bool | None = None):
+    """The kernel: ``packed`` (``pack_inputs``) over the contexts ``[B, C, Hkv, D]``' positions ``<
+    ctx_lens [B * N]`` and the block's ``blk_lens [B * N]`` slots -> per split ``(o [B * N, Hkv, S,
+    out_rows, D], m, l [B * N, Hkv, S, q_rows] float32)``: ``o`` normalised by ``l`` (zeros where a
+    split holds no key), in ``packed.dtype`` with one split and float32 with several; ``out_rows``
+    is ``block * groups`` within one query tile, else the padded ``q_rows``."""
+    cfg = config or DEFAULT_CONFIG
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    batch, ctx, kv_heads, head_dim = k_ctx.shape
+    rows_n = packed.shape[0]
+    if rows_n % batch:
+        raise ValueError(f"packed {packed.shape} does not hold whole blocks of the {batch} rows of k_ctx")
+    q_rows, slots = round_up(block * groups, ROWS), round_up(block, cfg.block_k)
+    if packed.shape != (rows_n, kv_heads, 2 * slots + q_rows, head_dim):
+        raise ValueError(f"packed must be {(rows_n, kv_heads, 2 * slots + q_rows, head_dim)} "
+                         f"(pack_inputs), got {packed.shape}")
+    if v_ctx.shape != k_ctx.shape or ctx_lens.shape != (rows_n,) or blk_lens.shape != (rows_n,):
+        raise ValueError(f"v_ctx {v_ctx.shape} / ctx_lens {ctx_lens.shape} / blk_lens {blk_lens.shape} do not "
+                         f"match k_ctx {k_ctx.shape} and {rows_n} blocks")
+    if not supports(head_dim, ctx, k_ctx.dtype, cfg) or packed.dtype != k_ctx.dtype:
+        raise ValueError(f"the Mosaic GPU block attention does not take head_dim {head_dim}, context {ctx}, "
+                         f"{packed.dtype} queries over {k_ctx.dtype} K/V (see mosaic_gpu.supports)")
+    query_tiles = q_rows // ROWS
+    out_rows = block * groups if query_tiles == 1 else q_rows
+    splits, stages = plan(rows_n, kv_heads, query_tiles, ctx, cfg)
+    f32 = jnp.float32
+    swizzled = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, blocks=rows_n // batch, groups=groups, q_rows=q_rows, slots=slots,
+                          out_rows=out_rows, block_k=cfg.block_k, stages=stages, query_tiles=query_tiles,
+                          causal=causal, scale=scale),
+        out_type=[jax.ShapeDtypeStruct((rows_n, kv_heads, splits, out_rows, head_dim),
+                                       packed.dtype if splits == 1 else f32),
+                  jax.ShapeDtypeStruct((rows_n, kv_heads, splits, q_rows), f32),
+                  jax.ShapeDtypeStruct((rows_n, kv_heads, splits, q_rows), f32)],
+        scratch_types=[
+            plgpu.SMEM((ROWS, head_dim), packed.dtype, transforms=swizzled),
+            plgpu.SMEM((ROWS, cfg.block_k), packed.dtype, transforms=swizzled),
+            plgpu.Barrier(),
+        ],
+        grid=(splits, kv_heads * query_tiles, rows_n),
+        grid_names=("splits", "heads", "blocks"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_params(interpret),
+        kernel_name="dflash_block_attention_mgpu",
+    )
+    return kernel(ctx_lens.astype(jnp.int32), blk_lens.astype(jnp.int32), packed, k_ctx, v_ctx)
+
+
+def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, scale: float | None = None,
+            interpret: bool | None = None, config: MosaicConfig | None = None):
+    """``gpu.forward``'s contract: ``(out [B, N, T, Hq, D] in q.dtype, lse [B, N, Hkv, T * G]
+    float32, NEG where a row sees no key)``."""
+    cfg = config or DEFAULT_CONFIG
+    b, n, t, hq, hkv, d = check_shapes(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens)
+    g = hq // hkv
+    rows = t * g
+    o, m, l = attention_partials(
+        pack_inputs(q.astype(k_ctx.dtype), k_blk, v_blk, cfg.block_k), k_ctx, v_ctx,
+        jnp.clip(ctx_lens, 0, k_ctx.shape[1]).reshape(b * n), jnp.clip(blk_lens, 0, t).reshape(b * n),
+        block=t, groups=g, causal=causal, scale=default_scale(d, scale), config=cfg, interpret=interpret)
+    o, m, l = o[..., :rows, :], m[..., :rows], l[..., :rows]
+    if o.shape[2] == 1:
+        o, m, l = o[:, :, 0], m[:, :, 0], l[:, :, 0]
+    else:  # one fusion: the merge, the unfold below and the cast
+        o, m, l = merge_splits(o, m, l, axis=2)
+    lse = jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)), NEG).reshape(b, n, hkv, rows)
+    # [B * N, Hkv, T * G, D] -> [B, N, T, Hq, D]: a bitcast for a decode token (T == 1)
+    out = o.reshape(b, n, hkv, t, g, d).transpose(0, 1, 3, 2, 4, 5).reshape(b, n, t, hq, d)
+    return out.astype(q.dtype), lse
