@@ -140,11 +140,11 @@ def card_streaming_rate(repeats: int, *, passes: int = 8, gemvs: int = 8, vocab:
 # -- engine states ----------------------------------------------------------------------------------
 
 
-def synthetic_state(engine, batch: int, context: int, seed: int) -> decoding.DecodeState:
+def synthetic_state(engine, batch: int, context: int, seed: int, window: int | None = None) -> decoding.DecodeState:
     """A decode state as after a prefill of ``context`` random tokens, its caches full of random data
-    (a paged engine's: ``paged_synthetic_state``)."""
+    (a paged engine's: ``paged_synthetic_state``, its rows holding pages for ``window`` positions)."""
     if getattr(engine, "paged", False):
-        return paged_synthetic_state(engine, batch, context, seed)
+        return paged_synthetic_state(engine, batch, context, seed, positions=window)
     tc, cap = engine.target.config, engine.capacity
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     dtype = engine.target.embed_tokens.dtype
@@ -172,14 +172,19 @@ def synthetic_state(engine, batch: int, context: int, seed: int) -> decoding.Dec
     )
 
 
-def paged_synthetic_state(engine, batch: int, context: int, seed: int) -> decoding.DecodeState:
-    """``synthetic_state`` of a paged engine: each row holds ``max_pages`` pages of the pool, in a
-    shuffled order (rows' pages interleave, as after admissions and evictions), filled with random data."""
-    if batch * engine.max_pages >= engine.num_pages:
-        raise ValueError(f"{batch} rows of {engine.max_pages} pages exceed the pool's {engine.num_pages - 1}")
+def paged_synthetic_state(engine, batch: int, context: int, seed: int, positions: int | None = None
+                          ) -> decoding.DecodeState:
+    """``synthetic_state`` of a paged engine: each row holds the pages of its first ``positions``
+    positions (None: ``max_pages`` pages) in a shuffled order (rows' pages interleave, as after admissions
+    and evictions), filled with random data; the rest of its table is the null page."""
+    held = engine.max_pages if positions is None else min(-(-positions // engine.page_size), engine.max_pages)
+    if batch * held >= engine.num_pages:
+        raise ValueError(f"{batch} rows of {held} pages exceed the pool's {engine.num_pages - 1}")
     rows = engine.empty_state(batch)
     key = jax.random.key(seed)
-    order = np.random.default_rng(seed).permutation(np.arange(1, 1 + batch * engine.max_pages))
+    order = np.random.default_rng(seed).permutation(np.arange(1, 1 + batch * held)).reshape(batch, held)
+    table = np.zeros((batch, engine.max_pages), np.int32)
+    table[:, :held] = order
     dtype = engine.target.embed_tokens.dtype
 
     def fill(pools: KVCache | None, salt: int) -> KVCache | None:
@@ -196,7 +201,7 @@ def paged_synthetic_state(engine, batch: int, context: int, seed: int) -> decodi
                                         jnp.int32),
         starts=jnp.full((batch,), context, jnp.int32), max_lens=jnp.full((batch,), engine.config.max_length, jnp.int32),
         done=jnp.zeros((batch,), bool), target_cache=fill(rows.target_cache, 1), draft_cache=fill(rows.draft_cache, 2),
-        sampling=None, page_table=jnp.asarray(order.reshape(batch, engine.max_pages), jnp.int32))
+        sampling=None, page_table=jnp.asarray(table))
 
 
 def warmed_state(engine, batch: int, context: int, steps: int, seed: int,
@@ -204,7 +209,7 @@ def warmed_state(engine, batch: int, context: int, steps: int, seed: int,
     """``synthetic_state`` after two decode calls of ``steps`` steps (the first compiles; on a mesh
     the second compiles for the sharded state), synced. ``window``: the calls' attention window, as
     ``Engine.decode`` takes it (None: the whole cache)."""
-    state = synthetic_state(engine, batch, context, seed=seed)
+    state = synthetic_state(engine, batch, context, seed=seed, window=window)
     for _ in range(2):
         state, _ = engine.decode(state, n_steps=steps, window=window)
     jax.block_until_ready(state.starts)

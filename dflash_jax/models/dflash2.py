@@ -253,7 +253,9 @@ class CandidateSelector(nnx.Module):
         succ = jnp.take(self.successor_codebook[...], candidate_ids, axis=0)  # [..., K, rank]
         return unary + transition_scores(self.context(hidden, predecessor_ids), succ).astype(unary.dtype)
 
-    def select_path(self, unary_logits: jax.Array, hidden: jax.Array, anchor_ids: jax.Array) -> jax.Array:
+    def select_path(self, unary_logits: jax.Array, hidden: jax.Array, anchor_ids: jax.Array,
+                    candidates: tuple[jax.Array, jax.Array] | None = None,
+                    noise: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         """The greedy path through the block's candidates.
 
         ``unary_logits [batch, n, vocab]`` and ``hidden [batch, n, hidden]`` of the draft slots
@@ -265,8 +267,13 @@ class CandidateSelector(nnx.Module):
         candidates; K copies of the anchor at the first slot) in one multiply-reduce with the codebook
         rows gathered inside it, then the walk (``greedy_walk``) as elementwise selects over those
         scores: after the top-K and the hidden projection, two kernels whatever the block size.
+        ``candidates``: ``(unary [b, n, K], ids [b, n, K])`` chosen by the caller instead of the top-K
+        of ``unary_logits`` (sampled rows: the candidates the target's own noise favours).
+        ``noise``: ``(gumbel [b, n, K] at the candidates, temperature [b])``: a row with a temperature
+        walks ``score / temperature + gumbel`` instead, the draw of each slot's token from the
+        selector's scores given its predecessor, with the noise the caller chose (float32).
         """
-        unary, cand = top_k(unary_logits, self.top_k)  # [b, n, K]
+        unary, cand = top_k(unary_logits, self.top_k) if candidates is None else candidates  # [b, n, K]
         batch, _, k = cand.shape
         proj = dense(hidden, self.hidden_projection)  # [b, n, rank]
         pred_book, succ_book = self.predecessor_codebook[...], self.successor_codebook[...]
@@ -275,6 +282,11 @@ class CandidateSelector(nnx.Module):
         ctx = jnp.take(pred_book, predecessors, axis=0) * proj[:, :, None].astype(pred_book.dtype)  # [b, n, K, rank]
         succ = jnp.take(succ_book, cand, axis=0)[:, :, None]  # [b, n, 1, K, rank]
         edges = unary[:, :, None, :] + transition_scores(ctx, succ).astype(unary.dtype)  # [b, n, K, K]
+        if noise is not None:
+            gumbel, temperature = noise
+            t = temperature.astype(jnp.float32)[:, None, None, None]
+            edges = jnp.where(t > 0, edges.astype(jnp.float32) / jnp.where(t > 0, t, 1.0) + gumbel[:, :, None, :],
+                              edges.astype(jnp.float32))
         return greedy_walk(edges, cand)
 
 
@@ -376,10 +388,13 @@ class DFlash2Drafter(Drafter):
             h, delta = layer.cached(h, delta, starts, cache.k[i], cache.v[i], blk_lens, ops=ops)
         return self.norm.add_norm(h, delta, ops)[1]
 
-    def select(self, logits: jax.Array, hidden: jax.Array, anchor_ids: jax.Array) -> jax.Array:
+    def select(self, logits: jax.Array, hidden: jax.Array, anchor_ids: jax.Array,
+               candidates: tuple[jax.Array, jax.Array] | None = None,
+               noise: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         """Draft tokens ``[batch, B - 1]`` from the block's ``logits [batch, B - 1, vocab]`` and
-        ``hidden [batch, B - 1, hidden]`` (slots 1..B-1) and ``anchor_ids [batch]``."""
-        return self.candidate_selector.select_path(logits, hidden, anchor_ids)
+        ``hidden [batch, B - 1, hidden]`` (slots 1..B-1) and ``anchor_ids [batch]``; ``candidates``
+        and ``noise`` as in ``CandidateSelector.select_path``."""
+        return self.candidate_selector.select_path(logits, hidden, anchor_ids, candidates, noise)
 
     def reset_convolutions(self) -> None:
         for layer in self.layers:

@@ -113,6 +113,10 @@ class GenerationResult:
     # logits) and the top ``logprobs`` tokens' (id -> logprob, most likely first).
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    # With ``SamplingParams.prompt_logprobs``: per prompt token, its logprob and the top ones, from the
+    # prefill (None for the first token, which nothing predicts).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     # Adaptive speculation (``EngineConfig.speculation``): decode steps per block size (1: target-only)
     # and the row's last per-position acceptance estimate (``runtime.speculation``).
     block_steps: dict[int, int] | None = None
@@ -167,6 +171,9 @@ class Generation:
     # With ``sampling.logprobs``: one entry per output id (filled before ``on_tokens`` sees the ids).
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    # With ``sampling.prompt_logprobs``: set from the prefill at the admission (before the first token).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     start: int = 0
     seen_steps: int = 0
     # A paged engine's: the pages the request holds (``runtime.pages``) and how many leading prompt
@@ -193,6 +200,11 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self.cancelled or self.result is not None or self.error is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its next prefill records its prompt's logprobs (asked, and not read yet)."""
+        return self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None
 
     @property
     def context_ids(self) -> list[int]:
@@ -408,7 +420,8 @@ class ContinuousBatcher:
             return None
         group = [self._pending.popleft() for _ in range(admitting)]
         try:
-            params = [g.sampling for g in group]
+            params = [g.sampling if g.wants_prompt_logprobs or g.sampling.prompt_logprobs is None
+                      else dataclasses.replace(g.sampling, prompt_logprobs=None) for g in group]
             extra = {} if all(p.plain for p in params) else {"sampling": params}
             contexts = [g.context_ids for g in group]  # a resumed request's output so far too
             args = (contexts, [g.max_len - len(c) for g, c in zip(group, contexts)], [g.stop_token_ids for g in group])
@@ -427,6 +440,8 @@ class ContinuousBatcher:
         first_logprobs = None
         if any(g.sampling.logprobs is not None for g in group):  # the first tokens' entries, from the prefill
             first_logprobs = _first_logprobs(fresh, [len(c) for c in contexts])
+        if any(p.prompt_logprobs is not None for p in params):
+            _read_prompt_logprobs(fresh, group, params)
         slots = [i for i, g in enumerate(self._rows) if g is None][:admitting]
         now = time.perf_counter()
         for slot, g, context in zip(slots, group, contexts):  # before the admission: if it fails, step() fails them too
@@ -453,6 +468,8 @@ class ContinuousBatcher:
         if self.pages is None or not chunk or not self._pending:
             return False
         g = self._pending[0]
+        if g.wants_prompt_logprobs:  # whole: each of its positions' logits is read from the one prefill
+            return False
         if not g.pages and self._allocate_pages(1) == 0:
             return False
         end = g.cached_tokens + chunk
@@ -481,15 +498,22 @@ class ContinuousBatcher:
 
         A request gets pages for its context and one decode call's positions (``_first_stretch``), more
         as it advances (``_grow_pages``), leaving the pages the running rows' next call needs; one that
-        cannot be preempted (``_reserves_whole_length``) gets its whole length."""
+        cannot be preempted (``_reserves_whole_length``) gets its whole length. A request whose context
+        equals an earlier one's in this admission (``n`` > 1 choices of a prompt) shares that one's full
+        context pages: the prefill runs the context once (``Engine.prefill_paged``)."""
         keep = sum(self._growth(g, self._steps_dispatched + self.steps_per_call) for g in self._rows if g is not None)
+        firsts: dict[tuple[int, ...], Generation] = {}  # context -> the first request admitted with it
         for n, g in enumerate(itertools.islice(self._pending, most)):
+            context = g.context_ids
+            first = firsts.setdefault(tuple(context), g)
             if g.pages:
                 continue
-            context = g.context_ids
             positions = g.max_len if self._reserves_whole_length(g) else min(
                 len(context) + self._first_stretch(), g.max_len)
-            grant = self.pages.allocate(context, positions, keep=keep)
+            if first is not g and first.wants_prompt_logprobs == g.wants_prompt_logprobs:
+                grant = self.pages.share(first.pages[:len(context) // self.pages.page_size], positions, keep=keep)
+            else:  # a prompt whose logprobs are asked is computed whole
+                grant = self.pages.allocate(context, positions, keep=keep, reuse=not g.wants_prompt_logprobs)
             if grant is None:
                 return n
             g.pages, g.cached_tokens = grant.pages, grant.cached_tokens
@@ -500,13 +524,15 @@ class ContinuousBatcher:
         return self.steps_per_call * self.engine.block_size
 
     def _reserves_whole_length(self, g: Generation) -> bool:
-        """Whether ``g`` gets pages for its whole length at admission and is never preempted: a
-        resumption could not give its output again, as its sampling depends on its output's history
-        (penalties' token counts, min_tokens' count), which a prefill does not restore, or its context
-        could outgrow the largest prompt bucket."""
+        """Whether ``g`` gets pages for its whole length at admission and is never preempted: it was
+        preempted ``max_preemptions`` times already (resumed with room to finish, it is not paused again
+        and again while older rows grow, prefilling its context anew each time), or a resumption could
+        not give its output again, as its sampling depends on its output's history (penalties' token
+        counts, min_tokens' count), which a prefill does not restore, or its context could outgrow the
+        largest prompt bucket."""
         config = self.engine.config
-        return (g.sampling.penalized or g.sampling.min_tokens > 0
-                or g.max_len - 2 > getattr(config, "max_prompt_length", config.max_length))
+        return (g.preemptions >= getattr(config, "max_preemptions", 2) or g.sampling.penalized
+                or g.sampling.min_tokens > 0 or g.max_len - 2 > getattr(config, "max_prompt_length", config.max_length))
 
     def _needed_positions(self, g: Generation, end: int) -> int:
         """The positions ``g``'s row may have written once the decode steps dispatched up to ``end`` ran:
@@ -532,7 +558,7 @@ class ContinuousBatcher:
         while short() > 0:
             live = [g for g in self._rows if g is not None]
             held = [g for g in self._pending if g.pages]
-            victims = [g for g in live if not self._reserves_whole_length(g)] + held
+            victims = [g for g in live + held if not self._reserves_whole_length(g)]
             if len(live) <= 1 and not held or not victims:
                 break  # a lone row fits the pool (``submit`` checks it)
             victim = max(victims, key=lambda g: g.order)
@@ -563,7 +589,9 @@ class ContinuousBatcher:
             g.prior_accepted += g.read_accepted[:g.read_steps].tolist()
         g.preemptions += 1
         self.preemptions += 1
-        self._pending.appendleft(g)
+        # First in the queue, but behind a prompt being prefilled in chunks: that one keeps its pages and
+        # goes on (queued before it, ``g`` could wait for its pages while it waited for its turn).
+        self._pending.insert(next((i for i, p in enumerate(self._pending) if not p.pages), len(self._pending)), g)
 
     def page_stats(self) -> PageStats:
         """A paged engine's page counters for ``/metrics``, preemptions included."""
@@ -741,6 +769,7 @@ class ContinuousBatcher:
             num_steps=steps,
             logprobs=list(g.logprobs) if g.sampling.logprobs is not None else None,
             top_logprobs=list(g.top_logprobs) if g.sampling.logprobs is not None else None,
+            prompt_logprobs=g.prompt_logprobs, prompt_top_logprobs=g.prompt_top_logprobs,
             block_steps=dict(sorted(g.block_steps.items(), reverse=True)) if g.block_steps else None,
             acceptance_rate=None if g.acceptance is None else g.acceptance.rate,
         )
@@ -778,3 +807,18 @@ def _first_logprobs(rows: Any, prompt_lens: list[int]) -> tuple[np.ndarray, np.n
     take = np.arange(len(prompt_lens))
     logprob, top_ids, top_lps = (np.asarray(x) for x in jax.device_get((s.logprob, s.top_ids, s.top_logprobs)))
     return logprob[take, index], top_ids[take, index], top_lps[take, index]
+
+
+def _read_prompt_logprobs(rows: Any, group: list[Generation], params: list[SamplingParams]) -> None:
+    """Sets the prompt logprobs of the requests of ``group`` that asked (``params``: what their prefill
+    was asked) from the prefilled ``rows``: position p's entry is the prompt token p's."""
+    s, end = rows.sampling, max(len(g.prompt_ids) for g in group)
+    logprob, top_ids, top_lps = (np.asarray(x) for x in jax.device_get(
+        (s.logprob[:, :end], s.top_ids[:, :end], s.top_logprobs[:, :end])))
+    for i, (g, p) in enumerate(zip(group, params)):
+        if p.prompt_logprobs is None:
+            continue
+        n, k = len(g.prompt_ids), p.prompt_logprobs
+        g.prompt_logprobs = [None] + logprob[i, 1:n].tolist()
+        g.prompt_top_logprobs = [None] + [{int(t): float(v) for t, v in zip(top_ids[i, j, :k], top_lps[i, j, :k])}
+                                          for j in range(1, n)]

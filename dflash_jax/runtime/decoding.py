@@ -29,6 +29,7 @@ from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.sampling import SamplingFlags, SamplingState
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.cache import KVCache, read_rows, read_window, write_all_layers, write_back, write_rows
+from dflash_jax.ops.topk import top_k
 from dflash_jax.models.dflash2 import DFlash2Drafter
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
@@ -231,6 +232,8 @@ def prefill(
     max_logprobs: int = 0,
     flags: SamplingFlags = GREEDY_FLAGS,
     candidates: int = 0,
+    source: jax.Array | None = None,
+    prompt_logprobs: jax.Array | None = None,
 ) -> DecodeState:
     """Runs the padded prompts ``ids [batch, P]`` (lengths ``lens``, stop ids ``stop_ids [batch, n_stop]``)
     and samples the first token. With the kernels on (``ops``) the prompt's attention is a library's
@@ -243,6 +246,13 @@ def prefill(
 
     ``sampling``: the rows' parameters (``sampling.row_arrays``), for a state with a ``SamplingState``
     (``max_logprobs`` top logprobs per token); the first token is then drawn as ``flags`` say.
+
+    ``source [rows]``: rows sharing a prompt (``n`` > 1 choices of one request). ``ids`` and ``lens`` are
+    then the distinct prompts, run once each, and row r of the result is prompt ``source[r]``'s pass (its
+    caches and last logits copied) with row r's own ``max_lens``, ``stop_ids``, sampling and first draw.
+
+    ``prompt_logprobs [rows]`` (bool, per result row): the rows whose prompt tokens' logprobs are
+    recorded too, from this pass (``record_prompt_logprobs``).
     """
     batch, plen = ids.shape
     tap_layers = drafter.config.target_layer_ids if drafter is not None else ()
@@ -251,13 +261,76 @@ def prefill(
     hidden, taps, target_cache = target.step(ids, zeros, target_cache, blk_lens=lens, tap_layers=tap_layers,
                                              ops=ops, prefill=True)
     last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
-    rows = prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, capacity=capacity, max_steps=max_steps,
-                       mask_token_id=mask_token_id, sampling=sampling, max_logprobs=max_logprobs, flags=flags,
-                       candidates=candidates)
     if drafter is not None:
         k, v = drafter.context_kv(taps, jnp.broadcast_to(jnp.arange(plen, dtype=jnp.int32), (batch, plen)))
         draft_cache = write_all_layers(draft_cache, k, v, zeros)
+    entries = None
+    if prompt_logprobs is not None:
+        entries = prompt_entries(target, hidden, ids, jnp.any(prompt_logprobs), max_logprobs)
+    if source is not None:  # the distinct prompts' pass, copied to the rows that share each
+        last, ids, lens, target_cache, draft_cache, entries = jax.tree.map(
+            lambda x: x[source], (last, ids, lens, target_cache, draft_cache, entries))
+    rows = prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, capacity=capacity, max_steps=max_steps,
+                       mask_token_id=mask_token_id, sampling=sampling, max_logprobs=max_logprobs, flags=flags,
+                       candidates=candidates)
+    if entries is not None:
+        rows = record_prompt_logprobs(rows, entries, zeros if source is None else zeros[source], prompt_logprobs)
     return dataclasses.replace(rows, target_cache=target_cache, draft_cache=draft_cache)
+
+
+# Positions (summed over rows) per pass of the head for prompt logprobs: a [64, vocab] float32 block, in the
+# memory of every prefill program (a conditional's branches share its peak).
+PROMPT_LOGPROB_POSITIONS = 64
+
+
+def prompt_entries(target: Target, hidden: jax.Array, block_ids: jax.Array, wanted: jax.Array, top: int,
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The prompt logprobs a prefill's ``hidden [b, n, H]`` over ``block_ids [b, n]`` gives: entry j is the
+    log-softmax of the target's raw logits after token j at token j + 1 of the block, and the ``top``
+    best -> ``(logprob [b, n], top_ids [b, n, top], top_logprobs [b, n, top])`` (the last entry, and any
+    past a row's prompt, read nothing meaningful). Computed only when ``wanted`` (a device bool; zeros
+    otherwise), the head over ``PROMPT_LOGPROB_POSITIONS`` positions of all rows at a time: a whole
+    prompt's logits are n x vocab floats per row."""
+    b, n, width = hidden.shape
+    chunk = min(max(1, PROMPT_LOGPROB_POSITIONS // b), n)
+    pad = -n % chunk
+    nxt = jnp.pad(block_ids[:, 1:], ((0, 0), (0, pad + 1)))
+
+    def compute(_):
+        h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, width).swapaxes(0, 1)
+        t = nxt.reshape(b, -1, chunk).swapaxes(0, 1)
+
+        def one(args):
+            hh, tt = args
+            lp, ids, vals = smp.logprobs_of(target.head(hh.reshape(b * chunk, width)), tt.reshape(-1), top)
+            return lp.reshape(b, chunk), ids.reshape(b, chunk, top), vals.reshape(b, chunk, top)
+
+        out = jax.lax.map(one, (h, t))
+        return tuple(x.swapaxes(0, 1).reshape((b, n + pad) + x.shape[3:])[:, :n] for x in out)
+
+    def skip(_):
+        return (jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n, top), jnp.int32), jnp.zeros((b, n, top), jnp.float32))
+
+    return jax.lax.cond(wanted, compute, skip, None)
+
+
+def record_prompt_logprobs(rows: DecodeState, entries: tuple[jax.Array, jax.Array, jax.Array], first: jax.Array,
+                           want: jax.Array) -> DecodeState:
+    """Writes ``prompt_entries`` of blocks starting at prompt positions ``first [b]`` into the prefilled
+    ``rows``' logprob buffers, at the position of the token each entry is about (``first + j + 1``, before
+    the row's length), for the rows where ``want [b]``."""
+    lp, ids, vals = entries
+    s = rows.sampling
+    b, n = lp.shape
+    positions = first[:, None] + 1 + jnp.arange(n)[None, :]
+    keep = want[:, None] & (positions < rows.starts[:, None])
+    positions = jnp.where(keep, positions, s.logprob.shape[1])  # out of range: dropped
+    index = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
+    k = min(ids.shape[-1], s.top_ids.shape[-1])
+    return dataclasses.replace(rows, sampling=dataclasses.replace(
+        s, logprob=s.logprob.at[index, positions].set(lp, mode="drop"),
+        top_ids=s.top_ids.at[index, positions, :k].set(ids[..., :k], mode="drop"),
+        top_logprobs=s.top_logprobs.at[index, positions, :k].set(vals[..., :k], mode="drop")))
 
 
 def prompt_rows(
@@ -404,7 +477,12 @@ def draft_block(
     if isinstance(drafter, DFlash2Drafter):
         # A path through each slot's top-k candidates. Exact verification takes any proposal; rejection
         # sampling needs drafts drawn from q, which the selector's path is not (the batcher refuses it).
-        draft = drafter.select(logits, hidden[:, 0, 1:], anchor)
+        if flags.sample:
+            unary, ids, noise = selector_candidates(logits, state.sampling, positions[:, 1:],
+                                                    drafter.config.selector_top_k, candidates)
+            draft = drafter.select(logits, hidden[:, 0, 1:], anchor, (unary, ids), (noise, state.sampling.temperature))
+        else:
+            draft = drafter.select(logits, hidden[:, 0, 1:], anchor)
     elif flags.sample:
         draft = draft_tokens(logits, state.sampling, positions[:, 1:], flags=flags, candidates=candidates)
     else:
@@ -551,9 +629,9 @@ def draft_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array, *, f
     ``candidates`` largest logits, the whole rows only when some draw could reach past them."""
     b, n, vocab = logits.shape
     temperature = jnp.repeat(s.temperature, n)
-    top_k = jnp.repeat(jnp.where(s.rejection, 0, s.top_k), n) if flags.top_k else jnp.zeros_like(temperature, jnp.int32)
+    top_ks = jnp.repeat(jnp.where(s.rejection, 0, s.top_k), n) if flags.top_k else jnp.zeros_like(temperature, jnp.int32)
     seeds, pos = jnp.repeat(s.seeds, n, axis=0), positions.reshape(-1)
-    tokens, exact, boundary = smp.draft_candidates(logits.reshape(b * n, vocab), temperature, top_k, seeds, pos,
+    tokens, exact, boundary = smp.draft_candidates(logits.reshape(b * n, vocab), temperature, top_ks, seeds, pos,
                                                    count=smp.candidate_count(flags, candidates))
 
     def whole_row(raw):
@@ -561,6 +639,46 @@ def draft_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array, *, f
         return greedy_argmax(scores.reshape(b, n, vocab)).reshape(-1)
 
     return jax.lax.cond(jnp.all(exact), lambda _: tokens, whole_row, logits).reshape(b, n)
+
+
+def selector_candidates(logits: jax.Array, s: SamplingState, positions: jax.Array, k: int,
+                        count: int = 64) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A DFlash2 selector's ``k`` candidates per draft slot for a batch with sampled rows:
+    ``logits [b, n, V]`` of the slots at ``positions [b, n]`` -> ``(unary [b, n, k], ids [b, n, k],
+    gumbel [b, n, k])``, the candidates' logits, ids and noise.
+
+    ``gumbel`` is the noise the target draws the same position with, at the candidates' ids: the selector
+    walks ``score / T + gumbel`` (``CandidateSelector.select_path``), the counterpart of the target's
+    draw ``argmax(logits / T + gumbel)``, so that a drafter close to the target proposes the tokens the
+    target will draw (exact verification accepts a draft only when it equals the draw; a greedy path
+    rarely does at T >= 0.7). A sampled row's candidates are the top ``k`` of ``logits / T + gumbel``,
+    read from its ``count`` largest logits when no other token can reach them (as ``draft_tokens``),
+    else from the whole row; a greedy row's (T = 0) are the top ``k`` logits, as ``select_path`` takes
+    them, with zero noise."""
+    b, n, vocab = logits.shape
+    temperature = s.temperature.astype(jnp.float32)[:, None, None]
+    sampled = temperature > 0
+    scale = jnp.where(sampled, temperature, 1.0)
+    seeds, flat_pos = jnp.repeat(s.seeds, n, axis=0), positions.reshape(-1)
+
+    def pick(values, ids, noise):
+        rank = jnp.where(sampled, values.astype(jnp.float32) / scale + noise, values.astype(jnp.float32))
+        top, picked = top_k(rank, k)  # over candidates in logit order: ties keep the lower id
+        take = functools.partial(jnp.take_along_axis, indices=picked, axis=-1)
+        return top, (take(values), take(ids), jnp.where(sampled, take(noise), 0.0))
+
+    values, ids = top_k(logits, max(count, k))  # [b, n, C], by logit, ties to the lower id
+    noise = smp.gumbel_at(seeds, flat_pos, ids.reshape(b * n, -1), vocab).reshape(ids.shape)
+    top, chosen = pick(values, ids, noise)
+    # No token outside the C largest logits can reach the k-th score, even with the largest noise.
+    exact = ~sampled[..., 0] | (values[..., -1].astype(jnp.float32) / scale[..., 0] + smp.GUMBEL_MAX < top[..., -1])
+
+    def whole_row(raw):
+        full = smp.gumbel_noise(seeds, flat_pos, vocab).reshape(b, n, vocab)
+        ids_all = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), raw.shape)
+        return pick(raw, ids_all, full)[1]
+
+    return jax.lax.cond(jnp.all(exact), lambda _: chosen, whole_row, logits)
 
 
 def sampled_posterior(logits: jax.Array, state: DecodeState, block_ids: jax.Array, positions: jax.Array, *,

@@ -107,6 +107,9 @@ class EngineConfig:
     # Paged engines: a prompt with more uncached tokens than this is prefilled this many at a time, one
     # chunk per host sync between the running rows' decode calls (0: whole prompts). A multiple of page_size.
     prefill_chunk: int = 0
+    # Paged engines: a request paused this many times for pages resumes with pages for its whole length
+    # and is not paused again (0: every request gets its whole length at admission, none is paused).
+    max_preemptions: int = 2
     # "fixed": every decode call drafts blocks of ``block_size``; "adaptive": each call picks the block
     # size among ``speculation_blocks``, or a target-only step, with the most expected tokens per
     # second for its live rows (``runtime.speculation``: measured step costs, each row's acceptance).
@@ -166,6 +169,8 @@ class EngineConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction}")
         if self.num_pages is not None and self.kv_memory_fraction is not None:
             raise ValueError("set num_pages or kv_memory_fraction, not both")
+        if self.max_preemptions < 0:
+            raise ValueError(f"max_preemptions must be >= 0, got {self.max_preemptions}")
         if self.prefill_chunk < 0 or self.prefill_chunk and (not self.page_size or self.prefill_chunk % self.page_size):
             raise ValueError(f"prefill_chunk must be 0 or a multiple of a paged engine's page_size ({self.page_size}), "
                              f"got {self.prefill_chunk}")
@@ -228,6 +233,19 @@ def _speculation_blocks(config: EngineConfig, block_size: int, drafter: Drafter 
         raise ValueError(f"speculation_blocks {blocks}: a block is shorter than the drafter's conv_kernel_size {kernel}")
     blocks = set(blocks) | {block_size} | ({config.block_size} if config.block_size else set())
     return tuple(sorted(blocks, reverse=True)) + (1,)
+
+
+def shared_prompts(prompts: Sequence[Sequence[int]], cached: Sequence[int] | None = None) -> list[int] | None:
+    """For each prompt, the index of the prompt whose prefill it shares: the first of the equal prompts
+    with the fewest ``cached`` tokens (itself if it is that one). None when the prompts are distinct."""
+    leader: dict[tuple[int, ...], int] = {}
+    for i, p in enumerate(prompts):
+        key = tuple(p)
+        if key not in leader or (cached is not None and cached[i] < cached[leader[key]]):
+            leader[key] = i
+    if len(leader) == len(prompts):
+        return None
+    return [leader[tuple(p)] for p in prompts]
 
 
 def _next_pow2(n: int) -> int:
@@ -306,6 +324,8 @@ class Engine:
     """Batched generation (greedy, or sampled per ``SamplingParams``) with an optional DFlash drafter
     (``drafter=None``: target-only)."""
 
+    records_prompt_logprobs = True  # the prefill records ``SamplingParams.prompt_logprobs`` (completions' echo)
+
     def __init__(self, target: Target, drafter: Drafter | None, config: EngineConfig = EngineConfig(),
                  mesh: Mesh | None = None):
         config.validate()
@@ -374,8 +394,6 @@ class Engine:
         # a new shape: nothing to donate to
         self._resize = jax.jit(self._resize_fn, static_argnames=("rows",), compiler_options=once)
         self._release = jax.jit(self._release_fn, donate_argnums=(0,), compiler_options=once)
-        self._prompt_logprobs = jax.jit(self._traced(self._prompt_logprobs_fn), static_argnames=("top",),
-                                        compiler_options=once)
         self._mask_id = drafter.config.mask_token_id if drafter is not None else 0
         self.vocab_size = target.config.vocab_size
         self.speculative = drafter is not None
@@ -397,6 +415,9 @@ class Engine:
         self.windows = (window_buckets(self.capacity) if self.attention_impl == "xla" and not self.fixed_loop
                         else (self.capacity,))
         self._n_steps: dict[int, jax.Array] = {}
+        # Distinct prompts the prefills ran and their tokens computed (cached prefixes excluded): rows
+        # sharing a prompt (n > 1 choices) count it once.
+        self.prefilled_prompts = self.prefilled_tokens = 0
         self._init_pages()
 
     def _init_pages(self) -> None:
@@ -464,17 +485,21 @@ class Engine:
         return paged.resize(empty, state, slots)
 
     def _paged_prefill_fn(self, target_state, drafter_state, state, page_rows, ids, lens, cached, max_lens,
-                          stop_ids, sampling, *, suffix: int, context_pages: int):
-        """``_prefill_fn`` over a cached prefix in ``state``'s pages (``paged.prefill``)."""
+                          stop_ids, sampling, source=None, row_cached=None, *, suffix: int, context_pages: int):
+        """``_prefill_fn`` over a cached prefix in ``state``'s pages (``paged.prefill``); ``source``: rows
+        sharing a prompt (``page_rows``, ``ids``, ``lens`` and ``cached`` are then the distinct prompts')."""
         target, drafter = self._models(target_state, drafter_state)
         flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
                               logprobs=self.config.max_logprobs)
+        sampling = dict(sampling)
+        want = sampling.pop("prompt_logprobs")
         rows = paged.prefill(target, drafter, state, page_rows, ids, lens, cached, max_lens, stop_ids,
                              suffix=suffix, context_pages=context_pages, capacity=self.capacity,
                              max_steps=self.config.max_length, mask_token_id=self._mask_id, ops=self.ops,
                              sampling=sampling, max_logprobs=self.config.max_logprobs, flags=flags,
-                             candidates=self.config.sampling_candidates)
-        return rows, jnp.take_along_axis(rows.tokens, lens[:, None], axis=1)[:, 0]
+                             candidates=self.config.sampling_candidates, source=source, row_cached=row_cached,
+                             prompt_logprobs=want)
+        return rows, jnp.take_along_axis(rows.tokens, rows.starts[:, None], axis=1)[:, 0]
 
     def prefill_paged(self, state: decoding.DecodeState, prompts: Sequence[Sequence[int]],
                       max_new_tokens: Sequence[int], stop_token_ids: Sequence[Sequence[int]],
@@ -486,21 +511,39 @@ class Engine:
         Returns the rows, the first tokens and what ``admit_paged`` needs beside them."""
         params = smp.resolve(sampling, len(prompts))
         ids, lens, max_lens, stop_ids, arrays = self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params)
-        batch = ids.shape[0]
-        page_rows = np.zeros((batch, self.max_pages), np.int32)
-        cache_from = np.zeros((batch,), np.int32)
-        for i, (row_pages, c) in enumerate(zip(pages, cached)):
-            page_rows[i, :len(row_pages)] = row_pages
-            cache_from[i] = c
+        page_rows = self._page_rows(pages, ids.shape[0])
+        cache_from = np.zeros((ids.shape[0],), np.int32)
+        cache_from[:len(cached)] = cached
+        # Rows sharing a prompt (n > 1 choices) run it once, on the pages of the one with the fewest cached
+        # tokens; each reads its own positions from that pass (it may share that row's full pages).
+        leaders = shared_prompts(prompts, cached)
+        distinct = list(range(len(prompts))) if leaders is None else sorted(set(leaders))
+        self._count_prefill([prompts[i] for i in distinct], [cached[i] for i in distinct])
         context_pages, suffix = 0, ids.shape[1]
-        if cache_from.any():  # powers of two: a few compiled variants
-            context_pages = min(_next_pow2(int(cache_from.max()) // self.page_size), self.max_pages)
-            suffix = self._prompt_bucket(max(len(p) - c for p, c in zip(prompts, cached)))
+        if any(cached[i] for i in distinct):  # powers of two: a few compiled variants
+            context_pages = min(_next_pow2(max(cached[i] for i in distinct) // self.page_size), self.max_pages)
+            suffix = self._prompt_bucket(max(len(prompts[i]) - cached[i] for i in distinct))
         admission = PagedAdmission(self._put_batch(page_rows), self._put_batch(cache_from))
-        rows, first = self._paged_prefill(self._target_state, self._drafter_state, state, admission.page_rows, ids,
-                                          lens, admission.cache_from, max_lens, stop_ids, arrays, suffix=suffix,
-                                          context_pages=context_pages)
+        shared = {}
+        model_rows, model_cached = admission.page_rows, admission.cache_from
+        if leaders is not None:
+            ids, lens, source = self._distinct_inputs(prompts, leaders)
+            model_rows = self._put_batch(self._page_rows([pages[i] for i in distinct], ids.shape[0]))
+            distinct_cached = np.zeros((ids.shape[0],), np.int32)
+            distinct_cached[:len(distinct)] = [cached[i] for i in distinct]
+            model_cached = self._put_batch(distinct_cached)
+            shared = {"source": source, "row_cached": admission.cache_from}
+        rows, first = self._paged_prefill(self._target_state, self._drafter_state, state, model_rows, ids,
+                                          lens, model_cached, max_lens, stop_ids, arrays, suffix=suffix,
+                                          context_pages=context_pages, **shared)
         return rows, first, admission
+
+    def _page_rows(self, pages: Sequence[Sequence[int]], rows: int) -> np.ndarray:
+        """Page tables ``[rows, max_pages]`` of ``pages`` (null pages after them and in padding rows)."""
+        page_rows = np.zeros((rows, self.max_pages), np.int32)
+        for i, row_pages in enumerate(pages):
+            page_rows[i, :len(row_pages)] = row_pages
+        return page_rows
 
     def admit_paged(self, state: decoding.DecodeState, rows: decoding.DecodeState, slots: Sequence[int],
                     admission: "PagedAdmission") -> decoding.DecodeState:
@@ -547,55 +590,24 @@ class Engine:
             drafter = nnx.merge(self._drafter_def, jax.tree.unflatten(self._drafter_tree, drafter_leaves))
         return target, drafter
 
-    def _prefill_fn(self, target_state, drafter_state, ids, lens, max_lens, stop_ids, sampling):
+    def _prefill_fn(self, target_state, drafter_state, ids, lens, max_lens, stop_ids, sampling, source=None):
         """Every processor is compiled in: a prefill draws one token per row, a small price beside its
         prompt, so one program per shape serves greedy and sampled rows alike (neutral parameters
-        change nothing, bit for bit: a greedy row's first token is the argmax of its raw logits)."""
+        change nothing, bit for bit: a greedy row's first token is the argmax of its raw logits).
+        ``source``: rows sharing a prompt (``decoding.prefill``; ``ids`` and ``lens`` are the distinct ones)."""
         target, drafter = self._models(target_state, drafter_state)
         flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
                               logprobs=self.config.max_logprobs)
+        sampling = dict(sampling)
+        want = sampling.pop("prompt_logprobs")
         # Every step commits >= 1 token, so max_length bounds the steps of any row.
         state = decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, capacity=self.capacity,
                                  max_steps=self.config.max_length, mask_token_id=self._mask_id,
                                  ops=self.ops, sampling=sampling, max_logprobs=self.config.max_logprobs,
-                                 flags=flags, candidates=self.config.sampling_candidates)
-        first = jnp.take_along_axis(state.tokens, lens[:, None], axis=1)[:, 0]
+                                 flags=flags, candidates=self.config.sampling_candidates, source=source,
+                                 prompt_logprobs=want)
+        first = jnp.take_along_axis(state.tokens, state.starts[:, None], axis=1)[:, 0]
         return self._constrain(state), first
-
-    def _prompt_logprobs_fn(self, target_state, ids, lens, *, top: int):
-        """Per position of ``ids [1, P]`` the logprob of the next prompt token and the ``top`` best,
-        from the raw logits; the head runs over 64 positions at a time (a whole prompt's logits are
-        P x vocab floats)."""
-        target = nnx.merge(self._target_def, jax.tree.unflatten(self._target_tree, target_state))
-        plen = ids.shape[1]
-        cache, _ = decoding.new_caches(target, None, 1, plen)
-        hidden, _, _ = target.step(ids, jnp.zeros((1,), jnp.int32), cache, blk_lens=lens, ops=self.ops,
-                                   prefill=True)
-        chunk = min(64, plen)
-        pad = -plen % chunk
-        hidden = jnp.pad(hidden[0], ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[-1])
-        nxt = jnp.pad(ids[0, 1:], (0, pad + 1)).reshape(-1, chunk)
-
-        def one(args):
-            h, t = args
-            return smp.logprobs_of(target.head(h), t, top)
-
-        lp, top_ids, top_lps = jax.lax.map(one, (hidden, nxt))
-        return lp.reshape(-1)[:plen], top_ids.reshape(-1, top)[:plen], top_lps.reshape(-1, top)[:plen]
-
-    def prompt_logprobs(self, prompt: Sequence[int], top: int = 0) -> tuple[list[float | None], list[dict | None]]:
-        """The prompt's own logprobs (completions' ``echo`` with ``logprobs``): for each token, the
-        log-softmax of the target's raw logits after the tokens before it (None for the first), and
-        the ``top`` most likely tokens there (token id -> logprob; None for the first)."""
-        n = len(prompt)
-        bucket = self._prompt_bucket(n)
-        ids = np.zeros((1, bucket), np.int32)
-        ids[0, :n] = prompt
-        lp, top_ids, top_lps = jax.device_get(self._prompt_logprobs(
-            self._target_state, self._put_batch(ids), self._put_batch(np.asarray([n], np.int32)), top=top))
-        logprobs = [None] + [float(x) for x in lp[:n - 1]]
-        tops = [None] + [{int(t): float(v) for t, v in zip(top_ids[i], top_lps[i])} for i in range(n - 1)]
-        return logprobs, tops
 
     def _empty_fn(self, *, rows: int) -> decoding.DecodeState:
         # Only the models' configs and dtypes are read: no weights enter the computation.
@@ -782,11 +794,37 @@ class Engine:
                                   window=self._window(window), fixed_steps=fixed, flags=sampling,
                                   **self._block_argument(block))
 
-    def prefill_compiled(self, rows: int, prompt_length: int) -> jax.stages.Compiled:
+    def prefill_compiled(self, rows: int, prompt_length: int, *, distinct: int | None = None) -> jax.stages.Compiled:
         """The prefill of ``rows`` prompts of ``prompt_length`` tokens (its prompt bucket), as compiled;
-        compiles only. Its ``out_info`` is the prefilled rows' shapes and placement."""
+        compiles only. Its ``out_info`` is the prefilled rows' shapes and placement. ``distinct``: rows
+        sharing prompts (``prefill`` of ``n`` > 1 choices), whose prompts run on that many rows."""
         args = self._prefill_inputs([[0] * prompt_length] * rows, [2] * rows, [()] * rows)
+        if distinct is not None:  # as ``_distinct_inputs`` places them
+            put = self._put_batch
+            args = (put(np.zeros((distinct, args[0].shape[1]), np.int32)), put(np.ones((distinct,), np.int32)),
+                    *args[2:], put(np.zeros((args[1].shape[0],), np.int32)))
         return self._prefill.lower(self._target_state, self._drafter_state, *args).compile()
+
+    def prefill_paged_compiled(self, state: decoding.DecodeState, rows: int, prompt_length: int, *,
+                               distinct: int | None = None) -> tuple[jax.stages.Compiled, "PagedAdmission"]:
+        """``prefill_paged`` of ``rows`` prompts of ``prompt_length`` tokens with nothing cached, beside
+        ``state`` (its pools), as compiled (compiles only), and an admission of its rows to the null page.
+        ``distinct``: rows sharing prompts, as in ``prefill_compiled``."""
+        ids, lens, max_lens, stop_ids, arrays = self._prefill_inputs([[0] * prompt_length] * rows, [2] * rows,
+                                                                      [()] * rows)
+        put = self._put_batch
+        batch, bucket = ids.shape
+        admission = PagedAdmission(put(np.zeros((batch, self.max_pages), np.int32)), put(np.zeros((batch,), np.int32)))
+        model_rows, cached, shared = admission.page_rows, admission.cache_from, {}
+        if distinct is not None:  # as ``prefill_paged`` places them
+            ids, lens = put(np.zeros((distinct, bucket), np.int32)), put(np.ones((distinct,), np.int32))
+            model_rows = put(np.zeros((distinct, self.max_pages), np.int32))
+            cached = put(np.zeros((distinct,), np.int32))
+            shared = {"source": put(np.zeros((batch,), np.int32)), "row_cached": admission.cache_from}
+        compiled = self._paged_prefill.lower(self._target_state, self._drafter_state, state, model_rows, ids, lens,
+                                             cached, max_lens, stop_ids, arrays, suffix=bucket, context_pages=0,
+                                             **shared).compile()
+        return compiled, admission
 
     def decode_hlo(self, state: decoding.DecodeState, n_steps: int = 1, *, window: int | None = None,
                    block: int | None = None) -> str:
@@ -819,8 +857,34 @@ class Engine:
         prompt's ``SamplingParams`` (seeded: ``SamplingParams.with_seed``; None: all greedy).
         """
         params = smp.resolve(sampling, len(prompts))
-        return self._prefill(self._target_state, self._drafter_state,
-                             *self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params))
+        leaders = shared_prompts(prompts)
+        inputs = self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params)
+        if leaders is None:
+            self._count_prefill(prompts)
+            return self._prefill(self._target_state, self._drafter_state, *inputs)
+        ids, lens, source = self._distinct_inputs(prompts, leaders)
+        self._count_prefill([prompts[i] for i in sorted(set(leaders))])
+        return self._prefill(self._target_state, self._drafter_state, ids, lens, *inputs[2:], source)
+
+    def _count_prefill(self, computed: Sequence[Sequence[int]], cached: Sequence[int] | None = None) -> None:
+        """Adds a prefill's distinct prompts and their computed tokens to the counters."""
+        self.prefilled_prompts += len(computed)
+        self.prefilled_tokens += sum(len(p) for p in computed) - sum(cached or ())
+
+    def _distinct_inputs(self, prompts: Sequence[Sequence[int]], leaders: Sequence[int]) -> tuple[jax.Array, ...]:
+        """A shared prefill's model inputs: the distinct prompts' ids ``[prefill_rows(distinct), bucket]``
+        and lengths, and each output row's ``source`` among them (``shared_prompts``' ``leaders``)."""
+        distinct = sorted(set(leaders))
+        rows = self.prefill_rows(len(distinct))
+        bucket = self._prompt_bucket(max(len(p) for p in prompts))
+        ids = np.zeros((rows, bucket), np.int32)
+        lens = np.ones((rows,), np.int32)
+        for i, p in enumerate(distinct):
+            ids[i, :len(prompts[p])] = prompts[p]
+            lens[i] = len(prompts[p])
+        source = np.zeros((self.prefill_rows(len(prompts)),), np.int32)  # padding rows: a copy of the first
+        source[:len(leaders)] = [distinct.index(leader) for leader in leaders]
+        return self._put_batch(ids), self._put_batch(lens), self._put_batch(source)
 
     def _prefill_inputs(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                         stop_token_ids: Sequence[Sequence[int]],
@@ -844,6 +908,9 @@ class Engine:
         max_lens[:n] = [min(l + m, self.config.max_length) for l, m in zip(lens, max_new_tokens)]
         put = self._put_batch
         arrays = smp.row_arrays(sampling, batch, self.vocab_size, lens)
+        # The rows whose prompt logprobs the prefill records (``decoding.prompt_entries``), beside their parameters.
+        arrays["prompt_logprobs"] = np.zeros((batch,), bool)
+        arrays["prompt_logprobs"][:len(sampling)] = [p.prompt_logprobs is not None for p in sampling]
         return put(ids), put(row_lens), put(max_lens), put(stop_ids), {k: put(v) for k, v in arrays.items()}
 
     def prefill_rows(self, prompts: int) -> int:
@@ -903,7 +970,8 @@ class Engine:
         group of waiting prompts) and prompt bucket, and an admission per prefill and running
         state. So (``dflash_jax.runtime.warmup``): decode at every attention window for each running
         state's row count (first, so that its GEMM autotuning runs alone); then every prefill shape,
-        compiled on ``threads`` threads at once (default: up to 8; XLA compiles outside the GIL); then
+        compiled on ``threads`` threads at once (default: up to 8; XLA compiles outside the GIL), with
+        the prefills of one prompt's ``n`` > 1 choices at each row count above one; then
         the admissions of stand-ins of their outputs into the states they can join, the states resized
         into each other, and a row of each released (a cancelled request's). No model runs. ``sampling``:
         the flags of the sampled batches to compile decode for too (``SamplingFlags.of`` of their rows'
@@ -923,8 +991,9 @@ class Engine:
         def progress(index: int, shape) -> None:
             if shape.phase == "prefill" and index == len(decodes):
                 log.info("warm-up: decode compiled after %.1f s; compiling %d prefill shapes (%d prompt counts x %d "
-                         "prompt buckets) on %d threads", time.perf_counter() - t0, len(prefills),
-                         len({s.rows for s in prefills}), len({s.size for s in prefills}), workers)
+                         "prompt buckets, and %d of one prompt's n choices) on %d threads", time.perf_counter() - t0,
+                         len(prefills), len({s.rows for s in prefills}), len({s.size for s in prefills}),
+                         sum(1 for s in prefills if s.distinct), workers)
             elif index == len(decodes) + len(prefills):
                 log.info("warm-up: prefills compiled after %.1f s; compiling the admissions, resizes and releases",
                          time.perf_counter() - t0)

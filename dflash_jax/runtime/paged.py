@@ -69,7 +69,8 @@ def prefill(
     lens: jax.Array, cached: jax.Array, max_lens: jax.Array, stop_ids: jax.Array, *, suffix: int,
     context_pages: int, capacity: int, max_steps: int, mask_token_id: int, ops: OpsConfig = XLA,
     sampling: dict[str, jax.Array] | None = None, max_logprobs: int = 0, flags: SamplingFlags = GREEDY_FLAGS,
-    candidates: int = 0,
+    candidates: int = 0, source: jax.Array | None = None, row_cached: jax.Array | None = None,
+    prompt_logprobs: jax.Array | None = None,
 ) -> DecodeState:
     """The prompts ``ids [rows, P]`` (lengths ``lens``), of which the first ``cached [rows]`` positions are
     in the pages ``page_rows [rows, max_pages]`` of ``state``'s pools (a multiple of the page size,
@@ -77,11 +78,23 @@ def prefill(
     page count covering every ``cached`` (0: nothing cached, a plain ``decoding.prefill``).
 
     Returns the rows as ``decoding.prefill`` does, except that their caches hold ``suffix`` positions
-    from ``cached`` on (all P prompt positions when ``context_pages`` is 0)."""
+    from ``cached`` on (all P prompt positions when ``context_pages`` is 0).
+
+    ``source [out rows]``: rows sharing a prompt, as in ``decoding.prefill`` (``ids``, ``lens``, ``cached``
+    and ``page_rows`` are the distinct prompts'); row r's caches then hold the positions from its own
+    ``row_cached [out rows]`` on (``>= cached[source[r]]``: a row that shares its prompt's pages up to there
+    writes only the rest into its own). ``prompt_logprobs [out rows]``: as in ``decoding.prefill``, for the
+    positions this pass computes (a row asking for them has nothing cached)."""
     common = dict(capacity=capacity, max_steps=max_steps, mask_token_id=mask_token_id, sampling=sampling,
                   max_logprobs=max_logprobs, flags=flags, candidates=candidates)
     if context_pages == 0:
-        return decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, ops=ops, **common)
+        rows = decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, ops=ops, source=source,
+                                prompt_logprobs=prompt_logprobs, **common)
+        if source is None:
+            return rows
+        plen = ids.shape[1]
+        return dataclasses.replace(rows, target_cache=_positions_from(rows.target_cache, row_cached, plen),
+                                   draft_cache=_positions_from(rows.draft_cache, row_cached, plen))
     batch, plen = ids.shape
     offsets = jnp.arange(suffix, dtype=jnp.int32)[None, :]
     positions = cached[:, None] + offsets
@@ -98,17 +111,43 @@ def prefill(
     hidden, taps, target_view = target.step(suffix_ids, cached, view(state.target_cache), blk_lens=suffix_lens,
                                             tap_layers=tap_layers, ops=ops)
     last = jnp.take_along_axis(hidden, (suffix_lens - 1)[:, None, None], axis=1)[:, 0]
-    rows = decoding.prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, **common)
-
-    def block(cache: KVCache) -> KVCache:
-        return KVCache(tuple(read_rows(x, cached, suffix) for x in cache.k),
-                       tuple(read_rows(x, cached, suffix) for x in cache.v))
-
     draft_cache = None
     if drafter is not None:
         k, v = drafter.context_kv(taps, positions)
         draft_cache = KVCache(tuple(k), tuple(v))
-    return dataclasses.replace(rows, target_cache=block(target_view), draft_cache=draft_cache)
+    entries = None
+    if prompt_logprobs is not None:
+        entries = decoding.prompt_entries(target, hidden, suffix_ids, jnp.any(prompt_logprobs), max_logprobs)
+    if source is None:
+        rows = decoding.prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, **common)
+
+        def block(cache: KVCache) -> KVCache:
+            return KVCache(tuple(read_rows(x, cached, suffix) for x in cache.k),
+                           tuple(read_rows(x, cached, suffix) for x in cache.v))
+
+        rows = dataclasses.replace(rows, target_cache=block(target_view), draft_cache=draft_cache)
+        first = cached
+    else:
+        # The distinct prompts' pass, copied to the rows sharing each: the target's view holds every
+        # position of the prompt, the drafter's context the computed ones (from ``cached`` on).
+        last, ids, lens, target_view, draft_cache, entries = jax.tree.map(
+            lambda x: x[source], (last, ids, lens, target_view, draft_cache, entries))
+        rows = decoding.prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, **common)
+        rows = dataclasses.replace(rows, target_cache=_positions_from(target_view, row_cached, suffix),
+                                   draft_cache=_positions_from(draft_cache, row_cached - cached[source], suffix))
+        first = cached[source]
+    if entries is not None:
+        rows = decoding.record_prompt_logprobs(rows, entries, first, prompt_logprobs)
+    return rows
+
+
+def _positions_from(cache: KVCache | None, starts: jax.Array, n: int) -> KVCache | None:
+    """Positions ``starts [rows] + j`` (j < n) of every layer of a per-row ``cache``; zeros past its end."""
+    if cache is None:
+        return None
+    pad = ((0, 0), (0, n), (0, 0), (0, 0))
+    return KVCache(tuple(read_rows(jnp.pad(x, pad), starts, n) for x in cache.k),
+                   tuple(read_rows(jnp.pad(x, pad), starts, n) for x in cache.v))
 
 
 def admit(state: DecodeState, rows: DecodeState, slots: jax.Array, page_rows: jax.Array,

@@ -105,10 +105,10 @@ class PageAllocator:
             keys.append(key)
         return keys
 
-    def cached_prefix(self, prompt: Sequence[int]) -> list[int]:
+    def cached_prefix(self, prompt: Sequence[int], *, reuse: bool = True) -> list[int]:
         """The pages of the longest cached run of ``prompt``'s leading full pages, leaving at least its
-        last token to compute."""
-        if not self.prefix_cache:
+        last token to compute (none without ``reuse``)."""
+        if not self.prefix_cache or not reuse:
             return []
         pages = []
         for key in self.page_keys(prompt[:len(prompt) - 1]):
@@ -120,26 +120,41 @@ class PageAllocator:
 
     # -- allocation --------------------------------------------------------------------------------
 
-    def can_allocate(self, prompt: Sequence[int], positions: int, *, keep: int = 0) -> bool:
+    def can_allocate(self, prompt: Sequence[int], positions: int, *, keep: int = 0, reuse: bool = True) -> bool:
         """Whether ``allocate(prompt, positions)`` would succeed and leave ``keep`` pages available."""
-        hit = self.cached_prefix(prompt)
+        hit = self.cached_prefix(prompt, reuse=reuse)
         needed = self.pages_for(positions) - len(hit)
         return needed + keep <= self.available - sum(1 for p in hit if self._refs[p] == 0)
 
-    def allocate(self, prompt: Sequence[int], positions: int, *, keep: int = 0) -> PageGrant | None:
+    def allocate(self, prompt: Sequence[int], positions: int, *, keep: int = 0, reuse: bool = True,
+                 ) -> PageGrant | None:
         """Pages for the first ``positions`` positions of a request (its prompt and a first stretch of
         new tokens, or its whole length): its cached prefix's pages, shared, then fresh ones (evicting
         least recently used cached pages if no page is free). None if the pool cannot hold them now
-        while leaving ``keep`` pages available (the running rows' next growth); nothing is taken then."""
-        if not self.can_allocate(prompt, positions, keep=keep):
+        while leaving ``keep`` pages available (the running rows' next growth); nothing is taken then.
+        ``reuse=False``: no cached prefix (a prompt whose every position must be computed)."""
+        if not self.can_allocate(prompt, positions, keep=keep, reuse=reuse):
             return None
-        hit = self.cached_prefix(prompt)
+        hit = self.cached_prefix(prompt, reuse=reuse)
         for page in hit:
             self._take(page)
         fresh = [self._fresh_page() for _ in range(self.pages_for(positions) - len(hit))]
         self.prefix_queries += len(prompt)
         self.prefix_hits += len(hit) * self.page_size
         return PageGrant(pages=hit + fresh, cached_tokens=len(hit) * self.page_size)
+
+    def share(self, pages: Sequence[int], positions: int, *, keep: int = 0) -> PageGrant | None:
+        """Pages for the first ``positions`` positions of a request whose leading full pages are another
+        live request's ``pages`` (an equal prompt admitted with it: a request's ``n`` > 1 choices): those,
+        shared, then fresh ones. None (nothing taken) if the pool cannot hold the fresh ones while leaving
+        ``keep`` pages available."""
+        fresh = self.pages_for(positions) - len(pages)
+        if fresh + keep > self.available:
+            return None
+        for page in pages:
+            self._take(page)
+        return PageGrant(pages=list(pages) + [self._fresh_page() for _ in range(fresh)],
+                         cached_tokens=len(pages) * self.page_size)
 
     def grow(self, pages: list[int], positions: int) -> bool:
         """Appends fresh pages to a request's ``pages`` until they cover ``positions`` positions; False

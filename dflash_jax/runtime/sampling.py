@@ -74,6 +74,8 @@ class SamplingParams:
     min_tokens: int = 0              # stop ids are blocked until this many tokens were generated
     logprobs: int | None = None      # None: none; k >= 0: the chosen token's logprob and the top k
     verify: str = "exact"            # "exact" | "rejection" (sampled rows with a drafter)
+    # None: none; k >= 0: each prompt token's logprob (after the first) and the top k there, from the prefill
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def number(name: str) -> float:
@@ -116,6 +118,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_tokens must be >= 0, got {self.min_tokens}")
         if self.logprobs is not None and integer("logprobs", self.logprobs) < 0:
             raise ValueError(f"SamplingParams.logprobs must be None or >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and integer("prompt_logprobs", self.prompt_logprobs) < 0:
+            raise ValueError(f"SamplingParams.prompt_logprobs must be None or >= 0, got {self.prompt_logprobs}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"SamplingParams.verify must be one of {VERIFY_MODES}, got {self.verify!r}")
 
@@ -126,7 +130,7 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """Greedy on the raw logits without logprobs: what the greedy code path does (the seed is unused)."""
-        return self.greedy and not self.edits_logits and self.logprobs is None
+        return self.greedy and not self.edits_logits and self.logprobs is None and self.prompt_logprobs is None
 
     @property
     def edits_logits(self) -> bool:
@@ -143,8 +147,9 @@ class SamplingParams:
             bad = [t for t in self.logit_bias if t >= vocab_size]
             if bad:
                 raise ValueError(f"SamplingParams.logit_bias has token ids outside [0, {vocab_size}): {bad[:5]}")
-        if self.logprobs is not None and self.logprobs > max_logprobs:
-            raise ValueError(f"SamplingParams.logprobs {self.logprobs} exceeds the engine's max_logprobs {max_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(self, name)) is not None and value > max_logprobs:
+                raise ValueError(f"SamplingParams.{name} {value} exceeds the engine's max_logprobs {max_logprobs}")
 
     def with_seed(self) -> "SamplingParams":
         """These parameters with a seed: a fresh random one if ``seed`` is None (greedy rows keep None)."""

@@ -4,17 +4,19 @@ A shape compiled while serving stalls every running request for its compile (sec
 on an accelerator; ~10 s per decode shape for a 25M-parameter model on two CPU cores). A server meets
 many: decode per running state's row count (``Engine.state_rows``) and attention window
 (``Engine.windows``), a prefill per row count (``Engine.prefill_rows``) and prompt bucket, an
-admission of each prefill into each running state it can join, the states resized into each other,
-a row of each released (a cancelled request's).
+admission of each prefill into each running state it can join, the prefills of one prompt's ``n`` > 1
+choices (a shared prefill: the prompt runs once on one row, copied to each choice's row), the states
+resized into each other, a row of each released (a cancelled request's).
 
 ``warmup_plan`` lists them in the order a server meets them (a lone request's shapes first, then a
 batch's); ``first_request_shapes`` picks those of a lone request with a short prompt, which a server
 compiles before it binds while the rest compile on a ``BackgroundWarmup`` thread as it serves.
 ``Engine.warmup`` compiles the whole plan before it returns (decode first, prefills on several threads).
 
-Nothing here runs a model over a token: the prefills are compiled only (``Engine.prefill_compiled``),
-decode runs for zero steps, and the admissions, resizes and releases run on states of the warm-up's own
-(an empty state per row count, zero stand-ins for the prefills' outputs).
+Nothing here runs a model over a token: the prefills are compiled only (``Engine.prefill_compiled``;
+a paged engine's with the admission into the state whose pools they read, ``Engine.prefill_paged_compiled``),
+decode runs for zero steps, and the admissions, page tables, resizes and releases run on states of the
+warm-up's own (an empty state per row count, zero stand-ins for the prefills' outputs).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 
 log = logging.getLogger("dflash_jax.runtime.warmup")
 
-PHASES = ("decode", "prefill", "admit", "resize", "release")
+PHASES = ("decode", "prefill", "admit", "pages", "resize", "release")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,8 @@ class Shape:
 
     ``rows``: the running state's rows (decode, resize, release) or the prefill's rows (prefill,
     admit); ``size``: the attention window (decode) or the prompt bucket (prefill, admit); ``into``:
-    the running state's rows an admission writes into, or the rows a resize makes.
+    the running state's rows an admission writes into, or the rows a resize makes; ``distinct``: a
+    shared prefill's rows of distinct prompts, whose pass is copied to its ``rows`` (0: a row per prompt).
     """
 
     phase: str
@@ -49,16 +52,20 @@ class Shape:
     into: int = 0
     sampling: Any = None  # decode: the batch's ``SamplingFlags`` (None: greedy)
     block: int | None = None  # decode: an adaptive speculation block other than the engine's (1: target-only)
+    distinct: int = 0
 
     def __str__(self) -> str:
         rows = f"{self.rows} row{'s' if self.rows > 1 else ''}"
         if self.phase == "decode":
             kind = ("" if self.sampling is None else ", sampled") + ("" if self.block is None else f", block {self.block}")
             return f"decode{kind}, {rows}, attention window {self.size}"
+        shared = f" sharing {self.distinct} prompt{'s' if self.distinct > 1 else ''}" if self.distinct else ""
         if self.phase == "prefill":
-            return f"prefill, {rows}, prompt bucket {self.size}"
+            return f"prefill, {rows}{shared}, prompt bucket {self.size}"
         if self.phase == "admit":
-            return f"admission of a {rows} prefill (bucket {self.size}) into {self.into} rows"
+            return f"admission of a {rows} prefill{shared} (bucket {self.size}) into {self.into} rows"
+        if self.phase == "pages":
+            return f"page tables of {rows} set"
         if self.phase == "resize":
             return f"resize, {self.rows} to {self.into} rows"
         return f"release, {rows}"
@@ -68,9 +75,15 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: S
     """Every shape that requests of up to ``batch_sizes`` prompts at a time run (default: 1 and
     ``max_batch_size``), in the order a server meets them: a lone request's (decode on one row from
     the smallest window, its prefill by prompt bucket), then a batch's (decode on the batch's rows,
-    the lone prefills admitted into it, the resizes between the states, the larger prefills), then
-    the releases. ``sampling``: ``SamplingFlags`` of sampled batches, each one more decode program per
-    state and window, after the greedy one."""
+    the lone prefills admitted into it, the resizes between the states, the larger prefills, then the
+    prefills of one prompt's ``n`` choices for each of those row counts above one), then the releases.
+    A shared prefill's rows are admitted by the program of a plain prefill of as many rows; prefills
+    mixing several prompts with choices (more distinct rows than one) compile when first met: ``n`` is
+    unbounded, and their row combinations would double the prefills. ``sampling``: ``SamplingFlags``
+    of sampled batches, each one more decode program per state and window, after the greedy one.
+
+    A paged engine's plan has no prefill shapes: its admissions compile their prefills (of prompts with
+    nothing cached) beside the state they join, and a ``pages`` shape per state follows its decode."""
     sizes = sorted({1, engine.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
     states = sorted({engine.state_rows(size) for size in sizes})  # one row, and the batch's
     prefills = sorted({engine.prefill_rows(n) for n in range(1, max(sizes) + 1)})
@@ -92,8 +105,19 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: S
                 plan.append(Shape("admit", rows, bucket, largest))
             if rows == 1:
                 plan += [Shape("resize", a, 0, b) for a in states for b in states if a != b]
-    if getattr(engine, "paged", False):  # a paged engine's prefills, admissions and resizes compile when first met
-        plan = [s for s in plan if s.phase == "decode"]
+        shared = [(rows, bucket) for rows in prefills if rows > 1 for bucket in buckets]  # one prompt's n choices
+        if getattr(engine, "paged", False):
+            plan += [Shape("admit", rows, bucket, largest, distinct=1) for rows, bucket in shared]
+        else:  # admitted by a plain prefill's program of as many rows
+            plan += [Shape("prefill", rows, bucket, distinct=1) for rows, bucket in shared]
+    if getattr(engine, "paged", False):
+        # A paged prefill takes the running state (its pools): each admission compiles its prefill of prompts with
+        # nothing cached beside it. A state's rows get page tables as they grow. Prefills over a cached prefix and
+        # a chunk's write compile when first met.
+        plan = [s for s in plan if s.phase != "prefill"]
+        for state in states:
+            last = max(i for i, s in enumerate(plan) if s.phase == "decode" and s.rows == state)
+            plan.insert(last + 1, Shape("pages", state))
     return plan + [Shape("release", state) for state in states]
 
 
@@ -113,7 +137,8 @@ def first_request_shapes(engine, plan: Sequence[Shape], prompt_tokens: int, max_
     largest = window(end - 2 + block)
     return [s for s in plan if (s.phase in ("prefill", "admit") and s.rows == 1 and s.size in buckets
                                 and s.into in (0, 1))
-            or (s.phase == "decode" and s.rows == 1 and smallest <= s.size <= largest)]
+            or (s.phase == "decode" and s.rows == 1 and smallest <= s.size <= largest)
+            or (s.phase == "pages" and s.rows == 1)]
 
 
 def _stand_in(compiled: jax.stages.Compiled, on_mesh: bool) -> Any:
@@ -140,14 +165,15 @@ class _Runner:
             self.states[rows] = self.engine.empty_state(rows)
         return self.states[rows]
 
-    def prefill(self, rows: int, bucket: int):
-        if (rows, bucket) not in self.prefilled:
-            compiled = self.engine.prefill_compiled(rows, self.shortest[bucket])
-            self.prefilled[rows, bucket] = _stand_in(compiled, self.engine.mesh is not None)[0]
-        return self.prefilled[rows, bucket]
+    def prefill(self, rows: int, bucket: int, distinct: int = 0):
+        if (rows, bucket, distinct) not in self.prefilled:
+            compiled = self.engine.prefill_compiled(rows, self.shortest[bucket], distinct=distinct or None)
+            self.prefilled[rows, bucket, distinct] = _stand_in(compiled, self.engine.mesh is not None)[0]
+        return self.prefilled[rows, bucket, distinct]
 
     def run(self, shape: Shape) -> None:
         engine = self.engine
+        paged = getattr(engine, "paged", False)
         if shape.phase == "decode":
             # Run for no step (a fixed loop: its serving count, on a state of free rows): the running
             # states the later phases compile for are then, as a server's, decode outputs.
@@ -158,13 +184,27 @@ class _Runner:
             self.states[shape.rows], _ = engine.decode(self.state(shape.rows), steps, window=shape.size, **flags)
             jax.block_until_ready(self.states[shape.rows].starts)
         elif shape.phase == "prefill":
-            self.prefill(shape.rows, shape.size)
+            self.prefill(shape.rows, shape.size, shape.distinct)
+        elif shape.phase == "admit" and paged:  # its prefill reads the state's pools: compiled beside it
+            state = self.state(shape.into)
+            compiled, admission = engine.prefill_paged_compiled(state, shape.rows, self.shortest[shape.size],
+                                                                distinct=shape.distinct or None)
+            rows = _stand_in(compiled, False)[0]
+            self.states[shape.into] = engine.admit_paged(state, rows, range(shape.rows), admission)
+            jax.block_until_ready(self.states[shape.into].starts)
         elif shape.phase == "admit":
-            rows = self.prefill(shape.rows, shape.size)
+            rows = self.prefill(shape.rows, shape.size, shape.distinct)
             self.states[shape.into] = engine.admit(self.state(shape.into), rows, range(shape.rows))
             jax.block_until_ready(self.states[shape.into].starts)
+        elif shape.phase == "pages":
+            self.states[shape.rows] = engine.set_pages(self.state(shape.rows), {0: [0]})
+            jax.block_until_ready(self.states[shape.rows].starts)
         elif shape.phase == "resize":
-            jax.block_until_ready(engine.resize(self.state(shape.rows), [0], rows=shape.into).starts)
+            resized = engine.resize(self.state(shape.rows), [0], rows=shape.into)
+            if paged:  # the pools moved into the new state (donated)
+                del self.states[shape.rows]
+                self.states[shape.into] = resized
+            jax.block_until_ready(resized.starts)
         elif shape.phase == "release":
             self.states[shape.rows] = engine.release(self.state(shape.rows), [0])
             jax.block_until_ready(self.states[shape.rows].starts)
@@ -190,7 +230,8 @@ def run_warmup(engine, shapes: Sequence[Shape], *, threads: int = 1,
         prefills = [s for s in shapes[i:] if s.phase == "prefill"] if shape.phase == "prefill" else []
         if threads > 1 and len(prefills) > 1:
             with concurrent.futures.ThreadPoolExecutor(min(threads, len(prefills))) as pool:
-                list(pool.map(lambda s: runner.prefill(s.rows, s.size), prefills))  # re-raises a failed compile
+                # re-raises a failed compile
+                list(pool.map(lambda s: runner.prefill(s.rows, s.size, s.distinct), prefills))
             pooled = True
         else:
             runner.run(shape)

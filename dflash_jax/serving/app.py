@@ -5,7 +5,10 @@ server-sent events in OpenAI's chunk format ending with ``data: [DONE]``), ``GET
 ``GET /health`` and ``GET /metrics`` (Prometheus text format).
 
 Bad input is answered 400 with an OpenAI error body naming the problem, and the server keeps serving.
-With an API key, the ``/v1`` endpoints need ``Authorization: Bearer <key>``. Decoding is greedy.
+With an API key, the ``/v1`` endpoints need ``Authorization: Bearer <key>``. Decoding is greedy unless a
+request samples (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, penalties, ``logit_bias``,
+``min_tokens``; ``n`` choices share the prompt's prefill), with ``logprobs`` / ``top_logprobs`` and, for
+completions, ``echo`` with the prompt's logprobs from the prefill.
 
 ``stop`` strings end a choice where its text completes one (the text is cut before it; the tokens
 run through the one that completed it): ``dflash_jax.serving.text_stream``. Extensions (as in vLLM):
@@ -483,20 +486,18 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
     if len(prompts) * params.n > ctx.scheduler.max_waiting:  # a 503 would tell the client to retry what never fits
         raise P.invalid(f"'prompt' has {len(prompts)} prompts of {params.n} choices; this server queues at most "
                         f"{ctx.scheduler.max_waiting} at once", param="prompt", code="too_many_prompts")
-    prompt_logprobs = getattr(ctx.scheduler.engine, "prompt_logprobs", None)
-    if req.echo and params.sampling.logprobs is not None and prompt_logprobs is None:
+    echo_logprobs = req.echo and params.sampling.logprobs is not None
+    if echo_logprobs and not getattr(ctx.scheduler.engine, "records_prompt_logprobs", False):
         raise P.unsupported("echo", True, "this engine does not compute prompt logprobs; send echo without logprobs")
     max_tokens = [_check_prompt(ctx, ids, params, where(i)) for i, ids in enumerate(prompts)]
-    _choice_sampling(ctx, params)  # its 400s before the prompt's logprobs run
-    echoed = None  # per prompt: its tokens' (logprobs, top logprobs), for echo with logprobs
-    if req.echo and params.sampling.logprobs is not None:
-        echoed = [await asyncio.to_thread(prompt_logprobs, ids, params.sampling.logprobs) for ids in prompts]
+    if echo_logprobs:  # the prompt's logprobs come from its prefill
+        params = dataclasses.replace(params, sampling=dataclasses.replace(
+            params.sampling, prompt_logprobs=params.sampling.logprobs))
     job = _submit(ctx, prompts, max_tokens, params)
     rid, created = P.new_id("cmpl"), P.now()
     if params.stream:
         return _stream(ctx, job, params, rid, created, chat=False,
-                       echo=[_echo_text(ctx, p, ids) for p, ids in zip(req.prompts, prompts)] if req.echo else None,
-                       echo_logprobs=echoed)
+                       echo=[_echo_text(ctx, p, ids) for p, ids in zip(req.prompts, prompts)] if req.echo else None)
     results = await _collect(job, request)
     choices, completion_tokens = [], 0
     for i, (res, text) in enumerate(zip(results, job.texts)):
@@ -504,10 +505,9 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
         completion_tokens += len(out)
         prefix = _echo_text(ctx, req.prompts[i // params.n], job.prompt_ids[i]) if req.echo else ""
         choice = {"index": i, "text": prefix + text.text, "logprobs": None, "finish_reason": finish}
-        if res.logprobs is not None and echoed is not None:
-            lps, tops = echoed[i // params.n]
-            choice["logprobs"] = _completion_logprobs(ctx, job.prompt_ids[i] + out, lps + res.logprobs,
-                                                      tops + res.top_logprobs)
+        if res.logprobs is not None and res.prompt_logprobs is not None:
+            choice["logprobs"] = _completion_logprobs(ctx, job.prompt_ids[i] + out, res.prompt_logprobs + res.logprobs,
+                                                      res.prompt_top_logprobs + res.top_logprobs)
         elif res.logprobs is not None:
             choice["logprobs"] = _completion_logprobs(ctx, out, res.logprobs, res.top_logprobs, len(prefix))
         if params.return_token_ids:
@@ -604,9 +604,9 @@ def _chat_logprobs(ctx: ServerContext, ids: list[int], logprobs: list[float], to
 
 
 def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, created: int, *, chat: bool,
-            echo: list[str] | None = None, echo_logprobs: list | None = None) -> StreamingResponse:
-    """``echo``: completions' prompt texts, streamed first in each choice (with ``echo_logprobs``, per
-    prompt its tokens' ``(logprobs, top logprobs)``)."""
+            echo: list[str] | None = None) -> StreamingResponse:
+    """``echo``: completions' prompt texts, streamed first in each choice; with prompt logprobs
+    (``SamplingParams.prompt_logprobs``) when the choice's prefill has given them, with its first tokens."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     n = len(job.requests)
     want_logprobs = params.sampling.logprobs is not None
@@ -642,12 +642,21 @@ def _stream(ctx: ServerContext, job: _Job, params: P.CommonParams, rid: str, cre
                 for i in range(n):
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
-            if echo is not None:
+            echoing = [echo is not None] * n  # choices whose echo is still to stream
+
+            def echoed(i: int) -> bytes:
+                echoing[i] = False
+                g = job.requests[i].generation
+                entries = None if g is None or g.prompt_logprobs is None else (g.prompt_logprobs, g.prompt_top_logprobs)
+                return chunk([piece(i, echo[i // params.n], None, None, entries, job.prompt_ids[i])])
+
+            if echo is not None and params.sampling.prompt_logprobs is None:
                 for i in range(n):
-                    entries = None if echo_logprobs is None else echo_logprobs[i // params.n]
-                    yield chunk([piece(i, echo[i // params.n], None, None, entries, job.prompt_ids[i])])
+                    yield echoed(i)
             while pending:
                 i, kind, payload = await job.queue.get()
+                if echoing[i] and kind != "error":  # its prompt logprobs came with its admission
+                    yield echoed(i)
                 if kind == "tokens":
                     ids, text = _tokens_event(job.texts[i], payload)
                     entries = None

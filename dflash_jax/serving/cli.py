@@ -18,7 +18,9 @@ without a seed gets a random one); other
 fields are copied to the output. Each output line adds
 ``output_ids``, ``text``, ``finish_reason``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_steps``,
 ``acceptance_lengths``, ``tau``, ``time_to_first_token`` and ``time_per_output_token``, and with
-``sampling.logprobs`` ``logprobs`` and ``top_logprobs`` (token id -> logprob per token) (an input field
+``sampling.logprobs`` ``logprobs`` and ``top_logprobs`` (token id -> logprob per token), and with
+``sampling.prompt_logprobs`` ``prompt_logprobs`` and ``prompt_top_logprobs`` (per prompt token, null for the
+first) (an input field
 of one of these names is an error, not overwritten). Input lines must be
 standard JSON: ``NaN``, ``Infinity`` and numbers too large for a float (``1e999``) are refused, as are
 lines nested too deeply or with integers too long for Python to read (each error names the file and
@@ -72,7 +74,7 @@ log = logging.getLogger("dflash_jax.serve")
 OUTPUT_FIELDS = ("output_ids", "text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_steps",
                  "acceptance_lengths", "tau", "time_to_first_token", "time_per_output_token")
 # ... and those it adds for lines whose sampling asks for logprobs.
-LOGPROB_FIELDS = ("logprobs", "top_logprobs")
+LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
 
 
 class CLIError(Exception):
@@ -529,6 +531,10 @@ def result_line(line: InputLine, ids: list[int], res: Any, stream: Any, tokenize
         **({} if res.logprobs is None else dict(
             logprobs=res.logprobs[:len(output_ids)],
             top_logprobs=[{str(t): v for t, v in d.items()} for d in res.top_logprobs[:len(output_ids)]])),
+        **({} if res.prompt_logprobs is None else dict(
+            prompt_logprobs=res.prompt_logprobs,
+            prompt_top_logprobs=[None if d is None else {str(t): v for t, v in d.items()}
+                                 for d in res.prompt_top_logprobs])),
     ), ensure_ascii=False, allow_nan=False)
     return line.text[:-1] + (", " if line.row else "") + fields[1:]
 

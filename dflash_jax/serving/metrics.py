@@ -60,6 +60,8 @@ class Metrics:
         self.waiting = 0
         self.running = 0
         self.pages: Any = None  # a paged engine's ``runtime.pages.PageStats`` after the last step
+        # The engine's distinct prompts prefilled and their tokens computed (``Engine.prefilled_prompts``).
+        self.prefilled: tuple[int, int] | None = None
         # Adaptive speculation (``runtime.speculation``): decode steps of finished requests per block
         # size (1: target-only), and the last call's choice with the model's estimates.
         self.speculation_steps: collections.Counter = collections.Counter()
@@ -146,6 +148,13 @@ class Metrics:
             metric("dflash_prompt_tokens_total", "counter", "Prompt tokens processed.", [(label, self.prompt_tokens)])
             metric("dflash_generation_tokens_total", "counter", "Tokens generated.",
                    [(label, self.generation_tokens)])
+            if self.prefilled is not None:
+                metric("dflash_prefill_prompts_total", "counter",
+                       "Distinct prompts the prefills ran (the choices of an n > 1 request share one).",
+                       [(label, self.prefilled[0])])
+                metric("dflash_prefill_tokens_total", "counter",
+                       "Prompt tokens the prefills computed (cached prefixes and shared prompts excluded).",
+                       [(label, self.prefilled[1])])
             metric("dflash_draft_steps_total", "counter", "Draft-verify steps run (speculative decoding only).",
                    [(label, self.draft_steps)])
             metric("dflash_accepted_tokens_total", "counter",

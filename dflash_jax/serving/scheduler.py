@@ -192,6 +192,8 @@ class Scheduler:
             self.metrics.running = self._batcher.running
             if self._batcher.pages is not None:
                 self.metrics.pages = self._batcher.page_stats()
+            if hasattr(self.engine, "prefilled_tokens"):
+                self.metrics.prefilled = (self.engine.prefilled_prompts, self.engine.prefilled_tokens)
 
     def _take_requests(self) -> list[Request] | None:
         """Waits for work; returns the queued requests that fit in free rows now (None: closed and done)."""

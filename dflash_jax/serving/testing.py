@@ -5,18 +5,24 @@ two tokens, committed in steps of 1..block_size tokens (so ``acceptance_lengths`
 DFlash's). Its state is numpy arrays with ``DecodeState``'s row semantics, so the real
 ``ContinuousBatcher`` drives it; rows are independent, so a request gets the same answer alone or
 batched, whenever it was admitted.
+
+``FakePagedEngine`` adds a paged engine's interface (``prefill_paged``, ``admit_paged``, ``set_pages``,
+``write_pages``): the batcher's page accounting, admission by pages and preemption run as they do on a
+device, and every decode step checks that a row's committed positions lie in the pages it was given.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import random
 import threading
 import time
 from typing import Sequence
 
 import numpy as np
 
-from dflash_jax.runtime.batcher import RowSnapshot
+from dflash_jax.runtime.batcher import ContinuousBatcher, RowSnapshot
 from dflash_jax.runtime.engine import EngineConfig
 
 
@@ -31,12 +37,14 @@ class FakeState:
     num_steps: np.ndarray  # [rows]
     accepted: np.ndarray   # [rows, max_length]
     stop_ids: np.ndarray   # [rows, n_stop], -1 pads
+    pages: np.ndarray      # [rows]: the pages a paged engine's row holds (its page table's length)
 
     @classmethod
     def empty(cls, rows: int, max_length: int, n_stop: int) -> "FakeState":
         zeros = np.zeros((rows,), np.int64)
         return cls(np.zeros((rows, max_length + 1), np.int64), zeros.copy(), zeros.copy(), np.ones((rows,), bool),
-                   zeros.copy(), np.zeros((rows, max_length), np.int64), np.full((rows, n_stop), -1, np.int64))
+                   zeros.copy(), np.zeros((rows, max_length), np.int64), np.full((rows, n_stop), -1, np.int64),
+                   zeros.copy())
 
     def copy_row(self, row: int, into: "FakeState", slot: int) -> None:
         for field in dataclasses.fields(self):
@@ -155,6 +163,69 @@ class FakeEngine:
         s.done[row] = stopped or s.starts[row] + 1 >= s.max_lens[row]
 
 
+class FakePagedEngine(FakeEngine):
+    """``FakeEngine`` with a paged engine's interface: a pool of ``num_pages`` pages of ``page_size``
+    positions (the null page besides), handed out by the batcher's ``PageAllocator``. Nothing is stored in
+    the pages; each row knows how many it holds, and a decode step whose committed positions pass them
+    raises (the device would have lost their K/V)."""
+
+    paged = True
+
+    def __init__(self, vocab_size: int, *, page_size: int, num_pages: int, prefix_cache: bool = True,
+                 prefill_chunk: int = 0, max_preemptions: int = 2, **kwargs):
+        super().__init__(vocab_size, **kwargs)
+        self.config = dataclasses.replace(self.config, page_size=page_size, num_pages=num_pages,
+                                          prefix_cache=prefix_cache, prefill_chunk=prefill_chunk,
+                                          max_preemptions=max_preemptions)
+        self.config.validate()
+        self.page_size = page_size
+        self.num_pages = num_pages + 1  # as ``Engine``: page 0 is the null page
+
+    def prefill_paged(self, state: FakeState, prompts, max_new_tokens, stop_token_ids, pages, cached,
+                      sampling=None) -> tuple[FakeState, np.ndarray, list[int]]:
+        rows, first = self.prefill(prompts, max_new_tokens, stop_token_ids, sampling)
+        rows.pages[:len(pages)] = [len(p) for p in pages]
+        return rows, first, [len(p) for p in pages]
+
+    def admit_paged(self, state: FakeState, rows: FakeState, slots: Sequence[int], admission) -> FakeState:
+        return self.admit(state, rows, slots)
+
+    def set_pages(self, state: FakeState, pages: dict[int, Sequence[int]]) -> FakeState:
+        for slot, row_pages in pages.items():
+            state.pages[slot] = len(row_pages)
+        return state
+
+    def write_pages(self, state: FakeState, rows: FakeState, admission) -> FakeState:
+        return state
+
+    def _step(self, s: FakeState, row: int) -> None:
+        super()._step(s, row)
+        if s.starts[row] > s.pages[row] * self.page_size:
+            raise RuntimeError(f"row {row} committed position {int(s.starts[row]) - 1} past its "
+                               f"{int(s.pages[row])} pages of {self.page_size}")
+
+
+def live_rows(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict:
+    """How many requests ``engine``'s ``ContinuousBatcher`` runs at once on a workload: every prompt
+    submitted at once (no stop ids), then steps until all are done. Returns the rows admitted by the first
+    step (``first``), the mean and the most rows live after a step while requests were still waiting
+    (``mean``, ``most``: admission, growth and preemption at work on a saturated engine), and the
+    preemptions. Host-only with a ``FakeEngine`` or ``FakePagedEngine``: admission is accounting."""
+    batcher = ContinuousBatcher(engine)
+    generations = [batcher.submit(p, max_new_tokens) for p in prompts]
+    live: list[int] = []
+    while batcher.waiting:
+        batcher.step()
+        live.append(batcher.running)
+    batcher.run()
+    failed = [g.error for g in generations if g.error is not None]
+    if failed:
+        raise failed[0]
+    if batcher.pages is not None and not batcher.pages.all_free():
+        raise RuntimeError("pages were not all given back")
+    return {"first": live[0], "mean": float(np.mean(live)), "most": max(live), "preemptions": batcher.preemptions}
+
+
 class GatedEngine:
     """Wraps an engine; ``prefill`` waits while the gate is closed (tests use it to queue requests
     deterministically behind the first one)."""
@@ -190,3 +261,80 @@ def wait_until_serving(url: str, process, timeout: float, log_path=None) -> None
             pass
         assert time.monotonic() < deadline, f"the server did not come up in {timeout} s:\n{log}"
         time.sleep(0.2)
+
+
+def completion_ids(client, prompt: list[int], max_tokens: int, streamed: bool) -> list[int]:
+    """The token ids a server (``client``: an ``httpx.Client`` on its URL) answers ``prompt`` with on
+    ``/v1/completions``: an SSE stream joined, or one JSON body. Raises ``AssertionError`` on an error."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "return_token_ids": True}
+    if not streamed:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+    ids: list[int] = []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                ids.extend(choice.get("token_ids") or [])
+    return ids
+
+
+def run_clients(url: str, requests: Sequence[tuple[list[int], int]], clients: int, duration_s: float,
+                timeout_s: float = 300.0) -> tuple[list[tuple[int, list[int], float]], list[BaseException]]:
+    """A bounded load: ``clients`` threads, each with its own connection, send requests drawn from
+    ``requests`` (``(prompt ids, max_tokens)``; half of them streamed) one after the other until
+    ``duration_s`` has passed, then wait for their last answers. Returns ``(index, token ids, seconds)`` per
+    answered request and the errors met (a client stops at its first)."""
+    import httpx
+
+    deadline = time.monotonic() + duration_s
+    answers: list[tuple[int, list[int], float]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def user(n: int) -> None:
+        rng = random.Random(n)
+        try:
+            with httpx.Client(base_url=url, timeout=timeout_s) as client:
+                while time.monotonic() < deadline:
+                    i = rng.randrange(len(requests))
+                    t0 = time.perf_counter()
+                    ids = completion_ids(client, *requests[i], streamed=rng.random() < 0.5)
+                    with lock:
+                        answers.append((i, ids, time.perf_counter() - t0))
+        except BaseException as err:  # noqa: BLE001 - returned to the caller
+            with lock:
+                errors.append(err)
+
+    threads = [threading.Thread(target=user, args=(n,)) for n in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers, errors
+
+
+def metric_values(client) -> dict[str, float]:
+    """A server's ``/metrics`` as ``{name: value}`` (labels dropped; ``client``: an ``httpx.Client``)."""
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    return values
+
+
+def pages_back(client, timeout_s: float = 10.0) -> dict[str, float]:
+    """``metric_values`` once no KV page is in use (the last rows' pages go back at the host sync that
+    retires them, after their answers), or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = metric_values(client)
+        if metrics.get("dflash_kv_pages_in_use", 0) == 0 or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)

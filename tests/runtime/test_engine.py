@@ -375,10 +375,10 @@ def test_single_row_partials_engine_equals_xla(models, prompts, engines, monkeyp
 
 @pytest.mark.slow
 def test_warmup_compiles_everything_serving_runs(models, caplog):
-    """After ``warmup``, requests of every prompt bucket, admitted alone, two at once and into
-    running rows, the running state moving between one row and two, one request cancelled and one
-    needing the whole cache, compile nothing: a shape compiled while serving stalls every running
-    request for its compile. Target-only: a drafter adds no shapes, only compile time. The warm-up
+    """After ``warmup``, requests of every prompt bucket, admitted alone, two at once (two choices of
+    one prompt too) and into running rows, the running state moving between one row and two, one
+    request cancelled and one needing the whole cache, compile nothing: a shape compiled while serving
+    stalls every running request for its compile. Target-only: a drafter adds no shapes, only compile time. The warm-up
     logs what it compiles as it goes (minutes of silence otherwise, for a large model)."""
     target, _ = models
     engine = Engine(target, None, EngineConfig(max_batch_size=2, max_length=100, steps_per_sync=4))
@@ -389,7 +389,7 @@ def test_warmup_compiles_everything_serving_runs(models, caplog):
     progress = [r.getMessage() for r in caplog.records if r.name == "dflash_jax.runtime.engine"]
     assert len(progress) == 3
     assert "decode for running states of [1, 2] rows at 2 attention windows" in progress[0]
-    assert "8 prefill shapes (2 prompt counts x 4 prompt buckets)" in progress[1]
+    assert "12 prefill shapes (2 prompt counts x 4 prompt buckets, and 4 of one prompt's n choices)" in progress[1]
     compiles: list[str] = []  # XLA compilations while the requests below run: none
 
     def listen(event: str, duration: float, **_) -> None:
@@ -410,10 +410,12 @@ def test_warmup_compiles_everything_serving_runs(models, caplog):
     batcher.run()
     pair = [batcher.submit(prompt(n), 6) for n in (30, 99)]  # a prefill of 2 rows, the last bucket
     batcher.run()
+    choices = [batcher.submit(p, 6) for p in [prompt(50)] * 2]  # one prompt's 2 choices: one row's pass, copied
+    batcher.run()
     listening = False
     assert compiles == []
     assert joining[0].admitted is not None and joining[0].result is None and joining[2].admitted is None
-    assert len(lone.result.output_ids) == 90 and all(g.result is not None for g in joining[1:2] + pair)
+    assert len(lone.result.output_ids) == 90 and all(g.result is not None for g in joining[1:2] + pair + choices)
 
 
 def test_greedy_argmax_is_argmax_with_ties_nans_and_infinities():

@@ -16,7 +16,8 @@ from hybrid_fixtures import write_hf_hybrid  # noqa: E402
 
 from dflash_jax.io.checkpoint import load_target  # noqa: E402
 from dflash_jax.runtime import decoding  # noqa: E402
-from dflash_jax.runtime.engine import generate  # noqa: E402
+from dflash_jax.runtime.engine import Engine, EngineConfig, generate  # noqa: E402
+from dflash_jax.runtime.sampling import SamplingParams  # noqa: E402
 from dflash_jax.tiny import random_drafter, tiny_drafter_config  # noqa: E402
 
 BLOCK = 4
@@ -144,8 +145,20 @@ def test_multi_step_decoding_with_varied_acceptance_equals_transformers(model):
 
 
 def test_engine_refuses_a_mesh_for_a_hybrid_target(model):
-    from dflash_jax.runtime.engine import Engine, EngineConfig
     from dflash_jax.sharding import MeshConfig
 
     with pytest.raises(ValueError, match="hybrid linear-attention target"):
         Engine(load_target(model[0]), None, EngineConfig(max_length=64, mesh=MeshConfig(data=-1)))
+
+
+@pytest.mark.slow
+def test_choices_sharing_a_prompt_copy_its_recurrent_state(model):
+    """The n choices of a prompt share its prefill: the linear layers' states are copied to each row, and
+    each choice generates what it does alone."""
+    target = load_target(model[0])
+    engine = Engine(target, _drafter(target), EngineConfig(max_batch_size=4, max_length=48))
+    prompt = list(np.random.RandomState(1).randint(0, 96, 13))
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
+    shared = engine.generate([prompt] * 3, 12, sampling=params)
+    assert engine.prefilled_prompts == 1
+    assert [r.output_ids for r in shared] == [engine.generate([prompt], 12, sampling=p)[0].output_ids for p in params]

@@ -42,7 +42,8 @@ def _solo(engine, prompt, sampling=None):
 
 def test_engine_config_checks_the_page_settings():
     for bad in (dict(page_size=3), dict(page_size=256), dict(page_size=-1), dict(num_pages=0),
-                dict(kv_memory_fraction=1.5), dict(page_size=8, num_pages=10, kv_memory_fraction=0.5)):
+                dict(kv_memory_fraction=1.5), dict(page_size=8, num_pages=10, kv_memory_fraction=0.5),
+                dict(page_size=8, max_preemptions=-1)):
         with pytest.raises(ValueError):
             EngineConfig(**bad).validate()
 

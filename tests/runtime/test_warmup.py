@@ -1,13 +1,19 @@
 """The warm-up plan: every shape a server meets, a lone request's first; the shapes of a lone short
-request, which serve.py compiles before it binds."""
+request, which serve.py compiles before it binds; after it, a request's ``n`` > 1 choices sharing its
+prompt's prefill compile nothing."""
 
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 
+import jax
+import numpy as np
 import pytest
 
+from dflash_jax import ContinuousBatcher, SamplingParams
 from dflash_jax.runtime.engine import Engine, EngineConfig
+from dflash_jax.runtime.sampling import SamplingFlags
 from dflash_jax.runtime.warmup import Shape, first_request_shapes, warmup_plan
 from dflash_jax.tiny import random_target, tiny_target_config
 
@@ -23,9 +29,13 @@ def test_plan_lists_every_shape_a_server_meets_a_lone_request_first(target):
     assert len(plan) == len(set(plan))
     counts = Counter(s.phase for s in plan)
     windows, buckets = len(engine.windows), len(engine.prompt_buckets())
-    # decode per running state (1 and 2 rows) and window; prefills of 1 and 2 rows per bucket; a lone
-    # prefill joins either state, a pair the 2-row one; resizes both ways; a release per state
-    assert counts == {"decode": 2 * windows, "prefill": 2 * buckets, "admit": 3 * buckets, "resize": 2, "release": 2}
+    # decode per running state (1 and 2 rows) and window; prefills of 1 and 2 rows per bucket, and of
+    # one prompt's 2 choices; a lone prefill joins either state, a pair the 2-row one; resizes both ways;
+    # a release per state
+    assert counts == {"decode": 2 * windows, "prefill": 3 * buckets, "admit": 3 * buckets, "resize": 2, "release": 2}
+    shared = [s for s in plan if s.distinct]
+    assert shared == [Shape("prefill", 2, b, distinct=1) for b, _ in engine.prompt_buckets()]
+    assert plan.index(shared[0]) > max(i for i, s in enumerate(plan) if s.phase == "admit")  # after the batch's own
     lone = [s for s in plan if s.rows == 1 and s.phase in ("decode", "prefill") or s.into == 1 and s.phase == "admit"]
     assert plan[:len(lone)] == lone  # what a lone request runs comes first
     assert plan[0] == Shape("decode", 1, engine.windows[0])
@@ -43,3 +53,87 @@ def test_first_request_shapes_cover_the_windows_the_host_picks(target):
     assert [s.size for s in first if s.phase == "decode"] == [64, 128, 256, 512]
     assert all(s in plan for s in first) and len(first) < len(plan) / 4
     assert str(first[0]) == "decode, 1 row, attention window 64"
+
+
+def test_plan_shares_a_prompt_over_every_prefill_row_count_above_one(target):
+    engine = Engine(target, None, EngineConfig(max_batch_size=6, max_length=100, prompt_buckets=(16, 64)))
+    plan = warmup_plan(engine)
+    assert [(s.rows, s.size) for s in plan if s.distinct] == [(2, 16), (2, 64), (4, 16), (4, 64), (8, 16), (8, 64)]
+    assert all(s.distinct == 1 for s in plan if s.distinct)
+    assert str(Shape("prefill", 4, 16, distinct=1)) == "prefill, 4 rows sharing 1 prompt, prompt bucket 16"
+    assert not any(s.distinct for s in warmup_plan(engine, [1]))  # no batch: no choices to share a prompt
+    assert not any(s.distinct for s in first_request_shapes(engine, plan, 32, 64))  # compiled after binding
+
+
+@contextmanager
+def _compilations():
+    """The XLA compilations while the block runs (JAX reports each one's duration)."""
+    compiles: list[str] = []
+    listening = [True]
+
+    def listen(event: str, duration: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration" and listening[0]:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiles
+    finally:
+        listening[0] = False
+
+
+@pytest.mark.slow
+def test_after_warmup_a_request_of_three_choices_compiles_nothing(target):
+    """Three sampled choices of one prompt, submitted together as the server submits a request's ``n``:
+    one prefill of the prompt on one row copied to four (its shared prefill), admitted into the batch's
+    state, decoded sampled: all compiled by the warm-up. Choices of two prompts in one prefill are not
+    in the plan: they compile when first met (which shows the listener hears a prefill's compile)."""
+    engine = Engine(target, None, EngineConfig(max_batch_size=4, max_length=48, steps_per_sync=4,
+                                               prompt_buckets=(16,)))
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
+    engine.warmup(threads=1, sampling=[SamplingFlags.of(params, engine.config.max_logprobs)])  # in plan order
+    prompt = np.random.RandomState(5).randint(0, 95, 11).tolist()
+    batcher = ContinuousBatcher(engine)
+    with _compilations() as compiles:
+        choices = [batcher.submit(prompt, 8, sampling=p) for p in params]
+        batcher.run()
+    assert compiles == []
+    assert engine.prefilled_prompts == 1 and len({tuple(g.result.output_ids) for g in choices}) == 3
+    with _compilations() as compiles:
+        for p, sampling in zip((prompt, prompt[:5], prompt), params):
+            batcher.submit(p, 8, sampling=sampling)
+        batcher.run()
+    assert compiles and engine.prefilled_prompts == 3
+
+
+def test_paged_plan_admits_prompts_with_nothing_cached_into_each_state(target):
+    engine = Engine(target, None, EngineConfig(max_batch_size=2, max_length=100, page_size=8, prompt_buckets=(16, 64)))
+    plan = warmup_plan(engine)
+    assert not [s for s in plan if s.phase == "prefill"]  # a paged prefill compiles with its admission's state
+    assert [s for s in plan if s.distinct] == [Shape("admit", 2, b, 2, distinct=1) for b in (16, 64)]
+    assert [s for s in plan if s.phase == "pages"] == [Shape("pages", 1), Shape("pages", 2)]
+    assert plan.index(Shape("pages", 1)) == len(engine.windows)  # after the lone row's decode
+    first = first_request_shapes(engine, plan, 32, 64)
+    assert [s for s in first if s.phase != "decode"] == [Shape("pages", 1), Shape("admit", 1, 16, 1),
+                                                         Shape("admit", 1, 64, 1)]
+
+
+@pytest.mark.slow
+def test_after_a_paged_warmup_three_choices_of_a_prompt_compile_nothing(target):
+    """A paged engine: the choices' prefill of their prompt (nothing cached) beside the batch's state,
+    their admission into its pages, the page tables as they grow and the state shrinking back to one
+    row when they end were all compiled by the warm-up."""
+    engine = Engine(target, None, EngineConfig(max_batch_size=4, max_length=48, steps_per_sync=4,
+                                               prompt_buckets=(32,), page_size=8))  # rows that fit it grow pages
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
+    engine.warmup(sampling=[SamplingFlags.of(params, engine.config.max_logprobs)])
+    prompt = np.random.RandomState(6).randint(0, 95, 11).tolist()
+    batcher = ContinuousBatcher(engine)
+    with _compilations() as compiles:
+        lone = batcher.submit(prompt[:4], 20)  # a lone row first: the choices join it, the state grows to 4 rows
+        batcher.step()
+        choices = [batcher.submit(prompt, 20, sampling=p) for p in params]
+        batcher.run()
+    assert compiles == []
+    assert engine.prefilled_prompts == 2 and len({tuple(g.result.output_ids) for g in choices}) == 3
+    assert len(lone.result.output_ids) == 20 and batcher.pages.all_free()

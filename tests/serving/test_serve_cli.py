@@ -778,7 +778,7 @@ def test_generate_samples_per_line_and_writes_logprobs(models, tmp_path, capsys,
     written per output token; a bad field names the line."""
     target_dir, drafter_dir = models
     sampled = {"prompt_ids": [10, 11, 12], "max_new_tokens": 8,
-               "sampling": {"temperature": 0.8, "top_p": 0.9, "seed": 4, "logprobs": 2}}
+               "sampling": {"temperature": 0.8, "top_p": 0.9, "seed": 4, "logprobs": 2, "prompt_logprobs": 1}}
     src = write_jsonl(tmp_path / "in.jsonl", [sampled, {"prompt_ids": [10, 11, 12], "max_new_tokens": 8}, sampled])
     out = tmp_path / "out.jsonl"
     rc = serve.main(["generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--input", str(src),
@@ -788,6 +788,9 @@ def test_generate_samples_per_line_and_writes_logprobs(models, tmp_path, capsys,
     assert first["output_ids"] == again["output_ids"] and "logprobs" not in greedy
     assert len(first["logprobs"]) == len(first["top_logprobs"]) == first["num_output_tokens"]
     assert all(len(d) == 2 and lp <= 0 for d, lp in zip(first["top_logprobs"], first["logprobs"]))
+    assert first["prompt_logprobs"][0] is None and first["prompt_top_logprobs"][0] is None
+    assert len(first["prompt_logprobs"]) == 3 and all(len(d) == 1 for d in first["prompt_top_logprobs"][1:])
+    assert first["prompt_logprobs"] == again["prompt_logprobs"] and "prompt_logprobs" not in greedy
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt_ids": [1], "sampling": {"temperature": -1}}])
     rc = serve.main(["generate", "--target", str(target_dir), "--draft", str(drafter_dir), "--input", str(bad),
                      "--output", str(tmp_path / "bad_out.jsonl"), *ENGINE_FLAGS])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import httpx
+
 import pytest
 import tokenizer_fixtures as tf
 
@@ -49,14 +51,35 @@ def test_seeded_completion_repeats_and_equals_the_engine(server):
 
 def test_n_choices_have_their_own_seeds(server):
     tok, engine, client = server
+    prefilled = engine.prefilled_prompts
     r = client.completions.create(model="tiny", prompt=HELLO, max_tokens=MAX_TOKENS, temperature=1.0, seed=3, n=3,
                                   extra_body={"return_token_ids": True})
+    assert engine.prefilled_prompts - prefilled == 1  # the three choices share the prompt's prefill
     ids = [c.model_extra["token_ids"] for c in r.choices]
     assert [c.index for c in r.choices] == [0, 1, 2] and len({tuple(i) for i in ids}) == 3
-    want = engine.generate([tok.encode(HELLO)] * 3, MAX_TOKENS, tok.stop_token_ids,
-                           sampling=[SamplingParams(temperature=1.0, seed=choice_seed(3, j)) for j in range(3)])
-    assert ids == [w.output_ids for w in want]
+    solo = [engine.generate([tok.encode(HELLO)], MAX_TOKENS, tok.stop_token_ids,
+                            sampling=SamplingParams(temperature=1.0, seed=choice_seed(3, j)))[0] for j in range(3)]
+    assert ids == [w.output_ids for w in solo]
     assert r.usage.completion_tokens == sum(len(i) for i in ids)
+    greedy = client.completions.create(model="tiny", prompt=HELLO, max_tokens=MAX_TOKENS, n=3,
+                                       extra_body={"return_token_ids": True})
+    assert len({tuple(c.model_extra["token_ids"]) for c in greedy.choices}) == 1
+    metrics = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    assert f'dflash_prefill_prompts_total{{model="tiny"}} {engine.prefilled_prompts}' in metrics
+
+
+def test_streamed_chat_choices_equal_the_unstreamed_ones(server):
+    _, engine, client = server
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=MAX_TOKENS, temperature=1.0,
+               top_p=0.95, seed=11, n=3)
+    prefilled = engine.prefilled_prompts
+    whole = client.chat.completions.create(**ask)
+    assert engine.prefilled_prompts - prefilled == 1
+    texts = [""] * 3
+    for c in client.chat.completions.create(**ask, stream=True):
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == [c.message.content for c in whole.choices] and len(set(texts)) > 1
 
 
 def test_chat_logprobs_in_openais_shape_streamed_or_not(server):
@@ -97,8 +120,13 @@ def test_completion_logprobs_and_echo(server):
     blp, n = both.choices[0].logprobs, len(tok.encode(HELLO))
     assert len(blp.tokens) == n + len(lp.tokens) and blp.token_logprobs[0] is None and blp.top_logprobs[0] is None
     assert blp.token_logprobs[n:] == pytest.approx(lp.token_logprobs, abs=1e-6)
-    prompt_lps, _ = engine.prompt_logprobs(tok.encode(HELLO), 2)
-    assert blp.token_logprobs[1:n] == pytest.approx(prompt_lps[1:], abs=1e-6)
+    (want,) = engine.generate([tok.encode(HELLO)], 1, sampling=SamplingParams(prompt_logprobs=2))
+    assert blp.token_logprobs[1:n] == pytest.approx(want.prompt_logprobs[1:], abs=1e-6)
+    streamed = list(client.completions.create(model="tiny", prompt=HELLO, max_tokens=MAX_TOKENS, temperature=0.9,
+                                              seed=1, echo=True, logprobs=2, stream=True))
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [x for p in pieces for x in p.token_logprobs] == pytest.approx(blp.token_logprobs, abs=1e-6)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == both.choices[0].text
 
 
 def test_penalties_bias_and_bad_sampling_fields(server):
