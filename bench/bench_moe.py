@@ -8,7 +8,9 @@ same; ``--layers 0``: the published depth, 48 and 24).
 
 Expert implementations: ``--experts-impl`` (``EngineConfig.experts_impl``; default "auto", which runs
 a step of few (token, expert) pairs -- decode, small verify blocks -- as per-pair matrix-vector
-products reading only the routed experts, and more pairs as ``jax.lax.ragged_dot``).
+products reading only the routed experts, and more pairs as ``jax.lax.ragged_dot``); ``--gpu-lowering
+mosaic`` runs such steps through the Mosaic GPU expert-products kernel (``kernels_pallas/experts``),
+rows naming it "mosaic".
 
 1. Per batch (1, 4, 16): the engine's target-only step and DFlash step (draft + verify + commit),
    back to back in its jitted loop, each against its own roofline at ``timing.HBM_BYTES_PER_S``:
@@ -27,6 +29,7 @@ products reading only the routed experts, and more pairs as ``jax.lax.ragged_dot
     python3 bench/bench_moe.py --verify --json bench/results/moe_verify.json
     python3 bench/bench_moe.py --layers 0 --families qwen3_moe       # the published depth
     python3 bench/bench_moe.py --experts-impl ragged_dot --json bench/results/moe_ragged.json
+    python3 bench/bench_moe.py --gpu-lowering mosaic --op-tokens '' --json bench/results/moe_mosaic.json
     JAX_PLATFORMS=cpu python3 bench/bench_moe.py --tiny --verify   # smoke test
 """
 
@@ -48,7 +51,8 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.ops.cache import KVCache
 from dflash_jax.ops.config import OpsConfig, resolve_attention_impl
-from dflash_jax.ops.experts import IMPLEMENTATIONS, resolve_implementation, route, routed_experts, touched_experts
+from dflash_jax.ops.experts import (IMPLEMENTATIONS, resolve_implementation, route, routed_experts, touched_experts,
+                                    uses_mosaic_kernel)
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
 
@@ -198,6 +202,16 @@ def bench_expert_op(target: Target, tokens_list, repeats: int) -> dict:
     return out
 
 
+def experts_path(args, experts_shape: tuple[int, int], w) -> str:
+    """What a step routing ``experts_shape`` (tokens, top_k) pairs runs: "mosaic" (the Mosaic GPU
+    kernel), or the XLA implementation ``--experts-impl`` resolves to."""
+    attention = resolve_attention_impl("auto")
+    if uses_mosaic_kernel(args.experts_impl, experts_shape, w, jnp.bfloat16,
+                          mosaic=attention == "pallas" and args.gpu_lowering == "mosaic"):
+        return "mosaic"
+    return resolve_implementation(args.experts_impl, experts_shape[0] * experts_shape[1], w)
+
+
 def bench_family(args, family: str) -> dict:
     t0 = time.perf_counter()
     target, drafter = build(family, args.layers, args.tiny)
@@ -214,15 +228,16 @@ def bench_family(args, family: str) -> dict:
     w = next(layer.mlp for layer in target.layers if isinstance(layer.mlp, moe.MoeMLP)).experts.weights()
     for batch in args.batches:
         config = EngineConfig(max_batch_size=batch, max_length=args.context + BLOCK * steps * (args.calls + 3),
-                              prompt_buckets=(args.context,), experts_impl=args.experts_impl)
+                              prompt_buckets=(args.context,), experts_impl=args.experts_impl,
+                              gpu_lowering=args.gpu_lowering)
         plain, spec = Engine(target, None, config), Engine(target, drafter, config)
         t_plain = timing.time_decode_pipelined(plain, batch, args.context, steps, args.calls)
         t_spec = timing.time_decode_pipelined(spec, batch, args.context, steps, args.calls)
         roof_plain = step_bytes(target, batch, batch, args.context) / timing.HBM_BYTES_PER_S
         roof_spec = (step_bytes(target, batch * BLOCK, batch, args.context) + dbytes) / timing.HBM_BYTES_PER_S
         top_k = c.num_experts_per_tok
-        impl_plain = resolve_implementation(args.experts_impl, batch * top_k, w)
-        impl_spec = resolve_implementation(args.experts_impl, batch * BLOCK * top_k, w)
+        impl_plain = experts_path(args, (batch, top_k), w)
+        impl_spec = experts_path(args, (batch * BLOCK, top_k), w)
         report["batches"][batch] = e = dict(
             target_step_s=t_plain, spec_step_s=t_spec, target_roofline_s=roof_plain, spec_roofline_s=roof_spec,
             target_roofline_share=roof_plain / t_plain, spec_roofline_share=roof_spec / t_spec,
@@ -243,7 +258,8 @@ def bench_family(args, family: str) -> dict:
 def bench_verify(args, target: Target) -> dict:
     """The verify block's cost by the distinct experts it touches (forced routings), in decode steps."""
     c = target.config
-    ops = OpsConfig(attention=resolve_attention_impl("auto"), experts=args.experts_impl)
+    ops = OpsConfig(attention=resolve_attention_impl("auto"), experts=args.experts_impl,
+                    gpu_lowering=args.gpu_lowering)
     t_decode = time_target_step(target, 1, 1, args.context, args.repeats, ops)
     report: dict = dict(decode_step_s=t_decode)
     for n in sorted({min(n, c.num_experts) for n in (8, 32, 64, c.num_experts)}):
@@ -268,6 +284,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--experts-impl", default="auto", choices=list(IMPLEMENTATIONS),
                     help="EngineConfig.experts_impl for the engine and verify tables")
+    ap.add_argument("--gpu-lowering", default="triton", choices=["triton", "mosaic"],
+                    help="EngineConfig.gpu_lowering: 'mosaic' runs decode and verify experts on the Mosaic GPU kernel")
     ap.add_argument("--op-tokens", default="1,16", help="token counts of the expert-op table ('': none)")
     ap.add_argument("--verify", action="store_true", help="also the verify cost by forced distinct experts")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")

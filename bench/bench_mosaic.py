@@ -16,15 +16,18 @@ adds the decode token):
 Each case is a chain of 8 dependent calls in one jit (the host's dispatch would dominate the small
 ones); bandwidth counts the context K/V read once, in % of 4.3 TB/s. ``mosaic vs triton`` is the
 largest relative difference of the two kernels' outputs (a sanity check; correctness is
-tests/gpu/test_gpu_mosaic.py). Then the training pattern (batch 1, 4,096 tokens, 512 anchor blocks
-of 16, bidirectional): the forward on either lowering, and forward + backward (the backward is the
-Triton kernels' on both); the Mosaic GPU attention's tile / split configs on the batch-1 token at
-the longest context (``MosaicConfig``: stages, splits, 128-key tiles); and the add + RMSNorm at the
-8B width (4096), 1 / 16 / 64 rows: ``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs
-on its own: one that fails to compile or run prints its error and the others are still timed.
+tests/gpu/test_gpu_mosaic.py). Then the training pattern (``--train``: batch 1 x 4,096 tokens x 512
+anchor blocks of 16 and batch 2 x 2,048 x 256, bidirectional, the Qwen3-8B drafter's heads): the
+forward, the backward kernels alone and a training step's attention (forward + backward) on each
+lowering (Triton: gpu.py + gpu_bwd.py; Mosaic GPU: mosaic_gpu.py + mosaic_gpu_bwd.py); the Mosaic
+GPU attention's tile / split configs on the batch-1 token at the longest context (``MosaicConfig``:
+stages, splits, 128-key tiles); and the add + RMSNorm at the 8B width (4096), 1 / 16 / 64 rows:
+``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs on its own: one that fails to
+compile or run prints its error and the others are still timed.
 
     python3 bench/bench_mosaic.py --json bench/results/mosaic.json     # attention cases start until --budget-s
     JAX_PLATFORMS=cpu python3 bench/bench_mosaic.py --tiny       # smoke test (interpret modes)
+    python3 bench/bench_mosaic.py --skip attention,sweep,norm --json bench/results/mosaic_train.json  # training
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ import timing
 from dflash_jax.ops import OpsConfig
 from dflash_jax.ops import attention as attention_ops
 from dflash_jax.ops.rope import rope_inv_freq
-from kernels_pallas.block_attention import block_attention
+from kernels_pallas.block_attention import block_attention, block_attention_fwd, mosaic_gpu_bwd
+from kernels_pallas.block_attention.mosaic_gpu_bwd import MosaicBwdConfig
+from kernels_pallas.block_attention.gpu_bwd import block_attention_bwd_pallas
 from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, attention_partials, pack_inputs, plan
 from kernels_pallas.rms_norm import add_rms_norm as triton_add_rms_norm
 from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
@@ -188,52 +193,89 @@ def sweep_cases(args, shapes) -> list[dict]:
     return rows
 
 
+BWD_SWEEP = [(3, 2), (2, 3), (3, 3)]  # (dq_stages, dkv_stages) beside the default (2, 2)
+
+
 def training_cases(args, shapes) -> list[dict]:
-    """The training pattern: ``anchors`` blocks of 16 per row, each over the context before its
-    anchor (bidirectional inside the block), forward on either lowering and forward + backward (the
-    Triton backward on both, from the forward's log-sum-exp). ms per call."""
+    """The training pattern per ``--train`` shape (batch x tokens x anchor blocks of 16 per row, each
+    over the context before its anchor, bidirectional inside the block): ms per call of the forward
+    (``triton_fwd``, ``mosaic_fwd``), the backward kernels alone from the same forward output, lse and
+    output gradient (``triton_bwd``: gpu_bwd.py; ``mosaic_bwd``: mosaic_gpu_bwd.py), and a training
+    step's attention, forward + backward, each lowering end to end (``triton_step``, ``mosaic_step``);
+    at the first shape also the Mosaic GPU backward at other pipeline depths (``mosaic_bwd_<dq><dkv>``).
+    ``fwd diff`` / ``bwd diff``: the largest relative difference of the two lowerings' outputs and
+    gradients (sanity; correctness is tests/gpu/test_gpu_mosaic.py)."""
     hq, hkv, d = shapes
-    b, n, t, block = (1, 4, 128, 4) if args.tiny else (1, args.anchors, args.seq, 16)
-    ks = jax.random.split(jax.random.key(21), 6)
-    dt = jnp.bfloat16
-    q = timing.normal(ks[0], (b, n, block, hq, d), dt)
-    k_ctx, v_ctx = (timing.normal(k, (b, t, hkv, d), dt) for k in ks[1:3])
-    k_blk, v_blk = (timing.normal(k, (b, n, block, hkv, d), dt) for k in ks[3:5])
-    ctx_lens = jnp.asarray(np.sort(np.random.default_rng(1).integers(0, t - block + 1, (b, n))), jnp.int32)
-    blk_lens = jnp.full((b, n), block, jnp.int32)
-    cotangent = timing.normal(ks[5], q.shape, dt)
+    train = [(1, 128, 4)] if args.tiny else args.train
+    block = 4 if args.tiny else 16
+    rows, t_start = [], time.time()
+    for b, t, n in train:
+        if time.time() - t_start > args.budget_s:
+            log(f"(time budget reached: skipping train B={b} seq={t} anchors={n})")
+            continue
+        ks = jax.random.split(jax.random.key(21 + t + n), 6)
+        dt = jnp.bfloat16
+        q = timing.normal(ks[0], (b, n, block, hq, d), dt)
+        k_ctx, v_ctx = (timing.normal(k, (b, t, hkv, d), dt) for k in ks[1:3])
+        k_blk, v_blk = (timing.normal(k, (b, n, block, hkv, d), dt) for k in ks[3:5])
+        ctx_lens = jnp.asarray(np.sort(np.random.default_rng(t).integers(0, t - block + 1, (b, n))), jnp.int32)
+        blk_lens = jnp.full((b, n), block, jnp.int32)
+        cotangent = timing.normal(ks[5], q.shape, dt)
+        kernel_args = (q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens)
+        scale, on_cpu = d ** -0.5, jax.default_backend() != "gpu"
+        out, lse = block_attention_fwd(*kernel_args, causal=False, lowering="triton")
+        backward = {
+            "triton": lambda *a: block_attention_bwd_pallas(*a, causal=False, scale=scale, interpret=on_cpu),
+            "mosaic": lambda *a: mosaic_gpu_bwd.backward(*a, causal=False, scale=scale),
+        }
 
-    def forward(lowering):
-        return jax.jit(lambda q, kc, vc, kb, vb: block_attention(q, kc, vc, ctx_lens, kb, vb, blk_lens, causal=False,
-                                                                 lowering=lowering))
+        def forward(lowering):
+            return jax.jit(lambda q, kc, vc, kb, vb: block_attention(q, kc, vc, ctx_lens, kb, vb, blk_lens,
+                                                                     causal=False, lowering=lowering))
 
-    def forward_backward(lowering):
-        def loss(q, kc, vc, kb, vb, ct):
-            out = block_attention(q, kc, vc, ctx_lens, kb, vb, blk_lens, causal=False, lowering=lowering)
-            return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+        def step(lowering):  # bwd="pallas": a GPU's default, and the kernels (interpreted) on the CPU
+            def loss(q, kc, vc, kb, vb, ct):
+                out = block_attention(q, kc, vc, ctx_lens, kb, vb, blk_lens, causal=False, lowering=lowering,
+                                      bwd="pallas")
+                return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
-    row = dict(kind="train", batch=b, seq=t, anchors=n, block=block)
-    outs = {}
-    for lowering in ("triton", "mosaic"):
-        for what, fn, fargs in (("fwd", forward(lowering), (q, k_ctx, v_ctx, k_blk, v_blk)),
-                                ("fwdbwd", forward_backward(lowering), (q, k_ctx, v_ctx, k_blk, v_blk, cotangent))):
-            name = f"{lowering}_{what}"
-            try:  # ms-scale calls: timed one by one
-                row[name + "_ms"] = timing.median_time(fn, *fargs, repeats=max(args.repeats, 5))[0] * 1e3
-                if what == "fwd":
-                    outs[lowering] = fn(*fargs)
-            except Exception as e:  # noqa: BLE001  (a variant that fails must not stop the others)
-                row[name + "_ms"] = None
-                row[name + "_err"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
-                log(f"  {name}: {row[name + '_err']}")
-    if len(outs) == 2:
-        row["mosaic_vs_triton"] = timing.relative_error(outs["mosaic"], outs["triton"])
-    cells = " | ".join(f"{k[:-3]} " + ("failed" if v is None else f"{v:7.3f} ms")
-                       for k, v in row.items() if k.endswith("_ms"))
-    diff = row.get("mosaic_vs_triton", float("nan"))
-    log(f"train B={b} seq={t} anchors={n} block={block} | {cells} | diff {diff:.1e}")
-    return [row]
+        row = dict(kind="train", batch=b, seq=t, anchors=n, block=block)
+        outs = {}
+        for lowering in ("triton", "mosaic"):
+            for what, fn, fargs in (("fwd", forward(lowering), (q, k_ctx, v_ctx, k_blk, v_blk)),
+                                    ("bwd", jax.jit(backward[lowering]), (*kernel_args, out, lse, cotangent)),
+                                    ("step", step(lowering), (q, k_ctx, v_ctx, k_blk, v_blk, cotangent))):
+                name = f"{lowering}_{what}"
+                try:  # ms-scale calls: timed one by one
+                    row[name + "_ms"] = timing.median_time(fn, *fargs, repeats=max(args.repeats, 5))[0] * 1e3
+                    if what != "step":
+                        outs[name] = fn(*fargs)
+                except Exception as e:  # noqa: BLE001  (a variant that fails must not stop the others)
+                    row[name + "_ms"] = None
+                    row[name + "_err"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+                    log(f"  {name}: {row[name + '_err']}")
+        for what in ("fwd", "bwd"):
+            if f"triton_{what}" in outs and f"mosaic_{what}" in outs:
+                row[f"{what}_mosaic_vs_triton"] = max(
+                    timing.relative_error(m, t) for m, t in zip(jax.tree.leaves(outs[f"mosaic_{what}"]),
+                                                                jax.tree.leaves(outs[f"triton_{what}"])))
+        if (b, t, n) == train[0]:  # the Mosaic GPU backward's pipeline depths, at the first shape
+            for depths in BWD_SWEEP[:1] if args.tiny else BWD_SWEEP:
+                cfg = MosaicBwdConfig(*depths)
+                fn = jax.jit(lambda *a, cfg=cfg: mosaic_gpu_bwd.backward(*a, causal=False, scale=scale, config=cfg))
+                try:
+                    row[f"mosaic_bwd_{depths[0]}{depths[1]}_ms"] = timing.median_time(
+                        fn, *kernel_args, out, lse, cotangent, repeats=max(args.repeats, 5))[0] * 1e3
+                except Exception as e:  # noqa: BLE001
+                    row[f"mosaic_bwd_{depths[0]}{depths[1]}_ms"] = None
+                    log(f"  mosaic_bwd {cfg}: {type(e).__name__}: {str(e).strip()[:200]}")
+        rows.append(row)
+        cells = " | ".join(f"{k[:-3]} " + ("failed" if v is None else f"{v:7.3f}")
+                           for k, v in row.items() if k.endswith("_ms"))
+        diffs = " ".join(f"{w} diff {row.get(w + '_mosaic_vs_triton', float('nan')):.1e}" for w in ("fwd", "bwd"))
+        log(f"train B={b} seq={t} anchors={n} block={block} | {cells} ms | {diffs}")
+    return rows
 
 
 def norm_cases(args) -> list[dict]:
@@ -268,9 +310,10 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chain", type=int, default=CHAIN)
-    ap.add_argument("--seq", type=int, default=4096, help="training pattern: tokens per row")
-    ap.add_argument("--anchors", type=int, default=512, help="training pattern: blocks per row")
-    ap.add_argument("--budget-s", type=float, default=50.0, help="stop starting attention cases after this")
+    ap.add_argument("--train", default="1x4096x512,2x2048x256",
+                    help="training pattern shapes, batch x tokens x anchor blocks per row, comma separated")
+    ap.add_argument("--budget-s", type=float, default=50.0,
+                    help="stop starting attention cases, and training shapes, after this many seconds of each")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: attention,train,sweep,norm")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, interpret modes")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -278,6 +321,7 @@ def main(argv=None) -> None:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     args.contexts, args.batches, args.blocks, args.norm_rows = map(
         ints, (args.contexts, args.batches, args.blocks, args.norm_rows))
+    args.train = [tuple(int(x) for x in shape.split("x")) for shape in args.train.split(",") if shape]
     shapes = (32, 8, 128)
     if args.tiny:
         args.contexts, args.batches, args.blocks, args.norm_rows = [128], [1], [1, 4], [2]

@@ -1,13 +1,16 @@
 """Paged against contiguous caches on 8B shapes: decode steps, the time to first token over a cached prefix,
 and the running streams' inter-token gap while a long prompt is prefilled in chunks.
 
-A Qwen3-8B-shaped target with random bf16 weights and a 5-layer block-16 drafter. One paged DFlash engine
-(``--page-size``, a pool of ``--pages`` pages, ``max_length`` 16,896) serves all three parts; the
-contiguous engines and the paged target-only one are sized for part 1 (``--context`` + 1,024 positions):
+A Qwen3-8B-shaped target with random bf16 weights and a 5-layer block-16 drafter.
 
-1. ``decode``: ms per step at each ``--batches``, target-only and DFlash, contiguous and paged, from a
-   ``--context``-token context (synthetic states, synchronised calls of ``--steps`` steps at the window the
-   batcher would pick; a paged row's pages shuffled through the pool), and the paged / contiguous ratios;
+1. ``decode``: ms per step at each ``--batches`` from a ``--context``-token context (synthetic states,
+   synchronised calls of ``--steps`` steps at the window the batcher would pick; a paged row's pages
+   shuffled through the pool), for each of ``--kinds`` (target-only, DFlash) and ``--variants``:
+   ``contiguous`` (the default kernels), ``paged`` (pages of ``--page-size``; the attention gathers each
+   layer's pages, the XLA reference of reading through the table, before the default kernels),
+   ``paged_mosaic`` (``gpu_lowering="mosaic"``: the Mosaic GPU block attention TMA-loads the pages the
+   table names) and ``contiguous_mosaic`` (its contiguous counterpart); the ratios to ``contiguous``.
+   One engine at a time, sized for the part (``--context`` + 1,024 positions);
 2. ``ttft``: the time to first token of a ``--prefix + --suffix``-token prompt through the paged engine's
    ``ContinuousBatcher``, uncached, and with its first ``--prefix`` tokens cached by an earlier request
    (medians of ``--repeats`` fresh prompts, after a round that compiles);
@@ -17,7 +20,11 @@ contiguous engines and the paged target-only one are sized for part 1 (``--conte
    deliveries: the median before the arrival (steady state), and the largest from the arrival to the long
    prompt's admission (its last chunk), over all streams; the second of two runs (the first compiles).
 
-    python3 bench/bench_paged.py --json bench/results/paged.json         # the H200 command (< 150 s)
+Parts 2 and 3 run on one paged DFlash engine (a pool of ``--pages`` pages, ``max_length`` 16,896).
+
+    python3 bench/bench_paged.py --parts decode --batches 1,16,32 --kinds dflash --layers 12 \
+        --json bench/results/paged_steps.json                             # the step comparison on an H200
+    python3 bench/bench_paged.py --json bench/results/paged.json         # every part
     JAX_PLATFORMS=cpu python3 bench/bench_paged.py --tiny                 # CPU smoke test of this script
 """
 
@@ -50,26 +57,41 @@ class WithChunks:
         return getattr(self.engine, name)
 
 
-def decode_rows(engines: dict[str, Engine], args) -> list[dict]:
-    print(f"decode step, context {args.context}: ms per step (paged / contiguous)")
-    rows = []
-    for batch in args.batch_list:
-        row = {"batch": batch}
-        # the window the batcher would pick: every row's reach over the calls (a paged step copies it)
-        window = args.context + (2 + args.repeats) * args.steps * engines["dflash_paged"].block_size
-        for name, engine in engines.items():
-            seconds, tau = timing.time_decode(engine, batch, args.context, args.steps, args.repeats, window=window)
-            row[name] = {"ms_per_step": 1e3 * seconds, "tau": tau}
+VARIANTS = {"contiguous": dict(), "paged": dict(paged=True), "paged_mosaic": dict(paged=True, gpu_lowering="mosaic"),
+            "contiguous_mosaic": dict(gpu_lowering="mosaic")}
+
+
+def decode_rows(target, drafter, config: EngineConfig, args) -> list[dict]:
+    """Part 1 (see the module docstring): one engine at a time (each holds a serving copy of the weights)."""
+    print(f"decode step, context {args.context}, pages of {args.page_size}: ms per step (ratio to contiguous)")
+    rows = {batch: {"batch": batch} for batch in args.batch_list}
+    for kind in args.kind_list:
+        for variant in args.variant_list:
+            how = VARIANTS[variant]
+            engine = Engine(target, drafter if kind == "dflash" else None, dataclasses.replace(
+                config, page_size=args.page_size if how.get("paged") else 0,
+                gpu_lowering=how.get("gpu_lowering", config.gpu_lowering)))
+            for batch in args.batch_list:
+                # the window the batcher would pick: every row's reach over the calls
+                window = args.context + (2 + args.repeats) * args.steps * engine.block_size
+                seconds, tau = timing.time_decode(engine, batch, args.context, args.steps, args.repeats, window=window)
+                rows[batch][f"{kind}_{variant}"] = {"ms_per_step": 1e3 * seconds, "tau": tau}
+            del engine
             gc.collect()
-        for kind in ("target", "dflash"):
-            row[f"{kind}_paged_over_contiguous"] = (row[f"{kind}_paged"]["ms_per_step"]
-                                                    / row[f"{kind}_contiguous"]["ms_per_step"])
-        rows.append(row)
-        print(f"  batch {batch:3d}: target-only {row['target_contiguous']['ms_per_step']:7.3f} / "
-              f"{row['target_paged']['ms_per_step']:7.3f} ({row['target_paged_over_contiguous']:.3f}x)   DFlash "
-              f"{row['dflash_contiguous']['ms_per_step']:7.3f} / {row['dflash_paged']['ms_per_step']:7.3f} "
-              f"({row['dflash_paged_over_contiguous']:.3f}x)", flush=True)
-    return rows
+    for row in rows.values():
+        line = [f"  batch {row['batch']:3d}:"]
+        for kind in args.kind_list:
+            base = row[f"{kind}_contiguous"]["ms_per_step"] if "contiguous" in args.variant_list else None
+            line.append(f"{kind}")
+            for variant in args.variant_list:
+                ms = row[f"{kind}_{variant}"]["ms_per_step"]
+                if base is not None and variant != "contiguous":
+                    row[f"{kind}_{variant}_over_contiguous"] = ms / base
+                    line.append(f"{variant} {ms:.3f} ({ms / base:.3f}x)")
+                else:
+                    line.append(f"{variant} {ms:.3f}")
+        print("  ".join(line), flush=True)
+    return list(rows.values())
 
 
 def first_token_s(batcher: ContinuousBatcher, prompt: list[int]) -> tuple[float, int]:
@@ -158,7 +180,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps per call (steps_per_sync)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=36)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=64,
+                    help="positions per page (the Mosaic GPU paged attention takes multiples of 64)")
+    ap.add_argument("--kinds", default="target,dflash", help="part 1's steps: target (target-only), dflash")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"part 1's caches and kernels: {list(VARIANTS)}")
     ap.add_argument("--pages", type=int, default=4096, help="the paged DFlash engine's pool")
     ap.add_argument("--prefix", type=int, default=4000)
     ap.add_argument("--suffix", type=int, default=64)
@@ -173,6 +198,10 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the numbers here")
     args = ap.parse_args()
     args.batch_list = [int(b) for b in args.batches.split(",")]
+    args.kind_list, args.variant_list = args.kinds.split(","), args.variants.split(",")
+    for name in args.kind_list + args.variant_list:
+        if name not in ("target", "dflash", *VARIANTS):
+            ap.error(f"unknown kind or variant {name!r}: --kinds of target, dflash; --variants of {list(VARIANTS)}")
     if args.tiny:
         tcfg, dtype = tiny_target_config(vocab_size=512, num_layers=4), jnp.float32
         args.context, args.prefix, args.suffix, args.repeats = 64, 100, 8, 2
@@ -183,26 +212,21 @@ def main() -> None:
     target, drafter = timing.random_pair(tcfg, dtype)
     small = EngineConfig(max_batch_size=max(args.batch_list), max_length=args.context + 1024,
                          steps_per_sync=args.steps, prompt_buckets=(64,))
-    longest = -(-(max(args.long, args.prefix + args.suffix) + 1) // 512) * 512
-    large = dataclasses.replace(small, max_batch_size=max(max(args.batch_list), 2 * args.streams),
-                                max_length=longest + 512, page_size=args.page_size, num_pages=args.pages,
-                                prompt_buckets=tuple(sorted({64, args.stream_prompt, args.chunk,
-                                                             args.prefix + args.suffix, longest})))
-    paged = Engine(target, drafter, large)
-    engines = {"target_contiguous": Engine(target, None, small),
-               "target_paged": Engine(target, None, dataclasses.replace(small, page_size=args.page_size)),
-               "dflash_contiguous": Engine(target, drafter, small), "dflash_paged": paged}
-    del target, drafter
-    gc.collect()
     print(timing.device_line())
-    print(f"models and engines built in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"models built in {time.perf_counter() - t0:.0f} s", flush=True)
     result = {"device": timing.device_line(), "page_size": args.page_size, "layers": tcfg.num_layers,
-              "context": args.context, "args": {k: v for k, v in vars(args).items() if k != "batch_list"}}
+              "context": args.context, "args": {k: v for k, v in vars(args).items() if not k.endswith("_list")}}
     rng = np.random.default_rng(0)
     if "decode" in args.parts:
-        result["decode"] = decode_rows(engines, args)
-    for name in ("target_contiguous", "target_paged", "dflash_contiguous"):
-        del engines[name]  # their weights and programs: the rest runs on the paged DFlash engine
+        result["decode"] = decode_rows(target, drafter, small, args)
+    paged = None
+    if "ttft" in args.parts or "gap" in args.parts:
+        longest = -(-(max(args.long, args.prefix + args.suffix) + 1) // 512) * 512
+        paged = Engine(target, drafter, dataclasses.replace(
+            small, max_batch_size=max(max(args.batch_list), 2 * args.streams), max_length=longest + 512,
+            page_size=args.page_size, num_pages=args.pages,
+            prompt_buckets=tuple(sorted({64, args.stream_prompt, args.chunk, args.prefix + args.suffix, longest}))))
+    del target, drafter
     gc.collect()
     if "ttft" in args.parts:
         result["ttft"] = ttft_row(paged, args, rng)

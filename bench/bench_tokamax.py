@@ -5,7 +5,7 @@ tokamax's op on the same inputs, first holds every output to a reference (``ok``
 within bf16 rounding, 2e-2 of the largest entry), then times each (a chain of ``--chain`` dependent
 calls in one jit, microseconds per call). A tokamax implementation that does not exist here (not
 importable, e.g. its Triton-language kernels without ``jax_triton``) or refuses the shapes
-(``NotImplementedError``) prints one line saying so; the others still run.
+prints one line saying so; the others still run.
 
 1. Attention, Qwen3-8B heads (32 q / 8 kv, head_dim 128), bf16, batches and contexts of
    ``--batches`` / ``--contexts`` (row ``b`` holds ``context - 64 * b`` cached positions: per-row
@@ -51,7 +51,8 @@ import numpy as np
 
 import timing
 from bench_mosaic import chained, log, timed
-from dflash_jax.ops.experts import FP4_VALUES, MXFP4_BLOCK, MXFP4_SCALE_BIAS, _pair_product, mxfp4_dequantize, route
+from dflash_jax.ops.experts import FP4_VALUES, MXFP4_BLOCK, _pair_product, mxfp4_dequantize, route
+from kernels_pallas.experts.reference import MXFP4_SCALE_BIAS
 from kernels_pallas.block_attention import block_attention
 from kernels_pallas.rms_norm import add_rms_norm as triton_add_rms_norm
 from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
@@ -228,9 +229,13 @@ def _attention_reference(q, k_cache, v_cache, ctx_lens, k_blk, v_blk, blk_lens, 
         q, k_cache, v_cache, ctx_lens, k_blk, v_blk, blk_lens)
 
 
+class Unavailable(Exception):
+    """A variant that does not exist here (reported on its row, never timed)."""
+
+
 def _unavailable(reason: str):
     def fn(*_):
-        raise NotImplementedError(reason)
+        raise Unavailable(reason)
     return fn
 
 

@@ -8,6 +8,7 @@ on any host), and do not run off a GPU.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -27,3 +28,12 @@ def interpret_params(interpret: bool) -> Any:
                            "(jax.experimental.pallas.mosaic_gpu.InterpretGPUParams); on this JAX they "
                            "compile for a GPU or lower for CUDA")
     return plgpu.InterpretGPUParams()
+
+
+def load(ref: Any, layout: Any) -> Any:
+    """``plgpu.load`` of the whole ``ref`` in ``layout``: JAX 0.10 requires the index argument that
+    JAX 0.11 deprecates and JAX 0.12 no longer takes."""
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)

@@ -12,5 +12,7 @@ export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
 export JAX_PLATFORMS=cpu
 # Two worker processes (pytest-xdist; PYTEST_WORKERS to change, 0 for one process): the suite is mostly
 # single-threaded XLA compilation, so on CI's 2 cores two processes take about half the time. Whole modules
-# go to one worker (--dist loadfile), so a module's shared engines and models are built and compiled once.
-exec python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+# go to one worker (--dist loadfile), so a module's shared engines and models are built and compiled once;
+# they go in the order tests/conftest.py gives them (--no-loadscope-reorder): the modules of most slow tests
+# first, so that the last ones are short and both workers finish together.
+exec python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

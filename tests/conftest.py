@@ -6,7 +6,28 @@ import os
 # third faster (the whole suite 20-25% shorter on 2 cores; the few step-heavy tests run ~2x slower).
 # Both flags reach the subprocesses the tests start, through the environment.
 _TEST_XLA_FLAGS = {"--xla_force_host_platform_device_count": "8", "--xla_backend_optimization_level": "0"}
+# XLA:CPU's classic elemental emitters compile these tiny programs in about two thirds of the CPU time
+# of its fusion emitters (the suite about 30% less CPU time). Only some jaxlib versions know the flag, and XLA
+# aborts the process on a flag it does not know: a subprocess asks this jaxlib first (once: the
+# workers of pytest-xdist and the tests' subprocesses inherit the result through the environment).
+_CLASSIC_EMITTERS = ("--xla_cpu_use_fusion_emitters", "false")
+
+
+def _xla_accepts(flag: str) -> bool:
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    probe = "import jax; jax.devices('cpu')"
+    try:
+        return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=120).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
 _flags = os.environ.get("XLA_FLAGS", "")
+if _CLASSIC_EMITTERS[0] not in _flags and _xla_accepts("=".join(_CLASSIC_EMITTERS)):
+    _TEST_XLA_FLAGS[_CLASSIC_EMITTERS[0]] = _CLASSIC_EMITTERS[1]
 os.environ["XLA_FLAGS"] = " ".join([_flags, *(f"{k}={v}" for k, v in _TEST_XLA_FLAGS.items() if k not in _flags)]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The oracles (torch) run tiny models: one thread each op. With a thread pool, every op of a
@@ -86,7 +107,12 @@ def tpu_flash_interpreted(monkeypatch):
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` (``tests/gpu``: the kernels compiled by Triton, the engine's GPU-only paths)
     need a GPU and are skipped elsewhere. This file defaults ``JAX_PLATFORMS`` to ``cpu``, so on a GPU
-    machine run them as ``JAX_PLATFORMS=cuda python -m pytest -m gpu tests/gpu``."""
+    machine run them as ``JAX_PLATFORMS=cuda python -m pytest -m gpu tests/gpu``.
+
+    In a pytest-xdist worker, modules run in the order of their number of ``slow`` tests, most first
+    (each module's tests stay together and in their order)."""
+    if hasattr(config, "workerinput"):
+        _slow_modules_first(items)
     import jax
 
     if jax.default_backend() == "gpu":
@@ -96,3 +122,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _slow_modules_first(items) -> None:
+    """scripts/test.sh hands whole modules to its workers (``--dist loadfile``) in collection order
+    (``--no-loadscope-reorder``): with the modules of most slow tests first, the last ones handed out
+    are short and both workers finish together. pytest-xdist's own order (most tests first) leaves the
+    single-test end-to-end modules (the demo job, the loaded servers) for the end, and a worker that
+    takes one of them also takes the next modules while the other runs dry."""
+    from collections import Counter
+
+    slow = Counter(item.path for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])  # stable: a module's tests stay together, in order

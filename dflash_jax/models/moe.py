@@ -106,5 +106,6 @@ class MoeMLP(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.route(flat)
         out = routed_experts(flat, experts, weights, self.experts.weights(),
-                             activation="gpt_oss" if self.gpt_oss else "silu", implementation=ops.experts)
+                             activation="gpt_oss" if self.gpt_oss else "silu", implementation=ops.experts,
+                             mosaic=ops.mosaic)
         return out.reshape(x.shape)

@@ -26,9 +26,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.ops.cache import CACHE_AXES, write_rows
+from dflash_jax.ops.cache import CACHE_AXES, read_rows, write_rows
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.norms import rms_norm
+from dflash_jax.ops.paged_cache import PagedKV
 from dflash_jax.ops.rope import apply_rope
 from dflash_jax.sharding import shard_kernel
 from kernels_pallas.block_attention.reference import block_attention_reference
@@ -39,7 +40,18 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
                     ops: OpsConfig = XLA, sinks: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """``block_attention_reference`` computed as ``ops`` says (the reference, or with the kernels on
     a Pallas kernel, or for a prompt, one causal block per row with no context, ``prompt_attention``).
-    Attention sinks and sliding windows (gpt-oss layers) run the reference: no kernel takes them."""
+    Attention sinks and sliding windows (gpt-oss layers) run the reference: no kernel takes them.
+
+    ``k_ctx, v_ctx`` may be paged (``PagedKV``, the context read through the rows' page tables): the
+    Mosaic GPU kernel and the TPU kernel load the pages the table names (``paged_block_attention``);
+    every other path runs on the rows' pages of this layer gathered into a contiguous context
+    (``PagedKV.gather``, the XLA reference of the read)."""
+    if isinstance(k_ctx, PagedKV):
+        out = paged_block_attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale,
+                                    ops=ops, sinks=sinks, window=window)
+        if out is not None:
+            return out
+        k_ctx, v_ctx = k_ctx.gather(), v_ctx.gather()
     if sinks is not None or window is not None:
         if causal and q.shape[1] == 1 and k_ctx.shape[1] == 0 and q.shape[2] > SINK_PROMPT_CHUNK:
             return chunked_prompt_attention(q, k_blk, v_blk, blk_lens, chunk=SINK_PROMPT_CHUNK, scale=scale,
@@ -71,6 +83,31 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
         q.reshape(batch, blocks, block, kv_heads, heads // kv_heads, head_dim), k_ctx, v_ctx, ctx_lens,
         k_blk, v_blk, blk_lens)
     return out.reshape(q.shape)
+
+
+def paged_block_attention(q: jax.Array, k_ctx: PagedKV, v_ctx: PagedKV, ctx_lens: jax.Array, k_blk: jax.Array,
+                          v_blk: jax.Array, blk_lens: jax.Array, *, causal: bool, scale: float | None, ops: OpsConfig,
+                          sinks: jax.Array | None, window: int | None) -> jax.Array | None:
+    """``block_attention`` over a paged context by a kernel that reads through the page table, or None
+    where none takes it: one block per row, no sinks or window, and the Mosaic GPU block attention
+    (``ops.mosaic``, pages of whole key tiles) or on a TPU its block attention (a tile per page)."""
+    if not (ops.kernels and sinks is None and window is None and q.shape[1] == 1):
+        return None
+    table = k_ctx.page_table[:, :k_ctx.n_pages]
+    args = (q, k_ctx.pool, v_ctx.pool, table, ctx_lens[:, 0], k_blk, v_blk, blk_lens[:, 0])
+    if jax.default_backend() == "tpu":
+        from kernels_pallas.block_attention import tpu
+
+        if k_ctx.page_size % 8:
+            return None
+        return tpu.paged_forward(*args, causal=causal, scale=scale)[0]
+    if not ops.mosaic:
+        return None
+    from kernels_pallas.block_attention import mosaic_gpu
+
+    if not mosaic_gpu.paged_supported(q.shape, k_ctx.pool.shape, k_ctx.n_pages, k_ctx.dtype):
+        return None
+    return mosaic_gpu.paged_forward(*args, causal=causal, scale=scale)[0]
 
 
 SINK_PROMPT_CHUNK = 512  # query slots a step of ``chunked_prompt_attention``
@@ -245,7 +282,19 @@ def cached_attention(
     (``attend_and_write``).
     """
     batch, block, head_dim = k_cache.shape[0], qkv.shape[-4], k_cache.shape[-1]
-    if ops.kernels and not ops.mosaic and sinks is None and window is None and rope_factor == 1.0:
+    fused = ops.kernels and not ops.mosaic and sinks is None and window is None and rope_factor == 1.0
+    if fused and isinstance(k_cache, PagedKV):
+        # The fused kernel takes contiguous caches: it runs on this layer's pages gathered (the copy the
+        # XLA path makes too), and the block it wrote goes into the rows' pages; the norms, RoPE, write
+        # and attention stay one kernel rather than the ~12 XLA kernels of the unfused path.
+        attn, k_view, v_view = cached_attention(
+            qkv, starts, k_cache.gather(), v_cache.gather(), blk_lens, q_norm=q_norm, k_norm=k_norm, eps=eps,
+            inv_freq=inv_freq, num_heads=num_heads, causal=causal, write=write, row_scale=row_scale, ops=ops)
+        if not write:
+            return attn, k_cache, v_cache
+        return (attn, write_rows(k_cache, read_rows(k_view, starts, block), starts),
+                write_rows(v_cache, read_rows(v_view, starts, block), starts))
+    if fused:
         from kernels_pallas.cached_attention import cached_block_attention, cached_block_attention_supported
         from kernels_pallas.cached_attention.gpu import DEFAULT_CONFIG
 

@@ -47,7 +47,11 @@ def write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array) -> jax.A
     """Writes ``update [batch, n, ...]`` into ``buffer [batch, capacity, ...]`` at per-row ``starts``.
 
     The caller guarantees ``starts + n <= capacity`` (dynamic_update_slice would clamp otherwise).
+    A paged cache layer (``ops.paged_cache.PagedKV``, not an array) writes through its page table.
     """
+    if not isinstance(buffer, jax.Array):
+        return buffer.write_rows(update, starts)
+
     def one(row, upd, start):
         idx = (start,) + (0,) * (row.ndim - 1)
         return jax.lax.dynamic_update_slice(row, upd.astype(row.dtype), idx)
@@ -57,7 +61,10 @@ def write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array) -> jax.A
 
 def read_rows(buffer: jax.Array, starts: jax.Array, n: int) -> jax.Array:
     """Positions ``[starts, starts + n)`` of ``buffer [batch, capacity, ...]`` per row -> ``[batch, n, ...]``:
-    the read that ``write_rows`` at the same ``starts`` writes back."""
+    the read that ``write_rows`` at the same ``starts`` writes back. A paged cache layer
+    (``ops.paged_cache.PagedKV``) is read from its rows' pages, gathered."""
+    if not isinstance(buffer, jax.Array):
+        buffer = buffer.gather()
     return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, n, axis=0))(buffer, starts)
 
 

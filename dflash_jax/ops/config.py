@@ -36,7 +36,9 @@ class OpsConfig:
     kernels (``kernels_pallas/<op>/gpu.py``). "mosaic": the ops with a Mosaic GPU kernel
     (``kernels_pallas/<op>/mosaic_gpu.py``: the add + RMSNorm, and the block attention's forward:
     training blocks and the decode / verify / draft blocks over the KV cache, whose q/k norms, RoPE
-    and cache write then run in XLA around it) run it; the others keep their Triton kernel."""
+    and cache write then run in XLA around it; and its backward, ``mosaic_gpu_bwd.py``; the routed
+    experts of MoE decode and verify steps, ``kernels_pallas/experts``) run it; the others keep their
+    Triton kernel."""
 
     attention: AttentionImpl = "xla"
     cached_attention_tiles: tuple[tuple[str, int], ...] = ()

@@ -21,6 +21,11 @@ the ``T * top_k`` (token, expert) pairs in one of three ways, chosen by the stat
 (measured on the H200, ``gemv_pair_limit``). Shapes are
 static everywhere: a run or slot may be empty.
 
+With ``OpsConfig.gpu_lowering == "mosaic"`` on a GPU, "auto" and "gemv" steps of few pairs run
+``mosaic_routed_experts`` instead: the pairs grouped by expert and two calls of the Mosaic GPU
+expert-products kernel (``kernels_pallas.experts``), which streams only the touched experts' weight
+tiles (MXFP4 decoded inside) with TMA.
+
 ``routed_experts_reference`` is the same function as a dense product over every expert, for tests.
 Under ``sharding.kernel_mesh`` with the experts split over mesh axes (logical axis ``experts``),
 each device computes its own experts' share of every token and a ``psum`` adds the shares (expert
@@ -33,34 +38,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dflash_jax import sharding
-
-# The 16 values of a 4-bit E2M1 code, as the MXFP4 format (and transformers) decode them.
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                      np.float32)
-MXFP4_BLOCK = 32  # values sharing one scale
-MXFP4_SCALE_BIAS = 127  # a scale byte s means 2 ** (s - 127)
+from kernels_pallas.experts.reference import FP4_VALUES, MXFP4_BLOCK, mxfp4_dequantize
 
 ACTIVATIONS = ("silu", "gpt_oss")
 GPT_OSS_ALPHA = 1.702
 GPT_OSS_LIMIT = 7.0
-
-
-def mxfp4_dequantize(blocks: jax.Array, scales: jax.Array, dtype) -> jax.Array:
-    """MXFP4 ``blocks [..., rows, groups, 16]`` uint8 (two 4-bit codes a byte, low nibble first) and
-    ``scales [..., rows, groups]`` uint8 -> ``[..., rows, groups * 32]`` in ``dtype``.
-
-    Each value is ``FP4_VALUES[code] * 2 ** (scale - 127)``, computed in float32 (exact: a power of two
-    times a 3-bit mantissa) and rounded to ``dtype``, as transformers' ``convert_moe_packed_tensors``.
-    """
-    lut = jnp.asarray(FP4_VALUES)
-    low, high = lut[(blocks & 0x0F).astype(jnp.int32)], lut[(blocks >> 4).astype(jnp.int32)]
-    values = jnp.stack([low, high], axis=-1).reshape(blocks.shape[:-1] + (blocks.shape[-1] * 2,))
-    exponent = scales.astype(jnp.int32) - MXFP4_SCALE_BIAS
-    values = jnp.ldexp(values, exponent[..., None])
-    return values.reshape(values.shape[:-2] + (-1,)).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,17 +216,22 @@ def _sorted_pairs(experts: jax.Array, n: int, expert_offset):
     return jnp.argsort(key, stable=True), jnp.bincount(key, length=n + 1)[:n].astype(jnp.int32)
 
 
-def _touched(counts: jax.Array, pairs: int, w: ExpertWeights) -> tuple[jax.Array, jax.Array, ExpertWeights]:
-    """With fewer pairs than experts, the touched experts only: ``(ids [G], counts [G], their weights)``,
+def _touched_ids(counts: jax.Array, pairs: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """With fewer pairs than the ``n`` experts, the touched experts only: ``(ids [G], counts [G])``,
     ascending (as the pairs are sorted), padded to the static ``G = pairs`` by repeating a touched
     expert with no pairs; else every expert."""
-    n = w.num_experts
     if pairs >= n:
-        return jnp.arange(n), counts, w
+        return jnp.arange(n), counts
     ids = jnp.nonzero(counts > 0, size=pairs, fill_value=n)[0]
     present = ids < n
     ids = jnp.where(present, ids, jnp.max(jnp.where(present, ids, 0)))
-    return ids, jnp.where(present, counts[ids], 0), w.take(ids)
+    return ids, jnp.where(present, counts[ids], 0)
+
+
+def _touched(counts: jax.Array, pairs: int, w: ExpertWeights) -> tuple[jax.Array, jax.Array, ExpertWeights]:
+    """``_touched_ids`` and those experts' weights (all of them where every expert is touched)."""
+    ids, counts = _touched_ids(counts, pairs, w.num_experts)
+    return ids, counts, (w if pairs >= w.num_experts else w.take(ids))
 
 
 def _capacity(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, activation: str,
@@ -293,25 +282,123 @@ def _grouped(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeig
     return jnp.zeros_like(x).at[token].add(y)
 
 
+def mosaic_kernel_fits(tokens: int, w: ExpertWeights, dtype) -> bool:
+    """Whether the Mosaic GPU expert-products kernel (``kernels_pallas.experts``) takes a step of
+    ``tokens`` tokens through experts ``w`` in ``dtype``: 16-bit floats, at most 64 tokens (a few rows
+    per expert: decode and verify steps), widths of whole 64-column tiles."""
+    from kernels_pallas.experts import mosaic_gpu
+
+    if isinstance(w.gate_up, tuple):
+        (gate_up, _), (down, _) = w.gate_up, w.down
+        hidden, gate_up_out = gate_up.shape[2] * MXFP4_BLOCK, gate_up.shape[1]
+        inter, down_out = down.shape[2] * MXFP4_BLOCK, down.shape[1]
+        fits = mosaic_gpu.mxfp4_supports
+    else:
+        hidden, gate_up_out = w.gate_up.shape[1:]
+        inter, down_out = w.down.shape[1:]
+        fits = mosaic_gpu.supports
+        if w.gate_up.dtype != dtype or w.down.dtype != dtype:
+            return False
+    return fits(hidden, gate_up_out, tokens, dtype) and fits(inter, down_out, tokens, dtype)
+
+
+def _expert_groups(experts: jax.Array, n: int, expert_offset) -> tuple[jax.Array, ...]:
+    """The (token, expert) pairs ``p = t * top_k + j`` as groups by expert, without a sort:
+    ``(ids [G], counts [G], group [P], slot [P])``, ``G = min(P, n)``: group ``g`` is expert ``ids[g]``
+    with ``counts[g]`` pairs (0: an unused group), pair ``p`` the row ``slot[p]`` of its ``group[p]``
+    (``G``: routed outside ``[expert_offset, expert_offset + n)``). A decode token's distinct experts
+    are its groups as they come; more tokens rank each pair among its expert's pairs (a cumulative
+    sum over a one-hot ``[P, n]``) and each touched expert among the touched ones."""
+    pairs = experts.size
+    groups = min(pairs, n)
+    local = experts.reshape(-1) - expert_offset
+    inside = (local >= 0) & (local < n)
+    expert = jnp.clip(local, 0, n - 1)
+    if experts.shape[0] == 1 and pairs <= n:  # one token: top_k distinct experts, a group each
+        return expert, inside.astype(jnp.int32), jnp.where(inside, jnp.arange(pairs), groups), jnp.zeros_like(expert)
+    onehot = (expert[:, None] == jnp.arange(n)[None]) & inside[:, None]  # [P, n]
+    slot = jnp.take_along_axis(jnp.cumsum(onehot, axis=0, dtype=jnp.int32), expert[:, None], axis=1)[:, 0] - 1
+    per_expert = jnp.sum(onehot, axis=0, dtype=jnp.int32)
+    touched = per_expert > 0
+    group_of = jnp.cumsum(touched, dtype=jnp.int32) - 1
+    target = jnp.where(touched, group_of, groups)  # untouched experts write nowhere
+    ids = jnp.zeros((groups,), jnp.int32).at[target].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    counts = jnp.zeros((groups,), jnp.int32).at[target].set(per_expert, mode="drop")
+    return ids, counts, jnp.where(inside, group_of[expert], groups), slot
+
+
+def mosaic_routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights,
+                          activation: str, expert_offset: int | jax.Array = 0, *,
+                          interpret: bool | None = None) -> jax.Array:
+    """``_grouped`` through the Mosaic GPU expert-products kernel (``kernels_pallas.experts``): each
+    touched expert one group of ``S`` row slots (``S`` the tokens rounded up to 8: a token routes to
+    an expert at most once; ``_expert_groups``), the gate-up and down products in the kernel (only the
+    touched experts' bytes read, MXFP4 codes decoded inside), biases, the activation and the routing
+    weights in XLA between and after. ``mosaic_kernel_fits`` must hold."""
+    from kernels_pallas.experts import mosaic_gpu
+
+    tokens, top_k = experts.shape
+    ids, counts, group, slot = _expert_groups(experts, w.num_experts, expert_offset)
+    slots = mosaic_gpu.slots_for(tokens)
+    if tokens == 1 and ids.shape[0] == top_k:  # the token's groups: its row in every group's first slot
+        rows = jnp.pad(jnp.broadcast_to(x[None], (top_k, 1, x.shape[-1])), ((0, 0), (0, slots - 1), (0, 0)))
+    else:
+        token = jnp.arange(experts.size) // top_k
+        rows = jnp.zeros((ids.shape[0], slots, x.shape[-1]), x.dtype).at[group, slot].set(x[token], mode="drop")
+
+    def products(rows, weight):
+        if isinstance(weight, tuple):
+            return mosaic_gpu.mxfp4_expert_products(rows, *weight, ids, counts, interpret=interpret)
+        return mosaic_gpu.expert_products(rows, weight, ids, counts, interpret=interpret)
+
+    h = products(rows, w.gate_up).astype(x.dtype)
+    if w.gate_up_bias is not None:
+        h = h + jnp.take(w.gate_up_bias, ids, axis=0)[:, None]
+    h = _activate(h, activation, w.interleaved)
+    y = products(h, w.down).astype(x.dtype)
+    if w.down_bias is not None:
+        y = y + jnp.take(w.down_bias, ids, axis=0)[:, None]
+    outside = group == ids.shape[0]
+    y = y.at[jnp.where(outside, 0, group), slot].get(mode="promise_in_bounds")  # [P, hidden]: each pair's row
+    combine = jnp.where(outside, 0, weights.reshape(-1))
+    y = jnp.where((combine != 0)[:, None], y * combine[:, None], 0)
+    return jnp.sum(y.reshape(tokens, top_k, -1), axis=1).astype(x.dtype)
+
+
 def touched_experts(experts: jax.Array, num_experts: int) -> jax.Array:
     """How many distinct experts ``experts [..., top_k]`` route to (what a step's expert weights cost)."""
     return jnp.sum(jnp.bincount(experts.reshape(-1), length=num_experts) > 0)
 
 
+def uses_mosaic_kernel(implementation: str, experts_shape: tuple[int, int], w: ExpertWeights, dtype, *,
+                       mosaic: bool) -> bool:
+    """Whether ``routed_experts`` runs the Mosaic GPU kernel: ``mosaic`` asked for (``OpsConfig.mosaic``)
+    on a GPU, ``implementation`` "auto" or "gemv" (the few pairs of a decode or verify step:
+    ``gemv_pair_limit``'s four an expert), and ``mosaic_kernel_fits``."""
+    tokens, top_k = experts_shape
+    return (mosaic and jax.default_backend() == "gpu" and implementation in ("auto", "gemv")
+            and tokens * top_k <= 4 * w.num_experts and mosaic_kernel_fits(tokens, w, dtype))
+
+
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, *,
-                   activation: str, implementation: str = "auto") -> jax.Array:
+                   activation: str, implementation: str = "auto", mosaic: bool = False) -> jax.Array:
     """``x [T, hidden]`` routed to ``experts [T, top_k]`` with ``weights [T, top_k]`` -> ``[T,
     hidden]``: ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``. ``implementation``: "gemv"
     (a matrix-vector product per (token, expert) pair reading only the routed experts' bytes),
     "ragged_dot" (grouped matmuls), "capacity" (batched GEMMs of ``T`` row slots an expert), or
-    "auto": "gemv" for MXFP4 experts up to ``gemv_pair_limit`` pairs, else "ragged_dot".
+    "auto": "gemv" for MXFP4 experts up to ``gemv_pair_limit`` pairs, else "ragged_dot". ``mosaic``
+    (``OpsConfig.mosaic``): on a GPU, "auto" and "gemv" steps the Mosaic GPU kernel takes run it
+    instead (``uses_mosaic_kernel``).
 
     Under ``sharding.kernel_mesh`` with the experts' leading axis split (logical axis ``experts``),
     each device runs its own experts and the shares are summed across the devices."""
     axes = ("experts", "embed", "mlp")
     across = sharding.kernel_mesh_axes(axes, (w.num_experts, 1, 1), 0)
-    run_experts = {"gemv": _gemv, "ragged_dot": _grouped, "capacity": _capacity}[
-        resolve_implementation(implementation, experts.size, w)]
+    if uses_mosaic_kernel(implementation, experts.shape, w, x.dtype, mosaic=mosaic):
+        run_experts = mosaic_routed_experts
+    else:
+        run_experts = {"gemv": _gemv, "ragged_dot": _grouped, "capacity": _capacity}[
+            resolve_implementation(implementation, experts.size, w)]
     if not across:
         return run_experts(x, experts, weights, w, activation)
 

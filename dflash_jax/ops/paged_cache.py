@@ -8,20 +8,91 @@ request: table entries a row has no page for point at it, and the writes a row m
 row's block, positions past its pages) land in it. Its contents are garbage that no read uses: a row
 attends only to positions below its length, all of which are in its own pages.
 
-The XLA reference path reads a row's pages as a contiguous view (``gather_view``: the first ``n_pages``
-entries of each row's table, ``[batch, n_pages * page_size, kv_heads, head_dim]`` per layer), runs the
-contiguous step on it, and scatters the positions the step wrote back into the pools
-(``scatter_positions``). Shapes are static throughout: a view's length is a static page count.
+A decode step reads and writes the pools in place: each layer's cache arrays are ``PagedKV`` values (a
+pool, the page tables, the rows that may write, the static number of pages a step reads), which the
+models pass where they pass a contiguous cache array. ``ops.attention`` reads through the table (the
+Mosaic GPU block attention loads the pages the table names; every other path gathers the row's pages
+of that one layer inside the op, ``PagedKV.gather``), and a block's K/V are scattered into the row's
+pages (``scatter_positions``). A prefill over a cached prefix still runs on a contiguous view of the
+prefix's pages (``gather_view``): its suffix block is written into the view and scattered when the rows
+are admitted. Shapes are static throughout: a view's length is a static page count.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.ops.cache import KVCache, read_rows
+from dflash_jax.ops.cache import KVCache
 
 NULL_PAGE = 0  # the page that takes every write a row must not make; never allocated to a request
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKV:
+    """One layer's K or V cache of a paged state, standing where a contiguous cache array ``[batch,
+    n_pages * page_size, kv_heads, head_dim]`` stands (``shape``, ``dtype``): row ``b``'s position ``p``
+    is at ``pool[page_table[b, p // page_size], p % page_size]``. A step reads each row's first
+    ``n_pages`` table entries (a static count covering every live row's positions); writes of rows
+    where ``writable`` is False (done rows) land in ``NULL_PAGE``."""
+
+    pool: jax.Array        # [pages, page_size, kv_heads, head_dim]
+    page_table: jax.Array  # [batch, max_pages] int32
+    writable: jax.Array    # [batch] bool
+    n_pages: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The contiguous cache this stands for: ``[batch, n_pages * page_size, kv_heads, head_dim]``."""
+        return (self.page_table.shape[0], self.n_pages * self.page_size) + tuple(self.pool.shape[2:])
+
+    @property
+    def dtype(self):
+        return self.pool.dtype
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    def gather(self) -> jax.Array:
+        """The contiguous cache itself, ``[batch, n_pages * page_size, kv_heads, head_dim]``: each row's
+        first ``n_pages`` pages (a copy; the XLA reference of reading through the table)."""
+        return gather_pages(self.pool, self.page_table, self.n_pages)
+
+    def write_rows(self, update: jax.Array, starts: jax.Array) -> "PagedKV":
+        """``ops.cache.write_rows`` through the table: ``update [batch, n, kv_heads, head_dim]`` at each
+        writable row's positions ``starts [batch] + j``."""
+        keep = jnp.broadcast_to(self.writable[:, None], update.shape[:2])
+        return dataclasses.replace(self, pool=scatter_positions(self.pool, self.page_table, update, starts, keep))
+
+
+def paged_layers(pools: KVCache, page_table: jax.Array, writable: jax.Array, n_pages: int) -> KVCache:
+    """The pools as a cache of ``PagedKV`` layers (what a decode step's models take), each reading the
+    rows' first ``n_pages`` pages."""
+    if not isinstance(n_pages, int) or not 0 < n_pages <= page_table.shape[-1]:
+        raise ValueError(f"n_pages must be a static page count in 1..{page_table.shape[-1]} (the page table's "
+                         f"width), got {n_pages!r}")
+    return KVCache(tuple(PagedKV(x, page_table, writable, n_pages) for x in pools.k),
+                   tuple(PagedKV(x, page_table, writable, n_pages) for x in pools.v))
+
+
+def layer_pools(cache: KVCache) -> KVCache:
+    """``paged_layers``' inverse: the pools of a cache of ``PagedKV`` layers."""
+    return KVCache(tuple(x.pool for x in cache.k), tuple(x.pool for x in cache.v))
+
+
+def gather_pages(pool: jax.Array, page_table: jax.Array, n_pages: int) -> jax.Array:
+    """Each row's first ``n_pages`` pages of ``pool [pages, page_size, kv_heads, head_dim]`` through
+    ``page_table [batch, >= n_pages]`` -> ``[batch, n_pages * page_size, kv_heads, head_dim]``."""
+    pages = pool[page_table[:, :n_pages]]  # [batch, n_pages, page_size, kv_heads, head_dim]
+    return pages.reshape((page_table.shape[0], n_pages * pool.shape[1]) + pool.shape[2:])
 
 
 def page_pools(layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
@@ -33,13 +104,8 @@ def page_pools(layers: int, pages: int, page_size: int, kv_heads: int, head_dim:
 def gather_view(pools: KVCache, page_table: jax.Array, n_pages: int) -> KVCache:
     """Each row's first ``n_pages`` pages as a contiguous cache ``[batch, n_pages * page_size, kv_heads,
     head_dim]`` per layer; ``page_table [batch, >= n_pages]``."""
-    table = page_table[:, :n_pages]
-
-    def one(pool: jax.Array) -> jax.Array:
-        pages = pool[table]  # [batch, n_pages, page_size, kv_heads, head_dim]
-        return pages.reshape((table.shape[0], n_pages * pool.shape[1]) + pool.shape[2:])
-
-    return KVCache(tuple(one(x) for x in pools.k), tuple(one(x) for x in pools.v))
+    return KVCache(tuple(gather_pages(x, page_table, n_pages) for x in pools.k),
+                   tuple(gather_pages(x, page_table, n_pages) for x in pools.v))
 
 
 def page_slots(page_table: jax.Array, positions: jax.Array, keep: jax.Array, page_size: int
@@ -61,14 +127,3 @@ def scatter_positions(pool: jax.Array, page_table: jax.Array, values: jax.Array,
     positions = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
     page, offset = page_slots(page_table, positions, keep, pool.shape[1])
     return pool.at[page, offset].set(values.astype(pool.dtype))
-
-
-def scatter_block(pools: KVCache, page_table: jax.Array, view: KVCache, starts: jax.Array, n: int,
-                  keep: jax.Array) -> KVCache:
-    """Copies positions ``[starts, starts + n)`` of a contiguous ``view`` (which a step wrote its block
-    into) into the pools, per row, where ``keep [batch, n]``."""
-    def one(pool, v):
-        return scatter_positions(pool, page_table, read_rows(v, starts, n), starts, keep)
-
-    return KVCache(tuple(one(p, v) for p, v in zip(pools.k, view.k)),
-                   tuple(one(p, v) for p, v in zip(pools.v, view.v)))

@@ -552,37 +552,76 @@ def speculative_step(
 
 def target_only_step(
     target: Target, state: DecodeState, *, ops: OpsConfig = XLA, window: int | None = None,
-    flags: SamplingFlags = GREEDY_FLAGS, candidates: int = 0, drafter: Drafter | None = None,
+    flags: SamplingFlags = GREEDY_FLAGS, candidates: int = 0,
 ) -> DecodeState:
     """Plain decoding of one token per row through the same caches (the speedup baseline).
 
     ``window`` as in ``speculative_step`` (with a block of one); sampled rows as ``flags`` say.
-    ``drafter``: a speculative engine's step that does not speculate (adaptive speculation,
-    ``runtime.speculation``): the drafter's context still gets the anchor's taps, so that later
-    speculative steps see every committed position, and the step records its one token in
-    ``accepted``, beside the speculative steps' lengths.
+    Target-only rows report no acceptance lengths (``batcher``): the step leaves them unwritten.
     """
+    new_state, _ = _one_token(target, state, (), ops=ops, window=window, flags=flags, candidates=candidates)
+    return dataclasses.replace(new_state, accepted=state.accepted)
+
+
+def deferred_target_step(
+    target: Target, drafter: Drafter, state: DecodeState, taps: jax.Array, slot: jax.Array, *,
+    ops: OpsConfig = XLA, window: int | None = None, flags: SamplingFlags = GREEDY_FLAGS, candidates: int = 0,
+) -> tuple[DecodeState, jax.Array]:
+    """A speculative engine's step that does not speculate (adaptive speculation, ``runtime.speculation``):
+    one token per row as ``target_only_step``, recorded in ``accepted`` beside the speculative steps'
+    lengths. The anchor's taps go to ``slot`` (a scalar) of ``taps [batch, S, n_taps * hidden]``, not
+    into the drafter's context: ``extend_context`` projects a call's slots at once after its last step.
+    Projecting each step's token reads the drafter's ``fc`` and context projections every step (252 MB
+    at Qwen3-8B shapes; such a step cost 1.044 target-only steps on the H200). -> ``(state, taps)``; the
+    drafter's context cache is left as it was."""
+    new_state, tapped = _one_token(target, state, drafter.config.target_layer_ids, ops=ops, window=window,
+                                   flags=flags, candidates=candidates)
+    return new_state, jax.lax.dynamic_update_slice_in_dim(taps, tapped.astype(taps.dtype), slot, axis=1)
+
+
+def _one_token(target: Target, state: DecodeState, tap_layers: tuple[int, ...], *, ops: OpsConfig,
+               window: int | None, flags: SamplingFlags, candidates: int) -> tuple[DecodeState, jax.Array | None]:
+    """The target's pass over each row's anchor and the token it commits -> ``(state, taps [batch, 1, ...]
+    or None)``, the target cache updated, the drafter's untouched."""
     starts = state.starts
     anchor = jnp.take_along_axis(state.tokens, starts[:, None], axis=1)
-    taps_kwargs = {} if drafter is None else {"tap_layers": drafter.config.target_layer_ids}
-    hidden, taps, target_cache = _target_block(target, anchor, starts, state.target_cache, window,
-                                               ops=ops, **taps_kwargs)
+    hidden, taps, target_cache = _target_block(target, anchor, starts, state.target_cache, window, ops=ops,
+                                               **({"tap_layers": tap_layers} if tap_layers else {}))
     logits = target.head(hidden)
     if flags.greedy:
         posterior = greedy_argmax(logits)
     else:
         posterior = _draw(logits, state.sampling, state.stop_ids, anchor, starts[:, None] + 1, flags=flags,
                           candidates=candidates)
-    acc = jnp.zeros_like(starts)
-    new_state, produced = commit(state, anchor, posterior, acc)
+    new_state, produced = commit(state, anchor, posterior, jnp.zeros_like(starts))
     if not flags.greedy:
         new_state = _record_commit(new_state, state, logits, posterior, produced, flags)
-    if drafter is not None:
-        k, v = drafter.context_kv(taps, starts[:, None])
-        draft_cache = write_all_layers(state.draft_cache, k, v, starts)
-        return dataclasses.replace(new_state, target_cache=target_cache, draft_cache=draft_cache)
-    # Target-only rows report no acceptance lengths (``batcher``): the step leaves them unwritten.
-    return dataclasses.replace(new_state, accepted=state.accepted, target_cache=target_cache)
+    return dataclasses.replace(new_state, target_cache=target_cache), taps
+
+
+def deferred_context(drafter: Drafter, taps: jax.Array, starts: jax.Array, count: jax.Array
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The drafter's context K/V of the positions ``deferred_target_step`` kept the taps of: slot j of
+    ``taps [batch, S, n_taps * hidden]`` is position ``starts [batch] + j``, a committed one for
+    ``j < count [batch]``. -> ``(k, v [layers, batch, S, kv_heads, head_dim], keep [batch, S])``."""
+    slots = jnp.arange(taps.shape[1], dtype=jnp.int32)[None, :]
+    k, v = drafter.context_kv(taps, starts[:, None] + slots)
+    return k, v, slots < count[:, None]
+
+
+def extend_context(drafter: Drafter, cache: KVCache, taps: jax.Array, starts: jax.Array, count: jax.Array
+                   ) -> KVCache:
+    """``cache`` (per-row, the drafter's context) with the ``deferred_context`` of ``taps`` written at
+    ``starts + j`` for ``j < count``; the other slots write nothing (they may lie past the capacity)."""
+    k, v, keep = deferred_context(drafter, taps, starts, count)
+    rows = jnp.arange(starts.shape[0])[:, None]
+    positions = jnp.where(keep, starts[:, None] + jnp.arange(taps.shape[1], dtype=jnp.int32)[None, :],
+                          cache.capacity)  # out of range: dropped
+
+    def put(buffer: jax.Array, values: jax.Array) -> jax.Array:
+        return buffer.at[rows, positions].set(values.astype(buffer.dtype), mode="drop")
+
+    return KVCache(tuple(put(b, x) for b, x in zip(cache.k, k)), tuple(put(b, x) for b, x in zip(cache.v, v)))
 
 
 # -- sampled rows (``dflash_jax.runtime.sampling``) ------------------------------------------------

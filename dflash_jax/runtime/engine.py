@@ -415,6 +415,9 @@ class Engine:
         self.windows = (window_buckets(self.capacity) if self.attention_impl == "xla" and not self.fixed_loop
                         else (self.capacity,))
         self._n_steps: dict[int, jax.Array] = {}
+        # The most steps of one target-only call of a speculative engine (a decode loop's dynamic step count):
+        # the slots of the buffer its steps' taps wait in for the drafter's context (``_decode_fn``).
+        self.deferred_steps = max(config.steps_per_sync, config.max_steps_per_sync or 0)
         # Distinct prompts the prefills ran and their tokens computed (cached prefixes excluded): rows
         # sharing a prompt (n > 1 choices) count it once.
         self.prefilled_prompts = self.prefilled_tokens = 0
@@ -629,46 +632,66 @@ class Engine:
                    flags: SamplingFlags = decoding.GREEDY_FLAGS, block: int | None = None):
         """``n_steps`` (a device scalar) steps that stop early once every row is done; or, with
         ``fixed_steps``, exactly that many (``n_steps`` None). ``flags``: what the rows' sampling uses.
-        ``block``: the steps' block size (None: the engine's; 1: target-only steps that keep the
-        drafter's context, ``decoding.target_only_step``)."""
+        ``block``: the steps' block size (None: the engine's; 1: target-only steps whose taps extend the
+        drafter's context after the last of them, ``decoding.deferred_target_step``)."""
         target, drafter = self._models(target_state, drafter_state)
         candidates = self.config.sampling_candidates
+        deferred = drafter is not None and block == 1
+        sampled = dict(ops=self.ops, flags=flags, candidates=candidates)
 
         def contiguous_step(s, window=window):
             if drafter is None:
-                s = decoding.target_only_step(target, s, ops=self.ops, window=window, flags=flags,
-                                              candidates=candidates)
-            elif block == 1:
-                s = decoding.target_only_step(target, s, ops=self.ops, window=window, flags=flags,
-                                              candidates=candidates, drafter=drafter)
+                s = decoding.target_only_step(target, s, window=window, **sampled)
             else:
-                s = decoding.speculative_step(target, drafter, s, block_size=block or self.block_size,
-                                              ops=self.ops, window=window, flags=flags, candidates=candidates,
-                                              context_window=self.config.drafter_context_window)
+                s = decoding.speculative_step(target, drafter, s, block_size=block or self.block_size, window=window,
+                                              context_window=self.config.drafter_context_window, **sampled)
             return self._constrain(s)
 
-        def step(s):
+        def deferred_step(s, taps, slot, window=window):
+            s, taps = decoding.deferred_target_step(target, drafter, s, taps, slot, window=window, **sampled)
+            return self._constrain(s), taps
+
+        def step(i, s, taps):
+            read_pages = -(-window // self.page_size) if s.page_table is not None else 0
+            if not deferred:
+                if s.page_table is None:
+                    return contiguous_step(s), taps
+                # The step reads the window's pages through the tables (its whole capacity: no window inside).
+                return paged.step(functools.partial(contiguous_step, window=None), s, read_pages=read_pages), taps
             if s.page_table is None:
-                return contiguous_step(s)
-            # The step runs on a view of the window's pages (its whole capacity: no window inside).
-            return paged.step(functools.partial(contiguous_step, window=None), s,
-                              view_pages=-(-window // self.page_size), block=block or self.block_size)
+                return deferred_step(s, taps, i)
+            return paged.step(functools.partial(deferred_step, taps=taps, slot=i, window=None), s,
+                              read_pages=read_pages)
 
         def cond(carry):
-            i, s = carry
+            i, s, _ = carry
             # A row whose next block would not fit the window ends the call early (the host then
             # picks a larger window); the host's choice makes this a safety net, not the rule.
             fits = jnp.all(s.done | (s.starts + self.block_size <= window))
             return (i < n_steps) & ~jnp.all(s.done) & fits
 
         def body(carry):
-            i, s = carry
-            return i + 1, step(s)
+            i, s, taps = carry
+            return (i + 1,) + step(i, s, taps)
 
+        starts = state.starts
+        taps = None
+        if deferred:  # slot i: step i's anchor taps (a live row advances one position per target-only step)
+            slots = fixed_steps if fixed_steps is not None else self.deferred_steps
+            taps = jnp.zeros((state.starts.shape[0], slots, len(drafter.config.target_layer_ids)
+                              * target.config.hidden_size), target.embed_tokens.dtype)
         if fixed_steps is None:
-            _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+            _, state, taps = jax.lax.while_loop(cond, body, (jnp.int32(0), state, taps))
         else:  # a static trip count: steps on done rows change nothing the host reads
-            state = jax.lax.fori_loop(0, fixed_steps, lambda i, s: step(s), state)
+            state, taps = jax.lax.fori_loop(0, fixed_steps, lambda i, c: step(i, *c), (state, taps))
+        if deferred:
+            count = state.starts - starts
+            if state.page_table is None:
+                state = dataclasses.replace(state, draft_cache=decoding.extend_context(
+                    drafter, state.draft_cache, taps, starts, count))
+            else:
+                state = paged.extend_context(drafter, state, taps, starts, count)
+            state = self._constrain(state)
         # Copies the host can read while the donated state is already in the next call.
         snapshot = RowSnapshot(tokens=state.tokens + 0, starts=state.starts + 0, done=state.done | False,
                                num_steps=state.num_steps + 0, accepted=state.accepted + 0)
@@ -718,6 +741,11 @@ class Engine:
         donated to the next call.
         """
         n = self.config.steps_per_sync if n_steps is None else int(n_steps)
+        if block == 1 and self.speculative and not self.fixed_loop and n > self.deferred_steps:
+            # A target-only call keeps each step's taps for the drafter's context in a buffer of
+            # ``deferred_steps`` slots: a longer call runs as several.
+            state, _ = self.decode(state, n - self.deferred_steps, window=window, sampling=sampling, block=block)
+            n = self.deferred_steps
         count, fixed = self._step_count(n)
         return self._decode(self._target_state, self._drafter_state, state, count,
                             window=self._window(window), fixed_steps=fixed, flags=sampling,

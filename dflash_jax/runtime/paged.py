@@ -13,16 +13,18 @@ page pools shared by all rows (``dflash_jax.ops.paged_cache``), with a page tabl
 - ``set_page_rows``: new page tables for running rows (pages a row got as it advanced).
 - ``resize``: the rows (with their page tables) into a state of another row count; the pools move as
   they are.
-- ``step``: a decode step of the unchanged contiguous code on a view of each row's first pages, after
-  which the block it wrote (the target's verify block and the drafter's context) is scattered into the
-  pages; done rows write into the null page. This is the XLA reference path: the view is a copy of
-  the live pages per step, which a kernel reading the page tables avoids.
+- ``step``: a decode step of the unchanged contiguous code, its caches the pools as ``PagedKV`` layers:
+  each attention reads the rows' pages through their tables (the Mosaic GPU block attention loads the
+  pages the table names; the XLA reference and the other kernels gather the rows' pages of that one
+  layer inside the op), and the block's K/V (the target's verify block, the drafter's context) are
+  scattered into the rows' pages; done rows write into the null page. No step copies the state's
+  caches as a whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +33,7 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.ops.cache import KVCache, read_rows
 from dflash_jax.ops.config import XLA, OpsConfig
-from dflash_jax.ops.paged_cache import gather_view, page_pools, scatter_block, scatter_positions
+from dflash_jax.ops.paged_cache import gather_view, layer_pools, page_pools, paged_layers, scatter_positions
 from dflash_jax.runtime import decoding
 from dflash_jax.runtime.decoding import GREEDY_FLAGS, DecodeState
 from dflash_jax.runtime.sampling import SamplingFlags
@@ -192,23 +194,33 @@ def resize(empty: DecodeState, state: DecodeState, slots: jax.Array) -> DecodeSt
     return dataclasses.replace(moved, target_cache=state.target_cache, draft_cache=state.draft_cache)
 
 
-def step(contiguous_step: Callable[[DecodeState], DecodeState], state: DecodeState, *, view_pages: int,
-         block: int) -> DecodeState:
-    """``contiguous_step`` (a decode step of per-row caches, at most ``block`` positions written per
-    row from its start) on a view of each row's first ``view_pages`` pages; the positions it wrote are
-    scattered into the pages of the rows that were not done."""
-    table = state.page_table
+def step(contiguous_step: Callable[[DecodeState], DecodeState | tuple[DecodeState, Any]], state: DecodeState, *,
+         read_pages: int) -> DecodeState | tuple[DecodeState, Any]:
+    """``contiguous_step`` (a decode step's code, written for per-row caches) on the pools themselves:
+    every layer's cache is a ``PagedKV`` of its pool, the page tables and the rows' first ``read_pages``
+    pages (covering every live row's positions and its block), so the attention reads through the
+    tables and the block's K/V are scattered into the rows' pages; rows that were done write into the
+    null page. A step returning ``(state, extra)`` returns ``(paged state, extra)``."""
+    table, writable = state.page_table, ~state.done
 
-    def view(pools: KVCache | None) -> KVCache | None:
-        return None if pools is None else gather_view(pools, table, view_pages)
+    def paged(pools: KVCache | None) -> KVCache | None:
+        return None if pools is None else paged_layers(pools, table, writable, read_pages)
 
-    contiguous = dataclasses.replace(state, target_cache=view(state.target_cache),
-                                     draft_cache=view(state.draft_cache), page_table=None)
-    new = contiguous_step(contiguous)
-    keep = jnp.broadcast_to(~state.done[:, None], (table.shape[0], block))
+    out = contiguous_step(dataclasses.replace(state, target_cache=paged(state.target_cache),
+                                              draft_cache=paged(state.draft_cache), page_table=None))
+    new, extra = out if isinstance(out, tuple) else (out, None)
+    new = dataclasses.replace(new, target_cache=layer_pools(new.target_cache),
+                              draft_cache=None if new.draft_cache is None else layer_pools(new.draft_cache),
+                              page_table=table)
+    return (new, extra) if isinstance(out, tuple) else new
 
-    def write(pools: KVCache | None, written: KVCache | None) -> KVCache | None:
-        return None if pools is None else scatter_block(pools, table, written, state.starts, block, keep)
 
-    return dataclasses.replace(new, target_cache=write(state.target_cache, new.target_cache),
-                               draft_cache=write(state.draft_cache, new.draft_cache), page_table=table)
+def extend_context(drafter: Drafter, state: DecodeState, taps: jax.Array, starts: jax.Array, count: jax.Array
+                   ) -> DecodeState:
+    """``decoding.extend_context`` into the drafter's context pool: the deferred positions ``starts + j``
+    (``j < count``) through each row's page table."""
+    k, v, keep = decoding.deferred_context(drafter, taps, starts, count)
+    pools, table = state.draft_cache, state.page_table
+    return dataclasses.replace(state, draft_cache=KVCache(
+        tuple(scatter_positions(p, table, x, starts, keep) for p, x in zip(pools.k, k)),
+        tuple(scatter_positions(p, table, x, starts, keep) for p, x in zip(pools.v, v))))

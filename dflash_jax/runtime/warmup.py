@@ -8,10 +8,17 @@ admission of each prefill into each running state it can join, the prefills of o
 choices (a shared prefill: the prompt runs once on one row, copied to each choice's row), the states
 resized into each other, a row of each released (a cancelled request's).
 
+Sampled batches decode with programs of their own, one per combination of ``SamplingFlags`` (what
+the batch's rows use: sampling, each filter, penalties, rejection, logprobs); prefills have none (each
+compiles every processor in). The plan adds, for each combination it is given, a decode per state and
+window; ``sampling_flags`` turns a server's ``server.warmup_sampling`` entries (``"sample"``,
+``"sample+top_p+logprobs"``, ...) into those combinations.
+
 ``warmup_plan`` lists them in the order a server meets them (a lone request's shapes first, then a
 batch's); ``first_request_shapes`` picks those of a lone request with a short prompt, which a server
-compiles before it binds while the rest compile on a ``BackgroundWarmup`` thread as it serves.
-``Engine.warmup`` compiles the whole plan before it returns (decode first, prefills on several threads).
+compiles before it binds while the rest (``staged_plan``: sampled decoding among them) compile on a
+``BackgroundWarmup`` thread as it serves. ``Engine.warmup`` compiles the whole plan before it returns
+(decode first, prefills on several threads).
 
 Nothing here runs a model over a token: the prefills are compiled only (``Engine.prefill_compiled``;
 a paged engine's with the admission into the state whose pools they read, ``Engine.prefill_paged_compiled``),
@@ -31,9 +38,75 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from dflash_jax.runtime.sampling import SamplingFlags, SamplingParams
+
 log = logging.getLogger("dflash_jax.runtime.warmup")
 
 PHASES = ("decode", "prefill", "admit", "pages", "resize", "release")
+
+# The features of a ``server.warmup_sampling`` entry, each as the parameters of a request using it
+# (``top_k=N`` besides: the candidates of a top-k of N, one program per power of two). An entry's
+# features together are a batch whose rows use them: ``SamplingFlags.of`` of the stand-in request.
+SAMPLING_FEATURES: dict[str, dict[str, Any]] = {
+    "sample": {"temperature": 1.0},              # temperature > 0 (any value: one program)
+    "top_p": {"top_p": 0.9},
+    "min_p": {"min_p": 0.05},
+    "penalties": {"presence_penalty": 0.5},      # also frequency/repetition penalties, logit_bias, min_tokens
+    "rejection": {"verify": "rejection"},        # verify="rejection"
+    "logprobs": {"logprobs": 0},                 # the chosen tokens' logprobs only
+    "top_logprobs": {"logprobs": 1},             # and the top ones (up to the engine's max_logprobs)
+}
+# Filters and verification act on sampled rows only: an entry naming them without "sample" would be greedy.
+SAMPLED_ONLY = ("top_p", "top_k", "min_p", "rejection")
+
+
+def sampling_kind(entry: str) -> SamplingParams:
+    """A request of the kind a ``server.warmup_sampling`` entry names: features of ``SAMPLING_FEATURES``
+    or ``top_k=N`` joined by ``+`` (``"sample+top_p+logprobs"``). Raises ValueError naming the entry."""
+    if not isinstance(entry, str) or not entry.strip():
+        raise ValueError(f"warmup_sampling entry {entry!r}: expected features joined by '+', "
+                         f"e.g. 'sample+top_p'; known: {sorted(SAMPLING_FEATURES)} and top_k=N")
+    fields: dict[str, Any] = {}
+    names = []
+    for feature in (part.strip() for part in entry.split("+")):
+        name, _, value = feature.partition("=")
+        names.append(name)
+        if name == "top_k":
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"warmup_sampling entry {entry!r}: top_k needs its value, e.g. top_k=40 "
+                                 f"(each power of two above it is a program of its own), got {feature!r}")
+            fields["top_k"] = int(value)
+        elif name in SAMPLING_FEATURES and not value:
+            fields.update(SAMPLING_FEATURES[name])
+        else:
+            raise ValueError(f"warmup_sampling entry {entry!r}: unknown feature {feature!r}; known: "
+                             f"{sorted(SAMPLING_FEATURES)} and top_k=N")
+    if "sample" not in names and (unsampled := [n for n in names if n in SAMPLED_ONLY]):
+        raise ValueError(f"warmup_sampling entry {entry!r}: {unsampled} act on sampled rows only; "
+                         f"add 'sample' (e.g. 'sample+{unsampled[0]}')")
+    return SamplingParams(**fields)
+
+
+def sampling_flags(entries: Sequence[str], max_logprobs: int) -> list[SamplingFlags]:
+    """The decode flags of batches of ``entries``' kinds (``sampling_kind``) on an engine of
+    ``max_logprobs``, each once, in order: what ``warmup_plan(sampling=...)`` compiles besides greedy."""
+    flags: list[SamplingFlags] = []
+    for entry in entries:
+        f = SamplingFlags.of([sampling_kind(entry)], max_logprobs)
+        if f not in flags:
+            flags.append(f)
+    return flags
+
+
+def describe_flags(flags: SamplingFlags) -> str:
+    """``flags`` in ``server.warmup_sampling``'s words (``"sample+top_p+logprobs"``; ``"greedy"``)."""
+    names = [name for name, on in (("sample", flags.sample), ("top_p", flags.top_p), ("min_p", flags.min_p),
+                                   ("penalties", flags.edits), ("rejection", flags.rejection)) if on]
+    if flags.top_k:
+        names.insert(1, f"top_k({flags.top_k_candidates} candidates)")
+    if flags.logprobs is not None:
+        names.append("logprobs" if flags.logprobs == 0 else "top_logprobs")
+    return "+".join(names) or "greedy"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +130,8 @@ class Shape:
     def __str__(self) -> str:
         rows = f"{self.rows} row{'s' if self.rows > 1 else ''}"
         if self.phase == "decode":
-            kind = ("" if self.sampling is None else ", sampled") + ("" if self.block is None else f", block {self.block}")
+            kind = ("" if self.sampling is None else f", {describe_flags(self.sampling)}") + (
+                "" if self.block is None else f", block {self.block}")
             return f"decode{kind}, {rows}, attention window {self.size}"
         shared = f" sharing {self.distinct} prompt{'s' if self.distinct > 1 else ''}" if self.distinct else ""
         if self.phase == "prefill":
@@ -121,11 +195,13 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: S
     return plan + [Shape("release", state) for state in states]
 
 
-def first_request_shapes(engine, plan: Sequence[Shape], prompt_tokens: int, max_new_tokens: int) -> list[Shape]:
+def first_request_shapes(engine, plan: Sequence[Shape], prompt_tokens: int, max_new_tokens: int, *,
+                         sampling: SamplingFlags | None = None) -> list[Shape]:
     """The shapes in ``plan`` that a lone request with at most ``prompt_tokens`` prompt tokens and
     ``max_new_tokens`` new tokens runs: its prefill and admission by prompt bucket, and decode on one
     row at the windows the host picks for it (``ContinuousBatcher``: a call's window covers its row's
-    start plus a block per step, up to the last block the request can write)."""
+    start plus a block per step, up to the last block the request can write), with the decode flags
+    ``sampling`` (None: a greedy request)."""
     prompt_tokens = max(1, min(prompt_tokens, engine.config.max_prompt_length))
     buckets = {bucket for bucket, shortest in engine.prompt_buckets() if shortest <= prompt_tokens}
     block, steps = engine.block_size, engine.config.steps_per_sync
@@ -137,8 +213,31 @@ def first_request_shapes(engine, plan: Sequence[Shape], prompt_tokens: int, max_
     largest = window(end - 2 + block)
     return [s for s in plan if (s.phase in ("prefill", "admit") and s.rows == 1 and s.size in buckets
                                 and s.into in (0, 1))
-            or (s.phase == "decode" and s.rows == 1 and smallest <= s.size <= largest)
+            or (s.phase == "decode" and s.rows == 1 and smallest <= s.size <= largest and s.sampling == sampling)
             or (s.phase == "pages" and s.rows == 1)]
+
+
+def staged_plan(engine, plan: Sequence[Shape], prompt_tokens: int, max_new_tokens: int,
+                ) -> tuple[list[Shape], list[Shape]]:
+    """``plan`` in the two parts of a server's staged start: the shapes of a lone greedy request with
+    up to ``prompt_tokens`` prompt tokens and ``max_new_tokens`` new tokens (``first_request_shapes``),
+    compiled before it binds; and the rest, for a ``BackgroundWarmup`` while it serves, what a lone
+    request meets next first: longer prompts, the same request sampled (each of the plan's sampled
+    decode flags, in order), longer answers; then the rest in plan order (batches' shapes)."""
+    first = first_request_shapes(engine, plan, prompt_tokens, max_new_tokens)
+    flags = list(dict.fromkeys(s.sampling for s in plan if s.phase == "decode" and s.sampling is not None))
+    sampled = [s for f in flags for s in first_request_shapes(engine, plan, prompt_tokens, max_new_tokens, sampling=f)
+               if s.phase == "decode"]
+    longest = max((s.size for s in first if s.phase == "decode"), default=0)
+
+    def order(shape: Shape) -> tuple[int, int]:
+        if shape.rows == 1 and shape.phase in ("prefill", "admit") and shape.into < 2:
+            return 0, 0
+        if shape in sampled:  # each flags' windows together: a request meets all of them
+            return 1, flags.index(shape.sampling)
+        return (2 if shape.phase == "decode" and shape.rows == 1 and shape.size > longest else 3), 0
+
+    return first, sorted((s for s in plan if s not in first), key=order)  # a stable sort: plan order within
 
 
 def _stand_in(compiled: jax.stages.Compiled, on_mesh: bool) -> Any:
@@ -289,4 +388,5 @@ class BackgroundWarmup:
                           time.perf_counter() - t0)
 
 
-__all__ = ["BackgroundWarmup", "Shape", "first_request_shapes", "run_warmup", "warmup_plan"]
+__all__ = ["BackgroundWarmup", "SAMPLING_FEATURES", "Shape", "describe_flags", "first_request_shapes", "run_warmup",
+           "sampling_flags", "sampling_kind", "staged_plan", "warmup_plan"]

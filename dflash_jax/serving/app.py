@@ -331,6 +331,9 @@ def _choice_sampling(ctx: ServerContext, params: P.CommonParams) -> list:
     if sampling.logprobs is not None and sampling.logprobs > most:
         raise P.invalid(f"this server returns at most {most} top logprobs per token, not {sampling.logprobs}",
                         param="top_logprobs" if sampling.logprobs > P.MAX_COMPLETION_LOGPROBS else "logprobs")
+    if sampling.verify == "rejection" and getattr(ctx.scheduler.engine.drafter, "selects_drafts", False):
+        raise P.invalid("'verify': 'rejection' needs drafts drawn from the drafter's distribution; this server's "
+                        "DFlash2 drafter selects a path instead (use 'exact')", param="verify")
     return [dataclasses.replace(sampling, seed=P.choice_seed(sampling.seed, j)) for j in range(params.n)]
 
 

@@ -820,18 +820,18 @@ def warm_up(cfg, engine):
     """Compiles what ``server.warmup`` asks before the server binds, logging each shape; returns the ``BackgroundWarmup`` of the shapes left
     for after binding, or None."""
     from dflash_jax.runtime.compile_cache import cache_counts
-    from dflash_jax.runtime.warmup import BackgroundWarmup, first_request_shapes, run_warmup, warmup_plan
+    from dflash_jax.runtime.warmup import BackgroundWarmup, run_warmup, sampling_flags, staged_plan, warmup_plan
 
     s = cfg.server
     if not s.warmup:
         log.info("server.warmup is false: each shape compiles when a request first meets it")
         return None
-    plan = warmup_plan(engine)
-    first = first_request_shapes(engine, plan, FIRST_PROMPT_TOKENS, s.default_max_tokens) if s.warmup_background \
-        else plan
+    plan = warmup_plan(engine, sampling=sampling_flags(s.warmup_sampling, engine.config.max_logprobs))
+    first, rest = staged_plan(engine, plan, FIRST_PROMPT_TOKENS, s.default_max_tokens) if s.warmup_background \
+        else (plan, [])
     before, t0 = cache_counts(), time.perf_counter()
     log.info("warm-up: compiling the %d shapes of %s before serving (%d in all)", len(first),
-             f"a lone request with up to {FIRST_PROMPT_TOKENS} prompt tokens" if s.warmup_background
+             f"a lone greedy request with up to {FIRST_PROMPT_TOKENS} prompt tokens" if s.warmup_background
              else "every request", len(plan))
 
     def progress(i: int, shape) -> None:
@@ -847,11 +847,6 @@ def warm_up(cfg, engine):
     if getattr(engine, "adaptive", False):  # before serving: the first request would wait for it
         log.info("adaptive speculation: timing a decode step of each block size %s", engine.speculation_blocks)
         engine.calibrate_speculation()
-    rest = [shape for shape in plan if shape not in first]
-    # What a lone request meets next first: longer prompts, then longer answers; then the rest in plan order.
-    longest = max((shape.size for shape in first if shape.phase == "decode"), default=0)
-    rest.sort(key=lambda shape: 0 if shape.rows == 1 and shape.phase in ("prefill", "admit") and shape.into < 2
-              else 1 if shape.phase == "decode" and shape.rows == 1 and shape.size > longest else 2)
     return BackgroundWarmup(engine, rest, log) if rest else None
 
 

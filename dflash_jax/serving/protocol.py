@@ -17,7 +17,7 @@ import uuid
 from typing import Any
 
 from dflash_jax.io.jsonl import has_lone_surrogate
-from dflash_jax.runtime.sampling import MAX_SEED, SamplingParams
+from dflash_jax.runtime.sampling import MAX_SEED, VERIFY_MODES, SamplingParams
 from dflash_jax.serving.text_stream import parse_stop_strings
 
 # ----------------------------------------------------------------------------------------- errors
@@ -221,7 +221,7 @@ _COMMON_FIELDS = frozenset(
     {
         "model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "top_k", "n", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "seed", "user", "ignore_eos",
-        "return_token_ids", "stop_token_ids", "min_p", "min_tokens",
+        "return_token_ids", "stop_token_ids", "min_p", "min_tokens", "verify",
     }
 )
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
@@ -287,13 +287,17 @@ def _sampling(body: dict) -> SamplingParams:
     if min_tokens is not None and min_tokens < 0:
         raise invalid(f"'min_tokens' must be >= 0, got {echo(min_tokens)}", param="min_tokens")
     seed = _expect(body, "seed", _is_int, "an integer")
+    # An extension field (as vLLM's extra sampling fields): how a sampled row's drafts are verified.
+    verify = _expect(body, "verify", lambda v: isinstance(v, str), "a string")
+    if verify is not None and verify not in VERIFY_MODES:
+        raise invalid(f"'verify' must be one of {', '.join(VERIFY_MODES)}, got {echo(verify)}", param="verify")
     return SamplingParams(
         temperature=float(temperature or 0.0), top_p=float(1.0 if top_p is None else top_p),
         top_k=max(0, top_k or 0), min_p=float(min_p or 0.0), seed=None if seed is None else seed % MAX_SEED,
         presence_penalty=float(penalties.get("presence_penalty", 0.0)),
         frequency_penalty=float(penalties.get("frequency_penalty", 0.0)),
         repetition_penalty=float(penalties.get("repetition_penalty", 1.0)), logit_bias=bias or None,
-        min_tokens=min_tokens or 0,
+        min_tokens=min_tokens or 0, verify=verify or "exact",
     )
 
 

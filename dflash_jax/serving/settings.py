@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from dflash_jax.io.config import ConfigError, config_from_dict, config_to_dict, load_config
 from dflash_jax.runtime.engine import EngineConfig
+from dflash_jax.runtime.warmup import sampling_kind
 from dflash_jax.serving.text_stream import parse_stop_strings
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -78,6 +79,12 @@ class ServerSettings:
     # server is up in seconds to a minute (a request meeting a shape first compiles it itself). False:
     # every shape before binding (minutes for an 8B model or on a CPU; no request ever waits for XLA).
     warmup_background: bool = True
+    # The sampled decoding to compile too (greedy decoding always is), after binding with
+    # warmup_background: each entry one more decode program per running state and attention window, for
+    # batches whose rows together use its features, joined by '+': sample, top_p, top_k=N, min_p,
+    # penalties, rejection, logprobs, top_logprobs (``runtime.warmup.sampling_kind``; "sample" also covers
+    # a batch of greedy and sampled rows). A combination not listed compiles when a batch first uses it.
+    warmup_sampling: tuple[str, ...] = ("sample",)
     # Python's GIL switch interval while serving (its default is 5 ms): after each device wait the
     # scheduler thread waits up to this long for the GIL while the event loop streams; on the H200 a
     # small model served 1-26% more tokens/s at 0.2 ms than at 5, by load (docs/performance.md).
@@ -104,6 +111,8 @@ class ServerSettings:
         if self.graceful_shutdown_timeout_s is not None and not self.graceful_shutdown_timeout_s >= 0:
             raise ValueError("graceful_shutdown_timeout_s must be >= 0 or null, got "
                              f"{self.graceful_shutdown_timeout_s}")
+        for entry in self.warmup_sampling:
+            sampling_kind(entry)  # raises naming the entry
         if self.gil_switch_interval_ms <= 0:
             raise ValueError(f"gil_switch_interval_ms must be > 0, got {self.gil_switch_interval_ms}")
 

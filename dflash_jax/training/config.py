@@ -49,10 +49,15 @@ class ModelConfig:
     # attention (cuDNN's on GPUs, JAX's Pallas one on TPUs); "xla": both the reference; "auto": pallas
     # on GPUs and TPUs.
     attention_impl: Literal["xla", "pallas", "auto"] = "auto"
+    # The GPU kernels' Pallas lowering (OpsConfig.gpu_lowering): "triton", or "mosaic" (the drafter's
+    # block attention, forward and backward, by its Mosaic GPU kernels where they take the shapes).
+    gpu_lowering: Literal["triton", "mosaic"] = "triton"
 
     def validate(self) -> None:
         if not self.target:
             raise ValueError("model.target (the target's directory) is required")
+        if self.gpu_lowering not in ("triton", "mosaic"):
+            raise ValueError(f"model.gpu_lowering must be 'triton' or 'mosaic', got {self.gpu_lowering!r}")
         check_target_spec(self.target)
 
 

@@ -90,7 +90,8 @@ def step_spec(config: TrainConfig, dcfg: DrafterConfig) -> StepSpec:
         normalizer=config.loss.normalizer,
         selector_alpha=config.loss.selector_alpha,
         compute_dtype=_DTYPES[config.model.compute_dtype],
-        ops=OpsConfig(attention=resolve_attention_impl(config.model.attention_impl)),
+        ops=OpsConfig(attention=resolve_attention_impl(config.model.attention_impl),
+                      gpu_lowering=config.model.gpu_lowering),
         seed=config.seed,
     )
 
@@ -99,7 +100,8 @@ def step_spec(config: TrainConfig, dcfg: DrafterConfig) -> StepSpec:
 # compiles. Every other field defines the saved state (drafter shape, optimizer and its schedule,
 # data order and iterator state, loss) and must equal the run's config.yaml.
 RESUME_MAY_CHANGE = ("steps", "save_every", "keep", "log_every", "progress", "tensorboard", "compilation_cache_dir",
-                     "output_dir", "eval.", "mesh.", "model.attention_impl", "data.eval_prompts", "loss.loss_chunk")
+                     "output_dir", "eval.", "mesh.", "model.attention_impl", "model.gpu_lowering", "data.eval_prompts",
+                     "loss.loss_chunk")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:

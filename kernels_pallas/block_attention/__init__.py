@@ -14,8 +14,9 @@ into the query rows; float32 softmax; rows that see no key give zeros) with a Pa
 
 It is differentiable through ``jax.custom_vjp``: the forward kernel also returns the per-row
 log-sum-exp, and the backward recomputes the probabilities from it without ever materialising the
-dense ``[queries x keys]`` mask: on a GPU two Pallas kernels with the Triton lowering (``gpu_bwd.py``,
-FlashAttention-2 style; ``bwd="pallas"``), on TPU and in interpret mode a blockwise jnp
+dense ``[queries x keys]`` mask: on a GPU two Pallas kernels, FlashAttention-2 style (``bwd="pallas"``),
+with the Triton lowering (``gpu_bwd.py``) or with ``lowering="mosaic"`` the Mosaic GPU lowering
+(``mosaic_gpu_bwd.py``: TMA and ``wgmma``, where it takes the shapes), on TPU and in interpret mode a blockwise jnp
 recomputation (``reference_bwd.py``; ``bwd="xla"``).
 """
 
@@ -50,6 +51,10 @@ def block_attention_fwd(
     if lowering not in ("triton", "mosaic"):
         raise ValueError(f"lowering must be 'triton' or 'mosaic', got {lowering!r}")
     backend, interpret = _resolve(backend, interpret)
+    if lowering == "mosaic" and config is not None:
+        from kernels_pallas.block_attention.mosaic_gpu_bwd import MosaicBwdConfig
+
+        config = None if isinstance(config, MosaicBwdConfig) else config  # the backward's, not the forward's
     if backend == "gpu" and lowering == "mosaic":
         from kernels_pallas.block_attention import mosaic_gpu
 
@@ -90,10 +95,22 @@ def _attention_fwd(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal, sc
 
 def _attention_bwd(causal, scale, interpret, backend, config, bwd, lowering, res, dout):
     q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, out, lse = res
-    if bwd == "pallas":
+    mosaic_bwd = None
+    if bwd == "pallas" and lowering == "mosaic" and _resolve(backend, interpret)[0] == "gpu":
+        from kernels_pallas.block_attention import mosaic_gpu_bwd
+
+        if mosaic_gpu_bwd.runs_here(q.shape[-1], k_ctx.shape[1], k_ctx.dtype) and q.dtype == k_ctx.dtype:
+            mosaic_bwd = mosaic_gpu_bwd
+    if mosaic_bwd is not None:
+        _, interpret = _resolve("gpu", interpret)
+        grads = mosaic_bwd.backward(
+            q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, out, lse, dout, causal=causal, scale=scale,
+            interpret=interpret, config=config if isinstance(config, mosaic_bwd.MosaicBwdConfig) else None,
+        )
+    elif bwd == "pallas":
         from kernels_pallas.block_attention.gpu import GpuConfig
 
-        config = config if isinstance(config, GpuConfig) else None  # a MosaicConfig is the forward's
+        config = config if isinstance(config, GpuConfig) else None  # a Mosaic GPU config is not the Triton kernels'
         from kernels_pallas.block_attention.gpu_bwd import block_attention_bwd_pallas
 
         _, interpret = _resolve("gpu", interpret)
@@ -130,11 +147,13 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
       backend: "gpu" or "tpu" kernel; default from ``jax.default_backend()`` ("gpu" on CPU).
       config: a ``GpuConfig`` / ``TpuConfig`` / ``mosaic_gpu.MosaicConfig`` of tile sizes (None:
         defaults).
-      lowering: the GPU forward's Pallas lowering: "triton" (``gpu.py``) or "mosaic"
+      lowering: the GPU kernels' Pallas lowering: "triton" (``gpu.py``) or "mosaic"
         (``mosaic_gpu.py`` where it takes the shapes and the platform runs it, else ``gpu.py``).
-      bwd: the backward: "pallas" (two Pallas kernels with the Triton lowering; the default when
-        the GPU kernel runs compiled, i.e. on a GPU) or "xla" (blockwise jnp recomputation; the
-        default on TPU and in interpret mode). Either may be asked for explicitly.
+      bwd: the backward: "pallas" (two Pallas kernels in ``lowering``'s lowering: Triton's
+        ``gpu_bwd.py``, or Mosaic GPU's ``mosaic_gpu_bwd.py`` where it takes the shapes, whose
+        ``MosaicBwdConfig`` ``config`` may also be; the default when the GPU kernel runs compiled, i.e.
+        on a GPU) or "xla" (blockwise jnp recomputation; the default on TPU and in interpret mode).
+        Either may be asked for explicitly.
     """
     if bwd is None:
         resolved_backend, resolved_interpret = _resolve(backend, interpret)

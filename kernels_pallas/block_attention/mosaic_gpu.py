@@ -33,9 +33,15 @@ KV head, split over enough programs to fill the GPU:
   query dtype; with several, each program its normalised float32 output, running max and sum, and
   one fusion merges them (``_flash.merge_splits``), unfolds the rows and casts.
 
+**Paged contexts** (``paged_forward``): the context is a pool of pages ``[pages, page_size, kv_heads,
+head_dim]`` and a page table per row; the pipeline's index map looks each tile up in the table (a
+page of whole ``block_k`` tiles: ``page_size % block_k == 0``) and the TMA copies it from the pool
+page the table names. Nothing else changes: the grid, the splits and the block's own keys are those of
+a contiguous context of ``n_pages * page_size`` positions.
+
 16-bit floats only: ``wgmma`` takes float32 operands as TF32, which would not match the float32
-reference. Forward only: the backward is the Triton kernels' or XLA's (``block_attention``'s
-``bwd``). Mosaic GPU compiles for Hopper and later (sm_90a); on the CPU the kernel runs in Mosaic
+reference. The backward is ``mosaic_gpu_bwd.py`` (or the Triton kernels', or XLA's: ``block_attention``'s
+``bwd`` and ``lowering``). Mosaic GPU compiles for Hopper and later (sm_90a); on the CPU the kernel runs in Mosaic
 GPU's interpret mode (jax >= 0.11) and lowers for CUDA (``tests/kernels/test_mosaic_gpu.py``).
 """
 
@@ -51,7 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas._common import NEG, check_shapes, default_scale, round_up
+from kernels_pallas._common import NEG, check_shapes, default_scale, fold_q, round_up
 from kernels_pallas._flash import merge_splits
 from kernels_pallas._mosaic import interpret_params, mosaic_interpret_available
 from kernels_pallas.block_attention.gpu import GpuConfig, num_sms
@@ -121,9 +127,16 @@ def plan(rows: int, kv_heads: int, query_tiles: int, ctx: int, cfg: MosaicConfig
     return splits, stages
 
 
+def _paged_kernel(ctx_lens_gmem, blk_lens_gmem, table_gmem, *refs, page_tiles: int, **static):
+    """``_kernel`` over a paged context: ``table [B, n_pages]`` int32 names each row's pages of the pools
+    ``k, v [pages * page_size, Hkv, D]``, each page ``page_tiles`` key tiles."""
+    _kernel(ctx_lens_gmem, blk_lens_gmem, *refs, table_gmem=table_gmem, page_tiles=page_tiles, **static)
+
+
 def _kernel(ctx_lens_gmem, blk_lens_gmem, packed_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem,
             q_smem, p_smem, q_loaded, *, blocks: int, groups: int, q_rows: int, slots: int, out_rows: int,
-            block_k: int, stages: int, query_tiles: int, causal: bool, scale: float):
+            block_k: int, stages: int, query_tiles: int, causal: bool, scale: float, table_gmem=None,
+            page_tiles: int = 0):
     """One program: query tile ``qt`` of KV head ``h`` of block ``bn`` (row ``bn // blocks``), split
     ``j`` of its context.
 
@@ -198,15 +211,24 @@ def _kernel(ctx_lens_gmem, blk_lens_gmem, packed_gmem, k_gmem, v_gmem, o_gmem, m
         return attend(valid_of_key, k_smem, v_smem, carry)
 
     transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
-    ctx_spec = plgpu.BlockSpec((block_k, head_dim), lambda i: (first + i, 0), transforms=transforms)
+    if table_gmem is None:
+        ctx_spec = plgpu.BlockSpec((block_k, head_dim), lambda i: (first + i, 0), transforms=transforms)
+        k_ctx, v_ctx = k_gmem.at[b, :, h], v_gmem.at[b, :, h]
+    else:  # the row's tile t is tile t % page_tiles of its page t // page_tiles
+        def pool_tile(i):
+            t = first + i
+            page = table_gmem[b, lax.div(t, jnp.int32(page_tiles))]
+            return (page * page_tiles + lax.rem(t, jnp.int32(page_tiles)), 0)
+
+        ctx_spec = plgpu.BlockSpec((block_k, head_dim), pool_tile, transforms=transforms)
+        k_ctx, v_ctx = k_gmem.at[:, h], v_gmem.at[:, h]
     init = (
         plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
         plgpu.layout_cast(jnp.full((ROWS,), NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
     )
     carry = plgpu.emit_pipeline(context_step, grid=(n_tiles,), in_specs=[ctx_spec, ctx_spec],
-                                max_concurrent_steps=stages, init_carry=init)(
-        k_gmem.at[b, :, h], v_gmem.at[b, :, h])
+                                max_concurrent_steps=stages, init_carry=init)(k_ctx, v_ctx)
 
     # The block's own K and V open the packed array, in whole key tiles.
     own_tiles = slots // block_k
@@ -239,6 +261,14 @@ def _kernel(ctx_lens_gmem, blk_lens_gmem, packed_gmem, k_gmem, v_gmem, o_gmem, m
                   plgpu.SMEM((ROWS,), f32))
 
 
+def fold_rows(x: jax.Array, kv_heads: int, rows: int) -> jax.Array:
+    """``x [B, N, T, Hq, D]`` -> ``[B * N, Hkv, rows, D]``: per KV head its ``T * G`` query rows (row
+    ``t * G + g``), zero-padded to ``rows``."""
+    b, n, t, hq, d = x.shape
+    x = fold_q(x, kv_heads).reshape(b * n, kv_heads, t * hq // kv_heads, d)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, rows - x.shape[2]), (0, 0)))
+
+
 def pack_inputs(q: jax.Array, k_blk: jax.Array, v_blk: jax.Array, block_k: int) -> jax.Array:
     """The kernel's one small input: ``q [B, N, T, Hq, D]``, ``k_blk, v_blk [B, N, T, Hkv, D]`` ->
     ``[B * N, Hkv, 2 * slots + q_rows, D]``: per KV head the block's K and V, each padded to whole
@@ -246,10 +276,8 @@ def pack_inputs(q: jax.Array, k_blk: jax.Array, v_blk: jax.Array, block_k: int) 
     64-row tiles (``q_rows``). One XLA fusion."""
     b, n, t, hq, d = q.shape
     hkv = k_blk.shape[3]
-    g = hq // hkv
-    q_rows, slots = round_up(t * g, ROWS), round_up(t, block_k)
-    q = q.reshape(b * n, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b * n, hkv, t * g, d)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, q_rows - t * g), (0, 0)))
+    q_rows, slots = round_up(t * (hq // hkv), ROWS), round_up(t, block_k)
+    q = fold_rows(q, hkv, q_rows)
 
     def own(x):
         x = x.reshape(b * n, t, hkv, d).transpose(0, 2, 1, 3)
@@ -260,16 +288,28 @@ def pack_inputs(q: jax.Array, k_blk: jax.Array, v_blk: jax.Array, block_k: int) 
 
 def attention_partials(packed: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: jax.Array,
                        blk_lens: jax.Array, *, block: int, groups: int, causal: bool, scale: float,
-                       config: MosaicConfig | None = None, interpret: bool | None = None):
+                       config: MosaicConfig | None = None, interpret: bool | None = None,
+                       page_table: jax.Array | None = None):
     """The kernel: ``packed`` (``pack_inputs``) over the contexts ``[B, C, Hkv, D]``' positions ``<
     ctx_lens [B * N]`` and the block's ``blk_lens [B * N]`` slots -> per split ``(o [B * N, Hkv, S,
     out_rows, D], m, l [B * N, Hkv, S, q_rows] float32)``: ``o`` normalised by ``l`` (zeros where a
     split holds no key), in ``packed.dtype`` with one split and float32 with several; ``out_rows``
-    is ``block * groups`` within one query tile, else the padded ``q_rows``."""
+    is ``block * groups`` within one query tile, else the padded ``q_rows``.
+
+    ``page_table [B, n_pages]`` int32: the contexts are page pools ``k_ctx, v_ctx [pages, page_size,
+    Hkv, D]`` (``page_size`` a multiple of ``block_k``), row b's of ``C = n_pages * page_size``
+    positions in the pages its table row names."""
     cfg = config or DEFAULT_CONFIG
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    batch, ctx, kv_heads, head_dim = k_ctx.shape
+    if page_table is None:
+        batch, ctx, kv_heads, head_dim = k_ctx.shape
+    else:
+        _, page_size, kv_heads, head_dim = k_ctx.shape
+        if page_size % cfg.block_k or page_table.ndim != 2:
+            raise ValueError(f"a paged context needs pages of whole {cfg.block_k}-key tiles and a page table "
+                             f"[batch, n_pages], got page_size {page_size} and page_table {page_table.shape}")
+        batch, ctx = page_table.shape[0], page_table.shape[1] * page_size
     rows_n = packed.shape[0]
     if rows_n % batch:
         raise ValueError(f"packed {packed.shape} does not hold whole blocks of the {batch} rows of k_ctx")
@@ -288,10 +328,16 @@ def attention_partials(packed: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ct
     splits, stages = plan(rows_n, kv_heads, query_tiles, ctx, cfg)
     f32 = jnp.float32
     swizzled = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    static = dict(blocks=rows_n // batch, groups=groups, q_rows=q_rows, slots=slots, out_rows=out_rows,
+                  block_k=cfg.block_k, stages=stages, query_tiles=query_tiles, causal=causal, scale=scale)
+    if page_table is None:
+        body, table = functools.partial(_kernel, **static), ()
+    else:  # the pools as [pages * page_size, Hkv, D]: a bitcast
+        body, table = functools.partial(_paged_kernel, page_tiles=k_ctx.shape[1] // cfg.block_k, **static), (
+            page_table.astype(jnp.int32),)
+        k_ctx, v_ctx = (x.reshape((-1,) + x.shape[2:]) for x in (k_ctx, v_ctx))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, blocks=rows_n // batch, groups=groups, q_rows=q_rows, slots=slots,
-                          out_rows=out_rows, block_k=cfg.block_k, stages=stages, query_tiles=query_tiles,
-                          causal=causal, scale=scale),
+        body,
         out_type=[jax.ShapeDtypeStruct((rows_n, kv_heads, splits, out_rows, head_dim),
                                        packed.dtype if splits == 1 else f32),
                   jax.ShapeDtypeStruct((rows_n, kv_heads, splits, q_rows), f32),
@@ -305,23 +351,56 @@ def attention_partials(packed: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ct
         grid_names=("splits", "heads", "blocks"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params(interpret),
-        kernel_name="dflash_block_attention_mgpu",
+        kernel_name="dflash_block_attention_mgpu" if page_table is None else "dflash_paged_block_attention_mgpu",
     )
-    return kernel(ctx_lens.astype(jnp.int32), blk_lens.astype(jnp.int32), packed, k_ctx, v_ctx)
+    return kernel(ctx_lens.astype(jnp.int32), blk_lens.astype(jnp.int32), *table, packed, k_ctx, v_ctx)
 
 
 def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, scale: float | None = None,
             interpret: bool | None = None, config: MosaicConfig | None = None):
     """``gpu.forward``'s contract: ``(out [B, N, T, Hq, D] in q.dtype, lse [B, N, Hkv, T * G]
     float32, NEG where a row sees no key)``."""
+    check_shapes(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens)
+    return _forward(q, k_ctx, v_ctx, k_ctx.shape[1], ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale,
+                    interpret=interpret, config=config)
+
+
+def paged_supported(q_shape: tuple[int, ...], pool_shape: tuple[int, ...], n_pages: int, dtype,
+                    cfg: MosaicConfig = DEFAULT_CONFIG) -> bool:
+    """Whether ``paged_forward`` runs here on these shapes: one block per row, pages of whole
+    ``block_k`` tiles, and what ``runs_here`` asks of a contiguous context of ``n_pages`` pages."""
+    _, page_size, _, head_dim = pool_shape
+    return (len(q_shape) == 5 and q_shape[1] == 1 and page_size % cfg.block_k == 0
+            and runs_here(head_dim, n_pages * page_size, dtype, cfg))
+
+
+def paged_forward(q, k_pool, v_pool, page_table, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool,
+                  scale: float | None = None, interpret: bool | None = None, config: MosaicConfig | None = None):
+    """``forward`` over paged contexts: ``k_pool, v_pool [pages, page_size, Hkv, D]``, ``page_table [B,
+    n_pages]`` int32 (row b's position p at ``pool[page_table[b, p // page_size], p % page_size]``), the
+    rest as ``forward``'s with one block per row (``N == 1``) -> ``(out, lse)``."""
+    b, n, t, hq, d = q.shape
+    if n != 1 or page_table.shape[0] != b or k_pool.shape != v_pool.shape or k_pool.shape[-1] != d:
+        raise ValueError(f"paged block attention takes q [batch, 1, block, heads, head_dim], pools [pages, "
+                         f"page_size, kv_heads, {d}] and page_table [batch, n_pages]; got q {q.shape}, pools "
+                         f"{k_pool.shape} / {v_pool.shape}, page_table {page_table.shape}")
+    return _forward(q, k_pool, v_pool, page_table.shape[1] * k_pool.shape[1], ctx_lens, k_blk, v_blk, blk_lens,
+                    causal=causal, scale=scale, interpret=interpret, config=config, page_table=page_table)
+
+
+def _forward(q, k_ctx, v_ctx, ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal, scale, interpret, config,
+             page_table=None):
+    """``forward`` and ``paged_forward``: a context of ``ctx`` positions a row."""
     cfg = config or DEFAULT_CONFIG
-    b, n, t, hq, hkv, d = check_shapes(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens)
+    b, n, t, hq, d = q.shape
+    hkv = k_blk.shape[3]
     g = hq // hkv
     rows = t * g
     o, m, l = attention_partials(
         pack_inputs(q.astype(k_ctx.dtype), k_blk, v_blk, cfg.block_k), k_ctx, v_ctx,
-        jnp.clip(ctx_lens, 0, k_ctx.shape[1]).reshape(b * n), jnp.clip(blk_lens, 0, t).reshape(b * n),
-        block=t, groups=g, causal=causal, scale=default_scale(d, scale), config=cfg, interpret=interpret)
+        jnp.clip(ctx_lens, 0, ctx).reshape(b * n), jnp.clip(blk_lens, 0, t).reshape(b * n),
+        block=t, groups=g, causal=causal, scale=default_scale(d, scale), config=cfg, interpret=interpret,
+        page_table=page_table)
     o, m, l = o[..., :rows, :], m[..., :rows], l[..., :rows]
     if o.shape[2] == 1:
         o, m, l = o[:, :, 0], m[:, :, 0], l[:, :, 0]

@@ -18,6 +18,12 @@ Layouts (all lane-dense for Mosaic's (8, 128) tiling):
   reshape); a ``(block_k, head_dim)`` block at column-block ``h`` is KV head ``h``. On real
   hardware this needs ``head_dim % 128 == 0`` (or one KV head) and ``block_k % 8 == 0``.
 
+Paged contexts (``paged_forward``): the context is a pool ``[pages, page_size, kv_heads, head_dim]``
+and a page table per row, scalar-prefetched beside the lengths; a context tile is one page, and the
+K/V ``index_map`` names the page the row's table holds for that tile (clamped as above), so Mosaic
+DMAs each tile straight from its page. Tiles of one page (at most 128 positions in an engine) take
+more grid steps than the contiguous kernel's 512-key tiles.
+
 Online softmax in float32 scratch (m, l as ``[rows, 1]``, acc ``[rows, head_dim]``); the
 log-sum-exp per row is written for the backward.
 """
@@ -123,14 +129,40 @@ def _kernel(
         lse_ref[...] = jnp.where(l > 0.0, m_sc[...] + jnp.log(l_safe), NEG)
 
 
+def _paged_kernel(cl_ref, bl_ref, table_ref, *refs, **static):
+    """``_kernel`` with the page table (SMEM ``[B * n_pages]`` int32, scalar prefetch) read by the index maps only."""
+    del table_ref
+    _kernel(cl_ref, bl_ref, *refs, **static)
+
+
+def paged_forward(q, k_pool, v_pool, page_table, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool,
+                  scale: float | None = None, interpret: bool = False):
+    """``forward`` over paged contexts: ``k_pool, v_pool [pages, page_size, Hkv, D]``, ``page_table [B,
+    n_pages]`` int32 (row b's position p at ``pool[page_table[b, p // page_size], p % page_size]``), one
+    block per row (``N == 1``), a tile per page (``page_size % 8 == 0``) -> ``(out, lse)`` as ``forward``."""
+    b, n, s_len, hq, d = q.shape
+    pages, page_size, hkv, _ = k_pool.shape
+    if n != 1 or page_table.shape[0] != b or k_pool.shape != v_pool.shape or page_size % 8:
+        raise ValueError(f"paged block attention takes q [batch, 1, block, heads, head_dim], pools [pages, "
+                         f"page_size (a multiple of 8), kv_heads, head_dim] and page_table [batch, n_pages]; got q "
+                         f"{q.shape}, pools {k_pool.shape} / {v_pool.shape}, page_table {page_table.shape}")
+    n_pages = page_table.shape[1]
+
+    def kv_map(i, nn, h, kk, cl_ref, bl_ref, table_ref):
+        last = jnp.maximum(jax.lax.div(cl_ref[i] + (page_size - 1), page_size) - 1, 0)
+        return (table_ref[i * n_pages + jnp.minimum(kk, last)], 0, h)
+
+    pools = tuple(x.reshape(pages, page_size, hkv * d) for x in (k_pool, v_pool))
+    return _call(q, pools, ctx_lens, k_blk, v_blk, blk_lens, n_pages * page_size, page_size, n_pages, kv_map,
+                 (page_table.astype(jnp.int32).reshape(-1),), causal=causal, scale=scale, interpret=interpret,
+                 kernel=_paged_kernel, name="dflash_paged_block_attention_tpu")
+
+
 def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, scale: float | None = None,
     interpret: bool = False, config: TpuConfig | None = None):
     """Returns (out [B, N, S, Hq, D] in q.dtype, lse [B, N, Hkv, S * G] float32, NEG if no key)."""
     cfg = config or TpuConfig()
     b, n, s_len, hq, hkv, d = check_shapes(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens)
-    g = hq // hkv
-    rows = s_len * g
-    scale = default_scale(d, scale)
     ctx = k_ctx.shape[1]
 
     bk = min(cfg.block_k, round_up(max(ctx, 1), 8))
@@ -142,25 +174,39 @@ def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, 
         pad = ((0, 0), (0, ctx_p - ctx), (0, 0), (0, 0))
         k_ctx = jnp.pad(k_ctx, pad)
         v_ctx = jnp.pad(v_ctx, pad)
-    n_tiles = ctx_p // bk
-    k2 = k_ctx.reshape(b, ctx_p, hkv * d)
-    v2 = v_ctx.reshape(b, ctx_p, hkv * d)
-    qf = fold_q(q, hkv)
-    kb = fold_blk(k_blk)
-    vb = fold_blk(v_blk)
-    cl = jnp.clip(ctx_lens.astype(jnp.int32), 0, ctx).reshape(-1)
-    bl = jnp.clip(blk_lens.astype(jnp.int32), 0, s_len).reshape(-1)
 
     def kv_map(i, nn, h, kk, cl_ref, bl_ref):
         length = cl_ref[i * n + nn]
         last = jnp.maximum(jax.lax.div(length + (bk - 1), bk) - 1, 0)  # lengths >= 0: no floor
         return (i, jnp.minimum(kk, last), h)
 
-    def row_map(i, nn, h, kk, cl_ref, bl_ref):
+    contexts = (k_ctx.reshape(b, ctx_p, hkv * d), v_ctx.reshape(b, ctx_p, hkv * d))
+    return _call(q, contexts, ctx_lens, k_blk, v_blk, blk_lens, ctx, bk, ctx_p // bk, kv_map, (), causal=causal,
+                 scale=scale,
+                 interpret=interpret, kernel=_kernel, name="dflash_block_attention_tpu")
+
+
+def _call(q, contexts, ctx_lens, k_blk, v_blk, blk_lens, ctx, bk, n_tiles, kv_map, prefetch, *, causal, scale,
+          interpret, kernel, name):
+    """The pallas_call of ``forward`` and ``paged_forward``: contexts of ``ctx`` positions a row in
+    ``n_tiles`` tiles of ``bk`` keys, at the blocks ``kv_map`` names in ``contexts`` (``[.., tiles of bk, Hkv * D]``), with
+    ``prefetch`` scalar-prefetched after the lengths."""
+    b, n, s_len, hq, d = q.shape
+    hkv = k_blk.shape[3]
+    g = hq // hkv
+    rows = s_len * g
+    scale = default_scale(d, scale)
+    qf = fold_q(q, hkv)
+    kb = fold_blk(k_blk)
+    vb = fold_blk(v_blk)
+    cl = jnp.clip(ctx_lens.astype(jnp.int32), 0, ctx).reshape(-1)
+    bl = jnp.clip(blk_lens.astype(jnp.int32), 0, s_len).reshape(-1)
+
+    def row_map(i, nn, h, kk, *prefetched):
         return (i, nn, h, 0, 0)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=2 + len(prefetch),
         grid=(b, n, hkv, n_tiles + 1),
         in_specs=[
             pl.BlockSpec((None, None, None, rows, d), row_map),
@@ -179,11 +225,8 @@ def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, 
             pltpu.VMEM((rows, d), jnp.float32),
         ],
     )
-    kernel = functools.partial(
-        _kernel, scale=scale, causal=causal, groups=g, block_k=bk, blocks=n
-    )
     o, lse = pl.pallas_call(
-        kernel,
+        functools.partial(kernel, scale=scale, causal=causal, groups=g, block_k=bk, blocks=n),
         grid_spec=grid_spec,
         out_shape=[
             jax.ShapeDtypeStruct((b, n, hkv, rows, d), q.dtype),
@@ -193,6 +236,6 @@ def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, 
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
-        name="dflash_block_attention_tpu",
-    )(cl, bl, qf, k2, v2, kb, vb)
+        name=name,
+    )(cl, bl, *prefetch, qf, *contexts, kb, vb)
     return unfold_rows(o, s_len, g, d), lse[..., 0]

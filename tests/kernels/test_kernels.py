@@ -224,6 +224,30 @@ def test_forward_tpu_kernel(case):
     np.testing.assert_array_equal(np.asarray(got[0, 0], np.float32), 0.0)
 
 
+def test_paged_forward_tpu_kernel_equals_the_contiguous_kernel():
+    """The TPU block attention over a paged context (interpret mode): rows of different lengths (one
+    ending inside a page, one empty) with their 16-position pages shuffled over a pool, a tile per page:
+    the contiguous kernel's output with 16-key tiles, bit for bit."""
+    from kernels_pallas.block_attention.tpu import forward as tpu_forward
+    from kernels_pallas.block_attention.tpu import paged_forward as tpu_paged_forward
+
+    q, k_ctx, v_ctx, _, k_blk, v_blk, _ = make_inputs(31, batch=3, blocks=1, block=3, q_heads=4, kv_heads=2,
+                                                      head_dim=16, ctx=64)
+    ctx_lens, blk_lens = jnp.array([[37], [64], [0]], jnp.int32), jnp.array([[3], [2], [3]], jnp.int32)
+    page, n = 16, 4
+    table = np.random.default_rng(0).permutation(np.arange(1, 15))[:3 * n].reshape(3, n)
+
+    def pool(x):
+        return jnp.zeros((15, page) + x.shape[2:], x.dtype).at[table.ravel()].set(x.reshape((3 * n, page) + x.shape[2:]))
+
+    got = tpu_paged_forward(q, pool(k_ctx), pool(v_ctx), jnp.asarray(table, jnp.int32), ctx_lens, k_blk, v_blk,
+                            blk_lens, causal=True, interpret=True)
+    want = tpu_forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=True, interpret=True,
+                       config=TpuConfig(block_k=page))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
 def _grads(fn, args, causal, cotangent, **kw):
     q, kc, vc, cl, kb, vb, bl = args
 

@@ -18,6 +18,7 @@ from kernels_pallas._mosaic import mosaic_interpret_available
 from kernels_pallas.block_attention.reference import block_attention_reference
 from kernels_pallas.block_attention import block_attention
 from kernels_pallas.block_attention import mosaic_gpu as attention_mgpu
+from kernels_pallas.block_attention import mosaic_gpu_bwd as attention_mgpu_bwd
 from kernels_pallas.block_attention.gpu import forward as triton_forward
 from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, plan
 from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
@@ -63,6 +64,88 @@ def test_block_attention_lowers_for_cuda(batch, blocks, block, ctx):
     fn = jax.jit(lambda *a: attention_mgpu.forward(*a, causal=True, interpret=False)[0])
     text = lower_for(fn, shapes, "cuda").as_text()
     assert text.count("custom_call @mosaic_gpu") == 1 and "dot_general" not in text
+
+
+def paged_args(args, page_size, pages, seed):
+    """``attention_args``' contexts ``[B, C, Hkv, D]`` scattered into shuffled pages of a pool ``[pages,
+    page_size, Hkv, D]`` (page 0 unused) -> the pools and the page table ``[B, C / page_size]``."""
+    k_ctx, v_ctx = args[1], args[2]
+    batch, ctx = k_ctx.shape[:2]
+    n = ctx // page_size
+    table = np.random.default_rng(seed).permutation(np.arange(1, pages))[:batch * n].reshape(batch, n)
+
+    def pool(x):
+        out = jnp.zeros((pages, page_size) + x.shape[2:], x.dtype)
+        return out.at[table.ravel()].set(x.reshape((batch * n, page_size) + x.shape[2:]))
+
+    return pool(k_ctx), pool(v_ctx), jnp.asarray(table, jnp.int32)
+
+
+def test_paged_block_attention_lowers_for_cuda():
+    """A decode token and a verify block of Qwen3-8B heads over 64-position pages: one Mosaic GPU
+    kernel reading the pools through the table, no gather of the context in XLA."""
+    for batch, block, page_size in ((1, 1, 64), (16, 16, 128)):
+        args = attention_args(batch, 1, block, 32, 8, 128, 128, [[0]] * batch, [[block]] * batch)
+        shapes = [sd(x.shape, x.dtype) for x in args]
+        pool = sd((4096, page_size, 8, 128), jnp.bfloat16)
+        table = sd((batch, 8192 // page_size), jnp.int32)
+        fn = jax.jit(lambda q, kp, vp, t, cl, kb, vb, bl: attention_mgpu.paged_forward(
+            q, kp, vp, t, cl, kb, vb, bl, causal=True, interpret=False)[0])
+        text = lower_for(fn, [shapes[0], pool, pool, table] + shapes[3:], "cuda").as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1 and "dot_general" not in text and "gather" not in text
+
+
+@interpreted
+@pytest.mark.slow
+def test_paged_block_attention_interpreted_equals_reference():
+    """Rows of different lengths (a context ending inside a page, one over several splits, none) with
+    their pages shuffled over the pool, 64-key tiles of 64- and 128-position pages: the paged kernel
+    equals the reference over the contiguous contexts, and the contiguous kernel to the last bit."""
+    for page_size, config in ((64, MosaicConfig(splits=2)), (128, MosaicConfig(splits=3))):
+        args = attention_args(3, 1, 3, 4, 2, 64, 256, [[100], [256], [0]], [[3], [2], [3]], seed=page_size)
+        k_pool, v_pool, table = paged_args(args, page_size, 3 * 256 // page_size + 2, seed=page_size)
+        q, _, _, ctx_lens, k_blk, v_blk, blk_lens = args
+        got = attention_mgpu.paged_forward(q, k_pool, v_pool, table, ctx_lens, k_blk, v_blk, blk_lens, causal=True,
+                                           config=config, interpret=True)[0]
+        assert largest_error(got, block_attention_reference(*args, causal=True)) < 2e-2, page_size
+        contiguous = attention_mgpu.forward(*args, causal=True, config=config, interpret=True)[0]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(contiguous))
+
+
+@interpreted
+@pytest.mark.slow
+def test_paged_attention_on_the_mosaic_lowering_equals_the_gathered_cache():
+    """``ops.attention.attend_and_write`` over ``PagedKV`` caches with ``gpu_lowering="mosaic"``: the
+    paged kernel, equal to the Mosaic kernel over the gathered view; the block written into the pages."""
+    from dflash_jax.ops.paged_cache import PagedKV
+
+    args = attention_args(2, 1, 2, 4, 2, 64, 128, [[70], [5]], [[2], [1]], seed=3)
+    k_pool, v_pool, table = paged_args(args, 64, 6, seed=3)
+    q, _, _, ctx_lens, k_blk, v_blk, blk_lens = args
+    writable = jnp.ones((2,), bool)
+    k_cache, v_cache = PagedKV(k_pool, table, writable, 2), PagedKV(v_pool, table, writable, 2)
+    mosaic = OpsConfig(attention="pallas", gpu_lowering="mosaic")
+    common = dict(causal=True, write=True, ops=mosaic)
+    got, k_got, _ = attention_ops.attend_and_write(q, k_blk, v_blk, ctx_lens[:, 0], k_cache, v_cache, blk_lens[:, 0],
+                                                   **common)
+    want, k_want, _ = attention_ops.attend_and_write(q, k_blk, v_blk, ctx_lens[:, 0], k_cache.gather(),
+                                                     v_cache.gather(), blk_lens[:, 0], **common)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(k_got.gather()), np.asarray(k_want))
+
+
+@pytest.mark.parametrize("blocks,block,ctx", [(512, 16, 4096), (2, 32, 1024)])
+def test_block_attention_backward_lowers_for_cuda(blocks, block, ctx):
+    """The backward at Qwen3-8B heads in bf16: training's 512 anchor blocks of 16 over 4k tokens (one
+    64-row query tile), and blocks of 32 (two query tiles): two Mosaic GPU kernels, every product in
+    them (no matrix product in XLA)."""
+    q = sd((1, blocks, block, 32, 128), jnp.bfloat16)
+    kv_ctx, kv_blk, lens = sd((1, ctx, 8, 128), jnp.bfloat16), sd((1, blocks, block, 8, 128), jnp.bfloat16), \
+        sd((1, blocks), jnp.int32)
+    lse = sd((1, blocks, 8, block * 4), jnp.float32)
+    fn = jax.jit(lambda *a: attention_mgpu_bwd.backward(*a, causal=False, scale=128 ** -0.5, interpret=False))
+    text = lower_for(fn, (q, kv_ctx, kv_ctx, lens, kv_blk, kv_blk, lens, q, lse, q), "cuda").as_text()
+    assert text.count("custom_call @mosaic_gpu") == 2 and "dot_general" not in text
 
 
 @pytest.mark.parametrize("with_delta", [True, False])
@@ -151,10 +234,12 @@ def test_block_attention_interpreted_blocks_tiles_and_lse():
 
 
 @pytest.mark.slow
-def test_block_attention_mosaic_lowering_is_differentiable():
+@pytest.mark.parametrize("bwd", ["xla", "pallas"])
+def test_block_attention_mosaic_lowering_is_differentiable(bwd):
     """``block_attention(lowering="mosaic")``: the Mosaic GPU forward (interpreted; on a JAX without
-    Mosaic GPU's interpreter the Triton kernel's), the XLA backward from its log-sum-exp; gradients
-    equal the reference's."""
+    Mosaic GPU's interpreter the Triton kernel's) and, from its log-sum-exp, the XLA backward or the
+    Mosaic GPU backward kernels (``bwd="pallas"``; the Triton ones where Mosaic GPU does not run);
+    gradients equal the reference's."""
     args = attention_args(1, 2, 2, 4, 2, 64, 64, [[30, 64]], [[2, 1]], seed=2)
     q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens = args
 
@@ -162,7 +247,8 @@ def test_block_attention_mosaic_lowering_is_differentiable():
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)
 
     def mosaic(q, k, v):
-        return block_attention(q, k, v, ctx_lens, k_blk, v_blk, blk_lens, causal=False, lowering="mosaic")
+        return block_attention(q, k, v, ctx_lens, k_blk, v_blk, blk_lens, causal=False, lowering="mosaic",
+                               bwd=bwd)
 
     def ref(q, k, v):
         return block_attention_reference(q, k, v, ctx_lens, k_blk, v_blk, blk_lens, causal=False)
@@ -171,6 +257,72 @@ def test_block_attention_mosaic_lowering_is_differentiable():
     want = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k_ctx, v_ctx)
     for g, w in zip(got, want):
         assert largest_error(g, w) < 5e-2 * float(jnp.max(jnp.abs(w.astype(jnp.float32))))
+
+
+def reference_grads(args, causal, cotangent):
+    """jax.grad of the reference: (dq, dk_ctx, dv_ctx, dk_blk, dv_blk) for ``sum(out * cotangent)``."""
+    q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens = args
+
+    def loss(q, k_ctx, v_ctx, k_blk, v_blk):
+        out = block_attention_reference(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal)
+        return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*(args[i] for i in (0, 1, 2, 4, 5)))
+
+
+def assert_gradients_close(got, want):
+    """The Triton backward's bf16 tolerance: each gradient within 2% (relative L2) of the reference's."""
+    for name, g, w in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.linalg.norm(g - w) <= 2e-2 * np.linalg.norm(w), name
+
+
+@interpreted
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True], ids=["draft", "causal"])
+def test_block_attention_backward_interpreted_equals_reference(causal):
+    """The Mosaic GPU backward kernels from the Mosaic GPU forward's log-sum-exp, against the
+    reference's autodiff: two rows of blocks with unsorted contexts (the dk/dv kernel's order), a
+    block of no context and one of the whole context, blocks one short; then two 64-row query tiles
+    (32 slots of 8 / 2 heads: dK_blk, dV_blk summed over them); then 80 slots of one head (two own
+    key tiles) in float16."""
+    cases = (((2, 3, 3, 4, 2, 64, 192), [[100, 7, 192], [0, 150, 64]], [[3, 2, 3], [1, 3, 0]], jnp.bfloat16),
+             ((1, 2, 32, 8, 2, 64, 128), [[128, 37]], [[32, 20]], jnp.bfloat16),
+             ((1, 1, 80, 1, 1, 64, 64), [[64]], [[75]], jnp.float16))
+    for shape, ctx_lens, blk_lens, dtype in cases:
+        args = attention_args(*shape, ctx_lens, blk_lens, dtype=dtype, seed=shape[1])
+        out, lse = attention_mgpu.forward(*args, causal=causal, interpret=True)
+        cotangent = normal(jax.random.key(7), out.shape, dtype)
+        got = attention_mgpu_bwd.backward(*args, out, lse, cotangent, causal=causal, scale=64 ** -0.5,
+                                          interpret=True)
+        assert_gradients_close(got, reference_grads(args, causal, cotangent))
+
+
+@interpreted
+@pytest.mark.slow
+def test_block_attention_backward_through_the_custom_vjp():
+    """``jax.grad`` of ``block_attention(lowering="mosaic", bwd="pallas")`` runs the Mosaic GPU
+    backward (its kernels in the jaxpr) in bf16 and equals the reference; float32, which ``wgmma``
+    would take as TF32, keeps the Triton backward, to float32 tolerances."""
+    for dtype in (jnp.bfloat16, jnp.float32):
+        args = attention_args(1, 3, 4, 4, 2, 64, 128, [[0, 60, 128]], [[4, 4, 2]], dtype=dtype, seed=4)
+        cotangent = normal(jax.random.key(8), args[0].shape, dtype)
+
+        def loss(q, k_ctx, v_ctx, k_blk, v_blk):
+            out = block_attention(q, k_ctx, v_ctx, args[3], k_blk, v_blk, args[6], causal=True,
+                                  lowering="mosaic", bwd="pallas")
+            return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32))
+
+        grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+        inputs = [args[i] for i in (0, 1, 2, 4, 5)]
+        assert ("dflash_block_attention_bwd_dq_mgpu" in str(jax.make_jaxpr(grad)(*inputs))) == (dtype == jnp.bfloat16)
+        got, want = grad(*inputs), reference_grads(args, True, cotangent)
+        if dtype == jnp.float32:
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=5e-5)
+        else:
+            assert_gradients_close(got, want)
 
 
 @interpreted

@@ -162,3 +162,29 @@ def test_choices_sharing_a_prompt_copy_its_recurrent_state(model):
     shared = engine.generate([prompt] * 3, 12, sampling=params)
     assert engine.prefilled_prompts == 1
     assert [r.output_ids for r in shared] == [engine.generate([prompt], 12, sampling=p)[0].output_ids for p in params]
+
+
+@pytest.mark.slow
+def test_target_only_calls_of_an_adaptive_engine_extend_the_drafters_context(model):
+    """An adaptive engine's target-only calls (``decoding.deferred_target_step``) on a hybrid target: the
+    drafter's context of every committed position equals a prefill's of the same tokens, and a speculative
+    call after them continues the target-only text."""
+    target = load_target(model[0])
+    config = EngineConfig(max_batch_size=2, max_length=48, steps_per_sync=4, speculation="adaptive",
+                          speculation_blocks=(BLOCK,))
+    engine, plain = Engine(target, _drafter(target), config), Engine(target, None, config)
+    rng = np.random.RandomState(3)
+    prompts = [list(rng.randint(0, target.config.vocab_size, n)) for n in (6, 11)]
+    rows, _ = engine.prefill(prompts, [30, 30], [(), ()])
+    state = engine.admit(engine.empty_state(2), rows, [0, 1])
+    state, _ = engine.decode(state, 6, block=1)  # 4 + 2 steps
+    state, snap = engine.decode(state, 3, block=BLOCK)
+    tokens, starts = np.asarray(snap.tokens), np.asarray(snap.starts)
+    want = [r.output_ids for r in plain.generate(prompts, 30)]
+    for row, p in enumerate(prompts):
+        n = int(starts[row])
+        assert tokens[row, len(p):n + 1].tolist() == want[row][:n + 1 - len(p)]
+        fresh, _ = engine.prefill([tokens[row, :n].tolist()], [1], [()])
+        cache = state.draft_cache
+        for got, ref in zip(cache.k + cache.v, fresh.draft_cache.k + fresh.draft_cache.v):
+            np.testing.assert_allclose(np.asarray(got[row, :n]), np.asarray(ref[0, :n]), atol=2e-5, rtol=1e-5)

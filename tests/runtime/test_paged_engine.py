@@ -230,3 +230,44 @@ def test_rows_preempted_for_pages_resume_with_their_solo_output(models, engines,
             np.testing.assert_allclose(g.result.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
             assert [list(d) for d in g.result.top_logprobs] == [list(d) for d in want.top_logprobs]
     assert batcher.pages.all_free()
+
+
+@pytest.mark.slow
+def test_paged_engine_with_a_drafter_context_window_equals_contiguous(models, base):
+    """The drafter's context window reads a window of each row's positions through its page table."""
+    target, drafter = models
+    config = dict(CONFIG, drafter_context_window=16)
+    prompts = [base, base[:13]]
+    want = Engine(target, drafter, EngineConfig(**config)).generate(prompts, MAX_NEW, [11])
+    got = Engine(target, drafter, EngineConfig(page_size=PAGE, **config)).generate(prompts, MAX_NEW, [11])
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+
+
+def test_a_paged_decode_step_holds_no_copy_of_the_caches(models):
+    """The step reads and writes the pools through the page tables: its compiled program needs no more
+    scratch memory than the contiguous step's (a contiguous view of every layer's pages would add the
+    caches' size again)."""
+    target, drafter = models
+    config = dict(CONFIG, max_length=1024)
+    temp = {}
+    for page_size in (0, PAGE):
+        engine = Engine(target, drafter, EngineConfig(page_size=page_size, **config))
+        compiled = engine.decode_compiled(engine.empty_state(4), 1, window=1024)
+        temp[page_size] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp[PAGE] <= 1.01 * temp[0], temp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_moe"])
+def test_paged_moe_engines_equal_contiguous(model_type, base):
+    """Mixture-of-experts targets, gpt-oss's attention sinks and sliding windows among them (the
+    attention's reference path, over each layer's pages gathered): the paged engine's tokens are the
+    contiguous engine's."""
+    from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, tiny_target_config
+
+    tcfg = tiny_target_config(model_type)
+    target, drafter = random_target(tcfg, seed=0), random_drafter(tiny_drafter_config(tcfg, block_size=8), seed=1)
+    prompts = [base, base[:13]]
+    want = Engine(target, drafter, EngineConfig(**CONFIG)).generate(prompts, MAX_NEW, [11])
+    got = Engine(target, drafter, EngineConfig(page_size=PAGE, **CONFIG)).generate(prompts, MAX_NEW, [11])
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.ops.cache import KVCache, read_rows, write_rows
-from dflash_jax.ops.paged_cache import NULL_PAGE, gather_view, page_pools, scatter_block, scatter_positions
+from dflash_jax.ops.paged_cache import NULL_PAGE, PagedKV, gather_view, page_pools, scatter_positions
 from dflash_jax.runtime.pages import PageAllocator
 
 
@@ -105,13 +105,13 @@ def test_paged_view_and_scatter_equal_the_contiguous_cache():
     np.testing.assert_array_equal(view.k[0], cache)
     np.testing.assert_array_equal(gather_view(KVCache((pool,), (pool,)), table, 2).k[0], cache[:, :8])
 
-    # a block written into the view at per-row starts lands in the pages; a done row writes nothing
+    # a block written through the table at per-row starts lands in the pages; a done row writes nothing
     starts = jnp.asarray([3, 9, 14], jnp.int32)
     block = _contiguous(rng, batch, 5, kv, dim)
-    written = KVCache((write_rows(view.k[0], block, starts),), (view.v[0],))
-    keep = jnp.asarray([[True] * 5, [True] * 5, [False] * 5])
-    pools = scatter_block(KVCache((pool,), (pool,)), table, written, starts, 5, keep)
-    after = gather_view(pools, table, max_pages).k[0]
+    paged = PagedKV(pool, table, jnp.asarray([True, True, False]), max_pages)
+    assert paged.shape == cache.shape and paged.dtype == cache.dtype
+    np.testing.assert_array_equal(paged.gather(), cache)
+    after = write_rows(paged, block, starts).gather()
     want = write_rows(cache, block, starts)
     np.testing.assert_array_equal(after[:2], want[:2])
     np.testing.assert_array_equal(after[2], cache[2])

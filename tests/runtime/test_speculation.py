@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from dflash_jax import ContinuousBatcher, Engine, EngineConfig, SamplingParams
+from dflash_jax.sharding import MeshConfig
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.runtime import decoding
 from dflash_jax.runtime import speculation as spec
@@ -22,6 +23,7 @@ from dflash_jax.synthetic import SyntheticDrafter, repeat_target, set_accept_rat
 from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, tiny_target_config
 
 MAX_NEW = 30
+_SLOW = lambda *values: pytest.param(*values, marks=pytest.mark.slow)  # noqa: E731
 
 # -- the policy ---------------------------------------------------------------------------------------
 
@@ -165,6 +167,44 @@ def test_adaptive_engine_goes_target_only_when_speculating_cannot_pay(engines, p
     measured = adaptive.calibrate_speculation(rows=[4], steps=2, repeats=1)
     assert set(measured) == {(4, 8), (4, 4), (4, 1)} and all(t > 0 for t in measured.values())
     assert adaptive.step_costs[(4, 8)] == measured[(4, 8)]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged", _SLOW("mesh")])
+def test_target_only_calls_extend_the_drafters_context_as_a_prefill_of_their_tokens(prompts, layout):
+    """A target-only call keeps its steps' taps and projects them into the drafter's context after its
+    last step: then every committed position's context K/V is what a prefill of the same tokens writes
+    (float32, to rounding), through the page tables too; a call of more steps than the buffer holds
+    runs as several. The rows stop at different steps (max lengths), one is done before the call."""
+    tcfg = tiny_target_config()
+    target, drafter = random_target(tcfg, seed=5), random_drafter(tiny_drafter_config(tcfg, block_size=8), seed=6)
+    page_size = 8 if layout == "paged" else 0
+    mesh = dict(mesh=MeshConfig(data=2, fsdp=1, tensor=4), decode_loop="fixed") if layout == "mesh" else {}
+    engine = Engine(target, drafter, EngineConfig(max_batch_size=4, max_length=64, steps_per_sync=3,
+                                                  speculation="adaptive", speculation_blocks=(8, 4),
+                                                  page_size=page_size, **mesh))
+    new_tokens = [20, 4, 1, 8]
+    if page_size:
+        pages = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(4)]
+        state = engine.empty_state(4)
+        rows, _, admission = engine.prefill_paged(state, prompts, new_tokens, [()] * 4, pages, [0] * 4)
+        state = engine.admit_paged(state, rows, [0, 1, 2, 3], admission)
+    else:
+        rows, _ = engine.prefill(prompts, new_tokens, [()] * 4)
+        state = engine.admit(engine.empty_state(4), rows, [0, 1, 2, 3])
+    before = np.asarray(state.starts)
+    state, _ = engine.decode(state, 3, block=1)   # the buffer's 3 slots
+    state, snap = engine.decode(state, 8, block=1)  # 3 + 3 + 2 (a fixed loop: one call of 8 slots)
+    starts, tokens = np.asarray(snap.starts), np.asarray(snap.tokens)
+    assert (starts - before).tolist() == [11, 3, 0, 7]
+    cache = state.draft_cache
+    if page_size:
+        from dflash_jax.ops.paged_cache import gather_view
+        cache = gather_view(cache, state.page_table, engine.max_pages)
+    for row in range(4):
+        n = int(starts[row])
+        fresh, _ = engine.prefill([tokens[row, :n].tolist()], [1], [()])
+        for got, want in zip(cache.k + cache.v, fresh.draft_cache.k + fresh.draft_cache.v):
+            np.testing.assert_allclose(np.asarray(got[row, :n]), np.asarray(want[0, :n]), atol=2e-5, rtol=1e-5)
 
 
 def test_speculation_settings_are_validated(models):

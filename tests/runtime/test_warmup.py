@@ -1,9 +1,11 @@
 """The warm-up plan: every shape a server meets, a lone request's first; the shapes of a lone short
-request, which serve.py compiles before it binds; after it, a request's ``n`` > 1 choices sharing its
-prompt's prefill compile nothing."""
+request, which serve.py compiles before it binds, the rest (sampled decoding among them) after; after
+it, a request's ``n`` > 1 choices sharing its prompt's prefill and a sampled request with logprobs
+compile nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from contextlib import contextmanager
 
@@ -14,7 +16,8 @@ import pytest
 from dflash_jax import ContinuousBatcher, SamplingParams
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.runtime.sampling import SamplingFlags
-from dflash_jax.runtime.warmup import Shape, first_request_shapes, warmup_plan
+from dflash_jax.runtime.warmup import (Shape, first_request_shapes, run_warmup, sampling_flags, staged_plan,
+                                       warmup_plan)
 from dflash_jax.tiny import random_target, tiny_target_config
 
 
@@ -65,6 +68,35 @@ def test_plan_shares_a_prompt_over_every_prefill_row_count_above_one(target):
     assert not any(s.distinct for s in first_request_shapes(engine, plan, 32, 64))  # compiled after binding
 
 
+def test_sampled_decoding_is_planned_after_binding(target):
+    """``server.warmup_sampling`` entries as decode flags: each one more decode per state and window,
+    none of them before binding; a lone short request sampled is the first thing compiled after the
+    lone request's other prompt buckets."""
+    engine = Engine(target, None, EngineConfig(max_batch_size=2, max_length=100, steps_per_sync=4))
+    top = engine.config.max_logprobs
+    flags = sampling_flags(["sample", "sample + top_logprobs", "sample"], top)
+    assert flags == [SamplingFlags(sample=True), SamplingFlags(sample=True, logprobs=top)]
+    # what the batcher computes for a request at T = 0.7 with logprobs, alone or beside greedy rows
+    asked = [SamplingParams(temperature=0.7, seed=3, logprobs=2), SamplingParams()]
+    assert SamplingFlags.of(asked, top) == flags[1] and SamplingFlags.of(asked[:1], top) == flags[1]
+    assert sampling_flags(["logprobs", "penalties", "sample+top_k=40+top_p"], top) == [
+        SamplingFlags(logprobs=0), SamplingFlags(edits=True),
+        SamplingFlags(sample=True, top_k=True, top_p=True, top_k_candidates=64)]
+    greedy, plan = warmup_plan(engine), warmup_plan(engine, sampling=flags)
+    decodes = [s for s in greedy if s.phase == "decode"]
+    assert [s for s in plan if s.phase == "decode" and s.sampling in flags] == [
+        dataclasses.replace(s, sampling=f) for s in decodes for f in flags]
+    assert [s for s in plan if s.phase != "decode"] == [s for s in greedy if s.phase != "decode"]
+    first, rest = staged_plan(engine, plan, 32, 64)
+    assert first == first_request_shapes(engine, greedy, 32, 64)  # binding waits for nothing more
+    assert sorted(first + rest, key=plan.index) == plan
+    lone = [s for f in flags for s in first_request_shapes(engine, plan, 32, 64, sampling=f) if s.phase == "decode"]
+    assert [dataclasses.replace(s, sampling=None) for s in lone] == [s for s in first if s.phase == "decode"] * 2
+    prefills = [s for s in rest if s.phase in ("prefill", "admit") and s.rows == 1 and s.into < 2]
+    assert rest[:len(prefills) + len(lone)] == prefills + lone
+    assert str(lone[-1]) == f"decode, sample+top_logprobs, 1 row, attention window {lone[-1].size}"
+
+
 @contextmanager
 def _compilations():
     """The XLA compilations while the block runs (JAX reports each one's duration)."""
@@ -82,6 +114,16 @@ def _compilations():
         listening[0] = False
 
 
+def _serve_warmup(engine, warmup_sampling: list[str]) -> None:
+    """serve.py's staged warm-up with ``server.warmup_sampling`` = ``warmup_sampling``: the first
+    request's shapes, then the rest as its background thread compiles them (a runner of its own)."""
+    plan = warmup_plan(engine, sampling=sampling_flags(warmup_sampling, engine.config.max_logprobs))
+    first, rest = staged_plan(engine, plan, 32, 8)
+    assert all(s.sampling is None for s in first)
+    for part in (first, rest):
+        assert run_warmup(engine, part) == len(part)
+
+
 @pytest.mark.slow
 def test_after_warmup_a_request_of_three_choices_compiles_nothing(target):
     """Three sampled choices of one prompt, submitted together as the server submits a request's ``n``:
@@ -91,19 +133,22 @@ def test_after_warmup_a_request_of_three_choices_compiles_nothing(target):
     engine = Engine(target, None, EngineConfig(max_batch_size=4, max_length=48, steps_per_sync=4,
                                                prompt_buckets=(16,)))
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
-    engine.warmup(threads=1, sampling=[SamplingFlags.of(params, engine.config.max_logprobs)])  # in plan order
+    _serve_warmup(engine, ["sample", "sample+top_logprobs"])
     prompt = np.random.RandomState(5).randint(0, 95, 11).tolist()
     batcher = ContinuousBatcher(engine)
     with _compilations() as compiles:
         choices = [batcher.submit(prompt, 8, sampling=p) for p in params]
         batcher.run()
+        logged = batcher.submit(prompt[:7], 8, sampling=SamplingParams(temperature=0.7, seed=4, logprobs=2))
+        batcher.run()
     assert compiles == []
-    assert engine.prefilled_prompts == 1 and len({tuple(g.result.output_ids) for g in choices}) == 3
+    assert engine.prefilled_prompts == 2 and len({tuple(g.result.output_ids) for g in choices}) == 3
+    assert len(logged.result.top_logprobs) == 8 and all(len(top) == 2 for top in logged.result.top_logprobs)
     with _compilations() as compiles:
         for p, sampling in zip((prompt, prompt[:5], prompt), params):
             batcher.submit(p, 8, sampling=sampling)
         batcher.run()
-    assert compiles and engine.prefilled_prompts == 3
+    assert compiles and engine.prefilled_prompts == 4
 
 
 def test_paged_plan_admits_prompts_with_nothing_cached_into_each_state(target):
@@ -126,7 +171,7 @@ def test_after_a_paged_warmup_three_choices_of_a_prompt_compile_nothing(target):
     engine = Engine(target, None, EngineConfig(max_batch_size=4, max_length=48, steps_per_sync=4,
                                                prompt_buckets=(32,), page_size=8))  # rows that fit it grow pages
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
-    engine.warmup(sampling=[SamplingFlags.of(params, engine.config.max_logprobs)])
+    _serve_warmup(engine, ["sample", "sample+logprobs"])
     prompt = np.random.RandomState(6).randint(0, 95, 11).tolist()
     batcher = ContinuousBatcher(engine)
     with _compilations() as compiles:
@@ -134,6 +179,9 @@ def test_after_a_paged_warmup_three_choices_of_a_prompt_compile_nothing(target):
         batcher.step()
         choices = [batcher.submit(prompt, 20, sampling=p) for p in params]
         batcher.run()
+        logged = batcher.submit(prompt[2:], 8, sampling=SamplingParams(temperature=0.7, seed=4, logprobs=0))
+        batcher.run()
     assert compiles == []
-    assert engine.prefilled_prompts == 2 and len({tuple(g.result.output_ids) for g in choices}) == 3
+    assert engine.prefilled_prompts == 3 and len({tuple(g.result.output_ids) for g in choices}) == 3
+    assert len(logged.result.logprobs) == 8 and all(lp <= 0 for lp in logged.result.logprobs)
     assert len(lone.result.output_ids) == 20 and batcher.pages.all_free()

@@ -327,6 +327,18 @@ def test_limit_settings_are_checked():
             load_serve_config(None, [override])
 
 
+def test_warmup_sampling_setting_is_checked():
+    assert load_serve_config(None).server.warmup_sampling == ("sample",)
+    cfg = load_serve_config(None, ["server.warmup_sampling=[sample, sample+top_p+top_logprobs, logprobs]"])
+    assert cfg.server.warmup_sampling == ("sample", "sample+top_p+top_logprobs", "logprobs")
+    assert load_serve_config(None, ["server.warmup_sampling=[]"]).server.warmup_sampling == ()
+    for entry, problem in (("sample+top_k", "top_k needs its value"), ("top_p", "act on sampled rows only"),
+                           ("sample+temperature", "unknown feature 'temperature'"), ("''", "expected features")):
+        with pytest.raises(ConfigError, match=problem) as err:
+            load_serve_config(None, [f"server.warmup_sampling=[sample, {entry}]"])
+        assert "warmup_sampling" in str(err.value)
+
+
 # ----------------------------------------------------------------------------------------- compilation cache
 
 

@@ -47,6 +47,11 @@ def test_seeded_completion_repeats_and_equals_the_engine(server):
     assert first.choices[0].model_extra["token_ids"] == want.output_ids
     other = client.completions.create(**{**ask, "seed": 8})
     assert other.choices[0].model_extra["token_ids"] != want.output_ids
+    # Rejection sampling (the extension field ``verify``): the engine's own rejection-sampled text.
+    rejection = client.completions.create(**{**ask, "extra_body": {**ask["extra_body"], "verify": "rejection"}})
+    want = engine.generate([tok.encode(HELLO)], MAX_TOKENS, tok.stop_token_ids,
+                           sampling=SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, verify="rejection"))[0]
+    assert rejection.choices[0].model_extra["token_ids"] == want.output_ids
 
 
 def test_n_choices_have_their_own_seeds(server):
@@ -139,3 +144,6 @@ def test_penalties_bias_and_bad_sampling_fields(server):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny", prompt=HELLO, temperature=3.0)
     assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=HELLO, temperature=0.5, extra_body={"verify": "maybe"})
+    assert err.value.body["param"] == "verify" and "exact, rejection" in err.value.body["message"]

@@ -320,6 +320,20 @@ def test_shipped_configs_load(name):
         assert resolve_attention_impl(cfg.model.attention_impl) == "xla"  # the suite runs on the CPU
 
 
+def test_gpu_lowering_reaches_the_step_ops():
+    """``model.gpu_lowering`` is the step's ``OpsConfig.gpu_lowering`` (the drafter's block attention
+    and its backward on the Mosaic GPU kernels); a value that is no lowering is refused, naming it."""
+    from dflash_jax.training.run import step_spec
+    from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
+
+    cfg = load_train_config(REPO / "configs" / "train_tiny.yaml", ["model.gpu_lowering=mosaic"])
+    dcfg = tiny_drafter_config(tiny_target_config(), num_layers=1, block_size=4, mask_token_id=0)
+    assert cfg.model.gpu_lowering == "mosaic" and step_spec(cfg, dcfg).ops.gpu_lowering == "mosaic"
+    assert load_train_config(REPO / "configs" / "train_tiny.yaml").model.gpu_lowering == "triton"
+    with pytest.raises(ValueError, match="gpu_lowering"):
+        load_train_config(REPO / "configs" / "train_tiny.yaml", ["model.gpu_lowering=cuda"]).validate()
+
+
 @pytest.mark.parametrize("kind,weighting", [("kl", "dpace")])
 @pytest.mark.slow
 def test_chunked_loss_equals_unchunked(kind, weighting):

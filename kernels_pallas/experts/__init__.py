@@ -1,0 +1,1 @@
+"""The routed experts' products for decode and verify steps (README.md beside this file)."""

@@ -1,0 +1,122 @@
+"""Attention over a paged cache (``ops.paged_cache.PagedKV``) equals the attention over the contiguous
+cache it stands for (its rows' pages gathered), bitwise in float32 on the XLA path, and the block's
+K/V land in the rows' pages."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.ops import attention as attention_ops
+from dflash_jax.ops.cache import KVCache, read_rows, write_rows
+from dflash_jax.ops.config import XLA
+from dflash_jax.ops.paged_cache import NULL_PAGE, PagedKV, layer_pools, paged_layers
+
+PAGE, MAX_PAGES, KV, HEADS, DIM = 4, 6, 2, 4, 8
+
+
+def paged_cache(rng, batch, n_pages=MAX_PAGES, pages=None):
+    """A K and V pool with each row's pages shuffled over it (page 0 the null page) and their table."""
+    pages = pages or 1 + batch * MAX_PAGES
+    table = rng.permutation(np.arange(1, pages))[:batch * MAX_PAGES].reshape(batch, MAX_PAGES)
+    k, v = (jnp.asarray(rng.standard_normal((pages, PAGE, KV, DIM)), jnp.float32) for _ in range(2))
+    writable = jnp.asarray([True] * (batch - 1) + [False])  # the last row is done
+    table = jnp.asarray(table, jnp.int32)
+    return PagedKV(k, table, writable, n_pages), PagedKV(v, table, writable, n_pages)
+
+
+@pytest.mark.parametrize("causal,write", [(True, True), (False, False)])
+def test_attend_and_write_through_page_tables_equals_the_gathered_cache(causal, write):
+    """Rows of different lengths, one whose block crosses a page boundary (start 6, block 3 over pages
+    of 4), one done (its writes go to the null page): the attention and the written positions are
+    those of the contiguous cache the pages hold."""
+    rng = np.random.default_rng(0)
+    batch, block = 3, 3
+    k_cache, v_cache = paged_cache(rng, batch, n_pages=4)
+    starts = jnp.asarray([6, 1, 9], jnp.int32)
+    blk_lens = jnp.asarray([3, 2, 3], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, 1, block, HEADS, DIM)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((batch, 1, block, KV, DIM)), jnp.float32) for _ in range(2))
+    kw = dict(causal=causal, write=write, ops=XLA)
+    attn, k_paged, v_paged = attention_ops.attend_and_write(q, k, v, starts, k_cache, v_cache, blk_lens, **kw)
+    k_view, v_view = k_cache.gather(), v_cache.gather()
+    want, k_want, v_want = attention_ops.attend_and_write(q, k, v, starts, k_view, v_view, blk_lens, **kw)
+    np.testing.assert_array_equal(attn, want)
+    assert isinstance(k_paged, PagedKV) and k_paged.page_table is k_cache.page_table
+    np.testing.assert_array_equal(k_paged.gather()[:2], k_want[:2])
+    np.testing.assert_array_equal(v_paged.gather()[:2], v_want[:2])
+    np.testing.assert_array_equal(k_paged.gather()[2], k_view[2])  # the done row's pages unchanged
+    untouched = np.ones(k_cache.pool.shape[0], bool)
+    untouched[np.asarray(k_cache.page_table[:2, :4]).ravel()] = False
+    untouched[NULL_PAGE] = False
+    np.testing.assert_array_equal(k_paged.pool[untouched], k_cache.pool[untouched])
+
+
+def test_cached_attention_through_page_tables_equals_the_gathered_cache():
+    """The target's path from the raw fused projection (q/k norms, RoPE, write, attention), and a
+    gpt-oss layer's (attention sinks, a sliding window: the reference), paged == contiguous bitwise."""
+    rng = np.random.default_rng(1)
+    batch, block = 3, 2
+    k_cache, v_cache = paged_cache(rng, batch, n_pages=5)
+    starts = jnp.asarray([3, 11, 7], jnp.int32)
+    blk_lens = jnp.asarray([2, 2, 1], jnp.int32)
+    qkv = jnp.asarray(rng.standard_normal((batch, block, KV, HEADS // KV + 2, DIM)), jnp.float32)
+    norm = jnp.asarray(rng.standard_normal(DIM), jnp.float32)
+    inv_freq = tuple(1.0 / 10000 ** (np.arange(0, DIM, 2) / DIM))
+    common = dict(q_norm=norm, k_norm=norm, eps=1e-6, inv_freq=inv_freq, num_heads=HEADS, ops=XLA)
+    for extra in ({}, dict(sinks=jnp.asarray(rng.standard_normal(HEADS), jnp.float32), window=6)):
+        got, k_got, _ = attention_ops.cached_attention(qkv, starts, k_cache, v_cache, blk_lens, **common, **extra)
+        want, k_want, _ = attention_ops.cached_attention(qkv, starts, k_cache.gather(), v_cache.gather(), blk_lens,
+                                                         **common, **extra)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(k_got.gather()[:2], k_want[:2])
+
+
+def test_fused_cached_attention_kernel_runs_on_the_gathered_pages():
+    """With the kernels on (the fused cached-attention kernel, interpret mode on the CPU), a paged layer
+    gives the contiguous cache's attention and written K/V: the kernel runs on the layer's pages
+    gathered and the block it wrote is scattered into the rows' pages."""
+    from dflash_jax.ops.config import OpsConfig
+    from kernels_pallas.cached_attention.gpu import cached_block_attention_supported
+
+    rng = np.random.default_rng(3)
+    batch, block, dim = 3, 2, 16
+    pages = 1 + batch * MAX_PAGES
+    table = jnp.asarray(rng.permutation(np.arange(1, pages)).reshape(batch, MAX_PAGES), jnp.int32)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal((pages, PAGE, KV, dim)), jnp.float32) for _ in range(2))
+    writable = jnp.asarray([True, True, False])
+    k_cache, v_cache = PagedKV(k_pool, table, writable, 4), PagedKV(v_pool, table, writable, 4)
+    qkv = jnp.asarray(rng.standard_normal((batch, block, KV, HEADS // KV + 2, dim)), jnp.float32)
+    assert cached_block_attention_supported(qkv.shape, k_cache.shape[1])
+    starts, blk_lens = jnp.asarray([3, 9, 7], jnp.int32), jnp.asarray([2, 2, 1], jnp.int32)
+    norm = jnp.asarray(rng.standard_normal(dim), jnp.float32)
+    common = dict(q_norm=norm, k_norm=norm, eps=1e-6, inv_freq=tuple(1.0 / 10000 ** (np.arange(0, dim, 2) / dim)),
+                  num_heads=HEADS, ops=OpsConfig(attention="pallas"))
+    got, k_got, v_got = attention_ops.cached_attention(qkv, starts, k_cache, v_cache, blk_lens, **common)
+    want, k_want, v_want = attention_ops.cached_attention(qkv, starts, k_cache.gather(), v_cache.gather(), blk_lens,
+                                                          **common)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(k_got.gather()[:2], k_want[:2])
+    np.testing.assert_array_equal(v_got.gather()[:2], v_want[:2])
+    np.testing.assert_array_equal(k_got.gather()[2], k_cache.gather()[2])  # the done row wrote nothing
+
+
+def test_write_rows_past_the_read_pages_lands_in_the_rows_later_pages():
+    """A step reads ``n_pages`` pages but writes through the whole table: a block past them is kept."""
+    rng = np.random.default_rng(2)
+    k_cache, _ = paged_cache(rng, 2, n_pages=2)
+    block = jnp.asarray(rng.standard_normal((2, 3, KV, DIM)), jnp.float32)
+    starts = jnp.asarray([8, 0], jnp.int32)
+    written = write_rows(k_cache, block, starts)
+    whole = PagedKV(written.pool, written.page_table, written.writable, MAX_PAGES).gather()
+    np.testing.assert_array_equal(whole[0, 8:11], block[0])
+    # and reads go through the table too (the drafter's context window reads positions of a row)
+    whole_cache = PagedKV(written.pool, written.page_table, written.writable, MAX_PAGES)
+    np.testing.assert_array_equal(read_rows(whole_cache, starts, 3), read_rows(whole, starts, 3))
+
+
+def test_paged_layers_refuse_a_page_count_past_the_table():
+    pools = KVCache((jnp.zeros((2, 4, 1, 8)),), (jnp.zeros((2, 4, 1, 8)),))
+    table = jnp.zeros((1, 3), jnp.int32)
+    with pytest.raises(ValueError, match="n_pages"):
+        paged_layers(pools, table, jnp.ones((1,), bool), 4)
+    assert layer_pools(paged_layers(pools, table, jnp.ones((1,), bool), 3)) == pools
