@@ -65,6 +65,7 @@ from kernels_pallas.block_attention.gpu import GpuConfig, num_sms
 ROWS = 64  # query rows of a program: the M of one warpgroup's wgmma
 LOG2E = math.log2(math.e)
 SWIZZLE = 128  # bytes: a tile row of 64 16-bit elements per swizzle atom
+SMEM_PER_PROGRAM = 227 * 1024  # bytes of shared memory one program may claim on Hopper (and Blackwell)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +126,23 @@ def plan(rows: int, kv_heads: int, query_tiles: int, ctx: int, cfg: MosaicConfig
         splits = max(1, min(sms // programs, ctx // cfg.block_k))
     stages = cfg.stages if programs * splits <= sms else cfg.wide_stages
     return splits, stages
+
+
+def shared_memory_bytes(head_dim: int, dtype, block_k: int, stages: int) -> int:
+    """A program's shared memory before barriers: the query tile and the probabilities tile, and the
+    K/V ring of ``stages`` tiles of each (the outputs reuse the ring's space after the pipelines)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return itemsize * (ROWS * head_dim + ROWS * block_k + stages * 2 * block_k * head_dim)
+
+
+def check_shared_memory(head_dim: int, dtype, block_k: int, stages: int) -> None:
+    """A clear error for a tile config whose ring does not fit one program's shared memory (Mosaic GPU
+    would reject it only when it compiles for a device)."""
+    need = shared_memory_bytes(head_dim, dtype, block_k, stages)
+    if need > SMEM_PER_PROGRAM:
+        raise ValueError(f"MosaicConfig block_k={block_k} with {stages} stages needs {need // 1024} KB of shared "
+                         f"memory a program at head_dim {head_dim}, more than the {SMEM_PER_PROGRAM // 1024} KB a "
+                         f"GPU gives one; use fewer stages (at most 3 with 128-key tiles at head_dim 128)")
 
 
 def _paged_kernel(ctx_lens_gmem, blk_lens_gmem, table_gmem, *refs, page_tiles: int, **static):
@@ -326,6 +344,7 @@ def attention_partials(packed: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ct
     query_tiles = q_rows // ROWS
     out_rows = block * groups if query_tiles == 1 else q_rows
     splits, stages = plan(rows_n, kv_heads, query_tiles, ctx, cfg)
+    check_shared_memory(head_dim, packed.dtype, cfg.block_k, stages)
     f32 = jnp.float32
     swizzled = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
     static = dict(blocks=rows_n // batch, groups=groups, q_rows=q_rows, slots=slots, out_rows=out_rows,

@@ -97,7 +97,7 @@ def test_block_attention_float16_and_odd_contexts():
     check(args, causal=True)
 
 
-@pytest.mark.parametrize("config", [MosaicConfig(block_k=128), MosaicConfig(block_k=128, stages=2),
+@pytest.mark.parametrize("config", [MosaicConfig(block_k=128, stages=3), MosaicConfig(block_k=128, stages=2),
                                     MosaicConfig(stages=2), MosaicConfig(stages=6), MosaicConfig(splits=1),
                                     MosaicConfig(splits=7)], ids=str)
 def test_block_attention_tile_configs_equal_reference(config):

@@ -81,6 +81,22 @@ def paged_args(args, page_size, pages, seed):
     return pool(k_ctx), pool(v_ctx), jnp.asarray(table, jnp.int32)
 
 
+def test_a_tile_config_beyond_shared_memory_is_refused_by_name():
+    """128-key tiles at head_dim 128 hold 64 KB of K/V a stage: 4 stages (the batch-1 plan's) need
+    more than a program's 227 KB, which the GPU reports only when it loads the kernel; the wrapper
+    names the config before lowering. 3 stages fit and lower."""
+    shapes = [sd(x.shape, x.dtype) for x in attention_args(1, 1, 16, 32, 8, 128, 128, [[0]], [[16]])]
+    shapes[1] = shapes[2] = sd((1, 4096, 8, 128), jnp.bfloat16)
+
+    def lower(config):
+        fn = jax.jit(lambda *a: attention_mgpu.forward(*a, causal=True, interpret=False, config=config)[0])
+        return lower_for(fn, shapes, "cuda")
+
+    with pytest.raises(ValueError, match=r"block_k=128 with 4 stages needs 288 KB of shared memory"):
+        lower(MosaicConfig(block_k=128))
+    assert "custom_call @mosaic_gpu" in lower(MosaicConfig(block_k=128, stages=3)).as_text()
+
+
 def test_paged_block_attention_lowers_for_cuda():
     """A decode token and a verify block of Qwen3-8B heads over 64-position pages: one Mosaic GPU
     kernel reading the pools through the table, no gather of the context in XLA."""
