@@ -74,8 +74,13 @@ def decode_rows(target, drafter, config: EngineConfig, args) -> list[dict]:
             for batch in args.batch_list:
                 # the window the batcher would pick: every row's reach over the calls
                 window = args.context + (2 + args.repeats) * args.steps * engine.block_size
+                t0 = time.perf_counter()
                 seconds, tau = timing.time_decode(engine, batch, args.context, args.steps, args.repeats, window=window)
                 rows[batch][f"{kind}_{variant}"] = {"ms_per_step": 1e3 * seconds, "tau": tau}
+                # each case as it is measured: a run cut short by its time limit keeps what it timed
+                print(f"  {kind} {variant} batch {batch}: {1e3 * seconds:.3f} ms per step "
+                      f"({time.perf_counter() - t0:.0f} s with compiling)", flush=True)
+                timing.write_json(args.json, {"decode_partial": list(rows.values())})
             del engine
             gc.collect()
     for row in rows.values():
