@@ -1,8 +1,7 @@
 """The shipped embedded default pair (models/embedded/, built by scripts/build_embedded_default.sh):
-the tokenizer loads with its EOS and mask tokens (and, with a chat template, ChatML role tokens whose
-end-of-turn stops generation), every file fits the repository's transfer limits, speculative decoding
-with the drafter gives the target's exact greedy output with tau well above 1 on held-out prompts,
-and the notebook runs. Shape-agnostic: it holds for any pair the build writes."""
+the tokenizer loads with its EOS and mask tokens, the Orbax checkpoint holds the same drafter as the
+z-lab export, speculative decoding with the drafter gives the target's exact greedy output with
+tau well above 1 on held-out prompts, and the notebook runs."""
 
 import os
 import time
@@ -11,16 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_jax.embedded import DEFAULT_DRAFTER, DEFAULT_TARGET, EMBEDDED_DIR, available, heldout_prompts
+from dflash_jax.embedded import DEFAULT_DRAFTER, DEFAULT_DRAFTER_ORBAX, DEFAULT_TARGET, available, heldout_prompts
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "embedded_default.ipynb"
 
 pytestmark = pytest.mark.skipif(not available(), reason="models/embedded is not built")
 
-MIN_TAU = 3.0  # well below what the build measures on its held-out prompts (models/embedded/eval.json)
-MAX_FILE_BYTES = 15 * 2**20  # every shipped file travels through channels limited to 16 MiB per file
-MAX_TOTAL_BYTES = 48 * 10**6  # the repository (models included) travels under a 64 MiB cap
+MIN_TAU = 3.0  # the shipped pair measures ~5.5 on 24 held-out prompts (docs/embedded_default.md)
 
 
 @pytest.fixture(scope="module")
@@ -33,33 +30,27 @@ def pair():
 
 def test_tokenizer_and_configs(pair):
     target, drafter, tok = pair
-    assert tok.eos_token_id in tok.stop_token_ids
-    assert set(tok.stop_token_ids) == set(target.config.eos_token_ids)
+    assert tok.stop_token_ids == [0] == list(target.config.eos_token_ids)
     assert tok.decode([drafter.config.mask_token_id], False) == "<|mask|>"
     assert tok.vocab_size == target.config.vocab_size
-    assert drafter.config.hidden_size == target.config.hidden_size
     text = "def f(x):\n    return x\n"
     assert tok.decode(tok.encode(text, add_special_tokens=True)) == text
 
 
-def test_chat_template_ends_turns_with_a_stop_token(pair):
-    _, _, tok = pair
-    if tok.chat_template is None:
-        pytest.skip("this pair has no chat template")
-    messages = [{"role": "user", "content": "Write a function `f(x)`."}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
-    end_of_turn = tok.token_to_id("<|im_end|>")
-    assert end_of_turn is not None and end_of_turn in tok.stop_token_ids
-    assert ids.count(end_of_turn) == 1 and ids[-1] != end_of_turn  # the prompt ends at the assistant's turn
-    assert tok.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+def test_orbax_checkpoint_is_the_exported_drafter(pair):
+    import jax
+    from flax import nnx
 
+    import dflash_jax as dj
 
-def test_files_fit_the_transfer_limits():
-    files = [p for p in EMBEDDED_DIR.rglob("*") if p.is_file()]
-    big = [f"{p.relative_to(EMBEDDED_DIR)} ({p.stat().st_size} bytes)" for p in files if p.stat().st_size > MAX_FILE_BYTES]
-    assert not big, f"files over {MAX_FILE_BYTES} bytes (shard them): {big}"
-    total = sum(p.stat().st_size for p in files)
-    assert total <= MAX_TOTAL_BYTES, f"models/embedded holds {total} bytes"
+    _, drafter, _ = pair
+    from_orbax = dj.load_drafter(DEFAULT_DRAFTER_ORBAX)
+    assert from_orbax.config == drafter.config
+    a = jax.tree.leaves(nnx.state(drafter, nnx.Param))
+    b = jax.tree.leaves(nnx.state(from_orbax, nnx.Param))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from dflash_jax.io.checkpoint import load_drafter, load_target
-from dflash_jax.runtime.acceptance import mean_acceptance, sampled_tau
+from dflash_jax.runtime.acceptance import sampled_tau
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.runtime.warmup import first_request_shapes, run_warmup, warmup_plan
 from dflash_jax.tiny import write_copycat_pair
@@ -68,14 +68,12 @@ def decode_seconds_per_step(results) -> float:
 def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
             stop_token_ids: list[int] | None = None, *, block_sizes: Sequence[int] = (16, 8, 4),
             calibration: list[list[int]] | None = None, warmed_up: Callable[[], None] | None = None,
-            repeats: int = 2, others: dict | None = None, temperatures: Sequence[float] = ()) -> dict:
+            repeats: int = 2, temperatures: Sequence[float] = ()) -> dict:
     """Greedy generation with and without the drafter (batch 1: latency mode), timed after warm-up.
 
     The warm-up compiles what the prompts meet and, where ``block_sizes`` offers a choice, times each
     block size on ``calibration`` (default: the prompts) and keeps the fastest; ``warmed_up()`` is
     called when it ends. Each side is then timed ``repeats`` times, alternately; the best counts.
-    ``others`` (name -> drafter, e.g. the pair's DFlash2 drafter) are timed the same way at the chosen
-    block size and reported under ``"others"`` against the same target-only time.
     Then, untimed, tau of seeded sampling at each of ``temperatures`` in both verification modes, and
     whether exact verification gave target-only sampling's tokens (``runtime.acceptance.sampled_tau``)."""
     calibration = calibration or prompts
@@ -98,36 +96,24 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
             log.info("demo warm-up: block size %d: %.1f tokens/s", block, rates[block])
         if spec is None or rates[block] > rates[spec.block_size]:
             spec = engine
-    extra = {}
-    for name, other in (others or {}).items():
-        engine = Engine(target, other, dataclasses.replace(config, block_size=min(spec.block_size,
-                                                                                   other.config.block_size)))
-        warm(engine, prompts, max_new_tokens, name)
-        extra[name] = engine
     if warmed_up is not None:
         warmed_up()
-    timed = {"dflash": spec, **extra, "target-only": plain}
-    seconds = dict.fromkeys(timed, float("inf"))
-    outputs = {}
-    for _ in range(repeats):  # alternating, the best of each: a shared machine's hiccups hit one run, not all
-        for name, engine in timed.items():
-            t0 = time.perf_counter()
-            outputs[name] = engine.generate(prompts, max_new_tokens, stop_token_ids)
-            seconds[name] = min(seconds[name], time.perf_counter() - t0)
-    fast, slow, t_spec, t_plain = outputs["dflash"], outputs["target-only"], seconds["dflash"], seconds["target-only"]
+    t_spec = t_plain = float("inf")
+    for _ in range(repeats):  # alternating, the best of each: a shared machine's hiccups hit one run, not both
+        t0 = time.perf_counter()
+        fast = spec.generate(prompts, max_new_tokens, stop_token_ids)
+        t_spec = min(t_spec, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        slow = plain.generate(prompts, max_new_tokens, stop_token_ids)
+        t_plain = min(t_plain, time.perf_counter() - t0)
     lengths = [n for r in fast for n in r.acceptance_lengths]
-    others_report = {
-        name: dict(block_size=extra[name].block_size, tau=mean_acceptance(outputs[name]), speedup=t_plain / seconds[name],
-                   dflash_s=seconds[name], identical=all(a.output_ids == b.output_ids
-                                                         for a, b in zip(outputs[name], slow)))
-        for name in extra}
     sampled = sampled_tau(spec, plain, prompts, max_new_tokens, temperatures, stop_token_ids) if temperatures else []
     return dict(sampled=sampled,
         device=describe_device(), block_size=spec.block_size, block_rates=rates,
         prompts=len(prompts), max_new_tokens=max_new_tokens, output_tokens=sum(r.num_output_tokens for r in fast),
         identical=all(a.output_ids == b.output_ids for a, b in zip(fast, slow)),
         identical_prompts=sum(a.output_ids == b.output_ids for a, b in zip(fast, slow)),
-        tau=mean_acceptance(fast), others=others_report,
+        tau=float(np.mean(lengths)) if lengths else 1.0,
         histogram=dict(sorted(collections.Counter(lengths).items())),
         dflash_s=t_spec, target_only_s=t_plain, speedup=t_plain / t_spec,
         # what one DFlash step (draft a block, verify it) costs in target-only steps, here
@@ -153,12 +139,9 @@ def run_demo(num_prompts: int = 8, max_new_tokens: int = 96, block_sizes: Sequen
         held = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
         prompts = held[:num_prompts]
         calibration = held[num_prompts:num_prompts + CALIBRATION_PROMPTS] or held[-CALIBRATION_PROMPTS:]
-        # The pair's DFlash2 drafter (same recipe, convolutions and a candidate selector), side by side.
-        others = ({"DFlash2": load_drafter(embedded.DEFAULT_DRAFTER2)} if embedded.DEFAULT_DRAFTER2.is_dir()
-                  else {})
         report = compare(target, drafter, prompts, max_new_tokens, list(tokenizer.stop_token_ids),
                          block_sizes=block_sizes, calibration=calibration, warmed_up=warmed_up,
-                         temperatures=temperatures, others=others)
+                         temperatures=temperatures)
         report["pair"] = f"the embedded default pair ({embedded.EMBEDDED_DIR})"
         report["what"] = "held-out stdlib prompts (signatures and docstrings)"
         report["sample"] = (texts[0], tokenizer.decode(report["results"][0].output_ids))
@@ -194,9 +177,6 @@ def print_demo(report: dict) -> None:
     n = report["output_tokens"]
     print(f"  time: DFlash {report['dflash_s']:.2f} s ({n / report['dflash_s']:.0f} tok/s), target-only "
           f"{report['target_only_s']:.2f} s ({n / report['target_only_s']:.0f} tok/s): speedup {speedup:.2f}x")
-    for name, other in report.get("others", {}).items():
-        print(f"  {name} drafter, block size {other['block_size']}: tau {other['tau']:.2f}, speedup "
-              f"{other['speedup']:.2f}x, output identical: {'yes' if other['identical'] else 'NO'}")
     if report.get("sampled"):
         by_t: dict[float, list[str]] = {}
         for row in report["sampled"]:

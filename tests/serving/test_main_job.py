@@ -18,8 +18,7 @@ def test_main_job_reports_tau_and_speedup_on_a_fresh_checkout(tmp_path):
         pytest.skip("needs a git checkout")
     checkout = tmp_path / "checkout"
     subprocess.run(["git", "clone", "-q", str(REPO), str(checkout)], check=True)
-    target = checkout / "models" / "embedded" / "target"
-    if not any((target / name).exists() for name in ("model.safetensors", "model.safetensors.index.json")):
+    if not (checkout / "models" / "embedded" / "target" / "model.safetensors").exists():
         pytest.skip("the embedded default pair is not committed in this checkout")
     # scripts/demo.sh = `pip install -e .` + `python serve.py demo`; the install is already done here
     # (re-pointing it at a temporary clone would break the other tests), so run the job itself.
@@ -38,9 +37,6 @@ def test_main_job_reports_tau_and_speedup_on_a_fresh_checkout(tmp_path):
     speedup = float(re.search(r"speedup ([0-9.]+)x", out).group(1))
     assert tau > 1.5, out
     assert speedup > 0, out
-    if (checkout / "models" / "embedded" / "drafter2").is_dir():  # the DFlash2 drafter side by side
-        assert re.search(r"DFlash2 drafter, block size \d+: tau [0-9.]+, speedup [0-9.]+x, output identical: yes",
-                         out), out
     # tau of seeded sampling in both verification modes; exact verification is target-only sampling's tokens
     assert re.search(r"tau with seeded sampling: T=0\.7 exact [0-9.]+ \(= target-only sampling: yes\), "
                      r"rejection [0-9.]+; T=1 exact [0-9.]+ \(= target-only sampling: yes\), rejection [0-9.]+", out), out
