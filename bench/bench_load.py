@@ -9,8 +9,8 @@ its batch sizes), first every decode program of the context is compiled, in para
 (``--compile-threads``: XLA compiles outside the GIL; the tracing runs on this thread meanwhile), then
 per batch size, on copies of one random state:
 
-- the step costs of the adaptive engine's blocks (16, 8, 4 and its target-only step, which still
-  feeds the drafter's context) and of a plain target-only engine, by synchronised calls (the block-16
+- the step costs of the adaptive engine's blocks (16, 8, 4 and its target-only step, whose taps
+  feed the drafter's context in one projection per call) and of a plain target-only engine, by synchronised calls (the block-16
   DFlash step / target step ratio comes from them);
 - ``--calls`` synchronised decode calls of ``--steps`` steps after an untimed one, tokens/s =
   committed tokens / seconds: target-only (the plain engine, once: it does not depend on the level),
