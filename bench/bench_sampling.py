@@ -9,6 +9,10 @@ uses the mode's parameters; each mode is the engine's jitted decode loop with th
 alone, so that its GEMM autotuning runs undisturbed, then the others on threads), then the modes
 are timed in interleaved rounds of synchronised calls (state donated), and printed against greedy.
 
+With ``--profile`` (the default on a GPU), the largest batch's greedy call and each other mode's call
+are traced once more: the kernels of a sampled step that the greedy step does not launch, by total time
+a step, beside both steps' kernel counts and busy time (where a mode's extra time goes).
+
 Before the timing, a check on the device: draws read from the candidates (noise at their ids only)
 equal the draws over whole rows, bit for bit, on random rows of the vocabulary's width.
 
@@ -63,7 +67,8 @@ def sampled_state(engine: Engine, batch: int, context: int, params: SamplingPara
     return dataclasses.replace(state, sampling=sampling)
 
 
-def time_modes(engine: Engine, batch: int, context: int, modes: list[str], steps: int, repeats: int):
+def time_modes(engine: Engine, batch: int, context: int, modes: list[str], steps: int, repeats: int,
+               profile_dir: str | None = None):
     """Per mode: median seconds per decode step over ``repeats`` interleaved rounds of one synchronised
     call of ``steps`` steps each, and tokens committed per step. Every mode is compiled, and run twice
     untimed, before any is timed."""
@@ -93,7 +98,33 @@ def time_modes(engine: Engine, batch: int, context: int, modes: list[str], steps
             raise ValueError(f"rows reached max_length during the timing (advanced {advanced.min()} tokens in "
                              f"{repeats * steps} steps); raise --max-length")
         out[m] = (statistics.median(times[m]), float(advanced.mean() / (repeats * steps)))
-    return out, compile_s
+    kernels = {}
+    if profile_dir is not None:  # after the timing: the traced calls move the rows on
+        for m in modes:
+            def run(m=m):
+                states[m], _ = engine.decode(states[m], n_steps=steps, sampling=flags[m])
+                jax.block_until_ready(states[m].starts)
+            durations = timing.gpu_kernel_times(run, f"{profile_dir}/{m}", calls=1)
+            if durations is not None:
+                kernels[m] = {name: sum(d) / steps for name, d in durations.items()}
+    return out, compile_s, kernels
+
+
+def print_extra_kernels(kernels: dict[str, dict[str, float]], batch: int, top: int = 12) -> None:
+    """Per mode against greedy (us a step): kernel counts and busy time, and the kernels the greedy step
+    does not launch, largest first (names are XLA's fusions and custom calls of that program)."""
+    greedy = kernels.get("greedy")
+    if not greedy:
+        return
+    for mode, ks in kernels.items():
+        if mode == "greedy":
+            continue
+        extra = sorted(((us, name) for name, us in ks.items() if name not in greedy), reverse=True)
+        print(f"\nbatch {batch}, {mode}: busy {sum(greedy.values()):.0f} -> {sum(ks.values()):.0f} us a step, "
+              f"{len(greedy)} -> {len(ks)} kernel names; {sum(us for us, _ in extra):.0f} us in kernels greedy "
+              f"does not launch:")
+        for us, name in extra[:top]:
+            print(f"  {us:9.1f} us  {name[:90]}")
 
 
 def check_candidate_draws(vocab: int, rows: int, scale: float, candidates: int) -> dict:
@@ -144,6 +175,10 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, default=64, help="EngineConfig.sampling_candidates")
     ap.add_argument("--max-length", type=int, default=None, help="default: context + room for every timed step")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
+                    help="trace the largest batch's calls and print the sampled steps' extra kernels "
+                         "(default: on a GPU)")
+    ap.add_argument("--profile-dir", default="/tmp/bench_sampling_profile")
     ap.add_argument("--json", "--out", dest="out", default=None, help="JSON report (e.g. bench/results/sampling.json)")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -165,9 +200,14 @@ def main() -> None:
     engine = Engine(target, drafter, EngineConfig(max_batch_size=max(int(b) for b in args.batches.split(",")),
                                                   max_length=max_length, sampling_candidates=args.candidates))
     rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
+    batches = [int(b) for b in args.batches.split(",")]
+    profile = jax.default_backend() == "gpu" if args.profile is None else args.profile
+    for batch in batches:
         t0 = time.perf_counter()
-        timed, compile_s = time_modes(engine, batch, args.context, modes, args.steps, args.repeats)
+        traced = f"{args.profile_dir}/b{batch}" if profile and batch == max(batches) else None
+        timed, compile_s, kernels = time_modes(engine, batch, args.context, modes, args.steps, args.repeats, traced)
+        if kernels:
+            report.setdefault("kernels_us_per_step", {})[batch] = kernels
         for mode, (step, tau) in timed.items():
             report["results"][f"{mode}@{batch}"] = dict(step_s=step, tau=tau, x_greedy=step / timed["greedy"][0])
             rows.append((batch, mode, step, tau))
@@ -180,6 +220,8 @@ def main() -> None:
     for batch, mode, step, tau in rows:
         greedy = next(s for b, m, s, _ in rows if b == batch and m == "greedy")
         print(f"{batch:5d} {mode:13s} {step * 1e3:9.3f} {step / greedy:9.3f} {tau:5.2f}  {MODES[mode][1]}")
+    for batch, kernels in report.get("kernels_us_per_step", {}).items():
+        print_extra_kernels(kernels, batch)
     print(f"target: sampled and logprobs <= 1.03 x greedy; {time.perf_counter() - t_start:.0f} s in all")
     report["total_s"] = time.perf_counter() - t_start
     timing.write_json(args.out, report)
