@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")  # the oracles; without torch (e.g. a jax-only venv) the module skips
 
 from dflash_jax import ContinuousBatcher, Engine, EngineConfig, load_drafter, load_target, sharding
 from dflash_jax.ops.cache import CACHE_AXES

@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")  # the oracles; without torch (e.g. a jax-only venv) the module skips
 from transformers.generation import logits_process as hf
 
 from dflash_jax import Engine, EngineConfig, SamplingParams, target_forward

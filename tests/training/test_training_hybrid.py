@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("torch")  # hybrid_fixtures writes its checkpoints with transformers
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybrid_fixtures import write_hf_hybrid  # noqa: E402
 
