@@ -30,10 +30,11 @@ def interpret_params(interpret: bool) -> Any:
     return plgpu.InterpretGPUParams()
 
 
-def load(ref: Any, layout: Any) -> Any:
+def load(ref: Any, layout: Any, *, optimized: bool = True) -> Any:
     """``plgpu.load`` of the whole ``ref`` in ``layout``: JAX 0.10 requires the index argument that
-    JAX 0.11 deprecates and JAX 0.12 no longer takes."""
+    JAX 0.11 deprecates and JAX 0.12 no longer takes. ``optimized=False`` accepts a transfer with
+    shared-memory bank conflicts (an unswizzled tile whose rows are a multiple of 128 bytes apart)."""
     idx = inspect.signature(plgpu.load).parameters.get("idx")
     if idx is not None and idx.default is inspect.Parameter.empty:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)

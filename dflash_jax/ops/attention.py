@@ -278,8 +278,9 @@ def cached_attention(
     the cache write and the attention, instead of ~12 XLA kernels. Its reference is the rest of this
     function: the same steps in jnp, which also serve the layers the kernel does not take (attention
     sinks, a sliding window, YaRN's ``rope_factor``: gpt-oss). With ``ops.gpu_lowering == "mosaic"``
-    the steps before the attention run in XLA and the attention is the Mosaic GPU kernel
-    (``attend_and_write``).
+    two Mosaic GPU kernels where they take the shapes (``mosaic_cached_attention``): the prologue
+    (the steps before the attention, packed into the attention's input) and the block attention;
+    elsewhere the jnp steps (``cached_attention_prologue``) and ``attend_and_write``.
     """
     batch, block, head_dim = k_cache.shape[0], qkv.shape[-4], k_cache.shape[-1]
     fused = ops.kernels and not ops.mosaic and sinks is None and window is None and rope_factor == 1.0
@@ -326,16 +327,87 @@ def cached_attention(
             if write:
                 k_cache, v_cache = outs[1:]
             return outs[0].reshape(batch, 1, block, num_heads, head_dim), k_cache, v_cache
+    if (ops.kernels and ops.mosaic and sinks is None and window is None and rope_factor == 1.0
+            and not isinstance(k_cache, PagedKV)):
+        out = mosaic_cached_attention(qkv, starts, k_cache, v_cache, blk_lens, q_norm=q_norm, k_norm=k_norm,
+                                      eps=eps, inv_freq=inv_freq, num_heads=num_heads, causal=causal, write=write,
+                                      row_scale=row_scale)
+        if out is not None:
+            return out
+    q, k, v = cached_attention_prologue(qkv, starts, batch, k_cache.dtype, q_norm=q_norm, k_norm=k_norm, eps=eps,
+                                        inv_freq=inv_freq, num_heads=num_heads, row_scale=row_scale,
+                                        rope_factor=rope_factor)
+    return attend_and_write(q[:, None], k[:, None], v[:, None], starts, k_cache, v_cache, blk_lens,
+                            causal=causal, write=write, ops=ops, sinks=sinks, window=window)
+
+
+def cached_attention_prologue(qkv: jax.Array, starts: jax.Array, batch: int, dtype, *, q_norm: jax.Array | None,
+                              k_norm: jax.Array | None, eps: float, inv_freq, num_heads: int,
+                              row_scale: jax.Array | None = None,
+                              rope_factor: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``cached_attention``'s steps before the attention, in jnp (the kernels' reference): the
+    projection ``qkv`` (or its float32 partials summed in order) times ``row_scale`` and rounded to
+    ``dtype``, split, q and k normed and rotated at ``starts + slot`` -> q ``[batch, block, heads,
+    head_dim]``, k, v ``[batch, block, kv_heads, head_dim]``."""
     if qkv.ndim == 6 or row_scale is not None:  # the kernel's sum (in order) and row scale, in float32
         x = qkv.astype(jnp.float32)
         x = (functools.reduce(jnp.add, list(x)) if qkv.ndim == 6 else x)[:batch]
-        qkv = (x if row_scale is None else x * row_scale[:, :, None, None, None]).astype(k_cache.dtype)
-    positions = starts[:, None] + jnp.arange(block, dtype=jnp.int32)
+        qkv = (x if row_scale is None else x * row_scale[:, :, None, None, None]).astype(dtype)
+    positions = starts[:, None] + jnp.arange(qkv.shape[-4], dtype=jnp.int32)
     q, k, v = split_qkv(qkv[:batch], num_heads)
-    q = finish_qk(q, positions, q_norm, eps, inv_freq, rope_factor)
-    k = finish_qk(k, positions, k_norm, eps, inv_freq, rope_factor)
-    return attend_and_write(q[:, None], k[:, None], v[:, None], starts, k_cache, v_cache, blk_lens,
-                            causal=causal, write=write, ops=ops, sinks=sinks, window=window)
+    return (finish_qk(q, positions, q_norm, eps, inv_freq, rope_factor),
+            finish_qk(k, positions, k_norm, eps, inv_freq, rope_factor), v)
+
+
+def mosaic_cached_attention(qkv: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                            blk_lens: jax.Array, *, q_norm: jax.Array | None, k_norm: jax.Array | None, eps: float,
+                            inv_freq: tuple[float, ...], num_heads: int, causal: bool, write: bool,
+                            row_scale: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """``cached_attention`` on the Mosaic GPU lowering, or None where its kernels do not take the shapes:
+    the prologue kernel (``kernels_pallas.cached_attention.mosaic_gpu``: partials' sum, row scale,
+    q/k norms, RoPE, packed into the attention's input), the Mosaic GPU block attention over the
+    caches (``block_attention.mosaic_gpu.attention_partials``), the merge of its splits, and the
+    block's K/V written into the caches (``write_rows``, in place on donated caches)."""
+    from kernels_pallas._common import default_scale
+    from kernels_pallas.block_attention import mosaic_gpu as attention_mgpu
+    from kernels_pallas.cached_attention import mosaic_gpu as prologue_mgpu
+
+    batch, capacity, kv_heads, head_dim = k_cache.shape
+    block, groups = qkv.shape[-4], qkv.shape[-2] - 2
+    cfg, dtype = attention_mgpu.DEFAULT_CONFIG, k_cache.dtype
+    norms_ok = q_norm is None or (q_norm.dtype == dtype and k_norm is not None and k_norm.dtype == dtype)
+    if not (norms_ok and (q_norm is None) == (k_norm is None) and num_heads == kv_heads * groups
+            and prologue_mgpu.runs_here(qkv.shape, qkv.dtype, dtype, head_dim)
+            and attention_mgpu.runs_here(head_dim, capacity, dtype, cfg)):
+        return None
+    slots_of_rows = prologue_mgpu.packed_slots(block, groups, cfg.block_k)
+
+    def kernel(qkv, k_cache, v_cache, starts, blk_lens, *weights_and_scale):
+        b = k_cache.shape[0]
+        weights = weights_and_scale[:2] if q_norm is not None else (None, None)
+        rope = prologue_mgpu.rope_table(starts, inv_freq, slots_of_rows, dtype)
+        scales = weights_and_scale[-1][:, slots_of_rows] if row_scale is not None else None
+        packed, k_blk, v_blk = prologue_mgpu.prologue(qkv, rope, scales, *weights, eps=eps, batch=b,
+                                                      block_k=cfg.block_k, dtype=dtype)
+        o, m, l = attention_mgpu.attention_partials(
+            packed, k_cache, v_cache, jnp.clip(starts, 0, capacity), jnp.clip(blk_lens, 0, block), block=block,
+            groups=groups, causal=causal, scale=default_scale(head_dim, None), config=cfg)
+        out, _ = attention_mgpu.unpack_outputs(o, m, l, (b, 1, block, kv_heads * groups, head_dim), kv_heads)
+        return out.astype(dtype).reshape(b, block, kv_heads, groups, head_dim), k_blk, v_blk
+
+    # Per device under a kernel mesh: its rows and its KV heads (with their query heads).
+    per_head = (None,) * (qkv.ndim - 5) + ("batch", None, "kv_heads", None, None)
+    rows, blk = ("batch",), ("batch", None, "kv_heads", None)
+    weights = (q_norm, k_norm) if q_norm is not None else ()
+    scale = (row_scale,) if row_scale is not None else ()
+    attn, k_blk, v_blk = shard_kernel(
+        kernel, (per_head, CACHE_AXES, CACHE_AXES, rows, rows) + ((None,),) * len(weights)
+        + (("batch", None),) * len(scale), (per_head[-5:], blk, blk))(
+        qkv, k_cache, v_cache, starts, blk_lens, *weights, *scale)
+    attn = attn.reshape(batch, 1, block, num_heads, head_dim)
+    if not write:
+        return attn, k_cache, v_cache
+    return attn, write_rows(k_cache, k_blk, starts), write_rows(v_cache, v_blk, starts)
 
 
 def attend_and_write(q, k, v, starts, k_cache, v_cache, blk_lens, *, causal: bool, write: bool,

@@ -414,18 +414,28 @@ def _forward(q, k_ctx, v_ctx, ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal, 
     b, n, t, hq, d = q.shape
     hkv = k_blk.shape[3]
     g = hq // hkv
-    rows = t * g
     o, m, l = attention_partials(
         pack_inputs(q.astype(k_ctx.dtype), k_blk, v_blk, cfg.block_k), k_ctx, v_ctx,
         jnp.clip(ctx_lens, 0, ctx).reshape(b * n), jnp.clip(blk_lens, 0, t).reshape(b * n),
         block=t, groups=g, causal=causal, scale=default_scale(d, scale), config=cfg, interpret=interpret,
         page_table=page_table)
+    out, lse = unpack_outputs(o, m, l, q.shape, hkv)
+    return out.astype(q.dtype), lse
+
+
+def unpack_outputs(o: jax.Array, m: jax.Array, l: jax.Array, q_shape: tuple[int, ...],
+                   kv_heads: int) -> tuple[jax.Array, jax.Array]:
+    """``attention_partials``' outputs for queries ``q_shape [B, N, T, Hq, D]`` -> ``(out [B, N, T, Hq,
+    D], lse [B, N, Hkv, T * G] float32)``: the splits merged (one fusion with the unfold) or, with one
+    split, the rows unfolded."""
+    b, n, t, hq, d = q_shape
+    g = hq // kv_heads
+    rows = t * g
     o, m, l = o[..., :rows, :], m[..., :rows], l[..., :rows]
     if o.shape[2] == 1:
         o, m, l = o[:, :, 0], m[:, :, 0], l[:, :, 0]
     else:  # one fusion: the merge, the unfold below and the cast
         o, m, l = merge_splits(o, m, l, axis=2)
-    lse = jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)), NEG).reshape(b, n, hkv, rows)
+    lse = jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)), NEG).reshape(b, n, kv_heads, rows)
     # [B * N, Hkv, T * G, D] -> [B, N, T, Hq, D]: a bitcast for a decode token (T == 1)
-    out = o.reshape(b, n, hkv, t, g, d).transpose(0, 1, 3, 2, 4, 5).reshape(b, n, t, hq, d)
-    return out.astype(q.dtype), lse
+    return o.reshape(b, n, kv_heads, t, g, d).transpose(0, 1, 3, 2, 4, 5).reshape(b, n, t, hq, d), lse

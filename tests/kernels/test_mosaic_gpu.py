@@ -364,3 +364,85 @@ def test_cached_attention_on_the_mosaic_lowering_equals_reference():
     assert float(jnp.max(jnp.abs(got[0].astype(jnp.float32) - want[0].astype(jnp.float32)))) < 2e-2
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
+
+
+# -- the cached attention's prologue -----------------------------------------------------------------
+
+
+def prologue_args(batch, block, kv_heads, groups, head_dim, *, parts=0, rows=None, scaled=True, qk_norm=True,
+                  dtype=jnp.bfloat16, seed=0):
+    """``cached_attention``'s projection (``parts`` float32 partials of ``rows >= batch`` rows, else
+    ``[batch, block, ...]`` in ``dtype``), starts, row scale and q/k norm weights."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    heads = (kv_heads, groups + 2, head_dim)
+    if parts:
+        qkv = normal(ks[0], (parts, rows or batch, block) + heads, jnp.float32) * 0.5
+    else:
+        qkv = normal(ks[0], (batch, block) + heads, dtype)
+    starts = jax.random.randint(ks[1], (batch,), 0, 5000, jnp.int32)
+    row_scale = (0.5 + jax.random.uniform(ks[2], (batch, block), jnp.float32)) if scaled else None
+    norms = [(1 + 0.2 * normal(k, (head_dim,), jnp.float32)).astype(dtype) for k in ks[3:5]] if qk_norm else [None] * 2
+    return qkv, starts, row_scale, norms
+
+
+def run_prologue(qkv, starts, row_scale, norms, batch, dtype, *, block_k=64, interpret=True):
+    from kernels_pallas.cached_attention import mosaic_gpu as prologue_mgpu
+
+    block, groups, head_dim = qkv.shape[-4], qkv.shape[-2] - 2, qkv.shape[-1]
+    slots_of_rows = prologue_mgpu.packed_slots(block, groups, block_k)
+    inv_freq = tuple(float(f) for f in rope_inv_freq(head_dim, 1e6, None))
+    rope = prologue_mgpu.rope_table(starts, inv_freq, slots_of_rows, dtype)
+    scales = None if row_scale is None else row_scale[:, slots_of_rows]
+    return prologue_mgpu.prologue(qkv, rope, scales, *norms, eps=1e-6, batch=batch, block_k=block_k, dtype=dtype,
+                                  interpret=interpret)
+
+
+def reference_prologue(qkv, starts, row_scale, norms, batch, dtype, *, block_k=64):
+    """``ops.attention.cached_attention_prologue`` packed by ``pack_inputs``: the kernel's contract."""
+    kv_heads, groups, head_dim = qkv.shape[-3], qkv.shape[-2] - 2, qkv.shape[-1]
+    inv_freq = tuple(float(f) for f in rope_inv_freq(head_dim, 1e6, None))
+    q, k, v = attention_ops.cached_attention_prologue(qkv, starts, batch, dtype, q_norm=norms[0], k_norm=norms[1],
+                                                      eps=1e-6, inv_freq=inv_freq, num_heads=kv_heads * groups,
+                                                      row_scale=row_scale)
+    packed = attention_mgpu.pack_inputs(q[:, None], k[:, None], v[:, None], block_k)
+    return packed.reshape((batch,) + packed.shape[1:]), k, v
+
+
+@pytest.mark.parametrize("batch,block,parts", [(1, 1, 8), (1, 16, 0), (16, 16, 0), (16, 1, 0), (16, 1, 8)])
+def test_cached_attention_prologue_lowers_for_cuda(batch, block, parts):
+    """Qwen3-8B heads in bf16 (a decode token's 8 float32 partials, verify blocks, wide batches): the
+    prologue is one Mosaic GPU kernel, no XLA transpose or pad of the projection after it."""
+    qkv, starts, row_scale, norms = prologue_args(batch, block, 8, 4, 128, parts=parts, rows=max(batch, 2))
+    fn = jax.jit(lambda qkv, starts, scale, qn, kn: run_prologue(qkv, starts, scale, (qn, kn), batch, jnp.bfloat16,
+                                                                 interpret=False))
+    text = lower_for(fn, [sd(x.shape, x.dtype) for x in (qkv, starts, row_scale, *norms)], "cuda").as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1 and "stablehlo.transpose" not in text
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cached_attention_prologue_interpreted_equals_reference(dtype):
+    """The prologue kernel against the jnp prologue packed by ``pack_inputs``: split-K partials of a
+    padded batch with a row scale, an odd block of several rows with a row scale, a block without
+    q/k norms or row scale (two query tiles: 6 slots of 16 groups), 128-key tiles. Float32 within
+    float32 rounding (the norm sums its squares in its own order), bf16 within a bf16 rounding; the
+    block's K and V equal the packed ones."""
+    cases = ((dict(batch=1, block=1, kv_heads=2, groups=4, head_dim=64, parts=3, rows=2), 64),
+             (dict(batch=3, block=3, kv_heads=2, groups=2, head_dim=64), 64),
+             (dict(batch=2, block=6, kv_heads=1, groups=16, head_dim=128, scaled=False, qk_norm=False), 64),
+             (dict(batch=2, block=5, kv_heads=1, groups=4, head_dim=64), 128))
+    for shape, block_k in cases:
+        batch = shape["batch"]
+        args = prologue_args(**shape, dtype=dtype, seed=block_k + batch)
+        packed, k, v = run_prologue(*args, batch, dtype, block_k=block_k)
+        want, k_want, v_want = reference_prologue(*args, batch, dtype, block_k=block_k)
+        assert packed.shape == want.shape and packed.dtype == want.dtype, shape
+        tolerance = 2 ** -7 if dtype == jnp.bfloat16 else 2 ** -20  # relative, of the largest value
+        largest = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+        assert largest_error(packed, want) <= tolerance * largest, shape
+        block, kv_heads = k.shape[1], k.shape[2]
+        slots = -(-block // block_k) * block_k
+        assert k.shape == (batch, block, kv_heads, want.shape[-1]) and v.shape == k.shape
+        for got, rows in ((k, packed[:, :, :block]), (v, packed[:, :, slots:slots + block])):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.moveaxis(rows, 1, 2)))
+        assert largest_error(v, v_want) == 0.0 and largest_error(k, k_want) <= tolerance * largest, shape
