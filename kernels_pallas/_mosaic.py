@@ -38,3 +38,12 @@ def load(ref: Any, layout: Any, *, optimized: bool = True) -> Any:
     if idx is not None and idx.default is inspect.Parameter.empty:
         return plgpu.load(ref, (), layout=layout, optimized=optimized)
     return plgpu.load(ref, layout=layout, optimized=optimized)
+
+
+def store(ref: Any, value: Any, *, optimized: bool = True) -> None:
+    """``ref[...] = value``; ``optimized=False`` accepts a transfer with shared-memory bank conflicts
+    where this JAX has ``plgpu.store`` (0.12; 0.10 and 0.11 store without that check)."""
+    if hasattr(plgpu, "store"):
+        plgpu.store(ref, value, optimized=optimized)
+    else:
+        ref[...] = value

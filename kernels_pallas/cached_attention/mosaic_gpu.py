@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas._common import round_up
-from kernels_pallas._mosaic import interpret_params, load, mosaic_interpret_available
+from kernels_pallas._mosaic import interpret_params, load, mosaic_interpret_available, store
 
 ROWS = 64  # rows of a tile: the M of the WGMMA register layout (and of the attention's query tile)
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory a program may take (two programs share an SM)
@@ -208,9 +208,10 @@ def _kernel(qkv_gmem, rope_gmem, scales_gmem, qn_gmem, kn_gmem, packed_gmem, k_g
                           rounded_to(rounded_to(hi * cos) + rounded_to(lo * sin)))
             row = plgpu.broadcasted_iota(jnp.int32, lo.shape, 0, layout=WGMMA)
             for x, column in ((lo, 0), (hi, half)):  # padding rows are zeros, as pack_inputs pads
-                out_smem[:, pl.ds(column, half)] = jnp.where(row < used, x, 0.0).astype(dtype)
+                store(out_smem.at[:, pl.ds(column, half)], jnp.where(row < used, x, 0.0).astype(dtype),
+                      optimized=False)
         else:  # a tile past the block's own slots (block_k > 64): padding only
-            out_smem[...] = jnp.zeros(out_smem.shape, dtype)
+            store(out_smem, jnp.zeros(out_smem.shape, dtype), optimized=False)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, packed_gmem.at[b, h, pl.ds(tile * ROWS, ROWS)])
         if kind != "q" and used > 0:

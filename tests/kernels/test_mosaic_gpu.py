@@ -343,27 +343,37 @@ def test_block_attention_backward_through_the_custom_vjp():
 
 @interpreted
 @pytest.mark.slow
-def test_cached_attention_on_the_mosaic_lowering_equals_reference():
-    """``ops.attention.cached_attention`` with ``gpu_lowering="mosaic"``: the raw fused projection
-    through XLA's q/k norms, RoPE and cache write around the Mosaic GPU kernel (interpreted), against
-    the XLA reference: the attention and both caches."""
-    batch, block, kv_heads, groups, head_dim, capacity = 2, 2, 1, 2, 64, 128
-    ks = jax.random.split(jax.random.key(1), 5)
-    qkv = normal(ks[0], (batch, block, kv_heads, groups + 2, head_dim), jnp.bfloat16)
+@pytest.mark.parametrize("case", ["verify", "partials", "plain"])
+def test_cached_attention_on_the_mosaic_lowering_equals_reference(case):
+    """``ops.attention.cached_attention`` with ``gpu_lowering="mosaic"``: the prologue kernel (the raw
+    fused projection's q/k norms and RoPE; float32 partials of a padded batch with a row scale; a block
+    of 3 without q/k norms), the Mosaic GPU attention kernel and the cache write, interpreted, against
+    the XLA reference: the attention within bf16 rounding, both caches bit for bit; the causal verify
+    block and the drafter's block (not causal, not written)."""
+    batch, block, kv_heads, groups, head_dim, capacity = 2, 3 if case == "plain" else 2, 1, 2, 64, 128
+    ks = jax.random.split(jax.random.key(1), 6)
+    heads = (block, kv_heads, groups + 2, head_dim)
+    qkv = (normal(ks[0], (3, batch + 1) + heads, jnp.float32) if case == "partials"
+           else normal(ks[0], (batch,) + heads, jnp.bfloat16))
     k_cache, v_cache = (normal(k, (batch, capacity, kv_heads, head_dim), jnp.bfloat16) for k in ks[1:3])
     starts, blk_lens = jnp.array([70, 5], jnp.int32), jnp.array([2, 1], jnp.int32)
-    norms = [(1 + 0.2 * normal(k, (head_dim,), jnp.float32)).astype(jnp.bfloat16) for k in ks[3:5]]
+    norms = ([None] * 2 if case == "plain" else
+             [(1 + 0.2 * normal(k, (head_dim,), jnp.float32)).astype(jnp.bfloat16) for k in ks[3:5]])
+    row_scale = 0.5 + jax.random.uniform(ks[5], (batch, block), jnp.float32) if case == "partials" else None
     inv_freq = tuple(float(f) for f in rope_inv_freq(head_dim, 1e6, None))
+    mosaic = OpsConfig(attention="pallas", gpu_lowering="mosaic")
 
-    def run(ops):
+    def run(ops, causal=True, write=True):
         return attention_ops.cached_attention(qkv, starts, k_cache, v_cache, blk_lens, q_norm=norms[0],
-                                              k_norm=norms[1], eps=1e-6, inv_freq=inv_freq,
-                                              num_heads=kv_heads * groups, ops=ops)
+                                              k_norm=norms[1], eps=1e-6, inv_freq=inv_freq, row_scale=row_scale,
+                                              num_heads=kv_heads * groups, ops=ops, causal=causal, write=write)
 
-    got, want = run(OpsConfig(attention="pallas", gpu_lowering="mosaic")), run(XLA)
-    assert float(jnp.max(jnp.abs(got[0].astype(jnp.float32) - want[0].astype(jnp.float32)))) < 2e-2
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
+    assert "dflash_cached_attention_prologue_mgpu" in str(jax.make_jaxpr(lambda: run(mosaic))())
+    for causal, write in ((True, True), (False, False)):
+        got, want = run(mosaic, causal, write), run(XLA, causal, write)
+        assert largest_error(got[0], want[0]) < 2e-2, (case, causal)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
 
 
 # -- the cached attention's prologue -----------------------------------------------------------------
