@@ -157,8 +157,8 @@ KERNEL = OpsConfig(attention="pallas")
 def test_cached_attention_kernel_equals_reference(batch, block, mode, lowering):
     """The target's decode token and verify block (causal, the block written into the caches) and the
     drafter's block (bidirectional, the caches only read), one row and sixteen; the fused Triton
-    kernel, or on the Mosaic GPU lowering XLA's q/k norms, RoPE and cache write around the Mosaic GPU
-    attention (tests/gpu/test_gpu_mosaic.py)."""
+    kernel, or on the Mosaic GPU lowering its prologue kernel (q/k norms, RoPE, packing) and the Mosaic
+    GPU attention, the cache write in XLA (tests/gpu/test_gpu_mosaic.py)."""
     args = cached_args(batch, block, seed=batch * 100 + block)
     kw = dict(causal=mode == "verify", write=mode == "verify")
     ops = dataclasses.replace(KERNEL, gpu_lowering=lowering)
