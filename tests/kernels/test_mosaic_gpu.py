@@ -376,6 +376,35 @@ def test_cached_attention_on_the_mosaic_lowering_equals_reference(case):
         np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
 
 
+@interpreted
+@pytest.mark.slow
+def test_cached_attention_over_paged_caches_on_the_mosaic_lowering():
+    """``cached_attention`` over ``PagedKV`` caches with ``gpu_lowering="mosaic"``: the prologue kernel
+    and the paged attention kernel, equal to the same op over the gathered caches bit for bit, the
+    block written into the rows' pages."""
+    from dflash_jax.ops.paged_cache import PagedKV
+
+    args = attention_args(2, 1, 2, 4, 2, 64, 128, [[70], [5]], [[2], [1]], seed=3)
+    k_pool, v_pool, table = paged_args(args, 64, 6, seed=3)
+    writable = jnp.ones((2,), bool)
+    k_cache, v_cache = PagedKV(k_pool, table, writable, 2), PagedKV(v_pool, table, writable, 2)
+    qkv = normal(jax.random.key(4), (2, 2, 2, 4, 64), jnp.bfloat16)
+    starts, blk_lens = jnp.array([70, 5], jnp.int32), jnp.array([2, 1], jnp.int32)
+    inv_freq = tuple(float(f) for f in rope_inv_freq(64, 1e6, None))
+    mosaic = OpsConfig(attention="pallas", gpu_lowering="mosaic")
+
+    def run(k, v):
+        return attention_ops.cached_attention(qkv, starts, k, v, blk_lens, q_norm=None, k_norm=None, eps=1e-6,
+                                              inv_freq=inv_freq, num_heads=4, ops=mosaic)
+
+    jaxpr = str(jax.make_jaxpr(lambda: run(k_cache, v_cache))())
+    assert "dflash_cached_attention_prologue_mgpu" in jaxpr and "dflash_paged_block_attention_mgpu" in jaxpr
+    got, want = run(k_cache, v_cache), run(k_cache.gather(), v_cache.gather())
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1].gather()), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[2].gather()), np.asarray(want[2]))
+
+
 # -- the cached attention's prologue -----------------------------------------------------------------
 
 
