@@ -395,8 +395,9 @@ def mosaic_cached_attention(qkv: jax.Array, starts: jax.Array, k_cache: jax.Arra
         o, m, l = attention_mgpu.attention_partials(
             packed, k_cache, v_cache, jnp.clip(starts, 0, capacity), jnp.clip(blk_lens, 0, block), block=block,
             groups=groups, causal=causal, scale=default_scale(head_dim, None), config=cfg, page_table=page_table)
-        out, _ = attention_mgpu.unpack_outputs(o, m, l, (b, 1, block, kv_heads * groups, head_dim), kv_heads)
-        return out.astype(dtype).reshape(b, block, kv_heads, groups, head_dim), k_blk, v_blk
+        hkv = qkv.shape[-3]  # this device's KV heads under a kernel mesh
+        out, _ = attention_mgpu.unpack_outputs(o, m, l, (b, 1, block, hkv * groups, head_dim), hkv)
+        return out.astype(dtype).reshape(b, block, hkv, groups, head_dim), k_blk, v_blk
 
     weights = (q_norm, k_norm) if q_norm is not None else ()
     scale = (row_scale,) if row_scale is not None else ()

@@ -405,6 +405,32 @@ def test_cached_attention_over_paged_caches_on_the_mosaic_lowering():
     np.testing.assert_array_equal(np.asarray(got[2].gather()), np.asarray(want[2]))
 
 
+@interpreted
+def test_cached_attention_on_the_mosaic_lowering_per_device():
+    """Under a kernel mesh (rows on ``data``, KV heads on ``tensor``) the prologue and attention kernels
+    trace per device on their rows and KV heads (one shard_map; Mosaic GPU's interpreter runs one
+    device's kernels only, so the values are the GPU tests' and the single-device tests')."""
+    from dflash_jax import sharding
+    from dflash_jax.sharding import MeshConfig, make_mesh
+
+    batch, block, kv_heads, groups, head_dim = 2, 3, 2, 2, 64
+    qkv = jnp.zeros((batch, block, kv_heads, groups + 2, head_dim), jnp.bfloat16)
+    cache = jnp.zeros((batch, 128, kv_heads, head_dim), jnp.bfloat16)
+    norm = jnp.ones((head_dim,), jnp.bfloat16)
+    lens = jnp.array([3, 2], jnp.int32)
+    inv_freq = tuple(float(f) for f in rope_inv_freq(head_dim, 1e6, None))
+    mosaic = OpsConfig(attention="pallas", gpu_lowering="mosaic")
+
+    def run(qkv, k, v, starts):
+        return attention_ops.cached_attention(qkv, starts, k, v, lens, q_norm=norm, k_norm=norm, eps=1e-6,
+                                              inv_freq=inv_freq, num_heads=kv_heads * groups, ops=mosaic)
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2), jax.devices()[:4])
+    with sharding.kernel_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(run)(qkv, cache, cache, jnp.array([90, 4], jnp.int32)))
+    assert "shard_map" in jaxpr and "dflash_cached_attention_prologue_mgpu" in jaxpr
+
+
 # -- the cached attention's prologue -----------------------------------------------------------------
 
 
