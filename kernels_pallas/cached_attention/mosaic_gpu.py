@@ -87,6 +87,8 @@ def shared_memory_bytes(parts: int, block: int, groups: int, head_dim: int, qkv_
 
 
 def _buffer_rows(parts: int, block: int, groups: int) -> int:
+    """Rows of the projection buffer: the most rows a tile uses (``used``), each part's at ``p * used``,
+    and a whole 64-row tile from the last part's offset (the WGMMA layout's load)."""
     used = min(ROWS, max(block, block * groups))
     return (parts - 1) * used + ROWS
 
