@@ -485,6 +485,7 @@ def test_cached_attention_prologue_lowers_for_cuda(batch, block, parts):
 
 
 @interpreted
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cached_attention_prologue_interpreted_equals_reference(dtype):
     """The prologue kernel against the jnp prologue packed by ``pack_inputs``: split-K partials of a
