@@ -11,12 +11,20 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def mosaic_interpret_available() -> bool:
     """Whether this JAX runs Mosaic GPU kernels in interpret mode (jax >= 0.11)."""
     return hasattr(plgpu, "InterpretGPUParams")
+
+
+def mosaic_runs_here() -> bool:
+    """Whether Mosaic GPU kernels run on this platform: a GPU, or the CPU in Mosaic GPU's interpret mode
+    (jax >= 0.11); never a TPU."""
+    platform = jax.default_backend()
+    return platform == "gpu" or (platform != "tpu" and mosaic_interpret_available())
 
 
 def interpret_params(interpret: bool) -> Any:

@@ -59,7 +59,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas._common import NEG, check_shapes, default_scale, fold_q, round_up
 from kernels_pallas._flash import merge_splits
-from kernels_pallas._mosaic import interpret_params, mosaic_interpret_available
+from kernels_pallas._mosaic import interpret_params, mosaic_runs_here
 from kernels_pallas.block_attention.gpu import GpuConfig, num_sms
 
 ROWS = 64  # query rows of a program: the M of one warpgroup's wgmma
@@ -108,10 +108,7 @@ def supports(head_dim: int, ctx: int, dtype, cfg: MosaicConfig = DEFAULT_CONFIG)
 def runs_here(head_dim: int, ctx: int, dtype, cfg: MosaicConfig = DEFAULT_CONFIG) -> bool:
     """Whether ``forward`` runs on this platform and shapes: a GPU, or the CPU in Mosaic GPU's
     interpret mode (jax >= 0.11), and ``supports``."""
-    platform = jax.default_backend()
-    if platform == "tpu" or (platform != "gpu" and not mosaic_interpret_available()):
-        return False
-    return supports(head_dim, ctx, dtype, cfg)
+    return mosaic_runs_here() and supports(head_dim, ctx, dtype, cfg)
 
 
 def plan(rows: int, kv_heads: int, query_tiles: int, ctx: int, cfg: MosaicConfig) -> tuple[int, int]:
@@ -287,6 +284,13 @@ def fold_rows(x: jax.Array, kv_heads: int, rows: int) -> jax.Array:
     return jnp.pad(x, ((0, 0), (0, 0), (0, rows - x.shape[2]), (0, 0)))
 
 
+def packed_layout(block: int, groups: int, block_k: int) -> tuple[int, int]:
+    """``(slots, q_rows)`` of ``pack_inputs``' layout for a block of ``block`` positions and ``groups``
+    query heads a KV head: the block's K (and V) rows padded to whole ``block_k`` tiles, its query rows
+    to whole 64-row tiles."""
+    return round_up(block, block_k), round_up(block * groups, ROWS)
+
+
 def pack_inputs(q: jax.Array, k_blk: jax.Array, v_blk: jax.Array, block_k: int) -> jax.Array:
     """The kernel's one small input: ``q [B, N, T, Hq, D]``, ``k_blk, v_blk [B, N, T, Hkv, D]`` ->
     ``[B * N, Hkv, 2 * slots + q_rows, D]``: per KV head the block's K and V, each padded to whole
@@ -294,7 +298,7 @@ def pack_inputs(q: jax.Array, k_blk: jax.Array, v_blk: jax.Array, block_k: int) 
     64-row tiles (``q_rows``). One XLA fusion."""
     b, n, t, hq, d = q.shape
     hkv = k_blk.shape[3]
-    q_rows, slots = round_up(t * (hq // hkv), ROWS), round_up(t, block_k)
+    slots, q_rows = packed_layout(t, hq // hkv, block_k)
     q = fold_rows(q, hkv, q_rows)
 
     def own(x):
@@ -331,7 +335,7 @@ def attention_partials(packed: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ct
     rows_n = packed.shape[0]
     if rows_n % batch:
         raise ValueError(f"packed {packed.shape} does not hold whole blocks of the {batch} rows of k_ctx")
-    q_rows, slots = round_up(block * groups, ROWS), round_up(block, cfg.block_k)
+    slots, q_rows = packed_layout(block, groups, cfg.block_k)
     if packed.shape != (rows_n, kv_heads, 2 * slots + q_rows, head_dim):
         raise ValueError(f"packed must be {(rows_n, kv_heads, 2 * slots + q_rows, head_dim)} "
                          f"(pack_inputs), got {packed.shape}")

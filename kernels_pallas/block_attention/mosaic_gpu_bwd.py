@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas._common import check_shapes, round_up
-from kernels_pallas._mosaic import interpret_params, load, mosaic_interpret_available
+from kernels_pallas._mosaic import interpret_params, load, mosaic_runs_here
 from kernels_pallas.block_attention.mosaic_gpu import LOG2E, ROWS, SWIZZLE, fold_rows, supports as forward_supports
 
 BLOCK_K = 64  # keys per tile: the M of the dk/dv kernel's one-warpgroup wgmma
@@ -80,10 +80,7 @@ def supports(head_dim: int, ctx: int, dtype) -> bool:
 
 def runs_here(head_dim: int, ctx: int, dtype) -> bool:
     """A GPU, or the CPU in Mosaic GPU's interpret mode (jax >= 0.11), and ``supports``."""
-    platform = jax.default_backend()
-    if platform == "tpu" or (platform != "gpu" and not mosaic_interpret_available()):
-        return False
-    return supports(head_dim, ctx, dtype)
+    return mosaic_runs_here() and supports(head_dim, ctx, dtype)
 
 
 _SWIZZLED = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))

@@ -48,10 +48,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas._common import round_up
-from kernels_pallas._mosaic import interpret_params, load, mosaic_interpret_available, store
+from kernels_pallas._mosaic import interpret_params, load, mosaic_runs_here, store
+from kernels_pallas.block_attention.mosaic_gpu import ROWS, packed_layout  # the attention's input layout
 
-ROWS = 64  # rows of a tile: the M of the WGMMA register layout (and of the attention's query tile)
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory a program may take (two programs share an SM)
 WGMMA = plgpu.Layout.WGMMA
 
@@ -62,16 +61,10 @@ def _load(ref, layout):
     return load(ref, layout, optimized=False)
 
 
-def layout(block: int, groups: int, block_k: int) -> tuple[int, int]:
-    """``(slots, q_rows)``: the block's K (and V) rows and its query rows in ``packed``, padded as
-    ``block_attention.mosaic_gpu.pack_inputs`` pads them."""
-    return round_up(block, block_k), round_up(block * groups, ROWS)
-
-
 def packed_slots(block: int, groups: int, block_k: int) -> np.ndarray:
     """The block slot of each row of a KV head's K tiles, then query tiles (``slots + q_rows`` int32,
     padding rows clipped to the last slot): the rows of the RoPE table and the row scales."""
-    slots, q_rows = layout(block, groups, block_k)
+    slots, q_rows = packed_layout(block, groups, block_k)
     own = np.minimum(np.arange(slots), block - 1)
     queries = np.minimum(np.arange(q_rows) // groups, block - 1)
     return np.concatenate([own, queries]).astype(np.int32)
@@ -112,10 +105,7 @@ def supports(qkv_shape: tuple[int, ...], qkv_dtype, dtype, head_dim: int) -> boo
 
 def runs_here(qkv_shape: tuple[int, ...], qkv_dtype, dtype, head_dim: int) -> bool:
     """``supports`` on a GPU, or on the CPU in Mosaic GPU's interpret mode (jax >= 0.11)."""
-    platform = jax.default_backend()
-    if platform == "tpu" or (platform != "gpu" and not mosaic_interpret_available()):
-        return False
-    return supports(qkv_shape, qkv_dtype, dtype, head_dim)
+    return mosaic_runs_here() and supports(qkv_shape, qkv_dtype, dtype, head_dim)
 
 
 def rope_table(starts: jax.Array, inv_freq, slots_of_rows: np.ndarray, dtype) -> jax.Array:
@@ -140,7 +130,7 @@ def _kernel(qkv_gmem, rope_gmem, scales_gmem, qn_gmem, kn_gmem, packed_gmem, k_g
     b = lax.axis_index("rows")
     head_dim = out_smem.shape[-1]
     half = head_dim // 2
-    slots, q_rows = layout(block, groups, block_k)
+    slots, q_rows = packed_layout(block, groups, block_k)
     own_tiles = slots // ROWS
     dtype = out_smem.dtype
     f32 = jnp.float32
@@ -228,7 +218,7 @@ def _kernel(qkv_gmem, rope_gmem, scales_gmem, qn_gmem, kn_gmem, packed_gmem, k_g
 def _arrivals(tile: int, *, parts: int, block: int, groups: int, block_k: int, qk_norm: bool,
               scaled: bool) -> int:
     """The TMA copies ``_kernel`` issues into tile ``tile``'s barrier (at least 1: a barrier takes one)."""
-    slots, _ = layout(block, groups, block_k)
+    slots, _ = packed_layout(block, groups, block_k)
     own_tiles = slots // ROWS
     if tile >= 2 * own_tiles:
         used = min(ROWS, block * groups - (tile - 2 * own_tiles) * ROWS)
@@ -258,7 +248,7 @@ def prologue(qkv: jax.Array, rope: jax.Array, scales: jax.Array | None, q_norm: 
     if not supports(qkv.shape, qkv.dtype, dtype, head_dim):
         raise ValueError(f"the Mosaic GPU cached-attention prologue does not take qkv {qkv.shape} {qkv.dtype} "
                          f"into {jnp.dtype(dtype)} caches (see cached_attention.mosaic_gpu.supports)")
-    slots, q_rows = layout(block, groups, block_k)
+    slots, q_rows = packed_layout(block, groups, block_k)
     table_rows = slots + q_rows
     if rows_in < batch or rope.shape != (batch, table_rows, head_dim) or (
             scales is not None and scales.shape != (batch, table_rows)):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas._mosaic import interpret_params, mosaic_interpret_available
+from kernels_pallas._mosaic import interpret_params, mosaic_runs_here
 
 LANES = 128  # a row travels as [hidden / LANES, LANES]: TMA boxes hold <= 256 elements per dimension
 MAX_HIDDEN = 256 * LANES
@@ -39,10 +39,7 @@ def supports(hidden: int, dtype) -> bool:
 def add_rms_norm_supported(hidden: int, dtype) -> bool:
     """Whether ``add_rms_norm`` runs on this platform (GPUs, and the CPU in Mosaic GPU's
     interpret mode: jax >= 0.11)."""
-    platform = jax.default_backend()
-    if platform == "tpu" or (platform != "gpu" and not mosaic_interpret_available()):
-        return False
-    return supports(hidden, dtype)
+    return mosaic_runs_here() and supports(hidden, dtype)
 
 
 def _kernel(*refs, eps: float, hidden: int, has_delta: bool):
