@@ -283,7 +283,8 @@ def cached_attention(
     elsewhere the jnp steps (``cached_attention_prologue``) and ``attend_and_write``.
     """
     batch, block, head_dim = k_cache.shape[0], qkv.shape[-4], k_cache.shape[-1]
-    fused = ops.kernels and not ops.mosaic and sinks is None and window is None and rope_factor == 1.0
+    kernel_layer = ops.kernels and sinks is None and window is None and rope_factor == 1.0
+    fused = kernel_layer and not ops.mosaic
     if fused and isinstance(k_cache, PagedKV):
         # The fused kernel takes contiguous caches: it runs on this layer's pages gathered (the copy the
         # XLA path makes too), and the block it wrote goes into the rows' pages; the norms, RoPE, write
@@ -327,7 +328,7 @@ def cached_attention(
             if write:
                 k_cache, v_cache = outs[1:]
             return outs[0].reshape(batch, 1, block, num_heads, head_dim), k_cache, v_cache
-    if ops.kernels and ops.mosaic and sinks is None and window is None and rope_factor == 1.0:
+    if kernel_layer and ops.mosaic:
         out = mosaic_cached_attention(qkv, starts, k_cache, v_cache, blk_lens, q_norm=q_norm, k_norm=k_norm,
                                       eps=eps, inv_freq=inv_freq, num_heads=num_heads, causal=causal, write=write,
                                       row_scale=row_scale)
