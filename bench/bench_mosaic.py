@@ -10,12 +10,9 @@ adds the decode token):
   split partials, without XLA's packing of the inputs before and the split merge after);
 - ``fused``: ``ops.attention.cached_attention`` on the Triton lowering from the raw QKV projection
   (the fused kernel: q/k norms, RoPE, attention; caches only read, as the drafter's blocks);
-- ``mosaic_ops``: the same call on ``gpu_lowering="mosaic"`` (the Mosaic GPU prologue kernel,
-  ``cached_attention/mosaic_gpu.py``: q/k norms and RoPE packed into the attention's input; then the
-  Mosaic GPU attention and the merge of its splits);
-- ``mosaic_xla_pro``: the same steps with the prologue in XLA (``cached_attention_prologue``, then
-  ``attend_and_write``: the jnp path on the Mosaic lowering, ~12 small kernels and the packing);
-- ``prologue``: the Mosaic GPU prologue kernel alone (with its RoPE table from XLA).
+- ``mosaic_ops``: the same call on ``gpu_lowering="mosaic"`` (the prologue in XLA,
+  ``cached_attention_prologue``, then ``attend_and_write``: ~12 small kernels and the packing around
+  the Mosaic GPU attention and the merge of its splits).
 
 Each case is a chain of 8 dependent calls in one jit (the host's dispatch would dominate the small
 ones); bandwidth counts the context K/V read once, in % of 4.3 TB/s. ``mosaic vs triton`` is the
@@ -53,7 +50,6 @@ from kernels_pallas.block_attention.mosaic_gpu_bwd import MosaicBwdConfig
 from kernels_pallas.block_attention.gpu_bwd import block_attention_bwd_pallas
 from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, attention_partials, pack_inputs, plan
 from kernels_pallas.rms_norm import add_rms_norm as triton_add_rms_norm
-from kernels_pallas.cached_attention import mosaic_gpu as prologue_mgpu
 from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
 from kernels_pallas.rms_norm.reference import add_rms_norm_reference
 
@@ -117,26 +113,12 @@ def attention_cases(args, shapes) -> list[dict]:
         return attention_partials(packed, kc, vc, s, bl, block=block, groups=groups, causal=True,
                                   scale=d ** -0.5, config=mosaic_cfg)
 
-    def xla_prologue_call(qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm):
-        q, k, v = attention_ops.cached_attention_prologue(qkv, starts, qkv.shape[0], k_cache.dtype, q_norm=q_norm,
-                                                          k_norm=k_norm, eps=1e-6, inv_freq=inv_freq, num_heads=hq)
-        return attention_ops.attend_and_write(q[:, None], k[:, None], v[:, None], starts, k_cache, v_cache, blk_lens,
-                                              causal=False, write=False, ops=mosaic_ops_cfg)[0]
-
-    def prologue_call(qkv, starts, q_norm, k_norm):
-        slots_of_rows = prologue_mgpu.packed_slots(qkv.shape[1], groups, mosaic_cfg.block_k)
-        rope = prologue_mgpu.rope_table(starts, inv_freq, slots_of_rows, qkv.dtype)
-        return prologue_mgpu.prologue(qkv, rope, None, q_norm, k_norm, eps=1e-6, batch=qkv.shape[0],
-                                      block_k=mosaic_cfg.block_k, dtype=qkv.dtype)[0]
-
     variants = {
         "triton": lowered("triton"),
         "mosaic": lowered("mosaic", mosaic_cfg),
         "mosaic_ctx": None,  # per block size, below
         "fused": functools.partial(ops_call, kernels),
         "mosaic_ops": functools.partial(ops_call, mosaic_ops_cfg),
-        "mosaic_xla_pro": xla_prologue_call,
-        "prologue": prologue_call,
     }
     fns = {name: fn and chained(fn, args.chain) for name, fn in variants.items()}
     kernel_fns = {block: chained(functools.partial(mosaic_kernel, block=block), args.chain) for block in args.blocks}
@@ -163,8 +145,7 @@ def attention_cases(args, shapes) -> list[dict]:
                 ops_args = (qkv, k_cache, v_cache, starts, blk_lens, *norms)
                 packed = pack_inputs(q[:, None], k_blk[:, None], v_blk[:, None], mosaic_cfg.block_k)
                 fns["mosaic_ctx"] = kernel_fns[block]
-                inputs = dict(fused=ops_args, mosaic_ops=ops_args, mosaic_xla_pro=ops_args,
-                              mosaic_ctx=(packed, k_cache, v_cache, starts, blk_lens), prologue=(qkv, starts, *norms))
+                inputs = dict(fused=ops_args, mosaic_ops=ops_args, mosaic_ctx=(packed, k_cache, v_cache, starts, blk_lens))
                 outs = {}
                 for name, fn in fns.items():
                     outs[name] = timed(name, fn, inputs.get(name, kernel_args), row, chain=args.chain,

@@ -278,13 +278,12 @@ def cached_attention(
     the cache write and the attention, instead of ~12 XLA kernels. Its reference is the rest of this
     function: the same steps in jnp, which also serve the layers the kernel does not take (attention
     sinks, a sliding window, YaRN's ``rope_factor``: gpt-oss). With ``ops.gpu_lowering == "mosaic"``
-    two Mosaic GPU kernels where they take the shapes (``mosaic_cached_attention``): the prologue
-    (the steps before the attention, packed into the attention's input) and the block attention;
-    elsewhere the jnp steps (``cached_attention_prologue``) and ``attend_and_write``.
+    the jnp steps (``cached_attention_prologue``) and ``attend_and_write``, whose block attention is
+    the Mosaic GPU kernel where it takes the shapes: a Mosaic GPU kernel for the steps before the
+    attention measured slower than XLA's fusions of them (docs/performance.md).
     """
     batch, block, head_dim = k_cache.shape[0], qkv.shape[-4], k_cache.shape[-1]
-    kernel_layer = ops.kernels and sinks is None and window is None and rope_factor == 1.0
-    fused = kernel_layer and not ops.mosaic
+    fused = ops.kernels and not ops.mosaic and sinks is None and window is None and rope_factor == 1.0
     if fused and isinstance(k_cache, PagedKV):
         # The fused kernel takes contiguous caches: it runs on this layer's pages gathered (the copy the
         # XLA path makes too), and the block it wrote goes into the rows' pages; the norms, RoPE, write
@@ -328,12 +327,6 @@ def cached_attention(
             if write:
                 k_cache, v_cache = outs[1:]
             return outs[0].reshape(batch, 1, block, num_heads, head_dim), k_cache, v_cache
-    if kernel_layer and ops.mosaic:
-        out = mosaic_cached_attention(qkv, starts, k_cache, v_cache, blk_lens, q_norm=q_norm, k_norm=k_norm,
-                                      eps=eps, inv_freq=inv_freq, num_heads=num_heads, causal=causal, write=write,
-                                      row_scale=row_scale)
-        if out is not None:
-            return out
     q, k, v = cached_attention_prologue(qkv, starts, batch, k_cache.dtype, q_norm=q_norm, k_norm=k_norm, eps=eps,
                                         inv_freq=inv_freq, num_heads=num_heads, row_scale=row_scale,
                                         rope_factor=rope_factor)
@@ -357,65 +350,6 @@ def cached_attention_prologue(qkv: jax.Array, starts: jax.Array, batch: int, dty
     q, k, v = split_qkv(qkv[:batch], num_heads)
     return (finish_qk(q, positions, q_norm, eps, inv_freq, rope_factor),
             finish_qk(k, positions, k_norm, eps, inv_freq, rope_factor), v)
-
-
-def mosaic_cached_attention(qkv: jax.Array, starts: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                            blk_lens: jax.Array, *, q_norm: jax.Array | None, k_norm: jax.Array | None, eps: float,
-                            inv_freq: tuple[float, ...], num_heads: int, causal: bool, write: bool,
-                            row_scale: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array] | None:
-    """``cached_attention`` on the Mosaic GPU lowering, or None where its kernels do not take the shapes:
-    the prologue kernel (``kernels_pallas.cached_attention.mosaic_gpu``: partials' sum, row scale,
-    q/k norms, RoPE, packed into the attention's input), the Mosaic GPU block attention over the
-    caches (``block_attention.mosaic_gpu.attention_partials``; paged caches through their page
-    tables), the merge of its splits, and the block's K/V written into the caches (``write_rows``, in
-    place on donated caches; into the rows' pages)."""
-    from kernels_pallas._common import default_scale
-    from kernels_pallas.block_attention import mosaic_gpu as attention_mgpu
-    from kernels_pallas.cached_attention import mosaic_gpu as prologue_mgpu
-
-    batch, capacity, kv_heads, head_dim = k_cache.shape
-    block, groups = qkv.shape[-4], qkv.shape[-2] - 2
-    cfg, dtype = attention_mgpu.DEFAULT_CONFIG, k_cache.dtype
-    paged = isinstance(k_cache, PagedKV)
-    attention_ok = (attention_mgpu.paged_supported((batch, 1, block, num_heads, head_dim), k_cache.pool.shape,
-                                                   k_cache.n_pages, dtype, cfg) if paged
-                    else attention_mgpu.runs_here(head_dim, capacity, dtype, cfg))
-    norms_ok = q_norm is None or (q_norm.dtype == dtype and k_norm is not None and k_norm.dtype == dtype)
-    if not (norms_ok and (q_norm is None) == (k_norm is None) and num_heads == kv_heads * groups
-            and prologue_mgpu.runs_here(qkv.shape, qkv.dtype, dtype, head_dim) and attention_ok):
-        return None
-    slots_of_rows = prologue_mgpu.packed_slots(block, groups, cfg.block_k)
-
-    def kernel(qkv, k_cache, v_cache, starts, blk_lens, *weights_and_scale, page_table=None):
-        b = starts.shape[0]
-        weights = weights_and_scale[:2] if q_norm is not None else (None, None)
-        rope = prologue_mgpu.rope_table(starts, inv_freq, slots_of_rows, dtype)
-        scales = weights_and_scale[-1][:, slots_of_rows] if row_scale is not None else None
-        packed, k_blk, v_blk = prologue_mgpu.prologue(qkv, rope, scales, *weights, eps=eps, batch=b,
-                                                      block_k=cfg.block_k, dtype=dtype)
-        o, m, l = attention_mgpu.attention_partials(
-            packed, k_cache, v_cache, jnp.clip(starts, 0, capacity), jnp.clip(blk_lens, 0, block), block=block,
-            groups=groups, causal=causal, scale=default_scale(head_dim, None), config=cfg, page_table=page_table)
-        hkv = qkv.shape[-3]  # this device's KV heads under a kernel mesh
-        out, _ = attention_mgpu.unpack_outputs(o, m, l, (b, 1, block, hkv * groups, head_dim), hkv)
-        return out.astype(dtype).reshape(b, block, hkv, groups, head_dim), k_blk, v_blk
-
-    weights = (q_norm, k_norm) if q_norm is not None else ()
-    scale = (row_scale,) if row_scale is not None else ()
-    if paged:  # the pools, read through the rows' page tables (as ``paged_block_attention``)
-        attn, k_blk, v_blk = kernel(qkv, k_cache.pool, v_cache.pool, starts, blk_lens, *weights, *scale,
-                                    page_table=k_cache.page_table[:, :k_cache.n_pages])
-    else:  # per device under a kernel mesh: its rows and its KV heads (with their query heads)
-        per_head = (None,) * (qkv.ndim - 5) + ("batch", None, "kv_heads", None, None)
-        rows, blk = ("batch",), ("batch", None, "kv_heads", None)
-        attn, k_blk, v_blk = shard_kernel(
-            kernel, (per_head, CACHE_AXES, CACHE_AXES, rows, rows) + ((None,),) * len(weights)
-            + (("batch", None),) * len(scale), (per_head[-5:], blk, blk))(
-            qkv, k_cache, v_cache, starts, blk_lens, *weights, *scale)
-    attn = attn.reshape(batch, 1, block, num_heads, head_dim)
-    if not write:
-        return attn, k_cache, v_cache
-    return attn, write_rows(k_cache, k_blk, starts), write_rows(v_cache, v_blk, starts)
 
 
 def attend_and_write(q, k, v, starts, k_cache, v_cache, blk_lens, *, causal: bool, write: bool,

@@ -237,60 +237,11 @@ def test_cached_attention_float32_on_the_mosaic_lowering_equals_reference():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-def prologue_inputs(batch, block, *, parts=0, scaled=False, dtype=jnp.bfloat16, seed=0):
-    """``cached_args``' projection (or ``parts`` float32 split-K partials of ``batch + 1`` rows, the
-    last padding), starts, norms and a row scale (or None)."""
-    qkv, _, _, starts, _, norms = cached_args(batch, block, seed=seed)
-    if parts:
-        qkv = 0.35 * normal(jax.random.key(seed + 1), (parts, batch + 1) + qkv.shape[1:], jnp.float32)
-    row_scale = (0.5 + jax.random.uniform(jax.random.key(seed + 2), (batch, block), jnp.float32)) if scaled else None
-    return qkv.astype(dtype) if not parts else qkv, starts, dict(norms), row_scale
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("batch,block,parts,scaled", [(1, 1, 8, True), (1, 16, 0, False), (16, 16, 0, True),
-                                                      (16, 1, 0, False), (3, 7, 0, True)])
-def test_cached_attention_prologue_equals_the_jnp_prologue(batch, block, parts, scaled, dtype):
-    """The Mosaic GPU prologue kernel compiled (a decode token's 8 float32 partials with a row scale,
-    verify blocks, a wide batch, an odd block) against ``ops.attention.cached_attention_prologue``
-    packed by ``pack_inputs``: within a rounding of the dtype (XLA keeps bf16 products in float32
-    where it fuses them; the norm sums its squares in its own order), the block's V bit for bit."""
-    from kernels_pallas.cached_attention import mosaic_gpu as prologue_mgpu
-    from dflash_jax.ops.rope import rope_inv_freq
-
-    qkv, starts, norms, row_scale = prologue_inputs(batch, block, parts=parts, scaled=scaled, dtype=dtype,
-                                                    seed=batch + block)
-    norms = {n: w.astype(dtype) for n, w in norms.items()}
-    inv_freq = tuple(float(f) for f in rope_inv_freq(D, 1e6, None))
-    slots_of_rows = prologue_mgpu.packed_slots(block, HQ // HKV, 64)
-
-    @jax.jit
-    def kernel(qkv, starts, norms, row_scale):
-        rope = prologue_mgpu.rope_table(starts, inv_freq, slots_of_rows, dtype)
-        scales = None if row_scale is None else row_scale[:, slots_of_rows]
-        return prologue_mgpu.prologue(qkv, rope, scales, norms["q_norm"], norms["k_norm"], eps=1e-6, batch=batch,
-                                      block_k=64, dtype=dtype)
-
-    @jax.jit
-    def reference(qkv, starts, norms, row_scale):
-        q, k, v = attention_ops.cached_attention_prologue(qkv, starts, batch, dtype, eps=1e-6, inv_freq=inv_freq,
-                                                          num_heads=HQ, row_scale=row_scale, **norms)
-        return attention_mgpu.pack_inputs(q[:, None], k[:, None], v[:, None], 64), k, v
-
-    (packed, k, v), (want, k_want, v_want) = kernel(qkv, starts, norms, row_scale), reference(qkv, starts, norms,
-                                                                                              row_scale)
-    ulp = 2 ** -7 if dtype == jnp.bfloat16 else 2 ** -20
-    for got, expected in ((packed, want), (k, k_want)):
-        largest = float(jnp.max(jnp.abs(expected.astype(jnp.float32))))
-        assert errors(got, expected)[0] <= ulp * largest
-    np.testing.assert_array_equal(np.asarray(v), np.asarray(v_want))
-
-
 @pytest.mark.parametrize("mode", ["verify", "draft"])
 @pytest.mark.parametrize("batch,block,parts", [(1, 1, 8), (1, 16, 0), (16, 16, 0), (4, 5, 0)])
-def test_cached_attention_on_the_mosaic_lowering_takes_the_prologue_kernel(batch, block, parts, mode):
-    """``cached_attention`` on ``gpu_lowering="mosaic"`` compiles to the prologue kernel and the
-    attention kernel (their names in the HLO) and equals the XLA reference: a decode token's partials
+def test_cached_attention_on_the_mosaic_lowering_takes_the_attention_kernel(batch, block, parts, mode):
+    """``cached_attention`` on ``gpu_lowering="mosaic"`` compiles to the Mosaic GPU attention kernel
+    (its name in the HLO) and equals the XLA reference: a decode token's partials
     with a row scale, verify and draft blocks, an odd block; the written cache rows too."""
     qkv, k_cache, v_cache, starts, blk_lens, norms = cached_args(batch, block, seed=batch * 10 + block)
     row_scale = None
@@ -300,7 +251,7 @@ def test_cached_attention_on_the_mosaic_lowering_takes_the_prologue_kernel(batch
     kw = dict(causal=mode == "verify", write=mode == "verify")
     args = (qkv, k_cache, v_cache, starts, blk_lens, norms, row_scale)
     text = cached(MOSAIC, **kw).lower(*args).as_text()
-    assert "dflash_cached_attention_prologue_mgpu" in text and "dflash_block_attention_mgpu" in text
+    assert "dflash_block_attention_mgpu" in text
     got, want = cached(MOSAIC, **kw)(*args), cached(XLA, **kw)(*args)
     assert errors(got[0], want[0])[1] < 1e-2
     if mode == "verify":

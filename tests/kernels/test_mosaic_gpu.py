@@ -345,7 +345,7 @@ def test_block_attention_backward_through_the_custom_vjp():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["verify", "partials", "plain"])
 def test_cached_attention_on_the_mosaic_lowering_equals_reference(case):
-    """``ops.attention.cached_attention`` with ``gpu_lowering="mosaic"``: the prologue kernel (the raw
+    """``ops.attention.cached_attention`` with ``gpu_lowering="mosaic"``: the jnp prologue (the raw
     fused projection's q/k norms and RoPE; float32 partials of a padded batch with a row scale; a block
     of 3 without q/k norms), the Mosaic GPU attention kernel and the cache write, interpreted, against
     the XLA reference: the attention within bf16 rounding, both caches bit for bit; the causal verify
@@ -368,7 +368,7 @@ def test_cached_attention_on_the_mosaic_lowering_equals_reference(case):
                                               k_norm=norms[1], eps=1e-6, inv_freq=inv_freq, row_scale=row_scale,
                                               num_heads=kv_heads * groups, ops=ops, causal=causal, write=write)
 
-    assert "dflash_cached_attention_prologue_mgpu" in str(jax.make_jaxpr(lambda: run(mosaic))())
+    assert "dflash_block_attention_mgpu" in str(jax.make_jaxpr(lambda: run(mosaic))())
     for causal, write in ((True, True), (False, False)):
         got, want = run(mosaic, causal, write), run(XLA, causal, write)
         assert largest_error(got[0], want[0]) < 2e-2, (case, causal)
@@ -379,8 +379,8 @@ def test_cached_attention_on_the_mosaic_lowering_equals_reference(case):
 @interpreted
 @pytest.mark.slow
 def test_cached_attention_over_paged_caches_on_the_mosaic_lowering():
-    """``cached_attention`` over ``PagedKV`` caches with ``gpu_lowering="mosaic"``: the prologue kernel
-    and the paged attention kernel, equal to the same op over the gathered caches bit for bit, the
+    """``cached_attention`` over ``PagedKV`` caches with ``gpu_lowering="mosaic"``: the paged attention
+    kernel, equal to the same op over the gathered caches bit for bit, the
     block written into the rows' pages."""
     from dflash_jax.ops.paged_cache import PagedKV
 
@@ -398,7 +398,7 @@ def test_cached_attention_over_paged_caches_on_the_mosaic_lowering():
                                               inv_freq=inv_freq, num_heads=4, ops=mosaic)
 
     jaxpr = str(jax.make_jaxpr(lambda: run(k_cache, v_cache))())
-    assert "dflash_cached_attention_prologue_mgpu" in jaxpr and "dflash_paged_block_attention_mgpu" in jaxpr
+    assert "dflash_paged_block_attention_mgpu" in jaxpr
     got, want = run(k_cache, v_cache), run(k_cache.gather(), v_cache.gather())
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1].gather()), np.asarray(want[1]))
@@ -407,9 +407,8 @@ def test_cached_attention_over_paged_caches_on_the_mosaic_lowering():
 
 @interpreted
 def test_cached_attention_on_the_mosaic_lowering_per_device():
-    """Under a kernel mesh (rows on ``data``, KV heads on ``tensor``) the prologue and attention kernels
-    trace per device on their rows and KV heads (one shard_map; Mosaic GPU's interpreter runs one
-    device's kernels only, so the values are the GPU tests' and the single-device tests')."""
+    """Under a kernel mesh (rows on ``data``, KV heads on ``tensor``) the attention kernel traces per
+    device on its rows and KV heads (one shard_map; Mosaic GPU's interpreter runs one device's kernels only, so the values are the GPU tests' and the single-device tests')."""
     from dflash_jax import sharding
     from dflash_jax.sharding import MeshConfig, make_mesh
 
@@ -428,87 +427,4 @@ def test_cached_attention_on_the_mosaic_lowering_per_device():
     mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2), jax.devices()[:4])
     with sharding.kernel_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(run)(qkv, cache, cache, jnp.array([90, 4], jnp.int32)))
-    assert "shard_map" in jaxpr and "dflash_cached_attention_prologue_mgpu" in jaxpr
-
-
-# -- the cached attention's prologue -----------------------------------------------------------------
-
-
-def prologue_args(batch, block, kv_heads, groups, head_dim, *, parts=0, rows=None, scaled=True, qk_norm=True,
-                  dtype=jnp.bfloat16, seed=0):
-    """``cached_attention``'s projection (``parts`` float32 partials of ``rows >= batch`` rows, else
-    ``[batch, block, ...]`` in ``dtype``), starts, row scale and q/k norm weights."""
-    ks = jax.random.split(jax.random.key(seed), 5)
-    heads = (kv_heads, groups + 2, head_dim)
-    if parts:
-        qkv = normal(ks[0], (parts, rows or batch, block) + heads, jnp.float32) * 0.5
-    else:
-        qkv = normal(ks[0], (batch, block) + heads, dtype)
-    starts = jax.random.randint(ks[1], (batch,), 0, 5000, jnp.int32)
-    row_scale = (0.5 + jax.random.uniform(ks[2], (batch, block), jnp.float32)) if scaled else None
-    norms = [(1 + 0.2 * normal(k, (head_dim,), jnp.float32)).astype(dtype) for k in ks[3:5]] if qk_norm else [None] * 2
-    return qkv, starts, row_scale, norms
-
-
-def run_prologue(qkv, starts, row_scale, norms, batch, dtype, *, block_k=64, interpret=True):
-    from kernels_pallas.cached_attention import mosaic_gpu as prologue_mgpu
-
-    block, groups, head_dim = qkv.shape[-4], qkv.shape[-2] - 2, qkv.shape[-1]
-    slots_of_rows = prologue_mgpu.packed_slots(block, groups, block_k)
-    inv_freq = tuple(float(f) for f in rope_inv_freq(head_dim, 1e6, None))
-    rope = prologue_mgpu.rope_table(starts, inv_freq, slots_of_rows, dtype)
-    scales = None if row_scale is None else row_scale[:, slots_of_rows]
-    return prologue_mgpu.prologue(qkv, rope, scales, *norms, eps=1e-6, batch=batch, block_k=block_k, dtype=dtype,
-                                  interpret=interpret)
-
-
-def reference_prologue(qkv, starts, row_scale, norms, batch, dtype, *, block_k=64):
-    """``ops.attention.cached_attention_prologue`` packed by ``pack_inputs``: the kernel's contract."""
-    kv_heads, groups, head_dim = qkv.shape[-3], qkv.shape[-2] - 2, qkv.shape[-1]
-    inv_freq = tuple(float(f) for f in rope_inv_freq(head_dim, 1e6, None))
-    q, k, v = attention_ops.cached_attention_prologue(qkv, starts, batch, dtype, q_norm=norms[0], k_norm=norms[1],
-                                                      eps=1e-6, inv_freq=inv_freq, num_heads=kv_heads * groups,
-                                                      row_scale=row_scale)
-    packed = attention_mgpu.pack_inputs(q[:, None], k[:, None], v[:, None], block_k)
-    return packed.reshape((batch,) + packed.shape[1:]), k, v
-
-
-@pytest.mark.parametrize("batch,block,parts", [(1, 1, 8), (1, 16, 0), (16, 16, 0), (16, 1, 0), (16, 1, 8)])
-def test_cached_attention_prologue_lowers_for_cuda(batch, block, parts):
-    """Qwen3-8B heads in bf16 (a decode token's 8 float32 partials, verify blocks, wide batches): the
-    prologue is one Mosaic GPU kernel, no XLA transpose or pad of the projection after it."""
-    qkv, starts, row_scale, norms = prologue_args(batch, block, 8, 4, 128, parts=parts, rows=max(batch, 2))
-    fn = jax.jit(lambda qkv, starts, scale, qn, kn: run_prologue(qkv, starts, scale, (qn, kn), batch, jnp.bfloat16,
-                                                                 interpret=False))
-    text = lower_for(fn, [sd(x.shape, x.dtype) for x in (qkv, starts, row_scale, *norms)], "cuda").as_text()
-    assert text.count("custom_call @mosaic_gpu") == 1 and "stablehlo.transpose" not in text
-
-
-@interpreted
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_cached_attention_prologue_interpreted_equals_reference(dtype):
-    """The prologue kernel against the jnp prologue packed by ``pack_inputs``: split-K partials of a
-    padded batch with a row scale, an odd block of several rows with a row scale, a block without
-    q/k norms or row scale (two query tiles: 6 slots of 16 groups), 128-key tiles. Float32 within
-    float32 rounding (the norm sums its squares in its own order), bf16 within a bf16 rounding; the
-    block's K and V equal the packed ones."""
-    cases = ((dict(batch=1, block=1, kv_heads=2, groups=4, head_dim=64, parts=3, rows=2), 64),
-             (dict(batch=3, block=3, kv_heads=2, groups=2, head_dim=64), 64),
-             (dict(batch=2, block=6, kv_heads=1, groups=16, head_dim=128, scaled=False, qk_norm=False), 64),
-             (dict(batch=2, block=5, kv_heads=1, groups=4, head_dim=64), 128))
-    for shape, block_k in cases:
-        batch = shape["batch"]
-        args = prologue_args(**shape, dtype=dtype, seed=block_k + batch)
-        packed, k, v = run_prologue(*args, batch, dtype, block_k=block_k)
-        want, k_want, v_want = reference_prologue(*args, batch, dtype, block_k=block_k)
-        assert packed.shape == want.shape and packed.dtype == want.dtype, shape
-        tolerance = 2 ** -7 if dtype == jnp.bfloat16 else 2 ** -20  # relative, of the largest value
-        largest = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
-        assert largest_error(packed, want) <= tolerance * largest, shape
-        block, kv_heads = k.shape[1], k.shape[2]
-        slots = -(-block // block_k) * block_k
-        assert k.shape == (batch, block, kv_heads, want.shape[-1]) and v.shape == k.shape
-        for got, rows in ((k, packed[:, :, :block]), (v, packed[:, :, slots:slots + block])):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.moveaxis(rows, 1, 2)))
-        assert largest_error(v, v_want) == 0.0 and largest_error(k, k_want) <= tolerance * largest, shape
+    assert "shard_map" in jaxpr and "dflash_block_attention_mgpu" in jaxpr
