@@ -187,6 +187,7 @@ def bench_batch(args, spec: Engine, plain: Engine, rates: dict, batch: int, cont
     costs = {(batch, b): step_cost(spec, base, args.steps, args.repeats, b) for b in spec.speculation_blocks}
     target_step = step_cost(plain, base, args.steps, args.repeats, None)
     entry = dict(context=context, batch=batch, target_step_s=target_step,
+                 first_tokens=np.asarray(base.tokens[:, 0]).tolist(),  # the synthetic drafter's row keys
                  step_s={str(b): c for (_, b), c in costs.items()},
                  dflash_step_ratio={str(b): c / target_step for (_, b), c in costs.items()}, levels=[])
     target_only = run_mode(plain, base, args.steps, args.calls, "target_only", costs)
