@@ -9,14 +9,19 @@ compiled step of its own) and *off*, a target-only step (block 1):
 
 - step cost: seconds per step of each ``(state rows, block)``, measured on the device
   (``Engine.calibrate_speculation``) or given (``Engine.set_step_costs``);
-- tokens per step: per live row, from its acceptance estimate. Acceptance is modelled as geometric: each
-  draft after the anchor is accepted with a per-position probability ``rate`` while the ones before it
-  were, so a block of ``B`` slots commits ``1 + rate + ... + rate ** (B - 1)`` tokens on average, and a
-  rate measured at one block size extrapolates to the others;
-- a row's rate is the maximum-likelihood estimate from its recent steps, ``accepted drafts /
-  (accepted drafts + rejections)`` (a step that accepts its whole block has no rejection), over counts
-  that decay by ``decay`` per step and start from the population's estimate (``prior_steps`` of it), so
-  a new request starts from what its predecessors did.
+- tokens per step: per live row, from its acceptance. Acceptance is modelled as geometric: each draft
+  after the anchor is accepted with a per-position probability ``rate`` while the ones before it were, so
+  a block of ``B`` slots commits ``1 + rate + ... + rate ** (B - 1)`` tokens on average, and a rate
+  measured at one block size extrapolates to the others;
+- a row's rate is uncertain: its evidence is the drafts it had accepted and rejected (a step that accepts
+  its whole block has no rejection; counts decaying by ``decay`` per step), read with a prior of
+  ``prior_steps`` steps at the population's current rate (the population: every row's steps, decaying
+  by ``decay`` per step of the batch, starting from ``prior_steps`` at ``prior_rate``), a
+  ``Beta(accepted, rejected)`` posterior with those pseudo-counts. The option's tokens per step are their
+  mean over the posterior (``AcceptanceEstimate.expected_tokens``), above the plug-in
+  ``expected_tokens(mean rate)`` while the evidence is thin: a fresh row tries the large block where it may
+  pay (at batch 1-8 block 16 costs little more than block 8), and a row's estimate converges to its own
+  rate, shrunk toward the batch's while it has few steps.
 
 A call's block applies to every row (the batched step takes one block size): a row whose drafter keeps
 failing lowers the batch's expected tokens, and once speculating no longer pays for the batch, the call
@@ -36,9 +41,9 @@ OFF = 1  # the block size of a target-only step
 class SpeculationSettings:
     """Knobs of the adaptive policy (validated)."""
 
-    prior_rate: float = 0.7      # a first request's per-position acceptance rate, before any observation
-    prior_steps: float = 4.0     # how many steps' worth of evidence a row's starting estimate is worth
-    decay: float = 0.9           # per observed step: a row's estimate follows its last ~1 / (1 - decay) steps
+    prior_rate: float = 0.7      # the population's per-position acceptance rate before any observation
+    prior_steps: float = 4.0     # how many steps of evidence the population's rate is worth in a row's prior
+    decay: float = 0.9           # per step: a row's (and the batch's) evidence is its last ~1 / (1 - decay) steps
     probe_interval: int = 16     # consecutive target-only calls before one speculative call re-measures
 
     def validate(self) -> None:
