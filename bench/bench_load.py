@@ -3,8 +3,9 @@ DFlash (``EngineConfig.speculation: adaptive``) per batch size, context and acce
 
 Qwen3-8B shapes with random bf16 weights: the target made to repeat its last token
 (``synthetic.repeat_target``: same shapes, same step cost) and a 5-layer block-16 drafter whose drafts
-are right with a chosen per-position rate (``synthetic.SyntheticDrafter``), so acceptance is known:
-each level is given as the tau a block of 16 reaches (``--taus``). Per context (``--sweep``, each with
+are right with a chosen per-position rate (``synthetic.SyntheticDrafter``; each row draws its own,
+keyed by its first token, recorded as ``first_tokens``), so acceptance is known: each level is given as
+the tau a block of 16 reaches (``--taus``). Per context (``--sweep``, each with
 its batch sizes), first every decode program of the context is compiled, in parallel
 (``--compile-threads``: XLA compiles outside the GIL; the tracing runs on this thread meanwhile), then
 per batch size, on copies of one random state:
@@ -27,6 +28,7 @@ skipped without matplotlib).
     python3 bench/bench_load.py --sweep 32768:1,4 --window 2048 --json /tmp/w.json   # windowed drafter
     JAX_PLATFORMS=cpu python3 bench/bench_load.py --tiny --json /tmp/load_tiny.json  # CPU smoke test
     python3 bench/plot_load.py /tmp/load_tiny.json --png /tmp/load_tiny.png           # the plot alone
+    python3 bench/simulate_speculation.py /tmp/load_tiny.json   # the policy replayed on the measured costs
 """
 
 from __future__ import annotations
