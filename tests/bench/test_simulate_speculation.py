@@ -59,3 +59,26 @@ def test_a_fresh_batch_takes_the_large_block_when_it_pays_on_the_measured_accept
     adaptive = sim.run("adaptive", bits, context, costs, batch, steps=8, calls=6)
     assert adaptive["tok_s"] >= 0.98 * fixed["tok_s"]
     assert adaptive["blocks"][0] == 16 or batch == 4  # at batch 4 block 8 is near the break-even on this path
+
+
+@pytest.mark.slow
+def test_the_replayed_draws_are_the_synthetic_drafters():
+    """``synthetic_bits`` and ``step`` give the acceptance lengths an engine with the synthetic drafter
+    commits, row by row (each keyed by its first token), batched."""
+    from dflash_jax.runtime.engine import Engine, EngineConfig
+    from dflash_jax.synthetic import repeat_target, synthetic_drafter
+    from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, tiny_target_config
+
+    tcfg = tiny_target_config(num_layers=2)
+    target = repeat_target(random_target(tcfg, seed=3))
+    drafter = synthetic_drafter(random_drafter(tiny_drafter_config(tcfg, block_size=8, target_layer_ids=(0, 1)),
+                                               seed=4), 0.6, seed=2)
+    prompts = [[5, 9, 11], [7, 3, 3, 3, 3]]
+    engine = Engine(target, drafter, EngineConfig(max_batch_size=2, max_length=120, prompt_buckets=(16,)))
+    for prompt, result in zip(prompts, engine.generate(prompts, 100)):
+        bits = sim.synthetic_bits(0.6, len(prompt), 200, seed=2, first_token=prompt[0])
+        pos, want = len(prompt), []
+        for _ in result.acceptance_lengths[:-1]:  # the last step is cut at max_length
+            want.append(sim.step(bits, pos, 8))
+            pos += want[-1]
+        assert result.acceptance_lengths[:-1] == want
