@@ -82,3 +82,19 @@ def test_the_replayed_draws_are_the_synthetic_drafters():
             want.append(sim.step(bits, pos, 8))
             pos += want[-1]
         assert result.acceptance_lengths[:-1] == want
+
+
+@pytest.mark.slow
+def test_bench_load_tiny_runs_nothing_compiles_in_timed_calls_and_the_replay_chooses_its_blocks(tmp_path):
+    import json
+
+    import bench_load
+
+    out = tmp_path / "load.json"
+    bench_load.main(["--tiny", "--sweep", "64:2", "--taus", "3,6", "--json", str(out), "--png", str(tmp_path / "x.png")])
+    report = json.loads(out.read_text())
+    (entry,) = report["results"]
+    assert entry["compiled_while_timing"] == [] and len(set(entry["first_tokens"])) == 2
+    for replayed in sim.simulate(report, steps=report["config"]["steps"], calls=report["config"]["calls"], paths=0,
+                                 rows=2, settings=sim.SpeculationSettings(), shared=False):
+        assert replayed["adaptive"]["blocks"] == replayed["measured"]["adaptive"]["blocks"]
