@@ -3,8 +3,9 @@ DFlash (``EngineConfig.speculation: adaptive``) per batch size, context and acce
 
 Qwen3-8B shapes with random bf16 weights: the target made to repeat its last token
 (``synthetic.repeat_target``: same shapes, same step cost) and a 5-layer block-16 drafter whose drafts
-are right with a chosen per-position rate (``synthetic.SyntheticDrafter``), so acceptance is known:
-each level is given as the tau a block of 16 reaches (``--taus``). Per context (``--sweep``, each with
+are right with a chosen per-position rate (``synthetic.SyntheticDrafter``; each row draws its own,
+keyed by its first token, recorded as ``first_tokens``), so acceptance is known: each level is given as
+the tau a block of 16 reaches (``--taus``). Per context (``--sweep``, each with
 its batch sizes), first every decode program of the context is compiled, in parallel
 (``--compile-threads``: XLA compiles outside the GIL; the tracing runs on this thread meanwhile), then
 per batch size, on copies of one random state:
@@ -27,6 +28,7 @@ skipped without matplotlib).
     python3 bench/bench_load.py --sweep 32768:1,4 --window 2048 --json /tmp/w.json   # windowed drafter
     JAX_PLATFORMS=cpu python3 bench/bench_load.py --tiny --json /tmp/load_tiny.json  # CPU smoke test
     python3 bench/plot_load.py /tmp/load_tiny.json --png /tmp/load_tiny.png           # the plot alone
+    python3 bench/simulate_speculation.py /tmp/load_tiny.json   # the policy replayed on the measured costs
 """
 
 from __future__ import annotations
@@ -84,25 +86,37 @@ def state_for(engine: Engine, base):
     return jax.tree.map(lambda x: x.copy(), base)
 
 
-def call(engine: Engine, state, steps: int, block: int | None):
-    """One synchronised decode call: (state, snapshot on the host, seconds)."""
+def call(engine: Engine, state, steps: int, block: int | None, timed: "CompileCounter | None" = None):
+    """One synchronised decode call: (state, snapshot on the host, seconds). ``timed``: a timed call,
+    whose compilations (none expected) the counter records as such."""
+    was = timed is not None and timed.timing
+    if timed is not None:
+        timed.timing = True
     t0 = time.perf_counter()
     state, snap = engine.decode(state, steps, block=block)
     snap = jax.device_get(snap)
-    return state, snap, time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    if timed is not None:
+        timed.timing = was
+    return state, snap, seconds
 
 
 class CompileCounter:
     """Counts XLA compilations by function name while ``active`` (a decode program compiled during
-    the measurement would mean the parallel compilation missed it)."""
+    the measurement would mean the parallel compilation missed it), and apart those inside a timed
+    call (``timing``: a compilation there would be in a tokens/s)."""
 
     def __init__(self):
-        self.active, self.names = False, []
+        self.active, self.timing, self.names, self.timed_names = False, False, [], []
         monitoring.register_event_duration_secs_listener(self._on_event)
 
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
-        if self.active and event.endswith("backend_compile_duration"):
-            self.names.append(str(kwargs.get("fun_name", "?")))
+        if event.endswith("backend_compile_duration"):
+            name = str(kwargs.get("fun_name", "?"))
+            if self.active:
+                self.names.append(name)
+            if self.timing:
+                self.timed_names.append(name)
 
 
 def compile_context(engines: dict, batches: list[int], context: int, steps: int, threads: int,
@@ -140,18 +154,18 @@ def compile_context(engines: dict, batches: list[int], context: int, steps: int,
                 wall_s=time.perf_counter() - t0, ready=[b for b in batches if pending[b] == 0], failed=failed)
 
 
-def step_cost(engine: Engine, base, steps: int, repeats: int, block: int | None) -> float:
+def step_cost(engine: Engine, base, steps: int, repeats: int, block: int | None, counter: CompileCounter) -> float:
     """Median seconds per step of ``repeats`` synchronised calls after an untimed one."""
     state, _, _ = call(engine, state_for(engine, base), steps, block)
     times = []
     for _ in range(repeats):
-        state, _, seconds = call(engine, state, steps, block)
+        state, _, seconds = call(engine, state, steps, block, timed=counter)
         times.append(seconds / steps)
     del state
     return statistics.median(times)
 
 
-def run_mode(engine: Engine, base, steps: int, calls: int, mode: str, costs: dict) -> dict:
+def run_mode(engine: Engine, base, steps: int, calls: int, mode: str, costs: dict, counter: CompileCounter) -> dict:
     """``calls`` timed decode calls after an untimed one, from a copy of ``base``: tokens/s, tau and the
     blocks run (adaptive: chosen per call by the policy, from the acceptance seen in the calls before;
     the untimed call is its first, at the prior)."""
@@ -165,7 +179,7 @@ def run_mode(engine: Engine, base, steps: int, calls: int, mode: str, costs: dic
         block = {"fixed": engine.block_size, "target_only": None}.get(mode)
         if policy is not None:
             block = policy.choose(rows, batch).block
-        state, snap, t = call(engine, state, steps, block)
+        state, snap, t = call(engine, state, steps, block, timed=counter if call_index else None)
         if call_index == 0:
             start = np.asarray(snap.starts).copy()
         else:
@@ -181,20 +195,22 @@ def run_mode(engine: Engine, base, steps: int, calls: int, mode: str, costs: dic
     return dict(tok_s=tokens / seconds, tau=tokens / (batch * calls * steps), blocks=blocks)
 
 
-def bench_batch(args, spec: Engine, plain: Engine, rates: dict, batch: int, context: int) -> dict:
+def bench_batch(args, spec: Engine, plain: Engine, rates: dict, batch: int, context: int,
+                counter: CompileCounter) -> dict:
     """One (context, batch): the step costs, then target-only once and fixed / adaptive per level."""
     base = fresh_state(spec, batch, context, seed=batch)
-    costs = {(batch, b): step_cost(spec, base, args.steps, args.repeats, b) for b in spec.speculation_blocks}
-    target_step = step_cost(plain, base, args.steps, args.repeats, None)
+    costs = {(batch, b): step_cost(spec, base, args.steps, args.repeats, b, counter) for b in spec.speculation_blocks}
+    target_step = step_cost(plain, base, args.steps, args.repeats, None, counter)
     entry = dict(context=context, batch=batch, target_step_s=target_step,
+                 first_tokens=np.asarray(base.tokens[:, 0]).tolist(),  # the synthetic drafter's row keys
                  step_s={str(b): c for (_, b), c in costs.items()},
                  dflash_step_ratio={str(b): c / target_step for (_, b), c in costs.items()}, levels=[])
-    target_only = run_mode(plain, base, args.steps, args.calls, "target_only", costs)
+    target_only = run_mode(plain, base, args.steps, args.calls, "target_only", costs, counter)
     for tau, rate in rates.items():
         set_accept_rate(spec, rate)
         level = dict(tau16=tau, rate=rate, target_only=target_only)
         for mode in ("fixed", "adaptive"):
-            level[mode] = run_mode(spec, base, args.steps, args.calls, mode, costs)
+            level[mode] = run_mode(spec, base, args.steps, args.calls, mode, costs, counter)
         level["expected_fixed_tok_s"] = batch * expected_tokens(rate, spec.block_size) / costs[(batch, spec.block_size)]
         entry["levels"].append(level)
     del base
@@ -225,14 +241,15 @@ def bench_context(args, target, drafter, context: int, batches: list[int], t_sta
             print(f"context {context}, batch {batch}: skipped, {why}", flush=True)
             continue
         t0 = time.perf_counter()
-        counter.active, before = True, len(counter.names)
+        counter.active, before, timed_before = True, len(counter.names), len(counter.timed_names)
         try:
-            entry = bench_batch(args, spec, plain, rates, batch, context)
+            entry = bench_batch(args, spec, plain, rates, batch, context, counter)
         except Exception as err:  # noqa: BLE001 - e.g. out of memory at the largest shapes: keep the rest
             entry = dict(context=context, batch=batch, error=repr(err)[:500])
             print(f"context {context}, batch {batch}: failed: {err!r:.300}", flush=True)
         counter.active = False
         entry["compiled_while_measuring"] = sorted(set(counter.names[before:]))
+        entry["compiled_while_timing"] = sorted(set(counter.timed_names[timed_before:]))  # in a tokens/s
         entry["wall_s"] = time.perf_counter() - t0
         report["results"].append(entry)
         timing.write_json(args.json, report)
@@ -273,6 +290,9 @@ def print_table(report: dict) -> None:
     stray = sorted({n for e in report["results"] for n in e.get("compiled_while_measuring", ()) if "decode" in n})
     if stray:  # its compile fell in an untimed call, but the sweep took longer than it had to
         print(f"WARNING: decode programs compiled while measuring, not in parallel beforehand: {stray}")
+    timed = sorted({n for e in report["results"] for n in e.get("compiled_while_timing", ())})
+    if timed:  # the compile's seconds are in a tokens/s or a step cost
+        print(f"WARNING: compiled inside timed calls: {timed}")
 
 
 def default_threads() -> int:
@@ -281,7 +301,7 @@ def default_threads() -> int:
     return max(1, min(16, cores - 1))
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="append", default=None, metavar="CONTEXT:B,B,...",
                     help=f"a context and its batch sizes, in order; repeatable (default: {' '.join(DEFAULT_SWEEP)})")
@@ -301,7 +321,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help=f"tiny shapes, sweep {' '.join(TINY_SWEEP)}: a CPU smoke test")
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--png", default=None, help="plot the report here (default: the --json path with .png)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.batches or args.contexts:
         if args.sweep:
             raise SystemExit("give --sweep, or --contexts and --batches, not both")

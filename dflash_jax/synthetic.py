@@ -6,9 +6,10 @@ at that position with probability ``accept_rate``, else a token the target will 
 target must be predictable from the previous token alone (``transition[token]`` is its next token):
 ``repeat_target`` makes any target of any shapes, random weights and all, repeat its last token
 (``transition`` the identity), robustly in bf16. Whether a position's proposal is right is keyed by
-``(seed, position)`` only, so acceptance is geometric: a block of ``B`` commits
+``(seed, the row's first token, position)`` only, so acceptance is geometric: a block of ``B`` commits
 ``1 + r + ... + r ** (B - 1)`` tokens per step on average (``runtime.speculation.expected_tokens``),
-whatever the block size, the batch or the row.
+whatever the block size or the batch; a sequence draws the same whatever block sizes run and whether
+it runs alone or batched, and sequences of different first tokens draw independently.
 """
 
 from __future__ import annotations
@@ -48,9 +49,12 @@ class SyntheticDrafter(Drafter):
             token = transition[token]
             truth.append(token)
         truth = jnp.stack(truth, axis=1)
+        # Keyed by the row's first token too: rows of different sequences draw independently (a batch's
+        # acceptance averages over its rows, as independent requests' does), a sequence alone or batched alike.
         key = jax.random.key(self.seed[...])
-        flat = positions[:, 1:].reshape(-1)
-        u = jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(key, p)))(flat).reshape(truth.shape)
+        rows = jax.vmap(lambda t: jax.random.fold_in(key, t))(tokens[:, 0])
+        u = jax.vmap(lambda k, ps: jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(k, p)))(ps))(
+            rows, positions[:, 1:])
         wrong = (truth + 1) % self.config.vocab_size
         return jnp.where(u < self.accept_rate[...], truth, wrong).astype(draft.dtype)
 

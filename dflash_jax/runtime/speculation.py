@@ -9,14 +9,19 @@ compiled step of its own) and *off*, a target-only step (block 1):
 
 - step cost: seconds per step of each ``(state rows, block)``, measured on the device
   (``Engine.calibrate_speculation``) or given (``Engine.set_step_costs``);
-- tokens per step: per live row, from its acceptance estimate. Acceptance is modelled as geometric: each
-  draft after the anchor is accepted with a per-position probability ``rate`` while the ones before it
-  were, so a block of ``B`` slots commits ``1 + rate + ... + rate ** (B - 1)`` tokens on average, and a
-  rate measured at one block size extrapolates to the others;
-- a row's rate is the maximum-likelihood estimate from its recent steps, ``accepted drafts /
-  (accepted drafts + rejections)`` (a step that accepts its whole block has no rejection), over counts
-  that decay by ``decay`` per step and start from the population's estimate (``prior_steps`` of it), so
-  a new request starts from what its predecessors did.
+- tokens per step: per live row, from its acceptance. Acceptance is modelled as geometric: each draft
+  after the anchor is accepted with a per-position probability ``rate`` while the ones before it were, so
+  a block of ``B`` slots commits ``1 + rate + ... + rate ** (B - 1)`` tokens on average, and a rate
+  measured at one block size extrapolates to the others;
+- a row's rate is uncertain: its evidence is the drafts it had accepted and rejected (a step that accepts
+  its whole block has no rejection; counts decaying by ``decay`` per step), read with a prior of
+  ``prior_steps`` steps at the population's current rate (the population: every row's steps, decaying
+  by ``decay`` per step of the batch, starting from ``prior_steps`` at ``prior_rate``), a
+  ``Beta(accepted, rejected)`` posterior with those pseudo-counts. The option's tokens per step are their
+  mean over the posterior (``AcceptanceEstimate.expected_tokens``), above the plug-in
+  ``expected_tokens(mean rate)`` while the evidence is thin: a fresh row tries the large block where it may
+  pay (at batch 1-8 block 16 costs little more than block 8), and a row's estimate converges to its own
+  rate, shrunk toward the batch's while it has few steps.
 
 A call's block applies to every row (the batched step takes one block size): a row whose drafter keeps
 failing lowers the batch's expected tokens, and once speculating no longer pays for the batch, the call
@@ -36,9 +41,9 @@ OFF = 1  # the block size of a target-only step
 class SpeculationSettings:
     """Knobs of the adaptive policy (validated)."""
 
-    prior_rate: float = 0.7      # a first request's per-position acceptance rate, before any observation
-    prior_steps: float = 4.0     # how many steps' worth of evidence a row's starting estimate is worth
-    decay: float = 0.9           # per observed step: a row's estimate follows its last ~1 / (1 - decay) steps
+    prior_rate: float = 0.7      # the population's per-position acceptance rate before any observation
+    prior_steps: float = 4.0     # how many steps of evidence the population's rate is worth in a row's prior
+    decay: float = 0.9           # per step: a row's (and the batch's) evidence is its last ~1 / (1 - decay) steps
     probe_interval: int = 16     # consecutive target-only calls before one speculative call re-measures
 
     def validate(self) -> None:
@@ -73,15 +78,33 @@ def rate_for_tau(tau: float, block: int) -> float:
 
 @dataclasses.dataclass
 class AcceptanceEstimate:
-    """A row's (decayed) evidence about its per-position acceptance rate."""
+    """A row's (decayed) evidence about its per-position acceptance rate, and the prior it is read with:
+    the posterior over the rate is ``Beta(accepted + prior_accepted, rejected + prior_rejected)``."""
 
     accepted: float    # drafts accepted
     rejected: float    # drafts rejected (at most one per step)
+    prior_accepted: float = 0.0   # pseudo-counts of the prior (``SpeculationPolicy``: the population's)
+    prior_rejected: float = 0.0
 
     @property
     def rate(self) -> float:
-        total = self.accepted + self.rejected
-        return self.accepted / total if total > 0 else 0.0
+        """The posterior mean rate (with no prior: the maximum-likelihood estimate; 0 with no evidence)."""
+        a, b = self.accepted + self.prior_accepted, self.rejected + self.prior_rejected
+        return a / (a + b) if a + b > 0 else 0.0
+
+    def expected_tokens(self, block: int) -> float:
+        """Mean tokens per step of ``block`` slots over the posterior: ``sum_k E[rate ** k]``, with
+        ``E[rate ** k] = prod_{i<k} (a + i) / (a + b + i)`` for ``Beta(a, b)``. Above the plug-in
+        ``expected_tokens(rate, block)`` while the evidence is thin (``rate ** k`` is convex), so a large
+        block is tried while it may pay, and equal to it once the evidence is ample."""
+        a, b = self.accepted + self.prior_accepted, self.rejected + self.prior_rejected
+        if a + b <= 0:
+            return 1.0
+        total, moment = 1.0, 1.0
+        for i in range(block - 1):
+            moment *= (a + i) / (a + b + i)
+            total += moment
+        return total
 
     def observe(self, lengths: Sequence[int], block: int, decay: float) -> None:
         """Adds the steps that committed ``lengths`` tokens each (acc + 1) at ``block`` slots. A step
@@ -113,17 +136,24 @@ def choose(rates: Sequence[float], rows: int, costs: Mapping[tuple[int, int], fl
     cheaper step (the smaller block)."""
     if not rates:
         raise ValueError("choose needs at least one live row")
-    blocks = [b for b in blocks if (rows, b) in costs]  # a block without a measured cost is not an option
+    return best_option({b: sum(expected_tokens(r, b) for r in rates) for b in blocks}, rows, costs,
+                       sum(rates) / len(rates))
+
+
+def best_option(tokens_per_step: Mapping[int, float], rows: int, costs: Mapping[tuple[int, int], float],
+                mean_rate: float) -> Choice:
+    """``choose`` from the batch's expected tokens per step of each block."""
+    blocks = [b for b in tokens_per_step if (rows, b) in costs]  # a block without a measured cost is no option
     if not blocks:
         raise ValueError(f"no step cost for {rows} rows")
-    per_step = {b: sum(expected_tokens(r, b) for r in rates) for b in blocks}
+    per_step = {b: tokens_per_step[b] for b in blocks}
     per_second = {b: per_step[b] / costs[(rows, b)] for b in blocks}
     best = max(sorted(blocks, key=lambda b: (costs[(rows, b)], b)), key=lambda b: per_second[b])
-    return Choice(best, per_second, per_step, sum(rates) / len(rates))
+    return Choice(best, per_second, per_step, mean_rate)
 
 
 class SpeculationPolicy:
-    """The host side of adaptive speculation: each row's estimate, the population's, the choice."""
+    """The host side of adaptive speculation: each row's evidence, the population's, the choice."""
 
     def __init__(self, blocks: Sequence[int], costs: Mapping[tuple[int, int], float],
                  settings: SpeculationSettings = SpeculationSettings()):
@@ -133,27 +163,44 @@ class SpeculationPolicy:
         self.blocks = tuple(sorted(set(blocks), reverse=True))
         self.costs = dict(costs)
         self.settings = settings
-        self.population = self._prior(settings.prior_rate)
+        # The population: every row's steps, ``prior_steps`` untruncated steps at ``prior_rate`` to start
+        # (rate / (1 - rate) accepted drafts and one rejection each).
+        steps = settings.prior_steps
+        self.population = AcceptanceEstimate(accepted=steps * settings.prior_rate / (1 - settings.prior_rate),
+                                             rejected=steps)
+        self._live_rows = 1
         self._off_calls = 0
         self.last: Choice | None = None
 
-    def _prior(self, rate: float) -> AcceptanceEstimate:
-        # ``steps`` untruncated steps at ``rate``: rate / (1 - rate) accepted drafts and one rejection each.
-        steps = self.settings.prior_steps
-        return AcceptanceEstimate(accepted=steps * rate / (1 - rate), rejected=steps)
-
     def new_row(self) -> AcceptanceEstimate:
-        """A new request's estimate: the population's rate, worth ``prior_steps`` steps."""
-        return self._prior(min(self.population.rate, 0.999))
+        """A new request's estimate: no evidence of its own, read with the population's prior."""
+        return self._with_prior(AcceptanceEstimate(0.0, 0.0))
+
+    def _with_prior(self, estimate: AcceptanceEstimate) -> AcceptanceEstimate:
+        # ``prior_steps`` untruncated steps at the population's current rate.
+        rate = min(self.population.rate, 0.999)
+        estimate.prior_accepted = self.settings.prior_steps * rate / (1 - rate)
+        estimate.prior_rejected = self.settings.prior_steps
+        return estimate
 
     def observe(self, estimate: AcceptanceEstimate, lengths: Sequence[int], block: int) -> None:
-        """Steps of one row that committed ``lengths`` at ``block`` slots (its and the population's)."""
+        """Steps of one row that committed ``lengths`` at ``block`` slots (its and the population's).
+        The population decays by ``decay`` per step of the batch, not per step of each row: shared over
+        the rows of the last call (``decay ** (1 / rows)`` per row's step), it follows the batch's last
+        ``~1 / (1 - decay)`` steps at any batch size."""
         estimate.observe(lengths, block, self.settings.decay)
-        self.population.observe(lengths, block, self.settings.decay)
+        self.population.observe(lengths, block, self.settings.decay ** (1.0 / self._live_rows))
 
     def choose(self, estimates: Sequence[AcceptanceEstimate], rows: int) -> Choice:
-        """The next call's block for live rows with ``estimates`` in a state of ``rows`` rows."""
-        choice = choose([e.rate for e in estimates], rows, self.costs, self.blocks)
+        """The next call's block for live rows with ``estimates`` in a state of ``rows`` rows: each row's
+        expected tokens of each block over its posterior (``AcceptanceEstimate.expected_tokens``), its
+        own evidence read with ``prior_steps`` of the population's current rate."""
+        if not estimates:
+            raise ValueError("choose needs at least one live row")
+        self._live_rows = len(estimates)
+        estimates = [self._with_prior(e) for e in estimates]
+        choice = best_option({b: sum(e.expected_tokens(b) for e in estimates) for b in self.blocks}, rows,
+                             self.costs, sum(e.rate for e in estimates) / len(estimates))
         if choice.block == OFF:
             self._off_calls += 1
             speculative = [b for b in self.blocks if b != OFF]

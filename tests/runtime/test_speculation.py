@@ -87,6 +87,29 @@ def test_policy_learns_rows_probes_when_off_and_seeds_new_rows_from_the_populati
         spec.SpeculationPolicy((8, 4), costs)
 
 
+def test_posterior_expected_tokens_exceed_the_plug_in_while_evidence_is_thin():
+    thin = spec.AcceptanceEstimate(0.0, 0.0, prior_accepted=7.0, prior_rejected=3.0)
+    ample = spec.AcceptanceEstimate(7000.0, 3000.0)
+    assert thin.rate == ample.rate == pytest.approx(0.7)
+    assert thin.expected_tokens(16) > spec.expected_tokens(0.7, 16) + 0.2
+    assert ample.expected_tokens(16) == pytest.approx(spec.expected_tokens(0.7, 16), rel=1e-3)
+    assert thin.expected_tokens(1) == 1.0 and spec.AcceptanceEstimate(0.0, 4.0).expected_tokens(8) == 1.0
+
+
+def test_population_follows_the_batchs_steps_and_rows_read_its_current_rate():
+    costs = {(64, 8): 4.0, (64, 4): 1.3, (64, 1): 1.0}
+    policy = spec.SpeculationPolicy((8, 4, 1), costs, spec.SpeculationSettings(prior_rate=0.7, decay=0.9))
+    rows = [policy.new_row() for _ in range(64)]
+    policy.choose(rows, 64)
+    for row in rows:  # one call of 8 steps accepting nothing: the prior's weight falls by 0.9 ** 8, not 0.9 ** 512
+        policy.observe(row, [1] * 8, 4)
+    kept = 4 * 0.7 / 0.3 * 0.9 ** 8
+    assert policy.population.accepted == pytest.approx(kept, rel=1e-6)
+    late = policy.new_row()
+    policy.choose(rows + [late], 64)
+    assert late.rate == pytest.approx(policy.population.rate) and rows[0].rate < policy.population.rate
+
+
 # -- the engine, forced through every choice -----------------------------------------------------------
 
 
