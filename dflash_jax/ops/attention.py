@@ -60,7 +60,7 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
                                          scale=scale, sinks=sinks, window=window)
     if ops.kernels and causal and q.shape[1] == 1 and k_ctx.shape[1] == 0:
         return prompt_attention(q[:, 0], k_blk[:, 0], v_blk[:, 0], blk_lens[:, 0], scale=scale)[:, None]
-    if not ops.kernels:
+    if not ops.kernels or not (ops.mosaic or triton_block_kernel_fits(q.shape, k_ctx.shape[2], k_ctx.dtype)):
         return block_attention_reference(
             q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale
         )
@@ -83,6 +83,18 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
         q.reshape(batch, blocks, block, kv_heads, heads // kv_heads, head_dim), k_ctx, v_ctx, ctx_lens,
         k_blk, v_blk, blk_lens)
     return out.reshape(q.shape)
+
+
+def triton_block_kernel_fits(q_shape: tuple[int, ...], kv_heads: int, dtype) -> bool:
+    """Whether the Triton block-attention kernel takes a block of ``q_shape [batch, blocks, block,
+    heads, head_dim]`` (off a GPU, interpreted, any): compiled, it holds a block's ``block * groups``
+    query rows in one program, which for a long block (a prefill suffix over a cached prefix) exceeds
+    an SM's shared memory (``block_attention.gpu.forward_fits``); such blocks run the reference."""
+    if jax.default_backend() != "gpu":
+        return True
+    from kernels_pallas.block_attention.gpu import forward_fits
+
+    return forward_fits(tuple(q_shape), kv_heads, jnp.dtype(dtype).itemsize)
 
 
 def paged_block_attention(q: jax.Array, k_ctx: PagedKV, v_ctx: PagedKV, ctx_lens: jax.Array, k_blk: jax.Array,
@@ -300,10 +312,10 @@ def cached_attention(
         from kernels_pallas.cached_attention import cached_block_attention, cached_block_attention_supported
         from kernels_pallas.cached_attention.gpu import DEFAULT_CONFIG
 
-        if cached_block_attention_supported(qkv.shape[-5:], k_cache.shape[1]):
+        config = (dataclasses.replace(DEFAULT_CONFIG, **dict(ops.cached_attention_tiles))
+                  if ops.cached_attention_tiles else None)
+        if cached_block_attention_supported(qkv.shape[-5:], k_cache.shape[1], k_cache.dtype, config):
             ones = jnp.ones((head_dim,), k_cache.dtype)
-            config = (dataclasses.replace(DEFAULT_CONFIG, **dict(ops.cached_attention_tiles))
-                      if ops.cached_attention_tiles else None)
 
             def kernel(qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq, *scale):
                 attn, k_cache, v_cache = cached_block_attention(

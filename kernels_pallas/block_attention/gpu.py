@@ -83,6 +83,9 @@ class GpuConfig:
     # cut a program's shared memory and registers; the DFlash step 0.5-1.4% faster at batch 8-32
     # (docs/performance.md). With few rows 64-key tiles halve the loop's trips.
     wide_batch_block_k: int | None = 32
+    # The most shared memory one program may take (sm_90: 227 KiB a block). Programs whose estimate
+    # (``program_shared_bytes``) exceeds it are not compiled: their callers take another path.
+    shared_memory_per_program: int = 227 * 1024
 
 
 def resident_programs(cfg: GpuConfig) -> int:
@@ -100,6 +103,34 @@ def num_sms(cfg: GpuConfig) -> int:
     except Exception:  # noqa: BLE001
         pass
     return 132  # H200 / H100 SXM
+
+
+def program_shared_bytes(*, stages: int, block_k: int, head_dim: int, held_rows: int, dot_rows: int, slots: int,
+                         itemsize: int) -> int:
+    """An estimate of one program's shared memory as Triton lays out the flash loop of these kernels: per
+    software-pipelining stage a K and a V tile ``[block_k, head_dim]``; the query operands of all the
+    program's rows ``[held_rows, head_dim]``; the block's own K and V ``[slots, head_dim]``; and the
+    widest score tile of one dot ``[dot_rows, max(block_k, slots)]``, its float32 scores (a layout
+    conversion's scratch) and its probabilities in the inputs' dtype (the second dot's operand). Its
+    terms grow with the block: a long block (a prefill suffix or chunk of hundreds of slots) held in one
+    program exceeds an SM's shared memory, which Triton reports only when it compiles."""
+    widest = max(block_k, slots)
+    return (stages * 2 * block_k * head_dim * itemsize + held_rows * head_dim * itemsize
+            + 2 * slots * head_dim * itemsize + dot_rows * widest * (4 + itemsize))
+
+
+def forward_fits(q_shape: tuple[int, ...], kv_heads: int, itemsize: int, config: GpuConfig | None = None) -> bool:
+    """Whether ``forward``'s program for queries ``q_shape [batch, blocks, block, q_heads, head_dim]``
+    fits one SM's shared memory by ``program_shared_bytes``: a program holds all ``block * groups``
+    query rows of its block, so long blocks do not (``ops.attention.block_attention`` then runs the
+    reference)."""
+    cfg = config or GpuConfig()
+    _, _, block, heads, head_dim = q_shape
+    rows = max(16, next_pow2(block * (heads // kv_heads)))
+    slots, d = max(16, next_pow2(block)), max(16, next_pow2(head_dim))
+    need = program_shared_bytes(stages=cfg.num_stages, block_k=cfg.block_k, head_dim=d, held_rows=rows,
+                                dot_rows=rows, slots=slots, itemsize=itemsize)
+    return need <= cfg.shared_memory_per_program
 
 
 def _kernel(

@@ -52,24 +52,81 @@ from jax.experimental import pallas as pl
 from kernels_pallas._common import NEG, default_scale, next_pow2
 from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, triton_params
 from kernels_pallas._pdl import signal_after
-from kernels_pallas.block_attention.gpu import GpuConfig, num_sms, plan, resident_programs
+from kernels_pallas.block_attention.gpu import GpuConfig, num_sms, plan, program_shared_bytes, resident_programs
 
 
 DEFAULT_CONFIG = GpuConfig()  # tiles and split planning when no config is given
 
 
-def supports(qkv_shape: tuple[int, ...], capacity: int, *, compiled: bool = True) -> bool:
-    """Whether the kernel takes these shapes. Compiled for a GPU, Triton's tiles need a power-of-two
-    head_dim >= 32, block and groups (<= 16); the aliased cache is never padded, so its capacity
-    must be whole tiles of 16 keys. Interpret mode takes any block."""
+def supports(qkv_shape: tuple[int, ...], capacity: int, *, compiled: bool = True, itemsize: int = 2,
+             config: GpuConfig | None = None) -> bool:
+    """Whether the kernel takes these shapes (``qkv_shape [rows, block, kv_heads, groups + 2,
+    head_dim]``, caches of ``capacity`` positions, ``itemsize`` bytes an element). Compiled for a GPU,
+    Triton's tiles need a power-of-two head_dim >= 32, block and groups (<= 16), and the program
+    ``cached_block_attention`` would run must fit one SM's shared memory by
+    ``block_attention_gpu.program_shared_bytes``: decode tokens and draft / verify blocks do, a long
+    block (a prefill suffix or chunk over a cached prefix) does not and takes the unfused path. The
+    aliased cache is never padded, so its capacity must be whole tiles of 16 keys. Interpret mode
+    takes any block."""
+    if not tiles_supported(qkv_shape, capacity, compiled=compiled):
+        return False
+    if not compiled:
+        return True
+    _, block, kv_heads, groups_2, head_dim = qkv_shape
+    cfg = config or DEFAULT_CONFIG
+    layout = program_layout(qkv_shape[0], block, kv_heads, groups_2 - 2, head_dim, capacity, itemsize, cfg)
+    return layout.shared_bytes <= cfg.shared_memory_per_program
+
+
+def tiles_supported(qkv_shape: tuple[int, ...], capacity: int, *, compiled: bool) -> bool:
+    """``supports``' rules of Triton's tiles, without the shared-memory estimate."""
     _, block, _, groups_2, head_dim = qkv_shape
     groups = groups_2 - 2
     pow2 = lambda n: n >= 1 and next_pow2(n) == n  # noqa: E731
     if not (pow2(groups) and pow2(head_dim) and head_dim >= 2 and capacity % MMA_MIN == 0):
         return False
-    if not compiled:
-        return True
-    return head_dim >= 2 * MMA_MIN and groups <= MMA_MIN and pow2(block)
+    return not compiled or (head_dim >= 2 * MMA_MIN and groups <= MMA_MIN and pow2(block))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramLayout:
+    """How ``cached_block_attention`` lays out its programs for one set of static shapes."""
+
+    config: GpuConfig  # the tiles (with ``batch_tiles``' key tile)
+    block_k: int
+    splits: int
+    chunk: int
+    per_program: int  # group members per program (0: a single token's program of its whole group)
+    stacked: bool
+    grid: tuple[int, int, int, int]
+    stages: int
+    shared_bytes: int  # ``program_shared_bytes`` of one program
+
+
+def program_layout(batch: int, block: int, kv_heads: int, groups: int, head_dim: int, capacity: int, itemsize: int,
+                   cfg: GpuConfig) -> ProgramLayout:
+    """The kernel's tiles, splits, grid and pipelining stages for these shapes.
+
+    A single token gets one program per KV head (its G rows); a verify block one per ``per_program``
+    group members (a [T, D] query matrix each, or with ``stacked_members`` one [T * per_program, D]
+    matrix). The context splits do not depend on the block: a 1-token and a 16-token pass then sum
+    every query's context in the same tiles and splits, so greedy speculative decoding reproduces
+    target-only decoding exactly in float32 (stacked, the dots round at their own shape: float32
+    tokens unchanged on the H200, docs/performance.md)."""
+    cfg = batch_tiles(cfg, batch=batch, kv_heads=kv_heads)
+    block_k, _, splits, chunk = plan(batch, 1, kv_heads, capacity, cfg)
+    per_program = 0 if block == 1 else members_per_program(batch, kv_heads, groups, splits, cfg)
+    stacked = bool(cfg.stacked_members) and per_program > 1
+    # A dot's query rows, repeated to the 16 an MMA takes (as ``_kernel`` does): a single token's
+    # group, a member's [T, D] queries or the stacked [T * M, D]; unstacked, a program holds M of them.
+    dot_rows = max(MMA_MIN, groups if block == 1 else block * (per_program if stacked else 1))
+    held_rows = dot_rows if block == 1 or stacked else dot_rows * per_program
+    grid = (batch, kv_heads, 1 if block == 1 else groups // per_program, splits)
+    stages = fitted_stages(cfg, programs=math.prod(grid), block_k=block_k, head_dim=head_dim, held_rows=held_rows,
+                           dot_rows=dot_rows, itemsize=itemsize)
+    shared = program_shared_bytes(stages=stages, block_k=block_k, head_dim=head_dim, held_rows=held_rows,
+                                  dot_rows=dot_rows, slots=block, itemsize=itemsize)
+    return ProgramLayout(cfg, block_k, splits, chunk, per_program, stacked, grid, stages, shared)
 
 
 def _finish(x_lo, x_hi, w_ref, cos, sin, *, qk_norm: bool, eps: float):
@@ -284,11 +341,13 @@ def fitted_stages(cfg: GpuConfig, *, programs: int, block_k: int, head_dim: int,
     return stages
 
 
-def cached_block_attention_supported(qkv_shape: tuple[int, ...], capacity: int) -> bool:
+def cached_block_attention_supported(qkv_shape: tuple[int, ...], capacity: int, dtype,
+                                     config: GpuConfig | None = None) -> bool:
     """Whether ``cached_block_attention`` runs for these shapes on this platform (GPUs, and the CPU
-    in interpret mode; TPUs take the unfused path)."""
+    in interpret mode; TPUs take the unfused path) with caches of ``dtype``."""
     platform = jax.default_backend()
-    return platform != "tpu" and supports(tuple(qkv_shape), capacity, compiled=platform == "gpu")
+    return platform != "tpu" and supports(tuple(qkv_shape), capacity, compiled=platform == "gpu",
+                                          itemsize=jnp.dtype(dtype).itemsize, config=config)
 
 
 def cached_block_attention(
@@ -360,19 +419,14 @@ def cached_block_attention(
                          f"{k_cache.shape} {v_cache.shape}")
     if row_scale is not None and (row_scale.shape != (batch, block) or row_scale.dtype != jnp.float32):
         raise ValueError(f"row_scale must be float32 {(batch, block)}: {row_scale.dtype} {row_scale.shape}")
-    if not supports(qkv.shape[-5:], capacity, compiled=not interpret):
+    layout = program_layout(batch, block, kv_heads, groups, head_dim, capacity, jnp.dtype(dtype).itemsize, cfg)
+    if not tiles_supported(qkv.shape[-5:], capacity, compiled=not interpret) or (
+            not interpret and layout.shared_bytes > cfg.shared_memory_per_program):
         raise ValueError(f"cached_block_attention does not take qkv {qkv.shape} with a cache of {capacity} "
                          f"positions (see cached_attention_gpu.supports)")
     scale = default_scale(head_dim, scale)
-    # A single token gets one program per KV head (its G rows); a verify block one per
-    # ``per_program`` group members (a [T, D] query matrix each, or with ``stacked_members`` one
-    # [T * per_program, D] matrix). The context splits do not depend on the block: a 1-token and a
-    # 16-token pass then sum every query's context in the same tiles and splits, so greedy
-    # speculative decoding reproduces target-only decoding exactly in float32 (stacked, the dots
-    # round at their own shape: float32 tokens unchanged on the H200, docs/performance.md).
-    cfg = batch_tiles(cfg, batch=batch, kv_heads=kv_heads)
-    block_k, _, splits, chunk = plan(batch, 1, kv_heads, capacity, cfg)
-    per_program = 0 if block == 1 else members_per_program(batch, kv_heads, groups, splits, cfg)
+    cfg, block_k, splits, chunk = layout.config, layout.block_k, layout.splits, layout.chunk
+    per_program, stacked, grid, stages = layout.per_program, layout.stacked, layout.grid, layout.stages
     starts = starts.astype(jnp.int32)
     blk_lens = jnp.clip(blk_lens.astype(jnp.int32), 0, block)
 
@@ -401,14 +455,6 @@ def cached_block_attention(
     projection_specs = ([projection(q_block, q_index, p) for p in range(parts)]
                         + [projection(member_block, member(groups), p) for p in range(parts)]
                         + [projection(member_block, member(groups + 1), p) for p in range(parts)])
-    stacked = bool(cfg.stacked_members) and per_program > 1
-    # A dot's query rows, repeated to the 16 an MMA takes (as ``_kernel`` does): a single token's
-    # group, a member's [T, D] queries or the stacked [T * M, D]; unstacked, a program holds M of them.
-    dot_rows = max(MMA_MIN, groups if block == 1 else block * (per_program if stacked else 1))
-    held_rows = dot_rows if block == 1 or stacked else dot_rows * per_program
-    grid = (batch, kv_heads, 1 if block == 1 else groups // per_program, splits)
-    stages = fitted_stages(cfg, programs=math.prod(grid), block_k=block_k, head_dim=head_dim, held_rows=held_rows,
-                           dot_rows=dot_rows, itemsize=jnp.dtype(dtype).itemsize)
     kernel = functools.partial(_kernel, members=per_program, stacked=stacked,
                                parts=parts, scaled=row_scale is not None, dtype=dtype,
                                scale=scale, eps=float(eps), qk_norm=qk_norm, causal=causal, block_k=block_k,

@@ -465,6 +465,26 @@ def test_cached_attention_stages_fit_two_programs_per_sm():
         assert set(re.findall(r"num_stages = (\d+)", text)) == {str(stages)}
 
 
+def test_long_blocks_take_the_unfused_path():
+    """Compiled for a GPU, the fused kernel takes what fits one SM's shared memory by its estimate: a
+    decode token and the draft / verify blocks of 16 at batch 1-32 (Qwen3-8B heads, bf16), not a
+    prefill suffix or chunk of 128 or 512 slots over a cached prefix, which the unfused path (the
+    prologue and ``block_attention``) then runs; and the Triton block attention takes a block of 16
+    but not of 128 (the reference runs it). Interpreted, any block runs."""
+    from kernels_pallas.block_attention.gpu import forward_fits
+    from kernels_pallas.cached_attention.gpu import supports
+
+    for batch in (1, 4, 16, 32):
+        for capacity in (1152, 4224, 16384):
+            for block in (1, 16):
+                assert supports((batch, block, 8, 6, 128), capacity), (batch, block, capacity)
+            for block in (128, 512):
+                assert not supports((batch, block, 8, 6, 128), capacity), (batch, block, capacity)
+                assert supports((batch, block, 8, 6, 128), capacity, compiled=False)
+    assert forward_fits((1, 1, 16, 32, 128), 8, 2) and forward_fits((8, 3, 16, 32, 128), 8, 2)
+    assert not forward_fits((1, 1, 128, 32, 128), 8, 2)
+
+
 def test_cached_attention_tiles_by_batch(monkeypatch):
     """Context tiles chosen by the batch alone: 32 keys where the rows' KV heads (a decode token's
     programs before any split) reach a quarter of the SMs (8 KV heads on 132 SMs: batch >= 5), 64
