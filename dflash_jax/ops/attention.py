@@ -26,7 +26,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.ops.cache import CACHE_AXES, read_rows, write_rows
+from dflash_jax.ops.cache import CACHE_AXES, write_rows
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.norms import rms_norm
 from dflash_jax.ops.paged_cache import PagedKV
@@ -298,16 +298,12 @@ def cached_attention(
     kernel_layer = ops.kernels and sinks is None and window is None and rope_factor == 1.0
     fused = kernel_layer and not ops.mosaic
     if fused and isinstance(k_cache, PagedKV):
-        # The fused kernel takes contiguous caches: it runs on this layer's pages gathered (the copy the
-        # XLA path makes too), and the block it wrote goes into the rows' pages; the norms, RoPE, write
-        # and attention stay one kernel rather than the ~12 XLA kernels of the unfused path.
-        attn, k_view, v_view = cached_attention(
-            qkv, starts, k_cache.gather(), v_cache.gather(), blk_lens, q_norm=q_norm, k_norm=k_norm, eps=eps,
-            inv_freq=inv_freq, num_heads=num_heads, causal=causal, write=write, row_scale=row_scale, ops=ops)
-        if not write:
-            return attn, k_cache, v_cache
-        return (attn, write_rows(k_cache, read_rows(k_view, starts, block), starts),
-                write_rows(v_cache, read_rows(v_view, starts, block), starts))
+        out = paged_fused_cached_attention(qkv, starts, k_cache, v_cache, blk_lens, q_norm=q_norm, k_norm=k_norm,
+                                           eps=eps, inv_freq=inv_freq, num_heads=num_heads, causal=causal,
+                                           write=write, row_scale=row_scale, ops=ops)
+        if out is not None:
+            return out
+        fused = False  # a block the kernel does not take: the unfused path, which gathers the pages
     if fused:
         from kernels_pallas.cached_attention import cached_block_attention, cached_block_attention_supported
         from kernels_pallas.cached_attention.gpu import DEFAULT_CONFIG
@@ -351,6 +347,36 @@ def cached_attention(
                                         rope_factor=rope_factor)
     return attend_and_write(q[:, None], k[:, None], v[:, None], starts, k_cache, v_cache, blk_lens,
                             causal=causal, write=write, ops=ops, sinks=sinks, window=window)
+
+
+def paged_fused_cached_attention(qkv: jax.Array, starts: jax.Array, k_cache: PagedKV, v_cache: PagedKV,
+                                 blk_lens: jax.Array, *, q_norm: jax.Array | None, k_norm: jax.Array | None,
+                                 eps: float, inv_freq: tuple[float, ...], num_heads: int, causal: bool, write: bool,
+                                 row_scale: jax.Array | None,
+                                 ops: OpsConfig) -> tuple[jax.Array, PagedKV, PagedKV] | None:
+    """``cached_attention`` of the fused Triton kernel on paged caches, or None where it does not take the
+    shapes: the kernel reads each row's context through its page table (``read_pages`` entries, the capacity
+    it plans its splits over) and writes the block's K/V into the pool rows ``PagedKV.pool_rows`` resolves
+    (the rows' pages; the null page for done rows), in place. One device: paged engines run unsharded."""
+    from kernels_pallas.cached_attention import cached_block_attention, cached_block_attention_supported
+    from kernels_pallas.cached_attention.gpu import DEFAULT_CONFIG
+
+    batch, block, head_dim = k_cache.shape[0], qkv.shape[-4], k_cache.shape[-1]
+    config = (dataclasses.replace(DEFAULT_CONFIG, **dict(ops.cached_attention_tiles))
+              if ops.cached_attention_tiles else None)
+    if not cached_block_attention_supported(qkv.shape[-5:], k_cache.shape[1], k_cache.dtype, config):
+        return None
+    ones = jnp.ones((head_dim,), k_cache.dtype)
+    attn, k_pool, v_pool = cached_block_attention(
+        qkv, k_cache.pool, v_cache.pool, starts, blk_lens, q_norm if q_norm is not None else ones,
+        k_norm if k_norm is not None else ones, jnp.asarray(inv_freq, jnp.float32), eps=eps,
+        qk_norm=q_norm is not None, causal=causal, write=write, row_scale=row_scale, config=config,
+        page_table=k_cache.page_table, read_pages=k_cache.n_pages,
+        write_rows=k_cache.pool_rows(starts, block) if write else None)
+    attn = attn.reshape(batch, 1, block, num_heads, head_dim)
+    if not write:
+        return attn, k_cache, v_cache
+    return attn, dataclasses.replace(k_cache, pool=k_pool), dataclasses.replace(v_cache, pool=v_pool)
 
 
 def cached_attention_prologue(qkv: jax.Array, starts: jax.Array, batch: int, dtype, *, q_norm: jax.Array | None,

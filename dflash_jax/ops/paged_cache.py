@@ -66,6 +66,15 @@ class PagedKV:
         first ``n_pages`` pages (a copy; the XLA reference of reading through the table)."""
         return gather_pages(self.pool, self.page_table, self.n_pages)
 
+    def pool_rows(self, starts: jax.Array, n: int) -> jax.Array:
+        """Where ``write_rows`` puts each row's positions ``starts [batch] + 0 .. n - 1``, as rows of the
+        pool flattened to ``[pages * page_size, kv_heads, head_dim]``: ``[batch, n]`` int32 (the null
+        page's for rows that may not write and positions past the table)."""
+        positions = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+        keep = jnp.broadcast_to(self.writable[:, None], positions.shape)
+        page, offset = page_slots(self.page_table, positions, keep, self.page_size)
+        return page * self.page_size + offset
+
     def write_rows(self, update: jax.Array, starts: jax.Array) -> "PagedKV":
         """``ops.cache.write_rows`` through the table: ``update [batch, n, kv_heads, head_dim]`` at each
         writable row's positions ``starts [batch] + j``."""
