@@ -461,10 +461,43 @@ def attend_and_write(q, k, v, starts, k_cache, v_cache, blk_lens, *, causal: boo
                      window: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Block attention of ``q [batch, 1, block, heads, head_dim]`` over the caches plus the block's
     own ``k, v [batch, 1, block, kv_heads, head_dim]``, which ``write`` then writes at ``starts``.
-    With ``ops.gpu_lowering == "mosaic"``: the Mosaic GPU block attention where it takes the shapes."""
+    With ``ops.gpu_lowering == "mosaic"``: the Mosaic GPU block attention where it takes the shapes. A
+    long causal block the Triton block attention cannot hold in one program (a prefill suffix or chunk
+    over a cached prefix, on a GPU) is written first and attended in sub-blocks
+    (``written_block_attention``)."""
+    if (write and causal and ops.kernels and not ops.mosaic and sinks is None and window is None
+            and q.shape[2] > SUB_BLOCK and not triton_block_kernel_fits(q.shape, k.shape[3], k_cache.dtype)):
+        k_cache, v_cache = write_rows(k_cache, k[:, 0], starts), write_rows(v_cache, v[:, 0], starts)
+        attn = written_block_attention(q, k, v, starts, k_cache, v_cache, blk_lens, sub_block=SUB_BLOCK, ops=ops)
+        return attn, k_cache, v_cache
     attn = block_attention(q, k_cache, v_cache, starts[:, None], k, v, blk_lens[:, None], causal=causal,
                            ops=ops, sinks=sinks, window=window)
     if not write:
         return attn, k_cache, v_cache
     return attn, write_rows(k_cache, k[:, 0], starts), write_rows(v_cache, v[:, 0], starts)
+
+
+SUB_BLOCK = 16  # query slots per block of ``written_block_attention``: a verify block's, which the kernel holds
+
+
+def written_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array, k_cache, v_cache,
+                            blk_lens: jax.Array, *, sub_block: int, ops: OpsConfig) -> jax.Array:
+    """A causal block ``q [batch, 1, block, heads, head_dim]`` (its own ``k, v [batch, 1, block, kv_heads,
+    head_dim]``, ``blk_lens [batch]`` valid slots) at ``starts``, over caches that already hold its K/V
+    at ``starts``: as ``sub_block``-slot blocks, block ``i`` over the cache positions before its first
+    slot (the context and the block's earlier valid slots, ``starts + min(i * sub_block, blk_lens)``)
+    plus its own slots. The same keys for each valid query as one causal block; each program of the
+    block-attention kernel holds ``sub_block`` query slots, whatever the block's length."""
+    batch, _, block, heads, head_dim = q.shape
+    n = -(-block // sub_block)
+    pad = ((0, 0), (0, 0), (0, n * sub_block - block), (0, 0), (0, 0))
+
+    def blocks(x):  # [batch, 1, block, h, d] -> [batch, n, sub_block, h, d]
+        return jnp.pad(x, pad).reshape((batch, n, sub_block) + x.shape[3:])
+
+    first = jnp.arange(n, dtype=jnp.int32)[None, :] * sub_block
+    ctx_lens = starts[:, None] + jnp.minimum(first, blk_lens[:, None])
+    own = jnp.clip(blk_lens[:, None] - first, 0, sub_block)
+    out = block_attention(blocks(q), k_cache, v_cache, ctx_lens, blocks(k), blocks(v), own, causal=True, ops=ops)
+    return out.reshape(batch, 1, n * sub_block, heads, head_dim)[:, :, :block]
 
