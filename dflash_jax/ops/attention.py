@@ -89,7 +89,8 @@ def triton_block_kernel_fits(q_shape: tuple[int, ...], kv_heads: int, dtype) -> 
     """Whether the Triton block-attention kernel takes a block of ``q_shape [batch, blocks, block,
     heads, head_dim]`` (off a GPU, interpreted, any): compiled, it holds a block's ``block * groups``
     query rows in one program, which for a long block (a prefill suffix over a cached prefix) exceeds
-    an SM's shared memory (``block_attention.gpu.forward_fits``); such blocks run the reference."""
+    an SM's shared memory (``block_attention.gpu.forward_fits``). ``attend_and_write`` runs such a block,
+    when written and causal, as sub-blocks (``written_block_attention``); any other, the reference."""
     if jax.default_backend() != "gpu":
         return True
     from kernels_pallas.block_attention.gpu import forward_fits

@@ -206,8 +206,9 @@ def test_cached_attention_sums_split_k_partials_with_a_row_scale():
 def test_cached_attention_long_blocks_over_a_long_cache(block):
     """A prefill suffix or chunk over a cached prefix of 4,096 tokens (and a row of 1,000) through
     ``cached_attention`` with the kernels on: the fused kernel where its program fits an SM's shared
-    memory (``cached_attention.gpu.supports``), else the unfused path, whose Triton block attention
-    also takes only what fits (else the reference). Compiles and runs, and equals the reference."""
+    memory (``cached_attention.gpu.supports``), else the unfused path, where a block the Triton block
+    attention cannot hold is written first and attended as 16-slot sub-blocks. Compiles and runs, and
+    equals the reference."""
     qkv, k, v, _, blk_lens, norms = cached_args(2, block, seed=block, capacity=4096 + 512)
     starts = jnp.array([4096, 1000], jnp.int32)
     got, want = cached(KERNEL)(qkv, k, v, starts, blk_lens, norms), cached(XLA)(qkv, k, v, starts, blk_lens, norms)
