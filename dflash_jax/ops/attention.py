@@ -102,8 +102,10 @@ def paged_block_attention(q: jax.Array, k_ctx: PagedKV, v_ctx: PagedKV, ctx_lens
                           v_blk: jax.Array, blk_lens: jax.Array, *, causal: bool, scale: float | None, ops: OpsConfig,
                           sinks: jax.Array | None, window: int | None) -> jax.Array | None:
     """``block_attention`` over a paged context by a kernel that reads through the page table, or None
-    where none takes it: one block per row, no sinks or window, and the Mosaic GPU block attention
-    (``ops.mosaic``, pages of whole key tiles) or on a TPU its block attention (a tile per page)."""
+    where none takes it: one block per row, no sinks or window, and the Triton block attention (a
+    power-of-two head_dim, a block it holds in one program: each tile's keys loaded by their pool
+    rows), the Mosaic GPU block attention (``ops.mosaic``, pages of whole key tiles) or on a TPU its
+    block attention (a tile per page). Forward only (inference)."""
     if not (ops.kernels and sinks is None and window is None and q.shape[1] == 1):
         return None
     table = k_ctx.page_table[:, :k_ctx.n_pages]
@@ -115,7 +117,14 @@ def paged_block_attention(q: jax.Array, k_ctx: PagedKV, v_ctx: PagedKV, ctx_lens
             return None
         return tpu.paged_forward(*args, causal=causal, scale=scale)[0]
     if not ops.mosaic:
-        return None
+        from kernels_pallas._common import next_pow2
+        from kernels_pallas.block_attention import gpu
+
+        head_dim = q.shape[-1]
+        if head_dim != max(16, next_pow2(head_dim)) or not triton_block_kernel_fits(q.shape, k_blk.shape[3],
+                                                                                     k_ctx.dtype):
+            return None
+        return gpu.paged_forward(*args, causal=causal, scale=scale, interpret=jax.default_backend() != "gpu")[0]
     from kernels_pallas.block_attention import mosaic_gpu
 
     if not mosaic_gpu.paged_supported(q.shape, k_ctx.pool.shape, k_ctx.n_pages, k_ctx.dtype):
