@@ -43,7 +43,7 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
     Attention sinks and sliding windows (gpt-oss layers) run the reference: no kernel takes them.
 
     ``k_ctx, v_ctx`` may be paged (``PagedKV``, the context read through the rows' page tables): the
-    Mosaic GPU kernel and the TPU kernel load the pages the table names (``paged_block_attention``);
+    Triton, Mosaic GPU and TPU kernels load the pages the table names (``paged_block_attention``);
     every other path runs on the rows' pages of this layer gathered into a contiguous context
     (``PagedKV.gather``, the XLA reference of the read)."""
     if isinstance(k_ctx, PagedKV):

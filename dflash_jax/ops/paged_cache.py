@@ -11,7 +11,8 @@ attends only to positions below its length, all of which are in its own pages.
 A decode step reads and writes the pools in place: each layer's cache arrays are ``PagedKV`` values (a
 pool, the page tables, the rows that may write, the static number of pages a step reads), which the
 models pass where they pass a contiguous cache array. ``ops.attention`` reads through the table (the
-fused Triton cached-attention kernel and the Mosaic GPU block attention load the pages the table names,
+Triton kernels (the fused cached attention, the block attention) and the Mosaic GPU block attention
+load the pages the table names,
 and the fused kernel stores a block's K/V at the pool rows ``PagedKV.pool_rows`` resolves; every other
 path gathers the row's pages of that one layer inside the op, ``PagedKV.gather``), and a block's K/V
 written outside the fused kernel are scattered into the row's pages (``scatter_positions``). A prefill over a cached prefix still runs on a contiguous view of the
