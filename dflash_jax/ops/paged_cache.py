@@ -10,14 +10,14 @@ attends only to positions below its length, all of which are in its own pages.
 
 A decode step reads and writes the pools in place: each layer's cache arrays are ``PagedKV`` values (a
 pool, the page tables, the rows that may write, the static number of pages a step reads), which the
-models pass where they pass a contiguous cache array. ``ops.attention`` reads through the table (the
-Triton kernels (the fused cached attention, the block attention) and the Mosaic GPU block attention
-load the pages the table names,
-and the fused kernel stores a block's K/V at the pool rows ``PagedKV.pool_rows`` resolves; every other
-path gathers the row's pages of that one layer inside the op, ``PagedKV.gather``), and a block's K/V
-written outside the fused kernel are scattered into the row's pages (``scatter_positions``). A prefill over a cached prefix still runs on a contiguous view of the
-prefix's pages (``gather_view``): its suffix block is written into the view and scattered when the rows
-are admitted. Shapes are static throughout: a view's length is a static page count.
+models pass where they pass a contiguous cache array. ``ops.attention`` reads through the table: the
+Triton kernels (the fused cached attention, the block attention) and the Mosaic GPU block attention load
+the pages the table names, and the fused kernel stores a block's K/V at the pool rows
+``PagedKV.pool_rows`` resolves; every other path gathers the row's pages of that one layer inside the op
+(``PagedKV.gather``). A block's K/V written outside the fused kernel are scattered into the row's pages
+(``scatter_positions``). A prefill over a cached prefix still runs on a contiguous view of the prefix's
+pages (``gather_view``): its suffix block is written into the view and scattered when the rows are
+admitted. Shapes are static throughout: a view's length is a static page count.
 """
 
 from __future__ import annotations
