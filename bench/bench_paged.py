@@ -6,8 +6,8 @@ A Qwen3-8B-shaped target with random bf16 weights and a 5-layer block-16 drafter
 1. ``decode``: ms per step at each ``--batches`` from a ``--context``-token context (synthetic states,
    synchronised calls of ``--steps`` steps at the window the batcher would pick; a paged row's pages
    shuffled through the pool), for each of ``--kinds`` (target-only, DFlash) and ``--variants``:
-   ``contiguous`` (the default kernels), ``paged`` (pages of ``--page-size``; the attention gathers each
-   layer's pages, the XLA reference of reading through the table, before the default kernels),
+   ``contiguous`` (the default kernels), ``paged`` (pages of ``--page-size``; the default kernels, the
+   fused cached attention reading and writing the pools through the page tables),
    ``paged_mosaic`` (``gpu_lowering="mosaic"``: the Mosaic GPU block attention TMA-loads the pages the
    table names) and ``contiguous_mosaic`` (its contiguous counterpart); the ratios to ``contiguous``.
    One engine at a time, sized for the part (``--context`` + 1,024 positions);

@@ -26,7 +26,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.ops.cache import CACHE_AXES, read_rows, write_rows
+from dflash_jax.ops.cache import CACHE_AXES, write_rows
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.norms import rms_norm
 from dflash_jax.ops.paged_cache import PagedKV
@@ -43,7 +43,7 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
     Attention sinks and sliding windows (gpt-oss layers) run the reference: no kernel takes them.
 
     ``k_ctx, v_ctx`` may be paged (``PagedKV``, the context read through the rows' page tables): the
-    Mosaic GPU kernel and the TPU kernel load the pages the table names (``paged_block_attention``);
+    Triton, Mosaic GPU and TPU kernels load the pages the table names (``paged_block_attention``);
     every other path runs on the rows' pages of this layer gathered into a contiguous context
     (``PagedKV.gather``, the XLA reference of the read)."""
     if isinstance(k_ctx, PagedKV):
@@ -60,7 +60,7 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
                                          scale=scale, sinks=sinks, window=window)
     if ops.kernels and causal and q.shape[1] == 1 and k_ctx.shape[1] == 0:
         return prompt_attention(q[:, 0], k_blk[:, 0], v_blk[:, 0], blk_lens[:, 0], scale=scale)[:, None]
-    if not ops.kernels:
+    if not ops.kernels or not (ops.mosaic or triton_block_kernel_fits(q.shape, k_ctx.shape[2], k_ctx.dtype)):
         return block_attention_reference(
             q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale
         )
@@ -85,12 +85,27 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_lens: 
     return out.reshape(q.shape)
 
 
+def triton_block_kernel_fits(q_shape: tuple[int, ...], kv_heads: int, dtype) -> bool:
+    """Whether the Triton block-attention kernel takes a block of ``q_shape [batch, blocks, block,
+    heads, head_dim]`` (off a GPU, interpreted, any): compiled, it holds a block's ``block * groups``
+    query rows in one program, which for a long block (a prefill suffix over a cached prefix) exceeds
+    an SM's shared memory (``block_attention.gpu.forward_fits``). ``attend_and_write`` runs such a block,
+    when written and causal, as sub-blocks (``written_block_attention``); any other, the reference."""
+    if jax.default_backend() != "gpu":
+        return True
+    from kernels_pallas.block_attention.gpu import forward_fits
+
+    return forward_fits(tuple(q_shape), kv_heads, jnp.dtype(dtype).itemsize)
+
+
 def paged_block_attention(q: jax.Array, k_ctx: PagedKV, v_ctx: PagedKV, ctx_lens: jax.Array, k_blk: jax.Array,
                           v_blk: jax.Array, blk_lens: jax.Array, *, causal: bool, scale: float | None, ops: OpsConfig,
                           sinks: jax.Array | None, window: int | None) -> jax.Array | None:
     """``block_attention`` over a paged context by a kernel that reads through the page table, or None
-    where none takes it: one block per row, no sinks or window, and the Mosaic GPU block attention
-    (``ops.mosaic``, pages of whole key tiles) or on a TPU its block attention (a tile per page)."""
+    where none takes it: one block per row, no sinks or window, and the Triton block attention (a
+    power-of-two head_dim, a block it holds in one program: each tile's keys loaded by their pool
+    rows), the Mosaic GPU block attention (``ops.mosaic``, pages of whole key tiles) or on a TPU its
+    block attention (a tile per page). Forward only (inference)."""
     if not (ops.kernels and sinks is None and window is None and q.shape[1] == 1):
         return None
     table = k_ctx.page_table[:, :k_ctx.n_pages]
@@ -102,7 +117,14 @@ def paged_block_attention(q: jax.Array, k_ctx: PagedKV, v_ctx: PagedKV, ctx_lens
             return None
         return tpu.paged_forward(*args, causal=causal, scale=scale)[0]
     if not ops.mosaic:
-        return None
+        from kernels_pallas._common import next_pow2
+        from kernels_pallas.block_attention import gpu
+
+        head_dim = q.shape[-1]
+        if head_dim != max(16, next_pow2(head_dim)) or not triton_block_kernel_fits(q.shape, k_blk.shape[3],
+                                                                                     k_ctx.dtype):
+            return None
+        return gpu.paged_forward(*args, causal=causal, scale=scale, interpret=jax.default_backend() != "gpu")[0]
     from kernels_pallas.block_attention import mosaic_gpu
 
     if not mosaic_gpu.paged_supported(q.shape, k_ctx.pool.shape, k_ctx.n_pages, k_ctx.dtype):
@@ -285,24 +307,20 @@ def cached_attention(
     batch, block, head_dim = k_cache.shape[0], qkv.shape[-4], k_cache.shape[-1]
     fused = ops.kernels and not ops.mosaic and sinks is None and window is None and rope_factor == 1.0
     if fused and isinstance(k_cache, PagedKV):
-        # The fused kernel takes contiguous caches: it runs on this layer's pages gathered (the copy the
-        # XLA path makes too), and the block it wrote goes into the rows' pages; the norms, RoPE, write
-        # and attention stay one kernel rather than the ~12 XLA kernels of the unfused path.
-        attn, k_view, v_view = cached_attention(
-            qkv, starts, k_cache.gather(), v_cache.gather(), blk_lens, q_norm=q_norm, k_norm=k_norm, eps=eps,
-            inv_freq=inv_freq, num_heads=num_heads, causal=causal, write=write, row_scale=row_scale, ops=ops)
-        if not write:
-            return attn, k_cache, v_cache
-        return (attn, write_rows(k_cache, read_rows(k_view, starts, block), starts),
-                write_rows(v_cache, read_rows(v_view, starts, block), starts))
+        out = paged_fused_cached_attention(qkv, starts, k_cache, v_cache, blk_lens, q_norm=q_norm, k_norm=k_norm,
+                                           eps=eps, inv_freq=inv_freq, num_heads=num_heads, causal=causal,
+                                           write=write, row_scale=row_scale, ops=ops)
+        if out is not None:
+            return out
+        fused = False  # a block the kernel does not take: the unfused path, which gathers the pages
     if fused:
         from kernels_pallas.cached_attention import cached_block_attention, cached_block_attention_supported
         from kernels_pallas.cached_attention.gpu import DEFAULT_CONFIG
 
-        if cached_block_attention_supported(qkv.shape[-5:], k_cache.shape[1]):
+        config = (dataclasses.replace(DEFAULT_CONFIG, **dict(ops.cached_attention_tiles))
+                  if ops.cached_attention_tiles else None)
+        if cached_block_attention_supported(qkv.shape[-5:], k_cache.shape[1], k_cache.dtype, config):
             ones = jnp.ones((head_dim,), k_cache.dtype)
-            config = (dataclasses.replace(DEFAULT_CONFIG, **dict(ops.cached_attention_tiles))
-                      if ops.cached_attention_tiles else None)
 
             def kernel(qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq, *scale):
                 attn, k_cache, v_cache = cached_block_attention(
@@ -334,6 +352,36 @@ def cached_attention(
                             causal=causal, write=write, ops=ops, sinks=sinks, window=window)
 
 
+def paged_fused_cached_attention(qkv: jax.Array, starts: jax.Array, k_cache: PagedKV, v_cache: PagedKV,
+                                 blk_lens: jax.Array, *, q_norm: jax.Array | None, k_norm: jax.Array | None,
+                                 eps: float, inv_freq: tuple[float, ...], num_heads: int, causal: bool, write: bool,
+                                 row_scale: jax.Array | None,
+                                 ops: OpsConfig) -> tuple[jax.Array, PagedKV, PagedKV] | None:
+    """``cached_attention`` of the fused Triton kernel on paged caches, or None where it does not take the
+    shapes: the kernel reads each row's context through its page table (``read_pages`` entries, the capacity
+    it plans its splits over) and writes the block's K/V into the pool rows ``PagedKV.pool_rows`` resolves
+    (the rows' pages; the null page for done rows), in place. One device: paged engines run unsharded."""
+    from kernels_pallas.cached_attention import cached_block_attention, cached_block_attention_supported
+    from kernels_pallas.cached_attention.gpu import DEFAULT_CONFIG
+
+    batch, block, head_dim = k_cache.shape[0], qkv.shape[-4], k_cache.shape[-1]
+    config = (dataclasses.replace(DEFAULT_CONFIG, **dict(ops.cached_attention_tiles))
+              if ops.cached_attention_tiles else None)
+    if not cached_block_attention_supported(qkv.shape[-5:], k_cache.shape[1], k_cache.dtype, config):
+        return None
+    ones = jnp.ones((head_dim,), k_cache.dtype)
+    attn, k_pool, v_pool = cached_block_attention(
+        qkv, k_cache.pool, v_cache.pool, starts, blk_lens, q_norm if q_norm is not None else ones,
+        k_norm if k_norm is not None else ones, jnp.asarray(inv_freq, jnp.float32), eps=eps,
+        qk_norm=q_norm is not None, causal=causal, write=write, row_scale=row_scale, config=config,
+        page_table=k_cache.page_table, read_pages=k_cache.n_pages,
+        write_rows=k_cache.pool_rows(starts, block) if write else None)
+    attn = attn.reshape(batch, 1, block, num_heads, head_dim)
+    if not write:
+        return attn, k_cache, v_cache
+    return attn, dataclasses.replace(k_cache, pool=k_pool), dataclasses.replace(v_cache, pool=v_pool)
+
+
 def cached_attention_prologue(qkv: jax.Array, starts: jax.Array, batch: int, dtype, *, q_norm: jax.Array | None,
                               k_norm: jax.Array | None, eps: float, inv_freq, num_heads: int,
                               row_scale: jax.Array | None = None,
@@ -357,10 +405,43 @@ def attend_and_write(q, k, v, starts, k_cache, v_cache, blk_lens, *, causal: boo
                      window: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Block attention of ``q [batch, 1, block, heads, head_dim]`` over the caches plus the block's
     own ``k, v [batch, 1, block, kv_heads, head_dim]``, which ``write`` then writes at ``starts``.
-    With ``ops.gpu_lowering == "mosaic"``: the Mosaic GPU block attention where it takes the shapes."""
+    With ``ops.gpu_lowering == "mosaic"``: the Mosaic GPU block attention where it takes the shapes. A
+    long causal block the Triton block attention cannot hold in one program (a prefill suffix or chunk
+    over a cached prefix, on a GPU) is written first and attended in sub-blocks
+    (``written_block_attention``)."""
+    if (write and causal and ops.kernels and not ops.mosaic and sinks is None and window is None
+            and q.shape[2] > SUB_BLOCK and not triton_block_kernel_fits(q.shape, k.shape[3], k_cache.dtype)):
+        k_cache, v_cache = write_rows(k_cache, k[:, 0], starts), write_rows(v_cache, v[:, 0], starts)
+        attn = written_block_attention(q, k, v, starts, k_cache, v_cache, blk_lens, sub_block=SUB_BLOCK, ops=ops)
+        return attn, k_cache, v_cache
     attn = block_attention(q, k_cache, v_cache, starts[:, None], k, v, blk_lens[:, None], causal=causal,
                            ops=ops, sinks=sinks, window=window)
     if not write:
         return attn, k_cache, v_cache
     return attn, write_rows(k_cache, k[:, 0], starts), write_rows(v_cache, v[:, 0], starts)
+
+
+SUB_BLOCK = 16  # query slots per block of ``written_block_attention``: a verify block's, which the kernel holds
+
+
+def written_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array, k_cache, v_cache,
+                            blk_lens: jax.Array, *, sub_block: int, ops: OpsConfig) -> jax.Array:
+    """A causal block ``q [batch, 1, block, heads, head_dim]`` (its own ``k, v [batch, 1, block, kv_heads,
+    head_dim]``, ``blk_lens [batch]`` valid slots) at ``starts``, over caches that already hold its K/V
+    at ``starts``: as ``sub_block``-slot blocks, block ``i`` over the cache positions before its first
+    slot (the context and the block's earlier valid slots, ``starts + min(i * sub_block, blk_lens)``)
+    plus its own slots. The same keys for each valid query as one causal block; each program of the
+    block-attention kernel holds ``sub_block`` query slots, whatever the block's length."""
+    batch, _, block, heads, head_dim = q.shape
+    n = -(-block // sub_block)
+    pad = ((0, 0), (0, 0), (0, n * sub_block - block), (0, 0), (0, 0))
+
+    def blocks(x):  # [batch, 1, block, h, d] -> [batch, n, sub_block, h, d]
+        return jnp.pad(x, pad).reshape((batch, n, sub_block) + x.shape[3:])
+
+    first = jnp.arange(n, dtype=jnp.int32)[None, :] * sub_block
+    ctx_lens = starts[:, None] + jnp.minimum(first, blk_lens[:, None])
+    own = jnp.clip(blk_lens[:, None] - first, 0, sub_block)
+    out = block_attention(blocks(q), k_cache, v_cache, ctx_lens, blocks(k), blocks(v), own, causal=True, ops=ops)
+    return out.reshape(batch, 1, n * sub_block, heads, head_dim)[:, :, :block]
 

@@ -10,12 +10,14 @@ attends only to positions below its length, all of which are in its own pages.
 
 A decode step reads and writes the pools in place: each layer's cache arrays are ``PagedKV`` values (a
 pool, the page tables, the rows that may write, the static number of pages a step reads), which the
-models pass where they pass a contiguous cache array. ``ops.attention`` reads through the table (the
-Mosaic GPU block attention loads the pages the table names; every other path gathers the row's pages
-of that one layer inside the op, ``PagedKV.gather``), and a block's K/V are scattered into the row's
-pages (``scatter_positions``). A prefill over a cached prefix still runs on a contiguous view of the
-prefix's pages (``gather_view``): its suffix block is written into the view and scattered when the rows
-are admitted. Shapes are static throughout: a view's length is a static page count.
+models pass where they pass a contiguous cache array. ``ops.attention`` reads through the table: the
+Triton kernels (the fused cached attention, the block attention) and the Mosaic GPU block attention load
+the pages the table names, and the fused kernel stores a block's K/V at the pool rows
+``PagedKV.pool_rows`` resolves; every other path gathers the row's pages of that one layer inside the op
+(``PagedKV.gather``). A block's K/V written outside the fused kernel are scattered into the row's pages
+(``scatter_positions``). A prefill over a cached prefix still runs on a contiguous view of the prefix's
+pages (``gather_view``): its suffix block is written into the view and scattered when the rows are
+admitted. Shapes are static throughout: a view's length is a static page count.
 """
 
 from __future__ import annotations
@@ -65,6 +67,15 @@ class PagedKV:
         """The contiguous cache itself, ``[batch, n_pages * page_size, kv_heads, head_dim]``: each row's
         first ``n_pages`` pages (a copy; the XLA reference of reading through the table)."""
         return gather_pages(self.pool, self.page_table, self.n_pages)
+
+    def pool_rows(self, starts: jax.Array, n: int) -> jax.Array:
+        """Where ``write_rows`` puts each row's positions ``starts [batch] + 0 .. n - 1``, as rows of the
+        pool flattened to ``[pages * page_size, kv_heads, head_dim]``: ``[batch, n]`` int32 (the null
+        page's for rows that may not write and positions past the table)."""
+        positions = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+        keep = jnp.broadcast_to(self.writable[:, None], positions.shape)
+        page, offset = page_slots(self.page_table, positions, keep, self.page_size)
+        return page * self.page_size + offset
 
     def write_rows(self, update: jax.Array, starts: jax.Array) -> "PagedKV":
         """``ops.cache.write_rows`` through the table: ``update [batch, n, kv_heads, head_dim]`` at each

@@ -14,9 +14,10 @@ page pools shared by all rows (``dflash_jax.ops.paged_cache``), with a page tabl
 - ``resize``: the rows (with their page tables) into a state of another row count; the pools move as
   they are.
 - ``step``: a decode step of the unchanged contiguous code, its caches the pools as ``PagedKV`` layers:
-  each attention reads the rows' pages through their tables (the Mosaic GPU block attention loads the
-  pages the table names; the XLA reference and the other kernels gather the rows' pages of that one
-  layer inside the op), and the block's K/V (the target's verify block, the drafter's context) are
+  each attention reads the rows' pages through their tables (the fused Triton cached attention and the
+  Mosaic GPU block attention load the pages the table names, the fused kernel also storing the verify
+  block into them; the XLA reference and the other kernels gather the rows' pages of that one layer
+  inside the op), and the other block K/V (the unfused paths' verify block, the drafter's context) are
   scattered into the rows' pages; done rows write into the null page. No step copies the state's
   caches as a whole.
 """

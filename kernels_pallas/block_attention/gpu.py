@@ -83,6 +83,9 @@ class GpuConfig:
     # cut a program's shared memory and registers; the DFlash step 0.5-1.4% faster at batch 8-32
     # (docs/performance.md). With few rows 64-key tiles halve the loop's trips.
     wide_batch_block_k: int | None = 32
+    # The most shared memory one program may take (sm_90: 227 KiB a block). Programs whose estimate
+    # (``program_shared_bytes``) exceeds it are not compiled: their callers take another path.
+    shared_memory_per_program: int = 227 * 1024
 
 
 def resident_programs(cfg: GpuConfig) -> int:
@@ -102,6 +105,34 @@ def num_sms(cfg: GpuConfig) -> int:
     return 132  # H200 / H100 SXM
 
 
+def program_shared_bytes(*, stages: int, block_k: int, head_dim: int, held_rows: int, dot_rows: int, slots: int,
+                         itemsize: int) -> int:
+    """An estimate of one program's shared memory as Triton lays out the flash loop of these kernels: per
+    software-pipelining stage a K and a V tile ``[block_k, head_dim]``; the query operands of all the
+    program's rows ``[held_rows, head_dim]``; the block's own K and V ``[slots, head_dim]``; and the
+    widest score tile of one dot ``[dot_rows, max(block_k, slots)]``, its float32 scores (a layout
+    conversion's scratch) and its probabilities in the inputs' dtype (the second dot's operand). Its
+    terms grow with the block: a long block (a prefill suffix or chunk of hundreds of slots) held in one
+    program exceeds an SM's shared memory, which Triton reports only when it compiles."""
+    widest = max(block_k, slots)
+    return (stages * 2 * block_k * head_dim * itemsize + held_rows * head_dim * itemsize
+            + 2 * slots * head_dim * itemsize + dot_rows * widest * (4 + itemsize))
+
+
+def forward_fits(q_shape: tuple[int, ...], kv_heads: int, itemsize: int, config: GpuConfig | None = None) -> bool:
+    """Whether ``forward``'s program for queries ``q_shape [batch, blocks, block, q_heads, head_dim]``
+    fits one SM's shared memory by ``program_shared_bytes``: a program holds all ``block * groups``
+    query rows of its block, so long blocks do not (``ops.attention.block_attention`` then runs the
+    reference)."""
+    cfg = config or GpuConfig()
+    _, _, block, heads, head_dim = q_shape
+    rows = max(16, next_pow2(block * (heads // kv_heads)))
+    slots, d = max(16, next_pow2(block)), max(16, next_pow2(head_dim))
+    need = program_shared_bytes(stages=cfg.num_stages, block_k=cfg.block_k, head_dim=d, held_rows=rows,
+                                dot_rows=rows, slots=slots, itemsize=itemsize)
+    return need <= cfg.shared_memory_per_program
+
+
 def _kernel(
     cl_ref,  # [] int32: ctx_len of (b, n)
     bl_ref,  # [] int32: blk_len of (b, n)
@@ -110,16 +141,19 @@ def _kernel(
     v_ref,  # [T, D]
     kb_ref,  # [Sp, D]
     vb_ref,  # [Sp, D]
-    o_ref,  # [R, D]
-    m_ref,  # [R]
-    l_ref,  # [R]
-    *,
+    *refs,  # paged: the row's page table [max_pages] int32; then o [R, D], m [R], l [R]
     scale: float,
     causal: bool,
     groups: int,
     block_k: int,
     chunk: int,
+    page_size: int,
 ):
+    """Paged (``page_size``): ``k_ref, v_ref`` are views of the page pools flattened to ``[pages *
+    page_size, D]`` and context position ``p`` is pool row ``table[p // page_size] * page_size + p %
+    page_size``: each tile's keys are loaded by their rows; the arithmetic is the contiguous kernel's."""
+    table_ref = refs[0] if page_size else None
+    o_ref, m_ref, l_ref = refs[-3:]
     j = pl.program_id(3)
     ctx_len = cl_ref[()]
     blk_len = bl_ref[()]
@@ -137,8 +171,13 @@ def _kernel(
 
     def body(i, carry):
         k_start = pl.multiple_of(start + i * block_k, block_k)
-        k = k_ref[pl.ds(k_start, block_k), :]
-        v = v_ref[pl.ds(k_start, block_k), :]
+        keys = pl.ds(k_start, block_k)
+        if page_size:  # the tile's keys through the table: their pages' rows of the pool
+            position = k_start + jnp.arange(block_k, dtype=jnp.int32)
+            page = table_ref[jnp.minimum(lax.div(position, page_size), table_ref.shape[0] - 1)]
+            keys = page * page_size + lax.rem(position, page_size)
+        k = k_ref[keys, :]
+        v = v_ref[keys, :]
         s = nt_dot(q, k)
         pos = k_start + jnp.arange(block_k, dtype=jnp.int32)
         valid = (pos < ctx_len)[None, :]
@@ -199,11 +238,38 @@ def plan(batch: int, blocks: int, kv_heads: int, ctx: int, cfg: GpuConfig):
 def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, scale: float | None = None,
     interpret: bool = False, config: GpuConfig | None = None):
     """Returns (out [B, N, S, Hq, D] in q.dtype, lse [B, N, Hkv, S * G] float32, NEG if no key)."""
+    check_shapes(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens)
+    return _forward(q, k_ctx, v_ctx, k_ctx.shape[1], ctx_lens, k_blk, v_blk, blk_lens, causal=causal, scale=scale,
+                    interpret=interpret, config=config)
+
+
+def paged_forward(q, k_pool, v_pool, page_table, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool,
+                  scale: float | None = None, interpret: bool = False, config: GpuConfig | None = None):
+    """``forward`` over paged contexts: ``k_pool, v_pool [pages, page_size, Hkv, D]`` (``D`` a power of
+    two >= 16), ``page_table [B, n_pages]`` int32 (row b's position p at ``pool[page_table[b, p //
+    page_size], p % page_size]``: the context is ``n_pages * page_size`` positions), the rest as
+    ``forward``'s with one block per row (``N == 1``) -> ``(out, lse)``. The kernel loads each context
+    tile's keys from the pool rows the table names; nothing is gathered."""
+    b, n, t, hq, d = q.shape
+    if (n != 1 or page_table.shape[0] != b or k_pool.shape != v_pool.shape or k_pool.shape[-1] != d
+            or d != max(16, next_pow2(d))):
+        raise ValueError(f"paged block attention takes q [batch, 1, block, heads, head_dim] (a power-of-two "
+                         f"head_dim >= 16), pools [pages, page_size, kv_heads, {d}] and page_table [batch, "
+                         f"n_pages]; got q {q.shape}, pools {k_pool.shape} / {v_pool.shape}, page_table "
+                         f"{page_table.shape}")
+    return _forward(q, k_pool, v_pool, page_table.shape[1] * k_pool.shape[1], ctx_lens[:, None], k_blk, v_blk,
+                    blk_lens[:, None], causal=causal, scale=scale, interpret=interpret, config=config,
+                    page_table=page_table)
+
+
+def _forward(q, k_ctx, v_ctx, ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal, scale, interpret, config,
+             page_table=None):
+    """``forward`` and ``paged_forward``: a context of ``ctx`` positions a row."""
     cfg = config or GpuConfig()
-    b, n, s_len, hq, hkv, d = check_shapes(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens)
+    b, n, s_len, hq, d = q.shape
+    hkv = k_blk.shape[3]
     g = hq // hkv
     scale = default_scale(d, scale)
-    ctx = k_ctx.shape[1]
     bk, ctx_p, splits, chunk = plan(b, n, hkv, ctx, cfg)
 
     rows = s_len * g
@@ -215,16 +281,25 @@ def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, 
     qf = jnp.pad(qf, ((0, 0),) * 3 + ((0, rows_p - rows), (0, d_p - d)))
     kb = jnp.pad(fold_blk(k_blk), ((0, 0),) * 3 + ((0, slots_p - s_len), (0, d_p - d)))
     vb = jnp.pad(fold_blk(v_blk), ((0, 0),) * 3 + ((0, slots_p - s_len), (0, d_p - d)))
-    if ctx_p != ctx or d_p != d:  # a copy of the context: only for odd shapes
-        pad = ((0, 0), (0, ctx_p - ctx), (0, 0), (0, d_p - d))
-        k_ctx = jnp.pad(k_ctx, pad)
-        v_ctx = jnp.pad(v_ctx, pad)
+    page_size = 0 if page_table is None else k_ctx.shape[1]
+    if page_size:  # the pools as [pages * page_size] rows (a bitcast); tiles past ctx read clamped pages, masked
+        k_ctx, v_ctx = (x.reshape((-1,) + x.shape[2:]) for x in (k_ctx, v_ctx))
+        ctx_spec = pl.BlockSpec((k_ctx.shape[0], None, d_p), lambda i, nn, h, j: (0, h, 0))
+        paging_args, paging_specs = [page_table], [pl.BlockSpec((None, page_table.shape[1]),
+                                                                lambda i, nn, h, j: (i, 0))]
+    else:
+        if ctx_p != ctx or d_p != d:  # a copy of the context: only for odd shapes
+            pad = ((0, 0), (0, ctx_p - ctx), (0, 0), (0, d_p - d))
+            k_ctx = jnp.pad(k_ctx, pad)
+            v_ctx = jnp.pad(v_ctx, pad)
+        ctx_spec = pl.BlockSpec((None, ctx_p, None, d_p), lambda i, nn, h, j: (i, 0, h, 0))
+        paging_args, paging_specs = [], []
     ctx_lens = jnp.clip(ctx_lens.astype(jnp.int32), 0, ctx)
     blk_lens = jnp.clip(blk_lens.astype(jnp.int32), 0, s_len)
 
     out_dtype = q.dtype if splits == 1 else jnp.dtype(cfg.partial_dtype)
     kernel = functools.partial(
-        _kernel, scale=scale, causal=causal, groups=g, block_k=bk, chunk=chunk
+        _kernel, scale=scale, causal=causal, groups=g, block_k=bk, chunk=chunk, page_size=page_size
     )
     grid = (b, n, hkv, splits)
     o, m, l = pl.pallas_call(
@@ -234,10 +309,11 @@ def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, 
             pl.BlockSpec((None, None), lambda i, nn, h, j: (i, nn)),
             pl.BlockSpec((None, None), lambda i, nn, h, j: (i, nn)),
             pl.BlockSpec((None, None, None, rows_p, d_p), lambda i, nn, h, j: (i, nn, h, 0, 0)),
-            pl.BlockSpec((None, ctx_p, None, d_p), lambda i, nn, h, j: (i, 0, h, 0)),
-            pl.BlockSpec((None, ctx_p, None, d_p), lambda i, nn, h, j: (i, 0, h, 0)),
+            ctx_spec,
+            ctx_spec,
             pl.BlockSpec((None, None, None, slots_p, d_p), lambda i, nn, h, j: (i, nn, h, 0, 0)),
             pl.BlockSpec((None, None, None, slots_p, d_p), lambda i, nn, h, j: (i, nn, h, 0, 0)),
+            *paging_specs,
         ],
         out_specs=[
             pl.BlockSpec(
@@ -254,7 +330,7 @@ def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, 
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="dflash_block_attention",
-    )(ctx_lens, blk_lens, qf, k_ctx, v_ctx, kb, vb)
+    )(ctx_lens, blk_lens, qf, k_ctx, v_ctx, kb, vb, *paging_args)
 
     if splits == 1:
         o = o[:, :, :, 0]

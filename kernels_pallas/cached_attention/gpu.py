@@ -52,24 +52,81 @@ from jax.experimental import pallas as pl
 from kernels_pallas._common import NEG, default_scale, next_pow2
 from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, triton_params
 from kernels_pallas._pdl import signal_after
-from kernels_pallas.block_attention.gpu import GpuConfig, num_sms, plan, resident_programs
+from kernels_pallas.block_attention.gpu import GpuConfig, num_sms, plan, program_shared_bytes, resident_programs
 
 
 DEFAULT_CONFIG = GpuConfig()  # tiles and split planning when no config is given
 
 
-def supports(qkv_shape: tuple[int, ...], capacity: int, *, compiled: bool = True) -> bool:
-    """Whether the kernel takes these shapes. Compiled for a GPU, Triton's tiles need a power-of-two
-    head_dim >= 32, block and groups (<= 16); the aliased cache is never padded, so its capacity
-    must be whole tiles of 16 keys. Interpret mode takes any block."""
+def supports(qkv_shape: tuple[int, ...], capacity: int, *, compiled: bool = True, itemsize: int = 2,
+             config: GpuConfig | None = None) -> bool:
+    """Whether the kernel takes these shapes (``qkv_shape [rows, block, kv_heads, groups + 2,
+    head_dim]``, caches of ``capacity`` positions, ``itemsize`` bytes an element). Compiled for a GPU,
+    Triton's tiles need a power-of-two head_dim >= 32, block and groups (<= 16), and the program
+    ``cached_block_attention`` would run must fit one SM's shared memory by
+    ``block_attention_gpu.program_shared_bytes``: decode tokens and draft / verify blocks do, a long
+    block (a prefill suffix or chunk over a cached prefix) does not and takes the unfused path. The
+    aliased cache is never padded, so its capacity must be whole tiles of 16 keys. Interpret mode
+    takes any block."""
+    if not tiles_supported(qkv_shape, capacity, compiled=compiled):
+        return False
+    if not compiled:
+        return True
+    _, block, kv_heads, groups_2, head_dim = qkv_shape
+    cfg = config or DEFAULT_CONFIG
+    layout = program_layout(qkv_shape[0], block, kv_heads, groups_2 - 2, head_dim, capacity, itemsize, cfg)
+    return layout.shared_bytes <= cfg.shared_memory_per_program
+
+
+def tiles_supported(qkv_shape: tuple[int, ...], capacity: int, *, compiled: bool) -> bool:
+    """``supports``' rules of Triton's tiles, without the shared-memory estimate."""
     _, block, _, groups_2, head_dim = qkv_shape
     groups = groups_2 - 2
     pow2 = lambda n: n >= 1 and next_pow2(n) == n  # noqa: E731
     if not (pow2(groups) and pow2(head_dim) and head_dim >= 2 and capacity % MMA_MIN == 0):
         return False
-    if not compiled:
-        return True
-    return head_dim >= 2 * MMA_MIN and groups <= MMA_MIN and pow2(block)
+    return not compiled or (head_dim >= 2 * MMA_MIN and groups <= MMA_MIN and pow2(block))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramLayout:
+    """How ``cached_block_attention`` lays out its programs for one set of static shapes."""
+
+    config: GpuConfig  # the tiles (with ``batch_tiles``' key tile)
+    block_k: int
+    splits: int
+    chunk: int
+    per_program: int  # group members per program (0: a single token's program of its whole group)
+    stacked: bool
+    grid: tuple[int, int, int, int]
+    stages: int
+    shared_bytes: int  # ``program_shared_bytes`` of one program
+
+
+def program_layout(batch: int, block: int, kv_heads: int, groups: int, head_dim: int, capacity: int, itemsize: int,
+                   cfg: GpuConfig) -> ProgramLayout:
+    """The kernel's tiles, splits, grid and pipelining stages for these shapes.
+
+    A single token gets one program per KV head (its G rows); a verify block one per ``per_program``
+    group members (a [T, D] query matrix each, or with ``stacked_members`` one [T * per_program, D]
+    matrix). The context splits do not depend on the block: a 1-token and a 16-token pass then sum
+    every query's context in the same tiles and splits, so greedy speculative decoding reproduces
+    target-only decoding exactly in float32 (stacked, the dots round at their own shape: float32
+    tokens unchanged on the H200, docs/performance.md)."""
+    cfg = batch_tiles(cfg, batch=batch, kv_heads=kv_heads)
+    block_k, _, splits, chunk = plan(batch, 1, kv_heads, capacity, cfg)
+    per_program = 0 if block == 1 else members_per_program(batch, kv_heads, groups, splits, cfg)
+    stacked = bool(cfg.stacked_members) and per_program > 1
+    # A dot's query rows, repeated to the 16 an MMA takes (as ``_kernel`` does): a single token's
+    # group, a member's [T, D] queries or the stacked [T * M, D]; unstacked, a program holds M of them.
+    dot_rows = max(MMA_MIN, groups if block == 1 else block * (per_program if stacked else 1))
+    held_rows = dot_rows if block == 1 or stacked else dot_rows * per_program
+    grid = (batch, kv_heads, 1 if block == 1 else groups // per_program, splits)
+    stages = fitted_stages(cfg, programs=math.prod(grid), block_k=block_k, head_dim=head_dim, held_rows=held_rows,
+                           dot_rows=dot_rows, itemsize=itemsize)
+    shared = program_shared_bytes(stages=stages, block_k=block_k, head_dim=head_dim, held_rows=held_rows,
+                                  dot_rows=dot_rows, slots=block, itemsize=itemsize)
+    return ProgramLayout(cfg, block_k, splits, chunk, per_program, stacked, grid, stages, shared)
 
 
 def _finish(x_lo, x_hi, w_ref, cos, sin, *, qk_norm: bool, eps: float):
@@ -94,8 +151,9 @@ def _kernel(
     #   them), k [T, D] raw key, v [T, D] value;
     # then q_norm [D], k_norm [D], rope [2, T, D / 2] float32 (RoPE's cos and sin at the block's
     # positions), with ``scaled`` the row scale [T] float32, the caches k, v [C, D] (strided views of
-    # [B, C, Hkv, D]); the outputs o (like q), m [T, M] ([G]), l [T, M] ([G]); and with a write, the
-    # caches k, v aliasing the inputs.
+    # [B, C, Hkv, D]; paged, of the pools [P * S, Hkv, D]); paged, the row's page table [max_pages]
+    # int32 and with a write the pool rows [T] int32 its block goes to; the outputs o (like q), m [T, M]
+    # ([G]), l [T, M] ([G]); and with a write, the caches k, v aliasing the inputs.
     members: int,
     stacked: bool,
     parts: int,
@@ -108,6 +166,7 @@ def _kernel(
     block_k: int,
     chunk: int,
     balanced: bool,
+    page_size: int,
     interpret: bool,
 ):
     """One program per (row, KV head, ``members`` group members, split); a single token's program
@@ -125,11 +184,21 @@ def _kernel(
     Partials are summed in split order in float32 and rounded to ``dtype`` (what XLA's split-K
     reduction after a GEMM does), so the kernel reads the projection without that reduction kernel.
     With ``scaled``, the sum (or the value) is multiplied by its slot's row scale in float32 before
-    that rounding: an RMSNorm folded into the projection (``dflash_jax.runtime.serving_params``)."""
+    that rounding: an RMSNorm folded into the projection (``dflash_jax.runtime.serving_params``).
+
+    Paged (``page_size``): the caches are a layer's page pools, flattened to ``[pages * page_size]``
+    rows; context position ``p`` of the row is pool row ``table[p // page_size] * page_size + p %
+    page_size`` (each tile's keys gathered by their rows, so a tile may span pages), and the block's
+    K/V go to the pool rows the caller resolved (its pages, or the null page). Everything else is the
+    contiguous kernel's arithmetic, tile for tile."""
     q_parts, k_parts, v_parts = refs[:parts], refs[parts:2 * parts], refs[2 * parts:3 * parts]
     q_norm_ref, k_norm_ref, rope_ref, *refs = refs[3 * parts:]
     scale_ref = refs.pop(0) if scaled else None
-    k_cache_ref, v_cache_ref, o_ref, m_ref, l_ref, *cache_out = refs
+    k_cache_ref, v_cache_ref, *refs = refs
+    table_ref = refs.pop(0) if page_size else None
+    # with a write, the block's pool rows come before the outputs o, m, l and the two caches
+    write_rows_ref = refs.pop(0) if page_size and len(refs) == 6 else None
+    o_ref, m_ref, l_ref, *cache_out = refs
     j = pl.program_id(3)
     start = start_ref[()]
     blk_len = blk_len_ref[()]
@@ -166,7 +235,7 @@ def _kernel(
 
         @pl.when((j == pl.num_programs(3) - 1) & (pl.program_id(2) == 0))
         def _write_block():
-            block = pl.ds(start, slots)
+            block = write_rows_ref[...] if page_size else pl.ds(start, slots)
             k_cache_out[block, lo] = k_lo
             k_cache_out[block, hi] = k_hi
             v_cache_out[block, :] = v_blk
@@ -203,7 +272,12 @@ def _kernel(
 
     def body(i, carries):
         k0 = pl.multiple_of(first + i * block_k, block_k)
-        keys = pl.ds(k0, block_k)
+        if page_size:  # the tile's keys through the table: their pages' rows of the pool
+            position = k0 + jnp.arange(block_k, dtype=jnp.int32)
+            page = table_ref[jnp.minimum(lax.div(position, page_size), table_ref.shape[0] - 1)]
+            keys = page * page_size + lax.rem(position, page_size)
+        else:
+            keys = pl.ds(k0, block_k)
         k_tile_lo, k_tile_hi, v_tile = k_cache_ref[keys, lo], k_cache_ref[keys, hi], v_cache_ref[keys, :]
         valid = ((k0 + jnp.arange(block_k, dtype=jnp.int32)) < start)[None, :]
         return tuple(online_update(carry, nt_dot(q_lo, k_tile_lo) + nt_dot(q_hi, k_tile_hi), valid, v_tile, scale)
@@ -284,11 +358,13 @@ def fitted_stages(cfg: GpuConfig, *, programs: int, block_k: int, head_dim: int,
     return stages
 
 
-def cached_block_attention_supported(qkv_shape: tuple[int, ...], capacity: int) -> bool:
+def cached_block_attention_supported(qkv_shape: tuple[int, ...], capacity: int, dtype,
+                                     config: GpuConfig | None = None) -> bool:
     """Whether ``cached_block_attention`` runs for these shapes on this platform (GPUs, and the CPU
-    in interpret mode; TPUs take the unfused path)."""
+    in interpret mode; TPUs take the unfused path) with caches of ``dtype``."""
     platform = jax.default_backend()
-    return platform != "tpu" and supports(tuple(qkv_shape), capacity, compiled=platform == "gpu")
+    return platform != "tpu" and supports(tuple(qkv_shape), capacity, compiled=platform == "gpu",
+                                          itemsize=jnp.dtype(dtype).itemsize, config=config)
 
 
 def cached_block_attention(
@@ -309,6 +385,9 @@ def cached_block_attention(
     row_scale: jax.Array | None = None,
     interpret: bool | None = None,
     config: GpuConfig | None = None,
+    page_table: jax.Array | None = None,
+    read_pages: int | None = None,
+    write_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A block per row over its KV cache, fused with what precedes it (forward only).
 
@@ -336,11 +415,20 @@ def cached_block_attention(
         (``dflash_jax.runtime.serving_params``).
       interpret: Pallas interpret mode; default: off a GPU.
       config: tile sizes (``GpuConfig``; None: defaults).
+      page_table: ``[batch, max_pages]`` int32, or None (contiguous caches). Given, the caches are
+        one layer's page pools ``[pages, page_size, kv_heads, head_dim]`` and row ``b``'s position
+        ``p`` is at ``pool[page_table[b, p // page_size], p % page_size]``: the kernel reads the
+        context through the table, as the contiguous kernel reads a cache of ``read_pages *
+        page_size`` positions (its capacity: the split plan's), tile for tile.
+      read_pages: the static number of table entries covering every row's context (default: all).
+      write_rows: with a page table and ``write``, ``[batch, block]`` int32: the pool row
+        (``page * page_size + offset``) each slot's K/V go to (``ops.paged_cache.page_slots``: the
+        row's page, or the null page for a row that must not write).
 
     Returns:
       ``out [batch, block, q_heads, head_dim]`` (as ``block_attention`` of the normed, RoPE'd
       q / k) and the caches, with ``write`` the block's K (normed, RoPE'd) and V written at
-      ``starts``.
+      ``starts`` (paged: at ``write_rows`` of the pools).
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -352,27 +440,37 @@ def cached_block_attention(
     dtype = k_cache.dtype if qkv.ndim == 6 else qkv.dtype
     rows, block, kv_heads, groups_2, head_dim = qkv.shape[-5:]
     groups = groups_2 - 2
-    batch, capacity = k_cache.shape[:2]
+    pool_shape = k_cache.shape
+    if page_table is None:
+        page_size = 0
+        batch, capacity = k_cache.shape[:2]
+        cache_shape = (batch, capacity, kv_heads, head_dim)
+    else:
+        page_size = k_cache.shape[1]
+        batch, max_pages = page_table.shape
+        read_pages = max_pages if read_pages is None else read_pages
+        capacity = read_pages * page_size
+        cache_shape = (k_cache.shape[0], page_size, kv_heads, head_dim)
+        if page_table.dtype != jnp.int32 or not 0 < read_pages <= max_pages:
+            raise ValueError(f"page_table must be int32 [batch, max_pages] with read_pages in 1..max_pages: "
+                             f"{page_table.dtype} {page_table.shape}, read_pages {read_pages}")
+        if write and (write_rows is None or write_rows.shape != (batch, block)):
+            raise ValueError(f"a paged write needs write_rows [batch, block] = {(batch, block)}, got "
+                             f"{None if write_rows is None else write_rows.shape}")
     if rows < batch:
         raise ValueError(f"qkv has {rows} rows for caches of batch {batch}")
-    if k_cache.shape != (batch, capacity, kv_heads, head_dim) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache/v_cache must be {(batch, capacity, kv_heads, head_dim)}: "
-                         f"{k_cache.shape} {v_cache.shape}")
+    if k_cache.shape != cache_shape or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache/v_cache must be {cache_shape}: {k_cache.shape} {v_cache.shape}")
     if row_scale is not None and (row_scale.shape != (batch, block) or row_scale.dtype != jnp.float32):
         raise ValueError(f"row_scale must be float32 {(batch, block)}: {row_scale.dtype} {row_scale.shape}")
-    if not supports(qkv.shape[-5:], capacity, compiled=not interpret):
+    layout = program_layout(batch, block, kv_heads, groups, head_dim, capacity, jnp.dtype(dtype).itemsize, cfg)
+    if not tiles_supported(qkv.shape[-5:], capacity, compiled=not interpret) or (
+            not interpret and layout.shared_bytes > cfg.shared_memory_per_program):
         raise ValueError(f"cached_block_attention does not take qkv {qkv.shape} with a cache of {capacity} "
                          f"positions (see cached_attention_gpu.supports)")
     scale = default_scale(head_dim, scale)
-    # A single token gets one program per KV head (its G rows); a verify block one per
-    # ``per_program`` group members (a [T, D] query matrix each, or with ``stacked_members`` one
-    # [T * per_program, D] matrix). The context splits do not depend on the block: a 1-token and a
-    # 16-token pass then sum every query's context in the same tiles and splits, so greedy
-    # speculative decoding reproduces target-only decoding exactly in float32 (stacked, the dots
-    # round at their own shape: float32 tokens unchanged on the H200, docs/performance.md).
-    cfg = batch_tiles(cfg, batch=batch, kv_heads=kv_heads)
-    block_k, _, splits, chunk = plan(batch, 1, kv_heads, capacity, cfg)
-    per_program = 0 if block == 1 else members_per_program(batch, kv_heads, groups, splits, cfg)
+    cfg, block_k, splits, chunk = layout.config, layout.block_k, layout.splits, layout.chunk
+    per_program, stacked, grid, stages = layout.per_program, layout.stacked, layout.grid, layout.stages
     starts = starts.astype(jnp.int32)
     blk_lens = jnp.clip(blk_lens.astype(jnp.int32), 0, block)
 
@@ -388,7 +486,15 @@ def cached_block_attention(
         ml_spec = pl.BlockSpec((None, None, block, None, per_program), lambda b, h, g, j: (b, j, 0, h, g))
     per_row = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
     whole = lambda n: pl.BlockSpec((n,), lambda b, h, g, j: (0,))  # noqa: E731
-    cache_spec = pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, g, j: (b, 0, h, 0))
+    if page_size:  # the pools as [pages * page_size] rows (a bitcast), read and written through the table
+        k_cache, v_cache = (x.reshape((-1,) + x.shape[2:]) for x in (k_cache, v_cache))
+        cache_spec = pl.BlockSpec((k_cache.shape[0], None, head_dim), lambda b, h, g, j: (0, h, 0))
+        paging_args = [page_table] + ([write_rows.astype(jnp.int32)] if write else [])
+        paging_specs = [pl.BlockSpec((None, max_pages), lambda b, h, g, j: (b, 0))] + (
+            [pl.BlockSpec((None, block), lambda b, h, g, j: (b, 0))] if write else [])
+    else:
+        cache_spec = pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, g, j: (b, 0, h, 0))
+        paging_args, paging_specs = [], []
     member_block = (None, block, None, None, head_dim)  # the key or the value of the block
 
     def projection(block_shape, index_map, p: int) -> pl.BlockSpec:
@@ -401,18 +507,11 @@ def cached_block_attention(
     projection_specs = ([projection(q_block, q_index, p) for p in range(parts)]
                         + [projection(member_block, member(groups), p) for p in range(parts)]
                         + [projection(member_block, member(groups + 1), p) for p in range(parts)])
-    stacked = bool(cfg.stacked_members) and per_program > 1
-    # A dot's query rows, repeated to the 16 an MMA takes (as ``_kernel`` does): a single token's
-    # group, a member's [T, D] queries or the stacked [T * M, D]; unstacked, a program holds M of them.
-    dot_rows = max(MMA_MIN, groups if block == 1 else block * (per_program if stacked else 1))
-    held_rows = dot_rows if block == 1 or stacked else dot_rows * per_program
-    grid = (batch, kv_heads, 1 if block == 1 else groups // per_program, splits)
-    stages = fitted_stages(cfg, programs=math.prod(grid), block_k=block_k, head_dim=head_dim, held_rows=held_rows,
-                           dot_rows=dot_rows, itemsize=jnp.dtype(dtype).itemsize)
     kernel = functools.partial(_kernel, members=per_program, stacked=stacked,
                                parts=parts, scaled=row_scale is not None, dtype=dtype,
                                scale=scale, eps=float(eps), qk_norm=qk_norm, causal=causal, block_k=block_k,
-                               chunk=chunk, balanced=bool(cfg.balanced_splits), interpret=interpret)
+                               chunk=chunk, balanced=bool(cfg.balanced_splits), page_size=page_size,
+                               interpret=interpret)
     # RoPE's cos / sin at the block's positions, by XLA: the same for every layer of a step, so XLA
     # computes them once (CSE). Computed per program in the kernel (libdevice's full-range sin and
     # cos), they cost a verify block ~3.8 us per layer (docs/performance.md).
@@ -429,7 +528,7 @@ def cached_block_attention(
         kernel,
         grid=grid,
         in_specs=[per_row, per_row, *projection_specs, whole(head_dim), whole(head_dim), rope_spec, *scale_specs,
-                  cache_spec, cache_spec],
+                  cache_spec, cache_spec, *paging_specs],
         out_specs=[o_spec, ml_spec, ml_spec] + ([cache_spec, cache_spec] if write else []),
         out_shape=[
             jax.ShapeDtypeStruct((batch, splits, block, kv_heads, groups, head_dim), out_dtype),
@@ -441,10 +540,11 @@ def cached_block_attention(
         interpret=interpret,
         name="dflash_cached_attention",
     )(starts, blk_lens, *[qkv] * (3 * parts), q_norm.astype(dtype), k_norm.astype(dtype), rope, *scale_args, k_cache,
-      v_cache)
+      v_cache, *paging_args)
     o, m, l = outs[:3]
     if write:
         k_cache, v_cache = outs[3:]
+    k_cache, v_cache = k_cache.reshape(pool_shape), v_cache.reshape(pool_shape)
 
     o = o[:, 0] if splits == 1 else merge_splits(o, m, l, axis=1)[0]
     return o.astype(dtype).reshape(batch, block, kv_heads * groups, head_dim), k_cache, v_cache

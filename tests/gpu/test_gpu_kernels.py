@@ -202,6 +202,46 @@ def test_cached_attention_sums_split_k_partials_with_a_row_scale():
     assert_cached_matches(cached(KERNEL)(*args), cached(XLA)(*args), k, v)
 
 
+@pytest.mark.parametrize("block", [32, 64, 128, 512])
+def test_cached_attention_long_blocks_over_a_long_cache(block):
+    """A prefill suffix or chunk over a cached prefix of 4,096 tokens (and a row of 1,000) through
+    ``cached_attention`` with the kernels on: the fused kernel where its program fits an SM's shared
+    memory (``cached_attention.gpu.supports``), else the unfused path, where a block the Triton block
+    attention cannot hold is written first and attended as 16-slot sub-blocks. Compiles and runs, and
+    equals the reference."""
+    qkv, k, v, _, blk_lens, norms = cached_args(2, block, seed=block, capacity=4096 + 512)
+    starts = jnp.array([4096, 1000], jnp.int32)
+    got, want = cached(KERNEL)(qkv, k, v, starts, blk_lens, norms), cached(XLA)(qkv, k, v, starts, blk_lens, norms)
+    assert_cached_matches(got, want, k, v)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("batch,block", [(1, 1), (1, 16), (16, 16)])
+def test_cached_attention_kernel_through_page_tables(batch, block, page_size):
+    """The fused kernel on paged caches (pages shuffled over the pool, one row done) computes what it
+    computes on the contiguous caches the pages stand for, and writes the block into the rows' pages."""
+    from dflash_jax.ops.cache import read_rows
+    from dflash_jax.ops.paged_cache import NULL_PAGE, PagedKV
+
+    qkv, _, _, starts, blk_lens, norms = cached_args(batch, block, seed=page_size + block)
+    read_pages = CAPACITY // page_size
+    rng = np.random.default_rng(page_size)
+    pages = 1 + batch * read_pages + 5
+    table = jnp.asarray(rng.permutation(np.arange(1, pages))[:batch * read_pages].reshape(batch, read_pages),
+                        jnp.int32)
+    writable = jnp.arange(batch) != batch - 1 if batch > 1 else jnp.ones((1,), bool)
+    k_pool, v_pool = (normal(jax.random.key(i), (pages, page_size, HKV, D), jnp.bfloat16) for i in (7, 8))
+    k_cache, v_cache = PagedKV(k_pool, table, writable, read_pages), PagedKV(v_pool, table, writable, read_pages)
+    got, k_got, v_got = cached(KERNEL)(qkv, k_cache, v_cache, starts, blk_lens, norms)
+    want, k_view, v_view = cached(KERNEL)(qkv, k_cache.gather(), v_cache.gather(), starts, blk_lens, norms)
+    assert errors(got, want)[1] < 1e-3, "attention"
+    owned = np.arange(pages) != NULL_PAGE
+    for written, cache, view in ((k_got, k_cache, k_view), (v_got, v_cache, v_view)):
+        expected = cache.write_rows(read_rows(view, starts, block), starts).pool
+        np.testing.assert_array_equal(np.asarray(written.pool, np.float32)[owned],
+                                      np.asarray(expected, np.float32)[owned])
+
+
 # -- the prompt attention (cuDNN) and the add + RMSNorm -------------------------------------------------
 
 

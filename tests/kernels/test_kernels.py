@@ -248,6 +248,70 @@ def test_paged_forward_tpu_kernel_equals_the_contiguous_kernel():
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
+@pytest.mark.parametrize("page", [16, 64])
+def test_paged_forward_gpu_kernel_equals_the_contiguous_kernel(page):
+    """The Triton block attention over a paged context (interpret mode): rows of different lengths (one
+    ending inside a page, one empty) with their pages shuffled over a pool (pages of 16 under 64-key
+    tiles, or of 64): the contiguous kernel's output and log-sum-exp, to float32 rounding."""
+    from kernels_pallas.block_attention.gpu import forward as gpu_forward
+    from kernels_pallas.block_attention.gpu import paged_forward as gpu_paged_forward
+
+    ctx, batch = 128, 3
+    n = ctx // page
+    q, k_ctx, v_ctx, _, k_blk, v_blk, _ = make_inputs(37, batch=batch, blocks=1, block=3, q_heads=4, kv_heads=2,
+                                                      head_dim=16, ctx=ctx)
+    ctx_lens, blk_lens = jnp.array([[37], [ctx], [0]], jnp.int32), jnp.array([[3], [2], [3]], jnp.int32)
+    pages = 1 + batch * n + 2
+    table = np.random.default_rng(page).permutation(np.arange(1, pages))[:batch * n].reshape(batch, n)
+
+    def pool(x):
+        return jnp.zeros((pages, page) + x.shape[2:], x.dtype).at[table.ravel()].set(
+            x.reshape((batch * n, page) + x.shape[2:]))
+
+    for config in (GpuConfig(), GpuConfig(num_splits=3)):
+        got = jax.jit(lambda *a: gpu_paged_forward(*a, causal=True, interpret=True, config=config))(
+            q, pool(k_ctx), pool(v_ctx), jnp.asarray(table, jnp.int32), ctx_lens[:, 0], k_blk, v_blk, blk_lens[:, 0])
+        want = jax.jit(lambda *a: gpu_forward(*a, causal=True, interpret=True, config=config))(
+            q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens)
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6, atol=1e-6)
+
+
+def test_paged_forward_gpu_kernel_lowers_for_gpus():
+    """Triton IR for cuda, built on this CPU: the paged Triton block attention at Qwen3-8B heads (a draft
+    block of 16 over 1,152 positions in pages of 64)."""
+    from kernels_pallas.block_attention.gpu import paged_forward as gpu_paged_forward
+
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    pool, blk = sd((512, 64, 8, 128), bf), sd((2, 1, 16, 8, 128), bf)
+    args = (sd((2, 1, 16, 32, 128), bf), pool, pool, sd((2, 18), jnp.int32), sd((2,), jnp.int32), blk, blk,
+            sd((2,), jnp.int32))
+    fn = jax.jit(lambda *a: gpu_paged_forward(*a, causal=False, interpret=False))
+    text = lower_for(fn, args, "cuda").as_text()
+    assert "dflash_block_attention" in text and "triton" in text
+
+
+def test_paged_block_attention_dispatch_reads_through_the_table(monkeypatch):
+    """With the kernels on (Triton lowering), ``ops.attention.block_attention`` over a ``PagedKV``
+    context runs the paged Triton kernel (no gather of the pages) and equals the reference."""
+    from dflash_jax.ops.paged_cache import PagedKV
+
+    q, k_ctx, v_ctx, _, k_blk, v_blk, _ = make_inputs(41, batch=2, blocks=1, block=4, q_heads=4, kv_heads=2,
+                                                      head_dim=16, ctx=64)
+    ctx_lens, blk_lens = jnp.array([[50], [9]], jnp.int32), jnp.array([[4], [3]], jnp.int32)
+    table = jnp.asarray([[3, 1, 6, 2], [5, 8, 4, 7]], jnp.int32)
+
+    def paged(x):
+        pool = jnp.zeros((9, 16) + x.shape[2:], x.dtype).at[table.ravel()].set(x.reshape((8, 16) + x.shape[2:]))
+        return PagedKV(pool, table, jnp.ones((2,), bool), 4)
+
+    want = reference(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, causal=True)
+    monkeypatch.setattr(PagedKV, "gather", lambda self: pytest.fail("the paged kernel gathered the pages"))
+    got = dispatch(q, paged(k_ctx), paged(v_ctx), ctx_lens, k_blk, v_blk, blk_lens, causal=True,
+                   ops=OpsConfig(attention="pallas"))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
+
+
 def _grads(fn, args, causal, cotangent, **kw):
     q, kc, vc, cl, kb, vb, bl = args
 
@@ -463,6 +527,26 @@ def test_cached_attention_stages_fit_two_programs_per_sm():
                                                                       config=config))
         text = lower_for(fn, _qwen3_8b_attention_args(1, block, 4608), "cuda").as_text()
         assert set(re.findall(r"num_stages = (\d+)", text)) == {str(stages)}
+
+
+def test_long_blocks_take_the_unfused_path():
+    """Compiled for a GPU, the fused kernel takes what fits one SM's shared memory by its estimate: a
+    decode token and the draft / verify blocks of 16 at batch 1-32 (Qwen3-8B heads, bf16), not a
+    prefill suffix or chunk of 128 or 512 slots over a cached prefix, which the unfused path (the
+    prologue and ``block_attention``) then runs; and the Triton block attention takes a block of 16
+    but not of 128 (the reference runs it). Interpreted, any block runs."""
+    from kernels_pallas.block_attention.gpu import forward_fits
+    from kernels_pallas.cached_attention.gpu import supports
+
+    for batch in (1, 4, 16, 32):
+        for capacity in (1152, 4224, 16384):
+            for block in (1, 16):
+                assert supports((batch, block, 8, 6, 128), capacity), (batch, block, capacity)
+            for block in (128, 512):
+                assert not supports((batch, block, 8, 6, 128), capacity), (batch, block, capacity)
+                assert supports((batch, block, 8, 6, 128), capacity, compiled=False)
+    assert forward_fits((1, 1, 16, 32, 128), 8, 2) and forward_fits((8, 3, 16, 32, 128), 8, 2)
+    assert not forward_fits((1, 1, 128, 32, 128), 8, 2)
 
 
 def test_cached_attention_tiles_by_batch(monkeypatch):

@@ -71,10 +71,11 @@ def test_cached_attention_through_page_tables_equals_the_gathered_cache():
         np.testing.assert_array_equal(k_got.gather()[:2], k_want[:2])
 
 
-def test_fused_cached_attention_kernel_runs_on_the_gathered_pages():
+def test_fused_cached_attention_kernel_reads_through_the_page_tables(monkeypatch):
     """With the kernels on (the fused cached-attention kernel, interpret mode on the CPU), a paged layer
-    gives the contiguous cache's attention and written K/V: the kernel runs on the layer's pages
-    gathered and the block it wrote is scattered into the rows' pages."""
+    gives the contiguous cache's attention and written K/V: the kernel reads the pools through the
+    rows' page tables (pages of 4 positions: each 16-key tile spans four) and writes the block into
+    the rows' pages; the done row writes nothing of its own."""
     from dflash_jax.ops.config import OpsConfig
     from kernels_pallas.cached_attention.gpu import cached_block_attention_supported
 
@@ -86,12 +87,14 @@ def test_fused_cached_attention_kernel_runs_on_the_gathered_pages():
     writable = jnp.asarray([True, True, False])
     k_cache, v_cache = PagedKV(k_pool, table, writable, 4), PagedKV(v_pool, table, writable, 4)
     qkv = jnp.asarray(rng.standard_normal((batch, block, KV, HEADS // KV + 2, dim)), jnp.float32)
-    assert cached_block_attention_supported(qkv.shape, k_cache.shape[1])
+    assert cached_block_attention_supported(qkv.shape, k_cache.shape[1], k_cache.dtype)
     starts, blk_lens = jnp.asarray([3, 9, 7], jnp.int32), jnp.asarray([2, 2, 1], jnp.int32)
     norm = jnp.asarray(rng.standard_normal(dim), jnp.float32)
     common = dict(q_norm=norm, k_norm=norm, eps=1e-6, inv_freq=tuple(1.0 / 10000 ** (np.arange(0, dim, 2) / dim)),
                   num_heads=HEADS, ops=OpsConfig(attention="pallas"))
-    got, k_got, v_got = attention_ops.cached_attention(qkv, starts, k_cache, v_cache, blk_lens, **common)
+    with monkeypatch.context() as patch:  # no copy of the pages: the kernel reads the pools
+        patch.setattr(PagedKV, "gather", lambda self: pytest.fail("the paged kernel gathered the pages"))
+        got, k_got, v_got = attention_ops.cached_attention(qkv, starts, k_cache, v_cache, blk_lens, **common)
     want, k_want, v_want = attention_ops.cached_attention(qkv, starts, k_cache.gather(), v_cache.gather(), blk_lens,
                                                           **common)
     np.testing.assert_array_equal(got, want)
