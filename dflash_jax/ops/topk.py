@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 METHODS = ("select", "sort")
 RADIX_BITS = 4  # bits of the key settled per pass of the radix select: 2**4 - 1 counts per pass
