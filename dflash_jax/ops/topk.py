@@ -10,8 +10,8 @@ The two small top-ks run one of two ways (``method``):
 - ``"select"`` (the default): no sort at all. The k-th largest value is found by a radix select on
   order-preserving integer keys of the values (a few bits a pass, each pass one fused reduction over
   the array counting the keys at or above each candidate digit), the k largest are compacted in id
-  order (a prefix count and a scatter), and those k are ordered by a rank count over ``[k, k]``
-  pairs. Every step is a fused elementwise op or reduction over a small array: no CUB radix sort,
+  order (a prefix count, as masked sums over small blocks, and a scatter), and those k are ordered
+  by a rank count over ``[k, k]`` pairs. Every step is a fused elementwise op or reduction over a small array: no CUB radix sort,
   no XLA sort kernel.
 - ``"sort"``: ``lax.top_k`` of the slice maxima, a sort of the picked slice indices, ``lax.top_k``
   of the picked slices' elements. On XLA:GPU ``lax.top_k`` with k = 64 lowers to a CUB segmented
@@ -143,16 +143,42 @@ def _top_positions(x: jax.Array, k: int) -> jax.Array:
     kth = _kth_largest_key(keys, k, jnp.finfo(x.dtype).bits)
     above, tied = keys > kth[:, None], keys == kth[:, None]
     need = k - jnp.sum(above, axis=-1, dtype=jnp.int32)                 # >= 1 ties taken
-    # One prefix count for both: the keys above in the low half, the ties in the high half.
-    if n >= 1 << 15:
-        raise ValueError(f"top_k: {n} candidates exceed the prefix count's {1 << 15}")
-    counts = jnp.cumsum(above.astype(jnp.int32) | (tied.astype(jnp.int32) << 16), axis=-1)
-    above_before, tied_before = counts & 0xFFFF, counts >> 16       # inclusive counts
+    if n < 1 << 15:
+        # One prefix count for both: the keys above (fewer than k) in the low half, the ties in the high half.
+        counts = _prefix_sums(above.astype(jnp.int32) | (tied.astype(jnp.int32) << 16))
+        above_before, tied_before = counts & 0xFFFF, counts >> 16       # inclusive counts
+    else:
+        above_before, tied_before = _prefix_sums(above.astype(jnp.int32)), _prefix_sums(tied.astype(jnp.int32))
     take = above | (tied & (tied_before <= need[:, None]))
     slot = above_before + jnp.minimum(tied_before, need[:, None]) - 1  # the count taken up to here, less one
     row = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], keys.shape)
     position = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], keys.shape)
     return jnp.zeros((rows, k), jnp.int32).at[row, jnp.where(take, slot, k)].set(position, mode="drop")
+
+
+def _prefix_sums(x: jax.Array, width: int = 64) -> jax.Array:
+    """``jnp.cumsum(x, axis=-1)`` of ``x [R, N]`` int32 as fused reductions over small blocks: the
+    inclusive sums inside each ``width``-wide block (a masked sum over its ``[width, width]`` pairs), plus
+    the sums of the blocks before (the same over the blocks' totals). XLA:GPU runs a cumsum as a
+    reduce-window, rewritten into a tree of several kernels; this is two. Rows longer than ``width**2``
+    take ``jnp.cumsum``."""
+    rows, n = x.shape
+    if n <= width:
+        return _masked_prefix(x)
+    if n > width * width:
+        return jnp.cumsum(x, axis=-1)
+    blocks = -(-n // width)
+    inner = _masked_prefix(jnp.pad(x, ((0, 0), (0, blocks * width - n))).reshape(rows * blocks, width))
+    inner = inner.reshape(rows, blocks, width)
+    before = _masked_prefix(inner[:, :, -1]) - inner[:, :, -1]                   # [R, blocks], exclusive
+    return (inner + before[:, :, None]).reshape(rows, blocks * width)[:, :n]
+
+
+def _masked_prefix(x: jax.Array) -> jax.Array:
+    """Inclusive sums along the last axis of ``x [R, n]`` (n small): output i sums inputs j <= i."""
+    n = x.shape[-1]
+    upto = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]                       # [i, j]
+    return jnp.sum(jnp.where(upto[None], x[:, None, :], 0), axis=-1, dtype=x.dtype)
 
 
 def _descending(values: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
