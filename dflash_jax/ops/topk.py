@@ -17,7 +17,8 @@ The two small top-ks run one of two ways (``method``):
   of the picked slices' elements. On XLA:GPU ``lax.top_k`` with k = 64 lowers to a CUB segmented
   radix sort.
 
-Both give ``lax.top_k``'s result exactly, ties included.
+Both give ``lax.top_k``'s result exactly, ties included (the sort: but for slices whose maximum is a
+signed zero, ``top_k_and_argmax``).
 """
 
 from __future__ import annotations
@@ -159,18 +160,17 @@ def _top_positions(x: jax.Array, k: int) -> jax.Array:
 def _prefix_sums(x: jax.Array, width: int = 64) -> jax.Array:
     """``jnp.cumsum(x, axis=-1)`` of ``x [R, N]`` int32 as fused reductions over small blocks: the
     inclusive sums inside each ``width``-wide block (a masked sum over its ``[width, width]`` pairs), plus
-    the sums of the blocks before (the same over the blocks' totals). XLA:GPU runs a cumsum as a
-    reduce-window, rewritten into a tree of several kernels; this is two. Rows longer than ``width**2``
-    take ``jnp.cumsum``."""
+    the prefix sums of the blocks' totals before it (the same, one level up). XLA:GPU runs a cumsum as a
+    reduce-window rewritten into a tree of several kernels; this is one reduction a level (two levels
+    up to ``width**2`` entries)."""
     rows, n = x.shape
     if n <= width:
         return _masked_prefix(x)
-    if n > width * width:
-        return jnp.cumsum(x, axis=-1)
     blocks = -(-n // width)
     inner = _masked_prefix(jnp.pad(x, ((0, 0), (0, blocks * width - n))).reshape(rows * blocks, width))
     inner = inner.reshape(rows, blocks, width)
-    before = _masked_prefix(inner[:, :, -1]) - inner[:, :, -1]                   # [R, blocks], exclusive
+    totals = inner[:, :, -1]
+    before = _prefix_sums(totals, width) - totals                               # [R, blocks], exclusive
     return (inner + before[:, :, None]).reshape(rows, blocks * width)[:, :n]
 
 
