@@ -15,8 +15,9 @@ Three measurements, each method's result checked equal on the device:
    runs every step): its sorts (XLA sort kernels and CUB sort calls) and its fusions making float32
    ``[..., vocab]`` arrays (whole-row float32 copies; their names are the trace's kernel names).
 
-With ``--profile`` (the default on a GPU) the sampled steps are traced once: the kernels greedy does
-not launch, by time a step (as ``bench_sampling.py`` prints them).
+With ``--profile`` (the default on a GPU) the steps are traced once: per sampled step, the kernels
+greedy does not launch, by time a step (as ``bench_sampling.py`` prints them), each with its HLO
+output shape and whether it sits in a conditional's branch (run only when some row needs it).
 
     python3 bench/bench_topk.py --json bench/results/topk.json          # < 90 s on one H200
     JAX_PLATFORMS=cpu python3 bench/bench_topk.py --tiny                # smoke test
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import timing
-from bench_sampling import MODES, SAMPLED, print_extra_kernels, sampled_state
+from bench_sampling import MODES, SAMPLED, sampled_state
 from dflash_jax.ops import topk
 from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.engine import Engine, EngineConfig
@@ -109,16 +110,22 @@ def time_draws(rows: int, vocab: int, scale: float, repeats: int) -> dict:
 
 def hlo_summary(text: str, vocab: int) -> dict:
     """From a compiled program's HLO text, outside conditional branches (what runs every step): its sort
-    instructions, its CUB sort calls, and the fusions producing float32 ``[..., vocab]`` arrays."""
+    instructions, its CUB sort calls, and the fusions producing float32 ``[..., vocab]`` arrays; and
+    every fusion, sort and custom call by kernel name (``.`` as ``_``, as the trace names kernels):
+    its output shape, `` (in a cond)`` when it sits in a conditional's branch."""
     branches = set(re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", text))
     for group in re.findall(r"branch_computations=\{([^}]*)\}", text):
         branches.update(name.strip().lstrip("%") for name in group.split(","))
-    computation, sorts, cub, whole_f32 = None, 0, 0, []
+    computation, sorts, cub, whole_f32, shapes = None, 0, 0, [], {}
     for line in text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
             words = line.split()
             computation = (words[1] if words[0] == "ENTRY" else words[0]).lstrip("%")
             continue
+        op = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) (fusion|custom-call|sort)\(", line)
+        if op:
+            shape = re.sub(r"\{[^}]*\}", "", op.group(2))
+            shapes[op.group(1).replace(".", "_")] = shape + (" (in a cond)" if computation in branches else "")
         if computation in branches:
             continue
         if " sort(" in line:
@@ -128,7 +135,23 @@ def hlo_summary(text: str, vocab: int) -> dict:
         match = re.match(rf"\s*(?:ROOT\s+)?%?([\w.\-]+) = \(?f32\[[\d,]*{vocab}\]", line)
         if match and " fusion(" in line:
             whole_f32.append(match.group(1))
-    return dict(sorts=sorts, cub_sorts=cub, f32_vocab_fusions=whole_f32)
+    return dict(sorts=sorts, cub_sorts=cub, f32_vocab_fusions=whole_f32, shapes=shapes)
+
+
+def print_extra_kernels(kernels: dict[str, dict[str, float]], summaries: dict[str, dict], batch: int,
+                        top: int = 10) -> None:
+    """Per sampled step against greedy (us a step): kernel counts and busy time, and the kernels whose
+    names the greedy step does not launch, largest first, with their HLO output shapes."""
+    greedy = kernels["greedy"]
+    for name, ks in kernels.items():
+        if name == "greedy":
+            continue
+        extra = sorted(((us, k) for k, us in ks.items() if k not in greedy), reverse=True)
+        print(f"\nbatch {batch}, {name}: busy {sum(greedy.values()):.0f} -> {sum(ks.values()):.0f} us a step, "
+              f"{len(greedy)} -> {len(ks)} kernel names; {sum(us for us, _ in extra):.0f} us in kernels greedy "
+              f"does not launch:")
+        for us, k in extra[:top]:
+            print(f"  {us:9.1f} us  {k[:60]:60s} {summaries[name]['shapes'].get(k, '')[:60]}")
 
 
 def time_steps(args, tcfg) -> tuple[dict, dict, dict]:
@@ -235,7 +258,8 @@ def main() -> None:
 
     tcfg = tiny_target_config(num_layers=4) if args.tiny else timing.qwen3_8b(args.layers)
     steps, summaries, kernels = time_steps(args, tcfg)
-    report.update(steps=steps, hlo=summaries, kernels_us_per_step=kernels)
+    report.update(steps=steps, hlo={k: {f: v for f, v in h.items() if f != "shapes"} for k, h in summaries.items()},
+                  kernels_us_per_step=kernels)
     print(f"\nDFlash step at batch {args.batch} (vocabulary {tcfg.vocab_size}, context {args.context}, LM head "
           f"x{args.logit_scale}; {steps['compile_s']:.0f} s compiling)")
     print(f"{'program':18s} {'ms/step':>9} {'x greedy':>9} {'tau':>5} {'tokens=':>7} {'sorts':>5} {'cub':>4}  "
@@ -248,9 +272,7 @@ def main() -> None:
               f"{str(res.get('tokens_equal', '-')):>7s} {h['sorts']:5d} {h['cub_sorts']:4d}  "
               f"{', '.join(h['f32_vocab_fusions'][:6]) or '-'}")
     if kernels:
-        for method in ("select", "sort"):
-            subset = {"greedy": kernels["greedy"]} | {k: v for k, v in kernels.items() if k.endswith("/" + method)}
-            print_extra_kernels(subset, args.batch, top=8)
+        print_extra_kernels(kernels, summaries, args.batch)
     print(f"target: sampled and logprobs <= 1.03 x greedy; {time.perf_counter() - t_start:.0f} s in all")
     report["total_s"] = time.perf_counter() - t_start
     timing.write_json(args.out, report)

@@ -130,7 +130,9 @@ def _kth_largest_key(keys: jax.Array, k: int, bits: int) -> jax.Array:
     for shift in range(top - RADIX_BITS, -1, -RADIX_BITS):
         digits = jnp.arange(1, 1 << RADIX_BITS, dtype=jnp.uint32) << shift                 # [D]
         candidate = prefix[:, None] | digits[None, :]                                       # [R, D]
-        at_least = jnp.sum(keys[:, None, :] >= candidate[:, :, None], axis=-1, dtype=jnp.int32)  # [R, D]
+        # Summed over the middle axis, the digit minor: the lanes of a warp share each key (one read),
+        # where a reduction over the last axis would read every key once per digit.
+        at_least = jnp.sum(keys[:, :, None] >= candidate[:, None, :], axis=1, dtype=jnp.int32)  # [R, D]
         digit = jnp.sum(at_least >= k, axis=-1).astype(jnp.uint32)  # counts fall with the digit
         prefix = prefix | (digit << shift)
     return prefix
@@ -177,8 +179,8 @@ def _prefix_sums(x: jax.Array, width: int = 64) -> jax.Array:
 def _masked_prefix(x: jax.Array) -> jax.Array:
     """Inclusive sums along the last axis of ``x [R, n]`` (n small): output i sums inputs j <= i."""
     n = x.shape[-1]
-    upto = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]                       # [i, j]
-    return jnp.sum(jnp.where(upto[None], x[:, None, :], 0), axis=-1, dtype=x.dtype)
+    upto = jnp.arange(n)[:, None] <= jnp.arange(n)[None, :]                       # [j, i]: j <= i
+    return jnp.sum(jnp.where(upto[None], x[:, :, None], 0), axis=1, dtype=x.dtype)  # over j, i minor
 
 
 def _descending(values: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -186,10 +188,12 @@ def _descending(values: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array
     equal values in ascending id order. A rank count over the ``[k, k]`` pairs: no sort."""
     keys = order_keys(values)
     k = values.shape[-1]
-    earlier = jnp.arange(k)[None, :, None] > jnp.arange(k)[None, None, :]        # [1, i, j]: j before i
-    a, b = keys[:, :, None], keys[:, None, :]
-    rank = jnp.sum((b > a) | ((b == a) & earlier), axis=-1, dtype=jnp.int32)    # [R, k]: i's place
-    # The inverse permutation: the entry ranked j.
-    order = jnp.sum(jnp.where(rank[:, None, :] == jnp.arange(k)[None, :, None], jnp.arange(k)[None, None, :], 0),
-                    axis=-1, dtype=jnp.int32)
+    index = jnp.arange(k)
+    # Sums over the middle axis, the output's index minor (as in ``_kth_largest_key``).
+    earlier = (index[:, None] < index[None, :])[None]                             # [1, j, i]: j before i
+    other, own = keys[:, :, None], keys[:, None, :]
+    rank = jnp.sum((other > own) | ((other == own) & earlier), axis=1, dtype=jnp.int32)  # [R, k]: i's place
+    # The inverse permutation: the entry ranked r.
+    order = jnp.sum(jnp.where(rank[:, :, None] == index[None, None, :], index[None, :, None], 0),
+                    axis=1, dtype=jnp.int32)
     return jnp.take_along_axis(values, order, axis=1), jnp.take_along_axis(ids, order, axis=1)
