@@ -237,6 +237,9 @@ def main() -> None:
     ap.add_argument("--profile-dir", default="/tmp/bench_topk_profile")
     ap.add_argument("--json", "--out", dest="out", default=None, help="JSON report (e.g. bench/results/topk.json)")
     args = ap.parse_args()
+    unknown = sorted(set(args.modes.split(",")) - set(MODES) - {""})
+    if unknown or "greedy" in args.modes.split(","):
+        ap.error(f"--modes takes sampled modes of: {', '.join(m for m in MODES if m != 'greedy')}; got {args.modes}")
     if args.tiny:
         args.rows, args.batch, args.steps, args.repeats, args.call_repeats = 8, 2, 2, 1, 2
     print(timing.device_line(), flush=True)
