@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import timing
-from bench_sampling import MODES, SAMPLED, sampled_state
+from bench_sampling import MODES, SAMPLED, print_extra_kernels, sampled_state
 from dflash_jax.ops import topk
 from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.engine import Engine, EngineConfig
@@ -136,22 +136,6 @@ def hlo_summary(text: str, vocab: int) -> dict:
         if match and " fusion(" in line:
             whole_f32.append(match.group(1))
     return dict(sorts=sorts, cub_sorts=cub, f32_vocab_fusions=whole_f32, shapes=shapes)
-
-
-def print_extra_kernels(kernels: dict[str, dict[str, float]], summaries: dict[str, dict], batch: int,
-                        top: int = 10) -> None:
-    """Per sampled step against greedy (us a step): kernel counts and busy time, and the kernels whose
-    names the greedy step does not launch, largest first, with their HLO output shapes."""
-    greedy = kernels["greedy"]
-    for name, ks in kernels.items():
-        if name == "greedy":
-            continue
-        extra = sorted(((us, k) for k, us in ks.items() if k not in greedy), reverse=True)
-        print(f"\nbatch {batch}, {name}: busy {sum(greedy.values()):.0f} -> {sum(ks.values()):.0f} us a step, "
-              f"{len(greedy)} -> {len(ks)} kernel names; {sum(us for us, _ in extra):.0f} us in kernels greedy "
-              f"does not launch:")
-        for us, k in extra[:top]:
-            print(f"  {us:9.1f} us  {k[:60]:60s} {summaries[name]['shapes'].get(k, '')[:60]}")
 
 
 def time_steps(args, tcfg) -> tuple[dict, dict, dict]:
@@ -275,7 +259,7 @@ def main() -> None:
               f"{str(res.get('tokens_equal', '-')):>7s} {h['sorts']:5d} {h['cub_sorts']:4d}  "
               f"{', '.join(h['f32_vocab_fusions'][:6]) or '-'}")
     if kernels:
-        print_extra_kernels(kernels, summaries, args.batch)
+        print_extra_kernels(kernels, args.batch, top=10, notes={k: h["shapes"] for k, h in summaries.items()})
     print(f"target: sampled and logprobs <= 1.03 x greedy; {time.perf_counter() - t_start:.0f} s in all")
     report["total_s"] = time.perf_counter() - t_start
     timing.write_json(args.out, report)
