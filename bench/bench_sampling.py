@@ -110,9 +110,11 @@ def time_modes(engine: Engine, batch: int, context: int, modes: list[str], steps
     return out, compile_s, kernels
 
 
-def print_extra_kernels(kernels: dict[str, dict[str, float]], batch: int, top: int = 12) -> None:
+def print_extra_kernels(kernels: dict[str, dict[str, float]], batch: int, top: int = 12,
+                        notes: dict[str, dict[str, str]] | None = None) -> None:
     """Per mode against greedy (us a step): kernel counts and busy time, and the kernels the greedy step
-    does not launch, largest first (names are XLA's fusions and custom calls of that program)."""
+    does not launch, largest first (names are XLA's fusions and custom calls of that program), each
+    with ``notes[mode][kernel]`` where given (``bench_topk.py``: its HLO output shape)."""
     greedy = kernels.get("greedy")
     if not greedy:
         return
@@ -124,7 +126,8 @@ def print_extra_kernels(kernels: dict[str, dict[str, float]], batch: int, top: i
               f"{len(greedy)} -> {len(ks)} kernel names; {sum(us for us, _ in extra):.0f} us in kernels greedy "
               f"does not launch:")
         for us, name in extra[:top]:
-            print(f"  {us:9.1f} us  {name[:90]}")
+            note = (notes or {}).get(mode, {}).get(name, "")
+            print(f"  {us:9.1f} us  {name[:90]}" + (f"  {note[:60]}" if note else ""))
 
 
 def check_candidate_draws(vocab: int, rows: int, scale: float, candidates: int) -> dict:

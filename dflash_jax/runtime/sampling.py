@@ -591,16 +591,29 @@ def target_probs(logits: jax.Array, rows: Rows, *, flags: SamplingFlags, candida
 
 
 def logprobs_of(logits: jax.Array, chosen: jax.Array, top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """vLLM's default logprobs: the log-softmax of raw ``logits [R, V]`` at ``chosen [R]`` and its
-    ``top`` largest entries -> ``(logprob [R], top_ids [R, top], top_logprobs [R, top])``."""
-    logits = logits.astype(jnp.float32)
-    norm = jax.nn.logsumexp(logits, axis=-1)
-    chosen_lp = jnp.take_along_axis(logits, chosen[:, None], axis=-1)[:, 0] - norm
+    """vLLM's default logprobs: the log-softmax of raw ``logits [R, V]`` (any float dtype) at
+    ``chosen [R]`` and its ``top`` largest entries -> ``(logprob [R], top_ids [R, top], top_logprobs
+    [R, top])``, float32.
+
+    No float32 copy of the rows is made: the maximum, the entries read and the top-k are taken in the
+    logits' dtype (converting to float32 is exact and keeps the order), and the float32 conversion
+    happens inside the one reduction that sums the exponentials."""
+    norm = log_normalizer(logits)
+    chosen_lp = jnp.take_along_axis(logits, chosen[:, None], axis=-1)[:, 0].astype(jnp.float32) - norm
     if top == 0:
         empty = jnp.zeros(logits.shape[:1] + (0,), jnp.float32)
         return chosen_lp, empty.astype(jnp.int32), empty
     values, ids = topk.top_k(logits, top)
-    return chosen_lp, ids, values - norm[:, None]
+    return chosen_lp, ids, values.astype(jnp.float32) - norm[:, None]
+
+
+def log_normalizer(logits: jax.Array) -> jax.Array:
+    """``jax.nn.logsumexp(logits.astype(float32), axis=-1)`` of ``logits [R, V]`` -> ``[R]`` float32,
+    the row's maximum taken in its own dtype (exact) and the float32 values made inside the sum."""
+    peak = jnp.max(logits, axis=-1).astype(jnp.float32)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    total = jnp.sum(jnp.exp(logits.astype(jnp.float32) - peak[:, None]), axis=-1)
+    return jnp.log(total) + peak
 
 
 def block_counts(counts: jax.Array, seen: jax.Array, block_ids: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,4 +1,5 @@
-"""ops.topk.top_k (two stages over slices of the row) against jax.lax.top_k, ties included."""
+"""ops.topk.top_k (two stages over slices of the row; the sort-free select and the sort methods) against
+jax.lax.top_k, ties included."""
 
 from __future__ import annotations
 
@@ -7,18 +8,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.ops.topk import top_k
+from dflash_jax.ops import topk
+
+# Jitted: one compile per shape, not one dispatch per operation.
+top_k = jax.jit(topk.top_k, static_argnames=("k", "chunk", "method"))
+top_k_and_argmax = jax.jit(topk.top_k_and_argmax, static_argnames=("k", "chunk", "method"))
 
 
+@pytest.mark.parametrize("method", ["select", "sort"])
 @pytest.mark.parametrize("k", [1, 5, 16, 20])
-def test_equals_lax_top_k_ties_included(k):
+def test_equals_lax_top_k_ties_included(k, method):
     rs = np.random.RandomState(9)
     x = rs.randn(4, 5000).astype(np.float32)
     x[1, 4000:4010] = 9.0   # ties inside one slice
     x[2] = np.round(x[2])   # many ties, across slices, at the k-th value
     x[3, ::97] = 7.0        # equal maxima in many slices
     for chunk in (64, 128):
-        values, ids = top_k(jnp.asarray(x), k, chunk=chunk)
+        values, ids = top_k(jnp.asarray(x), k=k, chunk=chunk, method=method)
         want_values, want_ids = jax.lax.top_k(jnp.asarray(x), k)
         np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))  # equal values: lower ids first
@@ -26,12 +32,12 @@ def test_equals_lax_top_k_ties_included(k):
 
 def test_leading_axes_and_short_rows():
     x = jax.random.normal(jax.random.key(0), (2, 3, 151), jnp.float32)
-    values, ids = top_k(x, 4)  # 2 slices of 128 <= 2k: one lax.top_k
+    values, ids = top_k(x, k=4)  # 2 slices of 128 <= 2k: one lax.top_k
     want_values, want_ids = jax.lax.top_k(x, 4)
     assert values.shape == (2, 3, 4) and ids.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
     x = jax.random.normal(jax.random.key(1), (2, 3, 9000), jnp.bfloat16)
-    values, ids = top_k(x, 16)
+    values, ids = top_k(x, k=16)
     want_values, want_ids = jax.lax.top_k(x, 16)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
 
@@ -39,14 +45,83 @@ def test_leading_axes_and_short_rows():
 @pytest.mark.parametrize("vocab", [151, 5000, 5003])
 def test_argmax_from_the_slice_maxima_equals_jnp_argmax(vocab):
     """The argmax beside the top-k is ``jnp.argmax``'s: the first maximum, ties across slices included."""
-    from dflash_jax.ops.topk import top_k_and_argmax
-
     rs = np.random.RandomState(3)
     x = np.round(rs.randn(5, vocab) * 2).astype(np.float32)  # ties in and across slices
     x[1, 7] = x[1, vocab - 2] = 50.0
     x[2, vocab // 2:] = x[2].max()  # the maximum first in a later slice
     x[3, vocab - 1] = np.inf
     x[4, :] = -np.inf
-    values, ids, argmax = top_k_and_argmax(jnp.asarray(x), 4)
+    values, ids, argmax = top_k_and_argmax(jnp.asarray(x), k=4)
     np.testing.assert_array_equal(np.asarray(argmax), np.argmax(x, axis=-1))
     np.testing.assert_array_equal(np.asarray(ids)[[0, 1]], np.asarray(jax.lax.top_k(jnp.asarray(x[[0, 1]]), 4)[1]))
+
+
+def _assert_lax(x, k, **kw):
+    values, ids, argmax = top_k_and_argmax(x, k=k, **kw)
+    want_values, want_ids = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)), np.asarray(want_values.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(argmax), np.asarray(jnp.argmax(x, axis=-1)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("vocab,k", [(151, 64), (5003, 64), (20000, 64), (3000, 1), (3000, 7)])
+def test_select_equals_lax_top_k_ties_infinities_and_short_rows(dtype, vocab, k):
+    """The sort-free select at the candidate count the sampler uses (64), both dtypes: ties inside and
+    across slices at the k-th value, rows of -inf, rows mostly -inf, rows shorter than 2k slices."""
+    rs = np.random.RandomState(vocab + k)
+    x = rs.randn(7, vocab).astype(np.float32)
+    x[1, 10:30] = 9.0
+    x[2] = np.round(x[2] * 2)                 # a few distinct values: ties everywhere
+    x[3, ::97] = 7.0                          # equal maxima in many slices
+    x[4, :] = -np.inf
+    x[5, : vocab - k // 2] = -np.inf          # fewer than k finite values
+    x[6] = 1.0                                # one value
+    _assert_lax(jnp.asarray(x).astype(dtype), k, method="select")
+
+
+def test_select_orders_signed_zeros_and_infinities_as_lax_top_k():
+    """lax.top_k ranks floats by their total order: -0.0 below 0.0; so does the select."""
+    x = np.zeros((2, 4000), np.float32)
+    x[0, 1::2] = -0.0
+    x[1, ::3] = -0.0
+    x[1, 5] = np.inf
+    x[1, 6] = -np.inf
+    for dtype in (jnp.float32, jnp.bfloat16):
+        _assert_lax(jnp.asarray(x).astype(dtype), 64, method="select")
+        values = top_k_and_argmax(jnp.asarray(x).astype(dtype), k=64, method="select")[0]
+        np.testing.assert_array_equal(np.signbit(np.asarray(values.astype(jnp.float32))),
+                                      np.signbit(np.asarray(jax.lax.top_k(jnp.asarray(x), 64)[0])))
+
+
+def test_order_keys_follow_the_float_order():
+    values = np.array([-np.inf, -3e38, -1.5, -1e-40, -0.0, 0.0, 1e-40, 2.5, 3e38, np.inf], np.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        keys = np.asarray(topk.order_keys(jnp.asarray(values).astype(dtype))).astype(np.int64)
+        assert np.all(np.diff(keys) >= 0) and keys.dtype == np.int64
+        distinct = np.asarray(jnp.asarray(values).astype(dtype).astype(jnp.float32))
+        # Equal keys exactly where the dtype rounds two values to the same bits.
+        same_bits = distinct[1:].view(np.uint32) == distinct[:-1].view(np.uint32)
+        np.testing.assert_array_equal(np.diff(keys) == 0, same_bits)
+
+
+def test_select_rejects_a_bad_method_or_k():
+    x = jnp.zeros((2, 300), jnp.float32)
+    with pytest.raises(ValueError, match="method"):
+        topk.top_k_and_argmax(x, 4, method="bitonic")
+    with pytest.raises(ValueError, match="k=301"):
+        topk.top_k_and_argmax(x, 301)
+
+
+def test_select_with_the_largest_candidate_count_on_a_whole_vocabulary():
+    """k = 1024 (``MAX_TOP_K_CANDIDATES``) over Qwen3's 151,936: 65,536 picked elements, past the
+    packed prefix count; ties across the picked slices."""
+    rs = np.random.RandomState(4)
+    x = np.round(rs.randn(2, 151936) * 3).astype(np.float32)
+    _assert_lax(jnp.asarray(x).astype(jnp.bfloat16), 1024, method="select")
+
+
+@pytest.mark.parametrize("n", [1, 37, 64, 65, 1187, 4096, 8192, 70000])
+def test_prefix_sums_equal_cumsum(n):
+    x = jnp.asarray(np.random.RandomState(n).randint(0, 3, (3, n)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(topk._prefix_sums(x)), np.cumsum(np.asarray(x), axis=-1))

@@ -158,6 +158,23 @@ def test_logprobs_are_the_log_softmax_of_raw_logits():
     np.testing.assert_allclose(np.asarray(vals), -np.sort(-want, -1)[:, :4], atol=1e-5)
 
 
+def test_logprobs_of_bfloat16_logits_equal_those_of_their_float32_values():
+    """The logits' own dtype in, no float32 copy: the same logprobs as from the converted rows, rows of
+    -inf entries and ties at the top included."""
+    logits = np.random.RandomState(8).randn(4, 3000).astype(np.float32) * 6
+    logits[1, :2990] = -np.inf
+    logits[2] = np.round(logits[2])
+    raw = jnp.asarray(logits).astype(jnp.bfloat16)
+    chosen = jnp.asarray([0, 2995, 7, 2999])
+    got = smp.logprobs_of(raw, chosen, 5)
+    want = smp.logprobs_of(raw.astype(jnp.float32), chosen, 5)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    wanted = torch.log_softmax(torch.tensor(np.asarray(raw.astype(jnp.float32))), -1).numpy()
+    np.testing.assert_allclose(np.asarray(got[0]), wanted[np.arange(4), np.asarray(chosen)], atol=1e-5)
+
+
 def test_block_counts_see_the_earlier_drafts_as_generated():
     counts = jnp.zeros((1, 6), jnp.int32).at[0, 2].set(1)
     c, seen = smp.block_counts(counts, counts > 0, jnp.asarray([[5, 1, 1, 3]]))
