@@ -757,7 +757,7 @@ def test_gpu_kernels_signal_dependents_on_hopper(monkeypatch, hopper):
         text = lower_for(fn, args, "cuda").as_text()
         assert text.count("griddepcontrol.launch_dependents") == (1 if hopper else 0)
     h = jax.random.normal(jax.random.key(0), (1, 4096), bf)
-    assert _pdl.signal_after(h, interpret=True) is h  # interpret mode: the value itself
-    if hopper:
-        with pytest.raises(ValueError, match="16- or 32-bit"):
-            _pdl.signal_after(jnp.zeros((4,), jnp.int8), interpret=False)
+    assert not _pdl.signals(interpret=True) and _pdl.signals(interpret=False) == hopper
+    assert _pdl.signal_after(h, signal=False) is h  # no signal: the value itself
+    with pytest.raises(ValueError, match="16- or 32-bit"):
+        _pdl.signal_after(jnp.zeros((4,), jnp.int8), signal=True)
