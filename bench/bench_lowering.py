@@ -35,13 +35,15 @@ from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
 from kernels_pallas import _pdl
 
 
-def abstract_engine(tcfg, *, batch: int, max_length: int, speculative: bool, dtype) -> Engine:
+def abstract_engine(tcfg, *, batch: int, max_length: int, speculative: bool, dtype,
+                    gpu_lowering: str = "triton") -> Engine:
     """An ``Engine`` of the kernels on over abstract modules of ``tcfg`` (and a 5-layer block-16
     drafter): its serving layout is built by ``jax.eval_shape`` too, so no weight is allocated."""
     dcfg = tiny_drafter_config(tcfg, num_layers=5, block_size=16, mask_token_id=tcfg.vocab_size - 1)
     target = nnx.eval_shape(lambda: Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0)))
     drafter = nnx.eval_shape(lambda: Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))) if speculative else None
-    config = EngineConfig(max_batch_size=batch, max_length=max_length, attention_impl="pallas", decode_loop="until_done")
+    config = EngineConfig(max_batch_size=batch, max_length=max_length, attention_impl="pallas", decode_loop="until_done",
+                          gpu_lowering=gpu_lowering)
     with mock.patch.object(engine_module, "serving_target", abstract_of(engine_module.serving_target)), \
             mock.patch.object(engine_module, "serving_drafter", abstract_of(engine_module.serving_drafter)):
         return Engine(target, drafter, config)
@@ -79,6 +81,7 @@ def kernel_calls(lowered) -> dict[str, int]:
     """Custom calls of the lowered program by kernel name, and its private functions (shared lowerings)."""
     text = lowered.as_text()
     return {"triton_calls": text.count("custom_call @__gpu$xla.gpu.triton"),
+            "mosaic_calls": text.count("custom_call @mosaic_gpu"),
             "functions": text.count("func.func private")}
 
 
@@ -88,6 +91,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8, help="decode steps of a call (a dynamic count: no effect on the program)")
+    ap.add_argument("--gpu-lowering", default="triton", choices=("triton", "mosaic"), help="EngineConfig.gpu_lowering")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke test)")
     ap.add_argument("--profile", action="store_true", help="cProfile of the first speculative program")
     ap.add_argument("--json", default=None)
@@ -102,7 +106,7 @@ def main(argv=None) -> None:
     for batch in batches:
         for speculative in (True, False):
             engine = abstract_engine(tcfg, batch=batch, max_length=max_length, speculative=speculative,
-                                     dtype=jnp.bfloat16)
+                                     dtype=jnp.bfloat16, gpu_lowering=args.gpu_lowering)
             profile = cProfile.Profile() if args.profile and speculative and not rows else None
             if profile is not None:
                 profile.enable()
@@ -114,10 +118,10 @@ def main(argv=None) -> None:
             rows.append(dict(program="dflash" if speculative else "target", batch=batch, trace_s=trace_s,
                              lower_s=lower_s, **kernel_calls(lowered)))
             print(rows[-1], flush=True)
-    print(f"\n{'program':8} {'batch':>5} {'trace s':>8} {'lower s':>8} {'total s':>8} {'triton':>7} {'funcs':>6}")
+    print(f"\n{'program':8} {'batch':>5} {'trace s':>8} {'lower s':>8} {'total s':>8} {'triton':>7} {'mosaic':>7} {'funcs':>6}")
     for r in rows:
         print(f"{r['program']:8} {r['batch']:5d} {r['trace_s']:8.2f} {r['lower_s']:8.2f} "
-              f"{r['trace_s'] + r['lower_s']:8.2f} {r['triton_calls']:7d} {r['functions']:6d}")
+              f"{r['trace_s'] + r['lower_s']:8.2f} {r['triton_calls']:7d} {r['mosaic_calls']:7d} {r['functions']:6d}")
     timing.write_json(args.json, dict(config=vars(args), device=timing.device_line(), results=rows))
 
 
