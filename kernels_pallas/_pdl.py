@@ -31,12 +31,19 @@ def hopper_or_later() -> bool:
         return False
 
 
-def signal_after(y: jax.Array, *, interpret: bool) -> jax.Array:
+def signals(*, interpret: bool) -> bool:
+    """Whether a kernel built now signals (``signal_after``): compiled (not in interpret mode) for a
+    Hopper-or-later GPU. A static argument of the kernels' jitted builders, so that a kernel traced
+    under one answer is never reused under the other."""
+    return not interpret and hopper_or_later()
+
+
+def signal_after(y: jax.Array, *, signal: bool) -> jax.Array:
     """Inside a Pallas Triton kernel: ``y`` (16- or 32-bit elements) unchanged, each element passed
     through an inline ``griddepcontrol.launch_dependents``. Compute ``y`` from every value the program
     reads and store it after: the signal then follows the last read and precedes the store. A no-op
-    in interpret mode and off a Hopper-or-later GPU."""
-    if interpret or not hopper_or_later():
+    unless ``signal`` (``signals``: compiled for a Hopper-or-later GPU)."""
+    if not signal:
         return y
     from jax.experimental.pallas import triton as plt
 

@@ -265,7 +265,16 @@ def paged_forward(q, k_pool, v_pool, page_table, ctx_lens, k_blk, v_blk, blk_len
 def _forward(q, k_ctx, v_ctx, ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal, scale, interpret, config,
              page_table=None):
     """``forward`` and ``paged_forward``: a context of ``ctx`` positions a row."""
-    cfg = config or GpuConfig()
+    return _jitted_forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, page_table, ctx=ctx, causal=bool(causal),
+                           scale=scale, interpret=bool(interpret), config=config or GpuConfig())
+
+
+@functools.partial(jax.jit, static_argnames=("ctx", "causal", "scale", "interpret", "config"))
+def _jitted_forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, page_table, *, ctx: int, causal: bool,
+                    scale: float | None, interpret: bool, config: GpuConfig):
+    """``_forward``, jitted: the layers' identical calls in a program share one trace and one lowering
+    of the kernel (a call of one function, which XLA inlines: the same kernels run)."""
+    cfg = config
     b, n, s_len, hq, d = q.shape
     hkv = k_blk.shape[3]
     g = hq // hkv

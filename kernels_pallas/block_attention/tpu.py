@@ -135,6 +135,9 @@ def _paged_kernel(cl_ref, bl_ref, table_ref, *refs, **static):
     _kernel(cl_ref, bl_ref, *refs, **static)
 
 
+# Jitted, their static settings as static arguments: the layers' identical calls in a program share one
+# trace and one lowering of the kernel (a call of one function, which XLA inlines: the same kernels run).
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret"))
 def paged_forward(q, k_pool, v_pool, page_table, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool,
                   scale: float | None = None, interpret: bool = False):
     """``forward`` over paged contexts: ``k_pool, v_pool [pages, page_size, Hkv, D]``, ``page_table [B,
@@ -158,6 +161,7 @@ def paged_forward(q, k_pool, v_pool, page_table, ctx_lens, k_blk, v_blk, blk_len
                  kernel=_paged_kernel, name="dflash_paged_block_attention_tpu")
 
 
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "interpret", "config"))
 def forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, *, causal: bool, scale: float | None = None,
     interpret: bool = False, config: TpuConfig | None = None):
     """Returns (out [B, N, S, Hq, D] in q.dtype, lse [B, N, Hkv, S * G] float32, NEG if no key)."""

@@ -51,7 +51,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas._common import NEG, default_scale, next_pow2
 from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, triton_params
-from kernels_pallas._pdl import signal_after
+from kernels_pallas._pdl import signal_after, signals
 from kernels_pallas.block_attention.gpu import GpuConfig, num_sms, plan, program_shared_bytes, resident_programs
 
 
@@ -167,7 +167,7 @@ def _kernel(
     chunk: int,
     balanced: bool,
     page_size: int,
-    interpret: bool,
+    signal: bool,
 ):
     """One program per (row, KV head, ``members`` group members, split); a single token's program
     takes all its group's rows (``members`` 0: no member axis). A program of several members loads
@@ -302,7 +302,7 @@ def _kernel(
         if n == len(member_ids) - 1:
             # the last output needs every tile's load: the split merge after this kernel may
             # launch from here on (the members' query loads came first, in program order)
-            out = signal_after(out, interpret=interpret)
+            out = signal_after(out, signal=signal)
         if g is None:
             m_ref[...], l_ref[...], o_ref[...] = m, l, out
         elif g == "all":
@@ -432,7 +432,21 @@ def cached_block_attention(
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    cfg = config or DEFAULT_CONFIG
+    return _cached_block_attention(
+        qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq, row_scale, page_table, write_rows,
+        eps=float(eps), qk_norm=bool(qk_norm), causal=bool(causal), write=bool(write), scale=scale,
+        interpret=bool(interpret), config=config or DEFAULT_CONFIG, read_pages=read_pages,
+        signal=signals(interpret=interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "qk_norm", "causal", "write", "scale", "interpret", "config",
+                                             "read_pages", "signal"))
+def _cached_block_attention(qkv, k_cache, v_cache, starts, blk_lens, q_norm, k_norm, inv_freq, row_scale, page_table,
+                            write_rows, *, eps: float, qk_norm: bool, causal: bool, write: bool, scale: float | None,
+                            interpret: bool, config: GpuConfig, read_pages: int | None, signal: bool):
+    """``cached_block_attention``, jitted: the layers' identical calls in a program share one trace and
+    one lowering of the kernel (a call of one function, which XLA inlines: the same kernels run)."""
+    cfg = config
     parts = qkv.shape[0] if qkv.ndim == 6 else 1
     if qkv.ndim == 6 and qkv.dtype != jnp.float32:
         raise ValueError(f"qkv partials [parts, rows, block, kv_heads, groups + 2, head_dim] must be float32, "
@@ -509,9 +523,9 @@ def cached_block_attention(
                         + [projection(member_block, member(groups + 1), p) for p in range(parts)])
     kernel = functools.partial(_kernel, members=per_program, stacked=stacked,
                                parts=parts, scaled=row_scale is not None, dtype=dtype,
-                               scale=scale, eps=float(eps), qk_norm=qk_norm, causal=causal, block_k=block_k,
+                               scale=scale, eps=eps, qk_norm=qk_norm, causal=causal, block_k=block_k,
                                chunk=chunk, balanced=bool(cfg.balanced_splits), page_size=page_size,
-                               interpret=interpret)
+                               signal=signal)
     # RoPE's cos / sin at the block's positions, by XLA: the same for every layer of a step, so XLA
     # computes them once (CSE). Computed per program in the kernel (libdevice's full-range sin and
     # cos), they cost a verify block ~3.8 us per layer (docs/performance.md).

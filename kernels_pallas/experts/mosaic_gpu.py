@@ -232,9 +232,17 @@ def expert_partials(rows: jax.Array, weight: jax.Array, experts: jax.Array, coun
     """The kernel: ``rows [G, S, K]``, ``weight [E, K, N]``, ``experts, counts [G]`` -> float32
     partial products ``[splits, G, N, S]`` (their sum over splits, transposed, is
     ``expert_products``). ``S`` a multiple of 8 up to 64; ``experts`` in range."""
-    cfg = config or DEFAULT_CONFIG
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    return _expert_partials(rows, weight, experts, counts, config=config or DEFAULT_CONFIG, interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _expert_partials(rows: jax.Array, weight: jax.Array, experts: jax.Array, counts: jax.Array, *,
+                     config: MosaicConfig, interpret: bool) -> jax.Array:
+    """``expert_partials``, jitted: the layers' identical calls in a program share one trace and one
+    lowering of the kernel (a call of one function, which XLA inlines: the same kernels run)."""
+    cfg = config
     groups, slots, inputs = rows.shape
     num_experts, w_inputs, outputs = weight.shape
     if w_inputs != inputs or rows.dtype != weight.dtype:
@@ -331,9 +339,17 @@ def mxfp4_expert_partials(rows: jax.Array, blocks: jax.Array, scales: jax.Array,
     Two small XLA ops come before the kernel: the groups' scales, transposed to ``[G, K / 32, N]`` (a
     row of 2,880 inputs has 90 scale bytes, no row stride TMA can take), and the rows with each
     64-input step's even inputs first (the low nibbles' partners), then its odd ones."""
-    cfg = config or DEFAULT_CONFIG
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    return _mxfp4_expert_partials(rows, blocks, scales, experts, counts, config=config or DEFAULT_CONFIG,
+                                  interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _mxfp4_expert_partials(rows: jax.Array, blocks: jax.Array, scales: jax.Array, experts: jax.Array,
+                           counts: jax.Array, *, config: MosaicConfig, interpret: bool) -> jax.Array:
+    """``mxfp4_expert_partials``, jitted, as ``_expert_partials``."""
+    cfg = config
     groups, slots, inputs = rows.shape
     num_experts, outputs, scale_groups, half_block = blocks.shape
     if (scale_groups * MXFP4_BLOCK != inputs or half_block * 2 != MXFP4_BLOCK

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas._common import next_pow2
 from kernels_pallas._flash import triton_params
-from kernels_pallas._pdl import signal_after
+from kernels_pallas._pdl import signal_after, signals
 
 NUM_WARPS = 4
 
@@ -38,7 +38,7 @@ def add_rms_norm_supported(hidden: int) -> bool:
     return platform != "tpu" and supports(hidden, compiled=platform == "gpu")
 
 
-def _kernel(*refs, eps: float, has_delta: bool, interpret: bool):
+def _kernel(*refs, eps: float, has_delta: bool, signal: bool):
     if has_delta:
         h_ref, d_ref, w_ref, y_ref, s_ref = refs
         s = h_ref[...] + d_ref[...]
@@ -50,7 +50,7 @@ def _kernel(*refs, eps: float, has_delta: bool, interpret: bool):
     r = jax.lax.rsqrt(jnp.sum(xf * xf) / xf.shape[0] + eps)
     y = w_ref[...] * (xf * r).astype(s.dtype)
     # y needs every load of the program: the matmul after this kernel may launch from here on
-    y_ref[...] = signal_after(y, interpret=interpret)
+    y_ref[...] = signal_after(y, signal=signal)
 
 
 def add_rms_norm(
@@ -62,6 +62,14 @@ def add_rms_norm(
     everything (``_pdl.signal_after``)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    return _add_rms_norm(h, delta, weight, eps=float(eps), interpret=interpret, signal=signals(interpret=interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "signal"))
+def _add_rms_norm(h: jax.Array, delta: jax.Array | None, weight: jax.Array, *, eps: float, interpret: bool,
+                  signal: bool) -> tuple[jax.Array, jax.Array]:
+    """``add_rms_norm``, jitted: the layers' identical calls in a program share one trace and one
+    lowering of the kernel (a call of one function, which XLA inlines: the same kernels run)."""
     hidden = h.shape[-1]
     if delta is not None and (delta.shape != h.shape or delta.dtype != h.dtype):
         raise ValueError(f"delta {delta.shape} {delta.dtype} must match h {h.shape} {h.dtype}")
@@ -74,7 +82,7 @@ def add_rms_norm(
     inputs = [rows] + ([delta.reshape(-1, hidden)] if delta is not None else []) + [weight.astype(h.dtype)]
     out_shape = jax.ShapeDtypeStruct(rows.shape, h.dtype)
     outs = pl.pallas_call(
-        functools.partial(_kernel, eps=float(eps), has_delta=delta is not None, interpret=interpret),
+        functools.partial(_kernel, eps=eps, has_delta=delta is not None, signal=signal),
         grid=(rows.shape[0],),
         in_specs=[row] * (len(inputs) - 1) + [pl.BlockSpec((hidden,), lambda i: (0,))],
         out_specs=[row, row] if delta is not None else [row],

@@ -80,6 +80,14 @@ def add_rms_norm(
     ``interpret``: Mosaic GPU's interpret mode (default: off a GPU)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    return _add_rms_norm(h, delta, weight, eps=float(eps), interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def _add_rms_norm(h: jax.Array, delta: jax.Array | None, weight: jax.Array, *, eps: float,
+                  interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """``add_rms_norm``, jitted: the layers' identical calls in a program share one trace and one
+    lowering of the kernel (a call of one function, which XLA inlines: the same kernels run)."""
     hidden, dtype = h.shape[-1], h.dtype
     if delta is not None and (delta.shape != h.shape or delta.dtype != dtype):
         raise ValueError(f"delta {delta.shape} {delta.dtype} must match h {h.shape} {dtype}")
@@ -95,7 +103,7 @@ def add_rms_norm(
     out_type = jax.ShapeDtypeStruct(rows.shape, dtype)
     buffers = [plgpu.SMEM(tile, dtype)] * (len(inputs) + (2 if has_delta else 1))
     outs = plgpu.kernel(
-        functools.partial(_kernel, eps=float(eps), hidden=hidden, has_delta=has_delta),
+        functools.partial(_kernel, eps=eps, hidden=hidden, has_delta=has_delta),
         out_type=[out_type, out_type] if has_delta else [out_type],
         scratch_types=[*buffers, plgpu.Barrier(num_arrivals=len(inputs))],
         grid=(rows.shape[0],),

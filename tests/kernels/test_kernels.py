@@ -737,6 +737,38 @@ def test_add_rms_norm_kernel_lowers_for_gpus():
         assert "dflash_add_rms_norm" in text and "triton" in text
 
 
+def test_identical_kernel_calls_share_one_lowering():
+    """A model's layers call each kernel with the same shapes and settings: each kernel is traced and
+    lowered (Triton IR for cuda, on this CPU) once, in a function every layer calls (XLA inlines the
+    calls: the same kernels run), not once per layer. A call of other static settings (another eps)
+    gets its own lowering."""
+    from kernels_pallas.rms_norm import add_rms_norm as norm_kernel
+
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    qkv, k_cache, v_cache, *rest = _qwen3_8b_attention_args(1, 16)
+    h = sd((1, 16, 4096), bf)
+
+    def layers(h, delta, weight, qkv, k_cache, v_cache, *rest, last_eps=1e-6):
+        # inputs computed in the program, as a model's layers get them (a call on the program's own
+        # arguments is lowered apart by JAX)
+        h, delta = h + delta, delta * 2
+        for layer in range(4):
+            eps = last_eps if layer == 3 else 1e-6
+            h, y = norm_kernel(h, delta, weight, eps=eps, interpret=False)
+            attn, k_cache, v_cache = cached_block_attention(qkv, k_cache, v_cache, *rest, eps=eps, qk_norm=True,
+                                                            interpret=False)
+            delta = y + attn.reshape(h.shape)
+        return h, delta, k_cache, v_cache
+
+    def triton_calls(**kw):
+        text = lower_for(jax.jit(functools.partial(layers, **kw)), (h, h, sd((4096,), bf), qkv, k_cache, v_cache, *rest),
+                         "cuda").as_text()
+        return text.count("custom_call @__gpu$xla.gpu.triton"), len(re.findall(r"\bcall @_(?:add_rms_norm|cached_block_attention)", text))
+
+    assert triton_calls() == (2, 8)  # one lowering of each kernel, called by the 4 layers
+    assert triton_calls(last_eps=1e-5) == (4, 8)
+
+
 @pytest.mark.parametrize("hopper", [False, True])
 def test_gpu_kernels_signal_dependents_on_hopper(monkeypatch, hopper):
     """On Hopper and later GPUs the add_rms_norm and cached-attention kernels issue
@@ -757,7 +789,7 @@ def test_gpu_kernels_signal_dependents_on_hopper(monkeypatch, hopper):
         text = lower_for(fn, args, "cuda").as_text()
         assert text.count("griddepcontrol.launch_dependents") == (1 if hopper else 0)
     h = jax.random.normal(jax.random.key(0), (1, 4096), bf)
-    assert _pdl.signal_after(h, interpret=True) is h  # interpret mode: the value itself
-    if hopper:
-        with pytest.raises(ValueError, match="16- or 32-bit"):
-            _pdl.signal_after(jnp.zeros((4,), jnp.int8), interpret=False)
+    assert not _pdl.signals(interpret=True) and _pdl.signals(interpret=False) == hopper
+    assert _pdl.signal_after(h, signal=False) is h  # no signal: the value itself
+    with pytest.raises(ValueError, match="16- or 32-bit"):
+        _pdl.signal_after(jnp.zeros((4,), jnp.int8), signal=True)
