@@ -315,10 +315,8 @@ def cached_attention(
         fused = False  # a block the kernel does not take: the unfused path, which gathers the pages
     if fused:
         from kernels_pallas.cached_attention import cached_block_attention, cached_block_attention_supported
-        from kernels_pallas.cached_attention.gpu import DEFAULT_CONFIG
 
-        config = (dataclasses.replace(DEFAULT_CONFIG, **dict(ops.cached_attention_tiles))
-                  if ops.cached_attention_tiles else None)
+        config = cached_attention_config(ops)
         if cached_block_attention_supported(qkv.shape[-5:], k_cache.shape[1], k_cache.dtype, config):
             ones = jnp.ones((head_dim,), k_cache.dtype)
 
@@ -352,6 +350,16 @@ def cached_attention(
                             causal=causal, write=write, ops=ops, sinks=sinks, window=window)
 
 
+def cached_attention_config(ops: OpsConfig):
+    """The fused cached-attention kernel's tiles with ``ops.cached_attention_tiles`` applied (None: its
+    defaults)."""
+    if not ops.cached_attention_tiles:
+        return None
+    from kernels_pallas.cached_attention.gpu import DEFAULT_CONFIG
+
+    return dataclasses.replace(DEFAULT_CONFIG, **dict(ops.cached_attention_tiles))
+
+
 def paged_fused_cached_attention(qkv: jax.Array, starts: jax.Array, k_cache: PagedKV, v_cache: PagedKV,
                                  blk_lens: jax.Array, *, q_norm: jax.Array | None, k_norm: jax.Array | None,
                                  eps: float, inv_freq: tuple[float, ...], num_heads: int, causal: bool, write: bool,
@@ -362,11 +370,9 @@ def paged_fused_cached_attention(qkv: jax.Array, starts: jax.Array, k_cache: Pag
     it plans its splits over) and writes the block's K/V into the pool rows ``PagedKV.pool_rows`` resolves
     (the rows' pages; the null page for done rows), in place. One device: paged engines run unsharded."""
     from kernels_pallas.cached_attention import cached_block_attention, cached_block_attention_supported
-    from kernels_pallas.cached_attention.gpu import DEFAULT_CONFIG
 
     batch, block, head_dim = k_cache.shape[0], qkv.shape[-4], k_cache.shape[-1]
-    config = (dataclasses.replace(DEFAULT_CONFIG, **dict(ops.cached_attention_tiles))
-              if ops.cached_attention_tiles else None)
+    config = cached_attention_config(ops)
     if not cached_block_attention_supported(qkv.shape[-5:], k_cache.shape[1], k_cache.dtype, config):
         return None
     ones = jnp.ones((head_dim,), k_cache.dtype)
