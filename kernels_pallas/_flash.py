@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from kernels_pallas._common import NEG
 
@@ -63,6 +64,19 @@ def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, axis: int):
     l_tot = functools.reduce(jnp.add, ws)
     weighted = functools.reduce(jnp.add, [o_j.astype(jnp.float32) * w_j[..., None] for o_j, w_j in zip(os, ws)])
     return weighted / jnp.where(l_tot == 0.0, 1.0, l_tot)[..., None], m_max, l_tot
+
+
+def tile_keys(table_ref, start, block_k: int, page_size: int):
+    """The index of a context tile's ``block_k`` keys from position ``start``: ``pl.ds(start, block_k)``
+    of a contiguous cache, or (``page_size``: the caches are page pools flattened to ``[pages *
+    page_size]`` rows) the pool rows ``table[p // page_size] * page_size + p % page_size`` of each
+    position ``p``, read through the row's page table ``table_ref [max_pages]`` (positions past the
+    table read its last page: masked by the caller's context length)."""
+    if not page_size:
+        return pl.ds(start, block_k)
+    position = start + jnp.arange(block_k, dtype=jnp.int32)
+    page = table_ref[jnp.minimum(lax.div(position, page_size), table_ref.shape[0] - 1)]
+    return page * page_size + lax.rem(position, page_size)
 
 
 def triton_params(num_warps: int, num_stages: int):

@@ -163,11 +163,8 @@ class SpeculationPolicy:
         self.blocks = tuple(sorted(set(blocks), reverse=True))
         self.costs = dict(costs)
         self.settings = settings
-        # The population: every row's steps, ``prior_steps`` untruncated steps at ``prior_rate`` to start
-        # (rate / (1 - rate) accepted drafts and one rejection each).
-        steps = settings.prior_steps
-        self.population = AcceptanceEstimate(accepted=steps * settings.prior_rate / (1 - settings.prior_rate),
-                                             rejected=steps)
+        # The population: every row's steps, ``prior_steps`` of them at ``prior_rate`` to start.
+        self.population = AcceptanceEstimate(*self._prior_counts(settings.prior_rate))
         self._live_rows = 1
         self._off_calls = 0
         self.last: Choice | None = None
@@ -176,11 +173,15 @@ class SpeculationPolicy:
         """A new request's estimate: no evidence of its own, read with the population's prior."""
         return self._with_prior(AcceptanceEstimate(0.0, 0.0))
 
+    def _prior_counts(self, rate: float) -> tuple[float, float]:
+        """(accepted, rejected) of ``prior_steps`` untruncated steps at ``rate``: rate / (1 - rate)
+        accepted drafts and one rejection each."""
+        steps = self.settings.prior_steps
+        return steps * rate / (1 - rate), steps
+
     def _with_prior(self, estimate: AcceptanceEstimate) -> AcceptanceEstimate:
-        # ``prior_steps`` untruncated steps at the population's current rate.
-        rate = min(self.population.rate, 0.999)
-        estimate.prior_accepted = self.settings.prior_steps * rate / (1 - rate)
-        estimate.prior_rejected = self.settings.prior_steps
+        # ``prior_steps`` steps at the population's current rate.
+        estimate.prior_accepted, estimate.prior_rejected = self._prior_counts(min(self.population.rate, 0.999))
         return estimate
 
     def observe(self, estimate: AcceptanceEstimate, lengths: Sequence[int], block: int) -> None:

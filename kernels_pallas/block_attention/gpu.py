@@ -44,7 +44,7 @@ from kernels_pallas._common import (
     round_up,
     unfold_rows,
 )
-from kernels_pallas._flash import merge_splits, nt_dot, online_update, triton_params
+from kernels_pallas._flash import merge_splits, nt_dot, online_update, tile_keys, triton_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,11 +171,7 @@ def _kernel(
 
     def body(i, carry):
         k_start = pl.multiple_of(start + i * block_k, block_k)
-        keys = pl.ds(k_start, block_k)
-        if page_size:  # the tile's keys through the table: their pages' rows of the pool
-            position = k_start + jnp.arange(block_k, dtype=jnp.int32)
-            page = table_ref[jnp.minimum(lax.div(position, page_size), table_ref.shape[0] - 1)]
-            keys = page * page_size + lax.rem(position, page_size)
+        keys = tile_keys(table_ref, k_start, block_k, page_size)
         k = k_ref[keys, :]
         v = v_ref[keys, :]
         s = nt_dot(q, k)

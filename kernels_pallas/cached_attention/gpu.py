@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas._common import NEG, default_scale, next_pow2
-from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, triton_params
+from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, tile_keys, triton_params
 from kernels_pallas._pdl import signal_after, signals
 from kernels_pallas.block_attention.gpu import GpuConfig, num_sms, plan, program_shared_bytes, resident_programs
 
@@ -272,12 +272,7 @@ def _kernel(
 
     def body(i, carries):
         k0 = pl.multiple_of(first + i * block_k, block_k)
-        if page_size:  # the tile's keys through the table: their pages' rows of the pool
-            position = k0 + jnp.arange(block_k, dtype=jnp.int32)
-            page = table_ref[jnp.minimum(lax.div(position, page_size), table_ref.shape[0] - 1)]
-            keys = page * page_size + lax.rem(position, page_size)
-        else:
-            keys = pl.ds(k0, block_k)
+        keys = tile_keys(table_ref, k0, block_k, page_size)
         k_tile_lo, k_tile_hi, v_tile = k_cache_ref[keys, lo], k_cache_ref[keys, hi], v_cache_ref[keys, :]
         valid = ((k0 + jnp.arange(block_k, dtype=jnp.int32)) < start)[None, :]
         return tuple(online_update(carry, nt_dot(q_lo, k_tile_lo) + nt_dot(q_hi, k_tile_hi), valid, v_tile, scale)
