@@ -57,25 +57,35 @@ def test_orbax_checkpoint_is_the_exported_drafter(pair):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-2, atol=1e-3)
 
 
+def exact_on_heldout(target, drafter, tok, min_tau: float, new_tokens: int = 64):
+    """Four held-out prompts in one batch with and without ``drafter``: the same greedy output, tau of at
+    least ``min_tau``; returns (prompts, the speculative results)."""
+    import dflash_jax as dj
+
+    prompts = [tok.encode(p, add_special_tokens=False) for p in heldout_prompts(4)]
+    stop = list(target.config.eos_token_ids)
+    config = dj.EngineConfig(max_batch_size=len(prompts), max_length=max(map(len, prompts)) + new_tokens)
+    spec = dj.Engine(target, drafter, config).generate(prompts, new_tokens, stop)
+    plain = dj.Engine(target, None, config).generate(prompts, new_tokens, stop)
+    for a, b in zip(spec, plain):
+        assert a.output_ids == b.output_ids
+        assert len(a.output_ids) > 0
+    lengths = [n for r in spec for n in r.acceptance_lengths]
+    tau = float(np.mean(lengths))
+    assert tau >= min_tau, f"tau {tau:.2f} on held-out prompts (lengths {lengths})"
+    return prompts, spec
+
+
 @pytest.mark.slow
 def test_speculative_decoding_is_exact_and_fast(pair):
     import dflash_jax as dj
 
     target, drafter, tok = pair
-    prompts = [tok.encode(p, add_special_tokens=False) for p in heldout_prompts(4)]
+    prompts, spec = exact_on_heldout(target, drafter, tok, MIN_TAU)
     stop = list(target.config.eos_token_ids)
-    config = dj.EngineConfig(max_batch_size=len(prompts), max_length=max(map(len, prompts)) + 64)
-    spec = dj.Engine(target, drafter, config).generate(prompts, 64, stop)
-    plain = dj.Engine(target, None, config).generate(prompts, 64, stop)
-    for a, b in zip(spec, plain):
-        assert a.output_ids == b.output_ids
-        assert len(a.output_ids) > 0
     alone = dj.generate(target, drafter, prompts[1:2], max_new_tokens=64, stop_token_ids=stop)[0]  # the one-call API
     assert (alone.output_ids, alone.acceptance_lengths) == (spec[1].output_ids, spec[1].acceptance_lengths)
     assert dj.generate(target, drafter, [], max_new_tokens=64) == []  # no prompts, nothing to build
-    lengths = [n for r in spec for n in r.acceptance_lengths]
-    tau = float(np.mean(lengths))
-    assert tau >= MIN_TAU, f"tau {tau:.2f} on held-out prompts (lengths {lengths})"
 
 
 @pytest.mark.slow
@@ -171,14 +181,4 @@ def test_dflash2_speculative_decoding_is_exact(pair):
     import dflash_jax as dj
 
     target, _, tok = pair
-    drafter2 = dj.load_drafter(DEFAULT_DRAFTER2)
-    prompts = [tok.encode(p, add_special_tokens=False) for p in heldout_prompts(4)]
-    stop = list(target.config.eos_token_ids)
-    config = dj.EngineConfig(max_batch_size=len(prompts), max_length=max(map(len, prompts)) + 64)
-    spec = dj.Engine(target, drafter2, config).generate(prompts, 64, stop)
-    plain = dj.Engine(target, None, config).generate(prompts, 64, stop)
-    for a, b in zip(spec, plain):
-        assert a.output_ids == b.output_ids and len(a.output_ids) > 0
-    lengths = [n for r in spec for n in r.acceptance_lengths]
-    tau = float(np.mean(lengths))
-    assert tau >= MIN_TAU_DFLASH2, f"tau {tau:.2f} on held-out prompts (lengths {lengths})"
+    exact_on_heldout(target, dj.load_drafter(DEFAULT_DRAFTER2), tok, MIN_TAU_DFLASH2)

@@ -211,13 +211,13 @@ def print_demo(report: dict) -> None:
                 text += f" (= target-only sampling: {'yes' if row['identical_to_target_only'] else 'NO'})"
             by_t.setdefault(row["temperature"], []).append(text)
         print("  tau with seeded sampling: " + "; ".join(f"T={t:g} " + ", ".join(v) for t, v in by_t.items()))
-    if "dflash2" in report:
-        print_generations(report)
     if speedup < 0.9 * tau:
         print(f"  why not {tau:.1f}x: here one DFlash step (drafting {report['block_size']} tokens and verifying them) "
               f"costs {report['step_cost']:.1f} target-only steps, so tau {tau:.2f} gives {speedup:.2f}x; where the "
               "target's weights stream from memory (a GPU, a model larger than the CPU caches) a step costs about "
               "one, and the speedup approaches tau")
+    if "dflash2" in report:
+        print_generations(report)
     if "sample" in report:
         prompt, completion = report["sample"]
         rule = "-" * 24
