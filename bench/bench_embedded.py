@@ -4,7 +4,8 @@ Batch 1, greedy, the engine with and without the drafter on the same prompts, fo
 sizes: every prompt bucket compiled before timing (``Engine.warmup``), each prompt generated
 ``--repeats`` times and the fastest kept; whether DFlash's outputs are identical to target-only's.
 The measurement of the build's eval stage (``training.embedded_build.evaluate``), on whatever device
-JAX picks, with the engine's settings exposed.
+JAX picks, with the engine's settings exposed. Both drafter generations (``--drafters``): the DFlash
+drafter and, where the pair ships it, the DFlash2 drafter, each against its own target-only run.
 
     python3 bench/bench_embedded.py --blocks 16,8,4 --out bench/results/embedded.json
     python3 bench/bench_embedded.py --attention-config min_chunk=64,num_stages=2   # cached-attention tiles
@@ -31,6 +32,7 @@ import numpy as np
 
 import timing
 from dflash_jax import embedded
+from dflash_jax.io.checkpoint import load_drafter
 from dflash_jax.runtime.acceptance import sampled_tau
 from dflash_jax.runtime.engine import Engine, EngineConfig
 
@@ -88,6 +90,8 @@ def window_tau(target, drafter, prompts, block: int, windows: list[int], args) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", default="16,8,4")
+    ap.add_argument("--drafters", default="dflash,dflash2",
+                    help="drafter generations to time (dflash2: the pair's DFlash2 drafter, skipped if not shipped)")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -98,17 +102,29 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     target, drafter, tok = embedded.load_default()
+    generations = {"dflash": drafter}
+    wanted = [d for d in args.drafters.split(",") if d]
+    unknown = sorted(set(wanted) - {"dflash", "dflash2"})
+    if unknown:
+        ap.error(f"--drafters: unknown generation(s) {', '.join(unknown)} (dflash, dflash2)")
+    if "dflash2" in wanted:
+        if embedded.drafter2_available():
+            generations["dflash2"] = load_drafter(embedded.DEFAULT_DRAFTER2)
+        else:
+            print(f"{embedded.DEFAULT_DRAFTER2}: not shipped, DFlash2 skipped", flush=True)
     prompts = [tok.encode(t, add_special_tokens=False) for t in embedded.heldout_prompts(args.prompts)]
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
     print(f"device: {device}; {len(prompts)} prompts, {args.max_new_tokens} new tokens", flush=True)
-    print(f"{'block':>5} {'tau':>6} {'DFlash tok/s':>12} {'target tok/s':>12} {'speedup':>8} {'identical':>9}", flush=True)
+    print(f"{'drafter':>8} {'block':>5} {'tau':>6} {'draft tok/s':>11} {'target tok/s':>12} {'speedup':>8} "
+          f"{'identical':>9}", flush=True)
     rows = []
-    for block in (int(b) for b in args.blocks.split(",")):
-        r = dict(measure(target, drafter, prompts, block, args), device=device)
-        rows.append(r)
-        print(f"{block:>5} {r['tau']:>6.2f} {r['dflash_tok_per_s']:>12.0f} {r['target_only_tok_per_s']:>12.0f} "
-              f"{r['speedup']:>7.2f}x {str(r['identical']):>9}", flush=True)
-        timing.write_json(args.out, rows)
+    for name in (g for g in ("dflash", "dflash2") if g in wanted and g in generations):
+        for block in (int(b) for b in args.blocks.split(",")):
+            r = dict(measure(target, generations[name], prompts, block, args), drafter=name, device=device)
+            rows.append(r)
+            print(f"{name:>8} {block:>5} {r['tau']:>6.2f} {r['dflash_tok_per_s']:>11.0f} "
+                  f"{r['target_only_tok_per_s']:>12.0f} {r['speedup']:>7.2f}x {str(r['identical']):>9}", flush=True)
+            timing.write_json(args.out, rows)
     if args.windows:
         block = int(args.blocks.split(",")[0])
         print(f"\ndrafter context window, block {block}, greedy, {len(prompts)} prompts in one batch")

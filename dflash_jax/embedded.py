@@ -3,8 +3,9 @@
 A small Qwen3-architecture code model (``DEFAULT_TARGET``, HF format + tokenizer files) pretrained here
 on the Python standard library's sources, and its DFlash drafter trained here on the target's own greedy
 answers, in z-lab format (``DEFAULT_DRAFTER``) and as the final Orbax training checkpoint
-(``DEFAULT_DRAFTER_ORBAX``, loadable with ``dflash_jax.load_drafter``). Rebuild everything with
-``bash scripts/build_embedded_default.sh`` (see ``docs/embedded_default.md``).
+(``DEFAULT_DRAFTER_ORBAX``, loadable with ``dflash_jax.load_drafter``); beside it a DFlash2 drafter
+(``DEFAULT_DRAFTER2``, the authors' DFlash2 format) trained the same way, starting from the DFlash one.
+Rebuild everything with ``bash scripts/build_embedded_default.sh`` (see ``docs/embedded_default.md``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "models" / "embedded"
 DEFAULT_TARGET = EMBEDDED_DIR / "target"
 DEFAULT_DRAFTER = EMBEDDED_DIR / "drafter"
 DEFAULT_DRAFTER_ORBAX = EMBEDDED_DIR / "drafter_orbax"
+DEFAULT_DRAFTER2 = EMBEDDED_DIR / "drafter2"  # the DFlash2 drafter
 HELDOUT_PROMPTS = EMBEDDED_DIR / "heldout_prompts.jsonl"  # {"prompt": ..., "source": ...} per line
 EVAL_REPORT = EMBEDDED_DIR / "eval.json"
 SERVED_NAME = "dflash-embedded"  # the model id the server gives the pair (serve.py without --target)
@@ -25,17 +27,30 @@ def available() -> bool:
     return (DEFAULT_TARGET / "model.safetensors").exists() and (DEFAULT_DRAFTER / "model.safetensors").exists()
 
 
-def load_default(dtype: str = "float32", orbax: bool = False):
-    """``(target, drafter, tokenizer)`` of the embedded default."""
+def drafter2_available() -> bool:
+    """Whether the shipped pair has its DFlash2 drafter too."""
+    return available() and (DEFAULT_DRAFTER2 / "model.safetensors").exists()
+
+
+def load_default(dtype: str = "float32", orbax: bool = False, generation: int = 1):
+    """``(target, drafter, tokenizer)`` of the embedded default; ``generation=2``: with the DFlash2
+    drafter (``DEFAULT_DRAFTER2``) instead of the DFlash one."""
     from dflash_jax.io.checkpoint import load_drafter, load_target
     from dflash_jax.io.tokenizer import Tokenizer
 
+    if generation not in (1, 2):
+        raise ValueError(f"generation must be 1 (DFlash) or 2 (DFlash2), got {generation!r}")
+    if generation == 2 and orbax:
+        raise ValueError("orbax=True: only the DFlash drafter ships its Orbax checkpoint (generation=1)")
     if not available():
         raise FileNotFoundError(f"{EMBEDDED_DIR}: the embedded default pair is missing "
                                 "(bash scripts/build_embedded_default.sh rebuilds it)")
+    if generation == 2 and not drafter2_available():
+        raise FileNotFoundError(f"{DEFAULT_DRAFTER2}: the embedded DFlash2 drafter is missing "
+                                "(bash scripts/build_embedded_default.sh --force drafter2 rebuilds it)")
     target = load_target(DEFAULT_TARGET, dtype=dtype)
-    drafter = load_drafter(DEFAULT_DRAFTER_ORBAX if orbax else DEFAULT_DRAFTER, dtype=dtype)
-    return target, drafter, Tokenizer(DEFAULT_TARGET)
+    source = DEFAULT_DRAFTER2 if generation == 2 else DEFAULT_DRAFTER_ORBAX if orbax else DEFAULT_DRAFTER
+    return target, load_drafter(source, dtype=dtype), Tokenizer(DEFAULT_TARGET)
 
 
 def heldout_prompts(limit: int | None = None) -> list[str]:
@@ -46,5 +61,5 @@ def heldout_prompts(limit: int | None = None) -> list[str]:
     return [r["prompt"] for r in rows][:limit]
 
 
-__all__ = ["DEFAULT_DRAFTER", "DEFAULT_DRAFTER_ORBAX", "DEFAULT_TARGET", "EMBEDDED_DIR", "HELDOUT_PROMPTS", "SERVED_NAME",
-           "available", "heldout_prompts", "load_default"]
+__all__ = ["DEFAULT_DRAFTER", "DEFAULT_DRAFTER2", "DEFAULT_DRAFTER_ORBAX", "DEFAULT_TARGET", "EMBEDDED_DIR",
+           "HELDOUT_PROMPTS", "SERVED_NAME", "available", "drafter2_available", "heldout_prompts", "load_default"]

@@ -1,8 +1,10 @@
 """The shipped embedded default pair (models/embedded/, built by scripts/build_embedded_default.sh):
 the tokenizer loads with its EOS and mask tokens, the Orbax checkpoint holds the same drafter as the
 z-lab export, speculative decoding with the drafter gives the target's exact greedy output with
-tau well above 1 on held-out prompts, and the notebook runs."""
+tau well above 1 on held-out prompts, and the notebook runs; the DFlash2 drafter beside it loads from
+the authors' DFlash2 format with its config matching its tensors and gives the same exact output."""
 
+import json
 import os
 import time
 from pathlib import Path
@@ -10,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_jax.embedded import DEFAULT_DRAFTER, DEFAULT_DRAFTER_ORBAX, DEFAULT_TARGET, available, heldout_prompts
+from dflash_jax.embedded import (DEFAULT_DRAFTER, DEFAULT_DRAFTER2, DEFAULT_DRAFTER_ORBAX, DEFAULT_TARGET, EVAL_REPORT,
+                                  available, drafter2_available, heldout_prompts)
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "embedded_default.ipynb"
@@ -18,6 +21,7 @@ NOTEBOOK = REPO / "notebooks" / "embedded_default.ipynb"
 pytestmark = pytest.mark.skipif(not available(), reason="models/embedded is not built")
 
 MIN_TAU = 3.0  # the shipped pair measures ~5.5 on 24 held-out prompts (docs/embedded_default.md)
+MIN_TAU_DFLASH2 = 4.5  # the DFlash2 drafter: 7.07 on the 24 held-out prompts, 6.46 on the slow test's 4 (64 tokens)
 
 
 @pytest.fixture(scope="module")
@@ -53,25 +57,35 @@ def test_orbax_checkpoint_is_the_exported_drafter(pair):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-2, atol=1e-3)
 
 
+def exact_on_heldout(target, drafter, tok, min_tau: float, new_tokens: int = 64):
+    """Four held-out prompts in one batch with and without ``drafter``: the same greedy output, tau of at
+    least ``min_tau``; returns (prompts, the speculative results)."""
+    import dflash_jax as dj
+
+    prompts = [tok.encode(p, add_special_tokens=False) for p in heldout_prompts(4)]
+    stop = list(target.config.eos_token_ids)
+    config = dj.EngineConfig(max_batch_size=len(prompts), max_length=max(map(len, prompts)) + new_tokens)
+    spec = dj.Engine(target, drafter, config).generate(prompts, new_tokens, stop)
+    plain = dj.Engine(target, None, config).generate(prompts, new_tokens, stop)
+    for a, b in zip(spec, plain):
+        assert a.output_ids == b.output_ids
+        assert len(a.output_ids) > 0
+    lengths = [n for r in spec for n in r.acceptance_lengths]
+    tau = float(np.mean(lengths))
+    assert tau >= min_tau, f"tau {tau:.2f} on held-out prompts (lengths {lengths})"
+    return prompts, spec
+
+
 @pytest.mark.slow
 def test_speculative_decoding_is_exact_and_fast(pair):
     import dflash_jax as dj
 
     target, drafter, tok = pair
-    prompts = [tok.encode(p, add_special_tokens=False) for p in heldout_prompts(4)]
+    prompts, spec = exact_on_heldout(target, drafter, tok, MIN_TAU)
     stop = list(target.config.eos_token_ids)
-    config = dj.EngineConfig(max_batch_size=len(prompts), max_length=max(map(len, prompts)) + 64)
-    spec = dj.Engine(target, drafter, config).generate(prompts, 64, stop)
-    plain = dj.Engine(target, None, config).generate(prompts, 64, stop)
-    for a, b in zip(spec, plain):
-        assert a.output_ids == b.output_ids
-        assert len(a.output_ids) > 0
     alone = dj.generate(target, drafter, prompts[1:2], max_new_tokens=64, stop_token_ids=stop)[0]  # the one-call API
     assert (alone.output_ids, alone.acceptance_lengths) == (spec[1].output_ids, spec[1].acceptance_lengths)
     assert dj.generate(target, drafter, [], max_new_tokens=64) == []  # no prompts, nothing to build
-    lengths = [n for r in spec for n in r.acceptance_lengths]
-    tau = float(np.mean(lengths))
-    assert tau >= MIN_TAU, f"tau {tau:.2f} on held-out prompts (lengths {lengths})"
 
 
 @pytest.mark.slow
@@ -98,3 +112,73 @@ def test_notebook_executes(tmp_path):
     out = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "identical greedy output with and without the drafter: True" in out
     assert wall < 240, f"the notebook took {wall:.0f}s"
+
+
+needs_drafter2 = pytest.mark.skipif(not drafter2_available(), reason="models/embedded/drafter2 is not built")
+
+
+@needs_drafter2
+def test_dflash2_drafter_loads_with_its_config_matching_its_tensors(pair):
+    from safetensors import safe_open
+
+    import dflash_jax as dj
+    from dflash_jax.embedded import load_default
+    from dflash_jax.models.dflash2 import DFlash2Drafter
+
+    target, drafter, _ = pair
+    second = dj.load_drafter(DEFAULT_DRAFTER2)
+    assert isinstance(second, DFlash2Drafter)
+    cfg = second.config
+    raw = json.loads((DEFAULT_DRAFTER2 / "config.json").read_text())
+    assert raw["architectures"] == ["DFlash2DraftModel"] and raw["torch_dtype"] == "float32"
+    assert {k: raw["dflash_config"][k] for k in ("selector_rank", "selector_top_k", "conv_kernel_size",
+                                                   "conv_group_size")} == {
+        "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k,
+        "conv_kernel_size": cfg.conv_kernel_size, "conv_group_size": cfg.conv_group_size}
+    # the DFlash drafter's shape, taps, block and mask token: trained from it, for the same target
+    for field in ("num_layers", "hidden_size", "vocab_size", "block_size", "mask_token_id", "target_layer_ids",
+                  "num_target_layers"):
+        assert getattr(cfg, field) == getattr(drafter.config, field), field
+    rank, groups, taps = cfg.selector_rank, cfg.hidden_size // cfg.conv_group_size, cfg.conv_kernel_size
+    want = {"candidate_selector.predecessor_codebook": (cfg.vocab_size, rank),
+            "candidate_selector.successor_codebook": (cfg.vocab_size, rank)}
+    for i in range(cfg.num_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            want[f"layers.{i}.{conv}.base_kernel"] = (2, taps, cfg.hidden_size)
+            want[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * taps * groups, cfg.hidden_size)
+    with safe_open(str(DEFAULT_DRAFTER2 / "model.safetensors"), "np") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
+    assert dtypes == {"F32"}
+    for name, shape in want.items():
+        assert shapes[name] == shape, name
+    assert len(shapes["candidate_selector.hidden_projection.weight"]) == 2
+    assert sorted(shapes["candidate_selector.hidden_projection.weight"]) == sorted((cfg.hidden_size, rank))
+    # trained: convolutions off the identity, and load_default(generation=2) gives this drafter
+    conv = second.layers[0].attention_conv
+    assert float(np.abs(np.asarray(conv.kernel_projection[...])).max()) > 0
+    _, via_default, _ = load_default(generation=2)
+    assert via_default.config == cfg
+    with pytest.raises(ValueError, match="only the DFlash drafter ships its Orbax checkpoint"):
+        load_default(generation=2, orbax=True)
+
+
+@needs_drafter2
+def test_eval_report_has_both_generations():
+    report = json.loads(EVAL_REPORT.read_text())
+    assert report["drafter"] == "dflash" and report["dflash2"]["drafter"] == "dflash2"
+    for row, block in ((report, 16), (report["block_8"], 8), (report["dflash2"], 16), (report["dflash2"]["block_8"], 8)):
+        assert row["block_size"] == block and row["identical"] is True and row["prompts"] == 24
+        steps = sum(row["histogram"].values())
+        assert row["tau"] == pytest.approx(sum(int(k) * v for k, v in row["histogram"].items()) / steps)
+        assert max(map(int, row["histogram"])) <= block
+    assert report["dflash2"]["tau"] >= MIN_TAU_DFLASH2
+
+
+@pytest.mark.slow
+@needs_drafter2
+def test_dflash2_speculative_decoding_is_exact(pair):
+    import dflash_jax as dj
+
+    target, _, tok = pair
+    exact_on_heldout(target, dj.load_drafter(DEFAULT_DRAFTER2), tok, MIN_TAU_DFLASH2)

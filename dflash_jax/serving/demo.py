@@ -6,8 +6,11 @@ held-out stdlib files) with and without the drafter at batch 1, checks that the 
 identical, and reports the device, tau, the acceptance-length histogram, the measured speedup and,
 where the speedup falls short of tau, why: what one DFlash step (draft a block, verify it) costs in
 target-only steps on this device. During its warm-up it times each block size of ``block_sizes`` (up
-to the drafter's) on other held-out prompts and keeps the fastest. Without the shipped pair (a wheel
-without ``models/``) it falls back to the synthetic ``write_copycat_pair``.
+to the drafter's) on other held-out prompts and keeps the fastest. Where the pair ships its DFlash2
+drafter too, that drafter runs beside the DFlash one at the same block size, on the same prompts, timed
+in the same rounds, and the two generations are reported side by side (tau, speedup, identical output).
+Without the shipped pair (a wheel without ``models/``) it falls back to the synthetic
+``write_copycat_pair``.
 
 Only the shapes the prompts meet are compiled (``runtime.warmup.first_request_shapes``); with
 ``compilation_cache`` the programs are kept in the user cache directory, so a second run starts at once.
@@ -65,17 +68,37 @@ def decode_seconds_per_step(results) -> float:
     return seconds / max(1, sum(r.num_steps for r in results))
 
 
+def speculative_report(fast, slow, t_fast: float, t_slow: float) -> dict:
+    """One drafter's numbers: its results ``fast`` (``t_fast`` seconds) against target-only ``slow``
+    (``t_slow`` seconds) on the same prompts."""
+    lengths = [n for r in fast for n in r.acceptance_lengths]
+    return dict(
+        output_tokens=sum(r.num_output_tokens for r in fast),
+        identical=all(a.output_ids == b.output_ids for a, b in zip(fast, slow)),
+        identical_prompts=sum(a.output_ids == b.output_ids for a, b in zip(fast, slow)),
+        tau=float(np.mean(lengths)) if lengths else 1.0,
+        histogram=dict(sorted(collections.Counter(lengths).items())),
+        dflash_s=t_fast, target_only_s=t_slow, speedup=t_slow / t_fast,
+        # what one speculative step (draft a block, verify it) costs in target-only steps, here
+        step_cost=decode_seconds_per_step(fast) / max(decode_seconds_per_step(slow), 1e-12),
+    )
+
+
 def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
             stop_token_ids: list[int] | None = None, *, block_sizes: Sequence[int] = (16, 8, 4),
             calibration: list[list[int]] | None = None, warmed_up: Callable[[], None] | None = None,
-            repeats: int = 2, temperatures: Sequence[float] = ()) -> dict:
+            repeats: int = 2, temperatures: Sequence[float] = (), drafter2=None) -> dict:
     """Greedy generation with and without the drafter (batch 1: latency mode), timed after warm-up.
 
     The warm-up compiles what the prompts meet and, where ``block_sizes`` offers a choice, times each
     block size on ``calibration`` (default: the prompts) and keeps the fastest; ``warmed_up()`` is
     called when it ends. Each side is then timed ``repeats`` times, alternately; the best counts.
     Then, untimed, tau of seeded sampling at each of ``temperatures`` in both verification modes, and
-    whether exact verification gave target-only sampling's tokens (``runtime.acceptance.sampled_tau``)."""
+    whether exact verification gave target-only sampling's tokens (``runtime.acceptance.sampled_tau``).
+
+    ``drafter2`` (a second-generation drafter of the same target): run at the block size chosen for
+    ``drafter`` (or its own, if smaller), timed in the same alternating rounds; its numbers under
+    ``"dflash2"`` (``speculative_report``'s fields and its block size)."""
     calibration = calibration or prompts
     longest = max(map(len, prompts + calibration))
     config = EngineConfig(max_batch_size=1, max_length=longest + max_new_tokens, steps_per_sync=8)
@@ -96,9 +119,14 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
             log.info("demo warm-up: block size %d: %.1f tokens/s", block, rates[block])
         if spec is None or rates[block] > rates[spec.block_size]:
             spec = engine
+    spec2 = None
+    if drafter2 is not None:
+        block2 = min(spec.block_size, drafter2.config.block_size)
+        spec2 = Engine(target, drafter2, dataclasses.replace(config, block_size=block2))
+        warm(spec2, prompts, max_new_tokens, f"DFlash2 block size {block2}")
     if warmed_up is not None:
         warmed_up()
-    t_spec = t_plain = float("inf")
+    t_spec = t_plain = t_spec2 = float("inf")
     for _ in range(repeats):  # alternating, the best of each: a shared machine's hiccups hit one run, not both
         t0 = time.perf_counter()
         fast = spec.generate(prompts, max_new_tokens, stop_token_ids)
@@ -106,20 +134,17 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
         t0 = time.perf_counter()
         slow = plain.generate(prompts, max_new_tokens, stop_token_ids)
         t_plain = min(t_plain, time.perf_counter() - t0)
-    lengths = [n for r in fast for n in r.acceptance_lengths]
+        if spec2 is not None:
+            t0 = time.perf_counter()
+            fast2 = spec2.generate(prompts, max_new_tokens, stop_token_ids)
+            t_spec2 = min(t_spec2, time.perf_counter() - t0)
     sampled = sampled_tau(spec, plain, prompts, max_new_tokens, temperatures, stop_token_ids) if temperatures else []
-    return dict(sampled=sampled,
-        device=describe_device(), block_size=spec.block_size, block_rates=rates,
-        prompts=len(prompts), max_new_tokens=max_new_tokens, output_tokens=sum(r.num_output_tokens for r in fast),
-        identical=all(a.output_ids == b.output_ids for a, b in zip(fast, slow)),
-        identical_prompts=sum(a.output_ids == b.output_ids for a, b in zip(fast, slow)),
-        tau=float(np.mean(lengths)) if lengths else 1.0,
-        histogram=dict(sorted(collections.Counter(lengths).items())),
-        dflash_s=t_spec, target_only_s=t_plain, speedup=t_plain / t_spec,
-        # what one DFlash step (draft a block, verify it) costs in target-only steps, here
-        step_cost=decode_seconds_per_step(fast) / max(decode_seconds_per_step(slow), 1e-12),
-        results=fast, prompt_ids=prompts,
-    )
+    report = dict(sampled=sampled, device=describe_device(), block_size=spec.block_size, block_rates=rates,
+                  prompts=len(prompts), max_new_tokens=max_new_tokens,
+                  **speculative_report(fast, slow, t_spec, t_plain), results=fast, prompt_ids=prompts)
+    if spec2 is not None:
+        report["dflash2"] = dict(block_size=spec2.block_size, **speculative_report(fast2, slow, t_spec2, t_plain))
+    return report
 
 
 def run_demo(num_prompts: int = 8, max_new_tokens: int = 96, block_sizes: Sequence[int] = (16, 8, 4),
@@ -135,13 +160,14 @@ def run_demo(num_prompts: int = 8, max_new_tokens: int = 96, block_sizes: Sequen
     log.info("loading the models")
     if embedded.available():
         target, drafter, tokenizer = embedded.load_default()
+        drafter2 = load_drafter(embedded.DEFAULT_DRAFTER2) if embedded.drafter2_available() else None
         texts = embedded.heldout_prompts()
         held = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
         prompts = held[:num_prompts]
         calibration = held[num_prompts:num_prompts + CALIBRATION_PROMPTS] or held[-CALIBRATION_PROMPTS:]
         report = compare(target, drafter, prompts, max_new_tokens, list(tokenizer.stop_token_ids),
                          block_sizes=block_sizes, calibration=calibration, warmed_up=warmed_up,
-                         temperatures=temperatures)
+                         temperatures=temperatures, drafter2=drafter2)
         report["pair"] = f"the embedded default pair ({embedded.EMBEDDED_DIR})"
         report["what"] = "held-out stdlib prompts (signatures and docstrings)"
         report["sample"] = (texts[0], tokenizer.decode(report["results"][0].output_ids))
@@ -190,6 +216,8 @@ def print_demo(report: dict) -> None:
               f"costs {report['step_cost']:.1f} target-only steps, so tau {tau:.2f} gives {speedup:.2f}x; where the "
               "target's weights stream from memory (a GPU, a model larger than the CPU caches) a step costs about "
               "one, and the speedup approaches tau")
+    if "dflash2" in report:
+        print_generations(report)
     if "sample" in report:
         prompt, completion = report["sample"]
         rule = "-" * 24
@@ -198,3 +226,16 @@ def print_demo(report: dict) -> None:
         print(f"{rule} completion (DFlash; the same as target-only) {rule}")
         print(completion.rstrip("\n"))
         print("-" * 72)
+
+
+def print_generations(report: dict) -> None:
+    """The DFlash and DFlash2 drafters side by side (greedy, the same prompts, timed in the same rounds)."""
+    second = report["dflash2"]
+    blocks = {report["block_size"], second["block_size"]}
+    print(f"  DFlash vs DFlash2, block size {'/'.join(map(str, sorted(blocks)))}, the same prompts and "
+          "target-only run:")
+    print(f"    {'drafter':<8} {'tau':>5} {'speedup':>8} {'tok/s':>6}  identical greedy output")
+    for name, row in (("DFlash", report), ("DFlash2", second)):
+        same = f"{'yes' if row['identical'] else 'NO'} ({row['identical_prompts']} of {report['prompts']})"
+        print(f"    {name:<8} {row['tau']:>5.2f} {row['speedup']:>7.2f}x {row['output_tokens'] / row['dflash_s']:>6.0f}  "
+              f"{same}")

@@ -40,6 +40,10 @@ def test_main_job_reports_tau_and_speedup_on_a_fresh_checkout(tmp_path):
     # tau of seeded sampling in both verification modes; exact verification is target-only sampling's tokens
     assert re.search(r"tau with seeded sampling: T=0\.7 exact [0-9.]+ \(= target-only sampling: yes\), "
                      r"rejection [0-9.]+; T=1 exact [0-9.]+ \(= target-only sampling: yes\), rejection [0-9.]+", out), out
+    if (checkout / "models" / "embedded" / "drafter2" / "model.safetensors").exists():  # both generations
+        assert re.search(r"DFlash vs DFlash2, block size \d+, the same prompts and target-only run:", out), out
+        for name in ("DFlash", "DFlash2"):
+            assert re.search(rf"^    {name} +[0-9.]+ +[0-9.]+x +\d+  yes \(3 of 3\)$", out, re.M), out
     if speedup < 0.9 * tau:  # says why, in target-only steps per DFlash step
         assert re.search(r"why not [0-9.]+x: here one DFlash step .* costs [0-9.]+ target-only steps", out), out
     prompt_at, completion_at = out.index("---- prompt ----"), out.index("---- completion (DFlash")

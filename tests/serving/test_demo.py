@@ -1,0 +1,82 @@
+"""``serve.py demo``'s comparison: both drafter generations side by side on one target, and its print."""
+
+import re
+
+import numpy as np
+import pytest
+
+from dflash_jax.serving.demo import compare, print_demo
+from dflash_jax.tiny import random_drafter, random_target, tiny_dflash2_config, tiny_drafter_config, tiny_target_config
+
+
+@pytest.fixture(scope="module")
+def models():
+    tcfg = tiny_target_config()
+    target = random_target(tcfg)
+    drafter = random_drafter(tiny_drafter_config(tcfg, block_size=8))
+    drafter2 = random_drafter(tiny_dflash2_config(tcfg, block_size=4), seed=2, std=0.05)
+    return target, drafter, drafter2
+
+
+@pytest.mark.slow
+def test_compare_reports_both_generations_side_by_side(models, capsys):
+    target, drafter, drafter2 = models
+    rs = np.random.RandomState(0)
+    prompts = [rs.randint(0, 95, n).tolist() for n in (5, 11)]
+    report = compare(target, drafter, prompts, 12, block_sizes=(8,), repeats=1, drafter2=drafter2)
+    assert report["block_size"] == 8
+    second = report["dflash2"]
+    assert second["block_size"] == 4  # the first generation's block size, cut to the drafter's own
+    for row in (report, second):  # the speculative output is the target's, whatever the drafter
+        assert row["identical"] and row["identical_prompts"] == 2
+        assert row["output_tokens"] == 24 and row["tau"] >= 1.0
+        assert sum(k * v for k, v in row["histogram"].items()) + 2 == row["output_tokens"]  # + the prefills' tokens
+        assert row["speedup"] == pytest.approx(row["target_only_s"] / row["dflash_s"])
+    assert second["target_only_s"] == report["target_only_s"]  # one target-only run for both
+
+    report.update(pair="a tiny random pair", what="random prompts")
+    print_demo(report)
+    out = capsys.readouterr().out
+    assert "DFlash vs DFlash2, block size 4/8, the same prompts and target-only run:" in out
+    for name, row in (("DFlash", report), ("DFlash2", second)):
+        line = re.search(rf"^    {name} +([0-9.]+) +([0-9.]+)x +\d+  yes \(2 of 2\)$", out, re.M)
+        assert line, out
+        assert float(line.group(1)) == pytest.approx(row["tau"], abs=0.005)
+        assert float(line.group(2)) == pytest.approx(row["speedup"], abs=0.005)
+
+
+def _row(tau: float, speedup: float, identical: int) -> dict:
+    return dict(tau=tau, speedup=speedup, identical=identical == 4, identical_prompts=identical, output_tokens=400,
+                dflash_s=0.5, target_only_s=0.5 * speedup, histogram={1: 3, 16: 2}, step_cost=1.5)
+
+
+def _report(**extra) -> dict:
+    return dict(device="cpu (2 cores)", pair="a pair", what="prompts", prompts=4, max_new_tokens=96, block_size=8,
+                block_rates={8: 800.0}, sampled=[], **_row(4.5, 0.8, 4), **extra)
+
+
+def test_print_shows_the_generations_side_by_side(capsys):
+    print_demo(_report(dflash2=dict(block_size=8, **_row(5.25, 0.75, 3))))
+    out = capsys.readouterr().out
+    table = out[out.index("DFlash vs DFlash2"):].splitlines()
+    assert table[:4] == [
+        "DFlash vs DFlash2, block size 8, the same prompts and target-only run:",
+        "    drafter    tau  speedup  tok/s  identical greedy output",
+        "    DFlash    4.50    0.80x    800  yes (4 of 4)",
+        "    DFlash2   5.25    0.75x    800  NO (3 of 4)",
+    ]
+
+
+def test_print_without_a_second_generation_has_no_table(capsys):
+    print_demo(_report())
+    out = capsys.readouterr().out
+    assert "greedy output identical with and without the drafter: yes (4 of 4 prompts)" in out
+    assert "tau (tokens committed per DFlash step): 4.50" in out
+    assert "DFlash2" not in out
+
+
+@pytest.mark.slow
+def test_compare_without_a_second_generation_reports_one(models):
+    target, drafter, _ = models
+    report = compare(target, drafter, [[3, 4, 5]], 6, block_sizes=(8,), repeats=1)
+    assert "dflash2" not in report and report["identical"]
