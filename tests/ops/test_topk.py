@@ -125,3 +125,16 @@ def test_select_with_the_largest_candidate_count_on_a_whole_vocabulary():
 def test_prefix_sums_equal_cumsum(n):
     x = jnp.asarray(np.random.RandomState(n).randint(0, 3, (3, n)), jnp.int32)
     np.testing.assert_array_equal(np.asarray(topk._prefix_sums(x)), np.cumsum(np.asarray(x), axis=-1))
+
+
+def test_default_method_by_backend(monkeypatch):
+    """The radix select where XLA's top-k is a sort (GPUs); XLA's top-k on CPUs and TPUs, where the
+    select's small reductions are the slower (docs/performance.md, rejected designs)."""
+    assert topk.default_method() == "sort"  # this suite runs on the CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert topk.default_method() == "select"
+    # A call without a method traces the backend's: no sort left in the select's program.
+    text = jax.jit(lambda x: topk.top_k(x, 8)).lower(jnp.zeros((2, 4096), jnp.float32)).as_text()
+    assert "stablehlo.sort" not in text and "chlo.top_k" not in text
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert topk.default_method() == "sort"
