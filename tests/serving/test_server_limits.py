@@ -74,10 +74,10 @@ def test_slow_clients_are_closed_and_cannot_crowd_out_requests(tokenizer):
     clients; the server keeps at most max_connections open, closing the oldest one still sending a
     request for each new one, so normal requests are served meanwhile; and past header_timeout_s
     every slow connection has been closed."""
-    app = create_app(fake_engine(), tokenizer, model_name="tiny", max_length=MAX_LENGTH, body_timeout_s=1.0)
+    app = create_app(fake_engine(), tokenizer, model_name="tiny", max_length=MAX_LENGTH, body_timeout_s=3.0)
     slow: list[socket.socket] = []
     limit = 40
-    with ServerThread(app, header_timeout_s=1.5, max_connections=limit) as srv:
+    with ServerThread(app, header_timeout_s=4.0, max_connections=limit) as srv:
         try:
             for i in range(200):
                 s = socket.create_connection((srv.host, srv.port), timeout=5)
@@ -91,14 +91,16 @@ def test_slow_clients_are_closed_and_cannot_crowd_out_requests(tokenizer):
                 r = httpx.post(srv.url + "/v1/completions", json={"prompt": [10, 11 + k], "max_tokens": 3},
                                timeout=5)
                 assert r.status_code == 200, r.text
-            assert time.monotonic() - t0 < 1.0  # served at once, not after the slow ones' deadlines
+            # Served at once: well before the first slow connection's deadline (its body's, 3 s), with a
+            # margin for a loaded machine.
+            assert time.monotonic() - t0 < 2.0
             deadline = time.monotonic() + 2
             while len(srv.server.server_state.connections) > limit:
                 assert time.monotonic() < deadline, len(srv.server.server_state.connections)
                 time.sleep(0.01)
             # Past the header deadline the server has closed every slow connection.
             for s in slow:
-                assert closed_by_server(s, within=3.0) is not None
+                assert closed_by_server(s, within=5.0) is not None
             assert len(srv.server.server_state.connections) == 0
             assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
         finally:
