@@ -15,9 +15,9 @@ Triton kernels (the fused cached attention, the block attention) and the Mosaic 
 the pages the table names, and the fused kernel stores a block's K/V at the pool rows
 ``PagedKV.pool_rows`` resolves; every other path gathers the row's pages of that one layer inside the op
 (``PagedKV.gather``). A block's K/V written outside the fused kernel are scattered into the row's pages
-(``scatter_positions``). A prefill over a cached prefix still runs on a contiguous view of the prefix's
-pages (``gather_view``): its suffix block is written into the view and scattered when the rows are
-admitted. Shapes are static throughout: a view's length is a static page count.
+(``scatter_positions``). A prefill over a cached prefix is a step of the same kind: its suffix block is
+read and written through the page tables, so no phase holds the prefix of every layer at once. Shapes
+are static throughout: a step's page count is static.
 """
 
 from __future__ import annotations
@@ -112,13 +112,6 @@ def page_pools(layers: int, pages: int, page_size: int, kv_heads: int, head_dim:
     return KVCache.zeros(layers, pages, page_size, kv_heads, head_dim, dtype)
 
 
-def gather_view(pools: KVCache, page_table: jax.Array, n_pages: int) -> KVCache:
-    """Each row's first ``n_pages`` pages as a contiguous cache ``[batch, n_pages * page_size, kv_heads,
-    head_dim]`` per layer; ``page_table [batch, >= n_pages]``."""
-    return KVCache(tuple(gather_pages(x, page_table, n_pages) for x in pools.k),
-                   tuple(gather_pages(x, page_table, n_pages) for x in pools.v))
-
-
 def page_slots(page_table: jax.Array, positions: jax.Array, keep: jax.Array, page_size: int
                ) -> tuple[jax.Array, jax.Array]:
     """The (page, offset) of each of ``positions [batch, n]`` through ``page_table [batch, max_pages]``;
@@ -127,6 +120,29 @@ def page_slots(page_table: jax.Array, positions: jax.Array, keep: jax.Array, pag
     inside = keep & (index < page_table.shape[1]) & (positions >= 0)
     page = jnp.take_along_axis(page_table, jnp.clip(index, 0, page_table.shape[1] - 1), axis=1)
     return jnp.where(inside, page, NULL_PAGE), positions % page_size
+
+
+def gather_positions(pool: jax.Array, page_table: jax.Array, starts: jax.Array, n: int) -> jax.Array:
+    """Each row's positions ``starts [batch] + 0 .. n - 1`` of ``pool [pages, page_size, kv_heads,
+    head_dim]`` through ``page_table [batch, max_pages]`` -> ``[batch, n, kv_heads, head_dim]`` (positions
+    past the table read the null page): ``scatter_positions``' inverse."""
+    positions = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+    page, offset = page_slots(page_table, positions, jnp.ones(positions.shape, bool), pool.shape[1])
+    return pool[page, offset]
+
+
+def copy_positions(pool: jax.Array, source_table: jax.Array, target_table: jax.Array, starts: jax.Array,
+                   keep: jax.Array) -> jax.Array:
+    """Each row's positions ``starts [batch] + j`` (where ``keep [batch, n]``) copied from its pages in
+    ``source_table [batch, max_pages]`` to its pages in ``target_table``; a position whose page is the
+    same in both is left as it is."""
+    n = keep.shape[1]
+    positions = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+    page_size = pool.shape[1]
+    source_page, _ = page_slots(source_table, positions, keep, page_size)
+    target_page, _ = page_slots(target_table, positions, keep, page_size)
+    values = gather_positions(pool, source_table, starts, n)
+    return scatter_positions(pool, target_table, values, starts, keep & (source_page != target_page))
 
 
 def scatter_positions(pool: jax.Array, page_table: jax.Array, values: jax.Array, starts: jax.Array,

@@ -428,12 +428,14 @@ class ContinuousBatcher:
             if self.pages is None:
                 fresh, first = self.engine.prefill(*args, **extra)
             else:
-                fresh, first, admission = self.engine.prefill_paged(
+                self._state, fresh, first, admission = self.engine.prefill_paged(
                     self._state, *args, [g.pages for g in group], [g.cached_tokens for g in group], **extra)
-        except Exception as err:  # noqa: BLE001 - the running state is untouched: fail these prompts only
+        except Exception as err:  # noqa: BLE001 - fail these prompts only, unless the state went with them
             for g in group:
                 self._free_pages(g, written=False)
             self._fail(group, err)
+            if _consumed(self._state):  # donated to a paged prefill that failed running: step() fails the rows
+                raise
             return None
         first = np.asarray(first)  # before the admission too: queued behind it, the copy waited for it
         fresh = _keep_emitted(fresh, first, group, contexts)
@@ -480,12 +482,14 @@ class ContinuousBatcher:
             self._state = self.engine.empty_state(self.engine.state_rows(1))
             self._rows = [None] * self.engine.state_rows(1)
         try:
-            rows, _, admission = self.engine.prefill_paged(self._state, [context[:end]], [1], [()], [g.pages],
-                                                           [g.cached_tokens])
-        except Exception as err:  # noqa: BLE001 - the running state is untouched: fail this prompt only
+            self._state, rows, _, admission = self.engine.prefill_paged(self._state, [context[:end]], [1], [()],
+                                                                        [g.pages], [g.cached_tokens])
+        except Exception as err:  # noqa: BLE001 - fail this prompt only, unless the state went with it
             self._pending.popleft()
             self._free_pages(g, written=False)
             self._fail([g], err)
+            if _consumed(self._state):
+                raise
             return True
         self._state = self.engine.write_pages(self._state, rows, admission)
         g.cached_tokens = end
@@ -785,6 +789,11 @@ class ContinuousBatcher:
             g.error = err
             if g.on_finish is not None:
                 g.on_finish(g)
+
+
+def _consumed(state: Any) -> bool:
+    """Whether ``state``'s device arrays were donated to a call that failed (deleted: the state is lost)."""
+    return state is not None and any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state))
 
 
 def _keep_emitted(rows: Any, first: np.ndarray, group: list[Generation], contexts: list[list[int]]) -> Any:

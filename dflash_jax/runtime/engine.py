@@ -299,7 +299,12 @@ def _one_shot_compiler_options() -> dict | None:
     re-recording its graph took ~25 ms per call, longer than the 512-token prefill itself (the
     engine's time to first token, docs/performance.md). Without graphs its kernels are launched one
     by one, which a prefill of large matmuls hides.
+
+    On the CPU, as for the decode loop: a paged prefill over a cached prefix reads the pools and then
+    updates them in place, and without its region analysis XLA:CPU's copy insertion copies every pool.
     """
+    if jax.default_backend() == "cpu":
+        return {"xla_cpu_copy_insertion_use_region_analysis": True}
     if jax.default_backend() == "gpu":
         return {"xla_gpu_enable_command_buffer": ""}
     return None
@@ -439,8 +444,9 @@ class Engine:
         # The view a paged step copies follows the live rows, as the XLA attention's window does.
         self.windows = window_buckets(self.capacity) if not self.fixed_loop else (self.capacity,)
         once = _one_shot_compiler_options()
+        # The state is donated: a prefill over a cached prefix writes its suffix into the pools in place.
         self._paged_prefill = jax.jit(self._traced(self._paged_prefill_fn), static_argnames=("suffix", "context_pages"),
-                                      compiler_options=once)
+                                      donate_argnums=(2,), compiler_options=once)
         self._paged_admit = jax.jit(paged.admit, donate_argnums=(0,), compiler_options=once)
         self._paged_write = jax.jit(paged.write_pages, donate_argnums=(0,), compiler_options=once)
         self._paged_set_rows = jax.jit(paged.set_page_rows, donate_argnums=(0,), compiler_options=once)
@@ -488,9 +494,11 @@ class Engine:
         return paged.resize(empty, state, slots)
 
     def _paged_prefill_fn(self, target_state, drafter_state, state, page_rows, ids, lens, cached, max_lens,
-                          stop_ids, sampling, source=None, row_cached=None, *, suffix: int, context_pages: int):
-        """``_prefill_fn`` over a cached prefix in ``state``'s pages (``paged.prefill``); ``source``: rows
-        sharing a prompt (``page_rows``, ``ids``, ``lens`` and ``cached`` are then the distinct prompts')."""
+                          stop_ids, sampling, source=None, row_cached=None, row_pages=None, *, suffix: int,
+                          context_pages: int):
+        """``_prefill_fn`` over a cached prefix in ``state``'s pages (``paged.prefill``) -> the rows, their
+        first tokens and ``state`` with the suffixes written into its pools; ``source``: rows sharing a
+        prompt (``page_rows``, ``ids``, ``lens`` and ``cached`` are then the distinct prompts')."""
         target, drafter = self._models(target_state, drafter_state)
         flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
                               logprobs=self.config.max_logprobs)
@@ -501,17 +509,19 @@ class Engine:
                              max_steps=self.config.max_length, mask_token_id=self._mask_id, ops=self.ops,
                              sampling=sampling, max_logprobs=self.config.max_logprobs, flags=flags,
                              candidates=self.config.sampling_candidates, source=source, row_cached=row_cached,
-                             prompt_logprobs=want)
-        return rows, jnp.take_along_axis(rows.tokens, rows.starts[:, None], axis=1)[:, 0]
+                             row_pages=row_pages, prompt_logprobs=want)
+        rows, state = rows
+        return rows, jnp.take_along_axis(rows.tokens, rows.starts[:, None], axis=1)[:, 0], state
 
     def prefill_paged(self, state: decoding.DecodeState, prompts: Sequence[Sequence[int]],
                       max_new_tokens: Sequence[int], stop_token_ids: Sequence[Sequence[int]],
                       pages: Sequence[Sequence[int]], cached: Sequence[int],
-                      sampling: Sequence[SamplingParams] | None = None) -> tuple[decoding.DecodeState, jax.Array,
-                                                                                  "PagedAdmission"]:
+                      sampling: Sequence[SamplingParams] | None = None
+                      ) -> tuple[decoding.DecodeState, decoding.DecodeState, jax.Array, "PagedAdmission"]:
         """``prefill`` for a paged engine: each prompt's first ``cached`` tokens are already in its
         ``pages`` (``runtime.pages.PageGrant``) of ``state``'s pools, and only the rest is computed.
-        Returns the rows, the first tokens and what ``admit_paged`` needs beside them."""
+        Returns ``state`` (donated: a prefill over a cached prefix writes the rest into the prompts' pages
+        in place), the rows, the first tokens and what ``admit_paged`` needs beside them."""
         params = smp.resolve(sampling, len(prompts))
         ids, lens, max_lens, stop_ids, arrays = self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params)
         page_rows = self._page_rows(pages, ids.shape[0])
@@ -535,11 +545,11 @@ class Engine:
             distinct_cached = np.zeros((ids.shape[0],), np.int32)
             distinct_cached[:len(distinct)] = [cached[i] for i in distinct]
             model_cached = self._put_batch(distinct_cached)
-            shared = {"source": source, "row_cached": admission.cache_from}
-        rows, first = self._paged_prefill(self._target_state, self._drafter_state, state, model_rows, ids,
-                                          lens, model_cached, max_lens, stop_ids, arrays, suffix=suffix,
-                                          context_pages=context_pages, **shared)
-        return rows, first, admission
+            shared = {"source": source, "row_cached": admission.cache_from, "row_pages": admission.page_rows}
+        rows, first, state = self._paged_prefill(self._target_state, self._drafter_state, state, model_rows, ids,
+                                                 lens, model_cached, max_lens, stop_ids, arrays, suffix=suffix,
+                                                 context_pages=context_pages, **shared)
+        return state, rows, first, admission
 
     def _page_rows(self, pages: Sequence[Sequence[int]], rows: int) -> np.ndarray:
         """Page tables ``[rows, max_pages]`` of ``pages`` (null pages after them and in padding rows)."""
@@ -569,7 +579,10 @@ class Engine:
     def write_pages(self, state: decoding.DecodeState, rows: decoding.DecodeState,
                     admission: "PagedAdmission") -> decoding.DecodeState:
         """The K/V ``prefill_paged`` computed into their pages, without admitting its rows (a chunk of a
-        prompt: ``EngineConfig.prefill_chunk``); donates ``state``."""
+        prompt: ``EngineConfig.prefill_chunk``); donates ``state``. Rows prefilled over a cached prefix
+        carry no K/V (the prefill wrote them): ``state`` comes back as it is."""
+        if rows.target_cache is None:
+            return state
         written = np.ones((rows.starts.shape[0],), bool)
         return self._paged_write(state, rows, admission.page_rows, admission.cache_from, written)
 
@@ -834,10 +847,12 @@ class Engine:
         return self._prefill.lower(self._target_state, self._drafter_state, *args).compile()
 
     def prefill_paged_compiled(self, state: decoding.DecodeState, rows: int, prompt_length: int, *,
-                               distinct: int | None = None) -> tuple[jax.stages.Compiled, "PagedAdmission"]:
+                               distinct: int | None = None, context_pages: int = 0,
+                               suffix: int | None = None) -> tuple[jax.stages.Compiled, "PagedAdmission"]:
         """``prefill_paged`` of ``rows`` prompts of ``prompt_length`` tokens with nothing cached, beside
         ``state`` (its pools), as compiled (compiles only), and an admission of its rows to the null page.
-        ``distinct``: rows sharing prompts, as in ``prefill_compiled``."""
+        ``distinct``: rows sharing prompts, as in ``prefill_compiled``. ``context_pages > 0``: the program
+        of prompts whose cached prefixes take up to that many pages and whose rest up to ``suffix`` tokens."""
         ids, lens, max_lens, stop_ids, arrays = self._prefill_inputs([[0] * prompt_length] * rows, [2] * rows,
                                                                       [()] * rows)
         put = self._put_batch
@@ -848,10 +863,11 @@ class Engine:
             ids, lens = put(np.zeros((distinct, bucket), np.int32)), put(np.ones((distinct,), np.int32))
             model_rows = put(np.zeros((distinct, self.max_pages), np.int32))
             cached = put(np.zeros((distinct,), np.int32))
-            shared = {"source": put(np.zeros((batch,), np.int32)), "row_cached": admission.cache_from}
+            shared = {"source": put(np.zeros((batch,), np.int32)), "row_cached": admission.cache_from,
+                      "row_pages": admission.page_rows}
         compiled = self._paged_prefill.lower(self._target_state, self._drafter_state, state, model_rows, ids, lens,
-                                             cached, max_lens, stop_ids, arrays, suffix=bucket, context_pages=0,
-                                             **shared).compile()
+                                             cached, max_lens, stop_ids, arrays, suffix=suffix or bucket,
+                                             context_pages=context_pages, **shared).compile()
         return compiled, admission
 
     def decode_hlo(self, state: decoding.DecodeState, n_steps: int = 1, *, window: int | None = None,

@@ -3,13 +3,15 @@ page pools shared by all rows (``dflash_jax.ops.paged_cache``), with a page tabl
 
 - ``empty_state``: row slots as ``decoding.empty_state``'s, the pools, and page tables of null pages.
 - ``prefill``: the new prompts. Without a cached prefix in the group it is ``decoding.prefill`` (a
-  flash attention over the prompt). With one, each row runs only its uncached suffix as one causal
-  block over its cached pages (``Target.step`` through a contiguous view of them), and the drafter
-  projects the suffix's taps; the first token and the rows' other arrays come from the same
-  ``decoding.prompt_rows`` either way. The rows' caches hold the positions they computed, from
-  ``cache_from`` (the cached prefix's length) on.
-- ``admit``: the rows into free slots, their page tables beside them, their computed positions
-  scattered into their pages (never into a cached prefix's page: those are read-only).
+  flash attention over the prompt), the rows' caches holding the prompt's positions. With one, each row
+  runs only its uncached suffix as one causal block through its page table (``Target.step`` on the pools
+  as ``PagedKV`` layers, as a decode step runs): the attention reads the cached prefix from its pages, the
+  suffix's K/V and the drafter's projection of its taps are written into the row's own pages, and the
+  pools are returned in place (donated). The first token and the rows' other arrays come from the same
+  ``decoding.prompt_rows`` either way.
+- ``admit``: the rows into free slots, their page tables beside them, the positions a prefill without a
+  cached prefix computed scattered into their pages (never into a cached prefix's page: those are
+  read-only).
 - ``set_page_rows``: new page tables for running rows (pages a row got as it advanced).
 - ``resize``: the rows (with their page tables) into a state of another row count; the pools move as
   they are.
@@ -34,7 +36,7 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.ops.cache import KVCache, read_rows
 from dflash_jax.ops.config import XLA, OpsConfig
-from dflash_jax.ops.paged_cache import gather_view, layer_pools, page_pools, paged_layers, scatter_positions
+from dflash_jax.ops.paged_cache import copy_positions, layer_pools, page_pools, paged_layers, scatter_positions
 from dflash_jax.runtime import decoding
 from dflash_jax.runtime.decoding import GREEDY_FLAGS, DecodeState
 from dflash_jax.runtime.sampling import SamplingFlags
@@ -73,75 +75,81 @@ def prefill(
     context_pages: int, capacity: int, max_steps: int, mask_token_id: int, ops: OpsConfig = XLA,
     sampling: dict[str, jax.Array] | None = None, max_logprobs: int = 0, flags: SamplingFlags = GREEDY_FLAGS,
     candidates: int = 0, source: jax.Array | None = None, row_cached: jax.Array | None = None,
-    prompt_logprobs: jax.Array | None = None,
-) -> DecodeState:
+    row_pages: jax.Array | None = None, prompt_logprobs: jax.Array | None = None,
+) -> tuple[DecodeState, DecodeState]:
     """The prompts ``ids [rows, P]`` (lengths ``lens``), of which the first ``cached [rows]`` positions are
     in the pages ``page_rows [rows, max_pages]`` of ``state``'s pools (a multiple of the page size,
     ``< lens``). ``suffix``: a static length covering every ``lens - cached``; ``context_pages``: a static
     page count covering every ``cached`` (0: nothing cached, a plain ``decoding.prefill``).
 
-    Returns the rows as ``decoding.prefill`` does, except that their caches hold ``suffix`` positions
-    from ``cached`` on (all P prompt positions when ``context_pages`` is 0).
+    Returns ``(rows, state)``. With nothing cached, the rows are ``decoding.prefill``'s, their caches
+    holding all P prompt positions (``admit`` scatters them into their pages), and ``state`` is unchanged.
+    Over a cached prefix, each prompt's suffix runs as one causal block through the page tables: it reads
+    the prefix from the pages and writes its own K/V (and the drafter's context K/V) into the prompt's
+    pages from ``cached`` on, in ``state``'s pools, which are returned; the rows carry no caches.
 
     ``source [out rows]``: rows sharing a prompt, as in ``decoding.prefill`` (``ids``, ``lens``, ``cached``
     and ``page_rows`` are the distinct prompts'); row r's caches then hold the positions from its own
     ``row_cached [out rows]`` on (``>= cached[source[r]]``: a row that shares its prompt's pages up to there
-    writes only the rest into its own). ``prompt_logprobs [out rows]``: as in ``decoding.prefill``, for the
-    positions this pass computes (a row asking for them has nothing cached)."""
+    has only the rest to hold). Over a cached prefix those positions are copied from the prompt's pages into
+    the row's own, ``row_pages [out rows, max_pages]``. ``prompt_logprobs [out rows]``: as in
+    ``decoding.prefill``, for the positions this pass computes (a row asking for them has nothing cached)."""
     common = dict(capacity=capacity, max_steps=max_steps, mask_token_id=mask_token_id, sampling=sampling,
                   max_logprobs=max_logprobs, flags=flags, candidates=candidates)
     if context_pages == 0:
         rows = decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, ops=ops, source=source,
                                 prompt_logprobs=prompt_logprobs, **common)
         if source is None:
-            return rows
+            return rows, state
         plen = ids.shape[1]
         return dataclasses.replace(rows, target_cache=_positions_from(rows.target_cache, row_cached, plen),
-                                   draft_cache=_positions_from(rows.draft_cache, row_cached, plen))
+                                   draft_cache=_positions_from(rows.draft_cache, row_cached, plen)), state
     batch, plen = ids.shape
+    page_size = state.target_cache.k[0].shape[1]
     offsets = jnp.arange(suffix, dtype=jnp.int32)[None, :]
     positions = cached[:, None] + offsets
     suffix_ids = jnp.take_along_axis(ids, jnp.clip(positions, 0, plen - 1), axis=1)
     suffix_lens = (lens - cached).astype(jnp.int32)
+    computed = offsets < suffix_lens[:, None]
 
-    def view(pools: KVCache) -> KVCache:
-        """The rows' cached pages, then room for the suffix (written at ``cached``, read back below)."""
-        ctx = gather_view(pools, page_rows, context_pages)
-        pad = ((0, 0), (0, suffix), (0, 0), (0, 0))
-        return KVCache(tuple(jnp.pad(x, pad) for x in ctx.k), tuple(jnp.pad(x, pad) for x in ctx.v))
-
+    # The suffix's positions are past the cached prefix's pages (read-only, shared): in the prompt's own.
+    # Its slots past the prompt write into the prompt's later pages or the null page, where no read looks.
+    read_pages = min(context_pages + -(-suffix // page_size), page_rows.shape[1])
+    writable = jnp.ones((batch,), bool)
     tap_layers = drafter.config.target_layer_ids if drafter is not None else ()
-    hidden, taps, target_view = target.step(suffix_ids, cached, view(state.target_cache), blk_lens=suffix_lens,
-                                            tap_layers=tap_layers, ops=ops)
-    last = jnp.take_along_axis(hidden, (suffix_lens - 1)[:, None, None], axis=1)[:, 0]
-    draft_cache = None
+    hidden, taps, target_cache = target.step(
+        suffix_ids, cached, paged_layers(state.target_cache, page_rows, writable, read_pages),
+        blk_lens=suffix_lens, tap_layers=tap_layers, ops=ops)
+    target_pools, draft_pools = layer_pools(target_cache), state.draft_cache
     if drafter is not None:
         k, v = drafter.context_kv(taps, positions)
-        draft_cache = KVCache(tuple(k), tuple(v))
+        put = lambda pools, xs: tuple(scatter_positions(p, page_rows, x, cached, computed)  # noqa: E731
+                                      for p, x in zip(pools, xs))
+        draft_pools = KVCache(put(draft_pools.k, k), put(draft_pools.v, v))
+    last = jnp.take_along_axis(hidden, (suffix_lens - 1)[:, None, None], axis=1)[:, 0]
     entries = None
     if prompt_logprobs is not None:
         entries = decoding.prompt_entries(target, hidden, suffix_ids, jnp.any(prompt_logprobs), max_logprobs)
-    if source is None:
-        rows = decoding.prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, **common)
-
-        def block(cache: KVCache) -> KVCache:
-            return KVCache(tuple(read_rows(x, cached, suffix) for x in cache.k),
-                           tuple(read_rows(x, cached, suffix) for x in cache.v))
-
-        rows = dataclasses.replace(rows, target_cache=block(target_view), draft_cache=draft_cache)
-        first = cached
-    else:
-        # The distinct prompts' pass, copied to the rows sharing each: the target's view holds every
-        # position of the prompt, the drafter's context the computed ones (from ``cached`` on).
-        last, ids, lens, target_view, draft_cache, entries = jax.tree.map(
-            lambda x: x[source], (last, ids, lens, target_view, draft_cache, entries))
-        rows = decoding.prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, **common)
-        rows = dataclasses.replace(rows, target_cache=_positions_from(target_view, row_cached, suffix),
-                                   draft_cache=_positions_from(draft_cache, row_cached - cached[source], suffix))
+    first = cached
+    if source is not None:
+        # The distinct prompts' pass, for the rows sharing each: a row's positions from its own
+        # ``row_cached`` on copied from its prompt's pages into its own.
         first = cached[source]
+        last, ids, lens, entries = jax.tree.map(lambda x: x[source], (last, ids, lens, entries))
+        keep = row_cached[:, None] + offsets < lens[:, None]
+
+        def copy(pools: KVCache | None) -> KVCache | None:
+            if pools is None:
+                return None
+            move = lambda p: copy_positions(p, page_rows[source], row_pages, row_cached, keep)  # noqa: E731
+            return KVCache(tuple(move(p) for p in pools.k), tuple(move(p) for p in pools.v))
+
+        target_pools, draft_pools = copy(target_pools), copy(draft_pools)
+    rows = decoding.prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, **common)
+    rows = dataclasses.replace(rows, target_cache=None, draft_cache=None)
     if entries is not None:
         rows = decoding.record_prompt_logprobs(rows, entries, first, prompt_logprobs)
-    return rows
+    return rows, dataclasses.replace(state, target_cache=target_pools, draft_cache=draft_pools)
 
 
 def _positions_from(cache: KVCache | None, starts: jax.Array, n: int) -> KVCache | None:
@@ -168,7 +176,10 @@ def write_pages(state: DecodeState, rows: DecodeState, page_rows: jax.Array, cac
                 written: jax.Array) -> DecodeState:
     """Scatters the cache positions ``cache_from [rows] + j`` (prompt positions only) of prefilled ``rows``
     into their pages ``page_rows [rows, max_pages]`` of ``state``'s pools, for the rows where ``written
-    [rows]``; the rest of ``state`` is unchanged (a chunk of a prompt: its row is admitted later)."""
+    [rows]``; the rest of ``state`` is unchanged (a chunk of a prompt: its row is admitted later). Rows
+    without caches (a prefill over a cached prefix wrote its positions into the pages itself) write nothing."""
+    if rows.target_cache is None:
+        return state
     n = rows.target_cache.capacity
     keep = written[:, None] & (jnp.arange(n)[None, :] < (rows.starts - cache_from)[:, None])
 

@@ -182,10 +182,10 @@ class FakePagedEngine(FakeEngine):
         self.num_pages = num_pages + 1  # as ``Engine``: page 0 is the null page
 
     def prefill_paged(self, state: FakeState, prompts, max_new_tokens, stop_token_ids, pages, cached,
-                      sampling=None) -> tuple[FakeState, np.ndarray, list[int]]:
+                      sampling=None) -> tuple[FakeState, FakeState, np.ndarray, list[int]]:
         rows, first = self.prefill(prompts, max_new_tokens, stop_token_ids, sampling)
         rows.pages[:len(pages)] = [len(p) for p in pages]
-        return rows, first, [len(p) for p in pages]
+        return state, rows, first, [len(p) for p in pages]
 
     def admit_paged(self, state: FakeState, rows: FakeState, slots: Sequence[int], admission) -> FakeState:
         return self.admit(state, rows, slots)

@@ -63,7 +63,7 @@ def test_the_fake_paged_engine_refuses_a_row_past_its_pages():
     engine = FakePagedEngine(VOCAB, page_size=4, num_pages=8, max_batch_size=1, max_length=64, block_size=4,
                              steps_per_sync=4)
     state = engine.empty_state(1)
-    rows, _, admission = engine.prefill_paged(state, [[1, 2, 3]], [40], [()], [[1]], [0])
+    state, rows, _, admission = engine.prefill_paged(state, [[1, 2, 3]], [40], [()], [[1]], [0])
     state = engine.admit_paged(state, rows, [0], admission)
     with pytest.raises(RuntimeError, match="past its 1 pages"):
         engine.decode(state, 4)

@@ -2,15 +2,20 @@
 with prefix hits of every kind, batched or alone, and gives every page back."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import ContinuousBatcher, Engine, EngineConfig
+from dflash_jax import ContinuousBatcher, Engine, EngineConfig, load_target
 from dflash_jax.runtime.batcher import Generation, _keep_emitted
 from dflash_jax.runtime.sampling import SamplingParams
+from dflash_jax.tiny import write_copycat_pair
 
 PAGE = 8
 MAX_NEW = 24
@@ -199,6 +204,43 @@ def test_paged_engine_with_the_kernels_equals_contiguous(models, engines, base):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("took_the_state", [False, True])
+def test_a_failed_paged_prefill_fails_its_prompt_and_the_rows_only_if_it_took_their_state(models, engines, base,
+                                                                                         took_the_state):
+    """A prefill over a cached prefix is donated the running state. One that fails before it runs (a trace or
+    compile error) fails its own prompt and the running row goes on; one that fails while running has
+    consumed the state, so the running row fails too, its pages go back, and the batcher serves on."""
+    target, drafter = models
+    contiguous, _ = engines
+    engine = Engine(target, drafter, EngineConfig(page_size=PAGE, **CONFIG))
+    batcher = ContinuousBatcher(engine)
+    _run(batcher, [base])  # the prefix now cached
+    running = batcher.submit(base[:17], MAX_NEW, [11])
+    batcher.step()
+    real = engine._paged_prefill
+
+    def failing(*args, **kwargs):
+        if took_the_state:
+            for x in jax.tree.leaves(args[2]):
+                x.delete()  # what a donated call that failed on the device leaves
+        raise RuntimeError("prefill failed")
+
+    engine._paged_prefill = failing
+    late = batcher.submit(base + [3, 4, 5], MAX_NEW, [11])
+    batcher.step()
+    engine._paged_prefill = real
+    batcher.run()
+    assert isinstance(late.error, RuntimeError)
+    if took_the_state:
+        assert running.error is late.error  # failed with it, not later on the deleted state
+    else:
+        assert running.error is None
+        assert running.result.output_ids == _solo(contiguous, base[:17]).output_ids
+    after = _run(batcher, [base + [3, 4, 5]])[0]
+    assert after.result.output_ids == _solo(contiguous, base + [3, 4, 5]).output_ids
+    assert batcher.pages.all_free()
+
+
 def test_rows_preempted_for_pages_resume_with_their_solo_output(models, engines, base):
     """A pool too small for every row at once: rows get pages as they advance, the newest are paused
     when the pool runs dry and resume from the prefix cache, each with its solo output, token for token."""
@@ -255,6 +297,42 @@ def test_a_paged_decode_step_holds_no_copy_of_the_caches(models):
         compiled = engine.decode_compiled(engine.empty_state(4), 1, window=1024)
         temp[page_size] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[PAGE] <= 1.01 * temp[0], temp
+
+
+_PREFILL_MEMORY = """
+import json, sys
+from dflash_jax import Engine, EngineConfig, load_drafter, load_target
+target, drafter = load_target(sys.argv[1]), load_drafter(sys.argv[2])
+temp = {}
+for pool in (160, 640):
+    engine = Engine(target, drafter, EngineConfig(page_size=8, max_batch_size=2, max_length=1024, num_pages=pool))
+    state = engine.empty_state(2)
+    for pages in (16, 64):
+        compiled, _ = engine.prefill_paged_compiled(state, 2, pages * 8 + 16, context_pages=pages, suffix=16)
+        memory = compiled.memory_analysis()
+        temp[f"{pool},{pages}"] = memory.temp_size_in_bytes if memory.alias_size_in_bytes else None
+print(json.dumps(temp))
+"""
+
+
+@pytest.mark.slow
+def test_a_prefill_over_a_cached_prefix_copies_neither_the_pools_nor_a_view_of_every_layer(tmp_path):
+    """The suffix runs through the page tables and writes the (donated) pools in place, as a decode step
+    does: its program's scratch memory does not grow with the pool, and grows with the cached prefix by
+    less than a contiguous view of the prefix's pages in every layer and its padded copy (how it was once
+    read). With XLA:CPU's own emitters, as users run it (the suite's classic emitters expand a scatter
+    into a loop that copies its operand), so in a process of its own."""
+    target_dir, drafter_dir = write_copycat_pair(tmp_path, block_size=8)
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "fusion_emitters" not in f)
+    out = subprocess.run([sys.executable, "-c", _PREFILL_MEMORY, str(target_dir), str(drafter_dir)],
+                         env=dict(os.environ, XLA_FLAGS=flags), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    temp = json.loads(out.stdout.splitlines()[-1])
+    assert None not in temp.values(), temp  # every program aliases the pools it was given
+    assert temp["640,16"] == temp["160,16"] and temp["640,64"] == temp["160,64"], temp
+    tc = load_target(target_dir).config
+    view = 2 * 2 * tc.num_layers * 48 * PAGE * tc.num_kv_heads * tc.head_dim * 4  # 48 pages: rows, K and V, float32
+    assert temp["160,64"] - temp["160,16"] < 2 * view, (temp, view)
 
 
 @pytest.mark.slow

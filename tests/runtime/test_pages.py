@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.ops.cache import KVCache, read_rows, write_rows
-from dflash_jax.ops.paged_cache import NULL_PAGE, PagedKV, gather_view, page_pools, scatter_positions
+from dflash_jax.ops.paged_cache import (NULL_PAGE, PagedKV, copy_positions, gather_pages, gather_positions, page_pools,
+                                        scatter_positions)
 from dflash_jax.runtime.pages import PageAllocator
 
 
@@ -101,9 +102,12 @@ def test_paged_view_and_scatter_equal_the_contiguous_cache():
     pools = page_pools(1, 1 + batch * max_pages, page_size, kv, dim, jnp.float32)
     everything = jnp.ones((batch, page_size * max_pages), bool)
     pool = scatter_positions(pools.k[0], table, cache, jnp.zeros((batch,), jnp.int32), everything)
-    view = gather_view(KVCache((pool,), (pool,)), table, max_pages)
-    np.testing.assert_array_equal(view.k[0], cache)
-    np.testing.assert_array_equal(gather_view(KVCache((pool,), (pool,)), table, 2).k[0], cache[:, :8])
+    np.testing.assert_array_equal(gather_pages(pool, table, max_pages), cache)
+    np.testing.assert_array_equal(gather_pages(pool, table, 2), cache[:, :8])
+    # positions read back through the table at per-row starts, across page boundaries
+    reads = jnp.asarray([0, 6, 13], jnp.int32)
+    np.testing.assert_array_equal(gather_positions(pool, table, reads, 5),
+                                  np.stack([cache[b, s:s + 5] for b, s in enumerate([0, 6, 13])]))
 
     # a block written through the table at per-row starts lands in the pages; a done row writes nothing
     starts = jnp.asarray([3, 9, 14], jnp.int32)
@@ -126,3 +130,20 @@ def test_positions_past_a_rows_pages_write_into_the_null_page():
     np.testing.assert_array_equal(out[1:3].reshape(-1), [1, 2, 3, 4])
     np.testing.assert_array_equal(out[3].reshape(-1), [0, 0])  # a page of no row is untouched
     assert jax.tree.leaves(out)[0].shape == pool.shape
+
+
+def test_positions_are_copied_between_page_tables_and_shared_pages_are_left_alone():
+    # Row 0 (a prompt's pass) holds positions 0-7 in pages 1, 2; row 1 shares page 1 and owns page 3.
+    pool = jnp.zeros((5, 4, 1, 1), jnp.float32)
+    source = jnp.asarray([[1, 2], [1, 2]], jnp.int32)
+    values = jnp.arange(1.0, 9.0).reshape(1, 8, 1, 1)
+    pool = scatter_positions(pool, source[:1], values, jnp.asarray([0], jnp.int32), jnp.ones((1, 8), bool))
+    target = jnp.asarray([[1, 2], [1, 3]], jnp.int32)
+    starts = jnp.asarray([4, 4], jnp.int32)
+    keep = jnp.asarray([[True] * 4, [True, True, True, False]])  # row 1's last position is past its prompt
+    shared = pool.at[1].set(-1.0)  # a write into a page both tables name would show here
+    out = copy_positions(shared, source, target, starts, keep)
+    np.testing.assert_array_equal(out[1].reshape(-1), [-1] * 4)
+    np.testing.assert_array_equal(out[2].reshape(-1), [5, 6, 7, 8])  # row 0: the same page, unchanged
+    np.testing.assert_array_equal(out[3].reshape(-1), [5, 6, 7, 0])  # row 1: its own page, 3 positions
+    np.testing.assert_array_equal(out[4].reshape(-1), [0] * 4)

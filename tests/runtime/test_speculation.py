@@ -209,7 +209,7 @@ def test_target_only_calls_extend_the_drafters_context_as_a_prefill_of_their_tok
     if page_size:
         pages = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(4)]
         state = engine.empty_state(4)
-        rows, _, admission = engine.prefill_paged(state, prompts, new_tokens, [()] * 4, pages, [0] * 4)
+        state, rows, _, admission = engine.prefill_paged(state, prompts, new_tokens, [()] * 4, pages, [0] * 4)
         state = engine.admit_paged(state, rows, [0, 1, 2, 3], admission)
     else:
         rows, _ = engine.prefill(prompts, new_tokens, [()] * 4)
@@ -221,8 +221,10 @@ def test_target_only_calls_extend_the_drafters_context_as_a_prefill_of_their_tok
     assert (starts - before).tolist() == [11, 3, 0, 7]
     cache = state.draft_cache
     if page_size:
-        from dflash_jax.ops.paged_cache import gather_view
-        cache = gather_view(cache, state.page_table, engine.max_pages)
+        from dflash_jax.ops.cache import KVCache
+        from dflash_jax.ops.paged_cache import gather_pages
+        cache = KVCache(*(tuple(gather_pages(x, state.page_table, engine.max_pages) for x in xs)
+                          for xs in (cache.k, cache.v)))
     for row in range(4):
         n = int(starts[row])
         fresh, _ = engine.prefill([tokens[row, :n].tolist()], [1], [()])
