@@ -110,11 +110,9 @@ def time_modes(engine: Engine, batch: int, context: int, modes: list[str], steps
     return out, compile_s, kernels
 
 
-def print_extra_kernels(kernels: dict[str, dict[str, float]], batch: int, top: int = 12,
-                        notes: dict[str, dict[str, str]] | None = None) -> None:
+def print_extra_kernels(kernels: dict[str, dict[str, float]], batch: int, top: int = 12) -> None:
     """Per mode against greedy (us a step): kernel counts and busy time, and the kernels the greedy step
-    does not launch, largest first (names are XLA's fusions and custom calls of that program), each
-    with ``notes[mode][kernel]`` where given (``bench_topk.py``: its HLO output shape)."""
+    does not launch, largest first (names are XLA's fusions and custom calls of that program)."""
     greedy = kernels.get("greedy")
     if not greedy:
         return
@@ -126,8 +124,7 @@ def print_extra_kernels(kernels: dict[str, dict[str, float]], batch: int, top: i
               f"{len(greedy)} -> {len(ks)} kernel names; {sum(us for us, _ in extra):.0f} us in kernels greedy "
               f"does not launch:")
         for us, name in extra[:top]:
-            note = (notes or {}).get(mode, {}).get(name, "")
-            print(f"  {us:9.1f} us  {name[:90]}" + (f"  {note[:60]}" if note else ""))
+            print(f"  {us:9.1f} us  {name[:90]}")
 
 
 def check_candidate_draws(vocab: int, rows: int, scale: float, candidates: int) -> dict:

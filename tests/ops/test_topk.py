@@ -1,5 +1,4 @@
-"""ops.topk.top_k (two stages over slices of the row; the sort-free select and the sort methods) against
-jax.lax.top_k, ties included."""
+"""ops.topk.top_k (two stages over slices of the row) against jax.lax.top_k, ties included."""
 
 from __future__ import annotations
 
@@ -11,20 +10,19 @@ import pytest
 from dflash_jax.ops import topk
 
 # Jitted: one compile per shape, not one dispatch per operation.
-top_k = jax.jit(topk.top_k, static_argnames=("k", "chunk", "method"))
-top_k_and_argmax = jax.jit(topk.top_k_and_argmax, static_argnames=("k", "chunk", "method"))
+top_k = jax.jit(topk.top_k, static_argnames=("k", "chunk"))
+top_k_and_argmax = jax.jit(topk.top_k_and_argmax, static_argnames=("k", "chunk"))
 
 
-@pytest.mark.parametrize("method", ["select", "sort"])
 @pytest.mark.parametrize("k", [1, 5, 16, 20])
-def test_equals_lax_top_k_ties_included(k, method):
+def test_equals_lax_top_k_ties_included(k):
     rs = np.random.RandomState(9)
     x = rs.randn(4, 5000).astype(np.float32)
     x[1, 4000:4010] = 9.0   # ties inside one slice
     x[2] = np.round(x[2])   # many ties, across slices, at the k-th value
     x[3, ::97] = 7.0        # equal maxima in many slices
     for chunk in (64, 128):
-        values, ids = top_k(jnp.asarray(x), k=k, chunk=chunk, method=method)
+        values, ids = top_k(jnp.asarray(x), k=k, chunk=chunk)
         want_values, want_ids = jax.lax.top_k(jnp.asarray(x), k)
         np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))  # equal values: lower ids first
@@ -66,9 +64,9 @@ def _assert_lax(x, k, **kw):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("vocab,k", [(151, 64), (5003, 64), (20000, 64), (3000, 1), (3000, 7)])
-def test_select_equals_lax_top_k_ties_infinities_and_short_rows(dtype, vocab, k):
-    """The sort-free select at the candidate count the sampler uses (64), both dtypes: ties inside and
-    across slices at the k-th value, rows of -inf, rows mostly -inf, rows shorter than 2k slices."""
+def test_candidate_counts_equal_lax_top_k_ties_infinities_and_short_rows(dtype, vocab, k):
+    """The candidate count the sampler uses (64), both dtypes: ties inside and across slices at the k-th
+    value, rows of -inf, rows mostly -inf, rows shorter than 2k slices."""
     rs = np.random.RandomState(vocab + k)
     x = rs.randn(7, vocab).astype(np.float32)
     x[1, 10:30] = 9.0
@@ -77,64 +75,18 @@ def test_select_equals_lax_top_k_ties_infinities_and_short_rows(dtype, vocab, k)
     x[4, :] = -np.inf
     x[5, : vocab - k // 2] = -np.inf          # fewer than k finite values
     x[6] = 1.0                                # one value
-    _assert_lax(jnp.asarray(x).astype(dtype), k, method="select")
+    _assert_lax(jnp.asarray(x).astype(dtype), k)
 
 
-def test_select_orders_signed_zeros_and_infinities_as_lax_top_k():
-    """lax.top_k ranks floats by their total order: -0.0 below 0.0; so does the select."""
-    x = np.zeros((2, 4000), np.float32)
-    x[0, 1::2] = -0.0
-    x[1, ::3] = -0.0
-    x[1, 5] = np.inf
-    x[1, 6] = -np.inf
-    for dtype in (jnp.float32, jnp.bfloat16):
-        _assert_lax(jnp.asarray(x).astype(dtype), 64, method="select")
-        values = top_k_and_argmax(jnp.asarray(x).astype(dtype), k=64, method="select")[0]
-        np.testing.assert_array_equal(np.signbit(np.asarray(values.astype(jnp.float32))),
-                                      np.signbit(np.asarray(jax.lax.top_k(jnp.asarray(x), 64)[0])))
-
-
-def test_order_keys_follow_the_float_order():
-    values = np.array([-np.inf, -3e38, -1.5, -1e-40, -0.0, 0.0, 1e-40, 2.5, 3e38, np.inf], np.float32)
-    for dtype in (jnp.float32, jnp.bfloat16):
-        keys = np.asarray(topk.order_keys(jnp.asarray(values).astype(dtype))).astype(np.int64)
-        assert np.all(np.diff(keys) >= 0) and keys.dtype == np.int64
-        distinct = np.asarray(jnp.asarray(values).astype(dtype).astype(jnp.float32))
-        # Equal keys exactly where the dtype rounds two values to the same bits.
-        same_bits = distinct[1:].view(np.uint32) == distinct[:-1].view(np.uint32)
-        np.testing.assert_array_equal(np.diff(keys) == 0, same_bits)
-
-
-def test_select_rejects_a_bad_method_or_k():
+def test_rejects_a_bad_k():
     x = jnp.zeros((2, 300), jnp.float32)
-    with pytest.raises(ValueError, match="method"):
-        topk.top_k_and_argmax(x, 4, method="bitonic")
     with pytest.raises(ValueError, match="k=301"):
         topk.top_k_and_argmax(x, 301)
 
 
-def test_select_with_the_largest_candidate_count_on_a_whole_vocabulary():
-    """k = 1024 (``MAX_TOP_K_CANDIDATES``) over Qwen3's 151,936: 65,536 picked elements, past the
-    packed prefix count; ties across the picked slices."""
+def test_the_largest_candidate_count_on_a_whole_vocabulary():
+    """k = 1024 (``MAX_TOP_K_CANDIDATES``) over Qwen3's 151,936: 65,536 picked elements; ties across the
+    picked slices."""
     rs = np.random.RandomState(4)
     x = np.round(rs.randn(2, 151936) * 3).astype(np.float32)
-    _assert_lax(jnp.asarray(x).astype(jnp.bfloat16), 1024, method="select")
-
-
-@pytest.mark.parametrize("n", [1, 37, 64, 65, 1187, 4096, 8192, 70000])
-def test_prefix_sums_equal_cumsum(n):
-    x = jnp.asarray(np.random.RandomState(n).randint(0, 3, (3, n)), jnp.int32)
-    np.testing.assert_array_equal(np.asarray(topk._prefix_sums(x)), np.cumsum(np.asarray(x), axis=-1))
-
-
-def test_default_method_by_backend(monkeypatch):
-    """The radix select where XLA's top-k is a sort (GPUs); XLA's top-k on CPUs and TPUs, where the
-    select's small reductions are the slower (docs/performance.md, rejected designs)."""
-    assert topk.default_method() == "sort"  # this suite runs on the CPU
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert topk.default_method() == "select"
-    # A call without a method traces the backend's: no sort left in the select's program.
-    text = jax.jit(lambda x: topk.top_k(x, 8)).lower(jnp.zeros((2, 4096), jnp.float32)).as_text()
-    assert "stablehlo.sort" not in text and "chlo.top_k" not in text
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert topk.default_method() == "sort"
+    _assert_lax(jnp.asarray(x).astype(jnp.bfloat16), 1024)
