@@ -189,7 +189,9 @@ def main() -> None:
                     help="positions per page (the Mosaic GPU paged attention takes multiples of 64)")
     ap.add_argument("--kinds", default="target,dflash", help="part 1's steps: target (target-only), dflash")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"part 1's caches and kernels: {list(VARIANTS)}")
-    ap.add_argument("--pages", type=int, default=4096, help="the paged DFlash engine's pool")
+    ap.add_argument("--pages", type=int, default=1536,
+                    help="the paged DFlash engine's pool (parts 2-3 need ~600 pages of 64; 4,096 beside the 8B "
+                         "weights overflow an H100)")
     ap.add_argument("--prefix", type=int, default=4000)
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--streams", type=int, default=8)
