@@ -229,10 +229,15 @@ def main() -> None:
     paged = None
     if "ttft" in args.parts or "gap" in args.parts:
         longest = -(-(max(args.long, args.prefix + args.suffix) + 1) // 512) * 512
+        # The uncached rest of a prompt whose prefix is cached, in full pages: its bucket as the engine's
+        # default buckets (powers of two) give it, not the next of this list's larger ones.
+        rest = args.prefix + args.suffix - args.prefix // args.page_size * args.page_size
+        rest_bucket = max(16, 1 << (rest - 1).bit_length())
         paged = Engine(target, drafter, dataclasses.replace(
             small, max_batch_size=max(max(args.batch_list), 2 * args.streams), max_length=longest + 512,
             page_size=args.page_size, num_pages=args.pages,
-            prompt_buckets=tuple(sorted({64, args.stream_prompt, args.chunk, args.prefix + args.suffix, longest}))))
+            prompt_buckets=tuple(sorted({64, rest_bucket, args.stream_prompt, args.chunk, args.prefix + args.suffix,
+                                         longest}))))
     del target, drafter
     gc.collect()
     if "ttft" in args.parts:
