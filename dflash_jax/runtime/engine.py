@@ -504,13 +504,12 @@ class Engine:
                               logprobs=self.config.max_logprobs)
         sampling = dict(sampling)
         want = sampling.pop("prompt_logprobs")
-        rows = paged.prefill(target, drafter, state, page_rows, ids, lens, cached, max_lens, stop_ids,
-                             suffix=suffix, context_pages=context_pages, capacity=self.capacity,
-                             max_steps=self.config.max_length, mask_token_id=self._mask_id, ops=self.ops,
-                             sampling=sampling, max_logprobs=self.config.max_logprobs, flags=flags,
-                             candidates=self.config.sampling_candidates, source=source, row_cached=row_cached,
-                             row_pages=row_pages, prompt_logprobs=want)
-        rows, state = rows
+        rows, state = paged.prefill(
+            target, drafter, state, page_rows, ids, lens, cached, max_lens, stop_ids, suffix=suffix,
+            context_pages=context_pages, capacity=self.capacity, max_steps=self.config.max_length,
+            mask_token_id=self._mask_id, ops=self.ops, sampling=sampling, max_logprobs=self.config.max_logprobs,
+            flags=flags, candidates=self.config.sampling_candidates, source=source, row_cached=row_cached,
+            row_pages=row_pages, prompt_logprobs=want)
         return rows, jnp.take_along_axis(rows.tokens, rows.starts[:, None], axis=1)[:, 0], state
 
     def prefill_paged(self, state: decoding.DecodeState, prompts: Sequence[Sequence[int]],
