@@ -57,3 +57,36 @@ def test_attend_and_write_takes_sub_blocks_where_the_kernel_cannot_hold_the_bloc
     np.testing.assert_allclose(got[0], want[0], rtol=2e-5, atol=2e-5)
     for g, w in zip(got[1:], want[1:]):
         np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("ops", [XLA, OpsConfig(attention="pallas")], ids=["xla", "kernel"])
+def test_a_long_block_through_page_tables_equals_the_contiguous_cache(monkeypatch, ops):
+    """A prefill suffix over a cached prefix on paged caches (``runtime.paged.prefill``): the block is written
+    into the rows' pages (shuffled over the pool) and, where the kernel cannot hold it, attended as 16-slot
+    sub-blocks through the tables (``triton_block_kernel_fits`` as on a GPU: sub-blocks fit, the block does
+    not). The same attention as the contiguous cache's, and the pool holds the block's K/V."""
+    from dflash_jax.ops.paged_cache import PagedKV, gather_pages, scatter_positions
+
+    monkeypatch.setattr(attention_ops, "triton_block_kernel_fits", lambda q_shape, *a: q_shape[2] <= 16)
+    rng = np.random.default_rng(2)
+    batch, block, page = 2, 40, 8
+    pages = CAPACITY // page
+    k_cache, v_cache = (jnp.asarray(rng.standard_normal((batch, CAPACITY, KV, DIM)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((batch, 1, block, HEADS, DIM)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((batch, 1, block, KV, DIM)), jnp.float32) for _ in range(2))
+    starts, blk_lens = jnp.asarray([48, 8], jnp.int32), jnp.asarray([40, 29], jnp.int32)
+    table = jnp.asarray(1 + rng.permutation(batch * pages).reshape(batch, pages), jnp.int32)  # page 0: the null page
+    everything = jnp.ones((batch, CAPACITY), bool)
+
+    def pooled(cache):
+        pool = jnp.zeros((1 + batch * pages, page, KV, DIM), jnp.float32)
+        return PagedKV(scatter_positions(pool, table, cache, jnp.zeros((batch,), jnp.int32), everything), table,
+                       jnp.ones((batch,), bool), pages)
+
+    want, k_want, v_want = attention_ops.attend_and_write(q, k, v, starts, k_cache, v_cache, blk_lens, causal=True,
+                                                          write=True, ops=XLA)
+    got, k_got, v_got = jax.jit(lambda *a: attention_ops.attend_and_write(*a, causal=True, write=True, ops=ops))(
+        q, k, v, starts, pooled(k_cache), pooled(v_cache), blk_lens)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(gather_pages(k_got.pool, table, pages), k_want)
+    np.testing.assert_array_equal(gather_pages(v_got.pool, table, pages), v_want)
