@@ -203,7 +203,6 @@ def test_paged_engine_with_the_kernels_equals_contiguous(models, engines, base):
     assert batcher.pages.all_free()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("took_the_state", [False, True])
 def test_a_failed_paged_prefill_fails_its_prompt_and_the_rows_only_if_it_took_their_state(models, engines, base,
                                                                                          took_the_state):
@@ -241,6 +240,7 @@ def test_a_failed_paged_prefill_fails_its_prompt_and_the_rows_only_if_it_took_th
     assert batcher.pages.all_free()
 
 
+@pytest.mark.slow
 def test_rows_preempted_for_pages_resume_with_their_solo_output(models, engines, base):
     """A pool too small for every row at once: rows get pages as they advance, the newest are paused
     when the pool runs dry and resume from the prefix cache, each with its solo output, token for token."""
