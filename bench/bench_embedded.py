@@ -55,7 +55,8 @@ def measure(target, drafter, prompts, block: int, args) -> dict:
     eos = list(target.config.eos_token_ids)
     config = EngineConfig(max_batch_size=1, max_length=max(map(len, prompts)) + args.max_new_tokens + 8,
                           steps_per_sync=8, block_size=block, cached_attention_tiles=args.attention_config)
-    spec, plain = Engine(target, drafter, config), Engine(target, None, dataclasses.replace(config, block_size=None))
+    spec = Engine(target, drafter, config)
+    plain = spec.derive(dataclasses.replace(config, block_size=None), drafter=None)
     for engine in (spec, plain):
         engine.warmup([1])
     fast, t_spec = generate_all(spec, prompts, args.max_new_tokens, eos, args.repeats)
@@ -139,7 +140,8 @@ def main() -> None:
         print(f"{'T':>5} {'verify':>9} {'tau':>6} {'exact = target-only':>20}", flush=True)
         config = EngineConfig(max_batch_size=len(prompts), steps_per_sync=8, block_size=block,
                               max_length=max(map(len, prompts)) + args.max_new_tokens + 8)
-        spec, plain = Engine(target, drafter, config), Engine(target, None, dataclasses.replace(config, block_size=None))
+        spec = Engine(target, drafter, config)
+        plain = spec.derive(dataclasses.replace(config, block_size=None), drafter=None)
         temperatures = [float(t) for t in args.temperatures.split(",") if t]
         for r in sampled_tau(spec, plain, prompts, args.max_new_tokens, temperatures, list(target.config.eos_token_ids)):
             rows.append(dict(r, device=device))

@@ -117,7 +117,7 @@ def profile_decode(engine: Engine, context: int, steps: int, out_dir: str, top: 
         print(f"  {sum(d) / traced:9.1f} us  {len(d) / traced:5.1f}x  {name[:110]}", flush=True)
 
 
-def profile_step(args, target, drafter, out_dir: str, calls: int = 3) -> dict:
+def profile_step(args, base: Engine, out_dir: str, calls: int = 3) -> dict:
     """``--profile-batch``: the DFlash and target-only decode steps of ``args.profile_batch`` rows at
     ``args.context``, compiled in parallel, timed by synchronised calls, then traced: each one's GPU
     kernel time per step by kind of op (``profile_ops.CATEGORIES``; GEMMs by role and shape, with the
@@ -132,7 +132,7 @@ def profile_step(args, target, drafter, out_dir: str, calls: int = 3) -> dict:
     cfg = EngineConfig(max_batch_size=batch, max_length=args.context + 512, prompt_buckets=(args.context,),
                        steps_per_sync=steps, attention_impl=args.attention, decode_loop=args.decode_loop,
                        cached_attention_tiles=args.cached_config, gpu_lowering=args.gpu_lowering)
-    engines = {"dflash": Engine(target, drafter, cfg), "target-only": Engine(target, None, cfg)}
+    engines = {"dflash": base.derive(cfg), "target-only": base.derive(cfg, drafter=None)}
     t0 = time.perf_counter()
     lowered = {name: engine.decode_lowered(jax.eval_shape(
         lambda e=engine: timing.synthetic_state(e, batch, args.context, seed=0)), steps)
@@ -141,7 +141,7 @@ def profile_step(args, target, drafter, out_dir: str, calls: int = 3) -> dict:
         hlo = dict(zip(lowered, pool.map(lambda low: low.compile().as_text(), lowered.values())))
     print(f"profile: batch {batch}, context {args.context}: both decode programs compiled in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
-    tc, dc = target.config, drafter.config
+    tc, dc = base.target.config, base.drafter.config
     roles = profile_ops.model_roles(tc, dc)
     report = dict(batch=batch, context=args.context, engines={})
     for name, engine in engines.items():
@@ -257,13 +257,13 @@ def reference_torch(cfg: TargetConfig, drafter_layers: int, block: int, context:
     return out
 
 
-def bench_batch(args, target, drafter, batch: int, draft_batches: set[int]) -> dict:
-    mesh = MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None
+def bench_batch(args, base: Engine, batch: int, draft_batches: set[int]) -> dict:
+    """The engines of one batch size, on ``base``'s copy of the weights (``Engine.derive``)."""
     cfg = EngineConfig(max_batch_size=batch, max_length=args.context + 512, prompt_buckets=(args.context,),
-                       steps_per_sync=args.steps_per_sync, attention_impl=args.attention, mesh=mesh,
+                       steps_per_sync=args.steps_per_sync, attention_impl=args.attention, mesh=base.config.mesh,
                        decode_loop=args.decode_loop, cached_attention_tiles=args.cached_config,
                        gpu_lowering=args.gpu_lowering)
-    spec, plain = Engine(target, drafter, cfg), Engine(target, None, cfg)
+    spec, plain = base.derive(cfg), base.derive(cfg, drafter=None)
     t0 = time.perf_counter()
     t_plain, _ = timing.time_decode(plain, batch, args.context, args.steps, args.repeats)
     t_spec, tau = timing.time_decode(spec, batch, args.context, args.steps, args.repeats)
@@ -372,13 +372,15 @@ def main() -> None:
     tcfg = tiny_target_config(num_layers=4) if args.tiny else timing.qwen3_8b(args.layers)
     t0 = time.perf_counter()
     target, drafter = timing.random_pair(tcfg)
+    # Every engine below is derived from this one: the weights are held once, in the serving layout.
+    mesh = MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None
+    base = Engine(target, drafter, EngineConfig(max_batch_size=1, max_length=64, attention_impl="xla", mesh=mesh))
+    del target, drafter
     if args.profile_batch:
-        report = dict(config=vars(args), profile=profile_step(args, target, drafter, args.profile or "/tmp/dflash_profile"))
+        report = dict(config=vars(args), profile=profile_step(args, base, args.profile or "/tmp/dflash_profile"))
         timing.write_json(args.out, report)
         return
-    served = Engine(target, drafter, EngineConfig(max_batch_size=1, max_length=64, attention_impl="xla"))
-    tbytes, dbytes = timing.streamed_bytes(served.target), timing.param_bytes(served.drafter)
-    del served
+    tbytes, dbytes = timing.streamed_bytes(base.target), timing.param_bytes(base.drafter)
     print(f"init {time.perf_counter() - t0:.1f}s; the target streams {tbytes / 1e9:.2f} GB per step, the drafter "
           f"{dbytes / 1e9:.2f} GB", flush=True)
 
@@ -389,7 +391,7 @@ def main() -> None:
     draft_batches = {int(b) for b in args.draft_batches.split(",") if b}
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
-        entry = bench_batch(args, target, drafter, batch, draft_batches)
+        entry = bench_batch(args, base, batch, draft_batches)
         report["batches"][batch] = entry
         rows.append((batch, entry))
         timing.write_json(args.out, report)

@@ -217,13 +217,15 @@ def bench_batch(args, spec: Engine, plain: Engine, rates: dict, batch: int, cont
     return entry
 
 
-def bench_context(args, target, drafter, context: int, batches: list[int], t_start: float, report: dict,
+def bench_context(args, models: Engine, context: int, batches: list[int], t_start: float, report: dict,
                   counter: CompileCounter) -> None:
+    """The engines of one context, on ``models``' copy of the weights (``Engine.derive``)."""
     blocks = tuple(int(b) for b in args.blocks.split(","))
+    drafter = models.drafter
     room = drafter.config.block_size * args.steps * (args.calls + 3) + 64
     cfg = EngineConfig(max_batch_size=1, max_length=context + room, prompt_buckets=(16,), steps_per_sync=args.steps,
                        speculation="adaptive", speculation_blocks=blocks, drafter_context_window=args.window)
-    engines = dict(spec=Engine(target, drafter, cfg), plain=Engine(target, None, cfg))
+    engines = dict(spec=models.derive(cfg), plain=models.derive(cfg, drafter=None))
     spec, plain = engines["spec"], engines["plain"]
     compiled = compile_context(engines, batches, context, args.steps, args.compile_threads,
                                deadline=t_start + args.budget_s)
@@ -338,10 +340,11 @@ def main(argv=None) -> None:
     counter = CompileCounter()
     print(timing.device_line(), flush=True)
     tcfg = tiny_target_config(num_layers=4) if args.tiny else timing.qwen3_8b(args.layers)
-    target, base = timing.random_pair(tcfg)
-    target = repeat_target(target)
-    drafter = synthetic_drafter(base, 0.0)
-    del base
+    target, random_drafter = timing.random_pair(tcfg)
+    # Every engine is derived from this one: the weights are held once, in the serving layout.
+    models = Engine(repeat_target(target), synthetic_drafter(random_drafter, 0.0),
+                    EngineConfig(max_batch_size=1, max_length=64, prompt_buckets=(16,)))
+    del target, random_drafter
     report = dict(config={**vars(args), "sweep": [f"{c}:{','.join(map(str, b))}" for c, b in sweep]},
                   device=timing.device_line(), results=[], skipped=[], compile=[])
     print(f"models built in {time.perf_counter() - t_start:.1f} s", flush=True)
@@ -352,7 +355,7 @@ def main(argv=None) -> None:
                                   for b in batches]
             print(f"context {context}: skipped, {elapsed:.0f} s past the --budget-s", flush=True)
             continue
-        bench_context(args, target, drafter, context, batches, t_start, report, counter)
+        bench_context(args, models, context, batches, t_start, report, counter)
     report["wall_s"] = time.perf_counter() - t_start
     timing.write_json(args.json, report)
     print_table(report)

@@ -230,7 +230,8 @@ def bench_family(args, family: str) -> dict:
         config = EngineConfig(max_batch_size=batch, max_length=args.context + BLOCK * steps * (args.calls + 3),
                               prompt_buckets=(args.context,), experts_impl=args.experts_impl,
                               gpu_lowering=args.gpu_lowering)
-        plain, spec = Engine(target, None, config), Engine(target, drafter, config)
+        spec = Engine(target, drafter, config)
+        plain = spec.derive(config, drafter=None)
         t_plain = timing.time_decode_pipelined(plain, batch, args.context, steps, args.calls)
         t_spec = timing.time_decode_pipelined(spec, batch, args.context, steps, args.calls)
         roof_plain = step_bytes(target, batch, batch, args.context) / timing.HBM_BYTES_PER_S

@@ -13,7 +13,9 @@ A Qwen3-8B-shaped target with random bf16 weights and a 5-layer block-16 drafter
    One engine at a time, sized for the part (``--context`` + 1,024 positions);
 2. ``ttft``: the time to first token of a ``--prefix + --suffix``-token prompt through the paged engine's
    ``ContinuousBatcher``, uncached, and with its first ``--prefix`` tokens cached by an earlier request
-   (medians of ``--repeats`` fresh prompts, after a round that compiles);
+   (medians of ``--repeats`` fresh prompts, after a round that compiles); with ``--profile`` (the default
+   on a GPU), three more prefix hits traced: their GPU kernel time against the time to first token, and
+   the largest kernels;
 3. ``gap``: ``--streams`` streams of ``--stream-prompt``-token prompts decode; after ``--steady-syncs`` host
    syncs a ``--long``-token prompt arrives and is prefilled ``--chunk`` tokens per sync
    (``engine.prefill_chunk``) between their decode calls. Per stream, the gap between successive token
@@ -36,6 +38,7 @@ import gc
 import statistics
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -125,7 +128,37 @@ def ttft_row(engine: Engine, args, rng: np.random.Generator) -> dict:
     row["cached_over_uncached"] = row["cached_prefix_ms"] / row["uncached_ms"]
     print(f"time to first token, {args.prefix} + {args.suffix} tokens: uncached {row['uncached_ms']:.1f} ms, "
           f"{hits[-1]} tokens cached {row['cached_prefix_ms']:.1f} ms ({row['cached_over_uncached']:.3f}x)", flush=True)
+    if args.profile:  # after the timing: where a prefix hit's time to first token goes
+        row["cached_prefix_kernels"] = cached_prefix_kernels(batcher, first[:args.prefix], args, prompt)
     return row
+
+
+def cached_prefix_kernels(batcher: ContinuousBatcher, prefix: list[int], args, prompt, calls: int = 3,
+                          top: int = 15) -> dict | None:
+    """The GPU kernels of a request whose ``prefix`` is cached, each call a fresh suffix: the kernel time a
+    request (their durations summed, without the gaps between them) against its time to first token, and
+    the ``top`` kernels by time a request."""
+    seconds: list[float] = []
+
+    def run() -> None:
+        ttft, hit = first_token_s(batcher, prefix + prompt(args.suffix))
+        if hit < len(prefix) // args.page_size * args.page_size:
+            raise RuntimeError(f"the profiled request found {hit} of its {len(prefix)} prefix tokens cached")
+        seconds.append(ttft)
+
+    durations = timing.gpu_kernel_times(run, args.profile_dir, calls=calls)
+    if not durations:
+        print("no GPU kernels traced: no kernel table", flush=True)
+        return None
+    per_request = {name: sum(d) / calls for name, d in durations.items()}
+    busy = sum(per_request.values())
+    ttft = 1e3 * statistics.median(seconds[1:])
+    print(f"a prefix hit: {busy / 1e3:.2f} ms of GPU kernels ({sum(len(d) for d in durations.values()) // calls} "
+          f"launches) in a {ttft:.1f} ms time to first token; its largest kernels, us a request:", flush=True)
+    ranked = sorted(per_request.items(), key=lambda kv: -kv[1])[:top]
+    for name, us in ranked:
+        print(f"  {us:9.1f}  {name[:100]}", flush=True)
+    return {"kernel_ms": busy / 1e3, "ttft_ms": ttft, "top_us": dict(ranked)}
 
 
 def stream_gaps(engine: Engine, args, rng: np.random.Generator) -> dict:
@@ -202,8 +235,13 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--parts", default="decode,ttft,gap")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 shapes: a CPU smoke test of this script")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
+                    help="part 2: trace prefix hits and print their largest GPU kernels (default: on a GPU)")
+    ap.add_argument("--profile-dir", default="/tmp/bench_paged_profile")
     ap.add_argument("--json", default=None, help="write the numbers here")
     args = ap.parse_args()
+    if args.profile is None:
+        args.profile = jax.default_backend() == "gpu"
     args.batch_list = [int(b) for b in args.batches.split(",")]
     args.kind_list, args.variant_list = args.kinds.split(","), args.variants.split(",")
     for name in args.kind_list + args.variant_list:

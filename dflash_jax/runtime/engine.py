@@ -218,6 +218,24 @@ class PagedAdmission:
 
     page_rows: jax.Array
     cache_from: jax.Array
+def _check_pair(target: Target, drafter: Drafter | None, config: EngineConfig) -> None:
+    """A drafter that does not fit ``target`` (vocabulary, hidden size, tapped layer count) or whose
+    block ``config`` cannot run is an error."""
+    if drafter is None:
+        return
+    if drafter.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"drafter vocab_size {drafter.config.vocab_size} != target vocab_size "
+                         f"{target.config.vocab_size}")
+    if drafter.config.hidden_size != target.config.hidden_size:  # it embeds with the target's table
+        raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size "
+                         f"{target.config.hidden_size}")
+    if drafter.config.num_target_layers != target.config.num_layers:
+        raise ValueError(f"drafter num_target_layers {drafter.config.num_target_layers} != target "
+                         f"num_hidden_layers {target.config.num_layers}")
+    if (error := config.drafter_block_error(drafter.config.block_size)) is not None:
+        raise ValueError(error)
+
+
 def _speculation_blocks(config: EngineConfig, block_size: int, drafter: Drafter | None) -> tuple[int, ...]:
     """The block sizes an engine's decode calls may run, largest first, 1 (target-only) last: the
     engine's block alone with fixed speculation; else ``speculation_blocks`` (default: the block, its
@@ -333,53 +351,81 @@ class Engine:
 
     def __init__(self, target: Target, drafter: Drafter | None, config: EngineConfig = EngineConfig(),
                  mesh: Mesh | None = None):
+        """``target`` and ``drafter`` in their checkpoint layout: the engine runs copies in the serving
+        layout (``serving_params``), sharded on ``mesh`` (default: ``config.mesh``'s), and never changes
+        them. Drop yours once the engine is built: the copies hold the weights (``derive`` builds
+        further engines on the same copies)."""
         config.validate()
+        for module, name in ((target, "target"), (drafter, "drafter")):
+            if module is not None and in_serving_layout(module):
+                raise ValueError(f"the {name} passed to Engine is in the serving layout (an engine's "
+                                 f"engine.{name}); pass the module in its checkpoint layout")
+        _check_pair(target, drafter, config)
+        mesh = mesh if mesh is not None else (make_mesh(config.mesh) if config.mesh is not None else None)
+        if mesh is not None and isinstance(target, HybridTarget):
+            raise ValueError("a hybrid linear-attention target (models.hybrid) runs on one device: no mesh")
+        rules = config.mesh.resolved_rules() if config.mesh is not None else None
+        target = serving_target(target)
+        drafter = serving_drafter(drafter) if drafter is not None else None
+        if mesh is not None:
+            shard_module(target, mesh, rules)
+            if drafter is not None:
+                shard_module(drafter, mesh, rules)
+        self._build(target, drafter, config, mesh, rules)
+
+    def derive(self, config: EngineConfig | None = None, *, drafter: Drafter | None | str = "same") -> "Engine":
+        """Another engine on this one's copy of the target (its weights are not copied again): with
+        ``config`` (default: this engine's; its mesh settings must be this engine's) and ``drafter``
+        (``"same"``: this engine's copy; None: target-only; a module in its checkpoint layout: a copy of
+        it in the serving layout). Engines of several configurations over one target (target-only beside
+        speculative, several block sizes) then hold its weights once."""
+        config = self.config if config is None else config
+        config.validate()
+        if config.mesh != self.config.mesh:
+            raise ValueError("Engine.derive: config.mesh differs from this engine's; build a new Engine for "
+                             "another mesh")
+        if isinstance(drafter, str):
+            if drafter != "same":
+                raise ValueError(f"Engine.derive: drafter must be 'same', None or a Drafter, got {drafter!r}")
+            served = self.drafter
+        elif drafter is None:
+            served = None
+        else:
+            if in_serving_layout(drafter):
+                raise ValueError("the drafter passed to Engine.derive is in the serving layout (an engine's "
+                                 "engine.drafter); pass the module in its checkpoint layout, or 'same'")
+            served = drafter
+        _check_pair(self.target, served, config)
+        if served is not None and served is not self.drafter:
+            served = serving_drafter(served)
+            if self.mesh is not None:
+                shard_module(served, self.mesh, self._rules)
+        engine = object.__new__(Engine)
+        engine._build(self.target, served, config, self.mesh, self._rules)
+        return engine
+
+    def _build(self, target: Target, drafter: Drafter | None, config: EngineConfig, mesh: Mesh | None,
+               rules) -> None:
+        """The engine over ``target`` and ``drafter`` in the serving layout, already on ``mesh``."""
         if config.compilation_cache_dir is not None:
             use_compilation_cache(config.compilation_cache_dir)
         self.config = config
-        if drafter is not None:
-            if drafter.config.vocab_size != target.config.vocab_size:
-                raise ValueError(f"drafter vocab_size {drafter.config.vocab_size} != target vocab_size "
-                                 f"{target.config.vocab_size}")
-            if drafter.config.hidden_size != target.config.hidden_size:  # it embeds with the target's table
-                raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size "
-                                 f"{target.config.hidden_size}")
-            if drafter.config.num_target_layers != target.config.num_layers:
-                raise ValueError(f"drafter num_target_layers {drafter.config.num_target_layers} != target "
-                                 f"num_hidden_layers {target.config.num_layers}")
-            if (error := config.drafter_block_error(drafter.config.block_size)) is not None:
-                raise ValueError(error)
         self.block_size = config.largest_block(drafter.config.block_size) if drafter is not None else 1
         self.speculation_blocks = _speculation_blocks(config, self.block_size, drafter)
         self.step_costs: dict[tuple[int, int], float] = {}  # (state rows, block) -> seconds per step
         # Rounded up to whole attention tiles: the GPU kernel otherwise shrinks its key tile to a
         # divisor of the capacity (16 keys for 1025) or pads a copy of every cache buffer per call.
         self.capacity = -(-(config.max_length + self.block_size) // CACHE_ALIGNMENT) * CACHE_ALIGNMENT
-        self.mesh = mesh if mesh is not None else (make_mesh(config.mesh) if config.mesh is not None else None)
+        self.mesh, self._rules = mesh, rules
         self.attention_impl = resolve_attention_impl(config.attention_impl)
-        self._rules = config.mesh.resolved_rules() if config.mesh is not None else None
         self.ops = OpsConfig(attention=self.attention_impl,
                              cached_attention_tiles=parse_tiles(config.cached_attention_tiles),
                              experts=config.experts_impl, gpu_lowering=config.gpu_lowering)
-        # The engine runs copies in the serving layout (``serving_params``); the caller's modules
-        # keep theirs, so one loaded target can back several engines.
-        for module, name in ((target, "target"), (drafter, "drafter")):
-            if module is not None and in_serving_layout(module):
-                raise ValueError(f"the {name} passed to Engine is in the serving layout (an engine's "
-                                 f"engine.{name}); pass the module in its checkpoint layout")
-        if self.mesh is not None and isinstance(target, HybridTarget):
-            raise ValueError("a hybrid linear-attention target (models.hybrid) runs on one device: no mesh")
-        target = serving_target(target)
-        drafter = serving_drafter(drafter) if drafter is not None else None
         # The modules the engine runs (the serving layout, sharded on the mesh).
         self.target, self.drafter = target, drafter
         self._matmul_precision = config.matmul_precision
         if self._matmul_precision == "auto":
             self._matmul_precision = "highest" if target.embed_tokens.dtype == jnp.float32 else "default"
-        if self.mesh is not None:
-            shard_module(target, self.mesh, self._rules)
-            if drafter is not None:
-                shard_module(drafter, self.mesh, self._rules)
         # Model state is split and flattened once: the jitted phases take plain tuples of arrays
         # (flattening NNX variables on every call costs more host time than a small model's step)
         # and rebuild the modules inside.
@@ -440,7 +486,7 @@ class Engine:
             raise ValueError("paged caches (engine.page_size > 0) take attention-only targets: a hybrid target's "
                              "recurrent state is per row")
         self.max_pages = self.capacity // self.page_size  # the capacity is a multiple of 128
-        self.num_pages = self._pool_pages() + 1  # page 0 is the null page
+        self._num_pages: int | None = None  # ``num_pages``: sized when first asked
         # The view a paged step copies follows the live rows, as the XLA attention's window does.
         self.windows = window_buckets(self.capacity) if not self.fixed_loop else (self.capacity,)
         once = _one_shot_compiler_options()
@@ -463,6 +509,16 @@ class Engine:
             dc = self.drafter.config
             total += 2 * dc.num_layers * dc.num_kv_heads * dc.head_dim * self.drafter.fc.dtype.itemsize
         return total * self.page_size
+
+    @property
+    def num_pages(self) -> int:
+        """The pool's pages, page 0 (the null page) included. With ``kv_memory_fraction``, sized from the
+        device's free memory when first asked (a batcher's start, ``empty_state``), not when the engine is
+        built: the modules it was built from may be dropped by then (``serving.cli.load_engine`` drops
+        them), and their memory is then free for pages."""
+        if self._num_pages is None:
+            self._num_pages = self._pool_pages() + 1
+        return self._num_pages
 
     def _pool_pages(self) -> int:
         """The pages requests may hold: ``num_pages``, or ``kv_memory_fraction`` of the device's free

@@ -233,7 +233,8 @@ def load_settings(args: argparse.Namespace):
 
 
 def load_engine(cfg):
-    """(engine, target) from the settings."""
+    """The engine of the settings. The loaded modules are dropped once it is built (it runs its own copies
+    in the serving layout), so their memory is free for the KV pages and the activations."""
     from dflash_jax.io.checkpoint import load_drafter, load_target
     from dflash_jax.runtime.engine import Engine
 
@@ -251,12 +252,15 @@ def load_engine(cfg):
         target = load_target(cfg.model.target, dtype=cfg.model.dtype)
         drafter = None if cfg.model.no_draft else load_drafter(cfg.model.draft, dtype=cfg.model.dtype)
         engine = Engine(target, drafter, cfg.engine)
+        del target, drafter
+        if engine.paged:  # sized from the memory left now (engine.kv_memory_fraction); its errors at the start
+            log.info("a pool of %d pages of %d positions", engine.num_pages - 1, engine.page_size)
     except (ValueError, FileNotFoundError) as err:  # CheckpointError, ModelConfigError, engine settings
         raise CLIError(f"cannot load the models: {err}") from None
     log.info("loaded %s%s in %.1f s", cfg.model.target,
-             "" if drafter is None else f" with drafter {cfg.model.draft} (block size {engine.block_size})",
+             "" if engine.drafter is None else f" with drafter {cfg.model.draft} (block size {engine.block_size})",
              time.perf_counter() - t0)
-    return engine, target
+    return engine
 
 
 def check_block_size(cfg) -> None:
@@ -298,19 +302,19 @@ def load_tokenizer(cfg, required: bool):
         return None
 
 
-def stop_ids(cfg, tokenizer, target, engine) -> list[int]:
+def stop_ids(cfg, tokenizer, engine) -> list[int]:
     """The stop token ids of every generation: ``model.stop_token_ids``, else the tokenizer's, else the
     target config's EOS ids. Ids outside the vocabulary, or more distinct ids than the engine takes
     (each submission would fail), are an error here, at the start."""
     if cfg.model.stop_token_ids is not None:
-        vocab = target.config.vocab_size
+        vocab = engine.vocab_size
         if bad := [t for t in cfg.model.stop_token_ids if not 0 <= t < vocab]:
             raise CLIError(f"model.stop_token_ids has ids outside the vocabulary [0, {vocab}): {brief(bad[:5])}")
         ids = list(cfg.model.stop_token_ids)
     elif tokenizer is not None:
         ids = list(tokenizer.stop_token_ids)
     else:
-        ids = list(getattr(target.config, "eos_token_ids", ()) or ())
+        ids = list(getattr(engine.target.config, "eos_token_ids", ()) or ())
     if len(set(ids)) > engine.max_stop_ids:
         raise CLIError(f"{len(set(ids))} distinct stop ids (model.stop_token_ids, or the tokenizer's); the engine "
                        f"takes at most {engine.max_stop_ids}")
@@ -668,8 +672,8 @@ def run_generate(cfg, resume: bool = False, loaded: Callable[[], None] | None = 
 
     engine = None
     if todo:
-        engine, target = load_engine(cfg)
-        vocab = target.config.vocab_size
+        engine = load_engine(cfg)
+        vocab = engine.vocab_size
         for i in todo:
             if bad := [t for t in prompts[i] if not 0 <= t < vocab]:
                 raise CLIError(f"{input_path}:{lines[i].lineno}: token ids outside the vocabulary [0, {vocab}): "
@@ -678,7 +682,7 @@ def run_generate(cfg, resume: bool = False, loaded: Callable[[], None] | None = 
                 sampling[i].check_vocab(vocab, engine.config.max_logprobs)
             except ValueError as err:
                 raise CLIError(f"{input_path}:{lines[i].lineno}: 'sampling': {err}") from None
-        stops = [] if cfg.generate.ignore_eos else stop_ids(cfg, tokenizer, target, engine)
+        stops = [] if cfg.generate.ignore_eos else stop_ids(cfg, tokenizer, engine)
     if loaded is not None:
         loaded()
 
@@ -769,15 +773,15 @@ def run_serve(cfg, started: float | None = None, ready: Callable[[], None] | Non
     if api_key is not None and (problem := api_key_problem(api_key)):
         raise CLIError(f"{'server.api_key' if s.api_key else 'DFLASH_API_KEY'} {problem}")
     tokenizer = load_tokenizer(cfg, required=True)
-    engine, target = load_engine(cfg)
-    stops = stop_ids(cfg, tokenizer, target, engine)  # before the warmup: a client could not fix them
+    engine = load_engine(cfg)
+    stops = stop_ids(cfg, tokenizer, engine)  # before the warmup: a client could not fix them
     background = warm_up(cfg, engine)
     name = cfg.model.name or Path(cfg.model.target).resolve().name
     app = create_app(
         engine, tokenizer,
         model_name=name,
         max_length=cfg.engine.max_length,
-        vocab_size=target.config.vocab_size,
+        vocab_size=engine.vocab_size,
         default_max_tokens=s.default_max_tokens,
         api_key=api_key,
         metrics_api_key=s.metrics_api_key,

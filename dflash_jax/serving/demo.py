@@ -108,7 +108,7 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
     warm(plain, prompts + calibration, max_new_tokens, "target-only")
     spec = None
     for block in sizes:
-        engine = Engine(target, drafter, dataclasses.replace(config, block_size=block))
+        engine = plain.derive(dataclasses.replace(config, block_size=block), drafter=drafter)
         warm(engine, prompts + calibration, max_new_tokens, f"DFlash block size {block}")
         if len(sizes) > 1:
             for _ in range(repeats):  # the best of each: a shared machine's hiccups hit one run
@@ -122,7 +122,7 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
     spec2 = None
     if drafter2 is not None:
         block2 = min(spec.block_size, drafter2.config.block_size)
-        spec2 = Engine(target, drafter2, dataclasses.replace(config, block_size=block2))
+        spec2 = plain.derive(dataclasses.replace(config, block_size=block2), drafter=drafter2)
         warm(spec2, prompts, max_new_tokens, f"DFlash2 block size {block2}")
     if warmed_up is not None:
         warmed_up()

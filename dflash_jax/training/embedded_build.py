@@ -247,7 +247,7 @@ def evaluate(target_dir, drafter_dir, prompts: list[list[int]], max_new_tokens: 
     max_len = max(len(p) for p in prompts) + max_new_tokens + 8
     cfg = EngineConfig(max_batch_size=1, max_length=max_len, steps_per_sync=8, block_size=block_size)
     spec = Engine(target, drafter, cfg)
-    plain = Engine(target, None, dataclasses.replace(cfg, block_size=None))
+    plain = spec.derive(dataclasses.replace(cfg, block_size=None), drafter=None)
     for engine in (spec, plain):  # every prompt bucket and decode window compiled outside the timed runs
         engine.warmup([1])
 

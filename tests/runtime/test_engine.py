@@ -759,3 +759,64 @@ def test_sharded_decode_steps_gather_no_weights_and_no_logits(pair):
         gathered = [c.elements for c in collectives if c.kind == "all-gather"]
         assert any(c.kind == "all-reduce" for c in collectives), "the step is not partitioned"
         assert max(gathered, default=0) < vocab, (draft is not None, gathered, vocab)
+
+
+def test_derived_engines_share_the_target_copy_and_generate_as_new_ones(models, prompts, engines):
+    """``Engine.derive``: another configuration over the same serving copy of the target (its arrays are
+    this engine's, not copies), target-only or with another drafter, and the same generations as an
+    engine built from the modules."""
+    target, drafter = models
+    spec, plain = engines
+    config = EngineConfig(max_batch_size=8, max_length=80, steps_per_sync=2)
+    derived_plain = spec.derive(config, drafter=None)
+    assert all(a is b for a, b in zip(derived_plain._target_state, spec._target_state))
+    assert derived_plain.drafter is None and spec.derive(config).drafter is spec.drafter
+    _assert_same_generations(derived_plain.generate(prompts, 12), plain.generate(prompts, 12))
+    other = random_drafter(drafter.config, seed=5)
+    derived = plain.derive(config, drafter=other)
+    assert all(a is b for a, b in zip(derived._target_state, plain._target_state))
+    _assert_same_generations(derived.generate(prompts, 12), Engine(target, other, config).generate(prompts, 12))
+
+
+def test_derive_refuses_what_an_engine_would_naming_it(models, engines):
+    target, drafter = models
+    spec, _ = engines
+    with pytest.raises(ValueError, match="serving layout"):
+        spec.derive(drafter=spec.drafter)  # an engine's copy, not a module in its checkpoint layout
+    wrong = random_drafter(dataclasses.replace(drafter.config, vocab_size=drafter.config.vocab_size + 1), seed=0)
+    with pytest.raises(ValueError, match="drafter vocab_size"):
+        spec.derive(drafter=wrong)
+    with pytest.raises(ValueError, match="config.mesh differs"):
+        spec.derive(dataclasses.replace(spec.config, mesh=MeshConfig(data=1, fsdp=1, tensor=2)))
+    with pytest.raises(ValueError, match="drafter must be 'same', None or a Drafter"):
+        spec.derive(drafter="other")
+    with pytest.raises(ValueError, match="block_size"):
+        spec.derive(dataclasses.replace(spec.config, block_size=spec.drafter.config.block_size + 8))
+
+
+def test_pool_is_sized_from_the_memory_left_once_the_loaded_modules_are_dropped(monkeypatch):
+    """``kv_memory_fraction`` sizes the pool when it is first needed: the checkpoint-layout modules the
+    engine was built from (``serving.cli.load_engine`` drops them) then no longer count against it."""
+    import gc
+
+    from dflash_jax.runtime import engine as engine_module
+
+    limit = 64 << 20
+
+    class Device:  # a device whose used memory is the live arrays'
+        def memory_stats(self):
+            return {"bytes_limit": limit, "bytes_in_use": sum(a.nbytes for a in jax.live_arrays())}
+
+    monkeypatch.setattr(engine_module.jax, "devices", lambda *a: [Device()])
+    tcfg = tiny_target_config(vocab_size=96, hidden_size=64, intermediate_size=1024)
+    target = random_target(tcfg, seed=0)
+    engine = Engine(target, None, EngineConfig(max_batch_size=2, max_length=64, page_size=16,
+                                               kv_memory_fraction=0.5))
+    held = Device().memory_stats()["bytes_in_use"]
+    del target
+    gc.collect()
+    freed = held - Device().memory_stats()["bytes_in_use"]
+    assert freed > 0  # the checkpoint layout's projections: the engine holds fused copies
+    want = int(0.5 * (limit - Device().memory_stats()["bytes_in_use"])) // engine.page_bytes() + 1
+    assert engine.num_pages == want
+    assert want > int(0.5 * (limit - held)) // engine.page_bytes() + 1

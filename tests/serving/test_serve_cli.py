@@ -796,3 +796,27 @@ def test_generate_samples_per_line_and_writes_logprobs(models, tmp_path, capsys,
                      "--output", str(tmp_path / "bad_out.jsonl"), *ENGINE_FLAGS])
     err = capsys.readouterr().err
     assert rc == 2 and "bad.jsonl:1" in err and "temperature must be >= 0" in err
+
+
+def test_load_engine_keeps_no_loaded_module(models, monkeypatch):
+    """The engine runs its own copies in the serving layout: the modules loaded from the checkpoints are
+    dropped once it is built, so a server does not hold the target's weights twice."""
+    import gc
+    import weakref
+
+    from dflash_jax.io import checkpoint
+
+    loaded = []
+    for name in ("load_target", "load_drafter"):
+        def load(*args, _load=getattr(checkpoint, name), **kwargs):
+            module = _load(*args, **kwargs)
+            loaded.append(weakref.ref(module))
+            return module
+
+        monkeypatch.setattr(checkpoint, name, load)
+    cfg = serve.load_settings(serve.parse_args(["--target", str(models[0]), "--draft", str(models[1]),
+                                                *ENGINE_FLAGS]))
+    engine = serve.load_engine(cfg)
+    gc.collect()
+    assert len(loaded) == 2 and all(ref() is None for ref in loaded)
+    assert engine.drafter is not None and engine.vocab_size == MODEL_VOCAB
