@@ -102,12 +102,23 @@ def paged_block_attention(q: jax.Array, k_ctx: PagedKV, v_ctx: PagedKV, ctx_lens
                           v_blk: jax.Array, blk_lens: jax.Array, *, causal: bool, scale: float | None, ops: OpsConfig,
                           sinks: jax.Array | None, window: int | None) -> jax.Array | None:
     """``block_attention`` over a paged context by a kernel that reads through the page table, or None
-    where none takes it: one block per row, no sinks or window, and the Triton block attention (a
-    power-of-two head_dim, a block it holds in one program: each tile's keys loaded by their pool
-    rows), the Mosaic GPU block attention (``ops.mosaic``, pages of whole key tiles) or on a TPU its
-    block attention (a tile per page). Forward only (inference)."""
-    if not (ops.kernels and sinks is None and window is None and q.shape[1] == 1):
+    where none takes it: no sinks or window, and the Triton block attention (a power-of-two head_dim, a
+    block it holds in one program: each tile's keys loaded by their pool rows), the Mosaic GPU block
+    attention (``ops.mosaic``, pages of whole key tiles) or on a TPU its block attention (a tile per
+    page). The kernels take one block per row: several (a long block's sub-blocks,
+    ``written_block_attention``) are each a row of their own over their row's page table, so nothing is
+    gathered. Forward only (inference)."""
+    if not (ops.kernels and sinks is None and window is None):
         return None
+    if q.shape[1] > 1:
+        batch, blocks = q.shape[:2]
+        fold = lambda x: x.reshape((batch * blocks, 1) + x.shape[2:])  # noqa: E731
+        per_block = lambda c: dataclasses.replace(  # noqa: E731
+            c, page_table=jnp.repeat(c.page_table, blocks, axis=0), writable=jnp.repeat(c.writable, blocks))
+        out = paged_block_attention(fold(q), per_block(k_ctx), per_block(v_ctx), ctx_lens.reshape(-1, 1),
+                                    fold(k_blk), fold(v_blk), blk_lens.reshape(-1, 1), causal=causal, scale=scale,
+                                    ops=ops, sinks=sinks, window=window)
+        return None if out is None else out.reshape(q.shape)
     table = k_ctx.page_table[:, :k_ctx.n_pages]
     args = (q, k_ctx.pool, v_ctx.pool, table, ctx_lens[:, 0], k_blk, v_blk, blk_lens[:, 0])
     if jax.default_backend() == "tpu":

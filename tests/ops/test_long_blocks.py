@@ -64,10 +64,13 @@ def test_a_long_block_through_page_tables_equals_the_contiguous_cache(monkeypatc
     """A prefill suffix over a cached prefix on paged caches (``runtime.paged.prefill``): the block is written
     into the rows' pages (shuffled over the pool) and, where the kernel cannot hold it, attended as 16-slot
     sub-blocks through the tables (``triton_block_kernel_fits`` as on a GPU: sub-blocks fit, the block does
-    not). The same attention as the contiguous cache's, and the pool holds the block's K/V."""
+    not), each sub-block a row of the kernel over its row's table: the kernel reads the pages, nothing is
+    gathered. The same attention as the contiguous cache's, and the pool holds the block's K/V."""
     from dflash_jax.ops.paged_cache import PagedKV, gather_pages, scatter_positions
 
     monkeypatch.setattr(attention_ops, "triton_block_kernel_fits", lambda q_shape, *a: q_shape[2] <= 16)
+    if ops.kernels:
+        monkeypatch.setattr(PagedKV, "gather", lambda self: pytest.fail("the kernel path gathered the pages"))
     rng = np.random.default_rng(2)
     batch, block, page = 2, 40, 8
     pages = CAPACITY // page
