@@ -11,7 +11,8 @@ are timed in interleaved rounds of synchronised calls (state donated), and print
 
 With ``--profile`` (the default on a GPU), the largest batch's greedy call and each other mode's call
 are traced once more: the kernels of a sampled step that the greedy step does not launch, by total time
-a step, beside both steps' kernel counts and busy time (where a mode's extra time goes).
+a step, each with the JAX op and source line it came from, beside both steps' kernel counts and busy time
+(where a mode's extra time goes).
 
 Before the timing, a check on the device: draws read from the candidates (noise at their ids only)
 equal the draws over whole rows, bit for bit, on random rows of the vocabulary's width.
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import profile_ops
 import timing
 from dflash_jax.runtime import decoding
 from dflash_jax.runtime import sampling as smp
@@ -75,9 +77,11 @@ def time_modes(engine: Engine, batch: int, context: int, modes: list[str], steps
     flags = {m: SamplingFlags.of([MODES[m][0]], engine.config.max_logprobs) for m in modes}
     states = {m: sampled_state(engine, batch, context, MODES[m][0]) for m in modes}
     t0 = time.perf_counter()
-    engine.decode_compiled(states[modes[0]], steps, sampling=flags[modes[0]])  # greedy: its GEMMs autotune alone
+    compiled = {modes[0]: engine.decode_compiled(states[modes[0]], steps, sampling=flags[modes[0]])}  # greedy: its
+    # GEMMs autotune alone
     with concurrent.futures.ThreadPoolExecutor(max(1, len(modes) - 1)) as pool:  # XLA compiles outside the GIL
-        list(pool.map(lambda m: engine.decode_compiled(states[m], steps, sampling=flags[m]), modes[1:]))
+        compiled |= zip(modes[1:], pool.map(lambda m: engine.decode_compiled(states[m], steps, sampling=flags[m]),
+                                            modes[1:]))
     compile_s = time.perf_counter() - t0
     for m in modes:
         for _ in range(2):
@@ -104,27 +108,35 @@ def time_modes(engine: Engine, batch: int, context: int, modes: list[str], steps
             def run(m=m):
                 states[m], _ = engine.decode(states[m], n_steps=steps, sampling=flags[m])
                 jax.block_until_ready(states[m].starts)
-            durations = timing.gpu_kernel_times(run, f"{profile_dir}/{m}", calls=1)
-            if durations is not None:
-                kernels[m] = {name: sum(d) / steps for name, d in durations.items()}
+            events = timing.gpu_kernel_events(run, f"{profile_dir}/{m}", calls=1)
+            if events is None:
+                continue
+            sources = profile_ops.op_sources(compiled[m].as_text())
+            kernels[m] = {}
+            for e in events:
+                entry = kernels[m].setdefault(e["name"], {"us": 0.0, "source": profile_ops.lookup(
+                    sources, str(e["args"].get("hlo_op") or e["name"])) or ""})
+                entry["us"] += e["dur"] / steps
     return out, compile_s, kernels
 
 
-def print_extra_kernels(kernels: dict[str, dict[str, float]], batch: int, top: int = 12) -> None:
+def print_extra_kernels(kernels: dict[str, dict[str, dict]], batch: int, top: int = 12) -> None:
     """Per mode against greedy (us a step): kernel counts and busy time, and the kernels the greedy step
-    does not launch, largest first (names are XLA's fusions and custom calls of that program)."""
+    does not launch, largest first: XLA's name for each (its fusions and custom calls of that program) and
+    the JAX op and source line its HLO instruction came from (``profile_ops.op_sources``)."""
     greedy = kernels.get("greedy")
     if not greedy:
         return
+    busy = lambda ks: sum(k["us"] for k in ks.values())  # noqa: E731
     for mode, ks in kernels.items():
         if mode == "greedy":
             continue
-        extra = sorted(((us, name) for name, us in ks.items() if name not in greedy), reverse=True)
-        print(f"\nbatch {batch}, {mode}: busy {sum(greedy.values()):.0f} -> {sum(ks.values()):.0f} us a step, "
-              f"{len(greedy)} -> {len(ks)} kernel names; {sum(us for us, _ in extra):.0f} us in kernels greedy "
+        extra = sorted(((k["us"], name, k["source"]) for name, k in ks.items() if name not in greedy), reverse=True)
+        print(f"\nbatch {batch}, {mode}: busy {busy(greedy):.0f} -> {busy(ks):.0f} us a step, "
+              f"{len(greedy)} -> {len(ks)} kernel names; {sum(us for us, *_ in extra):.0f} us in kernels greedy "
               f"does not launch:")
-        for us, name in extra[:top]:
-            print(f"  {us:9.1f} us  {name[:90]}")
+        for us, name, source in extra[:top]:
+            print(f"  {us:9.1f} us  {name[:60]:60s}  {source[-110:]}")
 
 
 def check_candidate_draws(vocab: int, rows: int, scale: float, candidates: int) -> dict:

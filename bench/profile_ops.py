@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from pathlib import Path
 
 # NVIDIA's H200 SXM datasheet: dense bf16 tensor-core peak (989 TFLOP/s; 1,979 is with sparsity).
 H200_BF16_FLOPS = 989e12
@@ -184,6 +185,56 @@ def hlo_kernels(hlo: str, roles: dict) -> dict[str, HloKernel]:
                 continue
             kernels[normalize(name)] = HloKernel(name, category, label, flops)
     return kernels
+
+
+def _stack_frames(hlo: str) -> dict[str, str]:
+    """``{stack frame id: "file:line (function)"}`` of the frame itself (the call site nearest the op), from
+    an HLO module's ``FileNames``, ``FunctionNames``, ``FileLocations`` and ``StackFrames`` tables."""
+    tables: dict[str, dict[str, str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+        elif current is not None and (m := re.match(r"(\d+)\s+(.*)$", line)):
+            current[m.group(1)] = m.group(2)
+        elif not line.strip() or line.startswith(("%", "ENTRY", "HloModule")):
+            current = None
+    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+    functions = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+    out = {}
+    for frame, text in tables.get("StackFrames", {}).items():
+        location = re.search(r"file_location_id=(\d+)", text)
+        spec = tables.get("FileLocations", {}).get(location.group(1), "") if location else ""
+        file_id, function_id, line = (re.search(rf"{key}=(\d+)", spec) for key in ("file_name_id", "function_name_id",
+                                                                                    "line"))
+        if file_id and line:
+            function = functions.get(function_id.group(1), "?") if function_id else "?"
+            out[frame] = f"{Path(files.get(file_id.group(1), '?')).name}:{line.group(1)} ({function})"
+    return out
+
+
+def op_sources(hlo: str) -> dict[str, str]:
+    """Each instruction's JAX origin, by ``normalize``d name: its metadata's ``op_name`` (the jitted
+    function's name dropped) and where it was traced (the stack frame nearest the op, or the older
+    ``source_file:source_line``), what to read for a kernel a trace names."""
+    frames = _stack_frames(hlo)
+    out = {}
+    for line in hlo.splitlines():
+        parts = _split_instruction(line)
+        meta = re.search(r"metadata=\{([^}]*)\}", parts[4]) if parts is not None else None
+        if meta is None:
+            continue
+        op = re.search(r'op_name="([^"]+)"', meta.group(1))
+        frame = re.search(r"stack_frame_id=(\d+)", meta.group(1))
+        where = re.search(r'source_file="([^"]+)"\s+source_line=(\d+)', meta.group(1))
+        text = op.group(1).split("/", 1)[-1] if op else ""
+        if frame and frame.group(1) in frames:
+            text += f" @ {frames[frame.group(1)]}"
+        elif where:
+            text += f" @ {Path(where.group(1)).name}:{where.group(2)}"
+        if text:
+            out[normalize(parts[0])] = text
+    return out
 
 
 NOT_IN_HLO = "kernel"  # the label of a kernel matched to no HLO instruction: this and its name

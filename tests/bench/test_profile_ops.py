@@ -1,0 +1,33 @@
+"""bench/profile_ops.py: a traced kernel's HLO instruction named by the JAX op and the source line it was
+traced from (the stack-frame tables of the optimised HLO), what a benchmark's kernel table prints."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import profile_ops  # noqa: E402
+
+
+def _sorted_scaled(x):
+    scaled = x.astype(jnp.float32) * 2
+    return jnp.sort(scaled, axis=-1)
+
+
+def test_op_sources_name_the_op_and_the_line_that_traced_it():
+    hlo = jax.jit(_sorted_scaled).lower(jnp.ones((4, 64), jnp.bfloat16)).compile().as_text()
+    sources = profile_ops.op_sources(hlo)
+    lines, first = inspect.getsourcelines(_sorted_scaled)
+    sort_line = first + next(i for i, line in enumerate(lines) if "jnp.sort" in line)
+    sorts = {name: text for name, text in sources.items() if text.endswith(f"{Path(__file__).name}:{sort_line} "
+                                                                           f"(_sorted_scaled)")}
+    assert sorts and all("sort" in text for text in sorts.values()), sources
+    # A kernel name from a trace (``.`` as ``_``, a suffix XLA adds) finds its instruction.
+    name = next(iter(sorts))
+    assert profile_ops.lookup(sources, name + "_impl") == sorts[name]
