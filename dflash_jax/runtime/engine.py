@@ -578,24 +578,29 @@ class Engine:
         Returns ``state`` (donated: a prefill over a cached prefix writes the rest into the prompts' pages
         in place), the rows, the first tokens and what ``admit_paged`` needs beside them."""
         params = smp.resolve(sampling, len(prompts))
-        ids, lens, max_lens, stop_ids, arrays = self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params)
-        page_rows = self._page_rows(pages, ids.shape[0])
-        cache_from = np.zeros((ids.shape[0],), np.int32)
-        cache_from[:len(cached)] = cached
         # Rows sharing a prompt (n > 1 choices) run it once, on the pages of the one with the fewest cached
         # tokens; each reads its own positions from that pass (it may share that row's full pages).
         leaders = shared_prompts(prompts, cached)
         distinct = list(range(len(prompts))) if leaders is None else sorted(set(leaders))
+        hit = any(cached[i] for i in distinct)
+        # Over a cached prefix the program depends on the rest's bucket, not the whole prompt's: its ids
+        # come at the largest bucket's width.
+        width = self._largest_bucket() if hit else None
+        ids, lens, max_lens, stop_ids, arrays = self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params,
+                                                                      width=width)
+        page_rows = self._page_rows(pages, ids.shape[0])
+        cache_from = np.zeros((ids.shape[0],), np.int32)
+        cache_from[:len(cached)] = cached
         self._count_prefill([prompts[i] for i in distinct], [cached[i] for i in distinct])
         context_pages, suffix = 0, ids.shape[1]
-        if any(cached[i] for i in distinct):  # powers of two: a few compiled variants
-            context_pages = min(_next_pow2(max(cached[i] for i in distinct) // self.page_size), self.max_pages)
+        if hit:
+            context_pages = self.context_pages(max(cached[i] for i in distinct))
             suffix = self._prompt_bucket(max(len(prompts[i]) - cached[i] for i in distinct))
         admission = PagedAdmission(self._put_batch(page_rows), self._put_batch(cache_from))
         shared = {}
         model_rows, model_cached = admission.page_rows, admission.cache_from
         if leaders is not None:
-            ids, lens, source = self._distinct_inputs(prompts, leaders)
+            ids, lens, source = self._distinct_inputs(prompts, leaders, width=width)
             model_rows = self._put_batch(self._page_rows([pages[i] for i in distinct], ids.shape[0]))
             distinct_cached = np.zeros((ids.shape[0],), np.int32)
             distinct_cached[:len(distinct)] = [cached[i] for i in distinct]
@@ -605,6 +610,20 @@ class Engine:
                                                  lens, model_cached, max_lens, stop_ids, arrays, suffix=suffix,
                                                  context_pages=context_pages, **shared)
         return state, rows, first, admission
+
+    def context_pages(self, cached_tokens: int) -> int:
+        """The static page count through which a prefill over cached prefixes of up to ``cached_tokens``
+        tokens reads them. The kernels read each row's pages up to its own length whatever the count, so
+        they get every page: a prefill over a cached prefix is then one program per row count and bucket of
+        the rest, as the decode calls are one per row count, and ``warmup`` compiles them all. The XLA
+        attention computes over every page it is given: a power of two covering the prefix, each compiled
+        when first met."""
+        if self.attention_impl != "xla":
+            return self.max_pages
+        return min(_next_pow2(max(1, cached_tokens // self.page_size)), self.max_pages)
+
+    def _largest_bucket(self) -> int:
+        return self._prompt_bucket(self.config.max_prompt_length)
 
     def _page_rows(self, pages: Sequence[Sequence[int]], rows: int) -> np.ndarray:
         """Page tables ``[rows, max_pages]`` of ``pages`` (null pages after them and in padding rows)."""
@@ -902,14 +921,17 @@ class Engine:
         return self._prefill.lower(self._target_state, self._drafter_state, *args).compile()
 
     def prefill_paged_compiled(self, state: decoding.DecodeState, rows: int, prompt_length: int, *,
-                               distinct: int | None = None, context_pages: int = 0,
-                               suffix: int | None = None) -> tuple[jax.stages.Compiled, "PagedAdmission"]:
+                               distinct: int | None = None, context_pages: int = 0
+                               ) -> tuple[jax.stages.Compiled, "PagedAdmission"]:
         """``prefill_paged`` of ``rows`` prompts of ``prompt_length`` tokens with nothing cached, beside
         ``state`` (its pools), as compiled (compiles only), and an admission of its rows to the null page.
         ``distinct``: rows sharing prompts, as in ``prefill_compiled``. ``context_pages > 0``: the program
-        of prompts whose cached prefixes take up to that many pages and whose rest up to ``suffix`` tokens."""
+        of prompts whose cached prefixes take up to that many pages (``context_pages``) and whose rest is
+        up to ``prompt_length`` tokens."""
+        width = self._largest_bucket() if context_pages else None
         ids, lens, max_lens, stop_ids, arrays = self._prefill_inputs([[0] * prompt_length] * rows, [2] * rows,
-                                                                      [()] * rows)
+                                                                      [()] * rows, width=width)
+        suffix = self._prompt_bucket(prompt_length)
         put = self._put_batch
         batch, bucket = ids.shape
         admission = PagedAdmission(put(np.zeros((batch, self.max_pages), np.int32)), put(np.zeros((batch,), np.int32)))
@@ -921,7 +943,7 @@ class Engine:
             shared = {"source": put(np.zeros((batch,), np.int32)), "row_cached": admission.cache_from,
                       "row_pages": admission.page_rows}
         compiled = self._paged_prefill.lower(self._target_state, self._drafter_state, state, model_rows, ids, lens,
-                                             cached, max_lens, stop_ids, arrays, suffix=suffix or bucket,
+                                             cached, max_lens, stop_ids, arrays, suffix=suffix,
                                              context_pages=context_pages, **shared).compile()
         return compiled, admission
 
@@ -970,12 +992,14 @@ class Engine:
         self.prefilled_prompts += len(computed)
         self.prefilled_tokens += sum(len(p) for p in computed) - sum(cached or ())
 
-    def _distinct_inputs(self, prompts: Sequence[Sequence[int]], leaders: Sequence[int]) -> tuple[jax.Array, ...]:
+    def _distinct_inputs(self, prompts: Sequence[Sequence[int]], leaders: Sequence[int], *,
+                         width: int | None = None) -> tuple[jax.Array, ...]:
         """A shared prefill's model inputs: the distinct prompts' ids ``[prefill_rows(distinct), bucket]``
-        and lengths, and each output row's ``source`` among them (``shared_prompts``' ``leaders``)."""
+        (``width``: that many columns instead of the prompts' bucket) and lengths, and each output row's
+        ``source`` among them (``shared_prompts``' ``leaders``)."""
         distinct = sorted(set(leaders))
         rows = self.prefill_rows(len(distinct))
-        bucket = self._prompt_bucket(max(len(p) for p in prompts))
+        bucket = width or self._prompt_bucket(max(len(p) for p in prompts))
         ids = np.zeros((rows, bucket), np.int32)
         lens = np.ones((rows,), np.int32)
         for i, p in enumerate(distinct):
@@ -987,15 +1011,16 @@ class Engine:
 
     def _prefill_inputs(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                         stop_token_ids: Sequence[Sequence[int]],
-                        sampling: Sequence[SamplingParams] = ()) -> tuple[jax.Array, ...]:
-        """``_prefill``'s arguments after the weights: ids ``[rows, bucket]``, lengths, max lengths,
-        stop ids ``[rows, max_stop_ids]`` and the rows' sampling arrays, placed as the jit takes them."""
+                        sampling: Sequence[SamplingParams] = (), *, width: int | None = None) -> tuple[jax.Array, ...]:
+        """``_prefill``'s arguments after the weights: ids ``[rows, bucket]`` (``width``: that many columns
+        instead of the prompts' bucket), lengths, max lengths, stop ids ``[rows, max_stop_ids]`` and the
+        rows' sampling arrays, placed as the jit takes them."""
         n = len(prompts)
         if n > self.config.max_batch_size:
             raise ValueError(f"{n} prompts exceed max_batch_size={self.config.max_batch_size}")
         batch = self.prefill_rows(n)
         lens = [len(p) for p in prompts]
-        plen = self._prompt_bucket(max(lens))
+        plen = width or self._prompt_bucket(max(lens))
         ids = np.zeros((batch, plen), np.int32)
         stop_ids = np.full((batch, self.max_stop_ids), -1, np.int32)
         for i, (p, stops) in enumerate(zip(prompts, stop_token_ids)):

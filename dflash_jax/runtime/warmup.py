@@ -42,7 +42,7 @@ from dflash_jax.runtime.sampling import SamplingFlags, SamplingParams
 
 log = logging.getLogger("dflash_jax.runtime.warmup")
 
-PHASES = ("decode", "prefill", "admit", "pages", "resize", "release")
+PHASES = ("decode", "prefill", "admit", "pages", "write", "resize", "release")
 
 # The features of a ``server.warmup_sampling`` entry, each as the parameters of a request using it
 # (``top_k=N`` besides: the candidates of a top-k of N, one program per power of two). An entry's
@@ -114,9 +114,12 @@ class Shape:
     """One program of an engine to compile.
 
     ``rows``: the running state's rows (decode, resize, release) or the prefill's rows (prefill,
-    admit); ``size``: the attention window (decode) or the prompt bucket (prefill, admit); ``into``:
-    the running state's rows an admission writes into, or the rows a resize makes; ``distinct``: a
-    shared prefill's rows of distinct prompts, whose pass is copied to its ``rows`` (0: a row per prompt).
+    admit, write); ``size``: the attention window (decode) or the prompt bucket (prefill, admit, write);
+    ``into``: the running state's rows an admission or a write goes into, or the rows a resize makes;
+    ``distinct``: a shared prefill's rows of distinct prompts, whose pass is copied to its ``rows`` (0: a
+    row per prompt); ``cached``: a paged admission's prefill runs over cached prefixes, ``size`` the bucket
+    of the prompts' rest. ``write``: a paged prefill's K/V written into its pages without an admission
+    (the first chunk of a prompt prefilled in chunks).
     """
 
     phase: str
@@ -126,6 +129,7 @@ class Shape:
     sampling: Any = None  # decode: the batch's ``SamplingFlags`` (None: greedy)
     block: int | None = None  # decode: an adaptive speculation block other than the engine's (1: target-only)
     distinct: int = 0
+    cached: bool = False
 
     def __str__(self) -> str:
         rows = f"{self.rows} row{'s' if self.rows > 1 else ''}"
@@ -136,8 +140,13 @@ class Shape:
         shared = f" sharing {self.distinct} prompt{'s' if self.distinct > 1 else ''}" if self.distinct else ""
         if self.phase == "prefill":
             return f"prefill, {rows}{shared}, prompt bucket {self.size}"
+        if self.phase == "admit" and self.cached:
+            return (f"admission of a {rows} prefill{shared} over cached prefixes (the rest's bucket {self.size}) "
+                    f"into {self.into} rows")
         if self.phase == "admit":
             return f"admission of a {rows} prefill{shared} (bucket {self.size}) into {self.into} rows"
+        if self.phase == "write":
+            return f"a {rows} prefill (bucket {self.size}) written into the pages of {self.into} rows"
         if self.phase == "pages":
             return f"page tables of {rows} set"
         if self.phase == "resize":
@@ -157,7 +166,10 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: S
     of sampled batches, each one more decode program per state and window, after the greedy one.
 
     A paged engine's plan has no prefill shapes: its admissions compile their prefills (of prompts with
-    nothing cached) beside the state they join, and a ``pages`` shape per state follows its decode."""
+    nothing cached) beside the state they join, and a ``pages`` shape per state follows its decode. Where
+    a prefill over cached prefixes is one program per row count and bucket of the rest (the kernels:
+    ``Engine.context_pages``), every admission has a twin over cached prefixes, after all the others; with
+    ``prefill_chunk``, a chunk's write into each state follows."""
     sizes = sorted({1, engine.config.max_batch_size} if batch_sizes is None else set(batch_sizes))
     states = sorted({engine.state_rows(size) for size in sizes})  # one row, and the batch's
     prefills = sorted({engine.prefill_rows(n) for n in range(1, max(sizes) + 1)})
@@ -186,12 +198,18 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: S
             plan += [Shape("prefill", rows, bucket, distinct=1) for rows, bucket in shared]
     if getattr(engine, "paged", False):
         # A paged prefill takes the running state (its pools): each admission compiles its prefill of prompts with
-        # nothing cached beside it. A state's rows get page tables as they grow. Prefills over a cached prefix and
-        # a chunk's write compile when first met.
+        # nothing cached beside it. A state's rows get page tables as they grow. Prefills over a cached prefix
+        # whose page count varies with the prefix (the XLA attention's) compile when first met.
         plan = [s for s in plan if s.phase != "prefill"]
         for state in states:
             last = max(i for i, s in enumerate(plan) if s.phase == "decode" and s.rows == state)
             plan.insert(last + 1, Shape("pages", state))
+        if engine.context_pages(0) == engine.max_pages:
+            plan += [dataclasses.replace(s, cached=True) for s in plan if s.phase == "admit"]
+        chunk = getattr(engine.config, "prefill_chunk", 0)
+        if chunk and chunk < engine.config.max_prompt_length:
+            bucket = next(b for b, _ in engine.prompt_buckets() if b >= chunk)
+            plan += [Shape("write", 1, bucket, state) for state in states]
     return plan + [Shape("release", state) for state in states]
 
 
@@ -212,7 +230,7 @@ def first_request_shapes(engine, plan: Sequence[Shape], prompt_tokens: int, max_
     smallest = window(min(1 + steps * block, min(1 + max_new_tokens, engine.config.max_length) - 2 + block))
     largest = window(end - 2 + block)
     return [s for s in plan if (s.phase in ("prefill", "admit") and s.rows == 1 and s.size in buckets
-                                and s.into in (0, 1))
+                                and s.into in (0, 1) and not s.cached)
             or (s.phase == "decode" and s.rows == 1 and smallest <= s.size <= largest and s.sampling == sampling)
             or (s.phase == "pages" and s.rows == 1)]
 
@@ -286,10 +304,16 @@ class _Runner:
             self.prefill(shape.rows, shape.size, shape.distinct)
         elif shape.phase == "admit" and paged:  # its prefill reads the state's pools: compiled beside it
             state = self.state(shape.into)
-            compiled, admission = engine.prefill_paged_compiled(state, shape.rows, self.shortest[shape.size],
-                                                                distinct=shape.distinct or None)
+            compiled, admission = engine.prefill_paged_compiled(
+                state, shape.rows, self.shortest[shape.size], distinct=shape.distinct or None,
+                context_pages=engine.max_pages if shape.cached else 0)
             rows = _stand_in(compiled, False)[0]
             self.states[shape.into] = engine.admit_paged(state, rows, range(shape.rows), admission)
+            jax.block_until_ready(self.states[shape.into].starts)
+        elif shape.phase == "write":
+            state = self.state(shape.into)
+            compiled, admission = engine.prefill_paged_compiled(state, shape.rows, self.shortest[shape.size])
+            self.states[shape.into] = engine.write_pages(state, _stand_in(compiled, False)[0], admission)
             jax.block_until_ready(self.states[shape.into].starts)
         elif shape.phase == "admit":
             rows = self.prefill(shape.rows, shape.size, shape.distinct)

@@ -308,7 +308,7 @@ for pool in (160, 640):
     engine = Engine(target, drafter, EngineConfig(page_size=8, max_batch_size=2, max_length=1024, num_pages=pool))
     state = engine.empty_state(2)
     for pages in (16, 64):
-        compiled, _ = engine.prefill_paged_compiled(state, 2, pages * 8 + 16, context_pages=pages, suffix=16)
+        compiled, _ = engine.prefill_paged_compiled(state, 2, 16, context_pages=pages)
         memory = compiled.memory_analysis()
         temp[f"{pool},{pages}"] = memory.temp_size_in_bytes if memory.alias_size_in_bytes else None
 print(json.dumps(temp))

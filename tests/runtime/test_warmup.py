@@ -163,6 +163,61 @@ def test_paged_plan_admits_prompts_with_nothing_cached_into_each_state(target):
                                                          Shape("admit", 1, 64, 1)]
 
 
+def test_paged_kernel_plan_admits_over_cached_prefixes_after_everything_else(target):
+    """With the kernels a prefill over cached prefixes reads every page (one program per row count and
+    bucket of the rest): each admission has a twin over cached prefixes, after the other shapes and not
+    before the server binds; a chunk's write follows. The XLA attention's, whose page count follows the
+    prefix, has none."""
+    config = EngineConfig(max_batch_size=2, max_length=100, page_size=8, prompt_buckets=(16, 64), prefill_chunk=16)
+    xla = Engine(target, None, config)
+    assert xla.context_pages(8) == 1 and xla.context_pages(40) == 8
+    assert not [s for s in warmup_plan(xla) if s.cached]
+    kernels = xla.derive(dataclasses.replace(config, attention_impl="pallas"))
+    assert kernels.context_pages(8) == kernels.context_pages(96) == kernels.max_pages
+    plan = warmup_plan(kernels)
+    admits = [s for s in plan if s.phase == "admit" and not s.cached]
+    cached = [s for s in plan if s.cached]
+    assert cached == [dataclasses.replace(s, cached=True) for s in admits]
+    assert max(map(plan.index, admits)) < min(map(plan.index, cached))
+    assert [s for s in plan if s.phase == "write"] == [Shape("write", 1, 16, 1), Shape("write", 1, 16, 2)]
+    assert not [s for s in first_request_shapes(kernels, plan, 32, 64) if s.cached]
+    first, rest = staged_plan(kernels, plan, 32, 8)
+    assert rest.index(Shape("admit", 1, 16, 1, cached=True)) < rest.index(Shape("admit", 2, 16, 2))
+
+
+@pytest.mark.slow
+def test_after_a_paged_kernel_warmup_prefix_hits_and_chunks_compile_nothing(target):
+    """A paged engine with the kernels (interpreted here): requests whose prompts share prefixes of several
+    lengths, ending inside a page or not, with rests of both buckets, alone and two at once, and a prompt
+    prefilled in chunks, compile nothing after the warm-up, and generate what the contiguous engine does."""
+    config = EngineConfig(max_batch_size=2, max_length=96, steps_per_sync=4, prompt_buckets=(16, 64), page_size=8,
+                          prefill_chunk=16, attention_impl="pallas")
+    engine = Engine(target, None, config)
+    _serve_warmup(engine, [])
+    rs = np.random.RandomState(7)
+    shared = rs.randint(0, 95, 60).tolist()
+    prompts = [shared[:20] + rs.randint(0, 95, 5).tolist(), shared[:44] + rs.randint(0, 95, 3).tolist(),
+               shared[:37] + rs.randint(0, 95, 20).tolist(), shared, shared[:12] + rs.randint(0, 95, 30).tolist()]
+    batcher = ContinuousBatcher(engine)
+    first = batcher.submit(shared, 4)  # its pages cached for the others
+    batcher.run()
+    with _compilations() as compiles:
+        lone = [batcher.submit(prompts[0], 6)]
+        batcher.run()
+        lone.append(batcher.submit(prompts[1], 6))
+        batcher.run()
+        pair = [batcher.submit(p, 6) for p in prompts[2:4]]
+        batcher.run()
+        chunked = batcher.submit(prompts[4], 6)  # 42 tokens, 12 cached: its rest in chunks of 16
+        batcher.run()
+    assert compiles == []
+    assert min(g.cached_tokens for g in lone + pair) > 0
+    want = Engine(target, None, dataclasses.replace(config, page_size=0, prefill_chunk=0, attention_impl="xla"))
+    for g, p in zip(lone + pair + [chunked], prompts):
+        assert g.result.output_ids == want.generate([p], 6)[0].output_ids
+    assert first.result is not None and batcher.pages.all_free()
+
+
 @pytest.mark.slow
 def test_after_a_paged_warmup_three_choices_of_a_prompt_compile_nothing(target):
     """A paged engine: the choices' prefill of their prompt (nothing cached) beside the batch's state,
