@@ -218,6 +218,8 @@ class PagedAdmission:
 
     page_rows: jax.Array
     cache_from: jax.Array
+
+
 def _check_pair(target: Target, drafter: Drafter | None, config: EngineConfig) -> None:
     """A drafter that does not fit ``target`` (vocabulary, hidden size, tapped layer count) or whose
     block ``config`` cannot run is an error."""
