@@ -778,6 +778,21 @@ def test_derived_engines_share_the_target_copy_and_generate_as_new_ones(models, 
     _assert_same_generations(derived.generate(prompts, 12), Engine(target, other, config).generate(prompts, 12))
 
 
+@pytest.mark.slow
+def test_engine_derived_on_a_mesh_keeps_its_shards(pair, prompts, engines):
+    """A target-only engine derived from a sharded speculative one runs on its sharded arrays (the same
+    objects, not resharded copies) and generates the one-device target-only engine's tokens."""
+    _, plain = engines
+    target, drafter = load_target(pair[0]), load_drafter(pair[1])
+    config = EngineConfig(max_batch_size=4, max_length=80, steps_per_sync=4, mesh=MeshConfig(data=2, fsdp=1, tensor=4))
+    sharded = Engine(target, drafter, config)
+    derived = sharded.derive(config, drafter=None)
+    assert derived.mesh is sharded.mesh
+    assert all(a is b for a, b in zip(derived._target_state, sharded._target_state))
+    assert {len(a.sharding.device_set) for a in derived._target_state} == {8}
+    _assert_same_generations(derived.generate(prompts[:4], 16), plain.generate(prompts[:4], 16))
+
+
 def test_derive_refuses_what_an_engine_would_naming_it(models, engines):
     target, drafter = models
     spec, _ = engines
