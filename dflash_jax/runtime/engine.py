@@ -874,11 +874,20 @@ class Engine:
         costs = {}
         for n in rows:
             live = min(n, self.config.max_batch_size)  # a full state (padding rows are done, and computed too)
-            fresh, _ = self.prefill([[1] * plen] * live, [self.config.max_length] * live, [()] * live)
+            args = ([[1] * plen] * live, [self.config.max_length] * live, [()] * live)
+            if self.paged:  # one state, its pools allocated once; each attempt admits the rows again
+                state = self.empty_state(n)
+                state, fresh, _, admission = self.prefill_paged(state, *args, self._calibration_pages(
+                    live, plen + (steps + 1) * self.block_size + 1), [0] * live)
+            else:
+                fresh, _ = self.prefill(*args)
             for block in self.speculation_blocks:
                 times = []
                 for attempt in range(repeats + 1):  # the first compiles and warms
-                    state = self.admit(self.empty_state(n), fresh, list(range(live)))
+                    if self.paged:
+                        state = self.admit_paged(state, fresh, list(range(live)), admission)
+                    else:
+                        state = self.admit(self.empty_state(n), fresh, list(range(live)))
                     jax.block_until_ready(state.starts)
                     t0 = time.perf_counter()
                     state, snap = self.decode(state, steps, window=plen + steps * self.block_size + 1, block=block)
@@ -891,6 +900,13 @@ class Engine:
         log.info("speculation step costs (rows, block -> ms): %s",
                  ", ".join(f"({r}, {b}) {1e3 * t:.2f}" for (r, b), t in sorted(costs.items())))
         return costs
+
+    def _calibration_pages(self, rows: int, positions: int) -> list[list[int]]:
+        """Pages for ``rows`` rows of ``positions`` positions each, for timing only: distinct pages while
+        the pool holds them, then pages shared round the pool (their values do not matter)."""
+        per_row = min(-(-positions // self.page_size), self.max_pages)
+        usable = self.num_pages - 1  # page 0 is the null page
+        return [[1 + (r * per_row + j) % usable for j in range(per_row)] for r in range(rows)]
 
     def decode_compiled(self, state: decoding.DecodeState, n_steps: int = 1, *,
                         window: int | None = None, sampling: SamplingFlags = decoding.GREEDY_FLAGS,

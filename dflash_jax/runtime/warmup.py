@@ -258,14 +258,15 @@ def staged_plan(engine, plan: Sequence[Shape], prompt_tokens: int, max_new_token
     return first, sorted((s for s in plan if s not in first), key=order)  # a stable sort: plan order within
 
 
-def _stand_in(compiled: jax.stages.Compiled, on_mesh: bool) -> Any:
-    """Zeros shaped and placed as ``compiled``'s outputs: what an admission of its result compiles for.
-    Off a mesh they stay uncommitted to a device, as the outputs of a prefill of uncommitted inputs
-    (``Engine._put``): a committed argument is another program for jit."""
+def _rows_stand_in(compiled: jax.stages.Compiled, on_mesh: bool) -> Any:
+    """Zeros shaped and placed as the rows a compiled prefill returns first: what an admission of its
+    result compiles for. Only those: a paged prefill's other output is the state, whose pools may take
+    most of the device's memory. Off a mesh they stay uncommitted to a device, as the outputs of a
+    prefill of uncommitted inputs (``Engine._put``): a committed argument is another program for jit."""
     def zeros(info):
         return jax.device_put(np.zeros(info.shape, info.dtype), info.sharding if on_mesh else None)
 
-    return jax.tree.map(zeros, compiled.out_info)
+    return jax.tree.map(zeros, compiled.out_info[0])
 
 
 class _Runner:
@@ -278,14 +279,21 @@ class _Runner:
         self.shortest = {bucket: shortest for bucket, shortest in engine.prompt_buckets()}
 
     def state(self, rows: int):
+        """The warm-up's running state of ``rows`` rows. A paged engine's states share one set of pools
+        (they may take most of the device's memory): a state of another row count takes them over from
+        the one there is (``Engine.resize``, a program of the plan), which then is gone."""
         if rows not in self.states:
-            self.states[rows] = self.engine.empty_state(rows)
+            if getattr(self.engine, "paged", False) and self.states:
+                _, other = self.states.popitem()
+                self.states[rows] = self.engine.resize(other, [], rows=rows)
+            else:
+                self.states[rows] = self.engine.empty_state(rows)
         return self.states[rows]
 
     def prefill(self, rows: int, bucket: int, distinct: int = 0):
         if (rows, bucket, distinct) not in self.prefilled:
             compiled = self.engine.prefill_compiled(rows, self.shortest[bucket], distinct=distinct or None)
-            self.prefilled[rows, bucket, distinct] = _stand_in(compiled, self.engine.mesh is not None)[0]
+            self.prefilled[rows, bucket, distinct] = _rows_stand_in(compiled, self.engine.mesh is not None)
         return self.prefilled[rows, bucket, distinct]
 
     def run(self, shape: Shape) -> None:
@@ -307,13 +315,13 @@ class _Runner:
             compiled, admission = engine.prefill_paged_compiled(
                 state, shape.rows, self.shortest[shape.size], distinct=shape.distinct or None,
                 context_pages=engine.max_pages if shape.cached else 0)
-            rows = _stand_in(compiled, False)[0]
+            rows = _rows_stand_in(compiled, False)
             self.states[shape.into] = engine.admit_paged(state, rows, range(shape.rows), admission)
             jax.block_until_ready(self.states[shape.into].starts)
         elif shape.phase == "write":
             state = self.state(shape.into)
             compiled, admission = engine.prefill_paged_compiled(state, shape.rows, self.shortest[shape.size])
-            self.states[shape.into] = engine.write_pages(state, _stand_in(compiled, False)[0], admission)
+            self.states[shape.into] = engine.write_pages(state, _rows_stand_in(compiled, False), admission)
             jax.block_until_ready(self.states[shape.into].starts)
         elif shape.phase == "admit":
             rows = self.prefill(shape.rows, shape.size, shape.distinct)

@@ -831,11 +831,17 @@ def warm_up(cfg, engine):
         log.info("server.warmup is false: each shape compiles when a request first meets it")
         return None
     plan = warmup_plan(engine, sampling=sampling_flags(s.warmup_sampling, engine.config.max_logprobs))
-    first, rest = staged_plan(engine, plan, FIRST_PROMPT_TOKENS, s.default_max_tokens) if s.warmup_background \
-        else (plan, [])
+    # A paged engine's warm-up runs on a set of KV pools of its own: in the background it would hold it beside
+    # the server's (together, twice what engine.kv_memory_fraction gives). It compiles everything first.
+    paged = getattr(engine, "paged", False)
+    background = s.warmup_background and not paged
+    if s.warmup_background and paged:
+        log.info("warm-up: a paged engine compiles every shape before serving (server.warmup_background: a "
+                 "warm-up beside the server would hold a second set of KV pages)")
+    first, rest = staged_plan(engine, plan, FIRST_PROMPT_TOKENS, s.default_max_tokens) if background else (plan, [])
     before, t0 = cache_counts(), time.perf_counter()
     log.info("warm-up: compiling the %d shapes of %s before serving (%d in all)", len(first),
-             f"a lone greedy request with up to {FIRST_PROMPT_TOKENS} prompt tokens" if s.warmup_background
+             f"a lone greedy request with up to {FIRST_PROMPT_TOKENS} prompt tokens" if background
              else "every request", len(plan))
 
     def progress(i: int, shape) -> None:

@@ -349,3 +349,19 @@ def test_paged_moe_engines_equal_contiguous(model_type, base):
     want = Engine(target, drafter, EngineConfig(**CONFIG)).generate(prompts, MAX_NEW, [11])
     got = Engine(target, drafter, EngineConfig(page_size=PAGE, **CONFIG)).generate(prompts, MAX_NEW, [11])
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
+
+
+def test_adaptive_speculation_on_pages_generates_the_contiguous_tokens(engines, base):
+    """``engine.speculation: adaptive`` on a paged engine: its step costs are timed on rows admitted into
+    pages (``calibrate_speculation`` on the contiguous path failed on a paged state), and the blocks it
+    chooses give the tokens of the fixed-block contiguous engine, prefix hits included."""
+    contiguous, paged = engines
+    adaptive = paged.derive(dataclasses.replace(paged.config, speculation="adaptive"))
+    costs = adaptive.calibrate_speculation()
+    assert {block for _, block in costs} == set(adaptive.speculation_blocks) and min(costs.values()) > 0
+    prompts = [base + [5, 6, 7], base[:20] + [9] * 9, base[:33]]
+    batcher = ContinuousBatcher(adaptive)
+    got = _run(batcher, prompts[:1]) + _run(batcher, prompts[1:])  # the later two on the first one's pages
+    for g, p in zip(got, prompts):
+        assert g.result.output_ids == _solo(contiguous, p).output_ids
+    assert max(g.cached_tokens for g in got) > 0

@@ -185,6 +185,27 @@ def test_paged_kernel_plan_admits_over_cached_prefixes_after_everything_else(tar
     assert rest.index(Shape("admit", 1, 16, 1, cached=True)) < rest.index(Shape("admit", 2, 16, 2))
 
 
+def test_a_paged_warmup_holds_one_set_of_pools(target):
+    """The pools may take most of the device's memory: the warm-up allocates them once (its states of other
+    row counts take them over), and between its shapes no more than them and the weights are alive."""
+    engine = Engine(target, None, EngineConfig(max_batch_size=2, max_length=64, page_size=8, num_pages=2048,
+                                               prompt_buckets=(16,)))
+    made, allocate = [], engine.empty_state
+    engine.empty_state = lambda rows: made.append(rows) or allocate(rows)
+    pool = engine.page_bytes() * engine.num_pages
+    weights = sum(x.nbytes for x in engine._target_state)
+    peak = [0]
+
+    def measure(index, shape):
+        peak[0] = max(peak[0], sum(a.nbytes for a in jax.live_arrays()))
+
+    plan = warmup_plan(engine)
+    assert len({s.rows for s in plan if s.phase == "decode"}) == 2
+    assert run_warmup(engine, plan, on_shape=measure) == len(plan)
+    assert made == [1]
+    assert peak[0] < weights + 1.5 * pool, (peak[0], weights, pool)
+
+
 @pytest.mark.slow
 def test_after_a_paged_kernel_warmup_prefix_hits_and_chunks_compile_nothing(target):
     """A paged engine with the kernels (interpreted here): requests whose prompts share prefixes of several

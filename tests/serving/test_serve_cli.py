@@ -820,3 +820,17 @@ def test_load_engine_keeps_no_loaded_module(models, monkeypatch):
     gc.collect()
     assert len(loaded) == 2 and all(ref() is None for ref in loaded)
     assert engine.drafter is not None and engine.vocab_size == MODEL_VOCAB
+
+
+def test_a_paged_server_warms_up_before_binding(models, caplog):
+    """A paged engine's warm-up runs on its own KV pools: in the background it would hold them beside the
+    server's, so serve.py compiles every shape before it binds, and says so."""
+    import logging
+
+    cfg = serve.load_settings(serve.parse_args(["--target", str(models[0]), "--no-draft", *ENGINE_FLAGS,
+                                                "--set", "engine.page_size=8", "--set", "engine.max_batch_size=2"]))
+    assert cfg.server.warmup and cfg.server.warmup_background
+    engine = serve.load_engine(cfg)
+    with caplog.at_level(logging.INFO):
+        assert serve.warm_up(cfg, engine) is None
+    assert any("a paged engine compiles every shape before serving" in r.getMessage() for r in caplog.records)
