@@ -365,3 +365,29 @@ def test_adaptive_speculation_on_pages_generates_the_contiguous_tokens(engines, 
     for g, p in zip(got, prompts):
         assert g.result.output_ids == _solo(contiguous, p).output_ids
     assert max(g.cached_tokens for g in got) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["dflash2", "drafter_window", "qwen3_moe", "gpt_oss", "llama"])
+def test_other_families_and_drafters_on_pages_equal_target_only(case):
+    """Pages, and prefix hits on them, under the other model families (mixtures of experts; gpt-oss's sinks
+    and sliding windows), a DFlash2 drafter and a windowed drafter context: the target-only greedy tokens."""
+    from dflash_jax.tiny import (random_drafter, random_target, tiny_dflash2_config, tiny_drafter_config,
+                                 tiny_target_config)
+
+    family = case if case in ("qwen3_moe", "gpt_oss", "llama") else "qwen3"
+    tc = tiny_target_config(family)
+    target = random_target(tc)
+    make = tiny_dflash2_config if case == "dflash2" else tiny_drafter_config
+    drafter = random_drafter(make(tc, block_size=8, mask_token_id=1))
+    config = EngineConfig(max_batch_size=4, max_length=96, steps_per_sync=4, prompt_buckets=(64,),
+                          drafter_context_window=16 if case == "drafter_window" else 0)
+    rs = np.random.RandomState(3)
+    shared = rs.randint(0, 90, 40).tolist()
+    prompts = [shared + [3, 4], shared[:24] + [7] * 5, rs.randint(0, 90, 13).tolist()]
+    plain = Engine(target, None, config)
+    paged = plain.derive(dataclasses.replace(config, page_size=PAGE), drafter=drafter)
+    batcher = ContinuousBatcher(paged)
+    generations = _run(batcher, prompts[:1]) + _run(batcher, prompts[1:])  # the second on the first's pages
+    assert [g.result.output_ids for g in generations] == [r.output_ids for r in plain.generate(prompts, MAX_NEW, [11])]
+    assert generations[1].cached_tokens == 24 and batcher.pages.all_free()
