@@ -205,8 +205,9 @@ def _stack_frames(hlo: str) -> dict[str, str]:
     for frame, text in tables.get("StackFrames", {}).items():
         location = re.search(r"file_location_id=(\d+)", text)
         spec = tables.get("FileLocations", {}).get(location.group(1), "") if location else ""
-        file_id, function_id, line = (re.search(rf"{key}=(\d+)", spec) for key in ("file_name_id", "function_name_id",
-                                                                                    "line"))
+        # ``\b``: ``line`` is not the end of ``end_line``
+        file_id, function_id, line = (re.search(rf"\b{key}=(\d+)", spec)
+                                      for key in ("file_name_id", "function_name_id", "line"))
         if file_id and line:
             function = functions.get(function_id.group(1), "?") if function_id else "?"
             out[frame] = f"{Path(files.get(file_id.group(1), '?')).name}:{line.group(1)} ({function})"

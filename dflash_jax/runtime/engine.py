@@ -220,6 +220,14 @@ class PagedAdmission:
     cache_from: jax.Array
 
 
+def _check_checkpoint_layout(module, name: str, where: str, other: str = "") -> None:
+    """A module in the serving layout (an engine's copy) passed where one in its checkpoint layout is taken
+    is an error naming it; ``other``: what else ``where`` takes."""
+    if module is not None and in_serving_layout(module):
+        raise ValueError(f"the {name} passed to {where} is in the serving layout (an engine's engine.{name}); "
+                         f"pass the module in its checkpoint layout{other}")
+
+
 def _check_pair(target: Target, drafter: Drafter | None, config: EngineConfig) -> None:
     """A drafter that does not fit ``target`` (vocabulary, hidden size, tapped layer count) or whose
     block ``config`` cannot run is an error."""
@@ -358,10 +366,8 @@ class Engine:
         them. Drop yours once the engine is built: the copies hold the weights (``derive`` builds
         further engines on the same copies)."""
         config.validate()
-        for module, name in ((target, "target"), (drafter, "drafter")):
-            if module is not None and in_serving_layout(module):
-                raise ValueError(f"the {name} passed to Engine is in the serving layout (an engine's "
-                                 f"engine.{name}); pass the module in its checkpoint layout")
+        _check_checkpoint_layout(target, "target", "Engine")
+        _check_checkpoint_layout(drafter, "drafter", "Engine")
         _check_pair(target, drafter, config)
         mesh = mesh if mesh is not None else (make_mesh(config.mesh) if config.mesh is not None else None)
         if mesh is not None and isinstance(target, HybridTarget):
@@ -393,9 +399,7 @@ class Engine:
         elif drafter is None:
             served = None
         else:
-            if in_serving_layout(drafter):
-                raise ValueError("the drafter passed to Engine.derive is in the serving layout (an engine's "
-                                 "engine.drafter); pass the module in its checkpoint layout, or 'same'")
+            _check_checkpoint_layout(drafter, "drafter", "Engine.derive", other=", or 'same'")
             served = drafter
         _check_pair(self.target, served, config)
         if served is not None and served is not self.drafter:
