@@ -66,6 +66,20 @@ def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, axis: int):
     return weighted / jnp.where(l_tot == 0.0, 1.0, l_tot)[..., None], m_max, l_tot
 
 
+def split_span(j, splits, context, chunk: int, block_k: int, balanced: bool):
+    """Split ``j`` of ``splits`` (program axis 3) of a row's ``context`` keys (dynamic): ``(first, tiles)``,
+    its first key and its count of ``block_k``-key tiles. Fixed: the split holds keys ``[j * chunk, (j +
+    1) * chunk)`` of the capacity (``chunk``, planned statically), so a context much shorter than the
+    capacity falls to the first splits alone. Balanced: the row's own context in whole tiles over the
+    splits, so the longest split holds ``ceil(tiles / splits)`` tiles whatever the capacity."""
+    if balanced:
+        chunk = (context + block_k - 1) // block_k
+        chunk = (chunk + splits - 1) // splits * block_k
+    first = j * chunk
+    keys = jnp.maximum(jnp.minimum(first + chunk, context) - first, 0)
+    return first, (keys + block_k - 1) // block_k
+
+
 def tile_keys(table_ref, start, block_k: int, page_size: int):
     """The index of a context tile's ``block_k`` keys from position ``start``: ``pl.ds(start, block_k)``
     of a contiguous cache, or (``page_size``: the caches are page pools flattened to ``[pages *

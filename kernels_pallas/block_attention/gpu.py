@@ -2,11 +2,11 @@
 
 One program per (batch row b, block n, KV head h, context split j). The program holds the folded
 queries of its block and KV head (``rows = block * groups`` rows, padded to a power of two >= 16, in
-registers/shared memory), streams its slice of the context K/V ``[j * chunk, min((j+1) * chunk,
-ctx_len))`` in tiles of ``block_k`` keys straight from the cache layout ``[batch, ctx, kv_heads,
-head_dim]`` with an online (flash) softmax in float32, and split 0 also takes the block's own
-``block`` keys (causal or not, only the first ``blk_len``). A program whose split lies past
-``ctx_len`` does no loads at all, so a short row in a long cache costs nothing.
+registers/shared memory), streams its share of the row's ``ctx_len`` context keys (``ctx_len`` in
+whole tiles over the splits: ``_flash.split_span``) in tiles of ``block_k`` keys straight from the
+cache layout ``[batch, ctx, kv_heads, head_dim]`` with an online (flash) softmax in float32, and
+split 0 also takes the block's own ``block`` keys (causal or not, only the first ``blk_len``). The
+loop runs to the row's context only, so a short row in a long cache costs little.
 
 With one split the program writes the normalised output in the query dtype. With several it
 writes a float32 partial output plus its running max ``m`` and sum ``l``; a small jnp epilogue
@@ -44,7 +44,7 @@ from kernels_pallas._common import (
     round_up,
     unfold_rows,
 )
-from kernels_pallas._flash import merge_splits, nt_dot, online_update, tile_keys, triton_params
+from kernels_pallas._flash import merge_splits, nt_dot, online_update, split_span, tile_keys, triton_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +60,9 @@ class GpuConfig:
     partial_cost_keys: int = 128  # writing + merging one partial output, in keys
     num_splits: int | None = None  # force a split count (tests, tuning)
     partial_dtype: str = "float32"  # dtype of the split-K partial outputs (m, l stay float32)
-    # Cached kernel only: the split count is planned over the capacity, but each row's splits share
-    # its actual context (``starts``) in whole tiles, rather than fixed chunks of the capacity.
+    # The split count is planned over the capacity, but each row's splits share its actual context in
+    # whole tiles, rather than fixed chunks of the capacity: a prefix hit's suffix over a 4k-token
+    # context in a 17k-token page table took 4x the time on the first split alone.
     balanced_splits: bool = True
     # Cached kernel only, blocks of several slots: group members per program (a power of two
     # dividing the group; None: the fewest that fit the grid in one wave, ``members_per_program``).
@@ -147,6 +148,7 @@ def _kernel(
     groups: int,
     block_k: int,
     chunk: int,
+    balanced: bool,
     page_size: int,
 ):
     """Paged (``page_size``): ``k_ref, v_ref`` are views of the page pools flattened to ``[pages *
@@ -160,10 +162,7 @@ def _kernel(
     q = q_ref[...]
     rows, head_dim = q.shape
 
-    start = j * chunk
-    end = jnp.minimum(start + chunk, ctx_len)
-    n_iter = jnp.maximum(end - start, 0)
-    n_iter = (n_iter + (block_k - 1)) // block_k
+    start, n_iter = split_span(j, pl.num_programs(3), ctx_len, chunk, block_k, balanced)
 
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), NEG, jnp.float32)
@@ -304,7 +303,8 @@ def _jitted_forward(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, blk_lens, page_tabl
 
     out_dtype = q.dtype if splits == 1 else jnp.dtype(cfg.partial_dtype)
     kernel = functools.partial(
-        _kernel, scale=scale, causal=causal, groups=g, block_k=bk, chunk=chunk, page_size=page_size
+        _kernel, scale=scale, causal=causal, groups=g, block_k=bk, chunk=chunk, balanced=bool(cfg.balanced_splits),
+        page_size=page_size,
     )
     grid = (b, n, hkv, splits)
     o, m, l = pl.pallas_call(

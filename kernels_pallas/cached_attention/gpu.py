@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas._common import NEG, default_scale, next_pow2
-from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, tile_keys, triton_params
+from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, split_span, tile_keys, triton_params
 from kernels_pallas._pdl import signal_after, signals
 from kernels_pallas.block_attention.gpu import GpuConfig, num_sms, plan, program_shared_bytes, resident_programs
 
@@ -259,14 +259,8 @@ def _kernel(
         queries.append((q_lo, q_hi))
     rows = queries[0][0].shape[0]
 
-    # The context before the block: this split's keys [j * chunk, min((j + 1) * chunk, start)).
-    # Balanced: the chunk is this row's context ``start`` in whole tiles over the splits, so the
-    # longest split holds ceil(tiles / splits) tiles whatever the capacity.
-    if balanced:
-        tiles = (start + block_k - 1) // block_k
-        chunk = (tiles + pl.num_programs(3) - 1) // pl.num_programs(3) * block_k
-    first = j * chunk
-    n_keys = jnp.maximum(jnp.minimum(first + chunk, start) - first, 0)
+    # The context before the block: this split's tiles of the keys before ``start``.
+    first, n_tiles = split_span(j, pl.num_programs(3), start, chunk, block_k, balanced)
     carries = tuple((jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
                      jnp.zeros((rows,), jnp.float32)) for _ in queries)
 
@@ -278,7 +272,7 @@ def _kernel(
         return tuple(online_update(carry, nt_dot(q_lo, k_tile_lo) + nt_dot(q_hi, k_tile_hi), valid, v_tile, scale)
                      for carry, (q_lo, q_hi) in zip(carries, queries))
 
-    carries = lax.fori_loop(0, (n_keys + block_k - 1) // block_k, body, carries)
+    carries = lax.fori_loop(0, n_tiles, body, carries)
 
     # The block's own keys, causal or not (a row's slot is its row modulo the copies; a single token
     # sees itself): split 0 only, the others see a block of length 0.

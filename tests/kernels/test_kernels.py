@@ -103,11 +103,13 @@ def test_forward_gpu_kernel(case):
     assert np.max(np.abs(np.asarray(got, np.float32) - other)) > 5e-2
 
 
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "capacity-chunks"])
 @pytest.mark.parametrize("splits,causal", [(3, False), (4, True)])
-def test_forward_gpu_split_k(splits, causal):
-    """Split-K: several programs per (row, block, head), merged by log-sum-exp."""
+def test_forward_gpu_split_k(splits, causal, balanced):
+    """Split-K: several programs per (row, block, head), merged by log-sum-exp; each row's context dealt
+    to the splits in whole tiles of its own length (balanced) or in fixed chunks of the capacity."""
     args = make_inputs(10 + splits, blocks=2, block=5, q_heads=8, kv_heads=2, ctx=70)
-    cfg = GpuConfig(block_k=16, num_splits=splits)
+    cfg = GpuConfig(block_k=16, num_splits=splits, balanced_splits=balanced)
     out, lse = jax.jit(lambda *a: block_attention_fwd(
         *a, causal=causal, backend="gpu", interpret=True, config=cfg))(*args)
     assert_close(out, run_reference(*args, causal=causal), jnp.float32)
