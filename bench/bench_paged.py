@@ -14,8 +14,8 @@ A Qwen3-8B-shaped target with random bf16 weights and a 5-layer block-16 drafter
 2. ``ttft``: the time to first token of a ``--prefix + --suffix``-token prompt through the paged engine's
    ``ContinuousBatcher``, uncached, and with its first ``--prefix`` tokens cached by an earlier request
    (medians of ``--repeats`` fresh prompts, after a round that compiles); with ``--profile`` (the default
-   on a GPU), three more prefix hits traced: their GPU kernel time against the time to first token, and
-   the largest kernels;
+   on a GPU), three more prefix hits traced: their GPU kernel time and span against the time to first
+   token, the largest kernels and the host's longest events (the dispatches);
 3. ``gap``: ``--streams`` streams of ``--stream-prompt``-token prompts decode; after ``--steady-syncs`` host
    syncs a ``--long``-token prompt arrives and is prefilled ``--chunk`` tokens per sync
    (``engine.prefill_chunk``) between their decode calls. Per stream, the gap between successive token
@@ -68,6 +68,7 @@ def decode_rows(target, drafter, config: EngineConfig, args) -> list[dict]:
     """Part 1 (see the module docstring): one engine at a time (each holds a serving copy of the weights)."""
     print(f"decode step, context {args.context}, pages of {args.page_size}: ms per step (ratio to contiguous)")
     rows = {batch: {"batch": batch} for batch in args.batch_list}
+    kernels: dict[tuple[str, str], dict[str, float] | None] = {}
     for kind in args.kind_list:
         for variant in args.variant_list:
             how = VARIANTS[variant]
@@ -84,6 +85,8 @@ def decode_rows(target, drafter, config: EngineConfig, args) -> list[dict]:
                 print(f"  {kind} {variant} batch {batch}: {1e3 * seconds:.3f} ms per step "
                       f"({time.perf_counter() - t0:.0f} s with compiling)", flush=True)
                 timing.write_json(args.json, {"decode_partial": list(rows.values())})
+                if batch == args.profile_batch:
+                    kernels[(kind, variant)] = step_kernels(engine, batch, window, args)
             del engine
             gc.collect()
     for row in rows.values():
@@ -99,7 +102,41 @@ def decode_rows(target, drafter, config: EngineConfig, args) -> list[dict]:
                 else:
                     line.append(f"{variant} {ms:.3f}")
         print("  ".join(line), flush=True)
+    for kind in args.kind_list:
+        for variant in args.variant_list:
+            if variant != "contiguous" and kernels.get((kind, variant)) and kernels.get((kind, "contiguous")):
+                rows[args.profile_batch][f"{kind}_{variant}_kernel_delta_us"] = kernel_delta(
+                    kernels[(kind, "contiguous")], kernels[(kind, variant)], f"{kind} {variant}")
     return list(rows.values())
+
+
+def step_kernels(engine: Engine, batch: int, window: int, args) -> dict[str, float] | None:
+    """A traced decode call of ``engine`` at ``batch`` (as ``timing.time_decode`` runs it): each GPU kernel's
+    time, us a step (None: no trace)."""
+    state = timing.warmed_state(engine, batch, args.context, args.steps, seed=batch, window=window)
+
+    def run() -> None:
+        nonlocal state
+        state, _ = engine.decode(state, n_steps=args.steps, window=window)
+        jax.block_until_ready(state.starts)
+
+    calls = 2
+    durations = timing.gpu_kernel_times(run, f"{args.profile_dir}/decode", calls=calls)
+    if not durations:
+        return None
+    return {name: sum(d) / (calls * args.steps) for name, d in durations.items()}
+
+
+def kernel_delta(base: dict[str, float], other: dict[str, float], what: str, top: int = 12) -> dict[str, float]:
+    """Prints and returns the kernels whose time a step differs most between ``base`` (contiguous) and
+    ``other`` (us a step, ``other - base``), beside both totals."""
+    delta = {name: other.get(name, 0.0) - base.get(name, 0.0) for name in set(base) | set(other)}
+    ranked = dict(sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:top])
+    print(f"{what}: {sum(other.values()):.1f} us of kernels a step against contiguous {sum(base.values()):.1f}; "
+          f"the largest differences, us a step:", flush=True)
+    for name, us in ranked.items():
+        print(f"  {us:+9.1f}  {name[:100]}", flush=True)
+    return ranked
 
 
 def first_token_s(batcher: ContinuousBatcher, prompt: list[int]) -> tuple[float, int]:
@@ -146,19 +183,36 @@ def cached_prefix_kernels(batcher: ContinuousBatcher, prefix: list[int], args, p
             raise RuntimeError(f"the profiled request found {hit} of its {len(prefix)} prefix tokens cached")
         seconds.append(ttft)
 
-    durations = timing.gpu_kernel_times(run, args.profile_dir, calls=calls)
-    if not durations:
+    traced = timing.trace_events(run, args.profile_dir, calls=calls)
+    if not traced or not traced[0]:
         print("no GPU kernels traced: no kernel table", flush=True)
         return None
-    per_request = {name: sum(d) / calls for name, d in durations.items()}
+    kernels, host = traced
+    per_request: dict[str, float] = {}
+    for e in kernels:
+        per_request[e["name"]] = per_request.get(e["name"], 0.0) + e["dur"] / calls
     busy = sum(per_request.values())
+    spans = timing.call_spans(kernels, calls)
+    span = statistics.median(b - a for a, b in spans)
     ttft = 1e3 * statistics.median(seconds[1:])
-    print(f"a prefix hit: {busy / 1e3:.2f} ms of GPU kernels ({sum(len(d) for d in durations.values()) // calls} "
-          f"launches) in a {ttft:.1f} ms time to first token; its largest kernels, us a request:", flush=True)
+    print(f"a prefix hit: {busy / 1e3:.2f} ms of GPU kernels ({len(kernels) // calls} launches) over a "
+          f"{span / 1e3:.2f} ms span of the GPU (its prefill and the call that ends it), in a {ttft:.1f} ms "
+          f"time to first token; its largest kernels, us a request:", flush=True)
     ranked = sorted(per_request.items(), key=lambda kv: -kv[1])[:top]
     for name, us in ranked:
         print(f"  {us:9.1f}  {name[:100]}", flush=True)
-    return {"kernel_ms": busy / 1e3, "ttft_ms": ttft, "top_us": dict(ranked)}
+    # The host's side of the same requests: its longest events (dispatches, transfers, waits) a request,
+    # but the profiler's own (stopping the trace).
+    on_host: dict[str, float] = {}
+    for e in host:
+        if "profiler.py" not in e["name"] and "contextlib.py" not in e["name"]:
+            on_host[e["name"]] = on_host.get(e["name"], 0.0) + e["dur"] / calls
+    host_ranked = sorted(on_host.items(), key=lambda kv: -kv[1])[:top]
+    print("its longest host events, us a request:", flush=True)
+    for name, us in host_ranked:
+        print(f"  {us:9.1f}  {name[:100]}", flush=True)
+    return {"kernel_ms": busy / 1e3, "gpu_span_ms": span / 1e3, "ttft_ms": ttft, "top_us": dict(ranked),
+            "host_top_us": dict(host_ranked)}
 
 
 def stream_gaps(engine: Engine, args, rng: np.random.Generator) -> dict:
@@ -232,12 +286,15 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=2048)
     ap.add_argument("--steady-syncs", type=int, default=6)
     ap.add_argument("--long", type=int, default=16000)
-    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--parts", default="decode,ttft,gap")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 shapes: a CPU smoke test of this script")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                     help="part 2: trace prefix hits and print their largest GPU kernels (default: on a GPU)")
     ap.add_argument("--profile-dir", default="/tmp/bench_paged_profile")
+    ap.add_argument("--profile-batch", type=int, default=0,
+                    help="part 1: trace a decode call at this batch per kind and variant and print the kernels "
+                         "whose time differs most from the contiguous cache's (0: none)")
     ap.add_argument("--json", default=None, help="write the numbers here")
     args = ap.parse_args()
     if args.profile is None:

@@ -269,9 +269,17 @@ def gpu_kernel_times(run: Callable[[], None], out_dir: str, calls: int = 3) -> d
 
 
 def gpu_kernel_events(run: Callable[[], None], out_dir: str, calls: int = 3) -> list[dict] | None:
-    """``gpu_kernel_times``' trace as its GPU kernel events: ``name``, ``dur`` (us) and the profiler's
-    ``args`` of each (on XLA:GPU, where the profiler annotates them, ``hlo_op`` names the HLO
-    instruction that launched it). None: no trace."""
+    """``gpu_kernel_times``' trace as its GPU kernel events: ``name``, ``ts`` (start) and ``dur`` (us) and
+    the profiler's ``args`` of each (on XLA:GPU, where the profiler annotates them, ``hlo_op`` names the
+    HLO instruction that launched it). None: no trace."""
+    traced = trace_events(run, out_dir, calls)
+    return None if traced is None else traced[0]
+
+
+def trace_events(run: Callable[[], None], out_dir: str, calls: int = 3) -> tuple[list[dict], list[dict]] | None:
+    """Runs ``run`` once, then ``calls`` times under ``jax.profiler``: the trace's complete events
+    (``name``, ``ts``, ``dur`` in us, ``args``) on the GPU and on the host threads, each list in time
+    order. None: no trace."""
     run()
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
         for _ in range(calls):
@@ -282,8 +290,21 @@ def gpu_kernel_events(run: Callable[[], None], out_dir: str, calls: int = 3) -> 
     events = json.loads(gzip.open(paths[-1]).read())["traceEvents"]
     gpu = {e["pid"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e["args"].get("name"))}
-    return [dict(name=e["name"], dur=e["dur"], args=e.get("args", {})) for e in events
-            if e.get("ph") == "X" and e.get("pid") in gpu]
+    complete = sorted((e for e in events if e.get("ph") == "X" and "dur" in e), key=lambda e: e["ts"])
+    pick = lambda on_gpu: [dict(name=e["name"], ts=e["ts"], dur=e["dur"], args=e.get("args", {}))  # noqa: E731
+                           for e in complete if (e.get("pid") in gpu) == on_gpu]
+    return pick(True), pick(False)
+
+
+def call_spans(events: list[dict], calls: int) -> list[tuple[float, float]]:
+    """The (start, end) in us of each of ``calls`` calls in time-ordered ``events``, split at the
+    ``calls - 1`` longest gaps between one event's end and the next one's start."""
+    if not events:
+        return []
+    ends = np.maximum.accumulate([e["ts"] + e["dur"] for e in events])
+    gaps = sorted(range(1, len(events)), key=lambda i: events[i]["ts"] - ends[i - 1])[len(events) - calls:]
+    cuts = [0, *sorted(gaps), len(events)]
+    return [(events[a]["ts"], float(ends[b - 1])) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def write_json(path: str | Path | None, obj) -> None:
