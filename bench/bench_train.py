@@ -6,7 +6,8 @@ weights) and a 5-layer B=16 drafter, seq_len 4096, 512 anchors, loss_chunk 64: o
 stacked and run under ``lax.scan`` as in ``train.py`` (``--unrolled-target``: the 36 layers unrolled,
 for comparison). Variants = every ``--batch`` x ``--attention-impl`` (``OpsConfig.attention`` of the
 step: with "pallas" the drafter's attention is the Pallas kernel and the target's full-sequence
-attention a library flash attention, cuDNN's on GPUs; with "xla" both the reference). Each row is
+attention a library flash attention, cuDNN's on GPUs; with "xla" both the reference) x
+``--gpu-lowering`` (the Pallas kernels' lowering with "pallas": Triton or Mosaic GPU). Each row is
 printed when it finishes and written to ``--out/<variant>.json``; a variant that fails (e.g. out of
 memory) writes its error and the next one runs.
 
@@ -126,11 +127,11 @@ def make_batch(batch: int, seq: int, vocab: int, abstract: bool) -> dict:
 
 
 def bench_one(m: Models, *, batch: int, seq: int, anchors: int, chunk: int, impl: str, steps: int, warmup: int,
-              abstract: bool) -> dict:
+              abstract: bool, lowering: str = "triton") -> dict:
     tx = make_optimizer(OptimConfig(lr=6e-4), 1000)
     spec = StepSpec(block_size=m.dcfg.block_size, mask_token_id=m.dcfg.mask_token_id,
                     target_layer_ids=tuple(m.dcfg.target_layer_ids), num_anchors=anchors, loss_chunk=chunk,
-                    compute_dtype=jnp.bfloat16, ops=OpsConfig(attention=impl))
+                    compute_dtype=jnp.bfloat16, ops=OpsConfig(attention=impl, gpu_lowering=lowering))
     step = jax.jit(make_train_step(m.drafter_graph, m.drafter_rest, m.target_graph, tx, spec), donate_argnums=(0,))
     if abstract:
         state = jax.eval_shape(lambda p: init_state(p, tx), m.drafter_params)
@@ -144,6 +145,7 @@ def bench_one(m: Models, *, batch: int, seq: int, anchors: int, chunk: int, impl
     t2 = time.perf_counter()
     flops = train_flops_per_sequence(m.tcfg, m.dcfg, seq, anchors, distill=False) * batch
     row = {"batch": batch, "seq_len": seq, "anchors": anchors, "loss_chunk": chunk, "attention": impl,
+           "gpu_lowering": lowering,
            "lower_s": t1 - t0, "compile_s": t2 - t1, "model_tflop_per_step": flops / 1e12}
     try:
         mem = compiled.memory_analysis()
@@ -193,6 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU-sized shapes (smoke test)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--attention-impl", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"])
+    ap.add_argument("--gpu-lowering", nargs="+", default=["triton"], choices=["triton", "mosaic"],
+                    help="the Pallas kernels' GPU lowering, one variant each (with --attention-impl pallas)")
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--anchors", type=int, default=None)
     ap.add_argument("--loss-chunk", type=int, default=None)
@@ -232,19 +236,23 @@ def main(argv=None) -> int:
             "compile_only": args.compile_only, "steps": args.steps, "warmup": args.warmup}
     rows = 0
     failures = 0
+    variants = [(impl, lowering) for impl in args.attention_impl
+                for lowering in (args.gpu_lowering if impl == "pallas" else ["triton"])]
     for batch in args.batch:
-        for impl in args.attention_impl:
-            name = f"b{batch}_{impl}" + ("_unrolled" if args.unrolled_target else "")
+        for impl, lowering in variants:
+            name = (f"b{batch}_{impl}" + (f"_{lowering}" if lowering != "triton" else "")
+                    + ("_unrolled" if args.unrolled_target else ""))
             if args.time_limit is not None and time.perf_counter() - start > args.time_limit:
                 print(f"{name:<14} skipped: --time-limit {args.time_limit:.0f} s reached", flush=True)
                 continue
             print(f"{name:<14} compiling ...", flush=True)  # so that a run cut short shows where
             try:
                 row = bench_one(models, batch=batch, seq=seq, anchors=anchors, chunk=chunk, impl=impl,
-                                steps=args.steps, warmup=args.warmup, abstract=args.compile_only)
+                                steps=args.steps, warmup=args.warmup, abstract=args.compile_only, lowering=lowering)
             except Exception as err:  # noqa: BLE001  (e.g. out of memory: record it, run the next variant)
                 failures += 1
-                row = {"batch": batch, "attention": impl, "error": f"{type(err).__name__}: {err}"[:2000]}
+                row = {"batch": batch, "attention": impl, "gpu_lowering": lowering,
+                       "error": f"{type(err).__name__}: {err}"[:2000]}
             rows += 1
             gc.collect()  # free a failed variant's buffers before the next one
             print(fmt(name, row), flush=True)
