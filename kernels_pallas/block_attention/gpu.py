@@ -62,7 +62,7 @@ class GpuConfig:
     partial_dtype: str = "float32"  # dtype of the split-K partial outputs (m, l stay float32)
     # The split count is planned over the capacity, but each row's splits share its actual context in
     # whole tiles, rather than fixed chunks of the capacity: a prefix hit's suffix over a 4k-token
-    # context in a 17k-token page table took 4x the time on the first split alone.
+    # context in a 17k-token page table took three times as long on the first split alone.
     balanced_splits: bool = True
     # Cached kernel only, blocks of several slots: group members per program (a power of two
     # dividing the group; None: the fewest that fit the grid in one wave, ``members_per_program``).
