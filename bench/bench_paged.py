@@ -188,25 +188,27 @@ def cached_prefix_kernels(batcher: ContinuousBatcher, prefix: list[int], args, p
         print("no GPU kernels traced: no kernel table", flush=True)
         return None
     kernels, host = traced
-    per_request: dict[str, float] = {}
-    for e in kernels:
-        per_request[e["name"]] = per_request.get(e["name"], 0.0) + e["dur"] / calls
-    busy = sum(per_request.values())
+
+    def per_request(events: list[dict]) -> dict[str, float]:  # us a request by event name
+        total: dict[str, float] = {}
+        for e in events:
+            total[e["name"]] = total.get(e["name"], 0.0) + e["dur"] / calls
+        return total
+
+    per_kernel = per_request(kernels)
+    busy = sum(per_kernel.values())
     spans = timing.call_spans(kernels, calls)
     span = statistics.median(b - a for a, b in spans)
     ttft = 1e3 * statistics.median(seconds[1:])
     print(f"a prefix hit: {busy / 1e3:.2f} ms of GPU kernels ({len(kernels) // calls} launches) over a "
           f"{span / 1e3:.2f} ms span of the GPU (its prefill and the call that ends it), in a {ttft:.1f} ms "
           f"time to first token; its largest kernels, us a request:", flush=True)
-    ranked = sorted(per_request.items(), key=lambda kv: -kv[1])[:top]
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
     for name, us in ranked:
         print(f"  {us:9.1f}  {name[:100]}", flush=True)
     # The host's side of the same requests: its longest events (dispatches, transfers, waits) a request,
     # but the profiler's own (stopping the trace).
-    on_host: dict[str, float] = {}
-    for e in host:
-        if "profiler.py" not in e["name"] and "contextlib.py" not in e["name"]:
-            on_host[e["name"]] = on_host.get(e["name"], 0.0) + e["dur"] / calls
+    on_host = per_request([e for e in host if "profiler.py" not in e["name"] and "contextlib.py" not in e["name"]])
     host_ranked = sorted(on_host.items(), key=lambda kv: -kv[1])[:top]
     print("its longest host events, us a request:", flush=True)
     for name, us in host_ranked:
