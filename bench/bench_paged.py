@@ -7,7 +7,8 @@ A Qwen3-8B-shaped target with random bf16 weights and a 5-layer block-16 drafter
    synchronised calls of ``--steps`` steps at the window the batcher would pick; a paged row's pages
    shuffled through the pool), for each of ``--kinds`` (target-only, DFlash) and ``--variants``:
    ``contiguous`` (the default kernels), ``paged`` (pages of ``--page-size``; the default kernels, the
-   fused cached attention reading and writing the pools through the page tables),
+   fused cached attention reading and writing the pools through the page tables), ``paged_in_order``
+   (the same, each row's pages consecutive in the pool: the cost of the shuffle),
    ``paged_mosaic`` (``gpu_lowering="mosaic"``: the Mosaic GPU block attention TMA-loads the pages the
    table names) and ``contiguous_mosaic`` (its contiguous counterpart); the ratios to ``contiguous``.
    One engine at a time, sized for the part (``--context`` + 1,024 positions);
@@ -21,6 +22,10 @@ A Qwen3-8B-shaped target with random bf16 weights and a 5-layer block-16 drafter
    (``engine.prefill_chunk``) between their decode calls. Per stream, the gap between successive token
    deliveries: the median before the arrival (steady state), and the largest from the arrival to the long
    prompt's admission (its last chunk), over all streams; the second of two runs (the first compiles).
+
+4. ``kernel``: the decode token's fused cached attention alone (Qwen3-8B heads, ``--context`` positions of a
+   ``--context`` + 1,024-position capacity, read only) over 8 layers' caches, contiguous and through page
+   tables (rows' pages shuffled, or in order), us a layer at each ``--batches``.
 
 Parts 2 and 3 run on one paged DFlash engine (a pool of ``--pages`` pages, ``max_length`` 16,896).
 
@@ -60,7 +65,8 @@ class WithChunks:
         return getattr(self.engine, name)
 
 
-VARIANTS = {"contiguous": dict(), "paged": dict(paged=True), "paged_mosaic": dict(paged=True, gpu_lowering="mosaic"),
+VARIANTS = {"contiguous": dict(), "paged": dict(paged=True), "paged_in_order": dict(paged=True, shuffled=False),
+            "paged_mosaic": dict(paged=True, gpu_lowering="mosaic"),
             "contiguous_mosaic": dict(gpu_lowering="mosaic")}
 
 
@@ -79,7 +85,8 @@ def decode_rows(target, drafter, config: EngineConfig, args) -> list[dict]:
                 # the window the batcher would pick: every row's reach over the calls
                 window = args.context + (2 + args.repeats) * args.steps * engine.block_size
                 t0 = time.perf_counter()
-                seconds, tau = timing.time_decode(engine, batch, args.context, args.steps, args.repeats, window=window)
+                seconds, tau = timing.time_decode(engine, batch, args.context, args.steps, args.repeats, window=window,
+                                                shuffled=how.get("shuffled", True))
                 rows[batch][f"{kind}_{variant}"] = {"ms_per_step": 1e3 * seconds, "tau": tau}
                 # each case as it is measured: a run cut short by its time limit keeps what it timed
                 print(f"  {kind} {variant} batch {batch}: {1e3 * seconds:.3f} ms per step "
@@ -137,6 +144,65 @@ def kernel_delta(base: dict[str, float], other: dict[str, float], what: str, top
     for name, us in ranked.items():
         print(f"  {us:+9.1f}  {name[:100]}", flush=True)
     return ranked
+
+
+def kernel_rows(args) -> list[dict]:
+    """Part 4 (see the module docstring)."""
+    from kernels_pallas.cached_attention.gpu import cached_block_attention
+
+    kv_heads, groups, head_dim, layers = 8, 4, 128, 8
+    dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    capacity, page = args.context + (64 if args.tiny else 1024), args.page_size
+    read_pages = capacity // page
+    rows = []
+    print(f"decode attention alone, {layers} layers' caches, context {args.context} of {capacity}, pages of {page}: "
+          f"us a layer", flush=True)
+    for batch in args.batch_list:
+        key = jax.random.key(batch)
+        qkv = timing.normal(key, (batch, 1, kv_heads, groups + 2, head_dim), dtype)
+        starts, lens = jnp.full((batch,), args.context, jnp.int32), jnp.ones((batch,), jnp.int32)
+        norm, inv_freq = jnp.ones((head_dim,), dtype), 1.0 / 1e6 ** (jnp.arange(0, head_dim, 2) / head_dim)
+        caches = [timing.normal(jax.random.fold_in(key, i), (batch, capacity, kv_heads, head_dim), dtype)
+                  for i in range(2 * layers)]
+        order = np.arange(1, 1 + batch * read_pages)
+        tables = {"paged": np.random.default_rng(batch).permutation(order), "paged_in_order": order}
+        pools = [jnp.concatenate([jnp.zeros((1, page, kv_heads, head_dim), dtype),
+                                  c.reshape(batch * read_pages, page, kv_heads, head_dim)]) for c in caches]
+        row = {"batch": batch}
+        for variant in ("contiguous", "paged", "paged_in_order"):
+            paged = variant != "contiguous"
+            # the pools hold the contiguous caches' pages at the table's entries: the same values attended
+            table = jnp.asarray(tables[variant].reshape(batch, read_pages), jnp.int32) if paged else None
+            where = (np.argsort(tables[variant]) + 1) if paged else None
+            args_k = [p[jnp.asarray(np.concatenate([[0], where]))] for p in pools] if paged else caches
+
+            def layer_stack(qkv, *kv, table=table):
+                outs = []
+                for i in range(layers):
+                    out, _, _ = cached_block_attention(qkv, kv[2 * i], kv[2 * i + 1], starts, lens, norm, norm,
+                                                       inv_freq, eps=1e-6, qk_norm=True, write=False,
+                                                       page_table=table, read_pages=read_pages if paged else None)
+                    outs.append(out)
+                return sum(o.astype(jnp.float32) for o in outs)
+
+            fn = jax.jit(layer_stack)
+            row[variant] = {"us_per_layer": 1e6 * timing.per_call_time(fn, qkv, *args_k) / layers,
+                            "output": np.asarray(fn(qkv, *args_k))}
+            del args_k
+        want = row["contiguous"].pop("output")
+        line = [f"  batch {batch:3d}: contiguous {row['contiguous']['us_per_layer']:.1f}"]
+        for variant in ("paged", "paged_in_order"):
+            got = row[variant].pop("output")
+            if not np.allclose(got, want, rtol=1e-2, atol=1e-2):
+                raise AssertionError(f"{variant}: the paged kernel's output differs from the contiguous kernel's")
+            us = row[variant]["us_per_layer"]
+            row[f"{variant}_over_contiguous"] = us / row["contiguous"]["us_per_layer"]
+            line.append(f"{variant} {us:.1f} ({row[f'{variant}_over_contiguous']:.3f}x)")
+        print("  ".join(line), flush=True)
+        rows.append(row)
+        del caches, pools
+        gc.collect()
+    return rows
 
 
 def first_token_s(batcher: ContinuousBatcher, prompt: list[int]) -> tuple[float, int]:
@@ -289,7 +355,7 @@ def main() -> None:
     ap.add_argument("--steady-syncs", type=int, default=6)
     ap.add_argument("--long", type=int, default=16000)
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--parts", default="decode,ttft,gap")
+    ap.add_argument("--parts", default="decode,ttft,gap", help="of decode, ttft, gap, kernel")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 shapes: a CPU smoke test of this script")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                     help="part 2: trace prefix hits and print their largest GPU kernels (default: on a GPU)")
@@ -313,13 +379,18 @@ def main() -> None:
     else:
         tcfg, dtype = timing.qwen3_8b(args.layers), jnp.bfloat16
     t0 = time.perf_counter()
+    result = {"device": timing.device_line(), "page_size": args.page_size, "layers": tcfg.num_layers,
+              "context": args.context, "args": {k: v for k, v in vars(args).items() if not k.endswith("_list")}}
+    if "kernel" in args.parts:
+        result["kernel"] = kernel_rows(args)
+    if not {"decode", "ttft", "gap"} & set(args.parts.split(",")):
+        timing.write_json(args.json, result)
+        return
     target, drafter = timing.random_pair(tcfg, dtype)
     small = EngineConfig(max_batch_size=max(args.batch_list), max_length=args.context + 1024,
                          steps_per_sync=args.steps, prompt_buckets=(64,))
     print(timing.device_line())
     print(f"models built in {time.perf_counter() - t0:.0f} s", flush=True)
-    result = {"device": timing.device_line(), "page_size": args.page_size, "layers": tcfg.num_layers,
-              "context": args.context, "args": {k: v for k, v in vars(args).items() if not k.endswith("_list")}}
     rng = np.random.default_rng(0)
     if "decode" in args.parts:
         result["decode"] = decode_rows(target, drafter, small, args)

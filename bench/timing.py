@@ -140,11 +140,13 @@ def card_streaming_rate(repeats: int, *, passes: int = 8, gemvs: int = 8, vocab:
 # -- engine states ----------------------------------------------------------------------------------
 
 
-def synthetic_state(engine, batch: int, context: int, seed: int, window: int | None = None) -> decoding.DecodeState:
+def synthetic_state(engine, batch: int, context: int, seed: int, window: int | None = None,
+                    shuffled: bool = True) -> decoding.DecodeState:
     """A decode state as after a prefill of ``context`` random tokens, its caches full of random data
-    (a paged engine's: ``paged_synthetic_state``, its rows holding pages for ``window`` positions)."""
+    (a paged engine's: ``paged_synthetic_state``, its rows holding pages for ``window`` positions,
+    ``shuffled`` or in order)."""
     if getattr(engine, "paged", False):
-        return paged_synthetic_state(engine, batch, context, seed, positions=window)
+        return paged_synthetic_state(engine, batch, context, seed, positions=window, shuffled=shuffled)
     tc, cap = engine.target.config, engine.capacity
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     dtype = engine.target.embed_tokens.dtype
@@ -172,17 +174,19 @@ def synthetic_state(engine, batch: int, context: int, seed: int, window: int | N
     )
 
 
-def paged_synthetic_state(engine, batch: int, context: int, seed: int, positions: int | None = None
-                          ) -> decoding.DecodeState:
+def paged_synthetic_state(engine, batch: int, context: int, seed: int, positions: int | None = None,
+                          shuffled: bool = True) -> decoding.DecodeState:
     """``synthetic_state`` of a paged engine: each row holds the pages of its first ``positions``
     positions (None: ``max_pages`` pages) in a shuffled order (rows' pages interleave, as after admissions
-    and evictions), filled with random data; the rest of its table is the null page."""
+    and evictions) or, not ``shuffled``, consecutive pages of the pool in order (as a fresh pool gives
+    them), filled with random data; the rest of its table is the null page."""
     held = engine.max_pages if positions is None else min(-(-positions // engine.page_size), engine.max_pages)
     if batch * held >= engine.num_pages:
         raise ValueError(f"{batch} rows of {held} pages exceed the pool's {engine.num_pages - 1}")
     rows = engine.empty_state(batch)
     key = jax.random.key(seed)
-    order = np.random.default_rng(seed).permutation(np.arange(1, 1 + batch * held)).reshape(batch, held)
+    order = np.arange(1, 1 + batch * held)
+    order = (np.random.default_rng(seed).permutation(order) if shuffled else order).reshape(batch, held)
     table = np.zeros((batch, engine.max_pages), np.int32)
     table[:, :held] = order
     dtype = engine.target.embed_tokens.dtype
@@ -205,11 +209,11 @@ def paged_synthetic_state(engine, batch: int, context: int, seed: int, positions
 
 
 def warmed_state(engine, batch: int, context: int, steps: int, seed: int,
-                 window: int | None = None) -> decoding.DecodeState:
+                 window: int | None = None, shuffled: bool = True) -> decoding.DecodeState:
     """``synthetic_state`` after two decode calls of ``steps`` steps (the first compiles; on a mesh
     the second compiles for the sharded state), synced. ``window``: the calls' attention window, as
-    ``Engine.decode`` takes it (None: the whole cache)."""
-    state = synthetic_state(engine, batch, context, seed=seed, window=window)
+    ``Engine.decode`` takes it (None: the whole cache); ``shuffled``: a paged engine's page order."""
+    state = synthetic_state(engine, batch, context, seed=seed, window=window, shuffled=shuffled)
     for _ in range(2):
         state, _ = engine.decode(state, n_steps=steps, window=window)
     jax.block_until_ready(state.starts)
@@ -217,10 +221,11 @@ def warmed_state(engine, batch: int, context: int, steps: int, seed: int,
 
 
 def time_decode(engine, batch: int, context: int, steps: int, repeats: int,
-                window: int | None = None) -> tuple[float, float]:
+                window: int | None = None, shuffled: bool = True) -> tuple[float, float]:
     """Median seconds per decode step over ``repeats`` synchronised calls of ``steps`` on-device
-    steps (state donated), and the tokens committed per step (tau); ``window`` as in ``warmed_state``."""
-    state = warmed_state(engine, batch, context, steps, seed=batch, window=window)
+    steps (state donated), and the tokens committed per step (tau); ``window``, ``shuffled`` as in
+    ``warmed_state``."""
+    state = warmed_state(engine, batch, context, steps, seed=batch, window=window, shuffled=shuffled)
     times = []
     for _ in range(repeats):
         before = np.asarray(state.starts)

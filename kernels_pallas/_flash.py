@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas._common import NEG
+from kernels_pallas._common import NEG, next_pow2
 
 MMA_MIN = 16  # Triton's dot takes operands of >= 16 rows, columns and contraction length
 
@@ -80,14 +80,53 @@ def split_span(j, splits, context, chunk: int, block_k: int, balanced: bool):
     return first, (keys + block_k - 1) // block_k
 
 
-def tile_keys(table_ref, start, block_k: int, page_size: int):
-    """The index of a context tile's ``block_k`` keys from position ``start``: ``pl.ds(start, block_k)``
-    of a contiguous cache, or (``page_size``: the caches are page pools flattened to ``[pages *
-    page_size]`` rows) the pool rows ``table[p // page_size] * page_size + p % page_size`` of each
-    position ``p``, read through the row's page table ``table_ref [max_pages]`` (positions past the
-    table read its last page: masked by the caller's context length)."""
+MAX_SPLIT_PAGES = 1024  # table entries a split holds in registers (``split_pages``); more: read per tile
+
+
+def split_pages(table_ref, first, max_keys: int, block_k: int, page_size: int):
+    """Before a split's loop over its context tiles: the pool row of the first position of each page
+    its keys ``[first, first + max_keys)`` may touch (``first`` a multiple of ``block_k``; ``max_keys``
+    the plan's static bound on a split's keys), ``[n]`` int32 from the row's page table ``table_ref
+    [max_pages]`` (entries past the table repeat its last page: masked by the caller). None for a
+    contiguous cache, or where ``tile_keys`` reads the table per tile.
+
+    Read once here, the table is not loaded inside the loop: a tile's rows then depend on the loop
+    index alone, so Triton's pipeliner prefetches the K/V tiles as it does a contiguous cache's. Read
+    per tile, each tile's loads waited on its table entries: the paged decode attention took 1.27-1.48x
+    the contiguous kernel's time at batch 16-32 (docs/performance.md)."""
+    if not page_size:
+        return None
+    n = next_pow2(-(-max_keys // page_size) + 1)
+    if n > MAX_SPLIT_PAGES or (block_k % page_size and page_size % block_k):
+        return None
+    last = table_ref.shape[0] - 1
+    entries = lax.div(first, page_size) + jnp.arange(n, dtype=jnp.int32)
+    return table_ref[jnp.minimum(entries, last)] * page_size
+
+
+def tile_keys(table_ref, pages, first, start, block_k: int, page_size: int):
+    """The index of a context tile's ``block_k`` keys from position ``start`` (a multiple of
+    ``block_k``) of a split whose keys begin at ``first``: ``pl.ds(start, block_k)`` of a contiguous
+    cache, or (``page_size``: the caches are page pools flattened to ``[pages * page_size]`` rows) the
+    pool rows ``table[p // page_size] * page_size + p % page_size`` of each position ``p``.
+
+    With the split's ``pages`` (``split_pages``) a tile's page entries are picked from those
+    registers: a tile within one page is then one slice of the pool, a tile of whole pages one slice
+    per page. Without, each position's entry is read from the row's page table ``table_ref
+    [max_pages]`` (positions past the table read its last page: masked by the caller)."""
     if not page_size:
         return pl.ds(start, block_k)
+    if pages is not None:
+        local = lax.div(start, page_size) - lax.div(first, page_size)  # the tile's first page in the split's
+        ids = jnp.arange(pages.shape[0], dtype=jnp.int32)
+        entry = lambda i: jnp.sum(jnp.where(ids == local + i, pages, 0))  # noqa: E731
+        if page_size % block_k == 0:
+            return pl.ds(pl.multiple_of(entry(0) + lax.rem(start, page_size), block_k), block_k)
+        offset = jnp.arange(block_k, dtype=jnp.int32)
+        rows = entry(0)
+        for i in range(1, block_k // page_size):
+            rows = jnp.where(offset >= i * page_size, entry(i), rows)
+        return rows + lax.rem(offset, page_size)
     position = start + jnp.arange(block_k, dtype=jnp.int32)
     page = table_ref[jnp.minimum(lax.div(position, page_size), table_ref.shape[0] - 1)]
     return page * page_size + lax.rem(position, page_size)

@@ -44,7 +44,7 @@ from kernels_pallas._common import (
     round_up,
     unfold_rows,
 )
-from kernels_pallas._flash import merge_splits, nt_dot, online_update, split_span, tile_keys, triton_params
+from kernels_pallas._flash import merge_splits, nt_dot, online_update, split_pages, split_span, tile_keys, triton_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +163,7 @@ def _kernel(
     rows, head_dim = q.shape
 
     start, n_iter = split_span(j, pl.num_programs(3), ctx_len, chunk, block_k, balanced)
+    pages = split_pages(table_ref, start, chunk, block_k, page_size)
 
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), NEG, jnp.float32)
@@ -170,7 +171,7 @@ def _kernel(
 
     def body(i, carry):
         k_start = pl.multiple_of(start + i * block_k, block_k)
-        keys = tile_keys(table_ref, k_start, block_k, page_size)
+        keys = tile_keys(table_ref, pages, start, k_start, block_k, page_size)
         k = k_ref[keys, :]
         v = v_ref[keys, :]
         s = nt_dot(q, k)

@@ -50,7 +50,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas._common import NEG, default_scale, next_pow2
-from kernels_pallas._flash import MMA_MIN, merge_splits, nt_dot, online_update, split_span, tile_keys, triton_params
+from kernels_pallas._flash import (MMA_MIN, merge_splits, nt_dot, online_update, split_pages, split_span, tile_keys,
+                                   triton_params)
 from kernels_pallas._pdl import signal_after, signals
 from kernels_pallas.block_attention.gpu import GpuConfig, num_sms, plan, program_shared_bytes, resident_programs
 
@@ -261,12 +262,13 @@ def _kernel(
 
     # The context before the block: this split's tiles of the keys before ``start``.
     first, n_tiles = split_span(j, pl.num_programs(3), start, chunk, block_k, balanced)
+    pages = split_pages(table_ref, first, chunk, block_k, page_size)
     carries = tuple((jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
                      jnp.zeros((rows,), jnp.float32)) for _ in queries)
 
     def body(i, carries):
         k0 = pl.multiple_of(first + i * block_k, block_k)
-        keys = tile_keys(table_ref, k0, block_k, page_size)
+        keys = tile_keys(table_ref, pages, first, k0, block_k, page_size)
         k_tile_lo, k_tile_hi, v_tile = k_cache_ref[keys, lo], k_cache_ref[keys, hi], v_cache_ref[keys, :]
         valid = ((k0 + jnp.arange(block_k, dtype=jnp.int32)) < start)[None, :]
         return tuple(online_update(carry, nt_dot(q_lo, k_tile_lo) + nt_dot(q_hi, k_tile_hi), valid, v_tile, scale)

@@ -45,8 +45,10 @@ def paged_case(page_size: int, read_pages: int, block: int, seed: int):
 
 @pytest.mark.parametrize("mode", ["verify", "draft"])
 @pytest.mark.parametrize("page_size,read_pages,block,splits", [
-    (16, 8, 1, None), (16, 8, 4, 3), (64, 3, 4, None), (64, 2, 1, 2), (16, 5, 16, None)],
-    ids=["p16-token", "p16-block-splits", "p64-block", "p64-token-splits", "p16-verify16"])
+    (16, 8, 1, None), (16, 8, 4, 3), (64, 3, 4, None), (64, 2, 1, 2), (16, 5, 16, None), (128, 2, 4, 2),
+    (24, 4, 1, None)],
+    ids=["p16-token", "p16-block-splits", "p64-block", "p64-token-splits", "p16-verify16", "p128-two-tiles-a-page",
+         "p24-tiles-across-pages"])
 def test_paged_kernel_equals_the_contiguous_kernel(page_size, read_pages, block, splits, mode):
     qkv, k_cache, v_cache, starts, blk_lens, (q_norm, k_norm), inv_freq = paged_case(
         page_size, read_pages, block, seed=page_size + block)
@@ -84,7 +86,7 @@ def test_paged_kernel_refuses_a_write_without_its_rows():
                                qk_norm=True, page_table=k_cache.page_table, read_pages=4)
 
 
-@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
 def test_paged_kernel_lowers_for_gpus(page_size):
     """Triton IR for cuda, built on this CPU: Qwen3-8B heads in bf16, a decode token and a verify block
     (stacked members), written through the table, over 1,152 positions of pages."""
