@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU-sized shapes (smoke test)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--attention-impl", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"])
-    ap.add_argument("--gpu-lowering", nargs="+", default=["triton"], choices=["triton", "mosaic"],
+    ap.add_argument("--gpu-lowering", nargs="+", default=["mosaic"], choices=["triton", "mosaic"],
                     help="the Pallas kernels' GPU lowering, one variant each (with --attention-impl pallas)")
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--anchors", type=int, default=None)

@@ -20,11 +20,26 @@ def mosaic_interpret_available() -> bool:
     return hasattr(plgpu, "InterpretGPUParams")
 
 
+def hopper_or_later() -> bool:
+    """Whether the default device is a GPU of compute capability 9.0 or later: TMA and ``wgmma``, which
+    every Mosaic GPU kernel here uses, came with Hopper (an A100 or a GPU that reports no capability
+    runs the Triton kernels)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    try:
+        return float(getattr(device, "compute_capability", "")) >= 9.0
+    except ValueError:
+        return False
+
+
 def mosaic_runs_here() -> bool:
-    """Whether Mosaic GPU kernels run on this platform: a GPU, or the CPU in Mosaic GPU's interpret mode
-    (jax >= 0.11); never a TPU."""
+    """Whether Mosaic GPU kernels run on this platform: a Hopper or later GPU (``hopper_or_later``), or
+    the CPU in Mosaic GPU's interpret mode (jax >= 0.11); never a TPU."""
     platform = jax.default_backend()
-    return platform == "gpu" or (platform != "tpu" and mosaic_interpret_available())
+    if platform == "gpu":
+        return hopper_or_later()
+    return platform != "tpu" and mosaic_interpret_available()
 
 
 def interpret_params(interpret: bool) -> Any:

@@ -373,10 +373,12 @@ def touched_experts(experts: jax.Array, num_experts: int) -> jax.Array:
 def uses_mosaic_kernel(implementation: str, experts_shape: tuple[int, int], w: ExpertWeights, dtype, *,
                        mosaic: bool) -> bool:
     """Whether ``routed_experts`` runs the Mosaic GPU kernel: ``mosaic`` asked for (``OpsConfig.mosaic``)
-    on a GPU, ``implementation`` "auto" or "gemv" (the few pairs of a decode or verify step:
+    on a Hopper or later GPU, ``implementation`` "auto" or "gemv" (the few pairs of a decode or verify step:
     ``gemv_pair_limit``'s four an expert), and ``mosaic_kernel_fits``."""
+    from kernels_pallas._mosaic import hopper_or_later
+
     tokens, top_k = experts_shape
-    return (mosaic and jax.default_backend() == "gpu" and implementation in ("auto", "gemv")
+    return (mosaic and jax.default_backend() == "gpu" and hopper_or_later() and implementation in ("auto", "gemv")
             and tokens * top_k <= 4 * w.num_experts and mosaic_kernel_fits(tokens, w, dtype))
 
 

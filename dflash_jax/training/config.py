@@ -49,9 +49,11 @@ class ModelConfig:
     # attention (cuDNN's on GPUs, JAX's Pallas one on TPUs); "xla": both the reference; "auto": pallas
     # on GPUs and TPUs.
     attention_impl: Literal["xla", "pallas", "auto"] = "auto"
-    # The GPU kernels' Pallas lowering (OpsConfig.gpu_lowering): "triton", or "mosaic" (the drafter's
-    # block attention, forward and backward, by its Mosaic GPU kernels where they take the shapes).
-    gpu_lowering: Literal["triton", "mosaic"] = "triton"
+    # The GPU kernels' Pallas lowering (OpsConfig.gpu_lowering): "mosaic", the drafter's block attention,
+    # forward and backward, by its Mosaic GPU kernels where they take the shapes (16-bit, head_dim 64 or
+    # 128, on Hopper or later; the Triton kernels elsewhere): its training step is as fast or faster
+    # (docs/performance.md); or "triton".
+    gpu_lowering: Literal["triton", "mosaic"] = "mosaic"
 
     def validate(self) -> None:
         if not self.target:

@@ -105,9 +105,12 @@ def test_every_mxfp4_byte_decodes_to_its_two_values():
 
 
 def test_dispatch_on_a_gpu(monkeypatch):
-    """On a GPU with ``OpsConfig.mosaic``: "auto" and "gemv" steps of up to four pairs an expert run
-    the kernel; explicit grouped matmuls, larger steps and the other lowering do not."""
+    """On a Hopper GPU with ``OpsConfig.mosaic``: "auto" and "gemv" steps of up to four pairs an expert
+    run the kernel; explicit grouped matmuls, larger steps, the other lowering and older GPUs do not."""
+    from kernels_pallas import _mosaic
+
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(_mosaic, "hopper_or_later", lambda: True)
     w = jax.eval_shape(lambda: expert_weights(jax.random.key(0), 128, 2048, 768, quantized=False, biases=False))
     assert uses_mosaic_kernel("auto", (1, 8), w, bf16, mosaic=True)
     assert uses_mosaic_kernel("gemv", (64, 8), w, bf16, mosaic=True)
@@ -117,6 +120,8 @@ def test_dispatch_on_a_gpu(monkeypatch):
     q = jax.eval_shape(lambda: expert_weights(jax.random.key(0), 32, 2880, 2880, quantized=True, biases=True))
     assert uses_mosaic_kernel("auto", (32, 4), q, bf16, mosaic=True)
     assert not uses_mosaic_kernel("auto", (33, 4), q, bf16, mosaic=True)  # more than 4 pairs an expert
+    monkeypatch.setattr(_mosaic, "hopper_or_later", lambda: False)  # an A100: no wgmma
+    assert not uses_mosaic_kernel("auto", (1, 8), w, bf16, mosaic=True)
 
 
 # -- interpret mode (jax >= 0.11) --------------------------------------------------------------------

@@ -184,6 +184,25 @@ def test_plan_fills_the_sms_once():
         MosaicConfig(block_k=96)
 
 
+@pytest.mark.parametrize("platform,capability,hopper", [
+    ("gpu", "9.0", True), ("gpu", "10.0", True), ("gpu", "8.0", False), ("gpu", None, False), ("cpu", None, False)])
+def test_mosaic_kernels_run_on_hopper_or_later_gpus_only(monkeypatch, platform, capability, hopper):
+    """TMA and ``wgmma`` came with compute capability 9.0: an older GPU (or one reporting no capability)
+    runs the Triton kernels whatever the lowering asked for."""
+    from types import SimpleNamespace
+
+    from kernels_pallas import _mosaic
+
+    device = SimpleNamespace(platform=platform) if capability is None else SimpleNamespace(
+        platform=platform, compute_capability=capability)
+    monkeypatch.setattr(jax, "devices", lambda *a: [device])
+    assert _mosaic.hopper_or_later() is hopper
+    if platform == "gpu":
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        assert _mosaic.mosaic_runs_here() is hopper
+        assert attention_mgpu.runs_here(128, 1024, jnp.bfloat16) is hopper
+
+
 def test_gpu_lowering_is_validated():
     assert OpsConfig(attention="pallas", gpu_lowering="mosaic").mosaic
     assert not OpsConfig(attention="xla", gpu_lowering="mosaic").mosaic

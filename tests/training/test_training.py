@@ -329,7 +329,9 @@ def test_gpu_lowering_reaches_the_step_ops():
     cfg = load_train_config(REPO / "configs" / "train_tiny.yaml", ["model.gpu_lowering=mosaic"])
     dcfg = tiny_drafter_config(tiny_target_config(), num_layers=1, block_size=4, mask_token_id=0)
     assert cfg.model.gpu_lowering == "mosaic" and step_spec(cfg, dcfg).ops.gpu_lowering == "mosaic"
-    assert load_train_config(REPO / "configs" / "train_tiny.yaml").model.gpu_lowering == "triton"
+    assert load_train_config(REPO / "configs" / "train_tiny.yaml").model.gpu_lowering == "mosaic"
+    triton = load_train_config(REPO / "configs" / "train_tiny.yaml", ["model.gpu_lowering=triton"])
+    assert step_spec(triton, dcfg).ops.gpu_lowering == "triton"
     with pytest.raises(ValueError, match="gpu_lowering"):
         load_train_config(REPO / "configs" / "train_tiny.yaml", ["model.gpu_lowering=cuda"]).validate()
 
