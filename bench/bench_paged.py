@@ -24,8 +24,8 @@ A Qwen3-8B-shaped target with random bf16 weights and a 5-layer block-16 drafter
    prompt's admission (its last chunk), over all streams; the second of two runs (the first compiles).
 
 4. ``kernel``: the decode token's fused cached attention alone (Qwen3-8B heads, ``--context`` positions of a
-   ``--context`` + 1,024-position capacity, read only) over 8 layers' caches, contiguous and through page
-   tables (rows' pages shuffled, or in order), us a layer at each ``--batches``.
+   ``--context`` + 1,024-position capacity, read only) over ``--layers`` layers' caches, contiguous and
+   through page tables (rows' pages shuffled, or in order), us a layer at each ``--batches``.
 
 Parts 2 and 3 run on one paged DFlash engine (a pool of ``--pages`` pages, ``max_length`` 16,896).
 
@@ -150,7 +150,7 @@ def kernel_rows(args) -> list[dict]:
     """Part 4 (see the module docstring)."""
     from kernels_pallas.cached_attention.gpu import cached_block_attention
 
-    kv_heads, groups, head_dim, layers = 8, 4, 128, 8
+    kv_heads, groups, head_dim, layers = 8, 4, 128, 2 if args.tiny else args.layers
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     capacity, page = args.context + (64 if args.tiny else 1024), args.page_size
     read_pages = capacity // page

@@ -24,7 +24,7 @@ def test_kernel_delta_ranks_kernels_by_their_difference(capsys):
 def test_kernel_rows_time_the_same_attention_through_page_tables():
     """``--parts kernel`` on tiny shapes (interpret mode): the paged kernels, over the contiguous caches'
     pages shuffled or in order, give the contiguous kernel's output (checked inside) and their times."""
-    args = argparse.Namespace(tiny=True, context=64, page_size=16, batch_list=[2])
+    args = argparse.Namespace(tiny=True, context=64, page_size=16, batch_list=[2], layers=36)
     (row,) = bench_paged.kernel_rows(args)
     assert row["batch"] == 2
     for variant in ("contiguous", "paged", "paged_in_order"):
