@@ -242,6 +242,36 @@ def test_cached_attention_kernel_through_page_tables(batch, block, page_size):
                                       np.asarray(expected, np.float32)[owned])
 
 
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_block_attention_through_page_tables_equals_the_contiguous_kernel(page_size, splits):
+    """The Triton block attention over paged contexts (the prefill of a prompt's rest over its cached
+    prefix), compiled: rows of 4,096, 1,000 (inside a page) and 0 context positions, their pages shuffled
+    over a pool; the output and log-sum-exp are the contiguous kernel's on the same context (the same
+    tiles and splits)."""
+    from kernels_pallas.block_attention.gpu import forward, paged_forward
+
+    ctx, batch = 4096, 3
+    n = ctx // page_size
+    q, k_ctx, v_ctx, _, k_blk, v_blk, _ = block_args(batch, 1, ctx, seed=page_size)
+    ctx_lens = jnp.array([ctx, 1000, 0], jnp.int32)
+    blk_lens = jnp.array([BLOCK, 7, BLOCK], jnp.int32)
+    pages = 1 + batch * n + 5
+    table = np.random.default_rng(page_size).permutation(np.arange(1, pages))[:batch * n].reshape(batch, n)
+
+    def pool(x):
+        return jnp.zeros((pages, page_size) + x.shape[2:], x.dtype).at[table.ravel()].set(
+            x.reshape((batch * n, page_size) + x.shape[2:]))
+
+    config = GpuConfig(num_splits=splits)
+    got = jax.jit(lambda *a: paged_forward(*a, causal=True, config=config))(
+        q, pool(k_ctx), pool(v_ctx), jnp.asarray(table, jnp.int32), ctx_lens, k_blk, v_blk, blk_lens)
+    want = jax.jit(lambda *a: forward(*a, causal=True, config=config))(
+        q, k_ctx, v_ctx, ctx_lens[:, None], k_blk, v_blk, blk_lens[:, None])
+    assert errors(got[0], want[0])[1] < 1e-3, "attention"
+    assert errors(got[1], want[1])[0] < 1e-3, "log-sum-exp"
+
+
 # -- the prompt attention (cuDNN) and the add + RMSNorm -------------------------------------------------
 
 
