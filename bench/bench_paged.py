@@ -164,16 +164,16 @@ def kernel_rows(args) -> list[dict]:
         norm, inv_freq = jnp.ones((head_dim,), dtype), 1.0 / 1e6 ** (jnp.arange(0, head_dim, 2) / head_dim)
         caches = [timing.normal(jax.random.fold_in(key, i), (batch, capacity, kv_heads, head_dim), dtype)
                   for i in range(2 * layers)]
-        order = np.arange(1, 1 + batch * read_pages)
-        tables = {"paged": np.random.default_rng(batch).permutation(order), "paged_in_order": order}
+        tables = {variant: timing.page_order(batch, read_pages, batch, shuffled=variant == "paged")
+                  for variant in ("paged", "paged_in_order")}
         pools = [jnp.concatenate([jnp.zeros((1, page, kv_heads, head_dim), dtype),
                                   c.reshape(batch * read_pages, page, kv_heads, head_dim)]) for c in caches]
         row = {"batch": batch}
         for variant in ("contiguous", "paged", "paged_in_order"):
             paged = variant != "contiguous"
             # the pools hold the contiguous caches' pages at the table's entries: the same values attended
-            table = jnp.asarray(tables[variant].reshape(batch, read_pages), jnp.int32) if paged else None
-            where = (np.argsort(tables[variant]) + 1) if paged else None
+            table = jnp.asarray(tables[variant]) if paged else None
+            where = (np.argsort(tables[variant].ravel()) + 1) if paged else None
             args_k = [p[jnp.asarray(np.concatenate([[0], where]))] for p in pools] if paged else caches
 
             def layer_stack(qkv, *kv, table=table):

@@ -174,6 +174,13 @@ def synthetic_state(engine, batch: int, context: int, seed: int, window: int | N
     )
 
 
+def page_order(batch: int, held: int, seed: int, shuffled: bool = True) -> np.ndarray:
+    """``[batch, held]`` page tables over pages ``1 .. batch * held`` of a pool (page 0 the null page):
+    shuffled across the rows (``seed``), or each row's pages consecutive in order."""
+    order = np.arange(1, 1 + batch * held, dtype=np.int32)
+    return (np.random.default_rng(seed).permutation(order) if shuffled else order).reshape(batch, held)
+
+
 def paged_synthetic_state(engine, batch: int, context: int, seed: int, positions: int | None = None,
                           shuffled: bool = True) -> decoding.DecodeState:
     """``synthetic_state`` of a paged engine: each row holds the pages of its first ``positions``
@@ -185,10 +192,8 @@ def paged_synthetic_state(engine, batch: int, context: int, seed: int, positions
         raise ValueError(f"{batch} rows of {held} pages exceed the pool's {engine.num_pages - 1}")
     rows = engine.empty_state(batch)
     key = jax.random.key(seed)
-    order = np.arange(1, 1 + batch * held)
-    order = (np.random.default_rng(seed).permutation(order) if shuffled else order).reshape(batch, held)
     table = np.zeros((batch, engine.max_pages), np.int32)
-    table[:, :held] = order
+    table[:, :held] = page_order(batch, held, seed, shuffled)
     dtype = engine.target.embed_tokens.dtype
 
     def fill(pools: KVCache | None, salt: int) -> KVCache | None:
