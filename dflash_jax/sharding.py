@@ -1,7 +1,7 @@
 """Logical axis names -> a (``data``, ``fsdp``, ``tensor``) mesh; physical mapping only in config.
 
 Every parameter carries ``axes`` metadata (see ``layers.py``); caches and per-row engine state use
-``CACHE_AXES`` and ``("batch", ...)``. A logical axis maps to its mesh axes only where the dimension
+``CACHE_AXES`` and ``("batch", ...)``, paged caches' pools ``POOL_AXES``. A logical axis maps to its mesh axes only where the dimension
 divides evenly, so KV heads are replicated when there are fewer of them than the TP degree.
 
 Pallas kernels are opaque to XLA's sharding propagation (it would gather their operands onto every
@@ -40,6 +40,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "norm": (),
     "layers": (),
     "length": (),
+    "pages": (),  # a paged cache's pool: every row's pages, so never split where rows are
 }
 
 

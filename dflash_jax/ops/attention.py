@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from dflash_jax.ops.cache import CACHE_AXES, write_rows
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.norms import rms_norm
-from dflash_jax.ops.paged_cache import PagedKV
+from dflash_jax.ops.paged_cache import PAGE_TABLE_AXES, POOL_AXES, PagedKV
 from dflash_jax.ops.rope import apply_rope
 from dflash_jax.sharding import shard_kernel
 from kernels_pallas.block_attention.reference import block_attention_reference
@@ -119,15 +119,13 @@ def paged_block_attention(q: jax.Array, k_ctx: PagedKV, v_ctx: PagedKV, ctx_lens
                                     fold(k_blk), fold(v_blk), blk_lens.reshape(-1, 1), causal=causal, scale=scale,
                                     ops=ops, sinks=sinks, window=window)
         return None if out is None else out.reshape(q.shape)
-    table = k_ctx.page_table[:, :k_ctx.n_pages]
-    args = (q, k_ctx.pool, v_ctx.pool, table, ctx_lens[:, 0], k_blk, v_blk, blk_lens[:, 0])
     if jax.default_backend() == "tpu":
         from kernels_pallas.block_attention import tpu
 
         if k_ctx.page_size % 8:
             return None
-        return tpu.paged_forward(*args, causal=causal, scale=scale)[0]
-    if not ops.mosaic:
+        forward = functools.partial(tpu.paged_forward, causal=causal, scale=scale)
+    elif not ops.mosaic:
         from kernels_pallas._common import next_pow2
         from kernels_pallas.block_attention import gpu
 
@@ -135,12 +133,31 @@ def paged_block_attention(q: jax.Array, k_ctx: PagedKV, v_ctx: PagedKV, ctx_lens
         if head_dim != max(16, next_pow2(head_dim)) or not triton_block_kernel_fits(q.shape, k_blk.shape[3],
                                                                                      k_ctx.dtype):
             return None
-        return gpu.paged_forward(*args, causal=causal, scale=scale, interpret=jax.default_backend() != "gpu")[0]
-    from kernels_pallas.block_attention import mosaic_gpu
+        forward = functools.partial(gpu.paged_forward, causal=causal, scale=scale,
+                                    interpret=jax.default_backend() != "gpu")
+    else:
+        from kernels_pallas.block_attention import mosaic_gpu
 
-    if not mosaic_gpu.paged_supported(q.shape, k_ctx.pool.shape, k_ctx.n_pages, k_ctx.dtype):
-        return None
-    return mosaic_gpu.paged_forward(*args, causal=causal, scale=scale)[0]
+        if not mosaic_gpu.paged_supported(q.shape, k_ctx.pool.shape, k_ctx.n_pages, k_ctx.dtype):
+            return None
+        forward = functools.partial(mosaic_gpu.paged_forward, causal=causal, scale=scale)
+
+    # Per device under a kernel mesh: its KV heads of every page (and their query heads), the page tables
+    # of its rows.
+    batch, _, block, heads, head_dim = q.shape
+    kv_heads = k_ctx.pool.shape[2]
+
+    def kernel(q, k_pool, v_pool, table, ctx_lens, k_blk, v_blk, blk_lens):
+        b, n, s, kv, g, d = q.shape
+        out = forward(q.reshape(b, n, s, kv * g, d), k_pool, v_pool, table, ctx_lens, k_blk, v_blk, blk_lens)[0]
+        return (out.reshape(q.shape),)
+
+    rows, kv_rows = ("batch", None, None, "kv_heads", None, None), ("batch", None, None, "kv_heads", None)
+    (out,) = shard_kernel(kernel, (rows, POOL_AXES, POOL_AXES, PAGE_TABLE_AXES, ("batch",), kv_rows, kv_rows,
+                                   ("batch",)), (rows,))(
+        q.reshape(batch, 1, block, kv_heads, heads // kv_heads, head_dim), k_ctx.pool, v_ctx.pool,
+        k_ctx.page_table[:, :k_ctx.n_pages], ctx_lens[:, 0], k_blk, v_blk, blk_lens[:, 0])
+    return out.reshape(q.shape)
 
 
 SINK_PROMPT_CHUNK = 512  # query slots a step of ``chunked_prompt_attention``
@@ -379,7 +396,8 @@ def paged_fused_cached_attention(qkv: jax.Array, starts: jax.Array, k_cache: Pag
     """``cached_attention`` of the fused Triton kernel on paged caches, or None where it does not take the
     shapes: the kernel reads each row's context through its page table (``read_pages`` entries, the capacity
     it plans its splits over) and writes the block's K/V into the pool rows ``PagedKV.pool_rows`` resolves
-    (the rows' pages; the null page for done rows), in place. One device: paged engines run unsharded."""
+    (the rows' pages; the null page for done rows), in place. Under a kernel mesh each device runs it on its
+    KV heads of every page (``shard_kernel``), as the contiguous kernel on its KV heads of the rows' caches."""
     from kernels_pallas.cached_attention import cached_block_attention, cached_block_attention_supported
 
     batch, block, head_dim = k_cache.shape[0], qkv.shape[-4], k_cache.shape[-1]
@@ -387,16 +405,31 @@ def paged_fused_cached_attention(qkv: jax.Array, starts: jax.Array, k_cache: Pag
     if not cached_block_attention_supported(qkv.shape[-5:], k_cache.shape[1], k_cache.dtype, config):
         return None
     ones = jnp.ones((head_dim,), k_cache.dtype)
-    attn, k_pool, v_pool = cached_block_attention(
+
+    def kernel(qkv, k_pool, v_pool, starts, blk_lens, q_norm, k_norm, inv_freq, table, *rest):
+        pool_rows = rest[0] if write else None
+        scale = rest[-1] if row_scale is not None else None
+        attn, k_pool, v_pool = cached_block_attention(
+            qkv, k_pool, v_pool, starts, blk_lens, q_norm, k_norm, inv_freq, eps=eps, qk_norm=has_qk_norm,
+            causal=causal, write=write, row_scale=scale, config=config, page_table=table,
+            read_pages=k_cache.n_pages, write_rows=pool_rows)
+        # [b, block, kv, groups, d] by this shard's KV heads (whole where replicated)
+        attn = attn.reshape(attn.shape[:2] + (qkv.shape[-3], -1, head_dim))
+        return (attn, k_pool, v_pool) if write else (attn,)
+
+    has_qk_norm = q_norm is not None
+    per_head = (None,) * (qkv.ndim - 5) + ("batch", None, "kv_heads", None, None)
+    rows, vec = ("batch",), (None,)
+    extra = ((k_cache.pool_rows(starts, block),) if write else ()) + (() if row_scale is None else (row_scale,))
+    extra_axes = (("batch", None),) * len(extra)
+    outs = shard_kernel(kernel, (per_head, POOL_AXES, POOL_AXES, rows, rows, vec, vec, vec, PAGE_TABLE_AXES)
+                        + extra_axes, (per_head[-5:],) + ((POOL_AXES, POOL_AXES) if write else ()))(
         qkv, k_cache.pool, v_cache.pool, starts, blk_lens, q_norm if q_norm is not None else ones,
-        k_norm if k_norm is not None else ones, jnp.asarray(inv_freq, jnp.float32), eps=eps,
-        qk_norm=q_norm is not None, causal=causal, write=write, row_scale=row_scale, config=config,
-        page_table=k_cache.page_table, read_pages=k_cache.n_pages,
-        write_rows=k_cache.pool_rows(starts, block) if write else None)
-    attn = attn.reshape(batch, 1, block, num_heads, head_dim)
+        k_norm if k_norm is not None else ones, jnp.asarray(inv_freq, jnp.float32), k_cache.page_table, *extra)
+    attn = outs[0].reshape(batch, 1, block, num_heads, head_dim)
     if not write:
         return attn, k_cache, v_cache
-    return attn, dataclasses.replace(k_cache, pool=k_pool), dataclasses.replace(v_cache, pool=v_pool)
+    return attn, dataclasses.replace(k_cache, pool=outs[1]), dataclasses.replace(v_cache, pool=outs[2])
 
 
 def cached_attention_prologue(qkv: jax.Array, starts: jax.Array, batch: int, dtype, *, q_norm: jax.Array | None,

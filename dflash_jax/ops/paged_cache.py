@@ -31,6 +31,11 @@ from dflash_jax.ops.cache import KVCache
 
 NULL_PAGE = 0  # the page that takes every write a row must not make; never allocated to a request
 
+# Logical axes of a pool and of the page tables (``dflash_jax.sharding``): on a mesh a pool is split by KV
+# head, as a contiguous cache is, and holds every row's pages, so rows are never split.
+POOL_AXES = ("pages", "length", "kv_heads", "head_dim")
+PAGE_TABLE_AXES = ("batch", None)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

@@ -35,6 +35,7 @@ from dflash_jax.runtime.serving_params import in_serving_layout, serving_drafter
 from dflash_jax.runtime.batcher import (ContinuousBatcher, Generation, GenerationResult, RowSnapshot, StopCheck,
                                         stop_checks_per_prompt)
 from dflash_jax.ops.cache import CACHE_ALIGNMENT, CACHE_AXES
+from dflash_jax.ops.paged_cache import PAGE_TABLE_AXES, POOL_AXES, PagedKV
 from dflash_jax.runtime.compile_cache import check_setting as check_cache_setting, use_compilation_cache
 from dflash_jax.io.config import check_field_types
 from dflash_jax.models.drafter import Drafter
@@ -486,8 +487,10 @@ class Engine:
         self.paged = self.page_size > 0
         if not self.paged:
             return
-        if self.mesh is not None:
-            raise ValueError("paged caches (engine.page_size > 0) run on one device: no mesh yet")
+        if self.mesh is not None and self.mesh.shape["data"] * self.mesh.shape["fsdp"] > 1:
+            raise ValueError(f"paged caches (engine.page_size > 0) split the pools by KV head over `tensor`, each "
+                             f"device holding its heads of every row's pages, and never split the rows: set "
+                             f"engine.mesh to data: 1, fsdp: 1 (got {dict(self.mesh.shape)})")
         if isinstance(self.target, HybridTarget):
             raise ValueError("paged caches (engine.page_size > 0) take attention-only targets: a hybrid target's "
                              "recurrent state is per row")
@@ -499,21 +502,27 @@ class Engine:
         # The state is donated: a prefill over a cached prefix writes its suffix into the pools in place.
         self._paged_prefill = jax.jit(self._traced(self._paged_prefill_fn), static_argnames=("suffix", "context_pages"),
                                       donate_argnums=(2,), compiler_options=once)
-        self._paged_admit = jax.jit(paged.admit, donate_argnums=(0,), compiler_options=once)
-        self._paged_write = jax.jit(paged.write_pages, donate_argnums=(0,), compiler_options=once)
-        self._paged_set_rows = jax.jit(paged.set_page_rows, donate_argnums=(0,), compiler_options=once)
+        self._paged_admit = jax.jit(self._pinned(paged.admit), donate_argnums=(0,), compiler_options=once)
+        self._paged_write = jax.jit(self._pinned(paged.write_pages), donate_argnums=(0,), compiler_options=once)
+        self._paged_set_rows = jax.jit(self._pinned(paged.set_page_rows), donate_argnums=(0,), compiler_options=once)
         self._paged_empty = jax.jit(self._paged_empty_fn, static_argnames=("rows",), compiler_options=once)
         # The pools are donated (they keep their shape), the rows' arrays not (they change theirs).
         self._paged_resize = jax.jit(self._paged_resize_fn, donate_argnums=(0, 1), static_argnames=("rows",),
                                      compiler_options=once)
 
     def page_bytes(self) -> int:
-        """Device bytes of one page: its positions' K/V in every target layer and drafter layer."""
-        tc = self.target.config
-        total = 2 * tc.num_layers * tc.num_kv_heads * tc.head_dim * self.target.embed_tokens.dtype.itemsize
+        """Bytes of one page on each device: its positions' K/V in every target layer and drafter layer (on a
+        mesh, the device's KV heads of them)."""
+        def layer_bytes(config, dtype) -> int:
+            kv_heads = config.num_kv_heads
+            if self.mesh is not None:  # as the pools are placed (``POOL_AXES``): replicated where uneven
+                shape = (1, self.page_size, kv_heads, config.head_dim)
+                kv_heads = named_sharding(POOL_AXES, shape, self.mesh, self._rules).shard_shape(shape)[2]
+            return 2 * config.num_layers * kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+        total = layer_bytes(self.target.config, self.target.embed_tokens.dtype)
         if self.drafter is not None:
-            dc = self.drafter.config
-            total += 2 * dc.num_layers * dc.num_kv_heads * dc.head_dim * self.drafter.fc.dtype.itemsize
+            total += layer_bytes(self.drafter.config, self.drafter.fc.dtype)
         return total * self.page_size
 
     @property
@@ -544,16 +553,22 @@ class Engine:
                              f"{self.page_size} positions, fewer than one row of max_length takes ({self.max_pages})")
         return pages
 
+    def _pinned(self, fn: Callable[..., decoding.DecodeState]) -> Callable[..., decoding.DecodeState]:
+        """``fn`` with its state pinned to the mesh's layout (``_constrain``), so a donated state keeps its
+        buffers' layout."""
+        return functools.wraps(fn)(lambda *args, **kwargs: self._constrain(fn(*args, **kwargs)))
+
     def _paged_empty_fn(self, *, rows: int) -> decoding.DecodeState:
-        return paged.empty_state(self.target, self.drafter, rows, pages=self.num_pages, page_size=self.page_size,
-                                 max_pages=self.max_pages, capacity=self.capacity, max_steps=self.config.max_length,
-                                 n_stop=self.max_stop_ids, max_logprobs=self.config.max_logprobs)
+        return self._constrain(paged.empty_state(
+            self.target, self.drafter, rows, pages=self.num_pages, page_size=self.page_size, max_pages=self.max_pages,
+            capacity=self.capacity, max_steps=self.config.max_length, n_stop=self.max_stop_ids,
+            max_logprobs=self.config.max_logprobs))
 
     def _paged_resize_fn(self, target_pools, draft_pools, state, slots, *, rows: int):
         empty = dataclasses.replace(self._empty_fn(rows=rows), target_cache=None, draft_cache=None,
                                     page_table=jnp.zeros((rows, self.max_pages), jnp.int32))
         state = dataclasses.replace(state, target_cache=target_pools, draft_cache=draft_pools)
-        return paged.resize(empty, state, slots)
+        return self._constrain(paged.resize(empty, state, slots))
 
     def _paged_prefill_fn(self, target_state, drafter_state, state, page_rows, ids, lens, cached, max_lens,
                           stop_ids, sampling, source=None, row_cached=None, row_pages=None, *, suffix: int,
@@ -572,7 +587,8 @@ class Engine:
             mask_token_id=self._mask_id, ops=self.ops, sampling=sampling, max_logprobs=self.config.max_logprobs,
             flags=flags, candidates=self.config.sampling_candidates, source=source, row_cached=row_cached,
             row_pages=row_pages, prompt_logprobs=want)
-        return rows, jnp.take_along_axis(rows.tokens, rows.starts[:, None], axis=1)[:, 0], state
+        first = jnp.take_along_axis(rows.tokens, rows.starts[:, None], axis=1)[:, 0]
+        return self._constrain(rows), first, self._constrain(state)
 
     def prefill_paged(self, state: decoding.DecodeState, prompts: Sequence[Sequence[int]],
                       max_new_tokens: Sequence[int], stop_token_ids: Sequence[Sequence[int]],
@@ -796,20 +812,29 @@ class Engine:
         return state, snapshot
 
     def _constrain(self, state: decoding.DecodeState) -> decoding.DecodeState:
-        """Pins the state's layout on the mesh (batch on ``data``, caches on KV heads)."""
+        """Pins the state's layout on the mesh (batch on ``data``, caches and page pools on KV heads, page
+        tables whole)."""
         if self.mesh is None:
             return state
 
         def pin(x, axes):
             return jax.lax.with_sharding_constraint(x, named_sharding(axes, x.shape, self.mesh, self._rules))
 
+        def pin_layer(x):
+            if isinstance(x, PagedKV):  # inside a paged step: a layer's pool and the rows' tables
+                return dataclasses.replace(x, pool=pin(x.pool, POOL_AXES),
+                                           page_table=pin(x.page_table, PAGE_TABLE_AXES),
+                                           writable=pin(x.writable, ("batch",)))
+            return pin(x, POOL_AXES if state.page_table is not None else CACHE_AXES)
+
         def pin_cache(c):
             if c is None:
                 return None
-            return type(c)(tuple(pin(x, CACHE_AXES) for x in c.k), tuple(pin(x, CACHE_AXES) for x in c.v))
+            return type(c)(tuple(pin_layer(x) for x in c.k), tuple(pin_layer(x) for x in c.v))
 
+        page_table = None if state.page_table is None else pin(state.page_table, PAGE_TABLE_AXES)
         return dataclasses.replace(
-            state,
+            state, page_table=page_table,
             tokens=pin(state.tokens, ("batch", "length")), starts=pin(state.starts, ("batch",)),
             max_lens=pin(state.max_lens, ("batch",)), done=pin(state.done, ("batch",)),
             num_steps=pin(state.num_steps, ("batch",)), accepted=pin(state.accepted, ("batch", "length")),

@@ -123,3 +123,49 @@ def test_paged_layers_refuse_a_page_count_past_the_table():
     with pytest.raises(ValueError, match="n_pages"):
         paged_layers(pools, table, jnp.ones((1,), bool), 4)
     assert layer_pools(paged_layers(pools, table, jnp.ones((1,), bool), 3)) == pools
+
+
+def test_paged_kernels_on_a_tensor_mesh_run_per_device_and_equal_one_device():
+    """Under a 1 x 2 (data x tensor) kernel mesh, the pools split by KV head: the fused cached attention
+    (writing the block into the rows' pages) and the block attention over a paged context (interpret mode)
+    run on each device's heads of every page and give the one-device kernels' results."""
+    import jax
+
+    from dflash_jax import sharding
+    from dflash_jax.ops.config import OpsConfig
+    from dflash_jax.ops.paged_cache import PAGE_TABLE_AXES, POOL_AXES
+
+    rng = np.random.default_rng(4)
+    batch, block, dim = 3, 2, 16
+    pages = 1 + batch * MAX_PAGES
+    table = jnp.asarray(rng.permutation(np.arange(1, pages)).reshape(batch, MAX_PAGES), jnp.int32)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal((pages, PAGE, KV, dim)), jnp.float32) for _ in range(2))
+    writable = jnp.asarray([True, True, False])
+    qkv = jnp.asarray(rng.standard_normal((batch, block, KV, HEADS // KV + 2, dim)), jnp.float32)
+    starts, blk_lens = jnp.asarray([3, 9, 7], jnp.int32), jnp.asarray([2, 2, 1], jnp.int32)
+    norm = jnp.asarray(rng.standard_normal(dim), jnp.float32)
+    ops = OpsConfig(attention="pallas")
+    common = dict(q_norm=norm, k_norm=norm, eps=1e-6, inv_freq=tuple(1.0 / 10000 ** (np.arange(0, dim, 2) / dim)),
+                  num_heads=HEADS, ops=ops)
+    q = jnp.asarray(rng.standard_normal((batch, 1, block, HEADS, dim)), jnp.float32)
+    k_blk, v_blk = (jnp.asarray(rng.standard_normal((batch, 1, block, KV, dim)), jnp.float32) for _ in range(2))
+
+    def run(k_pool, v_pool, table):
+        k_cache, v_cache = PagedKV(k_pool, table, writable, 4), PagedKV(v_pool, table, writable, 4)
+        attn, k_new, v_new = attention_ops.cached_attention(qkv, starts, k_cache, v_cache, blk_lens, **common)
+        drafted = attention_ops.block_attention(q, k_cache, v_cache, starts[:, None], k_blk, v_blk, blk_lens[:, None],
+                                                causal=False, ops=ops)
+        return attn, k_new.pool, v_new.pool, drafted
+
+    want = jax.jit(run)(k_pool, v_pool, table)
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=2), jax.devices()[:2])
+    placed = [jax.device_put(x, sharding.named_sharding(POOL_AXES, x.shape, mesh)) for x in (k_pool, v_pool)]
+    placed.append(jax.device_put(table, sharding.named_sharding(PAGE_TABLE_AXES, table.shape, mesh)))
+    assert {s.data.shape[2] for s in placed[0].addressable_shards} == {KV // 2}
+    with sharding.kernel_mesh(mesh):
+        lowered = jax.jit(run).lower(*placed)
+        got = lowered.compile()(*placed)
+    assert "shard_map" in lowered.as_text() or "sdy.manual_computation" in lowered.as_text()
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+    assert {s.data.shape[2] for s in got[1].addressable_shards} == {KV // 2}  # the written pool stays split

@@ -391,3 +391,48 @@ def test_other_families_and_drafters_on_pages_equal_target_only(case):
     generations = _run(batcher, prompts[:1]) + _run(batcher, prompts[1:])  # the second on the first's pages
     assert [g.result.output_ids for g in generations] == [r.output_ids for r in plain.generate(prompts, MAX_NEW, [11])]
     assert generations[1].cached_tokens == 24 and batcher.pages.all_free()
+
+
+def test_paged_caches_refuse_a_mesh_that_splits_the_rows(models):
+    """Pools are shared by every row, so a mesh that splits rows (``data`` or ``fsdp`` > 1) cannot hold one
+    pool per row shard; the error names the settings to change."""
+    from dflash_jax.sharding import MeshConfig
+
+    target, drafter = models
+    with pytest.raises(ValueError, match=r"engine.mesh.*data: 1.*fsdp: 1"):
+        Engine(target, drafter, EngineConfig(page_size=PAGE, mesh=MeshConfig(data=2, fsdp=1, tensor=2), **CONFIG))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention_impl", ["xla", "pallas"])
+def test_paged_engine_on_a_tensor_mesh_equals_one_device(models, engines, base, attention_impl):
+    """On a 1 x 2 (data x tensor) mesh the pools are split by KV head (each device holds its heads of every
+    page) and the page tables are whole on each: prefix hits, a chunked prompt and batched rows give the
+    one-device contiguous engine's tokens and acceptance lengths (the kernels, interpreted here, run per
+    device through ``shard_kernel``), and every page comes back."""
+    from dflash_jax.sharding import MeshConfig
+
+    target, drafter = models
+    contiguous, _ = engines
+    assert target.config.num_kv_heads % 2 == 0 and drafter.config.num_kv_heads % 2 == 0
+    engine = Engine(target, drafter, EngineConfig(page_size=PAGE, prefill_chunk=2 * PAGE, attention_impl=attention_impl,
+                                                  mesh=MeshConfig(data=1, fsdp=1, tensor=2), **CONFIG))
+    batcher = ContinuousBatcher(engine)
+    first = _run(batcher, [base])[0]
+    # a hit inside a page, the prompt extended (all pages cached), nothing cached and a long prompt in chunks
+    later = [base[:20] + [7, 8, 9], base + [3, 4], base[::-1][:9], base[::-1] + base[:7]]
+    got = _run(batcher, later)
+    assert [g.cached_tokens for g in got][:3] == [16, 40, 0]
+    for g, prompt in zip([first] + got, [base] + later):
+        want = _solo(contiguous, prompt)
+        assert g.result.output_ids == want.output_ids, prompt
+        assert g.result.acceptance_lengths == want.acceptance_lengths
+    assert batcher.pages.all_free()
+    state = engine.empty_state(engine.state_rows(2))
+    for pools, kv_heads in ((state.target_cache, target.config.num_kv_heads),
+                            (state.draft_cache, drafter.config.num_kv_heads)):
+        pool = pools.k[0]
+        assert {s.data.shape[2] for s in pool.addressable_shards} == {kv_heads // 2}
+        assert len(pool.sharding.device_set) == 2
+    assert len(state.page_table.sharding.device_set) == 2 and state.page_table.sharding.is_fully_replicated
+    assert engine.page_bytes() * 2 == engines[1].page_bytes()  # what kv_memory_fraction sizes: a device's share
