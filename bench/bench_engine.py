@@ -13,6 +13,7 @@ against the step's compute and memory roofline (``profile_ops.py``).
     python3 bench/bench_engine.py --batches 1,4,16,32 --draft-batches 1,16 --out bench/results/engine.json
     python3 bench/bench_engine.py --reference        # also the authors' PyTorch code on the same shapes
     python3 bench/bench_engine.py --tensor 2         # on a (data=1, tensor=2) mesh; roofline per GPU
+    python3 bench/bench_engine.py --shape 32b --tensor 4,8 --batches 1,8,32 --collectives   # one process, each TP in turn
     python3 bench/bench_engine.py --profile-batch 16 --context 1024 --repeats 3 --out $OUT/profile16.json  # < 60 s
     JAX_PLATFORMS=cpu python3 bench/bench_engine.py --tiny --batches 1 --steps 2 --repeats 1   # smoke test
 """
@@ -20,7 +21,9 @@ against the step's compute and memory roofline (``profile_ops.py``).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -34,7 +37,7 @@ import timing
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.runtime import decoding
 from dflash_jax.runtime.engine import Engine, EngineConfig
-from dflash_jax.sharding import MeshConfig, hlo_collectives
+from dflash_jax.sharding import MeshConfig, hlo_collectives, make_mesh
 from dflash_jax.tiny import tiny_target_config
 
 
@@ -82,16 +85,17 @@ def host_overhead(engine: Engine, context: int, new_tokens: int, device_step: fl
                 host_overhead_per_step_s=decode / steps - device_step)
 
 
-def print_collectives(engine: Engine, name: str, hlo_out: Path | None) -> None:
-    """The collectives of the compiled batch-1 decode step, largest first: what a mesh moves between
-    devices every step (an accidental gather of a weight shows up here)."""
+def print_collectives(engine: Engine, name: str, hlo_out: Path | None) -> dict[str, int]:
+    """The collectives of the compiled batch-1 decode call, largest first: what a mesh moves between
+    devices (an accidental gather of a weight shows up here). Returns the count of each kind."""
     hlo = engine.decode_hlo(engine.empty_state(1))
     if hlo_out is not None:
         hlo_out.write_text(hlo)
     found = sorted(hlo_collectives(hlo), key=lambda c: -c.elements)
-    print(f"collectives of the {name} decode step: {len(found)}", flush=True)
+    print(f"collectives of the {name} decode call: {len(found)}", flush=True)
     for c in found[:6]:
         print(f"  {c.kind:10s} {c.dtype}{list(c.shape)!s:20s} {c.op_name[-90:]}", flush=True)
+    return dict(collections.Counter(c.kind for c in found))
 
 
 def profile_decode(engine: Engine, context: int, steps: int, out_dir: str, top: int = 20) -> None:
@@ -257,7 +261,7 @@ def reference_torch(cfg: TargetConfig, drafter_layers: int, block: int, context:
     return out
 
 
-def bench_batch(args, base: Engine, batch: int, draft_batches: set[int]) -> dict:
+def bench_batch(args, base: Engine, batch: int, draft_batches: set[int], tensor: int) -> dict:
     """The engines of one batch size, on ``base``'s copy of the weights (``Engine.derive``)."""
     cfg = EngineConfig(max_batch_size=batch, max_length=args.context + 512, prompt_buckets=(args.context,),
                        steps_per_sync=args.steps_per_sync, attention_impl=args.attention, mesh=base.config.mesh,
@@ -275,7 +279,7 @@ def bench_batch(args, base: Engine, batch: int, draft_batches: set[int]) -> dict
     t_spec_piped = timing.time_decode_pipelined(spec, batch, args.context, args.steps, calls)
     print(f"batch {batch}: step ms {t_plain * 1e3:.3f} / DFlash {t_spec * 1e3:.3f}; back to back "
           f"{t_plain_piped * 1e3:.3f} / {t_spec_piped * 1e3:.3f} ({calls} calls)", flush=True)
-    roofline = timing.hbm_roofline_s(plain.target, batch, args.context) / args.tensor  # each GPU its shard
+    roofline = timing.hbm_roofline_s(plain.target, batch, args.context) / tensor  # each GPU its shard
     entry = dict(target_step_s=t_plain, spec_step_s=t_spec, draft_s=t_draft, tau_random=tau,
                  target_tok_s=batch / t_plain, spec_tok_s_random=batch * tau / t_spec,
                  spec_tok_s_projected=batch * args.tau / t_spec, step_ratio=t_spec / t_plain,
@@ -288,7 +292,8 @@ def bench_batch(args, base: Engine, batch: int, draft_batches: set[int]) -> dict
     if batch == 1:
         if args.collectives:
             for name, engine in (("target-only", plain), ("dflash", spec)):
-                print_collectives(engine, name, Path(args.out).with_name(f"decode_hlo_{name}.txt") if args.out else None)
+                hlo = Path(args.out).with_name(f"decode_hlo_{name}_tp{tensor}.txt") if args.out else None
+                entry.setdefault("collectives", {})[name] = print_collectives(engine, name, hlo)
         try:
             entry["host"] = host_overhead(spec, args.context, 128, t_spec)
             entry["host_target_only"] = host_overhead(plain, args.context, 64, t_plain)
@@ -300,10 +305,12 @@ def bench_batch(args, base: Engine, batch: int, draft_batches: set[int]) -> dict
     return entry
 
 
-def print_table(args, report: dict, rows: list[tuple[int, dict]]) -> None:
-    print(f"\n{'tiny' if args.tiny else 'Qwen3-8B'} shapes, bf16, context {args.context}, attention={args.attention}"
+def print_table(args, report: dict, rows: list[tuple[int, dict]], tensor: int) -> None:
+    shape = "tiny" if args.tiny else f"Qwen3-{args.shape.upper()}"
+    print(f"\n{shape} shapes, bf16, context {args.context}, attention={args.attention}"
           f"{f' (cached tiles {args.cached_config})' if args.cached_config else ''}"
-          f"{f', TP={args.tensor}' if args.tensor > 1 else ''}, HBM roofline at {timing.HBM_BYTES_PER_S / 1e12:.1f} TB/s")
+          f"{f', TP={tensor} (roofline per GPU: its shard)' if tensor > 1 else ''}, HBM roofline at "
+          f"{timing.HBM_BYTES_PER_S / 1e12:.1f} TB/s")
     print(f"batch | target step ms | tok/s | % HBM roofline | DFlash step ms | step ratio | draft ratio | verify ratio "
           f"| DFlash tok/s @tau={args.tau} | back to back: target step ms (% roofline), DFlash step ms, ratio")
     for batch, e in rows:
@@ -339,7 +346,8 @@ def print_table(args, report: dict, rows: list[tuple[int, dict]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--shape", default="8b", choices=sorted(timing.SHAPES), help="Qwen3-8B or Qwen3-32B shapes")
+    ap.add_argument("--layers", type=int, default=None, help="target layers (default: the shape's)")
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--draft-batches", default="1,16", help="batch sizes for the draft-only breakdown")
     ap.add_argument("--context", type=int, default=512)
@@ -354,8 +362,9 @@ def main() -> None:
                     help="EngineConfig.cached_attention_tiles, e.g. min_chunk=128,block_k=32")
     ap.add_argument("--gpu-lowering", default="triton", choices=["triton", "mosaic"],
                     help="EngineConfig.gpu_lowering: the Pallas GPU lowering of the kernels")
-    ap.add_argument("--tensor", type=int, default=1,
-                    help="tensor-parallel degree: engines on a (data=1, tensor=N) mesh; the roofline is per GPU")
+    ap.add_argument("--tensor", default="1",
+                    help="tensor-parallel degrees, e.g. 1,2,4,8: for each in turn, engines on a (data=1, tensor=N) "
+                         "mesh of the first N devices, the weights created in their shards; the roofline is per GPU")
     ap.add_argument("--reference", action="store_true", help="also time the authors' PyTorch code")
     ap.add_argument("--tau", type=float, default=6.5, help="acceptance length for projected tokens/s")
     ap.add_argument("--collectives", action="store_true", help="list the collectives of the batch-1 decode steps")
@@ -369,32 +378,43 @@ def main() -> None:
     args = ap.parse_args()
 
     print(timing.device_line(), flush=True)
-    tcfg = tiny_target_config(num_layers=4) if args.tiny else timing.qwen3_8b(args.layers)
-    t0 = time.perf_counter()
-    target, drafter = timing.random_pair(tcfg)
-    # Every engine below is derived from this one: the weights are held once, in the serving layout.
-    mesh = MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None
-    base = Engine(target, drafter, EngineConfig(max_batch_size=1, max_length=64, attention_impl="xla", mesh=mesh))
-    del target, drafter
-    if args.profile_batch:
-        report = dict(config=vars(args), profile=profile_step(args, base, args.profile or "/tmp/dflash_profile"))
-        timing.write_json(args.out, report)
-        return
-    tbytes, dbytes = timing.streamed_bytes(base.target), timing.param_bytes(base.drafter)
-    print(f"init {time.perf_counter() - t0:.1f}s; the target streams {tbytes / 1e9:.2f} GB per step, the drafter "
-          f"{dbytes / 1e9:.2f} GB", flush=True)
-
-    report = dict(config=vars(args), target_gb=tbytes / 1e9, drafter_gb=dbytes / 1e9, batches={})
+    tcfg = tiny_target_config(num_layers=8) if args.tiny else timing.SHAPES[args.shape](
+        *(() if args.layers is None else (args.layers,)))
+    tensors = [int(t) for t in args.tensor.split(",")]
+    if args.profile_batch and len(tensors) > 1:
+        raise SystemExit("--profile-batch takes one --tensor degree")
+    report = dict(config=vars(args), by_tensor={})
     if not args.tiny:
         report["card"] = card = timing.card_streaming_rate(max(5, 4 * args.repeats))
         print(f"this card streams weights through XLA's GEMVs at {card['gemv_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     draft_batches = {int(b) for b in args.draft_batches.split(",") if b}
-    rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        entry = bench_batch(args, base, batch, draft_batches)
-        report["batches"][batch] = entry
-        rows.append((batch, entry))
-        timing.write_json(args.out, report)
+    tables = []
+    for tensor in tensors:
+        t0 = time.perf_counter()
+        mesh = MeshConfig(data=1, fsdp=1, tensor=tensor) if tensor > 1 else None
+        devices = make_mesh(mesh, jax.devices()[:tensor]) if mesh is not None else None
+        target, drafter = timing.random_pair(tcfg, mesh=devices)
+        # Every engine below is derived from this one: the weights are held once, in the serving layout.
+        base = Engine(target, drafter, EngineConfig(max_batch_size=1, max_length=64, attention_impl="xla", mesh=mesh),
+                      mesh=devices)
+        del target, drafter
+        if args.profile_batch:
+            report = dict(config=vars(args), profile=profile_step(args, base, args.profile or "/tmp/dflash_profile"))
+            timing.write_json(args.out, report)
+            return
+        tbytes, dbytes = timing.streamed_bytes(base.target), timing.param_bytes(base.drafter)
+        print(f"TP={tensor}: init {time.perf_counter() - t0:.1f}s; the target streams {tbytes / 1e9:.2f} GB per step, "
+              f"the drafter {dbytes / 1e9:.2f} GB", flush=True)
+        runs = report["by_tensor"][tensor] = dict(target_gb=tbytes / 1e9, drafter_gb=dbytes / 1e9, batches={})
+        rows = []
+        for batch in (int(b) for b in args.batches.split(",")):
+            entry = bench_batch(args, base, batch, draft_batches, tensor)
+            runs["batches"][batch] = entry
+            rows.append((batch, entry))
+            timing.write_json(args.out, report)
+        tables.append((tensor, rows))
+        del base
+        gc.collect()
 
     if args.reference:
         try:
@@ -403,9 +423,10 @@ def main() -> None:
             report["reference_torch"] = dict(error=repr(err))
             print(f"reference failed: {err!r}", flush=True)
     timing.write_json(args.out, report)
-    print_table(args, report, rows)
-    if rows and statistics.fmean(e["tau_random"] for _, e in rows) < 1:
-        print("WARNING: a DFlash step committed under one token per row: the decode loop is broken")
+    for tensor, rows in tables:
+        print_table(args, report, rows, tensor)
+        if rows and statistics.fmean(e["tau_random"] for _, e in rows) < 1:
+            print("WARNING: a DFlash step committed under one token per row: the decode loop is broken")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ rows naming it "mosaic".
     python3 bench/bench_moe.py --layers 0 --families qwen3_moe       # the published depth
     python3 bench/bench_moe.py --experts-impl ragged_dot --json bench/results/moe_ragged.json
     python3 bench/bench_moe.py --gpu-lowering mosaic --op-tokens '' --json bench/results/moe_mosaic.json
+    python3 bench/bench_moe.py --families qwen3_moe --layers 0 --tensor 8 --batches 1,8,32 --op-tokens ''  # 8 GPUs
     JAX_PLATFORMS=cpu python3 bench/bench_moe.py --tiny --verify   # smoke test
 """
 
@@ -43,6 +44,7 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 import timing
 from dflash_jax.models import moe
@@ -54,6 +56,7 @@ from dflash_jax.ops.config import OpsConfig, resolve_attention_impl
 from dflash_jax.ops.experts import (IMPLEMENTATIONS, resolve_implementation, route, routed_experts, touched_experts,
                                     uses_mosaic_kernel)
 from dflash_jax.runtime.engine import Engine, EngineConfig
+from dflash_jax.sharding import MeshConfig, make_mesh
 from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
 
 BLOCK = 16
@@ -163,13 +166,15 @@ def time_target_step(target: Target, batch: int, tokens: int, context: int, repe
 # -- the benchmark --------------------------------------------------------------------------------------
 
 
-def build(family: str, layers: int, tiny_shapes: bool) -> tuple[Target, Drafter]:
-    """A random target and drafter, built on the device (no host copy of the weights)."""
+def build(family: str, layers: int, tiny_shapes: bool, mesh: Mesh | None = None) -> tuple[Target, Drafter]:
+    """A random target and drafter, built on the device (no host copy of the weights); on ``mesh``, each
+    parameter in its shards (the experts split over ``tensor``: expert parallelism)."""
     cfg = tiny(family) if tiny_shapes else (gpt_oss_20b if family == "gpt_oss" else qwen3_30b_a3b)(layers)
     dcfg = tiny_drafter_config(cfg, num_layers=5, block_size=BLOCK, mask_token_id=cfg.vocab_size - 1,
                                rope_scaling=None, intermediate_size=cfg.intermediate_size)
     dtype = jnp.bfloat16
-    return Target(cfg, dtype=dtype, rngs=nnx.Rngs(0)), Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))
+    return (timing.on_mesh(lambda: Target(cfg, dtype=dtype, rngs=nnx.Rngs(0)), mesh),
+            timing.on_mesh(lambda: Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1)), mesh))
 
 
 def bench_expert_op(target: Target, tokens_list, repeats: int) -> dict:
@@ -214,7 +219,9 @@ def experts_path(args, experts_shape: tuple[int, int], w) -> str:
 
 def bench_family(args, family: str) -> dict:
     t0 = time.perf_counter()
-    target, drafter = build(family, args.layers, args.tiny)
+    mesh_config = MeshConfig(data=1, fsdp=1, tensor=args.tensor) if args.tensor > 1 else None
+    mesh = make_mesh(mesh_config, jax.devices()[:args.tensor]) if mesh_config is not None else None
+    target, drafter = build(family, args.layers, args.tiny, mesh)
     c = target.config
     jax.block_until_ready(jax.tree.leaves(nnx.state(target)))
     weights, dbytes = _bytes(nnx.state(target, nnx.Param)), _bytes(nnx.state(drafter, nnx.Param))
@@ -229,13 +236,15 @@ def bench_family(args, family: str) -> dict:
     for batch in args.batches:
         config = EngineConfig(max_batch_size=batch, max_length=args.context + BLOCK * steps * (args.calls + 3),
                               prompt_buckets=(args.context,), experts_impl=args.experts_impl,
-                              gpu_lowering=args.gpu_lowering)
-        spec = Engine(target, drafter, config)
+                              gpu_lowering=args.gpu_lowering, mesh=mesh_config)
+        spec = Engine(target, drafter, config, mesh=mesh)
         plain = spec.derive(config, drafter=None)
         t_plain = timing.time_decode_pipelined(plain, batch, args.context, steps, args.calls)
         t_spec = timing.time_decode_pipelined(spec, batch, args.context, steps, args.calls)
-        roof_plain = step_bytes(target, batch, batch, args.context) / timing.HBM_BYTES_PER_S
-        roof_spec = (step_bytes(target, batch * BLOCK, batch, args.context) + dbytes) / timing.HBM_BYTES_PER_S
+        # On a mesh each GPU reads its share of the bytes (its experts, its heads): the roofline per GPU.
+        roof_plain = step_bytes(target, batch, batch, args.context) / timing.HBM_BYTES_PER_S / args.tensor
+        roof_spec = ((step_bytes(target, batch * BLOCK, batch, args.context) + dbytes) / timing.HBM_BYTES_PER_S
+                     / args.tensor)
         top_k = c.num_experts_per_tok
         impl_plain = experts_path(args, (batch, top_k), w)
         impl_spec = experts_path(args, (batch * BLOCK, top_k), w)
@@ -289,9 +298,14 @@ def main() -> None:
                     help="EngineConfig.gpu_lowering: 'mosaic' runs decode and verify experts on the Mosaic GPU kernel")
     ap.add_argument("--op-tokens", default="1,16", help="token counts of the expert-op table ('': none)")
     ap.add_argument("--verify", action="store_true", help="also the verify cost by forced distinct experts")
+    ap.add_argument("--tensor", type=int, default=1,
+                    help="the engine table on a (data=1, tensor=N) mesh of the first N devices: experts split over "
+                         "them (expert parallelism), attention heads too; the roofline is per GPU")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of this script")
     ap.add_argument("--json", "--out", dest="json", default=None, help="JSON report (e.g. $OUT/moe.json)")
     args = ap.parse_args()
+    if args.tensor > 1 and (args.verify or args.op_tokens):
+        ap.error("--tensor > 1 times the engine table only: pass --op-tokens '' and no --verify")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.op_tokens = [int(t) for t in args.op_tokens.split(",") if t]
     if args.tiny:

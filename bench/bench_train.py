@@ -13,13 +13,14 @@ memory) writes its error and the next one runs.
 
     python3 bench/bench_train.py --out bench/results/train                         # on the accelerator
     JAX_PLATFORMS=cpu python3 bench/bench_train.py --tiny --out /tmp/bench_train   # smoke test
+    python3 bench/bench_train.py --batch 8 --attention-impl pallas --mesh 1,1,1 8,1,1 1,8,1 2,2,2 1,1,8   # 8 GPUs
     python3 bench/bench_train.py --compile-only --batch 1                          # compile time only
 
 ``--compile-only`` compiles the step for the local backend from abstract arguments
 (``jax.ShapeDtypeStruct``): on a CPU it measures the compile time and XLA's buffer assignment of
 the 8B step without allocating it.
 
-MFU = model FLOPs per step / step time / peak bf16 FLOP/s of the device. Model FLOPs per sequence
+MFU = model FLOPs per step / step time / peak bf16 FLOP/s of the devices (``--mesh``: all of its devices). Model FLOPs per sequence
 (``dflash_jax.training.monitor.train_flops_per_sequence``; recomputation not counted):
 
     target forward, D = deepest tap + 1 layers:   2 D P_t S + 2 D S^2 h d   (causal attention)
@@ -49,16 +50,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 import timing
 from dflash_jax.models.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target, init_stacked, stack_layers, unstack_layers
 from dflash_jax.ops import OpsConfig
+from dflash_jax.sharding import MeshConfig, with_kernel_mesh
+from dflash_jax.training import parallel
 from dflash_jax.training.config import OptimConfig
 from dflash_jax.training.monitor import peak_flops_per_device, train_flops_per_sequence
 from dflash_jax.training.optim import make_optimizer
-from dflash_jax.training.trainer import StepSpec, init_state, make_train_step, split_drafter
+from dflash_jax.training.trainer import StepSpec, TrainState, init_state, make_train_step, split_drafter
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                 num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
@@ -127,19 +131,41 @@ def make_batch(batch: int, seq: int, vocab: int, abstract: bool) -> dict:
 
 
 def bench_one(m: Models, *, batch: int, seq: int, anchors: int, chunk: int, impl: str, steps: int, warmup: int,
-              abstract: bool, lowering: str = "triton") -> dict:
+              abstract: bool, lowering: str = "triton", mesh: Mesh | None = None) -> dict:
+    """One variant's step. On ``mesh`` (a training run's: ``training.parallel``) the drafter's weights and
+    optimizer state, the frozen target and the batch are placed as ``train.py`` places them and the step
+    is traced under the mesh for the kernels; ``batch`` is the global batch."""
     tx = make_optimizer(OptimConfig(lr=6e-4), 1000)
     spec = StepSpec(block_size=m.dcfg.block_size, mask_token_id=m.dcfg.mask_token_id,
                     target_layer_ids=tuple(m.dcfg.target_layer_ids), num_anchors=anchors, loss_chunk=chunk,
                     compute_dtype=jnp.bfloat16, ops=OpsConfig(attention=impl, gpu_lowering=lowering))
-    step = jax.jit(make_train_step(m.drafter_graph, m.drafter_rest, m.target_graph, tx, spec), donate_argnums=(0,))
-    if abstract:
-        state = jax.eval_shape(lambda p: init_state(p, tx), m.drafter_params)
-    else:
-        state = init_state(jax.tree.map(jnp.copy, m.drafter_params), tx)  # the step donates its state
+    train_step = make_train_step(m.drafter_graph, m.drafter_rest, m.target_graph, tx, spec)
     data = make_batch(batch, seq, m.tcfg.vocab_size, abstract)
+    target_params = m.target_params
+    if mesh is None:
+        step = jax.jit(train_step, donate_argnums=(0,))
+        if abstract:
+            state = jax.eval_shape(lambda p: init_state(p, tx), m.drafter_params)
+        else:
+            state = init_state(jax.tree.map(jnp.copy, m.drafter_params), tx)  # the step donates its state
+    else:
+        p_sh = parallel.state_shardings(m.drafter_params, mesh, "drafter")
+        abstract_state = jax.eval_shape(lambda p: init_state(p, tx), m.drafter_params)
+        state_sh = TrainState(p_sh, parallel.opt_state_shardings(abstract_state.opt_state, p_sh, mesh),
+                              parallel.replicated(mesh))
+        t_sh = parallel.state_shardings(m.target_params, mesh, "target")
+        batch_sh = parallel.batch_sharding(mesh)
+        step = jax.jit(with_kernel_mesh(train_step, mesh, parallel.DRAFTER_RULES),
+                       in_shardings=(state_sh, t_sh, batch_sh), out_shardings=(state_sh, parallel.replicated(mesh)),
+                       donate_argnums=(0,))
+        if abstract:
+            state = abstract_state
+        else:
+            state = jax.jit(lambda p: init_state(p, tx), out_shardings=state_sh)(m.drafter_params)
+            target_params = jax.device_put(m.target_params, t_sh)
+            data = jax.device_put(data, batch_sh)
     t0 = time.perf_counter()
-    lowered = step.lower(state, m.target_params, data)
+    lowered = step.lower(state, target_params, data)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -156,24 +182,25 @@ def bench_one(m: Models, *, batch: int, seq: int, anchors: int, chunk: int, impl
     if abstract:
         return row
     for _ in range(warmup):
-        state, metrics = compiled(state, m.target_params, data)
+        state, metrics = compiled(state, target_params, data)
         jax.block_until_ready(metrics["loss"])
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, m.target_params, data)
+        state, metrics = compiled(state, target_params, data)
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t0)
     dt = statistics.median(times)
     peak = peak_flops_per_device()
+    devices = 1 if mesh is None else mesh.size
     row.update({
-        "step_s": dt, "step_s_all": times, "tokens_per_s": batch * seq / dt,
+        "devices": devices, "step_s": dt, "step_s_all": times, "tokens_per_s": batch * seq / dt,
         "draft_tokens_per_s": batch * anchors * m.dcfg.block_size / dt, "tflops": flops / dt / 1e12,
-        "mfu": flops / dt / peak if peak else None, "loss": float(metrics["loss"]),
+        "mfu": flops / dt / (peak * devices) if peak else None, "loss": float(metrics["loss"]),
     })
-    stats = jax.devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-        row["process_peak_gib"] = stats["peak_bytes_in_use"] / 2**30  # since the process started
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in (mesh.devices.flat if mesh else jax.devices()[:1])]
+    if all(p is not None for p in peaks):
+        row["process_peak_gib"] = max(peaks) / 2**30  # the fullest device, since the process started
     return row
 
 
@@ -208,6 +235,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help="abstract arguments; compile, do not run")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds; variants not started by then are skipped")
+    ap.add_argument("--mesh", nargs="+", default=["1,1,1"], metavar="D,F,T",
+                    help="(data, fsdp, tensor) meshes, one variant each, on the first D*F*T devices (1,1,1: one "
+                         "device, unsharded); --batch is then the global batch")
     ap.add_argument("--out", default=None, help="directory for one JSON per variant")
     args = ap.parse_args(argv)
     start = time.perf_counter()
@@ -236,22 +266,27 @@ def main(argv=None) -> int:
             "compile_only": args.compile_only, "steps": args.steps, "warmup": args.warmup}
     rows = 0
     failures = 0
-    variants = [(impl, lowering) for impl in args.attention_impl
-                for lowering in (args.gpu_lowering if impl == "pallas" else ["triton"])]
+    variants = [(impl, lowering, mesh) for impl in args.attention_impl
+                for lowering in (args.gpu_lowering if impl == "pallas" else ["triton"]) for mesh in args.mesh]
     for batch in args.batch:
-        for impl, lowering in variants:
+        for impl, lowering, mesh_arg in variants:
+            sizes = tuple(int(x) for x in mesh_arg.split(","))
+            mesh = None if sizes == (1, 1, 1) else parallel.make_mesh(
+                MeshConfig(data=sizes[0], fsdp=sizes[1], tensor=sizes[2]), jax.devices()[:int(np.prod(sizes))])
             name = (f"b{batch}_{impl}" + (f"_{lowering}" if lowering != "triton" else "")
-                    + ("_unrolled" if args.unrolled_target else ""))
+                    + ("_unrolled" if args.unrolled_target else "")
+                    + (f"_mesh{'x'.join(map(str, sizes))}" if mesh is not None else ""))
             if args.time_limit is not None and time.perf_counter() - start > args.time_limit:
                 print(f"{name:<14} skipped: --time-limit {args.time_limit:.0f} s reached", flush=True)
                 continue
             print(f"{name:<14} compiling ...", flush=True)  # so that a run cut short shows where
             try:
                 row = bench_one(models, batch=batch, seq=seq, anchors=anchors, chunk=chunk, impl=impl,
-                                steps=args.steps, warmup=args.warmup, abstract=args.compile_only, lowering=lowering)
+                                steps=args.steps, warmup=args.warmup, abstract=args.compile_only, lowering=lowering,
+                                mesh=mesh)
             except Exception as err:  # noqa: BLE001  (e.g. out of memory: record it, run the next variant)
                 failures += 1
-                row = {"batch": batch, "attention": impl, "gpu_lowering": lowering,
+                row = {"batch": batch, "attention": impl, "gpu_lowering": lowering, "mesh": mesh_arg,
                        "error": f"{type(err).__name__}: {err}"[:2000]}
             rows += 1
             gc.collect()  # free a failed variant's buffers before the next one

@@ -22,7 +22,9 @@ from pathlib import Path
 H200_BF16_FLOPS = 989e12
 
 CATEGORIES = ("GEMM", "attention", "argmax / top-k", "reductions (norms, softmax)", "cache and state writes",
-              "copies and slices", "elementwise", "other")
+              "copies and slices", "elementwise", "collectives", "other")
+_COLLECTIVES = {"all-reduce", "all-reduce-start", "all-gather", "all-gather-start", "reduce-scatter", "all-to-all",
+                "collective-permute", "collective-permute-start"}
 
 _DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
 _MOVES = {"copy", "transpose", "bitcast", "parameter", "reshape", "broadcast", "slice", "concatenate", "convert",
@@ -174,6 +176,8 @@ def hlo_kernels(hlo: str, roles: dict) -> dict[str, HloKernel]:
                     flops = 0.0
                     if kernel:  # a Pallas kernel is launched under its own name
                         kernels.setdefault(normalize(label), HloKernel(label, category, label))
+            elif op in _COLLECTIVES:  # a mesh's exchanges (NCCL kernels)
+                category, label, flops = "collectives", f"{op.removesuffix('-start')} {shape.split('{')[0]}", 0.0
             elif op in ("copy", "transpose"):
                 category, label, flops = "copies and slices", f"{op} {shape.split('{')[0]}", 0.0
             elif op in ("dynamic-update-slice", "scatter"):
@@ -265,7 +269,8 @@ def attribute(events: list[dict], kernels: dict[str, HloKernel]) -> list[dict]:
                 break
         if found is None:  # by its name alone
             low = e["name"].lower()
-            category = ("attention" if "attention" in low or "attn" in low else
+            category = ("collectives" if "nccl" in low else
+                        "attention" if "attention" in low or "attn" in low else
                         "GEMM" if _LIBRARY_GEMM.search(low) else
                         "reductions (norms, softmax)" if "norm" in low else
                         "argmax / top-k" if "argmax" in low or "topk" in low or "top_k" in low else

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -23,12 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.ops.cache import KVCache
 from dflash_jax.runtime import decoding
+from dflash_jax.sharding import logical_spec
 from dflash_jax.tiny import tiny_drafter_config
 
 # A device-to-device copy on the H200 moves ~4.3 TB/s (read + write; docs/performance.md): the rate of
@@ -91,10 +94,39 @@ def qwen3_8b(layers: int = 36) -> TargetConfig:
                         rope_theta=1e6, tie_word_embeddings=False)
 
 
-def random_pair(tcfg: TargetConfig, dtype=jnp.bfloat16) -> tuple[Target, Drafter]:
-    """A random target of ``tcfg`` and a 5-layer, block-16 drafter for it (the published shape)."""
+def qwen3_32b(layers: int = 64) -> TargetConfig:
+    return TargetConfig(model_type="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                        num_layers=layers, num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                        rope_theta=1e6, tie_word_embeddings=False)
+
+
+SHAPES = {"8b": qwen3_8b, "32b": qwen3_32b}
+
+
+def random_pair(tcfg: TargetConfig, dtype=jnp.bfloat16, mesh: Mesh | None = None) -> tuple[Target, Drafter]:
+    """A random target of ``tcfg`` and a 5-layer, block-16 drafter for it (the published shape). On ``mesh``
+    each parameter is created in its shards (its logical axes, the default rules): a 32B target never sits
+    whole on one device."""
     dcfg = tiny_drafter_config(tcfg, num_layers=5, block_size=16, mask_token_id=tcfg.vocab_size - 1)
-    return Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0)), Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1))
+    return (on_mesh(lambda: Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0)), mesh),
+            on_mesh(lambda: Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1)), mesh))
+
+
+def on_mesh(make: Callable[[], nnx.Module], mesh: Mesh | None) -> nnx.Module:
+    """``make()``, its parameters initialised in place in their shards on ``mesh`` (None: ``make()``)."""
+    if mesh is None:
+        return make()
+    graph, abstract = nnx.split(nnx.eval_shape(make))
+
+    def placement(var):
+        axes = var.get_metadata().get("axes")
+        value = var.get_value()
+        spec = logical_spec(tuple(axes), value.shape, mesh) if axes else PartitionSpec()
+        return var.replace(NamedSharding(mesh, spec))
+
+    shardings = jax.tree.map(placement, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
+    return nnx.merge(graph, state)
 
 
 def param_bytes(module: nnx.Module) -> int:
@@ -288,8 +320,8 @@ def gpu_kernel_events(run: Callable[[], None], out_dir: str, calls: int = 3) -> 
 
 def trace_events(run: Callable[[], None], out_dir: str, calls: int = 3) -> tuple[list[dict], list[dict]] | None:
     """Runs ``run`` once, then ``calls`` times under ``jax.profiler``: the trace's complete events
-    (``name``, ``ts``, ``dur`` in us, ``args``) on the GPU and on the host threads, each list in time
-    order. None: no trace."""
+    (``name``, ``ts``, ``dur`` in us, ``args``) on the GPU (the first GPU of several) and on the host
+    threads, each list in time order. None: no trace."""
     run()
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
         for _ in range(calls):
@@ -298,8 +330,11 @@ def trace_events(run: Callable[[], None], out_dir: str, calls: int = 3) -> tuple
     if not paths:
         return None
     events = json.loads(gzip.open(paths[-1]).read())["traceEvents"]
-    gpu = {e["pid"] for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e["args"].get("name"))}
+    gpus = {e["pid"]: str(e["args"].get("name")) for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e["args"].get("name"))}
+    # On a mesh every GPU runs the same program: the first one's kernels stand for a device's step.
+    first = {pid for pid, name in gpus.items() if re.search(r"GPU:0(\D|$)", name)}
+    gpu = first or set(gpus)
     complete = sorted((e for e in events if e.get("ph") == "X" and "dur" in e), key=lambda e: e["ts"])
     pick = lambda on_gpu: [dict(name=e["name"], ts=e["ts"], dur=e["dur"], args=e.get("args", {}))  # noqa: E731
                            for e in complete if (e.get("pid") in gpu) == on_gpu]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import re
 from typing import Any, Callable, Iterator, Sequence
 
@@ -145,6 +146,17 @@ def kernel_mesh(mesh: Mesh | None, rules: dict[str, tuple[str, ...]] | None = No
         yield
     finally:
         _KERNEL_MESH.reset(token)
+
+
+def with_kernel_mesh(fn: Callable, mesh: Mesh | None, rules: dict[str, tuple[str, ...]] | None = None) -> Callable:
+    """``fn`` run (so traced, under ``jax.jit``) inside ``kernel_mesh(mesh, rules)``: its kernels per device."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with kernel_mesh(mesh, rules):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def _kernel_mesh_split(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> tuple[Mesh, list[tuple[str, ...]]] | None:

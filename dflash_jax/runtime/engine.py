@@ -39,7 +39,7 @@ from dflash_jax.ops.paged_cache import PAGE_TABLE_AXES, POOL_AXES, PagedKV
 from dflash_jax.runtime.compile_cache import check_setting as check_cache_setting, use_compilation_cache
 from dflash_jax.io.config import check_field_types
 from dflash_jax.models.drafter import Drafter
-from dflash_jax.sharding import MeshConfig, kernel_mesh, make_mesh, named_sharding, shard_module
+from dflash_jax.sharding import MeshConfig, make_mesh, named_sharding, shard_module, with_kernel_mesh
 from dflash_jax.models.hybrid import HybridTarget
 from dflash_jax.models.target import Target
 
@@ -690,10 +690,10 @@ class Engine:
 
         @functools.wraps(fn)
         def traced(*args, **kwargs):
-            with jax.default_matmul_precision(self._matmul_precision), kernel_mesh(self.mesh, self._rules):
+            with jax.default_matmul_precision(self._matmul_precision):
                 return fn(*args, **kwargs)
 
-        return traced
+        return with_kernel_mesh(traced, self.mesh, self._rules)
 
     def _models(self, target_leaves, drafter_leaves):
         target = nnx.merge(self._target_def, jax.tree.unflatten(self._target_tree, target_leaves))

@@ -15,6 +15,7 @@ from flax import nnx
 
 from dflash_jax.ops.config import OpsConfig, resolve_attention_impl
 from dflash_jax.runtime.compile_cache import use_compilation_cache
+from dflash_jax.sharding import with_kernel_mesh
 from dflash_jax.io.config import ConfigError, config_to_dict
 from dflash_jax.models.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from dflash_jax.models.dflash2 import DFlash2Config, DFlash2Drafter
@@ -355,7 +356,10 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
             save_drafter_config(run_dir, dcfg)
 
     spec = step_spec(config, dcfg)
-    step = make_train_step(drafter_graphdef, drafter_rest, target_graph, tx, spec)
+    # Traced under the mesh, the attention kernels run per device on their shards (rows over data and fsdp,
+    # heads over tensor): a Pallas call left to XLA's partitioner would be gathered onto every device.
+    step = with_kernel_mesh(make_train_step(drafter_graphdef, drafter_rest, target_graph, tx, spec), mesh,
+                            parallel.DRAFTER_RULES)
     batch_sh = parallel.batch_sharding(mesh)
     step_fn = jax.jit(
         step,

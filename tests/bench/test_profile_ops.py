@@ -31,3 +31,20 @@ def test_op_sources_name_the_op_and_the_line_that_traced_it():
     # A kernel name from a trace (``.`` as ``_``, a suffix XLA adds) finds its instruction.
     name = next(iter(sorts))
     assert profile_ops.lookup(sources, name + "_impl") == sorts[name]
+
+
+def test_a_mesh_programs_collectives_and_nccl_kernels_are_their_own_category():
+    """A tensor-parallel product's all-reduce (its HLO instruction, and an NCCL kernel met by name only in
+    a trace) is counted as "collectives", the share of a mesh step that moves data between devices."""
+    from dflash_jax.sharding import MeshConfig, make_mesh
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=2), jax.devices()[:2])
+    x = jax.device_put(jnp.ones((4, 64)), NamedSharding(mesh, P(None, "tensor")))
+    w = jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P("tensor", None)))
+    hlo = jax.jit(jnp.dot, out_shardings=NamedSharding(mesh, P())).lower(x, w).compile().as_text()
+    kernels = profile_ops.hlo_kernels(hlo, {})
+    collectives = [k for k in kernels.values() if k.category == "collectives"]
+    assert collectives and collectives[0].label.startswith("all-reduce"), kernels
+    traced = profile_ops.attribute([dict(name="ncclDevKernel_AllReduce_Sum_bf16_RING_LL", dur=3.0)], kernels)
+    assert traced[0]["category"] == "collectives"

@@ -219,22 +219,29 @@ def test_export_round_trip(tmp_path, reference, resumed_runs):
 
 
 @pytest.mark.slow
-def test_sharded_step_equals_single_device(tmp_path):
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_sharded_step_equals_single_device(tmp_path, attention):
     """One train step on a (data=2, fsdp=2, tensor=2) mesh of 8 fake CPU devices equals the same
-    step on one device; the drafter's weights and optimizer state really are sharded."""
+    step on one device; the drafter's weights and optimizer state really are sharded. With the kernels
+    (interpret mode here), each device runs them on its rows and heads (``sharding.with_kernel_mesh``),
+    not the whole batch gathered."""
     from dflash_jax.training.run import next_batch, setup
 
     if jax.device_count() < 8:
         pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)")
-    changes = {"data.batch_size": 4, "steps": 2, "optim.lr": 1e-2}
+    changes = {"data.batch_size": 4, "steps": 2, "optim.lr": 1e-2, "model.attention_impl": attention}
     results = []
     for mesh, devices in [(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1]),
                           (dict(data=2, fsdp=2, tensor=2), jax.devices()[:8])]:
-        cfg = _config(tmp_path, "shard", **changes, **{f"mesh.{k}": v for k, v in mesh.items()})
+        cfg = _config(tmp_path, f"shard_{attention}", **changes, **{f"mesh.{k}": v for k, v in mesh.items()})
         session = setup(cfg, checkpoint=False, devices=devices)
+        batches = [next_batch(session) for _ in range(2)]
+        if mesh["data"] > 1:
+            lowered = session.step_fn.lower(session.state, session.target_state, batches[0]).as_text()
+            assert ("manual_computation" in lowered) == (attention == "pallas")
         metrics = []
-        for _ in range(2):
-            session.state, m = session.step_fn(session.state, session.target_state, next_batch(session))
+        for batch in batches:
+            session.state, m = session.step_fn(session.state, session.target_state, batch)
             metrics.append(float(m["loss"]))
         if mesh["fsdp"] > 1:
             specs = {str(x.sharding.spec) for x in jax.tree.leaves(session.state.params)}
