@@ -277,6 +277,8 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
     spec = config.model.target
     if not spec.startswith(("tiny:", "pattern:")) and not Path(spec).is_dir():
         raise FileNotFoundError(f"model.target: {spec}: no such directory")
+    if config.model.drafter and not Path(config.model.drafter).is_dir():  # before the target takes minutes to load
+        raise FileNotFoundError(f"model.drafter: {config.model.drafter}: no such directory")
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
 
     target = load_target_any(config.model.target, config.model.target_dtype)

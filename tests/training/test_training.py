@@ -435,6 +435,7 @@ def test_cli_setup_errors_are_one_line(tmp_path, capsys):
         (["drafter.mask_token_id=100000"], "error: drafter: dflash_config.mask_token_id=100000"),
         (["drafter.target_layer_ids=[0,99]"], "error: drafter: target_layer_ids [99]"),
         (["model.target=/nonexistent"], "error: model.target: /nonexistent"),
+        (["model.drafter=/nonexistent"], "error: model.drafter: /nonexistent: no such directory"),
         (["data.self_generated.num_examples=0", f"data.train_files=[{bad}]"], f"error: {bad}:2: invalid JSON"),
         (["--max-steps", "-3"], "error: --max-steps"),
     ]:
