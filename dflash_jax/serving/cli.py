@@ -249,8 +249,12 @@ def load_engine(cfg):
     t0 = time.perf_counter()
     log.info("loading the models")
     try:
-        target = load_target(cfg.model.target, dtype=cfg.model.dtype)
+        # The drafter (small) first, checked against the target's config.json: a drafter of another
+        # model is refused before the target's weights take minutes to load.
         drafter = None if cfg.model.no_draft else load_drafter(cfg.model.draft, dtype=cfg.model.dtype)
+        if drafter is not None:
+            check_pair(cfg.model.target, cfg.model.draft, drafter.config)
+        target = load_target(cfg.model.target, dtype=cfg.model.dtype)
         engine = Engine(target, drafter, cfg.engine)
         del target, drafter
         if engine.paged:  # sized from the memory left now (engine.kv_memory_fraction); its errors at the start
@@ -261,6 +265,23 @@ def load_engine(cfg):
              "" if engine.drafter is None else f" with drafter {cfg.model.draft} (block size {engine.block_size})",
              time.perf_counter() - t0)
     return engine
+
+
+def check_pair(target_dir: str, draft_dir: str, drafter_config) -> None:
+    """The drafter's vocabulary, hidden size and tapped layer count against the target's config.json
+    (the drafter embeds with the target's table and projects its layers' outputs)."""
+    from dflash_jax.models.config import load_target_config, read_config_json
+    from dflash_jax.models.hybrid_config import is_hybrid_config, load_hybrid_config
+
+    path = Path(target_dir) / "config.json"
+    target = load_hybrid_config(target_dir) if is_hybrid_config(read_config_json(path)) else \
+        load_target_config(target_dir)
+    for field, theirs, mine in (("vocab_size", "vocab_size", "vocab_size"), ("hidden_size", "hidden_size", "hidden_size"),
+                                ("num_target_layers", "num_hidden_layers", "num_layers")):
+        drafter_value, target_value = getattr(drafter_config, field), getattr(target, mine)
+        if drafter_value != target_value:
+            raise CLIError(f"the drafter {draft_dir} does not fit the target {target_dir}: its {field} is "
+                           f"{drafter_value}, the target's {theirs} is {target_value} ({path})")
 
 
 def check_block_size(cfg) -> None:

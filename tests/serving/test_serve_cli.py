@@ -822,6 +822,43 @@ def test_load_engine_keeps_no_loaded_module(models, monkeypatch):
     assert engine.drafter is not None and engine.vocab_size == MODEL_VOCAB
 
 
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_target_layers"])
+def test_a_drafter_of_another_target_is_refused_before_the_target_loads(models, monkeypatch, tmp_path, field):
+    """A drafter whose hidden size or tapped layer count is not the target's is named with both
+    directories, the field and the target's config.json, before the target's weights load (an 8B
+    target takes minutes)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dflash_jax.io import checkpoint
+    from dflash_jax.models.config import load_drafter_config
+    from dflash_jax.models.drafter import Drafter
+
+    dcfg = load_drafter_config(models[1])
+    if field == "hidden_size":
+        other = dataclasses.replace(dcfg, hidden_size=dcfg.hidden_size * 2, head_dim=dcfg.head_dim * 2)
+        want = f"its hidden_size is {dcfg.hidden_size * 2}, the target's hidden_size is {dcfg.hidden_size}"
+    else:
+        other = dataclasses.replace(dcfg, num_target_layers=dcfg.num_target_layers + 4)
+        want = (f"its num_target_layers is {dcfg.num_target_layers + 4}, the target's num_hidden_layers is "
+                f"{dcfg.num_target_layers}")
+    checkpoint.save_drafter(Drafter(other, dtype=jnp.float32, rngs=nnx.Rngs(0)), tmp_path / "other")
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target's weights were loaded")
+
+    monkeypatch.setattr(checkpoint, "load_target", no_target)
+    cfg = serve.load_settings(serve.parse_args(["--target", str(models[0]), "--draft", str(tmp_path / "other"),
+                                                *ENGINE_FLAGS]))
+    with pytest.raises(serve.CLIError) as err:
+        serve.load_engine(cfg)
+    assert str(err.value) == (f"the drafter {tmp_path / 'other'} does not fit the target {models[0]}: {want} "
+                              f"({models[0] / 'config.json'})")
+
+
 def test_a_paged_server_warms_up_before_binding(models, caplog):
     """A paged engine's warm-up runs on its own KV pools: in the background it would hold them beside the
     server's, so serve.py compiles every shape before it binds, and says so."""
