@@ -689,6 +689,22 @@ def test_serve_refuses_more_stop_ids_than_the_engine_takes(models, capsys, monke
         "engine takes at most 16" in err, err
 
 
+
+def test_a_port_in_use_is_an_error_before_the_models_load(models, capsys, monkeypatch):
+    """The server binds its port first: a port taken by another server is one line at once, not
+    uvicorn's error after the models loaded and compiled."""
+    target_dir, draft_dir = models
+    monkeypatch.setattr(serve, "load_tokenizer", lambda *a, **k: pytest.fail("the models were loaded"))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        rc = serve.main(["serve", "--target", str(target_dir), "--draft", str(draft_dir), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"serve.py: error: server.host:server.port (--host, --port) 127.0.0.1:{port}: cannot bind: " \
+        "Address already in use" in err, err
+
+
 _FUZZ_VALUES = [
     "null", "true", "false", "0", "-1", "1.5", "1.0", '"x"', '""', '" "', "[]", "{}", "[null]", "[1.5]", '["a"]',
     "[true]", "[-3]", "[99999]", "[5, 6]", '"hello"', "7" * 5000, "1" + "0" * 400, "[1" + "0" * 4000 + "]",
