@@ -40,9 +40,24 @@ class _Override:
 
     parsed: Any
     text: str
+    override: str = ""  # the whole ``key=value``, which errors about this value name instead of the file
 
     def __repr__(self) -> str:  # as errors show a value
         return repr(self.parsed)
+
+
+class _OverrideSection(dict):
+    """A section that only ``key=value`` overrides wrote (absent from the file): ``override`` is the
+    first of them, which an error about the section names instead of the file."""
+
+    def __init__(self, override: str):
+        super().__init__()
+        self.override = override
+
+
+def _override_of(value: Any) -> str | None:
+    """The ``key=value`` override that gave ``value``, or None for a value of the file."""
+    return value.override if isinstance(value, (_Override, _OverrideSection)) else None
 
 
 def _plain(value: Any) -> Any:
@@ -58,6 +73,10 @@ def _plain(value: Any) -> Any:
 
 def _convert(value: Any, tp: Any, where: str) -> Any:
     tp, optional = _strip_optional(tp)
+    # A value the command line gave: its errors name the override, not the file. (A section that
+    # overrides created keeps its fields' own names: each of them is an override.)
+    if (override := _override_of(value)) and (isinstance(value, _Override) or not dataclasses.is_dataclass(tp)):
+        where = f"override {override!r}"
     if isinstance(value, _Override):
         value = value.text if tp is str and isinstance(value.parsed, (bool, int, float)) else value.parsed
     if value is None:
@@ -117,6 +136,9 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
 def _build(cls: type[C], data: dict[str, Any], where: str) -> C:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields), key=str)  # YAML keys may be numbers too
+    if overridden := [k for k in unknown if _override_of(data[k])]:
+        raise ConfigError(f"override {_override_of(data[overridden[0]])!r}: unknown key(s) {overridden} for "
+                          f"{cls.__name__}; known keys: {sorted(fields)}")
     if unknown:
         raise ConfigError(
             f"{where}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(fields)}"
@@ -168,7 +190,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         if isinstance(child, _Override):  # an earlier override gave the whole section
             child = child.parsed
         if child is None:  # absent, or written with no keys or as null (an optional section left off)
-            child = {}
+            child = _OverrideSection(override) if part not in node else {}
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {part!r} is not a section")
         node[part] = node = child
@@ -176,7 +198,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         parsed = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"override {override!r}: invalid YAML value: {err}") from None
-    node[parts[-1]] = _Override(parsed, raw.strip())
+    node[parts[-1]] = _Override(parsed, raw.strip(), override)
 
 
 def config_from_dict(cls: type[C], data: dict[str, Any], *, source: str = "") -> C:

@@ -39,9 +39,15 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             except RecursionError:
                 raise ValueError(f"{path}:{lineno}: invalid JSON: nested too deeply (Python's parser takes under "
                                  "1,000 levels)") from None
-            except ValueError as err:  # a JSONDecodeError, or an integer past Python's digit limit
+            except json.JSONDecodeError as err:
+                # json counts lines and columns in the text it was given: past the line's own end its
+                # "line 2 column 1" would contradict the file's line number named before it
+                end = len(line.rstrip("\r\n"))
+                where = "at the end of the line" if err.pos >= end else f"at column {err.pos + 1}"
+                raise ValueError(f"{path}:{lineno}: invalid JSON: {err.msg} {where}") from None
+            except ValueError as err:  # an integer past Python's digit limit
                 message = str(err)
-                if not isinstance(err, json.JSONDecodeError) and "integer string conversion" in message:
+                if "integer string conversion" in message:
                     message = f"an integer has more than {sys.get_int_max_str_digits()} digits"
                 raise ValueError(f"{path}:{lineno}: invalid JSON: {message}") from None
             if not isinstance(record, dict):

@@ -249,8 +249,12 @@ def load_engine(cfg):
     t0 = time.perf_counter()
     log.info("loading the models")
     try:
-        target = load_target(cfg.model.target, dtype=cfg.model.dtype)
+        # The drafter (small) first, checked against the target's config.json: a drafter of another
+        # model is refused before the target's weights take minutes to load.
         drafter = None if cfg.model.no_draft else load_drafter(cfg.model.draft, dtype=cfg.model.dtype)
+        if drafter is not None:
+            check_pair(cfg.model.target, cfg.model.draft, drafter.config)
+        target = load_target(cfg.model.target, dtype=cfg.model.dtype)
         engine = Engine(target, drafter, cfg.engine)
         del target, drafter
         if engine.paged:  # sized from the memory left now (engine.kv_memory_fraction); its errors at the start
@@ -261,6 +265,23 @@ def load_engine(cfg):
              "" if engine.drafter is None else f" with drafter {cfg.model.draft} (block size {engine.block_size})",
              time.perf_counter() - t0)
     return engine
+
+
+def check_pair(target_dir: str, draft_dir: str, drafter_config) -> None:
+    """The drafter's vocabulary, hidden size and tapped layer count against the target's config.json
+    (the drafter embeds with the target's table and projects its layers' outputs)."""
+    from dflash_jax.models.config import load_target_config, read_config_json
+    from dflash_jax.models.hybrid_config import is_hybrid_config, load_hybrid_config
+
+    path = Path(target_dir) / "config.json"
+    target = load_hybrid_config(target_dir) if is_hybrid_config(read_config_json(path)) else \
+        load_target_config(target_dir)
+    for field, theirs, mine in (("vocab_size", "vocab_size", "vocab_size"), ("hidden_size", "hidden_size", "hidden_size"),
+                                ("num_target_layers", "num_hidden_layers", "num_layers")):
+        drafter_value, target_value = getattr(drafter_config, field), getattr(target, mine)
+        if drafter_value != target_value:
+            raise CLIError(f"the drafter {draft_dir} does not fit the target {target_dir}: its {field} is "
+                           f"{drafter_value}, the target's {theirs} is {target_value} ({path})")
 
 
 def check_block_size(cfg) -> None:
@@ -764,14 +785,29 @@ def run_generate(cfg, resume: bool = False, loaded: Callable[[], None] | None = 
 
 def run_serve(cfg, started: float | None = None, ready: Callable[[], None] | None = None) -> None:
     """Serves until SIGINT/SIGTERM; ``started`` (``time.perf_counter()`` at the start) dates "ready",
-    ``ready()`` is called once the server is about to bind."""
-    from dflash_jax.serving import create_app, run_server
+    ``ready()`` is called once the server is about to take requests."""
+    from dflash_jax.serving.runner import bind_socket
     from dflash_jax.serving.settings import api_key_problem
 
     s = cfg.server
     api_key = s.api_key or os.environ.get("DFLASH_API_KEY") or None
     if api_key is not None and (problem := api_key_problem(api_key)):
         raise CLIError(f"{'server.api_key' if s.api_key else 'DFLASH_API_KEY'} {problem}")
+    try:  # before the models load and compile (minutes for a large one): a port in use fails now
+        sock = bind_socket(s.host, s.port)
+    except OSError as err:
+        raise CLIError(f"server.host:server.port (--host, --port) {s.host}:{s.port}: cannot bind: "
+                       f"{err.strerror or err}") from None
+    try:
+        _serve_on(cfg, sock, api_key, started, ready)
+    finally:
+        sock.close()
+
+
+def _serve_on(cfg, sock, api_key: str | None, started: float | None, ready: Callable[[], None] | None) -> None:
+    from dflash_jax.serving import create_app, run_server
+
+    s = cfg.server
     tokenizer = load_tokenizer(cfg, required=True)
     engine = load_engine(cfg)
     stops = stop_ids(cfg, tokenizer, engine)  # before the warmup: a client could not fix them
@@ -798,7 +834,7 @@ def run_serve(cfg, started: float | None = None, ready: Callable[[], None] | Non
     sys.setswitchinterval(s.gil_switch_interval_ms / 1000)
     if s.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("binding %s without an API key: anyone who can reach it can use it", s.host)
-    log.info("serving %r on http://%s:%d%s", name, s.host, s.port,
+    log.info("serving %r on http://%s:%d%s", name, s.host, sock.getsockname()[1],
              "" if started is None else f" (ready {time.perf_counter() - started:.1f} s after start)")
     if ready is not None:
         ready()
@@ -807,7 +843,7 @@ def run_serve(cfg, started: float | None = None, ready: Callable[[], None] | Non
     try:
         run_server(app, host=s.host, port=s.port, log_level=s.log_level,
                    timeout_graceful_shutdown=s.graceful_shutdown_timeout_s, header_timeout_s=s.header_timeout_s,
-                   max_connections=s.max_connections)
+                   max_connections=s.max_connections, sock=sock)
     finally:
         if background is not None:
             background.stop(timeout=60)  # after the shape being compiled

@@ -196,10 +196,26 @@ def _server(app: Any, *, host: str, port: int, log_level: str, timeout_graceful_
     return _Server(config, app, timeout_graceful_shutdown)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` as uvicorn binds one (``SO_REUSEADDR``), not listening yet:
+    ``serve.py`` binds it before the models load and compile, so that a port in use is an error at
+    once rather than after the warm-up. Raises ``OSError``."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
                timeout_graceful_shutdown: float | None = None, header_timeout_s: float = _DEFAULTS.header_timeout_s,
-               max_connections: int = _DEFAULTS.max_connections) -> None:
+               max_connections: int = _DEFAULTS.max_connections, sock: socket.socket | None = None) -> None:
     """Serves until SIGINT/SIGTERM; then finishes the requests in flight and drains the scheduler.
+    ``sock``: a socket bound to ``host:port`` already (``bind_socket``), else uvicorn binds one.
 
     Returns normally after a graceful shutdown (uvicorn re-raises the captured signal to the handler
     that was installed before it; ours only records it, so the process exits with status 0).
@@ -217,7 +233,7 @@ def run_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda signum, frame: received.append(signum))
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

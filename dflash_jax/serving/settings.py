@@ -74,12 +74,12 @@ class ServerSettings:
     graceful_shutdown_timeout_s: float | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     warmup: bool = True              # compile every shape requests can meet (false: each when first met)
-    # True: compile before binding only the shapes of a lone request with a short prompt
+    # True: compile before listening only the shapes of a lone request with a short prompt
     # (``runtime.warmup.first_request_shapes``), the rest on a background thread while serving, so the
     # server is up in seconds to a minute (a request meeting a shape first compiles it itself). False:
-    # every shape before binding (minutes for an 8B model or on a CPU; no request ever waits for XLA).
+    # every shape before listening (minutes for an 8B model or on a CPU; no request ever waits for XLA).
     warmup_background: bool = True
-    # The sampled decoding to compile too (greedy decoding always is), after binding with
+    # The sampled decoding to compile too (greedy decoding always is), after listening with
     # warmup_background: each entry one more decode program per running state and attention window, for
     # batches whose rows together use its features, joined by '+': sample, top_p, top_k=N, min_p,
     # penalties, rejection, logprobs, top_logprobs (``runtime.warmup.sampling_kind``; "sample" also covers

@@ -66,6 +66,9 @@ def _train(argv: list[str]) -> int:
     except NonFiniteError as err:  # the run diverged; the kept checkpoints are finite
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # train() has waited for a checkpoint being written: the kept ones are whole
+        print_interrupted(config)
+        return 130
     print_summary(config, result, time.perf_counter() - t0,
                   cache_report() if config.compilation_cache_dir is not None else None)
     return 0
@@ -81,6 +84,20 @@ def print_destinations(config) -> None:
     if config.tensorboard:
         print(f"  TensorBoard  {run / 'tb'}  (tensorboard --logdir {run / 'tb'})")
     print(f"  config       {run / 'config.yaml'}, {run / 'drafter_config.json'}", flush=True)
+
+
+def print_interrupted(config) -> None:
+    """What a run stopped by Ctrl-C kept, and how to go on from it."""
+    from dflash_jax.io.orbax import step_dirs
+
+    run = Path(config.output_dir)
+    kept = step_dirs(run)
+    if kept:
+        print(f"train.py: interrupted; checkpoints kept in {run / 'checkpoints'}: steps {', '.join(map(str, kept))}; "
+              f"run the same command again to resume from step {kept[-1]}", file=sys.stderr)
+    else:
+        print(f"train.py: interrupted before the first checkpoint (every save_every={config.save_every} steps); "
+              "running the same command again starts from step 0", file=sys.stderr)
 
 
 def _duration(seconds: float) -> str:

@@ -278,6 +278,8 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
     spec = config.model.target
     if not spec.startswith(("tiny:", "pattern:")) and not Path(spec).is_dir():
         raise FileNotFoundError(f"model.target: {spec}: no such directory")
+    if config.model.drafter and not Path(config.model.drafter).is_dir():  # before the target takes minutes to load
+        raise FileNotFoundError(f"model.drafter: {config.model.drafter}: no such directory")
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
 
     target = load_target_any(config.model.target, config.model.target_dtype)
@@ -292,10 +294,13 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
         cls = DFlash2Drafter if isinstance(dcfg, DFlash2Config) else Drafter
         drafter = cls(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(config.drafter.init_seed))
     dcfg = drafter.config
-    if dcfg.num_target_layers != target.config.num_layers or dcfg.vocab_size != target.config.vocab_size:
+    # The drafter embeds with the target's table and projects its taps: all three must agree.
+    if (dcfg.num_target_layers, dcfg.vocab_size, dcfg.hidden_size) != (
+            target.config.num_layers, target.config.vocab_size, target.config.hidden_size):
         raise ConfigError(
-            f"model.drafter: the drafter (num_target_layers={dcfg.num_target_layers}, vocab={dcfg.vocab_size}) does not fit the "
-            f"target ({target.config.num_layers} layers, vocab {target.config.vocab_size})"
+            f"model.drafter: the drafter (num_target_layers={dcfg.num_target_layers}, vocab={dcfg.vocab_size}, "
+            f"hidden_size={dcfg.hidden_size}) does not fit the target ({target.config.num_layers} layers, vocab "
+            f"{target.config.vocab_size}, hidden_size {target.config.hidden_size})"
         )
     if config.data.seq_len < dcfg.block_size + 1:
         raise ConfigError(f"data.seq_len={config.data.seq_len} must exceed the block size {dcfg.block_size}")

@@ -51,6 +51,29 @@ def test_bad_configs_name_the_file_and_field(tmp_path, text, message):
         load_config(Recipe, path)
 
 
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lrr=1", r"^override 'optim.lrr=1': unknown key\(s\) \['lrr'\] for Optim; known keys"),
+    ("engine.max_batch_sise=4", r"^override 'engine.max_batch_sise=4': unknown key\(s\) \['max_batch_sise'\]"),
+    ("stesp=10", r"^override 'stesp=10': unknown key\(s\) \['stesp'\] for Recipe"),
+    ("nosection.x=1", r"^override 'nosection.x=1': unknown key\(s\) \['nosection'\] for Recipe"),
+    ("optim.steps=many", r"^override 'optim.steps=many': expected an integer, got 'many'"),
+    ("optim=3", r"^override 'optim=3': expected a mapping for Optim, got 3"),
+    ("layers=[1, x]", r"^override 'layers=\[1, x\]'\[1\]: expected an integer, got 'x'"),
+])
+def test_a_bad_override_is_named_not_the_file(tmp_path, override, message):
+    """A typo on the command line is reported as the override the person typed: the file, where
+    the key or value cannot be found, is not named for it."""
+    path = tmp_path / "r.yaml"
+    path.write_text("name: run\noptim:\n  lr: 3e-4\nengine:\n  block_size: 8\n")
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(Recipe, path, [override])
+    assert "r.yaml" not in str(err.value)
+    path.write_text("optim:\n  lrr: 1\n")  # the file's own mistakes still name the file
+    with pytest.raises(ConfigError, match=r"r.yaml.optim: unknown key\(s\) \['lrr'\]"):
+        load_config(Recipe, path, ["optim.steps=3"])
+
+
 def test_bad_override_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="expected key=value"):
         load_config(Recipe, None, ["optim.lr"])
@@ -104,9 +127,9 @@ def test_overrides_keep_their_text_for_strings_and_fill_empty_sections(tmp_path)
     assert load_config(Served, path, ["mesh.tensor=2", "optim.lr=0.5"]) == Served(mesh=MeshConfig(tensor=2),
                                                                                    optim=Optim(lr=0.5))
     assert load_config(Served, None, ["optim={lr: 2}", "optim.steps=4"]).optim == Optim(lr=2.0, steps=4)
-    with pytest.raises(ConfigError, match=r"optim.steps: expected an integer, got 'x'"):
+    with pytest.raises(ConfigError, match=r"override 'optim.steps=x': expected an integer, got 'x'"):
         load_config(Served, None, ["optim.steps=x"])
-    with pytest.raises(ConfigError, match=r"name: expected a string, got \{'x': 1\}"):
+    with pytest.raises(ConfigError, match=r"override 'name.x=1': expected a string, got \{'x': 1\}"):
         load_config(Served, None, ["name.x=1"])
     with pytest.raises(ConfigError, match=r"'name' is not a section"):
         load_config(Served, None, ["name=a", "name.x=1"])

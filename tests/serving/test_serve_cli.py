@@ -689,6 +689,22 @@ def test_serve_refuses_more_stop_ids_than_the_engine_takes(models, capsys, monke
         "engine takes at most 16" in err, err
 
 
+
+def test_a_port_in_use_is_an_error_before_the_models_load(models, capsys, monkeypatch):
+    """The server binds its port first: a port taken by another server is one line at once, not
+    uvicorn's error after the models loaded and compiled."""
+    target_dir, draft_dir = models
+    monkeypatch.setattr(serve, "load_tokenizer", lambda *a, **k: pytest.fail("the models were loaded"))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        rc = serve.main(["serve", "--target", str(target_dir), "--draft", str(draft_dir), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"serve.py: error: server.host:server.port (--host, --port) 127.0.0.1:{port}: cannot bind: " \
+        "Address already in use" in err, err
+
+
 _FUZZ_VALUES = [
     "null", "true", "false", "0", "-1", "1.5", "1.0", '"x"', '""', '" "', "[]", "{}", "[null]", "[1.5]", '["a"]',
     "[true]", "[-3]", "[99999]", "[5, 6]", '"hello"', "7" * 5000, "1" + "0" * 400, "[1" + "0" * 4000 + "]",
@@ -820,6 +836,43 @@ def test_load_engine_keeps_no_loaded_module(models, monkeypatch):
     gc.collect()
     assert len(loaded) == 2 and all(ref() is None for ref in loaded)
     assert engine.drafter is not None and engine.vocab_size == MODEL_VOCAB
+
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_target_layers"])
+def test_a_drafter_of_another_target_is_refused_before_the_target_loads(models, monkeypatch, tmp_path, field):
+    """A drafter whose hidden size or tapped layer count is not the target's is named with both
+    directories, the field and the target's config.json, before the target's weights load (an 8B
+    target takes minutes)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dflash_jax.io import checkpoint
+    from dflash_jax.models.config import load_drafter_config
+    from dflash_jax.models.drafter import Drafter
+
+    dcfg = load_drafter_config(models[1])
+    if field == "hidden_size":
+        other = dataclasses.replace(dcfg, hidden_size=dcfg.hidden_size * 2, head_dim=dcfg.head_dim * 2)
+        want = f"its hidden_size is {dcfg.hidden_size * 2}, the target's hidden_size is {dcfg.hidden_size}"
+    else:
+        other = dataclasses.replace(dcfg, num_target_layers=dcfg.num_target_layers + 4)
+        want = (f"its num_target_layers is {dcfg.num_target_layers + 4}, the target's num_hidden_layers is "
+                f"{dcfg.num_target_layers}")
+    checkpoint.save_drafter(Drafter(other, dtype=jnp.float32, rngs=nnx.Rngs(0)), tmp_path / "other")
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target's weights were loaded")
+
+    monkeypatch.setattr(checkpoint, "load_target", no_target)
+    cfg = serve.load_settings(serve.parse_args(["--target", str(models[0]), "--draft", str(tmp_path / "other"),
+                                                *ENGINE_FLAGS]))
+    with pytest.raises(serve.CLIError) as err:
+        serve.load_engine(cfg)
+    assert str(err.value) == (f"the drafter {tmp_path / 'other'} does not fit the target {models[0]}: {want} "
+                              f"({models[0] / 'config.json'})")
 
 
 def test_a_paged_server_warms_up_before_binding(models, caplog):

@@ -55,3 +55,28 @@ def test_train_py_says_where_it_writes_sums_up_resumes_and_leaves_a_finished_run
     more = train("steps=3")
     assert "resumed from step 2 of 3" in more and "train.py: done: steps 3-3 of 3 (resumed from step 2) in " in more
     assert f"  checkpoint   {run / 'checkpoints' / '3'}  (last; kept: 2, 3)" in more, more
+
+
+@pytest.mark.parametrize("kept", [[], [5, 10]])
+def test_ctrl_c_says_which_checkpoints_are_kept_and_how_to_resume(tmp_path, capsys, monkeypatch, kept):
+    from dflash_jax.training import cli as train_cli
+    from dflash_jax.training import run as train_run
+
+    run = tmp_path / "run"
+    for step in kept:
+        (run / "checkpoints" / str(step)).mkdir(parents=True)
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({**CONFIG, "output_dir": str(run), "save_every": 5}))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_run, "train", interrupted)
+    assert train_cli.main(["--config", str(path)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if kept:
+        assert f"train.py: interrupted; checkpoints kept in {run / 'checkpoints'}: steps 5, 10; run the same " \
+               "command again to resume from step 10" in err, err
+    else:
+        assert "train.py: interrupted before the first checkpoint (every save_every=5 steps)" in err, err

@@ -442,6 +442,7 @@ def test_cli_setup_errors_are_one_line(tmp_path, capsys):
         (["drafter.mask_token_id=100000"], "error: drafter: dflash_config.mask_token_id=100000"),
         (["drafter.target_layer_ids=[0,99]"], "error: drafter: target_layer_ids [99]"),
         (["model.target=/nonexistent"], "error: model.target: /nonexistent"),
+        (["model.drafter=/nonexistent"], "error: model.drafter: /nonexistent: no such directory"),
         (["data.self_generated.num_examples=0", f"data.train_files=[{bad}]"], f"error: {bad}:2: invalid JSON"),
         (["--max-steps", "-3"], "error: --max-steps"),
     ]:
@@ -545,3 +546,31 @@ def test_pretrain_input_errors(tmp_path, capsys):
             load_pretrain_config(config, [override, "tokenizer=x"])
     assert main(["--config", str(config), f"tokenizer={tmp_path / 'no_tok'}", f"output_dir={tmp_path / 'out'}"]) == 2
     assert "no_tok" in capsys.readouterr().err
+
+
+def test_a_drafter_of_another_hidden_size_is_refused_before_anything_is_written(tmp_path, capsys):
+    """model.drafter must fit the target's vocabulary, tapped layers and hidden size (it embeds with
+    the target's table): a misfit is a one-line config error naming the field, not a shape error of
+    the first step, and output_dir stays unwritten."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dflash_jax.io.checkpoint import save_drafter
+    from dflash_jax.models.drafter import Drafter
+    from dflash_jax.tiny import tiny_target_config
+    from dflash_jax.training.run import fresh_drafter_config
+
+    cfg = _config(tmp_path, "fit")
+    target = tiny_target_config("qwen3")  # the shape of pattern:3:0
+    dcfg = fresh_drafter_config(target, cfg)
+    narrow = dataclasses.replace(dcfg, hidden_size=target.hidden_size // 2, head_dim=target.head_dim // 2)
+    save_drafter(Drafter(narrow, dtype=jnp.float32, rngs=nnx.Rngs(0)), tmp_path / "narrow")
+    run = tmp_path / "run"
+    rc, line = _cli(["--config", str(REPO / "configs" / "train_tiny.yaml"), f"output_dir={run}", "steps=2",
+                     f"model.drafter={tmp_path / 'narrow'}"], capsys)
+    assert rc == 2 and line.startswith("config error: model.drafter: the drafter ("), line
+    assert f"hidden_size={narrow.hidden_size}) does not fit the target (" in line, line
+    assert f"hidden_size {target.hidden_size})" in line, line
+    assert not run.exists()
