@@ -24,6 +24,26 @@ def paged_cache(rng, batch, n_pages=MAX_PAGES, pages=None):
     return PagedKV(k, table, writable, n_pages), PagedKV(v, table, writable, n_pages)
 
 
+def kernel_case(seed: int, dim: int = 16):
+    """A case the kernels take (head_dim 16, interpret mode): pools with three rows' pages shuffled over
+    them, their tables, the last row done, a block of 2 slots' raw fused projection per row at starts 3, 9
+    and 7, and ``cached_attention``'s other arguments with the kernels on. Returns the generator too."""
+    from dflash_jax.ops.config import OpsConfig
+
+    rng = np.random.default_rng(seed)
+    batch, block = 3, 2
+    pages = 1 + batch * MAX_PAGES
+    table = jnp.asarray(rng.permutation(np.arange(1, pages)).reshape(batch, MAX_PAGES), jnp.int32)
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal((pages, PAGE, KV, dim)), jnp.float32) for _ in range(2))
+    writable = jnp.asarray([True, True, False])
+    qkv = jnp.asarray(rng.standard_normal((batch, block, KV, HEADS // KV + 2, dim)), jnp.float32)
+    starts, blk_lens = jnp.asarray([3, 9, 7], jnp.int32), jnp.asarray([2, 2, 1], jnp.int32)
+    norm = jnp.asarray(rng.standard_normal(dim), jnp.float32)
+    common = dict(q_norm=norm, k_norm=norm, eps=1e-6, inv_freq=tuple(1.0 / 10000 ** (np.arange(0, dim, 2) / dim)),
+                  num_heads=HEADS, ops=OpsConfig(attention="pallas"))
+    return rng, table, k_pool, v_pool, writable, qkv, starts, blk_lens, common
+
+
 @pytest.mark.parametrize("causal,write", [(True, True), (False, False)])
 def test_attend_and_write_through_page_tables_equals_the_gathered_cache(causal, write):
     """Rows of different lengths, one whose block crosses a page boundary (start 6, block 3 over pages
@@ -76,22 +96,11 @@ def test_fused_cached_attention_kernel_reads_through_the_page_tables(monkeypatch
     gives the contiguous cache's attention and written K/V: the kernel reads the pools through the
     rows' page tables (pages of 4 positions: each 16-key tile spans four) and writes the block into
     the rows' pages; the done row writes nothing of its own."""
-    from dflash_jax.ops.config import OpsConfig
     from kernels_pallas.cached_attention.gpu import cached_block_attention_supported
 
-    rng = np.random.default_rng(3)
-    batch, block, dim = 3, 2, 16
-    pages = 1 + batch * MAX_PAGES
-    table = jnp.asarray(rng.permutation(np.arange(1, pages)).reshape(batch, MAX_PAGES), jnp.int32)
-    k_pool, v_pool = (jnp.asarray(rng.standard_normal((pages, PAGE, KV, dim)), jnp.float32) for _ in range(2))
-    writable = jnp.asarray([True, True, False])
+    _, table, k_pool, v_pool, writable, qkv, starts, blk_lens, common = kernel_case(3)
     k_cache, v_cache = PagedKV(k_pool, table, writable, 4), PagedKV(v_pool, table, writable, 4)
-    qkv = jnp.asarray(rng.standard_normal((batch, block, KV, HEADS // KV + 2, dim)), jnp.float32)
     assert cached_block_attention_supported(qkv.shape, k_cache.shape[1], k_cache.dtype)
-    starts, blk_lens = jnp.asarray([3, 9, 7], jnp.int32), jnp.asarray([2, 2, 1], jnp.int32)
-    norm = jnp.asarray(rng.standard_normal(dim), jnp.float32)
-    common = dict(q_norm=norm, k_norm=norm, eps=1e-6, inv_freq=tuple(1.0 / 10000 ** (np.arange(0, dim, 2) / dim)),
-                  num_heads=HEADS, ops=OpsConfig(attention="pallas"))
     with monkeypatch.context() as patch:  # no copy of the pages: the kernel reads the pools
         patch.setattr(PagedKV, "gather", lambda self: pytest.fail("the paged kernel gathered the pages"))
         got, k_got, v_got = attention_ops.cached_attention(qkv, starts, k_cache, v_cache, blk_lens, **common)
@@ -132,21 +141,11 @@ def test_paged_kernels_on_a_tensor_mesh_run_per_device_and_equal_one_device():
     import jax
 
     from dflash_jax import sharding
-    from dflash_jax.ops.config import OpsConfig
     from dflash_jax.ops.paged_cache import PAGE_TABLE_AXES, POOL_AXES
 
-    rng = np.random.default_rng(4)
-    batch, block, dim = 3, 2, 16
-    pages = 1 + batch * MAX_PAGES
-    table = jnp.asarray(rng.permutation(np.arange(1, pages)).reshape(batch, MAX_PAGES), jnp.int32)
-    k_pool, v_pool = (jnp.asarray(rng.standard_normal((pages, PAGE, KV, dim)), jnp.float32) for _ in range(2))
-    writable = jnp.asarray([True, True, False])
-    qkv = jnp.asarray(rng.standard_normal((batch, block, KV, HEADS // KV + 2, dim)), jnp.float32)
-    starts, blk_lens = jnp.asarray([3, 9, 7], jnp.int32), jnp.asarray([2, 2, 1], jnp.int32)
-    norm = jnp.asarray(rng.standard_normal(dim), jnp.float32)
-    ops = OpsConfig(attention="pallas")
-    common = dict(q_norm=norm, k_norm=norm, eps=1e-6, inv_freq=tuple(1.0 / 10000 ** (np.arange(0, dim, 2) / dim)),
-                  num_heads=HEADS, ops=ops)
+    rng, table, k_pool, v_pool, writable, qkv, starts, blk_lens, common = kernel_case(4)
+    batch, block, _, _, dim = qkv.shape
+    ops = common["ops"]
     q = jnp.asarray(rng.standard_normal((batch, 1, block, HEADS, dim)), jnp.float32)
     k_blk, v_blk = (jnp.asarray(rng.standard_normal((batch, 1, block, KV, dim)), jnp.float32) for _ in range(2))
 
