@@ -537,7 +537,8 @@ async def _chat(ctx: ServerContext, request: Request) -> Response:
         raise P.invalid(f"the chat template rejected the messages: {P.server_text(err)}", param="messages",
                         code="chat_template_error") from None
     except TokenizerError as err:  # the server's template: the client learns what, the log where
-        log.error("cannot apply the chat template: %s", err)
+        if ctx.tokenizer.chat_template_names:  # a model without one was logged once, at start-up
+            log.error("cannot apply the chat template: %s", err)
         raise P.invalid(f"cannot apply the chat template: {P.server_text(err.reason or 'it is not valid')}",
                         param="messages", code="chat_template_error") from None
     _check_prompt_chars(ctx, text, "the chat prompt", "messages")

@@ -809,6 +809,10 @@ def _serve_on(cfg, sock, api_key: str | None, started: float | None, ready: Call
 
     s = cfg.server
     tokenizer = load_tokenizer(cfg, required=True)
+    if not tokenizer.chat_template_names:
+        log.warning("%s has no chat template (tokenizer_config.json, chat_template.jinja): /v1/chat/completions "
+                    "will answer 400; /v1/completions serves text prompts (--tokenizer DIR names another tokenizer)",
+                    tokenizer.directory)
     engine = load_engine(cfg)
     stops = stop_ids(cfg, tokenizer, engine)  # before the warmup: a client could not fix them
     background = warm_up(cfg, engine)

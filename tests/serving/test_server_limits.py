@@ -8,6 +8,7 @@ short limits, and stops by itself.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import stat
@@ -281,7 +282,7 @@ class PathEngine(FakeEngine):
         raise OSError("/srv/models/secret-target/model-00001.safetensors: read error")
 
 
-def test_error_bodies_show_no_server_paths_and_clip_echoed_values(tmp_path, tokenizer):
+def test_error_bodies_show_no_server_paths_and_clip_echoed_values(tmp_path, tokenizer, caplog):
     broken = Tokenizer(tf.write_qwen_tokenizer(tmp_path / "broken", vocab_size=TOKENIZER_VOCAB,
                                                chat_template="{% if %}"))
     app = create_app(PathEngine(MODEL_VOCAB, max_length=MAX_LENGTH, token_range=(0, TOKENIZER_VOCAB)), broken,
@@ -307,13 +308,17 @@ def test_error_bodies_show_no_server_paths_and_clip_echoed_values(tmp_path, toke
             assert len(err["message"]) < 600 and len(err["param"] or "") < 300, (code, len(err["message"]))
         err = error_of(client.get("/" + "p" * 30_000), 404, "not_found")
         assert len(err["message"]) < 600
-    # The model without a chat template: the client is told so, without the directory.
+    # The model without a chat template: the client is told so, without the directory, and the server's log
+    # keeps its errors for its own faults (serve.py warns about the missing template once, at start-up).
     bare = Tokenizer(tf.write_qwen_tokenizer(tmp_path / "bare", vocab_size=TOKENIZER_VOCAB, chat_template=None))
     app = create_app(fake_engine(), bare, model_name="tiny", max_length=MAX_LENGTH)
-    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as client, \
+            caplog.at_level(logging.WARNING, logger="dflash_jax"):
+        caplog.clear()
         err = error_of(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}),
                        400, "chat_template_error")
         assert "no chat template" in err["message"] and str(tmp_path) not in err["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 # ----------------------------------------------------------------------------------------- settings
