@@ -235,8 +235,40 @@ def prefill(
     source: jax.Array | None = None,
     prompt_logprobs: jax.Array | None = None,
 ) -> DecodeState:
+    """``prefill_pass`` and, unless ``flags`` are greedy, ``draw_first`` in one: the prompts' rows with
+    their first token drawn as ``flags`` say (the engine runs the two as programs of their own)."""
+    rows, last_logits = prefill_pass(target, drafter, ids, lens, max_lens, stop_ids, capacity=capacity,
+                                     max_steps=max_steps, mask_token_id=mask_token_id, ops=ops, sampling=sampling,
+                                     max_logprobs=max_logprobs, source=source, prompt_logprobs=prompt_logprobs)
+    if flags.greedy:
+        return rows
+    return draw_first(rows, last_logits, flags=flags, candidates=candidates)[0]
+
+
+def prefill_pass(
+    target: Target,
+    drafter: Drafter | None,
+    ids: jax.Array,
+    lens: jax.Array,
+    max_lens: jax.Array,
+    stop_ids: jax.Array,
+    *,
+    capacity: int,
+    max_steps: int,
+    mask_token_id: int,
+    ops: OpsConfig = XLA,
+    sampling: dict[str, jax.Array] | None = None,
+    max_logprobs: int = 0,
+    source: jax.Array | None = None,
+    prompt_logprobs: jax.Array | None = None,
+) -> tuple[DecodeState, jax.Array]:
     """Runs the padded prompts ``ids [batch, P]`` (lengths ``lens``, stop ids ``stop_ids [batch, n_stop]``)
-    and samples the first token. With the kernels on (``ops``) the prompt's attention is a library's
+    -> ``(rows, last_logits [batch, vocab])``: the rows with the greedy first token (the argmax of the
+    target's logits after each row's last prompt token, ``last_logits``), which ``draw_first`` redraws
+    for rows that sample. The draw is a program of its own in the engine: its processors are the same
+    for every prompt bucket, so compiled into each bucket's prefill they would be compiled once per
+    bucket (and on a CPU, XLA's JIT maps each program's kernels into the process: a server's prefills
+    would take half of the memory mappings Linux allows a process). With the kernels on (``ops``) the prompt's attention is a library's
     flash attention (``attention.prompt_attention``).
 
     Fills the target cache with the prompt, the drafter's context cache with the prompt's taps, and
@@ -245,7 +277,7 @@ def prefill(
     prompt positions: ``scatter_rows`` writes them over the first positions of free slots.
 
     ``sampling``: the rows' parameters (``sampling.row_arrays``), for a state with a ``SamplingState``
-    (``max_logprobs`` top logprobs per token); the first token is then drawn as ``flags`` say.
+    (``max_logprobs`` top logprobs per token).
 
     ``source [rows]``: rows sharing a prompt (``n`` > 1 choices of one request). ``ids`` and ``lens`` are
     then the distinct prompts, run once each, and row r of the result is prompt ``source[r]``'s pass (its
@@ -270,12 +302,12 @@ def prefill(
     if source is not None:  # the distinct prompts' pass, copied to the rows that share each
         last, ids, lens, target_cache, draft_cache, entries = jax.tree.map(
             lambda x: x[source], (last, ids, lens, target_cache, draft_cache, entries))
-    rows = prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, capacity=capacity, max_steps=max_steps,
-                       mask_token_id=mask_token_id, sampling=sampling, max_logprobs=max_logprobs, flags=flags,
-                       candidates=candidates)
+    last_logits = target.head(last)
+    rows = prompt_rows(last_logits, ids, lens, max_lens, stop_ids, capacity=capacity, max_steps=max_steps,
+                       mask_token_id=mask_token_id, sampling=sampling, max_logprobs=max_logprobs)
     if entries is not None:
         rows = record_prompt_logprobs(rows, entries, zeros if source is None else zeros[source], prompt_logprobs)
-    return dataclasses.replace(rows, target_cache=target_cache, draft_cache=draft_cache)
+    return dataclasses.replace(rows, target_cache=target_cache, draft_cache=draft_cache), last_logits
 
 
 # Positions (summed over rows) per pass of the head for prompt logprobs: a [64, vocab] float32 block, in the
@@ -345,42 +377,47 @@ def prompt_rows(
     mask_token_id: int,
     sampling: dict[str, jax.Array] | None = None,
     max_logprobs: int = 0,
-    flags: SamplingFlags = GREEDY_FLAGS,
-    candidates: int = 0,
 ) -> DecodeState:
     """The rows of a prefill after the target's pass over the prompts ``ids [batch, P]`` (lengths
-    ``lens``): the first token drawn from ``last_logits [batch, vocab]`` (the target's logits after each
-    row's last prompt token), the tokens, stop ids and sampling state; no caches (``prefill``'s
-    arguments)."""
+    ``lens``): the greedy first token (the argmax of ``last_logits [batch, vocab]``, the target's logits
+    after each row's last prompt token; ``draw_first`` redraws sampled rows'), the tokens, stop ids and
+    sampling state; no caches (``prefill_pass``'s arguments)."""
     batch, plen = ids.shape
     zeros = jnp.zeros((batch,), jnp.int32)
     sampling_state = None
     if sampling is not None:
         sampling_state = smp.new_state(sampling, capacity=capacity, max_logprobs=max_logprobs)
-    if flags.greedy:
-        first = greedy_argmax(last_logits)
-    else:
-        if flags.edits:  # the prompt's ids are seen (repetition penalty)
-            _, seen = smp.add_tokens(sampling_state.counts, sampling_state.seen, ids,
-                                     jnp.arange(plen)[None, :] < lens[:, None])
-            sampling_state = dataclasses.replace(sampling_state, seen=seen)
-        first = _draw(last_logits[:, None], sampling_state, stop_ids, jnp.zeros((batch, 1), jnp.int32),
-                      lens[:, None], flags=flags, candidates=candidates)[:, 0]
-
+    first = greedy_argmax(last_logits)
     positions = jnp.arange(capacity + 1)[None, :]
     tokens = jnp.full((batch, capacity + 1), mask_token_id, jnp.int32)
     tokens = jnp.where(positions < lens[:, None], jnp.pad(ids, ((0, 0), (0, capacity + 1 - plen))), tokens)
     tokens = jnp.where(positions == lens[:, None], first[:, None], tokens)
     done = is_stop(first[:, None], stop_ids)[:, 0] | (lens + 1 >= max_lens)
-    if not flags.greedy:
-        sampling_state = _record(sampling_state, last_logits[:, None], first[:, None], lens,
-                                 jnp.ones((batch, 1), bool), flags)
-
     return DecodeState(
         tokens=tokens, starts=lens.astype(jnp.int32), max_lens=max_lens.astype(jnp.int32), done=done,
         num_steps=zeros, accepted=jnp.zeros((batch, max_steps), jnp.int32), stop_ids=stop_ids.astype(jnp.int32),
         target_cache=None, draft_cache=None, sampling=sampling_state,
     )
+
+
+def draw_first(rows: DecodeState, last_logits: jax.Array, *, flags: SamplingFlags, candidates: int = 0
+               ) -> tuple[DecodeState, jax.Array]:
+    """The first token of prefilled ``rows`` (``prefill_pass``'s, with a ``SamplingState``) drawn as
+    ``flags`` say from ``last_logits [batch, vocab]``: the argmax for greedy rows, the keyed draw for
+    sampled ones, its logprobs recorded -> ``(rows, first [batch])``. Its shapes are the rows' alone
+    (the prompt is read back from the rows' tokens), so one program serves every prompt bucket."""
+    batch = last_logits.shape[0]
+    lens, s = rows.starts, rows.sampling
+    if flags.edits:  # the prompt's ids are seen (repetition penalty)
+        prompt = rows.tokens[:, :-1]
+        _, seen = smp.add_tokens(s.counts, s.seen, prompt, jnp.arange(prompt.shape[1])[None, :] < lens[:, None])
+        s = dataclasses.replace(s, seen=seen)
+    first = _draw(last_logits[:, None], s, rows.stop_ids, jnp.zeros((batch, 1), jnp.int32), lens[:, None],
+                  flags=flags, candidates=candidates)[:, 0]
+    tokens = jnp.where(jnp.arange(rows.tokens.shape[1])[None, :] == lens[:, None], first[:, None], rows.tokens)
+    done = is_stop(first[:, None], rows.stop_ids)[:, 0] | (lens + 1 >= rows.max_lens)
+    s = _record(s, last_logits[:, None], first[:, None], lens, jnp.ones((batch, 1), bool), flags)
+    return dataclasses.replace(rows, tokens=tokens, done=done, sampling=s), first
 
 
 def scatter_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> DecodeState:

@@ -444,6 +444,7 @@ class Engine:
             self._drafter_state, self._drafter_tree = jax.tree.flatten(drafter_state)
         once = _one_shot_compiler_options()
         self._prefill = jax.jit(self._traced(self._prefill_fn), compiler_options=once)
+        self._draw_first = jax.jit(self._traced(self._draw_first_fn), donate_argnums=(0,), compiler_options=once)
         self._decode = jax.jit(self._traced(self._decode_fn), donate_argnums=(2,),
                                static_argnames=("window", "fixed_steps", "flags", "block"),
                                compiler_options=_decode_compiler_options())
@@ -574,21 +575,19 @@ class Engine:
                           stop_ids, sampling, source=None, row_cached=None, row_pages=None, *, suffix: int,
                           context_pages: int):
         """``_prefill_fn`` over a cached prefix in ``state``'s pages (``paged.prefill``) -> the rows, their
-        first tokens and ``state`` with the suffixes written into its pools; ``source``: rows sharing a
-        prompt (``page_rows``, ``ids``, ``lens`` and ``cached`` are then the distinct prompts')."""
+        greedy first tokens, ``state`` with the suffixes written into its pools and the last logits;
+        ``source``: rows sharing a prompt (``page_rows``, ``ids``, ``lens`` and ``cached`` are then the
+        distinct prompts')."""
         target, drafter = self._models(target_state, drafter_state)
-        flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
-                              logprobs=self.config.max_logprobs)
         sampling = dict(sampling)
         want = sampling.pop("prompt_logprobs")
-        rows, state = paged.prefill(
+        rows, state, last_logits = paged.prefill(
             target, drafter, state, page_rows, ids, lens, cached, max_lens, stop_ids, suffix=suffix,
             context_pages=context_pages, capacity=self.capacity, max_steps=self.config.max_length,
             mask_token_id=self._mask_id, ops=self.ops, sampling=sampling, max_logprobs=self.config.max_logprobs,
-            flags=flags, candidates=self.config.sampling_candidates, source=source, row_cached=row_cached,
-            row_pages=row_pages, prompt_logprobs=want)
+            source=source, row_cached=row_cached, row_pages=row_pages, prompt_logprobs=want)
         first = jnp.take_along_axis(rows.tokens, rows.starts[:, None], axis=1)[:, 0]
-        return self._constrain(rows), first, self._constrain(state)
+        return self._constrain(rows), first, self._constrain(state), last_logits
 
     def prefill_paged(self, state: decoding.DecodeState, prompts: Sequence[Sequence[int]],
                       max_new_tokens: Sequence[int], stop_token_ids: Sequence[Sequence[int]],
@@ -628,9 +627,10 @@ class Engine:
             distinct_cached[:len(distinct)] = [cached[i] for i in distinct]
             model_cached = self._put_batch(distinct_cached)
             shared = {"source": source, "row_cached": admission.cache_from, "row_pages": admission.page_rows}
-        rows, first, state = self._paged_prefill(self._target_state, self._drafter_state, state, model_rows, ids,
-                                                 lens, model_cached, max_lens, stop_ids, arrays, suffix=suffix,
-                                                 context_pages=context_pages, **shared)
+        rows, first, state, last_logits = self._paged_prefill(
+            self._target_state, self._drafter_state, state, model_rows, ids, lens, model_cached, max_lens, stop_ids,
+            arrays, suffix=suffix, context_pages=context_pages, **shared)
+        rows, first = self.draw_first(rows, first, last_logits, params)
         return state, rows, first, admission
 
     def context_pages(self, cached_tokens: int) -> int:
@@ -703,23 +703,40 @@ class Engine:
         return target, drafter
 
     def _prefill_fn(self, target_state, drafter_state, ids, lens, max_lens, stop_ids, sampling, source=None):
-        """Every processor is compiled in: a prefill draws one token per row, a small price beside its
-        prompt, so one program per shape serves greedy and sampled rows alike (neutral parameters
-        change nothing, bit for bit: a greedy row's first token is the argmax of its raw logits).
-        ``source``: rows sharing a prompt (``decoding.prefill``; ``ids`` and ``lens`` are the distinct ones)."""
+        """``decoding.prefill_pass`` -> the rows with their greedy first tokens, those tokens and the last
+        logits, from which ``draw_first`` redraws them where a row samples. ``source``: rows sharing a
+        prompt (``decoding.prefill``; ``ids`` and ``lens`` are the distinct ones)."""
         target, drafter = self._models(target_state, drafter_state)
-        flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
-                              logprobs=self.config.max_logprobs)
         sampling = dict(sampling)
         want = sampling.pop("prompt_logprobs")
         # Every step commits >= 1 token, so max_length bounds the steps of any row.
-        state = decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, capacity=self.capacity,
-                                 max_steps=self.config.max_length, mask_token_id=self._mask_id,
-                                 ops=self.ops, sampling=sampling, max_logprobs=self.config.max_logprobs,
-                                 flags=flags, candidates=self.config.sampling_candidates, source=source,
-                                 prompt_logprobs=want)
+        state, last_logits = decoding.prefill_pass(
+            target, drafter, ids, lens, max_lens, stop_ids, capacity=self.capacity, max_steps=self.config.max_length,
+            mask_token_id=self._mask_id, ops=self.ops, sampling=sampling, max_logprobs=self.config.max_logprobs,
+            source=source, prompt_logprobs=want)
         first = jnp.take_along_axis(state.tokens, state.starts[:, None], axis=1)[:, 0]
-        return self._constrain(state), first
+        return self._constrain(state), first, last_logits
+
+    def _draw_first_fn(self, rows, last_logits):
+        """Every processor is compiled in: one program per row count serves every request (neutral
+        parameters change nothing, bit for bit: a greedy row's first token is the argmax of its raw logits)."""
+        flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
+                              logprobs=self.config.max_logprobs)
+        rows, first = decoding.draw_first(rows, last_logits, flags=flags, candidates=self.config.sampling_candidates)
+        return self._constrain(rows), first
+
+    def draw_first(self, rows: decoding.DecodeState, first: jax.Array, last_logits: jax.Array,
+                   sampling: Sequence[SamplingParams] | None = None) -> tuple[decoding.DecodeState, jax.Array]:
+        """The first tokens of a prefill's ``rows`` (``_prefill``'s or ``_paged_prefill``'s: its greedy
+        ``first`` tokens and ``last_logits``) drawn as each row's ``sampling`` asks -> ``(rows, first)``;
+        donates ``rows``. Nothing to do where every row is plain greedy (the prefill's argmax stands);
+        ``sampling`` None draws anyway (the warm-up compiles it so). The draw is one program per row count,
+        the rows' caches (their prompt bucket's shape) kept out of it."""
+        if sampling is not None and SamplingFlags.of(sampling, self.config.max_logprobs).greedy:
+            return rows, first
+        caches = rows.target_cache, rows.draft_cache
+        drawn, first = self._draw_first(dataclasses.replace(rows, target_cache=None, draft_cache=None), last_logits)
+        return dataclasses.replace(drawn, target_cache=caches[0], draft_cache=caches[1]), first
 
     def _empty_fn(self, *, rows: int) -> decoding.DecodeState:
         # Only the models' configs and dtypes are read: no weights enter the computation.
@@ -1029,10 +1046,13 @@ class Engine:
         inputs = self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params)
         if leaders is None:
             self._count_prefill(prompts)
-            return self._prefill(self._target_state, self._drafter_state, *inputs)
-        ids, lens, source = self._distinct_inputs(prompts, leaders)
-        self._count_prefill([prompts[i] for i in sorted(set(leaders))])
-        return self._prefill(self._target_state, self._drafter_state, ids, lens, *inputs[2:], source)
+            rows, first, last_logits = self._prefill(self._target_state, self._drafter_state, *inputs)
+        else:
+            ids, lens, source = self._distinct_inputs(prompts, leaders)
+            self._count_prefill([prompts[i] for i in sorted(set(leaders))])
+            rows, first, last_logits = self._prefill(self._target_state, self._drafter_state, ids, lens, *inputs[2:],
+                                                     source)
+        return self.draw_first(rows, first, last_logits, params)
 
     def _count_prefill(self, computed: Sequence[Sequence[int]], cached: Sequence[int] | None = None) -> None:
         """Adds a prefill's distinct prompts and their computed tokens to the counters."""

@@ -38,8 +38,7 @@ from dflash_jax.ops.cache import KVCache, read_rows
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.paged_cache import copy_positions, layer_pools, page_pools, paged_layers, scatter_positions
 from dflash_jax.runtime import decoding
-from dflash_jax.runtime.decoding import GREEDY_FLAGS, DecodeState
-from dflash_jax.runtime.sampling import SamplingFlags
+from dflash_jax.runtime.decoding import DecodeState
 
 
 def new_pools(target: Target, drafter: Drafter | None, pages: int, page_size: int) -> tuple[KVCache, KVCache | None]:
@@ -73,16 +72,17 @@ def prefill(
     target: Target, drafter: Drafter | None, state: DecodeState, page_rows: jax.Array, ids: jax.Array,
     lens: jax.Array, cached: jax.Array, max_lens: jax.Array, stop_ids: jax.Array, *, suffix: int,
     context_pages: int, capacity: int, max_steps: int, mask_token_id: int, ops: OpsConfig = XLA,
-    sampling: dict[str, jax.Array] | None = None, max_logprobs: int = 0, flags: SamplingFlags = GREEDY_FLAGS,
-    candidates: int = 0, source: jax.Array | None = None, row_cached: jax.Array | None = None,
-    row_pages: jax.Array | None = None, prompt_logprobs: jax.Array | None = None,
-) -> tuple[DecodeState, DecodeState]:
+    sampling: dict[str, jax.Array] | None = None, max_logprobs: int = 0, source: jax.Array | None = None,
+    row_cached: jax.Array | None = None, row_pages: jax.Array | None = None, prompt_logprobs: jax.Array | None = None,
+) -> tuple[DecodeState, DecodeState, jax.Array]:
     """The prompts ``ids [rows, P]`` (lengths ``lens``), of which the first ``cached [rows]`` positions are
     in the pages ``page_rows [rows, max_pages]`` of ``state``'s pools (a multiple of the page size,
     ``< lens``). ``suffix``: a static length covering every ``lens - cached``; ``context_pages``: a static
     page count covering every ``cached`` (0: nothing cached, a plain ``decoding.prefill``).
 
-    Returns ``(rows, state)``. With nothing cached, the rows are ``decoding.prefill``'s, their caches
+    Returns ``(rows, state, last_logits)``, the rows with their greedy first token as ``decoding.prefill_pass``
+    gives them (``decoding.draw_first`` redraws sampled rows'). With nothing cached, the rows are
+    ``decoding.prefill_pass``'s, their caches
     holding all P prompt positions (``admit`` scatters them into their pages), and ``state`` is unchanged.
     Over a cached prefix, each prompt's suffix runs as one causal block through the page tables: it reads
     the prefix from the pages and writes its own K/V (and the drafter's context K/V) into the prompt's
@@ -95,15 +95,15 @@ def prefill(
     the row's own, ``row_pages [out rows, max_pages]``. ``prompt_logprobs [out rows]``: as in
     ``decoding.prefill``, for the positions this pass computes (a row asking for them has nothing cached)."""
     common = dict(capacity=capacity, max_steps=max_steps, mask_token_id=mask_token_id, sampling=sampling,
-                  max_logprobs=max_logprobs, flags=flags, candidates=candidates)
+                  max_logprobs=max_logprobs)
     if context_pages == 0:
-        rows = decoding.prefill(target, drafter, ids, lens, max_lens, stop_ids, ops=ops, source=source,
-                                prompt_logprobs=prompt_logprobs, **common)
+        rows, last_logits = decoding.prefill_pass(target, drafter, ids, lens, max_lens, stop_ids, ops=ops,
+                                                  source=source, prompt_logprobs=prompt_logprobs, **common)
         if source is None:
-            return rows, state
+            return rows, state, last_logits
         plen = ids.shape[1]
         return dataclasses.replace(rows, target_cache=_positions_from(rows.target_cache, row_cached, plen),
-                                   draft_cache=_positions_from(rows.draft_cache, row_cached, plen)), state
+                                   draft_cache=_positions_from(rows.draft_cache, row_cached, plen)), state, last_logits
     batch, plen = ids.shape
     page_size = state.target_cache.k[0].shape[1]
     offsets = jnp.arange(suffix, dtype=jnp.int32)[None, :]
@@ -145,11 +145,12 @@ def prefill(
             return KVCache(tuple(move(p) for p in pools.k), tuple(move(p) for p in pools.v))
 
         target_pools, draft_pools = copy(target_pools), copy(draft_pools)
-    rows = decoding.prompt_rows(target.head(last), ids, lens, max_lens, stop_ids, **common)
+    last_logits = target.head(last)
+    rows = decoding.prompt_rows(last_logits, ids, lens, max_lens, stop_ids, **common)
     rows = dataclasses.replace(rows, target_cache=None, draft_cache=None)
     if entries is not None:
         rows = decoding.record_prompt_logprobs(rows, entries, first, prompt_logprobs)
-    return rows, dataclasses.replace(state, target_cache=target_pools, draft_cache=draft_pools)
+    return rows, dataclasses.replace(state, target_cache=target_pools, draft_cache=draft_pools), last_logits
 
 
 def _positions_from(cache: KVCache | None, starts: jax.Array, n: int) -> KVCache | None:

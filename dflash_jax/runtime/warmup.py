@@ -9,8 +9,9 @@ choices (a shared prefill: the prompt runs once on one row, copied to each choic
 resized into each other, a row of each released (a cancelled request's).
 
 Sampled batches decode with programs of their own, one per combination of ``SamplingFlags`` (what
-the batch's rows use: sampling, each filter, penalties, rejection, logprobs); prefills have none (each
-compiles every processor in). The plan adds, for each combination it is given, a decode per state and
+the batch's rows use: sampling, each filter, penalties, rejection, logprobs); a prefill with a sampled
+row, or one asking for logprobs, draws its first tokens after it with one program per row count
+(``Engine.draw_first``, every processor compiled in), compiled with the first prefill of that row count. The plan adds, for each combination it is given, a decode per state and
 window; ``sampling_flags`` turns a server's ``server.warmup_sampling`` entries (``"sample"``,
 ``"sample+top_p+logprobs"``, ...) into those combinations.
 
@@ -33,6 +34,7 @@ import dataclasses
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
@@ -58,6 +60,22 @@ SAMPLING_FEATURES: dict[str, dict[str, Any]] = {
 }
 # Filters and verification act on sampled rows only: an entry naming them without "sample" would be greedy.
 SAMPLED_ONLY = ("top_p", "top_k", "min_p", "rejection")
+
+# Linux caps a process's memory mappings (vm.max_map_count, 65,530 by default) and XLA:CPU maps each compiled
+# kernel's code into the process: ~300 mappings per decode or prefill program of the embedded pair. A compile
+# past the cap fails and takes the process down, so the warm-up leaves this share of it to the requests.
+MAPPINGS_SHARE = 0.75
+
+
+def memory_mappings() -> tuple[int, int] | None:
+    """``(mappings this process holds, the cap)``, or None where ``/proc`` does not tell (not Linux)."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        with open("/proc/self/maps", "rb") as maps:
+            used = sum(1 for _ in maps)
+    except (OSError, ValueError):
+        return None
+    return used, limit
 
 
 def sampling_kind(entry: str) -> SamplingParams:
@@ -258,15 +276,16 @@ def staged_plan(engine, plan: Sequence[Shape], prompt_tokens: int, max_new_token
     return first, sorted((s for s in plan if s not in first), key=order)  # a stable sort: plan order within
 
 
-def _rows_stand_in(compiled: jax.stages.Compiled, on_mesh: bool) -> Any:
-    """Zeros shaped and placed as the rows a compiled prefill returns first: what an admission of its
-    result compiles for. Only those: a paged prefill's other output is the state, whose pools may take
-    most of the device's memory. Off a mesh they stay uncommitted to a device, as the outputs of a
-    prefill of uncommitted inputs (``Engine._put``): a committed argument is another program for jit."""
+def _rows_stand_in(compiled: jax.stages.Compiled, on_mesh: bool, output: int = 0) -> Any:
+    """Zeros shaped and placed as the rows a compiled prefill returns first (``output``: another of its
+    outputs, e.g. its last logits, -1): what an admission of its result compiles for. Only those: a paged
+    prefill's other output is the state, whose pools may take most of the device's memory. Off a mesh
+    they stay uncommitted to a device, as the outputs of a prefill of uncommitted inputs (``Engine._put``):
+    a committed argument is another program for jit."""
     def zeros(info):
         return jax.device_put(np.zeros(info.shape, info.dtype), info.sharding if on_mesh else None)
 
-    return jax.tree.map(zeros, compiled.out_info[0])
+    return jax.tree.map(zeros, compiled.out_info[output])
 
 
 class _Runner:
@@ -276,7 +295,18 @@ class _Runner:
         self.engine = engine
         self.states: dict[int, Any] = {}
         self.prefilled: dict[tuple[int, int], Any] = {}
+        self.drawn: set[int] = set()
         self.shortest = {bucket: shortest for bucket, shortest in engine.prompt_buckets()}
+
+    def draw(self, compiled: jax.stages.Compiled) -> None:
+        """The first-token draw of a compiled prefill's rows (one program per row count, run once on
+        stand-ins): what a prefill with a sampled row, or one asking for logprobs, runs after it."""
+        on_mesh = self.engine.mesh is not None
+        rows = _rows_stand_in(compiled, on_mesh)
+        if rows.starts.shape[0] not in self.drawn:
+            self.drawn.add(rows.starts.shape[0])
+            _, first = self.engine.draw_first(rows, None, _rows_stand_in(compiled, on_mesh, -1))
+            jax.block_until_ready(first)
 
     def state(self, rows: int):
         """The warm-up's running state of ``rows`` rows. A paged engine's states share one set of pools
@@ -294,6 +324,7 @@ class _Runner:
         if (rows, bucket, distinct) not in self.prefilled:
             compiled = self.engine.prefill_compiled(rows, self.shortest[bucket], distinct=distinct or None)
             self.prefilled[rows, bucket, distinct] = _rows_stand_in(compiled, self.engine.mesh is not None)
+            self.draw(compiled)
         return self.prefilled[rows, bucket, distinct]
 
     def run(self, shape: Shape) -> None:
@@ -315,6 +346,7 @@ class _Runner:
             compiled, admission = engine.prefill_paged_compiled(
                 state, shape.rows, self.shortest[shape.size], distinct=shape.distinct or None,
                 context_pages=engine.max_pages if shape.cached else 0)
+            self.draw(compiled)
             rows = _rows_stand_in(compiled, False)
             self.states[shape.into] = engine.admit_paged(state, rows, range(shape.rows), admission)
             jax.block_until_ready(self.states[shape.into].starts)
@@ -348,11 +380,19 @@ def run_warmup(engine, shapes: Sequence[Shape], *, threads: int = 1,
                stop: threading.Event | None = None) -> int:
     """Compiles ``shapes`` in order (``on_shape(index, shape)`` before each); with ``threads`` > 1
     the prefills are compiled on that many threads at once first (XLA compiles outside the GIL).
-    Stops early once ``stop`` is set. Returns the number of shapes done."""
+    Stops early once ``stop`` is set, or once the process holds more than ``MAPPINGS_SHARE`` of the memory
+    mappings Linux allows it (warning). Returns the number of shapes done."""
     runner = _Runner(engine)
     pooled = False
     for i, shape in enumerate(shapes):
         if stop is not None and stop.is_set():
+            return i
+        mappings = memory_mappings()
+        if mappings is not None and mappings[0] > MAPPINGS_SHARE * mappings[1]:
+            log.warning("warm-up: stopped before %s: the process holds %d of the %d memory mappings Linux allows "
+                        "it (vm.max_map_count; each compiled program maps its kernels); the %d shapes left compile "
+                        "when a request meets them. Raising the cap (sysctl -w vm.max_map_count=262144) lets "
+                        "them all compile", shape, *mappings, len(shapes) - i)
             return i
         if shape.phase == "prefill" and pooled:
             continue  # compiled in the pool

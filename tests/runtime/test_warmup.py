@@ -261,3 +261,41 @@ def test_after_a_paged_warmup_three_choices_of_a_prompt_compile_nothing(target):
     assert engine.prefilled_prompts == 3 and len({tuple(g.result.output_ids) for g in choices}) == 3
     assert len(logged.result.logprobs) == 8 and all(lp <= 0 for lp in logged.result.logprobs)
     assert len(lone.result.output_ids) == 20 and batcher.pages.all_free()
+
+
+def test_warmup_stops_short_of_the_memory_mappings_linux_allows(target, monkeypatch, caplog):
+    """XLA:CPU maps each compiled program's kernels into the process; past ``vm.max_map_count`` the next
+    compile fails and takes the process down. The warm-up stops before the cap, saying why and how to
+    raise it, and leaves the rest to the requests."""
+    import dflash_jax.runtime.warmup as warmup
+
+    engine = Engine(target, None, EngineConfig(max_batch_size=2, max_length=48, steps_per_sync=4, prompt_buckets=(16,)))
+    plan = warmup_plan(engine)
+    used = iter([100, 200, 80_000])
+    monkeypatch.setattr(warmup, "memory_mappings", lambda: (next(used), 100_000))
+    with caplog.at_level("WARNING", logger="dflash_jax.runtime.warmup"):
+        assert run_warmup(engine, plan) == 2
+    assert "vm.max_map_count" in caplog.text and f"the {len(plan) - 2} shapes left" in caplog.text
+
+
+def test_memory_mappings_reads_the_process_and_the_cap():
+    from dflash_jax.runtime.warmup import memory_mappings
+
+    mappings = memory_mappings()
+    if mappings is None:
+        pytest.skip("no /proc (not Linux)")
+    used, cap = mappings
+    assert 0 < used < cap
+
+
+def test_one_first_token_draw_serves_every_prompt_bucket(target):
+    """A sampled prefill draws its first tokens with a program of the rows' shapes only: prompts of two
+    buckets compile two prefills but one draw."""
+    engine = Engine(target, None, EngineConfig(max_batch_size=1, max_length=100, prompt_buckets=(16, 64)))
+    sampled = [SamplingParams(temperature=0.8, seed=1)]
+    with _compilations() as compiles:
+        engine.prefill([[3, 1, 4]], [4], [()], sampled)
+    assert len(compiles) == 2  # the 16-token bucket's prefill and the draw
+    with _compilations() as compiles:
+        engine.prefill([[5] * 40], [4], [()], sampled)
+    assert len(compiles) == 1  # the 64-token bucket's prefill; its draw is the 16-token one's
