@@ -353,10 +353,17 @@ def _save(module: nnx.Module, config: dict, path: str | Path, prefix: str, dtype
 def save_drafter(drafter: Drafter, path: str | Path, dtype=None) -> None:
     """Writes the z-lab format (config.json + model.safetensors), readable by the reference,
     vLLM and SGLang (a DFlash2 drafter: the authors' DFlash2 layout, ``io.dflash2_checkpoint``)."""
+    if not isinstance(drafter, Drafter):
+        raise TypeError("save_drafter: drafter must be a Drafter (dflash_jax.load_drafter), got "
+                        f"{type(drafter).__name__}"
+                        + (" (save a target with save_target)" if isinstance(drafter, (Target, HybridTarget)) else ""))
     to_dict = dflash2_config_to_dict if isinstance(drafter.config, DFlash2Config) else drafter_config_to_dict
     _save(drafter, to_dict(drafter.config), path, "", dtype)
 
 
 def save_target(target: Target, path: str | Path, dtype=None) -> None:
     """Writes an HF directory for a target (used for the shipped demo model and tests)."""
+    if isinstance(target, Drafter):
+        raise TypeError(f"save_target: target must be a Target (dflash_jax.load_target), got {type(target).__name__} "
+                        "(save a drafter with save_drafter)")
     _save(target, target_config_to_dict(target.config), path, "model.", dtype)
