@@ -226,8 +226,14 @@ def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str,
 def load_target(path: str | Path, dtype="float32") -> Target | HybridTarget:
     """Loads a Qwen3 / Llama target, or a hybrid Qwen3.5 one (``models.hybrid``), from an HF
     directory (config.json + safetensors)."""
-    directory = Path(path)
-    if is_hybrid_config(read_config_json(directory / "config.json")):
+    directory = _directory(path, "load_target")
+    if not (directory / "config.json").is_file() and _is_training_run(directory):
+        raise CheckpointError(f"{directory}: a drafter's training run, not a target (load it with load_drafter)")
+    data = read_config_json(directory / "config.json")
+    if _is_drafter_config(data):
+        raise CheckpointError(f"{directory / 'config.json'}: a DFlash drafter's config, not a target's "
+                              "(load it with load_drafter)")
+    if is_hybrid_config(data):
         config = load_hybrid_config(directory)
         dt = parse_dtype(dtype)
         return _populate(lambda: HybridTarget(config, dtype=dt, rngs=nnx.Rngs(0)), directory, config.weight_prefix,
@@ -263,6 +269,24 @@ def _check_tied_head(directory: Path) -> None:
         )
 
 
+def _directory(path, where: str) -> Path:
+    """``path`` as an existing directory; else an error naming it (a model is a directory, not a file in it)."""
+    if not isinstance(path, (str, Path)) and not hasattr(path, "__fspath__"):
+        raise TypeError(f"{where}: path must be a directory path (str or Path), got {type(path).__name__}")
+    directory = Path(path)
+    if directory.is_file():
+        raise FileNotFoundError(f"{directory}: a file, not a directory (pass the directory that holds config.json)")
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no such directory")
+    return directory
+
+
+def _is_drafter_config(data: dict) -> bool:
+    """Whether a config.json describes a DFlash or DFlash2 drafter rather than a target."""
+    return ("dflash_config" in data or "num_target_layers" in data or "speculators_model_type" in data
+            or any("DFlash" in str(a) or "Speculator" in str(a) for a in data.get("architectures") or ()))
+
+
 def _is_training_run(directory: Path) -> bool:
     """Whether ``directory`` is a run directory, its ``checkpoints/`` or a ``checkpoints/<step>`` (as
     ``io.orbax`` resolves them)."""
@@ -279,9 +303,7 @@ def load_drafter(path: str | Path, dtype="float32") -> Drafter:
 
     An Orbax training checkpoint directory (see ``dflash_jax.training``) is accepted too.
     """
-    directory = Path(path)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"{directory}: no such directory")
+    directory = _directory(path, "load_drafter")
     if not (directory / "config.json").exists():
         if not _is_training_run(directory):
             raise CheckpointError(
@@ -292,6 +314,10 @@ def load_drafter(path: str | Path, dtype="float32") -> Drafter:
 
         return load_drafter_from_orbax(directory, dtype=dtype)
     dt = parse_dtype(dtype)
+    data = read_config_json(directory / "config.json")
+    if not _is_drafter_config(data) and "num_hidden_layers" in data:
+        raise CheckpointError(f"{directory / 'config.json'}: a target model's config, not a drafter's (no "
+                              "num_target_layers or dflash_config; load it with load_target)")
     dflash2 = read_other_config(directory)  # a DFlash2 drafter (the authors' or the speculators layout)
     if dflash2 is not None:
         config2, skipped = dflash2
@@ -353,10 +379,17 @@ def _save(module: nnx.Module, config: dict, path: str | Path, prefix: str, dtype
 def save_drafter(drafter: Drafter, path: str | Path, dtype=None) -> None:
     """Writes the z-lab format (config.json + model.safetensors), readable by the reference,
     vLLM and SGLang (a DFlash2 drafter: the authors' DFlash2 layout, ``io.dflash2_checkpoint``)."""
+    if not isinstance(drafter, Drafter):
+        raise TypeError("save_drafter: drafter must be a Drafter (dflash_jax.load_drafter), got "
+                        f"{type(drafter).__name__}"
+                        + (" (save a target with save_target)" if isinstance(drafter, (Target, HybridTarget)) else ""))
     to_dict = dflash2_config_to_dict if isinstance(drafter.config, DFlash2Config) else drafter_config_to_dict
     _save(drafter, to_dict(drafter.config), path, "", dtype)
 
 
 def save_target(target: Target, path: str | Path, dtype=None) -> None:
     """Writes an HF directory for a target (used for the shipped demo model and tests)."""
+    if isinstance(target, Drafter):
+        raise TypeError(f"save_target: target must be a Target (dflash_jax.load_target), got {type(target).__name__} "
+                        "(save a drafter with save_drafter)")
     _save(target, target_config_to_dict(target.config), path, "model.", dtype)

@@ -13,8 +13,16 @@ class CheckpointError(ValueError):
 
 
 def parse_dtype(dtype) -> jnp.dtype:
+    """One of the float dtypes models load into, by name or as a dtype; anything else (None meant float64,
+    which JAX truncates to float32 with a warning per tensor) is a ``ValueError``."""
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         return _DTYPES[dtype]
-    return jnp.dtype(dtype)
+    try:
+        resolved = None if dtype is None else jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved not in {jnp.dtype(d) for d in _DTYPES.values()}:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return resolved

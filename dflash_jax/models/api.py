@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
@@ -21,10 +23,37 @@ def target_forward(
     states after ``layer_ids`` (HF ``hidden_states[i + 1]``) concatenated on the feature axis,
     ``[batch, seq, len(layer_ids) * hidden]`` (None when ``layer_ids`` is None).
     """
-    ids = jnp.asarray(input_ids, jnp.int32)
-    if ids.ndim != 2:
-        raise ValueError(f"input_ids must be [batch, seq], got shape {ids.shape}")
-    return _forward(target, ids, tap_layers=tuple(layer_ids or ()))
+    _check_target(target, "target_forward")
+    ids = _token_ids(input_ids, "input_ids", 2, target.config.vocab_size)
+    layers = target.config.num_layers
+    taps = tuple(layer_ids or ())
+    if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < layers for i in taps):
+        raise ValueError(f"layer_ids must be layer indices in [0, {layers}), got {list(taps)}")
+    return _forward(target, ids, tap_layers=tuple(int(i) for i in taps))
+
+
+def _check_target(target, where: str) -> None:
+    if not callable(getattr(target, "forward", None)) or not hasattr(target.config, "num_layers"):
+        raise TypeError(f"{where}: target must be a target model (dflash_jax.load_target), got {type(target).__name__}")
+
+
+def _token_ids(values, name: str, ndim: int, vocab_size: int) -> jax.Array:
+    """``values`` as int32 token ids of ``ndim`` dimensions, none empty, each in ``[0, vocab_size)``: a
+    float or out-of-range id would be truncated or read past the embedding table (NaN logits)."""
+    shape = "[batch, seq]" if ndim == 2 else "[seq]"
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{name} must be token ids {shape}, got a string (encode text with a Tokenizer)")
+    try:
+        ids = np.asarray(values)
+    except ValueError:  # ragged rows
+        raise ValueError(f"{name} must be token ids {shape} (rows of equal length), got {values!r:.100}") from None
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"{name} must be integer token ids, got {ids.dtype} values {values!r:.100}")
+    if ids.ndim != ndim or ids.size == 0:
+        raise ValueError(f"{name} must be non-empty token ids {shape}, got shape {ids.shape}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"{name} has token ids outside [0, {vocab_size})")
+    return jnp.asarray(ids, jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("tap_layers",))
@@ -39,8 +68,30 @@ def draft_logits(drafter: Drafter, target: Target, context_ids: Sequence[int], a
     The context is ``context_ids`` at positions 0..n-1 (its taps from the target's forward); the block
     ``[anchor_id, MASK, ...]`` sits at positions n..n+B-1.
     """
-    ctx = jnp.asarray([list(context_ids)], jnp.int32)
-    return _draft_logits(drafter, target, ctx, jnp.int32(anchor_id), block=block_size or drafter.config.block_size)
+    _check_target(target, "draft_logits")
+    if not callable(getattr(drafter, "context_kv", None)):
+        raise TypeError(f"draft_logits: drafter must be a Drafter (dflash_jax.load_drafter), got "
+                        f"{type(drafter).__name__}")
+    cfg, tcfg = drafter.config, target.config
+    for field, ours in (("vocab_size", tcfg.vocab_size), ("hidden_size", tcfg.hidden_size),
+                        ("num_target_layers", tcfg.num_layers)):
+        if getattr(cfg, field) != ours:
+            raise ValueError(f"draft_logits: drafter {field} {getattr(cfg, field)} != the target's {ours} "
+                             "(a drafter of another target)")
+    ctx = _token_ids(context_ids, "context_ids", 1, tcfg.vocab_size)[None]
+    try:
+        anchor = operator.index(anchor_id)
+    except TypeError:
+        anchor = None
+    if isinstance(anchor_id, bool) or anchor is None or not 0 <= anchor < tcfg.vocab_size:
+        raise ValueError(f"anchor_id must be one token id in [0, {tcfg.vocab_size}), got {anchor_id!r:.100}")
+    block = cfg.block_size if block_size is None else block_size
+    # a block is the anchor plus at least one slot to draft (a DFlash2 drafter: at least its convolutions' span)
+    least = max(2, getattr(cfg, "conv_kernel_size", 1))
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < least:
+        raise ValueError(f"block_size must be an integer >= {least} (None: the drafter's {cfg.block_size}), "
+                         f"got {block_size!r}")
+    return _draft_logits(drafter, target, ctx, jnp.int32(anchor), block=int(block))
 
 
 @functools.partial(jax.jit, static_argnames=("block",))

@@ -101,6 +101,13 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
     ``"dflash2"`` (``speculative_report``'s fields and its block size)."""
     calibration = calibration or prompts
     longest = max(map(len, prompts + calibration))
+    # Past the target's positions its text is no longer the model's, and the engine's caches hold
+    # max_length positions: a huge max_new_tokens asked for more memory than the machine has.
+    room = max(1, target.config.max_position_embeddings - longest)
+    if max_new_tokens > room:
+        log.warning("max_new_tokens %d: the target has %d positions and the longest prompt %d tokens; "
+                    "generating up to %d", max_new_tokens, target.config.max_position_embeddings, longest, room)
+        max_new_tokens = room
     config = EngineConfig(max_batch_size=1, max_length=longest + max_new_tokens, steps_per_sync=8)
     sizes = sorted({min(b, drafter.config.block_size) for b in block_sizes}, reverse=True)
     rates: dict[int, float] = {}

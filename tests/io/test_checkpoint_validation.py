@@ -369,3 +369,32 @@ def test_engine_refuses_a_drafter_of_another_hidden_size(pair):
     drafter = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0)))  # only its config is read
     with pytest.raises(ValueError, match="drafter hidden_size 32 != target hidden_size 48"):
         Engine(pair["target"], drafter, EngineConfig(max_batch_size=1, max_length=32))
+
+
+def test_a_model_path_must_be_a_directory(pair, tmp_path):
+    weights = pair["target_dir"] / "model.safetensors"
+    for load in (load_target, load_drafter):
+        with pytest.raises(FileNotFoundError, match=f"{tmp_path}/missing: no such directory"):
+            load(tmp_path / "missing")
+        with pytest.raises(FileNotFoundError, match=f"{weights}: a file, not a directory"):
+            load(weights)
+        with pytest.raises(TypeError, match=f"{load.__name__}: path must be a directory path .*got NoneType"):
+            load(None)
+
+
+def test_a_target_and_a_drafter_are_told_apart(pair, tmp_path):
+    with pytest.raises(CheckpointError, match="a target model's config, not a drafter's .*load_target"):
+        load_drafter(pair["target_dir"])
+    with pytest.raises(CheckpointError, match="a DFlash drafter's config, not a target's .*load_drafter"):
+        load_target(pair["drafter_dir"])
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "drafter_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="a drafter's training run, not a target .*load_drafter"):
+        load_target(tmp_path / "run")
+
+
+@pytest.mark.parametrize("dtype", [None, "int8", np.float64, "bf16"])
+def test_dtypes_other_than_the_float_ones_are_refused(pair, dtype):
+    for load, directory in ((load_target, pair["target_dir"]), (load_drafter, pair["drafter_dir"])):
+        with pytest.raises(ValueError, match=r"dtype must be one of \['bfloat16', 'float16', 'float32'\]"):
+            load(directory, dtype=dtype)

@@ -80,3 +80,13 @@ def test_compare_without_a_second_generation_reports_one(models):
     target, drafter, _ = models
     report = compare(target, drafter, [[3, 4, 5]], 6, block_sizes=(8,), repeats=1)
     assert "dflash2" not in report and report["identical"]
+
+
+def test_compare_keeps_within_the_target_positions(caplog):
+    tcfg = tiny_target_config(max_position_embeddings=24)
+    target, drafter = random_target(tcfg), random_drafter(tiny_drafter_config(tcfg, block_size=4))
+    with caplog.at_level("WARNING", logger="dflash_jax.demo"):
+        report = compare(target, drafter, [[3, 4, 5, 6]], 100, block_sizes=(4,), repeats=1)
+    assert report["max_new_tokens"] == 20 and report["output_tokens"] <= 20
+    assert "max_new_tokens 100: the target has 24 positions and the longest prompt 4 tokens; generating up to 20" \
+        in caplog.text
