@@ -229,9 +229,28 @@ def _check_checkpoint_layout(module, name: str, where: str, other: str = "") -> 
                          f"pass the module in its checkpoint layout{other}")
 
 
+def _check_types(target, drafter, config) -> None:
+    """The arguments of ``Engine`` of another kind (a drafter as the target, a dict as the config) are errors
+    naming them, not an ``AttributeError`` deep in the build."""
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"Engine: config must be an EngineConfig, got {type(config).__name__}")
+    if not isinstance(target, (Target, HybridTarget)):
+        hint = " (a drafter: pass it second, after the target)" if isinstance(target, Drafter) else ""
+        raise TypeError(f"Engine: target must be a target model (dflash_jax.load_target), got "
+                        f"{type(target).__name__}{hint}")
+    if drafter is not None and not isinstance(drafter, Drafter):
+        hint = " (a target: pass it first)" if isinstance(drafter, (Target, HybridTarget)) else ""
+        raise TypeError(f"Engine: drafter must be a drafter (dflash_jax.load_drafter) or None, got "
+                        f"{type(drafter).__name__}{hint}")
+
+
 def _check_pair(target: Target, drafter: Drafter | None, config: EngineConfig) -> None:
-    """A drafter that does not fit ``target`` (vocabulary, hidden size, tapped layer count) or whose
-    block ``config`` cannot run is an error."""
+    """A ``max_length`` past the target's positions, a drafter that does not fit ``target`` (vocabulary, hidden
+    size, tapped layer count) or whose block ``config`` cannot run is an error."""
+    positions = target.config.max_position_embeddings
+    if config.max_length > positions:  # the caches would be sized (and the positions rotated) past the model's
+        raise ValueError(f"EngineConfig.max_length {config.max_length} exceeds the target's max_position_embeddings "
+                         f"{positions} (its config.json)")
     if drafter is None:
         return
     if drafter.config.vocab_size != target.config.vocab_size:
@@ -366,6 +385,7 @@ class Engine:
         layout (``serving_params``), sharded on ``mesh`` (default: ``config.mesh``'s), and never changes
         them. Drop yours once the engine is built: the copies hold the weights (``derive`` builds
         further engines on the same copies)."""
+        _check_types(target, drafter, config)
         config.validate()
         _check_checkpoint_layout(target, "target", "Engine")
         _check_checkpoint_layout(drafter, "drafter", "Engine")
@@ -1293,7 +1313,9 @@ def generate(target: Target, drafter: Drafter | None, prompts, max_new_tokens, s
     # integer, or an empty prompt, the engine was refused (max_length < 2 or shorter than the prompt)
     # before Engine.generate could name the bad value and its prompt.
     most_new = max((n for n in news if isinstance(n, (int, np.integer))), default=1)
-    config.setdefault("max_length", max(2, max(lengths) + max(1, int(most_new))))
+    # At most the target's positions: a row then stops there, as at any max_length.
+    config.setdefault("max_length", min(target.config.max_position_embeddings,
+                                        max(2, max(lengths) + max(1, int(most_new)))))
     config.setdefault("max_batch_size", max(1, len(prompts)))
     engine = Engine(target, drafter, EngineConfig(block_size=block_size, **config))
     return engine.generate(prompts, max_new_tokens, stop_token_ids, sampling=sampling)

@@ -835,3 +835,23 @@ def test_pool_is_sized_from_the_memory_left_once_the_loaded_modules_are_dropped(
     want = int(0.5 * (limit - Device().memory_stats()["bytes_in_use"])) // engine.page_bytes() + 1
     assert engine.num_pages == want
     assert want > int(0.5 * (limit - held)) // engine.page_bytes() + 1
+
+
+def test_engine_arguments_of_another_kind_and_lengths_past_the_targets_positions_are_errors():
+    """A drafter passed as the target (or the reverse), a dict as the config and a ``max_length`` past the
+    target's ``max_position_embeddings`` are errors naming them; ``generate`` with an unbounded
+    ``max_new_tokens`` stops at the target's positions instead of sizing caches for it."""
+    import dflash_jax as dj
+
+    tcfg = tiny_target_config(max_position_embeddings=40)
+    target, drafter = random_target(tcfg), random_drafter(tiny_drafter_config(tcfg, num_layers=1, block_size=4))
+    with pytest.raises(TypeError, match="target must be a target model.*a drafter: pass it second"):
+        Engine(drafter, None)
+    with pytest.raises(TypeError, match="drafter must be a drafter.*a target: pass it first"):
+        Engine(target, target)
+    with pytest.raises(TypeError, match="config must be an EngineConfig, got dict"):
+        Engine(target, drafter, {})
+    with pytest.raises(ValueError, match="max_length 41 exceeds the target's max_position_embeddings 40"):
+        Engine(target, drafter, EngineConfig(max_length=41))
+    (result,) = dj.generate(target, drafter, [[1, 2, 3]], 10 ** 9)
+    assert len(result.output_ids) == 37 and result.finish_reason == "length"
