@@ -216,30 +216,13 @@ def empty_state(target: Target, drafter: Drafter | None, batch: int, *, capacity
     )
 
 
-def prefill(
-    target: Target,
-    drafter: Drafter | None,
-    ids: jax.Array,
-    lens: jax.Array,
-    max_lens: jax.Array,
-    stop_ids: jax.Array,
-    *,
-    capacity: int,
-    max_steps: int,
-    mask_token_id: int,
-    ops: OpsConfig = XLA,
-    sampling: dict[str, jax.Array] | None = None,
-    max_logprobs: int = 0,
-    flags: SamplingFlags = GREEDY_FLAGS,
-    candidates: int = 0,
-    source: jax.Array | None = None,
-    prompt_logprobs: jax.Array | None = None,
-) -> DecodeState:
-    """``prefill_pass`` and, unless ``flags`` are greedy, ``draw_first`` in one: the prompts' rows with
-    their first token drawn as ``flags`` say (the engine runs the two as programs of their own)."""
-    rows, last_logits = prefill_pass(target, drafter, ids, lens, max_lens, stop_ids, capacity=capacity,
-                                     max_steps=max_steps, mask_token_id=mask_token_id, ops=ops, sampling=sampling,
-                                     max_logprobs=max_logprobs, source=source, prompt_logprobs=prompt_logprobs)
+def prefill(target: Target, drafter: Drafter | None, ids: jax.Array, lens: jax.Array, max_lens: jax.Array,
+            stop_ids: jax.Array, *, flags: SamplingFlags = GREEDY_FLAGS, candidates: int = 0,
+            **pass_options) -> DecodeState:
+    """``prefill_pass`` (its keyword arguments ``pass_options``) and, unless ``flags`` are greedy,
+    ``draw_first`` in one: the prompts' rows with their first token drawn as ``flags`` say (the engine
+    runs the two as programs of their own)."""
+    rows, last_logits = prefill_pass(target, drafter, ids, lens, max_lens, stop_ids, **pass_options)
     if flags.greedy:
         return rows
     return draw_first(rows, last_logits, flags=flags, candidates=candidates)[0]
