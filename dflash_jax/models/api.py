@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.models.config import pair_mismatch
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 
@@ -73,11 +74,9 @@ def draft_logits(drafter: Drafter, target: Target, context_ids: Sequence[int], a
         raise TypeError(f"draft_logits: drafter must be a Drafter (dflash_jax.load_drafter), got "
                         f"{type(drafter).__name__}")
     cfg, tcfg = drafter.config, target.config
-    for field, ours in (("vocab_size", tcfg.vocab_size), ("hidden_size", tcfg.hidden_size),
-                        ("num_target_layers", tcfg.num_layers)):
-        if getattr(cfg, field) != ours:
-            raise ValueError(f"draft_logits: drafter {field} {getattr(cfg, field)} != the target's {ours} "
-                             "(a drafter of another target)")
+    if (mismatch := pair_mismatch(cfg, tcfg)) is not None:
+        field, ours, _, theirs = mismatch
+        raise ValueError(f"draft_logits: drafter {field} {ours} != the target's {theirs} (a drafter of another target)")
     ctx = _token_ids(context_ids, "context_ids", 1, tcfg.vocab_size)[None]
     try:
         anchor = operator.index(anchor_id)

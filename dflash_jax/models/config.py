@@ -179,6 +179,23 @@ def freeze_rope_scaling(scaling: dict | tuple | None) -> tuple | None:
     return tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in items))
 
 
+# What a drafter shares with its target: it embeds with the target's table (vocabulary, width) and projects the
+# outputs of the target's layers (their count fixes its tapped layer ids). (drafter field, target field as in an
+# HF config.json, TargetConfig attribute)
+PAIRED_FIELDS = (("vocab_size", "vocab_size", "vocab_size"), ("hidden_size", "hidden_size", "hidden_size"),
+                 ("num_target_layers", "num_hidden_layers", "num_layers"))
+
+
+def pair_mismatch(drafter: "DrafterConfig", target: "TargetConfig") -> tuple[str, int, str, int] | None:
+    """The first of ``PAIRED_FIELDS`` where ``drafter`` does not fit ``target``: ``(drafter field, its value,
+    target field, its value)``; None where the drafter fits."""
+    for mine, theirs, attribute in PAIRED_FIELDS:
+        ours, target_value = getattr(drafter, mine), getattr(target, attribute)
+        if ours != target_value:
+            return mine, ours, theirs, target_value
+    return None
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """The published rule, used only when a drafter config lists no ``target_layer_ids``. It spans
     layers ``1 .. N - 3``, so it needs a target of at least 4 layers (2 for a one-layer drafter);

@@ -38,6 +38,7 @@ from dflash_jax.ops.cache import CACHE_ALIGNMENT, CACHE_AXES
 from dflash_jax.ops.paged_cache import PAGE_TABLE_AXES, POOL_AXES, PagedKV
 from dflash_jax.runtime.compile_cache import check_setting as check_cache_setting, use_compilation_cache
 from dflash_jax.io.config import check_field_types
+from dflash_jax.models.config import pair_mismatch
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.sharding import MeshConfig, make_mesh, named_sharding, shard_module, with_kernel_mesh
 from dflash_jax.models.hybrid import HybridTarget
@@ -253,15 +254,8 @@ def _check_pair(target: Target, drafter: Drafter | None, config: EngineConfig) -
                          f"{positions} (its config.json)")
     if drafter is None:
         return
-    if drafter.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"drafter vocab_size {drafter.config.vocab_size} != target vocab_size "
-                         f"{target.config.vocab_size}")
-    if drafter.config.hidden_size != target.config.hidden_size:  # it embeds with the target's table
-        raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size "
-                         f"{target.config.hidden_size}")
-    if drafter.config.num_target_layers != target.config.num_layers:
-        raise ValueError(f"drafter num_target_layers {drafter.config.num_target_layers} != target "
-                         f"num_hidden_layers {target.config.num_layers}")
+    if (mismatch := pair_mismatch(drafter.config, target.config)) is not None:
+        raise ValueError("drafter {} {} != target {} {}".format(*mismatch))
     if (error := config.drafter_block_error(drafter.config.block_size)) is not None:
         raise ValueError(error)
 

@@ -270,18 +270,16 @@ def load_engine(cfg):
 def check_pair(target_dir: str, draft_dir: str, drafter_config) -> None:
     """The drafter's vocabulary, hidden size and tapped layer count against the target's config.json
     (the drafter embeds with the target's table and projects its layers' outputs)."""
-    from dflash_jax.models.config import load_target_config, read_config_json
+    from dflash_jax.models.config import load_target_config, pair_mismatch, read_config_json
     from dflash_jax.models.hybrid_config import is_hybrid_config, load_hybrid_config
 
     path = Path(target_dir) / "config.json"
     target = load_hybrid_config(target_dir) if is_hybrid_config(read_config_json(path)) else \
         load_target_config(target_dir)
-    for field, theirs, mine in (("vocab_size", "vocab_size", "vocab_size"), ("hidden_size", "hidden_size", "hidden_size"),
-                                ("num_target_layers", "num_hidden_layers", "num_layers")):
-        drafter_value, target_value = getattr(drafter_config, field), getattr(target, mine)
-        if drafter_value != target_value:
-            raise CLIError(f"the drafter {draft_dir} does not fit the target {target_dir}: its {field} is "
-                           f"{drafter_value}, the target's {theirs} is {target_value} ({path})")
+    if (mismatch := pair_mismatch(drafter_config, target)) is not None:
+        field, drafter_value, theirs, target_value = mismatch
+        raise CLIError(f"the drafter {draft_dir} does not fit the target {target_dir}: its {field} is "
+                       f"{drafter_value}, the target's {theirs} is {target_value} ({path})")
 
 
 def check_block_size(cfg) -> None:

@@ -17,7 +17,7 @@ from dflash_jax.ops.config import OpsConfig, resolve_attention_impl
 from dflash_jax.runtime.compile_cache import use_compilation_cache
 from dflash_jax.sharding import with_kernel_mesh
 from dflash_jax.io.config import ConfigError, config_to_dict
-from dflash_jax.models.config import DrafterConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.models.config import DrafterConfig, TargetConfig, default_target_layer_ids, pair_mismatch
 from dflash_jax.models.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash_jax.models.target import Target, unstack_layers
 from dflash_jax.training import parallel
@@ -294,9 +294,7 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
         cls = DFlash2Drafter if isinstance(dcfg, DFlash2Config) else Drafter
         drafter = cls(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(config.drafter.init_seed))
     dcfg = drafter.config
-    # The drafter embeds with the target's table and projects its taps: all three must agree.
-    if (dcfg.num_target_layers, dcfg.vocab_size, dcfg.hidden_size) != (
-            target.config.num_layers, target.config.vocab_size, target.config.hidden_size):
+    if pair_mismatch(dcfg, target.config) is not None:
         raise ConfigError(
             f"model.drafter: the drafter (num_target_layers={dcfg.num_target_layers}, vocab={dcfg.vocab_size}, "
             f"hidden_size={dcfg.hidden_size}) does not fit the target ({target.config.num_layers} layers, vocab "
