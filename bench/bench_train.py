@@ -57,12 +57,12 @@ from dflash_jax.models.config import DrafterConfig, TargetConfig, default_target
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target, init_stacked, stack_layers, unstack_layers
 from dflash_jax.ops import OpsConfig
-from dflash_jax.sharding import MeshConfig, with_kernel_mesh
+from dflash_jax.sharding import MeshConfig
 from dflash_jax.training import parallel
 from dflash_jax.training.config import OptimConfig
 from dflash_jax.training.monitor import peak_flops_per_device, train_flops_per_sequence
 from dflash_jax.training.optim import make_optimizer
-from dflash_jax.training.trainer import StepSpec, TrainState, init_state, make_train_step, split_drafter
+from dflash_jax.training.trainer import StepSpec, init_state, make_train_step, split_drafter
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                 num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
@@ -149,21 +149,15 @@ def bench_one(m: Models, *, batch: int, seq: int, anchors: int, chunk: int, impl
         else:
             state = init_state(jax.tree.map(jnp.copy, m.drafter_params), tx)  # the step donates its state
     else:
-        p_sh = parallel.state_shardings(m.drafter_params, mesh, "drafter")
-        abstract_state = jax.eval_shape(lambda p: init_state(p, tx), m.drafter_params)
-        state_sh = TrainState(p_sh, parallel.opt_state_shardings(abstract_state.opt_state, p_sh, mesh),
-                              parallel.replicated(mesh))
+        state_sh = parallel.train_state_shardings(m.drafter_params, tx, mesh)
         t_sh = parallel.state_shardings(m.target_params, mesh, "target")
-        batch_sh = parallel.batch_sharding(mesh)
-        step = jax.jit(with_kernel_mesh(train_step, mesh, parallel.DRAFTER_RULES),
-                       in_shardings=(state_sh, t_sh, batch_sh), out_shardings=(state_sh, parallel.replicated(mesh)),
-                       donate_argnums=(0,))
+        step = parallel.jit_train_step(train_step, mesh, state_sh, t_sh)
         if abstract:
-            state = abstract_state
+            state = jax.eval_shape(lambda p: init_state(p, tx), m.drafter_params)
         else:
             state = jax.jit(lambda p: init_state(p, tx), out_shardings=state_sh)(m.drafter_params)
             target_params = jax.device_put(m.target_params, t_sh)
-            data = jax.device_put(data, batch_sh)
+            data = jax.device_put(data, parallel.batch_sharding(mesh))
     t0 = time.perf_counter()
     lowered = step.lower(state, target_params, data)
     t1 = time.perf_counter()

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dflash_jax import sharding as project_sharding
 from dflash_jax.training.config import MeshConfig
+from dflash_jax.training.trainer import TrainState
 
 MESH_AXES = project_sharding.MESH_AXES
 BATCH = ("data", "fsdp")
@@ -114,3 +115,21 @@ def opt_state_shardings(abstract_opt_state: Any, params_shardings: Any, mesh: Me
         return rep
 
     return jax.tree.map(assign, abstract_opt_state, is_leaf=is_param_tree)
+
+
+def train_state_shardings(params: Any, tx: Any, mesh: Mesh) -> Any:
+    """A ``trainer.TrainState``'s shardings for the drafter's ``params`` (arrays or their shapes) and the
+    optimizer ``tx``: the weights by their logical axes, the optimizer's moments as the weights, the step
+    replicated."""
+    p_sh = state_shardings(params, mesh, "drafter")
+    return TrainState(p_sh, opt_state_shardings(jax.eval_shape(tx.init, params), p_sh, mesh), replicated(mesh))
+
+
+def jit_train_step(step: Any, mesh: Mesh, state_sh: Any, target_sh: Any) -> Any:
+    """``step(state, target_params, batch) -> (state, metrics)`` jitted on ``mesh``: the state donated and
+    kept in ``state_sh``, the batch over (data, fsdp), the metrics replicated. Traced under the mesh, its
+    attention kernels run per device on their shards (rows over data and fsdp, heads over tensor): a Pallas
+    call left to XLA's partitioner would be gathered onto every device."""
+    return jax.jit(project_sharding.with_kernel_mesh(step, mesh, DRAFTER_RULES),
+                   in_shardings=(state_sh, target_sh, batch_sharding(mesh)),
+                   out_shardings=(state_sh, replicated(mesh)), donate_argnums=(0,))

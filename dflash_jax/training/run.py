@@ -15,7 +15,6 @@ from flax import nnx
 
 from dflash_jax.ops.config import OpsConfig, resolve_attention_impl
 from dflash_jax.runtime.compile_cache import use_compilation_cache
-from dflash_jax.sharding import with_kernel_mesh
 from dflash_jax.io.config import ConfigError, config_to_dict
 from dflash_jax.models.config import DrafterConfig, TargetConfig, default_target_layer_ids, pair_mismatch
 from dflash_jax.models.dflash2 import DFlash2Config, DFlash2Drafter
@@ -308,11 +307,9 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
     params = jax.device_put(params, parallel.state_shardings(params, mesh, "drafter"))
 
     tx = make_optimizer(config.optim, config.steps)
-    p_sh = parallel.tree_shardings(params)
-    o_sh = parallel.opt_state_shardings(jax.eval_shape(tx.init, params), p_sh, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-    state = TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), parallel.replicated(mesh)))
-    state_sh = TrainState(p_sh, o_sh, parallel.replicated(mesh))
+    state_sh = parallel.train_state_shardings(params, tx, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=state_sh.opt_state)(params)
+    state = TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), state_sh.step))
 
     eval_prompts = None
     if records is None and config.data.self_generated.num_examples:
@@ -359,17 +356,8 @@ def setup(config: TrainConfig, *, tokenizer=None, records=None, resume: bool | N
             save_drafter_config(run_dir, dcfg)
 
     spec = step_spec(config, dcfg)
-    # Traced under the mesh, the attention kernels run per device on their shards (rows over data and fsdp,
-    # heads over tensor): a Pallas call left to XLA's partitioner would be gathered onto every device.
-    step = with_kernel_mesh(make_train_step(drafter_graphdef, drafter_rest, target_graph, tx, spec), mesh,
-                            parallel.DRAFTER_RULES)
-    batch_sh = parallel.batch_sharding(mesh)
-    step_fn = jax.jit(
-        step,
-        in_shardings=(state_sh, parallel.tree_shardings(target_state), batch_sh),
-        out_shardings=(state_sh, parallel.replicated(mesh)),
-        donate_argnums=(0,),
-    )
+    step = make_train_step(drafter_graphdef, drafter_rest, target_graph, tx, spec)
+    step_fn = parallel.jit_train_step(step, mesh, state_sh, parallel.tree_shardings(target_state))
     return Session(
         config=config, mesh=mesh, target_config=target_config, target_graph=target_graph, target_state=target_state,
         drafter_config=dcfg, drafter_graphdef=drafter_graphdef, drafter_rest=drafter_rest, tx=tx, state=state,
