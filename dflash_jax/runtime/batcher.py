@@ -81,9 +81,12 @@ def _integers(values: Any, what: str) -> list[int]:
     """``values`` as Python ints, refusing what is not an integer (numpy's are): ``int()`` truncated
     token ids like 1.5 to 1 and read strings ("7", and "hello" failed as a bad literal)."""
     try:
-        return [operator.index(v) for v in values]
+        ids = [operator.index(v) for v in values]
     except TypeError:
         raise ValueError(f"{what} must be integers (token ids), got {values!r:.100}") from None
+    if any(isinstance(v, (bool, np.bool_)) for v in values):  # True is 1 to operator.index
+        raise ValueError(f"{what} must be integers (token ids), not booleans: got {values!r:.100}")
+    return ids
 
 
 def _is_ready(tree: Any) -> bool:
@@ -323,6 +326,8 @@ class ContinuousBatcher:
             raise ValueError(f"max_new_tokens for {name} must be >= 1, got {max_new_tokens}")
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"{name} has token ids outside [0, {vocab})")
+        if stops and (stops[0] < 0 or stops[-1] >= vocab):
+            raise ValueError(f"stop_token_ids for {name} holds ids outside [0, {vocab}): {list(stops)!r:.100}")
         if len(stops) > self.engine.max_stop_ids:
             raise ValueError(f"stop_token_ids has {len(stops)} distinct ids; the engine takes at most "
                              f"{self.engine.max_stop_ids}")

@@ -112,7 +112,8 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 if integer("logit_bias token id", token) < 0:
                     raise ValueError(f"SamplingParams.logit_bias has a negative token id {token}")
-                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+                if (isinstance(bias, bool) or not isinstance(bias, (int, float, np.integer, np.floating))
+                        or math.isnan(bias)):
                     raise ValueError(f"SamplingParams.logit_bias[{token}] must be a number, got {bias!r}")
         if integer("min_tokens", self.min_tokens) < 0:
             raise ValueError(f"SamplingParams.min_tokens must be >= 0, got {self.min_tokens}")

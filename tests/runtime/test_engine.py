@@ -199,6 +199,8 @@ def test_generate_refuses_bad_arguments_naming_them(models):
         (dict(max_new_tokens=-5), ValueError, "max_new_tokens for prompt 0 must be >= 1, got -5"),
         (dict(max_new_tokens=4.5), ValueError, "max_new_tokens for prompt 0 must be an integer, got 4.5"),
         (dict(stop_token_ids=0), ValueError, "stop_token_ids must be integers"),  # `0 or ()`: it was ignored
+        (dict(prompts=[[1, True, 3]]), ValueError, "prompt 0 must be integers .token ids., not booleans"),
+        (dict(stop_token_ids=[-1]), ValueError, r"stop_token_ids for prompt 0 holds ids outside \[0, "),
         (dict(prompts=[[]], max_new_tokens=1), ValueError, "prompt 0 is empty"),
     ):
         args = dict(prompts=[[1, 2, 3]], max_new_tokens=4) | kwargs

@@ -201,6 +201,9 @@ def test_sampling_params_are_frozen_and_seeded_on_request():
         p.temperature = 1.0
     assert p.with_seed().seed is not None and SamplingParams().with_seed().seed is None
     assert SamplingParams(temperature=0.7, seed=3).with_seed().seed == 3
+    assert SamplingParams(logit_bias={np.int64(3): np.float32(-2.5)}).logit_bias  # numpy scalars are numbers
+    with pytest.raises(ValueError, match=r"logit_bias\[3\] must be a number"):
+        SamplingParams(logit_bias={3: True})
     with pytest.raises(ValueError, match="outside"):
         SamplingParams(logit_bias={100: 1.0}).check_vocab(100, 20)
     with pytest.raises(ValueError, match="max_logprobs"):
