@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from dflash_jax.io.errors import CheckpointError, parse_dtype
+from dflash_jax.io.errors import CheckpointError, parse_dtype, some_names
 from dflash_jax.models.config import DrafterConfig, drafter_config_from_dict, read_config_json
 from dflash_jax.models.dflash2 import DFlash2Config, DFlash2Drafter, dflash2_config_from_dict, is_dflash2_config
 from dflash_jax.models.drafter import Drafter
@@ -136,8 +136,8 @@ def _check_params_fit(manager: ocp.CheckpointManager, step: int, params, run_dir
             raise CheckpointError(f"{where}: parameter {name!r} has shape {stored[name]}, which does not fit "
                                   f"{config} (expected {shape})")
     if unused := sorted(set(stored) - set(wanted)):
-        shown = ", ".join(map(repr, unused[:4])) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
-        raise CheckpointError(f"{where}: the checkpoint holds parameters that {config} uses nowhere: {shown}")
+        raise CheckpointError(f"{where}: the checkpoint holds parameters that {config} uses nowhere: "
+                              f"{some_names(unused)}")
 
 
 def _concrete_rest(config: DrafterConfig, rest):
