@@ -391,6 +391,23 @@ def test_a_run_whose_drafter_config_does_not_fit_its_params_names_the_parameter(
         load_drafter_from_orbax(run)
 
 
+@pytest.mark.parametrize("value", ["verifier", [1]])
+def test_a_speculators_config_that_is_no_object_is_named(value):
+    from dflash_jax.io.dflash2_checkpoint import speculators_config_from_dict
+    from dflash_jax.models.dflash2 import dflash2_config_to_dict
+    from dflash_jax.tiny import tiny_dflash2_config, tiny_target_config
+
+    layer = dflash2_config_to_dict(tiny_dflash2_config(tiny_target_config(), num_layers=1))
+    dflash = layer.pop("dflash_config")
+    data = {"speculators_model_type": "dflash2", "transformer_layer_config": layer,
+            "aux_hidden_state_layer_ids": dflash["target_layer_ids"], "mask_token_id": dflash["mask_token_id"],
+            "speculators_config": {"verifier": {"name_or_path": "Qwen/Qwen3-8B"}}}
+    assert speculators_config_from_dict(data, "d/config.json").num_target_layers == max(dflash["target_layer_ids"]) + 1
+    data["speculators_config"] = value
+    with pytest.raises(ModelConfigError, match=r"^d/config.json: field 'speculators_config' must be an object"):
+        speculators_config_from_dict(data, "d/config.json")
+
+
 def test_engine_refuses_a_drafter_of_another_hidden_size(pair):
     from flax import nnx
 
