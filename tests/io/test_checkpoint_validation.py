@@ -256,6 +256,15 @@ def test_fields_are_checked_not_coerced(pair, tmp_path, kind, path, bad, field):
     assert str(case / "config.json") in str(err.value) and field in str(err.value), str(err.value)
 
 
+def test_a_target_config_without_model_type_is_named(pair, tmp_path):
+    case = _copy(pair["target_dir"], tmp_path / "target")
+    cfg = json.loads((case / "config.json").read_text())
+    del cfg["model_type"]
+    (case / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=f"^{case}/config.json: missing field 'model_type'$"):
+        load_target(case)
+
+
 def test_config_fuzz_subset(pair, tmp_path):
     """The fast subset of the config fuzz: one field of each JSON type in each file."""
     picked = {("target", ("num_key_value_heads",)), ("target", ("rms_norm_eps",)), ("target", ("hidden_act",)),
