@@ -33,7 +33,7 @@ from dflash_jax.io.hybrid_checkpoint import hybrid_ignored, hybrid_tensor_spec
 from dflash_jax.models.target import Target
 from dflash_jax.io import moe_checkpoint
 from dflash_jax.io.dflash2_checkpoint import read_other_config
-from dflash_jax.io.errors import CheckpointError, parse_dtype
+from dflash_jax.io.errors import CheckpointError, parse_dtype, some_names
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,12 +140,6 @@ def _torch_shape(spec_to_torch: Convert, shape: tuple[int, ...]) -> tuple[int, .
     return tuple(jax.eval_shape(spec_to_torch, jax.ShapeDtypeStruct(shape, jnp.float32)).shape)
 
 
-def _unused(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:4])
-    more = f" and {len(names) - 4} more ({len(names)} in all)" if len(names) > 4 else ""
-    return shown + more
-
-
 def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str, dtype,
               ignored: Callable[[str], bool] = lambda name: False, config: TargetConfig | None = None,
               spec: Callable[[tuple, tuple[int, ...]], tuple[str, Convert, Convert]] = _tensor_spec) -> nnx.Module:
@@ -217,7 +211,7 @@ def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str,
     if unused:
         where = files[unused[0]] if len({files[n] for n in unused}) == 1 else directory
         raise CheckpointError(
-            f"{where}: the checkpoint holds tensors that the config uses nowhere: {_unused(unused)} "
+            f"{where}: the checkpoint holds tensors that the config uses nowhere: {some_names(unused)} "
             "(does config.json describe this checkpoint: num_hidden_layers, tie_word_embeddings, biases?)"
         )
     return nnx.merge(graphdef, nnx.from_flat_state(filled))

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from dflash_jax.models.config import ModelConfigError, read_config_json
+from dflash_jax.models.config import ModelConfigError, _field, read_config_json
 from dflash_jax.models.dflash2 import DFlash2Config, dflash2_config_from_dict, is_dflash2_config
 
 # Verifier tensors a speculators checkpoint may carry; the drafter here uses the target's own.
@@ -84,7 +84,8 @@ def _verifier_depth(data: dict, source: str) -> int | None:
     """The target's layer count, which a speculators config does not record: read from the verifier's
     config.json when ``speculators_config.verifier.name_or_path`` is a local directory (else None: the
     taps bound it from below, and the engine refuses a target of another depth, naming both)."""
-    verifier = (data.get("speculators_config") or {}).get("verifier") or {}
+    speculators = _field(data, "speculators_config", source, dict, {}, nullable=True)
+    verifier = speculators.get("verifier") or {}
     path = verifier.get("name_or_path") if isinstance(verifier, dict) else None
     if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
         return None

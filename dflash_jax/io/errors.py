@@ -1,4 +1,5 @@
-"""What the checkpoint readers share: their error class and the names of the dtypes they load into."""
+"""What the checkpoint readers share: their error class, the names of the dtypes they load into, and how
+an error lists tensor names."""
 
 from __future__ import annotations
 
@@ -10,6 +11,13 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 class CheckpointError(ValueError):
     """A checkpoint cannot be used: unreadable, incomplete, or not fitting its config; the message names
     the file and the tensor. The one class of both loaders (``io.orbax`` raises it too)."""
+
+
+def some_names(names: list[str]) -> str:
+    """The first few of ``names`` and how many in all, for an error about a long list of tensors."""
+    shown = ", ".join(repr(n) for n in names[:4])
+    more = f" and {len(names) - 4} more ({len(names)} in all)" if len(names) > 4 else ""
+    return shown + more
 
 
 def parse_dtype(dtype) -> jnp.dtype:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from dflash_jax.io.errors import CheckpointError, parse_dtype
+from dflash_jax.io.errors import CheckpointError, parse_dtype, some_names
 from dflash_jax.models.config import DrafterConfig, drafter_config_from_dict, read_config_json
 from dflash_jax.models.dflash2 import DFlash2Config, DFlash2Drafter, dflash2_config_from_dict, is_dflash2_config
 from dflash_jax.models.drafter import Drafter
@@ -96,6 +96,7 @@ def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype
         elif step not in manager.all_steps():
             raise FileNotFoundError(f"{run_dir / CHECKPOINTS}: no checkpoint of step {step} "
                                     f"(steps: {list(manager.all_steps()) or 'none'})")
+        _check_params_fit(manager, step, params, run_dir)
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
             params,
@@ -108,6 +109,35 @@ def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype
         manager.close()
     loaded = jax.tree.map(lambda x: jnp.asarray(x, dt), restored.params)
     return nnx.merge(graphdef, loaded, _concrete_rest(config, rest))
+
+
+def _param_shapes(tree) -> dict[str, tuple[int, ...]]:
+    """Parameter name (``layers.0.self_attn.k_proj``) -> shape, for the abstract params or Orbax's metadata."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value"): tuple(leaf.shape)
+            for path, leaf in flat}
+
+
+def _check_params_fit(manager: ocp.CheckpointManager, step: int, params, run_dir: Path) -> None:
+    """Refuses a step whose stored parameters are not the ones ``drafter_config.json`` builds, naming the
+    parameter: Orbax's own refusal names neither it nor the config."""
+    try:
+        stored = _param_shapes(manager.item_metadata(step)["params"])
+    except Exception:  # unreadable metadata: left to the restore, whose error names the damage
+        return
+    wanted = _param_shapes(params)
+    config = run_dir / DRAFTER_CONFIG
+    where = run_dir / CHECKPOINTS / str(step)
+    for name, shape in wanted.items():
+        if name not in stored:
+            raise CheckpointError(f"{where}: parameter {name!r} is missing from the checkpoint (does {config} "
+                                  "describe this run?)")
+        if stored[name] != shape:
+            raise CheckpointError(f"{where}: parameter {name!r} has shape {stored[name]}, which does not fit "
+                                  f"{config} (expected {shape})")
+    if unused := sorted(set(stored) - set(wanted)):
+        raise CheckpointError(f"{where}: the checkpoint holds parameters that {config} uses nowhere: "
+                              f"{some_names(unused)}")
 
 
 def _concrete_rest(config: DrafterConfig, rest):

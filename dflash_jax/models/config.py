@@ -419,7 +419,7 @@ def _moe_fields(data: dict, model_type: str, source: str) -> dict[str, Any]:
 
 
 def target_config_from_dict(data: dict[str, Any], source: str = "config.json") -> TargetConfig:
-    model_type = data.get("model_type")
+    model_type = _field(data, "model_type", source, str)
     if model_type not in SUPPORTED_TARGETS:
         raise ModelConfigError(
             f"{source}: model_type {_describe(model_type)} is not supported (supported: {', '.join(SUPPORTED_TARGETS)})"

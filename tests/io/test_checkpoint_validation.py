@@ -158,8 +158,8 @@ def test_tied_head_must_be_a_copy_of_the_table(pair, tmp_path):
 # ------------------------------------------------------------------------------------------- config
 
 
-def _edit_config(directory: Path, *path_value_pairs, **changes):
-    cfg = json.loads((directory / "config.json").read_text())
+def _edit_config(directory: Path, *path_value_pairs, file: str = "config.json", **changes):
+    cfg = json.loads((directory / file).read_text())
     for key, value in changes.items():
         cfg[key] = value
     for path, value in path_value_pairs:
@@ -167,7 +167,7 @@ def _edit_config(directory: Path, *path_value_pairs, **changes):
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = value
-    (directory / "config.json").write_text(json.dumps(cfg))
+    (directory / file).write_text(json.dumps(cfg))
 
 
 def _wrong_values(value, field):
@@ -254,6 +254,15 @@ def test_fields_are_checked_not_coerced(pair, tmp_path, kind, path, bad, field):
     with pytest.raises(ModelConfigError) as err:
         load(case)
     assert str(case / "config.json") in str(err.value) and field in str(err.value), str(err.value)
+
+
+def test_a_target_config_without_model_type_is_named(pair, tmp_path):
+    case = _copy(pair["target_dir"], tmp_path / "target")
+    cfg = json.loads((case / "config.json").read_text())
+    del cfg["model_type"]
+    (case / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=f"^{case}/config.json: missing field 'model_type'$"):
+        load_target(case)
 
 
 def test_config_fuzz_subset(pair, tmp_path):
@@ -356,6 +365,56 @@ def test_damaged_run_drafter_config_is_named(tmp_path, capsys):
     assert train_cli.main(["export", "--checkpoint", str(run), "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {run}/drafter_config.json: invalid JSON") and "\n" not in err, err
+
+
+@pytest.fixture(scope="module")
+def run_dir(pair, tmp_path_factory):
+    """A training run of ``pair``'s drafter: drafter_config.json and the params of step 5."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    run = tmp_path_factory.mktemp("run")
+    shutil.copy(pair["drafter_dir"] / "config.json", run / "drafter_config.json")
+    params = nnx.state(load_drafter(pair["drafter_dir"]), nnx.Param)
+    manager = ocp.CheckpointManager(run / "checkpoints", item_handlers={"params": ocp.StandardCheckpointHandler()})
+    manager.save(5, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+    manager.close()
+    return run
+
+
+@pytest.mark.parametrize("path, value, message", [
+    (("intermediate_size",), 64, r"parameter 'layers.0.mlp.down_proj' has shape \(96, 48\), which does not fit "
+                                 r"{config} \(expected \(64, 48\)\)"),
+    (("dflash_config", "target_layer_ids"), [1], r"parameter 'fc' has shape \(96, 48\), .* \(expected \(48, 48\)\)"),
+    (("num_hidden_layers",), 2, r"parameter 'layers.1.input_layernorm.weight' is missing from the checkpoint "
+                                r"\(does {config} describe this run\?\)"),
+])
+def test_a_run_whose_drafter_config_does_not_fit_its_params_names_the_parameter(run_dir, tmp_path, path, value,
+                                                                               message):
+    from dflash_jax.io.orbax import load_drafter_from_orbax
+
+    run = _copy(run_dir, tmp_path / "run")
+    _edit_config(run, (path, value), file="drafter_config.json")
+    with pytest.raises(CheckpointError, match=f"^{run}/checkpoints/5: " + message.format(
+            config=f"{run}/drafter_config.json")):
+        load_drafter_from_orbax(run)
+
+
+@pytest.mark.parametrize("value", ["verifier", [1]])
+def test_a_speculators_config_that_is_no_object_is_named(value):
+    from dflash_jax.io.dflash2_checkpoint import speculators_config_from_dict
+    from dflash_jax.models.dflash2 import dflash2_config_to_dict
+    from dflash_jax.tiny import tiny_dflash2_config, tiny_target_config
+
+    layer = dflash2_config_to_dict(tiny_dflash2_config(tiny_target_config(), num_layers=1))
+    dflash = layer.pop("dflash_config")
+    data = {"speculators_model_type": "dflash2", "transformer_layer_config": layer,
+            "aux_hidden_state_layer_ids": dflash["target_layer_ids"], "mask_token_id": dflash["mask_token_id"],
+            "speculators_config": {"verifier": {"name_or_path": "Qwen/Qwen3-8B"}}}
+    assert speculators_config_from_dict(data, "d/config.json").num_target_layers == max(dflash["target_layer_ids"]) + 1
+    data["speculators_config"] = value
+    with pytest.raises(ModelConfigError, match=r"^d/config.json: field 'speculators_config' must be an object"):
+        speculators_config_from_dict(data, "d/config.json")
 
 
 def test_engine_refuses_a_drafter_of_another_hidden_size(pair):
