@@ -52,6 +52,7 @@ from dflash_jax.ops import topk
 VERIFY_MODES = ("exact", "rejection")
 MAX_SEED = 2**64  # seeds are unsigned 64-bit: two uint32 words of a threefry key
 MAX_TOP_K_CANDIDATES = 1024  # rows with a larger top-k take the whole-row sort
+_INT32_MAX = int(np.iinfo(np.int32).max)  # the rows' integer parameters are int32 on the device
 
 # Streams of keyed randomness per (seed, position): the token draw, rejection sampling's acceptance
 # uniform and its residual draw.
@@ -242,13 +243,15 @@ def row_arrays(params: Sequence[SamplingParams], rows: int, vocab: int, prompt_l
         "bias": np.zeros((rows, vocab), np.float32),
     }
     for i, (p, n) in enumerate(zip(params, prompt_lens)):
+        # A top_k past the vocabulary keeps every token, as the vocabulary's size does; the bound keeps
+        # any request's value in int32 (numpy raises OverflowError, failing the whole admission).
         out["temperature"][i], out["top_p"][i], out["top_k"][i], out["min_p"][i] = (
-            p.temperature, p.top_p, p.top_k, p.min_p)
+            p.temperature, p.top_p, min(p.top_k, vocab), p.min_p)
         seed = p.seed or 0
         out["seeds"][i] = (seed >> 32, seed & 0xFFFFFFFF)
         out["presence"][i], out["frequency"][i], out["repetition"][i] = (
             p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-        out["min_end"][i] = n + p.min_tokens
+        out["min_end"][i] = min(n + p.min_tokens, _INT32_MAX)  # past any row's length: blocks stop ids throughout
         out["rejection"][i] = p.verify == "rejection"
         for token, bias in (p.logit_bias or {}).items():
             out["bias"][i, token] = bias

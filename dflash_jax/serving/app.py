@@ -343,6 +343,13 @@ def _submit(ctx: ServerContext, prompts: list[list[int]], max_tokens: list[int],
     the ``TextStream`` of its choice's text. With stop strings the
     text is decoded on the scheduler's thread, where the stream is the row's stop check, and each
     ``("tokens", ...)`` event carries ``(ids, text)``; without, on the event loop (``_tokens_event``)."""
+    most = ctx.scheduler.max_waiting
+    if len(prompts) * params.n > most:  # a 503 would tell the client to retry what never fits
+        if len(prompts) == 1:
+            raise P.invalid(f"'n' is {P.echo(params.n)}; this server queues at most {most} choices at once",
+                            param="n", code="too_many_prompts")
+        raise P.invalid(f"'prompt' has {len(prompts)} prompts of {P.echo(params.n)} choices; this server queues at "
+                        f"most {most} at once", param="prompt", code="too_many_prompts")
     stop = _stop_ids(ctx, params)
     choices = _choice_sampling(ctx, params)
     sampling = [sp for _ in prompts for sp in choices]
@@ -487,9 +494,6 @@ async def _completions(ctx: ServerContext, request: Request) -> Response:
         if not ids:
             raise P.invalid("'prompt' encodes to no tokens", param="prompt", code="empty_prompt")
         prompts.append(ids)
-    if len(prompts) * params.n > ctx.scheduler.max_waiting:  # a 503 would tell the client to retry what never fits
-        raise P.invalid(f"'prompt' has {len(prompts)} prompts of {params.n} choices; this server queues at most "
-                        f"{ctx.scheduler.max_waiting} at once", param="prompt", code="too_many_prompts")
     echo_logprobs = req.echo and params.sampling.logprobs is not None
     if echo_logprobs and not getattr(ctx.scheduler.engine, "records_prompt_logprobs", False):
         raise P.unsupported("echo", True, "this engine does not compute prompt logprobs; send echo without logprobs")

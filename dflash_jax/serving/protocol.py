@@ -142,7 +142,14 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    """A JSON number that is a finite float: sampling fields become floats, and an integer past a
+    float's range (JSON allows any) makes ``math.isfinite`` and ``float`` raise ``OverflowError``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _expect(body: dict, name: str, check, what: str, default: Any = None, *, nullable: bool = True) -> Any:
@@ -249,21 +256,21 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
 
 def _sampling(body: dict) -> SamplingParams:
     """The request's sampling fields as ``SamplingParams`` (logprobs left to the endpoint)."""
-    temperature = _expect(body, "temperature", _is_number, "a number")
+    temperature = _expect(body, "temperature", _is_number, "a finite number")
     if temperature is not None and not 0 <= temperature <= 2:
         raise invalid(f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
-    top_p = _expect(body, "top_p", _is_number, "a number")
+    top_p = _expect(body, "top_p", _is_number, "a finite number")
     if top_p is not None and not 0 < top_p <= 1:
         raise invalid(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
     top_k = _expect(body, "top_k", _is_int, "an integer")
     if top_k is not None and top_k < -1:
         raise invalid(f"'top_k' must be -1 or 0 (off) or positive, got {echo(top_k)}", param="top_k")
-    min_p = _expect(body, "min_p", _is_number, "a number")
+    min_p = _expect(body, "min_p", _is_number, "a finite number")
     if min_p is not None and not 0 <= min_p <= 1:
         raise invalid(f"'min_p' must be in [0, 1], got {min_p}", param="min_p")
     penalties = {}
     for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("repetition_penalty", 0, None)):
-        value = _expect(body, name, _is_number, "a number")
+        value = _expect(body, name, _is_number, "a finite number")
         if value is not None:
             if value < low or (high is not None and value > high) or (name == "repetition_penalty" and value == 0):
                 bounds = f"in [{low}, {high}]" if high is not None else "> 0"

@@ -221,6 +221,15 @@ def test_flags_compile_in_only_what_the_rows_use():
     assert sizes == [64, 128, 1024]
 
 
+def test_row_arrays_take_a_top_k_and_min_tokens_past_int32():
+    """A request's top_k past the vocabulary keeps every token and its min_tokens past any length blocks
+    stop ids throughout: both fit the device's int32 rows instead of failing the admission."""
+    big = SamplingParams(temperature=1.0, top_k=10 ** 12, min_tokens=10 ** 40)
+    arrays = smp.row_arrays([big, SamplingParams(temperature=1.0, top_k=5, min_tokens=2)], 2, 100, [3, 4])
+    assert arrays["top_k"].tolist() == [100, 5]
+    assert arrays["min_end"].tolist() == [np.iinfo(np.int32).max, 6]
+
+
 def test_a_top_k_above_the_candidates_gets_enough_of_them():
     logits = np.random.RandomState(11).randn(2, 3000).astype(np.float32)
     flags = SamplingFlags.of([SamplingParams(temperature=1.0, top_k=100, top_p=0.5)], 20)

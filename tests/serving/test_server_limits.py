@@ -1,5 +1,5 @@
 """The server against slow and hostile clients: header and body timeouts, the connection limit, huge
-prompts, shutdown past its timeout, error bodies, and the compilation cache's directory.
+prompts, shutdown past its timeout, error bodies, numbers out of range, and the compilation cache's directory.
 
 Every test runs uvicorn on 127.0.0.1 (a free port, a background thread) with ``FakeEngine`` and
 short limits, and stops by itself.
@@ -319,6 +319,38 @@ def test_error_bodies_show_no_server_paths_and_clip_echoed_values(tmp_path, toke
                        400, "chat_template_error")
         assert "no chat template" in err["message"] and str(tmp_path) not in err["message"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+# ----------------------------------------------------------------------------------------- out-of-range values
+
+
+@pytest.fixture(scope="module")
+def client(tokenizer):
+    app = create_app(fake_engine(), tokenizer, model_name="tiny", max_length=MAX_LENGTH, vocab_size=MODEL_VOCAB)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        yield c
+
+
+HUGE = 10 ** 400  # valid JSON, past a float's range
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("path, body, code, param", [
+    *(("/v1/chat/completions", {**CHAT, name: value}, "invalid_type", name)
+      for name, value in (("temperature", HUGE), ("top_p", HUGE), ("min_p", -HUGE), ("presence_penalty", HUGE),
+                          ("frequency_penalty", -HUGE), ("repetition_penalty", HUGE))),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": HUGE}}, "invalid_value", "logit_bias"),
+    # more choices than the server ever queues: a 400 (a 503 says to retry), before they are built
+    ("/v1/chat/completions", {**CHAT, "n": 5000}, "too_many_prompts", "n"),
+    ("/v1/chat/completions", {**CHAT, "n": HUGE}, "too_many_prompts", "n"),
+    ("/v1/completions", {"prompt": "hi", "n": HUGE}, "too_many_prompts", "n"),
+], ids=lambda v: v if isinstance(v, str) and not v.startswith("/") else None)
+def test_numbers_out_of_range_are_400_naming_the_field(client, path, body, code, param):
+    t0 = time.monotonic()
+    err = error_of(client.post(path, json=body), 400, code)
+    assert err["param"] == param and len(err["message"]) < 600 and time.monotonic() - t0 < 2.0, err
+    r = client.post("/v1/completions", json={"prompt": [10, 11], "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 # ----------------------------------------------------------------------------------------- settings
