@@ -83,8 +83,12 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
                 raise ValueError(f"SamplingParams.{name} must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"SamplingParams.{name} must be finite, got {value}")
+            try:
+                finite = math.isfinite(value)
+            except OverflowError:  # an int past a float's range
+                finite = False
+            if not finite:
+                raise ValueError(f"SamplingParams.{name} must be finite, got {str(value):.40}")
             return float(value)
 
         def integer(name: str, value) -> int:

@@ -189,6 +189,7 @@ def test_block_counts_see_the_earlier_drafts_as_generated():
     ("min_tokens", -1, "min_tokens must be >= 0"), ("logprobs", -1, "logprobs must be None or >= 0"),
     ("verify", "greedy", "verify must be one of"), ("temperature", float("nan"), "must be finite"),
     ("top_k", 2.5, "top_k must be an integer"), ("temperature", "hot", "temperature must be a number"),
+    pytest.param("temperature", 10**400, "temperature must be finite", id="temperature-past-float-range"),
 ])
 def test_sampling_params_refuse_bad_values_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
