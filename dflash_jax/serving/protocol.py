@@ -279,10 +279,10 @@ def _sampling(body: dict) -> SamplingParams:
     logit_bias = _expect(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
     bias = {}
     for key, value in (logit_bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise invalid(f"'logit_bias' keys must be token ids, got {echo(key)}", param="logit_bias") from None
+        # Plain ASCII digits only: int() also reads "1_0" (10), " 5" and other scripts' digits.
+        if not re.fullmatch(r"-?[0-9]+", key):
+            raise invalid(f"'logit_bias' keys must be token ids, got {echo(key)}", param="logit_bias")
+        token = int(key)
         if token < 0:
             raise invalid(f"'logit_bias' has a negative token id {token}", param="logit_bias",
                           code="invalid_token_id")

@@ -383,6 +383,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "logprobs": 6}, "invalid_value", "logprobs"),
     ({"prompt": "hi", "echo": True, "logprobs": 1}, "unsupported_parameter", "echo"),
     ({"prompt": "hi", "logit_bias": {"x": 5}}, "invalid_value", "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"1_0": 5}}, "invalid_value", "logit_bias"),  # int() reads it as 10
+    ({"prompt": "hi", "logit_bias": {" 5": 5}}, "invalid_value", "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"1": 101}}, "invalid_value", "logit_bias"),
     ({"prompt": "hi", "logit_bias": {str(MODEL_VOCAB): 1}}, "invalid_token_id", "logit_bias"),
     ({"prompt": "hi", "suffix": "x"}, "unsupported_parameter", "suffix"),
