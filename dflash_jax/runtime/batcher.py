@@ -80,12 +80,14 @@ class RowSnapshot:
 def _integers(values: Any, what: str) -> list[int]:
     """``values`` as Python ints, refusing what is not an integer (numpy's are): ``int()`` truncated
     token ids like 1.5 to 1 and read strings ("7", and "hello" failed as a bad literal)."""
+    ids = []
     try:
-        ids = [operator.index(v) for v in values]
+        for v in values:  # one pass: ``values`` may be an iterator
+            if isinstance(v, (bool, np.bool_)):  # True is 1 to operator.index
+                raise ValueError(f"{what} must be integers (token ids), not booleans: got {values!r:.100}")
+            ids.append(operator.index(v))
     except TypeError:
         raise ValueError(f"{what} must be integers (token ids), got {values!r:.100}") from None
-    if any(isinstance(v, (bool, np.bool_)) for v in values):  # True is 1 to operator.index
-        raise ValueError(f"{what} must be integers (token ids), not booleans: got {values!r:.100}")
     return ids
 
 
