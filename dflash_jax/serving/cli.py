@@ -8,7 +8,8 @@ Settings come from ``--config`` (default ``configs/serve.yaml`` beside this file
 ``dflash_jax/serving/settings.py``), then ``--set section.key=value``, then the flags.
 
 Batch mode: each input line is a JSON object with one of ``prompt_ids`` (token ids), ``prompt`` (text,
-encoded with the tokenizer's special tokens) or ``messages`` (the chat template is applied), and an
+encoded with the tokenizer's special tokens) or ``messages`` (checked as the server checks a chat
+request's, then the chat template is applied), and an
 optional ``max_new_tokens`` (the prompt plus it must fit ``--max-length``; the default,
 ``--max-new-tokens``, is capped to fit) and ``stop`` (stop strings, a string or a list; default
 ``generate.stop``: the text is cut before the first, the ids after the one that completed it) and
@@ -489,11 +490,14 @@ def prompt_of(row: dict[str, Any], where: str, tokenizer, cfg) -> tuple[list[int
                 raise CLIError(f"{where}: 'prompt' must be a non-empty string")
             ids = tokenizer.encode(value, add_special_tokens=True)
         else:
-            if not isinstance(value, list) or not value or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
-                raise CLIError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+            from dflash_jax.serving.protocol import APIError, parse_messages
+
+            try:  # the server's checks, so a line is read as the same chat request would be
+                messages = parse_messages(value)
+            except APIError as err:
+                raise CLIError(f"{where}: {err.message}") from None
             try:
-                ids = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                     **cfg.generate.chat_template_kwargs)
             except (ChatTemplateError, TokenizerError) as err:
                 raise CLIError(f"{where}: {err}") from None

@@ -406,6 +406,9 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
 
 
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"})
+# The roles a chat template is written for (OpenAI's, less the deprecated "function" of function calling,
+# which this server does not implement).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _message(i: int, m: Any) -> dict[str, Any]:
@@ -418,8 +421,11 @@ def _message(i: int, m: Any) -> dict[str, Any]:
         raise invalid(f"unknown field(s) {_names(bad)} in '{where}'", param="messages", code="unknown_field")
     role = m.get("role")
     if not isinstance(role, str) or not role:
-        raise invalid(f"'{where}.role' must be a non-empty string, got {_type_name(role)}", param="messages",
+        raise invalid(f"'{where}.role' must be a non-empty string, got {_type_name(role)}", param=f"{where}.role",
                       code="invalid_type")
+    if role not in CHAT_ROLES:
+        raise invalid(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {echo(role)}",
+                      param=f"{where}.role")
     content = m.get("content")
     if isinstance(content, list):  # OpenAI content parts: only text is supported, joined by newlines
         texts = []
@@ -446,9 +452,10 @@ def _message(i: int, m: Any) -> dict[str, Any]:
     return out
 
 
-def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    _check_unknown(body, CHAT_FIELDS, "/v1/chat/completions")
-    messages = body.get("messages")
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """A chat's ``messages`` checked (each an object of known fields, a known role and text content)
+    and as the chat template takes them (content parts joined); an ``APIError`` names the bad field.
+    The server's chat requests and ``serve.py generate``'s input lines both read messages here."""
     if messages is None:
         raise invalid("'messages' is required", param="messages", code="missing_field")
     if not isinstance(messages, list):
@@ -456,7 +463,12 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
                       code="invalid_type")
     if not messages:
         raise invalid("'messages' must not be empty", param="messages", code="empty_prompt")
-    messages = [_message(i, m) for i, m in enumerate(messages)]
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    _check_unknown(body, CHAT_FIELDS, "/v1/chat/completions")
+    messages = parse_messages(body.get("messages"))
 
     params = _common(body, max_tokens_fields=("max_tokens", "max_completion_tokens"))
     logprobs = _expect(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")

@@ -410,7 +410,11 @@ BAD_CHATS = [
     ({"messages": "hi"}, "invalid_type", "messages"),
     ({"messages": ["hi"]}, "invalid_type", "messages"),
     ({"messages": [{"role": "user"}]}, "missing_field", "messages"),
-    ({"messages": [{"content": "x"}]}, "invalid_type", "messages"),
+    ({"messages": [{"content": "x"}]}, "invalid_type", "messages[0].role"),
+    ({"messages": [{"role": "", "content": "x"}]}, "invalid_type", "messages[0].role"),
+    ({"messages": [*GOOD_MSG, {"role": "robot", "content": "x"}]}, "invalid_value", "messages[1].role"),
+    ({"messages": [{"role": "User", "content": "x"}]}, "invalid_value", "messages[0].role"),
+    ({"messages": [{"role": "function", "name": "f", "content": "x"}]}, "invalid_value", "messages[0].role"),
     ({"messages": [{"role": "user", "content": 3}]}, "invalid_type", "messages"),
     ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "unknown_field", "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -473,6 +477,28 @@ def test_bad_input_is_400_and_the_server_keeps_serving(fake, tokenizer):
     assert r.status_code == 200 and r.json()["choices"][0]["prompt_token_ids"] == tokenizer.encode("\U0001f642 hi")
     metrics = client.get("/metrics").text
     assert 'dflash_http_requests_total{model="tiny",endpoint="/v1/completions",status="400"}' in metrics
+
+
+def test_an_unknown_message_role_is_400_naming_the_field(fake, tokenizer):
+    """Messages take OpenAI's roles (less function calling's "function"): another role reached the chat
+    template, which rendered it as it pleased or dropped it. The error names the field and the roles."""
+    engine, client, _ = fake
+    calls = len(engine.prefills)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "robot", "content": "beep"}]
+    for streaming in (False, True):
+        err = assert_error(_post(client, "/v1/chat/completions", {"messages": messages, "stream": streaming}), 400,
+                           "invalid_value", "messages[2].role")
+        assert err["type"] == "invalid_request_error"
+        assert err["message"] == ("'messages[2].role' must be one of system, developer, user, assistant, tool, "
+                                  'got "robot"')
+    assert len(engine.prefills) == calls  # nothing reached the engine
+    # Every supported role is served, empty content too.
+    for role in ("system", "developer", "user", "assistant", "tool"):
+        messages = [{"role": role, "content": ""}, {"role": "user", "content": "hi"}]
+        r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "return_token_ids": True})
+        assert r.status_code == 200, (role, r.text)
+        assert r.json()["prompt_token_ids"] == tokenizer.apply_chat_template(messages)
 
 
 def test_engine_error_is_500_and_the_server_keeps_serving(fake, tokenizer):
