@@ -20,6 +20,10 @@ def models(tmp_path_factory):
     ([[1, 2, 3], [4]], ValueError, "rows of equal length"),
     ([[]], ValueError, r"non-empty .*shape \(1, 0\)"),
     ([[1.5, 2.0]], TypeError, "input_ids must be integer token ids"),
+    ([[True, False]], TypeError, "input_ids must be integer token ids, got bool"),
+    # numpy reads a boolean among ints as the id 0 or 1: refused wherever it sits
+    ([[1, 2], [3, True]], ValueError, r"input_ids\[1\] must be integers \(token ids\), not booleans: got \[3, True\]"),
+    ([[np.bool_(False), 2]], ValueError, r"input_ids\[0\] must be integers \(token ids\), not booleans"),
     ([[1, -2]], ValueError, r"input_ids has token ids outside \[0, "),
     ([[1, 10**6]], ValueError, r"input_ids has token ids outside \[0, "),
 ])
@@ -47,6 +51,7 @@ def test_draft_logits_refuses_bad_arguments(models):
         (dict(context_ids=[]), ValueError, r"context_ids must be non-empty token ids \[seq\]"),
         (dict(context_ids=[[1, 2, 3]]), ValueError, r"context_ids must be non-empty token ids \[seq\], got shape"),
         (dict(context_ids="abc"), TypeError, "got a string"),
+        (dict(context_ids=[1, True, 3]), ValueError, r"context_ids must be integers \(token ids\), not booleans"),
         (dict(context_ids=[1, vocab]), ValueError, "context_ids has token ids outside"),
         (dict(anchor_id=[5]), ValueError, "anchor_id must be one token id"),
         (dict(anchor_id=vocab), ValueError, "anchor_id must be one token id"),

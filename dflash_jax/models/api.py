@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +38,25 @@ def _check_target(target, where: str) -> None:
         raise TypeError(f"{where}: target must be a target model (dflash_jax.load_target), got {type(target).__name__}")
 
 
+def token_id_list(values: Any, what: str) -> list[int]:
+    """``values`` as Python ints, refusing what is not an integer (numpy's are) and booleans, which
+    ``operator.index`` and numpy take as 0 and 1: ``int()`` truncated token ids like 1.5 to 1 and read
+    strings ("7", and "hello" failed as a bad literal). A ``ValueError`` names ``what``."""
+    ids = []
+    try:
+        for v in values:  # one pass: ``values`` may be an iterator
+            if isinstance(v, (bool, np.bool_)):
+                raise ValueError(f"{what} must be integers (token ids), not booleans: got {values!r:.100}")
+            ids.append(operator.index(v))
+    except TypeError:
+        raise ValueError(f"{what} must be integers (token ids), got {values!r:.100}") from None
+    return ids
+
+
 def _token_ids(values, name: str, ndim: int, vocab_size: int) -> jax.Array:
     """``values`` as int32 token ids of ``ndim`` dimensions, none empty, each in ``[0, vocab_size)``: a
-    float or out-of-range id would be truncated or read past the embedding table (NaN logits)."""
+    float or out-of-range id would be truncated or read past the embedding table (NaN logits), and a
+    boolean in a list of ints taken as the id 0 or 1."""
     shape = "[batch, seq]" if ndim == 2 else "[seq]"
     if isinstance(values, (str, bytes)):
         raise TypeError(f"{name} must be token ids {shape}, got a string (encode text with a Tokenizer)")
@@ -52,6 +68,9 @@ def _token_ids(values, name: str, ndim: int, vocab_size: int) -> jax.Array:
         raise TypeError(f"{name} must be integer token ids, got {ids.dtype} values {values!r:.100}")
     if ids.ndim != ndim or ids.size == 0:
         raise ValueError(f"{name} must be non-empty token ids {shape}, got shape {ids.shape}")
+    if not isinstance(values, (np.ndarray, jax.Array)):  # nested lists: numpy made their booleans ints
+        for i, row in enumerate(values if ndim == 2 else [values]):
+            token_id_list(row, f"{name}[{i}]" if ndim == 2 else name)
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise ValueError(f"{name} has token ids outside [0, {vocab_size})")
     return jnp.asarray(ids, jnp.int32)

@@ -45,13 +45,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import operator
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import numpy as np
 
+from dflash_jax.models.api import token_id_list
 from dflash_jax.runtime.pages import PageAllocator, PageStats
 from dflash_jax.runtime.sampling import GREEDY, SamplingFlags, SamplingParams
 from dflash_jax.runtime.speculation import AcceptanceEstimate, Choice, SpeculationPolicy
@@ -75,20 +75,6 @@ class RowSnapshot:
     logprob: jax.Array | None = None       # [batch, capacity + 1] float32
     top_ids: jax.Array | None = None       # [batch, capacity + 1, k] int32
     top_logprobs: jax.Array | None = None  # [batch, capacity + 1, k] float32
-
-
-def _integers(values: Any, what: str) -> list[int]:
-    """``values`` as Python ints, refusing what is not an integer (numpy's are): ``int()`` truncated
-    token ids like 1.5 to 1 and read strings ("7", and "hello" failed as a bad literal)."""
-    ids = []
-    try:
-        for v in values:  # one pass: ``values`` may be an iterator
-            if isinstance(v, (bool, np.bool_)):  # True is 1 to operator.index
-                raise ValueError(f"{what} must be integers (token ids), not booleans: got {values!r:.100}")
-            ids.append(operator.index(v))
-    except TypeError:
-        raise ValueError(f"{what} must be integers (token ids), got {values!r:.100}") from None
-    return ids
 
 
 def _is_ready(tree: Any) -> bool:
@@ -308,8 +294,8 @@ class ContinuousBatcher:
         its time to first token. ``name`` names the prompt in errors.
         """
         config = self.engine.config
-        prompt = _integers(prompt_ids, name)
-        stops = tuple(sorted(set(_integers(() if stop_token_ids is None else stop_token_ids, "stop_token_ids"))))
+        prompt = token_id_list(prompt_ids, name)
+        stops = tuple(sorted(set(token_id_list(() if stop_token_ids is None else stop_token_ids, "stop_token_ids"))))
         if not isinstance(max_new_tokens, (int, np.integer)):  # int() truncated 4.5
             raise ValueError(f"max_new_tokens for {name} must be an integer, got {max_new_tokens!r}")
         vocab = self.engine.vocab_size
