@@ -176,7 +176,9 @@ def run_demo(num_prompts: int = 8, max_new_tokens: int = 96, block_sizes: Sequen
                          block_sizes=block_sizes, calibration=calibration, warmed_up=warmed_up,
                          temperatures=temperatures, drafter2=drafter2)
         report["pair"] = f"the embedded default pair ({embedded.EMBEDDED_DIR})"
-        report["what"] = "held-out stdlib prompts (signatures and docstrings)"
+        report["what"] = ("held-out stdlib prompts (signatures and docstrings, and chat requests)"
+                          if tokenizer.chat_template else
+                          "held-out stdlib prompts (signatures and docstrings)")
         report["sample"] = (texts[0], tokenizer.decode(report["results"][0].output_ids))
         return report
     with tempfile.TemporaryDirectory() as tmp:
