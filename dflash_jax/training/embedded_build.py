@@ -327,11 +327,11 @@ class BuildSettings:
     target_overrides: tuple[str, ...] = ()
     drafter_overrides: tuple[str, ...] = ()  # the DFlash drafter's; the DFlash2 drafter's training starts with them
     drafter2_overrides: tuple[str, ...] = DRAFTER2_OVERRIDES  # after drafter_overrides: these win
-    num_prompts: int = 24576  # answered by the target for the drafter's training (drafter split)
+    num_prompts: int = 49152  # answered by the target for the drafter's training (drafter split)
     prompt_tokens: int = 32  # code prompts
     max_prompt_tokens: int = 96  # signature and chat prompts
     answer_tokens: int = 128
-    answer_batch: int = 512
+    answer_batch: int = 1024
     eval_prompts: int = 24
     eval_new_tokens: int = 128
     sample_tokens: int = 160
