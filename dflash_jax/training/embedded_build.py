@@ -313,7 +313,7 @@ STAGES = ("tokenizer", "target", "answers", "drafter", "drafter2", "eval")
 # target. A quarter of the DFlash learning rate (configs/embedded_drafter.yaml: 1.5e-3), for fewer steps:
 # the unary part starts trained (at the full rate its loss rose over the first 50 steps in the 1.8M-parameter
 # pair's DFlash2 training), and only the convolutions and the selector start from scratch.
-DRAFTER2_OVERRIDES = ("drafter.kind=dflash2", "drafter.selector_rank=128", "optim.lr=3.75e-4", "steps=1000")
+DRAFTER2_OVERRIDES = ("drafter.kind=dflash2", "drafter.selector_rank=128", "optim.lr=3.75e-4", "steps=700")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +327,7 @@ class BuildSettings:
     target_overrides: tuple[str, ...] = ()
     drafter_overrides: tuple[str, ...] = ()  # the DFlash drafter's; the DFlash2 drafter's training starts with them
     drafter2_overrides: tuple[str, ...] = DRAFTER2_OVERRIDES  # after drafter_overrides: these win
-    num_prompts: int = 49152  # answered by the target for the drafter's training (drafter split)
+    num_prompts: int = 32768  # answered by the target for the drafter's training (drafter split)
     prompt_tokens: int = 32  # code prompts
     max_prompt_tokens: int = 96  # signature and chat prompts
     answer_tokens: int = 128
