@@ -1,10 +1,12 @@
 """The embedded default pair shipped with the repository (``models/embedded/``).
 
-A small Qwen3-architecture code model (``DEFAULT_TARGET``, HF format + tokenizer files) pretrained here
-on the Python standard library's sources, and its DFlash drafter trained here on the target's own greedy
-answers, in z-lab format (``DEFAULT_DRAFTER``) and as the final Orbax training checkpoint
-(``DEFAULT_DRAFTER_ORBAX``, loadable with ``dflash_jax.load_drafter``); beside it a DFlash2 drafter
-(``DEFAULT_DRAFTER2``, the authors' DFlash2 format) trained the same way, starting from the DFlash one.
+A Qwen3-architecture code model (``DEFAULT_TARGET``, HF format + tokenizer files; safetensors possibly
+sharded) pretrained here on the Python standard library's sources, and its DFlash drafter trained here on
+the target's own greedy answers, in z-lab format (``DEFAULT_DRAFTER``) and, where the pair ships it, as
+the final Orbax training checkpoint (``DEFAULT_DRAFTER_ORBAX``, loadable with ``dflash_jax.load_drafter``);
+beside it a DFlash2 drafter (``DEFAULT_DRAFTER2``, the authors' DFlash2 format) trained the same way,
+starting from the DFlash one. A pair of the second-generation build also chats: its tokenizer carries a
+ChatML chat template and its target was pretrained on chat-formatted "write a function" requests too.
 Rebuild everything with ``bash scripts/build_embedded_default.sh`` (see ``docs/embedded_default.md``).
 """
 
@@ -15,26 +17,31 @@ from pathlib import Path
 EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "models" / "embedded"
 DEFAULT_TARGET = EMBEDDED_DIR / "target"
 DEFAULT_DRAFTER = EMBEDDED_DIR / "drafter"
-DEFAULT_DRAFTER_ORBAX = EMBEDDED_DIR / "drafter_orbax"
-DEFAULT_DRAFTER2 = EMBEDDED_DIR / "drafter2"  # the DFlash2 drafter
-HELDOUT_PROMPTS = EMBEDDED_DIR / "heldout_prompts.jsonl"  # {"prompt": ..., "source": ...} per line
+DEFAULT_DRAFTER_ORBAX = EMBEDDED_DIR / "drafter_orbax"  # the first-generation pair's; the build of today skips it
+DEFAULT_DRAFTER2 = EMBEDDED_DIR / "drafter2"  # the DFlash2 drafter (convolutions + candidate selector)
+HELDOUT_PROMPTS = EMBEDDED_DIR / "heldout_prompts.jsonl"  # {"prompt": ..., "source": ..., "kind"?: ...} per line
 EVAL_REPORT = EMBEDDED_DIR / "eval.json"
 SERVED_NAME = "dflash-embedded"  # the model id the server gives the pair (serve.py without --target)
 
 
+def _has_weights(directory: Path) -> bool:
+    return (directory / "model.safetensors").exists() or (directory / "model.safetensors.index.json").exists()
+
+
 def available() -> bool:
     """Whether the shipped pair is present (a source checkout; not in a wheel without models/)."""
-    return (DEFAULT_TARGET / "model.safetensors").exists() and (DEFAULT_DRAFTER / "model.safetensors").exists()
+    return _has_weights(DEFAULT_TARGET) and _has_weights(DEFAULT_DRAFTER)
 
 
 def drafter2_available() -> bool:
     """Whether the shipped pair has its DFlash2 drafter too."""
-    return available() and (DEFAULT_DRAFTER2 / "model.safetensors").exists()
+    return available() and _has_weights(DEFAULT_DRAFTER2)
 
 
 def load_default(dtype: str = "float32", orbax: bool = False, generation: int = 1):
-    """``(target, drafter, tokenizer)`` of the embedded default; ``generation=2``: with the DFlash2
-    drafter (``DEFAULT_DRAFTER2``) instead of the DFlash one."""
+    """``(target, drafter, tokenizer)`` of the embedded default (weights cast to ``dtype``);
+    ``generation=2``: with the DFlash2 drafter (``DEFAULT_DRAFTER2``) instead of the DFlash one;
+    ``orbax=True``: the DFlash drafter from its Orbax checkpoint (``DEFAULT_DRAFTER_ORBAX``)."""
     from dflash_jax.io.checkpoint import load_drafter, load_target
     from dflash_jax.io.tokenizer import Tokenizer
 
@@ -48,16 +55,22 @@ def load_default(dtype: str = "float32", orbax: bool = False, generation: int = 
     if generation == 2 and not drafter2_available():
         raise FileNotFoundError(f"{DEFAULT_DRAFTER2}: the embedded DFlash2 drafter is missing "
                                 "(bash scripts/build_embedded_default.sh --force drafter2 rebuilds it)")
+    if orbax and not DEFAULT_DRAFTER_ORBAX.is_dir():
+        raise FileNotFoundError(f"{DEFAULT_DRAFTER_ORBAX}: this pair ships no Orbax checkpoint of its drafter "
+                                "(the z-lab export, orbax=False, is the same drafter)")
     target = load_target(DEFAULT_TARGET, dtype=dtype)
     source = DEFAULT_DRAFTER2 if generation == 2 else DEFAULT_DRAFTER_ORBAX if orbax else DEFAULT_DRAFTER
     return target, load_drafter(source, dtype=dtype), Tokenizer(DEFAULT_TARGET)
 
 
-def heldout_prompts(limit: int | None = None) -> list[str]:
-    """Held-out prompts (function signatures + docstrings of held-out stdlib files) as text."""
+def heldout_prompts(limit: int | None = None, kind: str | None = None) -> list[str]:
+    """Held-out prompts as text: function signatures + docstrings of held-out stdlib files ("code") and,
+    for a pair with a chat template, chat requests rendered by it ("chat"); ``kind`` keeps one kind."""
     import json
 
     rows = [json.loads(line) for line in HELDOUT_PROMPTS.read_text().splitlines() if line.strip()]
+    if kind is not None:
+        rows = [r for r in rows if r.get("kind", "code") == kind]
     return [r["prompt"] for r in rows][:limit]
 
 

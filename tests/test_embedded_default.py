@@ -1,8 +1,11 @@
 """The shipped embedded default pair (models/embedded/, built by scripts/build_embedded_default.sh):
-the tokenizer loads with its EOS and mask tokens, the Orbax checkpoint holds the same drafter as the
-z-lab export, speculative decoding with the drafter gives the target's exact greedy output with
-tau well above 1 on held-out prompts, and the notebook runs; the DFlash2 drafter beside it loads from
-the authors' DFlash2 format with its config matching its tensors and gives the same exact output."""
+the tokenizer loads with its EOS and mask tokens (and, with a chat template, ChatML role tokens whose
+end-of-turn stops generation), every file fits the repository's transfer limits, the Orbax checkpoint
+(where the pair ships one) holds the same drafter as the z-lab export, speculative decoding with the
+drafter gives the target's exact greedy output with tau well above 1 on held-out prompts, and the
+notebook runs; the DFlash2 drafter beside it loads from the authors' DFlash2 format with its config
+matching its tensors and gives the same exact output. The checks of shape hold for any pair the build
+writes; the tau floors are the shipped pair's."""
 
 import json
 import os
@@ -12,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_jax.embedded import (DEFAULT_DRAFTER, DEFAULT_DRAFTER2, DEFAULT_DRAFTER_ORBAX, DEFAULT_TARGET, EVAL_REPORT,
-                                  available, drafter2_available, heldout_prompts)
+from dflash_jax.embedded import (DEFAULT_DRAFTER, DEFAULT_DRAFTER2, DEFAULT_DRAFTER_ORBAX, DEFAULT_TARGET, EMBEDDED_DIR,
+                                  EVAL_REPORT, available, drafter2_available, heldout_prompts)
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "embedded_default.ipynb"
@@ -22,6 +25,8 @@ pytestmark = pytest.mark.skipif(not available(), reason="models/embedded is not 
 
 MIN_TAU = 3.0  # the shipped pair measures ~5.5 on 24 held-out prompts (docs/embedded_default.md)
 MIN_TAU_DFLASH2 = 4.5  # the DFlash2 drafter: 7.07 on the 24 held-out prompts, 6.46 on the slow test's 4 (64 tokens)
+MAX_FILE_BYTES = 15 * 2**20  # every shipped file travels through channels limited to 16 MiB per file
+MAX_TOTAL_BYTES = 48 * 10**6  # the repository (models included) travels under a 64 MiB cap
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +39,36 @@ def pair():
 
 def test_tokenizer_and_configs(pair):
     target, drafter, tok = pair
-    assert tok.stop_token_ids == [0] == list(target.config.eos_token_ids)
+    assert tok.eos_token_id in tok.stop_token_ids
+    assert set(tok.stop_token_ids) == set(target.config.eos_token_ids)
     assert tok.decode([drafter.config.mask_token_id], False) == "<|mask|>"
     assert tok.vocab_size == target.config.vocab_size
+    assert drafter.config.hidden_size == target.config.hidden_size
     text = "def f(x):\n    return x\n"
     assert tok.decode(tok.encode(text, add_special_tokens=True)) == text
 
 
+def test_chat_template_ends_turns_with_a_stop_token(pair):
+    _, _, tok = pair
+    if tok.chat_template is None:
+        pytest.skip("this pair has no chat template")
+    messages = [{"role": "user", "content": "Write a function `f(x)`."}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    end_of_turn = tok.token_to_id("<|im_end|>")
+    assert end_of_turn is not None and end_of_turn in tok.stop_token_ids
+    assert ids.count(end_of_turn) == 1 and ids[-1] != end_of_turn  # the prompt ends at the assistant's turn
+    assert tok.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+
+
+def test_files_fit_the_transfer_limits():
+    files = [p for p in EMBEDDED_DIR.rglob("*") if p.is_file()]
+    big = [f"{p.relative_to(EMBEDDED_DIR)} ({p.stat().st_size} bytes)" for p in files if p.stat().st_size > MAX_FILE_BYTES]
+    assert not big, f"files over {MAX_FILE_BYTES} bytes (shard them): {big}"
+    total = sum(p.stat().st_size for p in files)
+    assert total <= MAX_TOTAL_BYTES, f"models/embedded holds {total} bytes"
+
+
+@pytest.mark.skipif(not DEFAULT_DRAFTER_ORBAX.is_dir(), reason="this pair ships no Orbax checkpoint of its drafter")
 def test_orbax_checkpoint_is_the_exported_drafter(pair):
     import jax
     from flax import nnx
@@ -130,7 +158,9 @@ def test_dflash2_drafter_loads_with_its_config_matching_its_tensors(pair):
     assert isinstance(second, DFlash2Drafter)
     cfg = second.config
     raw = json.loads((DEFAULT_DRAFTER2 / "config.json").read_text())
-    assert raw["architectures"] == ["DFlash2DraftModel"] and raw["torch_dtype"] == "float32"
+    # exported in the DFlash drafter's dtype (float32 in the first-generation pair, bfloat16 in the build's)
+    dtype = json.loads((DEFAULT_DRAFTER / "config.json").read_text())["torch_dtype"]
+    assert raw["architectures"] == ["DFlash2DraftModel"] and raw["torch_dtype"] == dtype
     assert {k: raw["dflash_config"][k] for k in ("selector_rank", "selector_top_k", "conv_kernel_size",
                                                    "conv_group_size")} == {
         "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k,
@@ -149,7 +179,7 @@ def test_dflash2_drafter_loads_with_its_config_matching_its_tensors(pair):
     with safe_open(str(DEFAULT_DRAFTER2 / "model.safetensors"), "np") as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
         dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
-    assert dtypes == {"F32"}
+    assert dtypes == {{"float32": "F32", "bfloat16": "BF16"}[dtype]}
     for name, shape in want.items():
         assert shapes[name] == shape, name
     assert len(shapes["candidate_selector.hidden_projection.weight"]) == 2

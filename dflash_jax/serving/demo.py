@@ -40,7 +40,8 @@ log = logging.getLogger("dflash_jax.demo")
 # A synthetic target large enough that, on a CPU too, a step costs far more than a 1-layer drafter.
 COPYCAT_SHAPE = dict(vocab_size=2048, hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8,
                      num_kv_heads=8, head_dim=64)
-CALIBRATION_PROMPTS = 3  # held-out prompts (not among the timed ones) each block size is timed on, twice
+CALIBRATION_PROMPTS = 8  # held-out prompts (not among the timed ones) each block size is timed on, twice: per-prompt tau
+# spans 2-14 on the embedded pair, so fewer prompts pick the block size by which prompts they are
 
 
 def describe_device() -> str:
@@ -176,7 +177,9 @@ def run_demo(num_prompts: int = 8, max_new_tokens: int = 96, block_sizes: Sequen
                          block_sizes=block_sizes, calibration=calibration, warmed_up=warmed_up,
                          temperatures=temperatures, drafter2=drafter2)
         report["pair"] = f"the embedded default pair ({embedded.EMBEDDED_DIR})"
-        report["what"] = "held-out stdlib prompts (signatures and docstrings)"
+        report["what"] = ("held-out stdlib prompts (signatures and docstrings, and chat requests)"
+                          if tokenizer.chat_template else
+                          "held-out stdlib prompts (signatures and docstrings)")
         report["sample"] = (texts[0], tokenizer.decode(report["results"][0].output_ids))
         return report
     with tempfile.TemporaryDirectory() as tmp:
