@@ -309,10 +309,10 @@ STAGES = ("tokenizer", "target", "answers", "drafter", "drafter2", "eval")
 # schedule, held-out tau every 500 steps) with these overrides and model.drafter = the trained DFlash
 # drafter, whose every weight starts it (identity convolutions: the same drafter at step 0; a fresh
 # selector). Selector rank 128 (a third of the target's hidden 384): its two [vocab, rank] codebooks are
-# then 2.1M parameters at vocab 8192, where the default rank 256 would give 4.2M beside a 17M-parameter
+# then 2.1M parameters at vocab 8192, where the default rank 256 would give 4.2M beside a 13.5M-parameter
 # target. A quarter of the DFlash learning rate (configs/embedded_drafter.yaml: 1.5e-3), for fewer steps:
-# the unary part starts trained (at the full rate its loss rose over the first 50 steps in the 1.8M-parameter
-# pair's DFlash2 training), and only the convolutions and the selector start from scratch.
+# the unary part starts trained (at the full rate its loss rises over the first tens of steps), and only the
+# convolutions and the selector start from scratch.
 DRAFTER2_OVERRIDES = ("drafter.kind=dflash2", "drafter.selector_rank=128", "optim.lr=3.75e-4", "steps=700")
 
 
