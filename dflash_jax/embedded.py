@@ -2,12 +2,11 @@
 
 A Qwen3-architecture code model (``DEFAULT_TARGET``, HF format + tokenizer files; safetensors possibly
 sharded) pretrained here on the Python standard library's sources, and its DFlash drafter trained here on
-the target's own greedy answers, in z-lab format (``DEFAULT_DRAFTER``) and, where the pair ships it, as
-the final Orbax training checkpoint (``DEFAULT_DRAFTER_ORBAX``, loadable with ``dflash_jax.load_drafter``);
-beside it a DFlash2 drafter (``DEFAULT_DRAFTER2``, the authors' DFlash2 format) trained the same way,
-starting from the DFlash one. A pair of the second-generation build also chats: its tokenizer carries a
-ChatML chat template and its target was pretrained on chat-formatted "write a function" requests too.
-Rebuild everything with ``bash scripts/build_embedded_default.sh`` (see ``docs/embedded_default.md``).
+the target's own greedy answers, in z-lab format (``DEFAULT_DRAFTER``); beside it a DFlash2 drafter
+(``DEFAULT_DRAFTER2``, the authors' DFlash2 format) trained the same way, starting from the DFlash one. The
+target also chats: its tokenizer carries a ChatML chat template and it was pretrained on chat-formatted
+"write a function" requests too. Rebuild everything with ``bash scripts/build_embedded_default.sh``
+(see ``docs/embedded_default.md``).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from pathlib import Path
 EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "models" / "embedded"
 DEFAULT_TARGET = EMBEDDED_DIR / "target"
 DEFAULT_DRAFTER = EMBEDDED_DIR / "drafter"
-DEFAULT_DRAFTER_ORBAX = EMBEDDED_DIR / "drafter_orbax"  # the first-generation pair's; the build of today skips it
 DEFAULT_DRAFTER2 = EMBEDDED_DIR / "drafter2"  # the DFlash2 drafter (convolutions + candidate selector)
 HELDOUT_PROMPTS = EMBEDDED_DIR / "heldout_prompts.jsonl"  # {"prompt": ..., "source": ..., "kind"?: ...} per line
 EVAL_REPORT = EMBEDDED_DIR / "eval.json"
@@ -38,28 +36,22 @@ def drafter2_available() -> bool:
     return available() and _has_weights(DEFAULT_DRAFTER2)
 
 
-def load_default(dtype: str = "float32", orbax: bool = False, generation: int = 1):
+def load_default(dtype: str = "float32", generation: int = 1):
     """``(target, drafter, tokenizer)`` of the embedded default (weights cast to ``dtype``);
-    ``generation=2``: with the DFlash2 drafter (``DEFAULT_DRAFTER2``) instead of the DFlash one;
-    ``orbax=True``: the DFlash drafter from its Orbax checkpoint (``DEFAULT_DRAFTER_ORBAX``)."""
+    ``generation=2``: with the DFlash2 drafter (``DEFAULT_DRAFTER2``) instead of the DFlash one."""
     from dflash_jax.io.checkpoint import load_drafter, load_target
     from dflash_jax.io.tokenizer import Tokenizer
 
     if generation not in (1, 2):
         raise ValueError(f"generation must be 1 (DFlash) or 2 (DFlash2), got {generation!r}")
-    if generation == 2 and orbax:
-        raise ValueError("orbax=True: only the DFlash drafter ships its Orbax checkpoint (generation=1)")
     if not available():
         raise FileNotFoundError(f"{EMBEDDED_DIR}: the embedded default pair is missing "
                                 "(bash scripts/build_embedded_default.sh rebuilds it)")
     if generation == 2 and not drafter2_available():
         raise FileNotFoundError(f"{DEFAULT_DRAFTER2}: the embedded DFlash2 drafter is missing "
                                 "(bash scripts/build_embedded_default.sh --force drafter2 rebuilds it)")
-    if orbax and not DEFAULT_DRAFTER_ORBAX.is_dir():
-        raise FileNotFoundError(f"{DEFAULT_DRAFTER_ORBAX}: this pair ships no Orbax checkpoint of its drafter "
-                                "(the z-lab export, orbax=False, is the same drafter)")
     target = load_target(DEFAULT_TARGET, dtype=dtype)
-    source = DEFAULT_DRAFTER2 if generation == 2 else DEFAULT_DRAFTER_ORBAX if orbax else DEFAULT_DRAFTER
+    source = DEFAULT_DRAFTER2 if generation == 2 else DEFAULT_DRAFTER
     return target, load_drafter(source, dtype=dtype), Tokenizer(DEFAULT_TARGET)
 
 
@@ -74,5 +66,5 @@ def heldout_prompts(limit: int | None = None, kind: str | None = None) -> list[s
     return [r["prompt"] for r in rows][:limit]
 
 
-__all__ = ["DEFAULT_DRAFTER", "DEFAULT_DRAFTER2", "DEFAULT_DRAFTER_ORBAX", "DEFAULT_TARGET", "EMBEDDED_DIR",
+__all__ = ["DEFAULT_DRAFTER", "DEFAULT_DRAFTER2", "DEFAULT_TARGET", "EMBEDDED_DIR",
            "HELDOUT_PROMPTS", "SERVED_NAME", "available", "drafter2_available", "heldout_prompts", "load_default"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_jax.embedded import (DEFAULT_DRAFTER, DEFAULT_DRAFTER2, DEFAULT_DRAFTER_ORBAX, DEFAULT_TARGET, EMBEDDED_DIR,
+from dflash_jax.embedded import (DEFAULT_DRAFTER, DEFAULT_DRAFTER2, DEFAULT_TARGET, EMBEDDED_DIR,
                                   EVAL_REPORT, available, drafter2_available, heldout_prompts)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,23 +66,6 @@ def test_files_fit_the_transfer_limits():
     assert not big, f"files over {MAX_FILE_BYTES} bytes (shard them): {big}"
     total = sum(p.stat().st_size for p in files)
     assert total <= MAX_TOTAL_BYTES, f"models/embedded holds {total} bytes"
-
-
-@pytest.mark.skipif(not DEFAULT_DRAFTER_ORBAX.is_dir(), reason="this pair ships no Orbax checkpoint of its drafter")
-def test_orbax_checkpoint_is_the_exported_drafter(pair):
-    import jax
-    from flax import nnx
-
-    import dflash_jax as dj
-
-    _, drafter, _ = pair
-    from_orbax = dj.load_drafter(DEFAULT_DRAFTER_ORBAX)
-    assert from_orbax.config == drafter.config
-    a = jax.tree.leaves(nnx.state(drafter, nnx.Param))
-    b = jax.tree.leaves(nnx.state(from_orbax, nnx.Param))
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-2, atol=1e-3)
 
 
 def exact_on_heldout(target, drafter, tok, min_tau: float, new_tokens: int = 64):
@@ -189,8 +172,8 @@ def test_dflash2_drafter_loads_with_its_config_matching_its_tensors(pair):
     assert float(np.abs(np.asarray(conv.kernel_projection[...])).max()) > 0
     _, via_default, _ = load_default(generation=2)
     assert via_default.config == cfg
-    with pytest.raises(ValueError, match="only the DFlash drafter ships its Orbax checkpoint"):
-        load_default(generation=2, orbax=True)
+    with pytest.raises(ValueError, match="generation must be 1"):
+        load_default(generation=3)
 
 
 @needs_drafter2
