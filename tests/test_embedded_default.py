@@ -50,8 +50,7 @@ def test_tokenizer_and_configs(pair):
 
 def test_chat_template_ends_turns_with_a_stop_token(pair):
     _, _, tok = pair
-    if tok.chat_template is None:
-        pytest.skip("this pair has no chat template")
+    assert tok.chat_template is not None, "the embedded target's tokenizer_config.json has no chat_template"
     messages = [{"role": "user", "content": "Write a function `f(x)`."}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True)
     end_of_turn = tok.token_to_id("<|im_end|>")
@@ -141,7 +140,7 @@ def test_dflash2_drafter_loads_with_its_config_matching_its_tensors(pair):
     assert isinstance(second, DFlash2Drafter)
     cfg = second.config
     raw = json.loads((DEFAULT_DRAFTER2 / "config.json").read_text())
-    # exported in the DFlash drafter's dtype (float32 in the first-generation pair, bfloat16 in the build's)
+    # exported in the DFlash drafter's dtype (the build writes both in bfloat16)
     dtype = json.loads((DEFAULT_DRAFTER / "config.json").read_text())["torch_dtype"]
     assert raw["architectures"] == ["DFlash2DraftModel"] and raw["torch_dtype"] == dtype
     assert {k: raw["dflash_config"][k] for k in ("selector_rank", "selector_top_k", "conv_kernel_size",
