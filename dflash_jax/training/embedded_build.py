@@ -154,10 +154,6 @@ def write_jsonl(path: Path, rows) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
 def generate_answers(target_dir: Path, prompts: list[list[int]], new_tokens: int, batch_size: int) -> list[dict]:
     """The shipped target's greedy answers (its own stop tokens end them) through the ``Engine``:
     ``{"prompt_ids", "output_ids"}`` per prompt, the format ``train.py`` reads.
@@ -359,8 +355,10 @@ def best_eval_step(run_dir: Path) -> tuple[int | None, float | None]:
     ckpts = run_dir / "checkpoints"
     kept = {int(p.name) for p in ckpts.iterdir() if p.name.isdigit()} if ckpts.is_dir() else set()
     best = (None, None)
+    from dflash_jax.training.data import read_jsonl
+
     path = run_dir / "metrics.jsonl"
-    for row in read_jsonl(path) if path.exists() else []:
+    for row in read_jsonl([path]) if path.exists() else []:
         if row.get("kind") == "eval" and "tau" in row and row["step"] in kept:
             if best[1] is None or row["tau"] > best[1]:
                 best = (row["step"], row["tau"])
@@ -487,7 +485,9 @@ def build(output: Path, work: Path, force: str | None = None, settings: BuildSet
     t0 = time.time()
     report = {}
     if stage("eval", (output / "eval.json").exists()):
-        rows = read_jsonl(eval_path)[: s.eval_prompts]
+        from dflash_jax.training.data import read_jsonl
+
+        rows = read_jsonl([eval_path])[: s.eval_prompts]
         ids, kinds = [r["prompt_ids"] for r in rows], [r.get("kind", "code") for r in rows]
 
         def measured(directory: Path, block_size: int | None = None) -> dict:

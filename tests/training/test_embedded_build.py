@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dflash_jax.training.data import read_jsonl
 from dflash_jax.training import embedded_build as eb
 from dflash_jax.training import stdlib_corpus as sc
 
@@ -276,7 +277,7 @@ def test_force_drafter2_redoes_it_and_evaluates_both_generations(built):
     assert report["dflash2"]["training"]["initialised_from"] == "drafter"
     assert report["target"]["params"] == 10 and report["samples"] == [{"code": "def f0():\n", "chat": "Write f2."}]
     assert json.loads((output / "eval.json").read_text())["dflash2"]["block_size"] == 16
-    held = eb.read_jsonl(output / "heldout_prompts.jsonl")
+    held = read_jsonl([output / "heldout_prompts.jsonl"])
     assert held == [{"prompt": f"def f{i}():\n", "source": f"x.py:{i}", "kind": "chat" if i == 2 else "code"}
                     for i in range(3)]
 
