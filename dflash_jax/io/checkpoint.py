@@ -33,7 +33,7 @@ from dflash_jax.io.hybrid_checkpoint import hybrid_ignored, hybrid_tensor_spec
 from dflash_jax.models.target import Target
 from dflash_jax.io import moe_checkpoint
 from dflash_jax.io.dflash2_checkpoint import read_other_config
-from dflash_jax.io.errors import CheckpointError, parse_dtype, some_names
+from dflash_jax.io.errors import CheckpointError, FiniteCheck, parse_dtype, some_names
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def _read_index(index: Path) -> dict[str, Path]:
 def _open(file: Path):
     """An open safetensors file; a damaged or truncated one is a ``CheckpointError`` naming it."""
     try:
-        return safe_open(file, framework="flax").__enter__()
+        return safe_open(file, framework="numpy").__enter__()
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
 
@@ -142,19 +142,22 @@ def _torch_shape(spec_to_torch: Convert, shape: tuple[int, ...]) -> tuple[int, .
 
 def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str, dtype,
               ignored: Callable[[str], bool] = lambda name: False, config: TargetConfig | None = None,
-              spec: Callable[[tuple, tuple[int, ...]], tuple[str, Convert, Convert]] = _tensor_spec) -> nnx.Module:
+              spec: Callable[[tuple, tuple[int, ...]], tuple[str, Convert, Convert]] = _tensor_spec,
+              check_finite: bool = True) -> nnx.Module:
     """Builds the module abstractly, then fills every parameter from the checkpoint.
 
     Every tensor is checked in the torch layout (``[out, in]``) before it is reshaped into ours, so
     a transposed or reshaped tensor of the right size is refused; so are non-float tensors and tensors
     of the checkpoint that no parameter uses (``ignored`` names excepted). ``spec``: how a parameter
-    is named and laid out in torch (``_tensor_spec``'s signature).
+    is named and laid out in torch (``_tensor_spec``'s signature). ``check_finite``: a floating tensor
+    holding NaN or inf is refused too (``FiniteCheck``: one reduction per tensor where it was placed).
     """
     abstract = nnx.eval_shape(module_fn)
     graphdef, state = nnx.split(abstract)
     files = _safetensors_files(directory)
     handles: dict[Path, object] = {}
     filled, used = [], set()
+    finite = FiniteCheck() if check_finite else None
 
     def read(full_name: str, want: tuple[int, ...], dtypes: tuple[str, ...] = _FLOAT_DTYPES) -> jax.Array:
         """The checkpoint's tensor ``full_name``, checked to be of torch shape ``want`` and a dtype of ``dtypes``."""
@@ -179,9 +182,13 @@ def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str,
             raise CheckpointError(f"{file}: tensor {full_name!r} has dtype {stored_dtype}; {kind} "
                                   f"({', '.join(dtypes)})")
         try:
-            return handles[file].get_tensor(full_name)
+            array = handles[file].get_tensor(full_name)
         except SafetensorError as err:
             raise CheckpointError(f"{file}: tensor {full_name!r} cannot be read ({err})") from None
+        tensor = jnp.asarray(array)
+        if finite is not None:
+            finite.add(file, full_name, tensor, host=array)
+        return tensor
 
     try:
         for path, var in nnx.to_flat_state(state):
@@ -214,12 +221,15 @@ def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str,
             f"{where}: the checkpoint holds tensors that the config uses nowhere: {some_names(unused)} "
             "(does config.json describe this checkpoint: num_hidden_layers, tie_word_embeddings, biases?)"
         )
+    if finite is not None:
+        finite.check()
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
-def load_target(path: str | Path, dtype="float32") -> Target | HybridTarget:
+def load_target(path: str | Path, dtype="float32", check_finite: bool = True) -> Target | HybridTarget:
     """Loads a Qwen3 / Llama target, or a hybrid Qwen3.5 one (``models.hybrid``), from an HF
-    directory (config.json + safetensors)."""
+    directory (config.json + safetensors). ``check_finite``: a weight holding NaN or inf is a
+    ``CheckpointError`` naming the file and the tensor (False loads it as it is)."""
     directory = _directory(path, "load_target")
     if not (directory / "config.json").is_file() and _is_training_run(directory):
         raise CheckpointError(f"{directory}: a drafter's training run, not a target (load it with load_drafter)")
@@ -231,11 +241,13 @@ def load_target(path: str | Path, dtype="float32") -> Target | HybridTarget:
         config = load_hybrid_config(directory)
         dt = parse_dtype(dtype)
         return _populate(lambda: HybridTarget(config, dtype=dt, rngs=nnx.Rngs(0)), directory, config.weight_prefix,
-                         dt, hybrid_ignored(config), config, spec=lambda p, s: hybrid_tensor_spec(p, s, _tensor_spec))
+                         dt, hybrid_ignored(config), config, spec=lambda p, s: hybrid_tensor_spec(p, s, _tensor_spec),
+                         check_finite=check_finite)
     config = load_target_config(directory)
     dt = parse_dtype(dtype)
     tied = (lambda name: name == "lm_head.weight") if config.tie_word_embeddings else (lambda name: False)
-    target = _populate(lambda: Target(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "model.", dt, tied, config)
+    target = _populate(lambda: Target(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "model.", dt, tied, config,
+                       check_finite=check_finite)
     if config.tie_word_embeddings:
         _check_tied_head(directory)
     return target
@@ -291,11 +303,13 @@ def _is_training_run(directory: Path) -> bool:
                 and (p.parent.parent / "drafter_config.json").exists()))
 
 
-def load_drafter(path: str | Path, dtype="float32") -> Drafter:
+def load_drafter(path: str | Path, dtype="float32", check_finite: bool = True) -> Drafter:
     """Loads a DFlash drafter from a z-lab directory (config.json + model.safetensors), or a DFlash2
     drafter from the authors' DFlash2 layout or a speculators checkpoint (``io.dflash2_checkpoint``).
 
     An Orbax training checkpoint directory (see ``dflash_jax.training``) is accepted too.
+    ``check_finite``: a weight holding NaN or inf is a ``CheckpointError`` naming the file and the
+    tensor (False loads it as it is).
     """
     directory = _directory(path, "load_drafter")
     if not (directory / "config.json").exists():
@@ -306,7 +320,7 @@ def load_drafter(path: str | Path, dtype="float32") -> Drafter:
             )
         from dflash_jax.io.orbax import load_drafter_from_orbax  # Orbax is slow to import: only when needed
 
-        return load_drafter_from_orbax(directory, dtype=dtype)
+        return load_drafter_from_orbax(directory, dtype=dtype, check_finite=check_finite)
     dt = parse_dtype(dtype)
     data = read_config_json(directory / "config.json")
     if not _is_drafter_config(data) and "num_hidden_layers" in data:
@@ -315,9 +329,11 @@ def load_drafter(path: str | Path, dtype="float32") -> Drafter:
     dflash2 = read_other_config(directory)  # a DFlash2 drafter (the authors' or the speculators layout)
     if dflash2 is not None:
         config2, skipped = dflash2
-        return _populate(lambda: DFlash2Drafter(config2, dtype=dt, rngs=nnx.Rngs(0)), directory, "", dt, skipped)
+        return _populate(lambda: DFlash2Drafter(config2, dtype=dt, rngs=nnx.Rngs(0)), directory, "", dt, skipped,
+                         check_finite=check_finite)
     config = load_drafter_config(directory)
-    return _populate(lambda: Drafter(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "", dt)
+    return _populate(lambda: Drafter(config, dtype=dt, rngs=nnx.Rngs(0)), directory, "", dt,
+                     check_finite=check_finite)
 
 
 # ----------------------------------------------------------------------------------------------

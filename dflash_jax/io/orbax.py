@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from dflash_jax.io.errors import CheckpointError, parse_dtype, some_names
+from dflash_jax.io.errors import CheckpointError, FiniteCheck, parse_dtype, some_names
 from dflash_jax.models.config import DrafterConfig, drafter_config_from_dict, read_config_json
 from dflash_jax.models.dflash2 import DFlash2Config, DFlash2Drafter, dflash2_config_from_dict, is_dflash2_config
 from dflash_jax.models.drafter import Drafter
@@ -71,10 +71,13 @@ def load_drafter_config_from_run(run_dir: str | Path) -> DrafterConfig:
     return drafter_config_from_dict(data, str(path))
 
 
-def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype="float32") -> Drafter:
+def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype="float32",
+                            check_finite: bool = True) -> Drafter:
     """The drafter of a training run (latest checkpoint unless ``step`` is given).
 
     ``ckpt_dir`` may be the run directory, its ``checkpoints/`` directory or one ``checkpoints/<step>``.
+    ``check_finite``: a parameter holding NaN or inf is a ``CheckpointError`` naming the step and the
+    parameter (False loads it as it is).
     """
     run_dir, path_step = _resolve(ckpt_dir)
     if step is not None and path_step is not None and step != path_step:
@@ -107,15 +110,24 @@ def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype
             raise unreadable_checkpoint(run_dir / CHECKPOINTS, step, err) from err
     finally:
         manager.close()
+    if check_finite:
+        finite = FiniteCheck("parameter")
+        for name, leaf in _flat_params(restored.params).items():
+            finite.add(run_dir / CHECKPOINTS / str(step), name, leaf)
+        finite.check()
     loaded = jax.tree.map(lambda x: jnp.asarray(x, dt), restored.params)
     return nnx.merge(graphdef, loaded, _concrete_rest(config, rest))
 
 
-def _param_shapes(tree) -> dict[str, tuple[int, ...]]:
-    """Parameter name (``layers.0.self_attn.k_proj``) -> shape, for the abstract params or Orbax's metadata."""
+def _flat_params(tree) -> dict[str, object]:
+    """Parameter name (``layers.0.self_attn.k_proj``) -> leaf."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value"): tuple(leaf.shape)
-            for path, leaf in flat}
+    return {jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value"): leaf for path, leaf in flat}
+
+
+def _param_shapes(tree) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape, for the abstract params or Orbax's metadata."""
+    return {name: tuple(leaf.shape) for name, leaf in _flat_params(tree).items()}
 
 
 def _check_params_fit(manager: ocp.CheckpointManager, step: int, params, run_dir: Path) -> None:

@@ -155,6 +155,114 @@ def test_tied_head_must_be_a_copy_of_the_table(pair, tmp_path):
     assert load_target(case).config.tie_word_embeddings
 
 
+# ----------------------------------------------------------------------------------- non-finite weights
+
+
+def _with_nonfinite(value: np.ndarray, nan: int, inf: int, dtype=None) -> np.ndarray:
+    """``value`` (cast to ``dtype``) with its first ``nan`` values NaN and the next ``inf`` values +-inf."""
+    out = value.astype(dtype or value.dtype).reshape(-1).copy()
+    out[:nan] = np.nan
+    out[nan:nan + inf] = [np.inf, -np.inf] * (inf // 2) + [np.inf] * (inf % 2)
+    return out.reshape(value.shape)
+
+
+def test_nonfinite_target_weights_name_the_shard_and_the_tensors(pair, tmp_path):
+    """Sharded target: the error names the shard file, the first bad tensor with its count, and the others."""
+    case = _copy(pair["target_dir"], tmp_path / "sharded")
+    tensors = load_file(case / "model.safetensors")
+    (case / "model.safetensors").unlink()
+    names = sorted(tensors)
+    up, down = "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight"
+    tensors[up] = _with_nonfinite(tensors[up], nan=9, inf=3)
+    tensors[down] = _with_nonfinite(tensors[down], nan=0, inf=1)
+    shards = {"model-00001-of-00002.safetensors": names[:10], "model-00002-of-00002.safetensors": names[10:]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, case / file)
+    (case / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: f for f, part in shards.items() for n in part}}))
+    file = next(f for f, part in shards.items() if down in part)
+    with pytest.raises(CheckpointError, match=rf"^{case}/{file}: tensor '{down}' holds 1 NaN/inf value; so do 1 more "
+                                              rf"tensor: '{up}' \(.*check_finite=False loads it anyway\)$"):
+        load_target(case)
+    target = load_target(case, check_finite=False)  # asked for: loaded as it is
+    assert np.isnan(np.asarray(target.layers[1].mlp.up_proj.get_value())).sum() == 9
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_nonfinite_drafter_weights_are_refused_in_every_stored_float_dtype(pair, tmp_path, dtype):
+    import ml_dtypes
+
+    name = "layers.0.self_attn.q_proj.weight"
+    value = load_file(pair["drafter_dir"] / "model.safetensors")[name]
+    stored = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    case = _mutated_dir(pair["drafter_dir"], tmp_path / dtype, {name: _with_nonfinite(value, nan=4, inf=8,
+                                                                                        dtype=stored)})
+    with pytest.raises(CheckpointError, match=rf"^{case}/model.safetensors: tensor '{name}' holds 12 NaN/inf values "):
+        load_drafter(case)
+    # The largest finite values of a 16-bit format are finite: counted by their exponent bits, not by a cast.
+    big = value.astype(stored)
+    big.reshape(-1)[:2] = [np.finfo(stored).max, np.finfo(stored).min]
+    assert load_drafter(_mutated_dir(pair["drafter_dir"], tmp_path / f"{dtype}-max", {name: big})) is not None
+
+
+def test_nonfinite_expert_weights_name_the_expert_tensor(tmp_path):
+    """Qwen3-MoE's per-expert tensors go through the same check, by their own names."""
+    from dflash_jax.io.checkpoint import save_target
+    from dflash_jax.tiny import random_target, tiny_target_config
+
+    directory = tmp_path / "moe"
+    save_target(random_target(tiny_target_config("qwen3_moe", num_layers=2), seed=3), directory)
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    tensors = load_file(directory / "model.safetensors")
+    tensors[name] = _with_nonfinite(tensors[name], nan=2, inf=0)
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"^{directory}/model.safetensors: tensor '{name}' holds 2 NaN/inf "):
+        load_target(directory)
+
+
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_nonfinite_counts_on_the_host_equal_the_jitted_ones(monkeypatch, on_cpu):
+    """The two ways ``FiniteCheck`` counts (numpy on the CPU, a jitted reduction where the tensor lies on an
+    accelerator) agree, and integer tensors (MXFP4 blocks and scales) are not counted."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from dflash_jax.io import errors
+
+    monkeypatch.setattr(errors, "_on_cpu", lambda tensor: on_cpu)
+    rng = np.random.default_rng(0)
+    check = errors.FiniteCheck()
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
+        value = (rng.standard_normal(1000) * 10).astype(dtype)
+        value[rng.choice(1000, 37, replace=False)] = rng.choice([np.nan, np.inf, -np.inf], 37)
+        value[0] = np.finfo(dtype).max
+        assert int((~np.isfinite(value.astype(np.float32))).sum()) == 37
+        check.add("f", np.dtype(dtype).name, jnp.asarray(value), host=value)
+    check.add("f", "blocks", jnp.full((4, 16), 255, jnp.uint8))
+    with pytest.raises(CheckpointError, match=r"^f: tensor 'float32' holds 37 NaN/inf values; so do 2 more tensors: "
+                                              r"'bfloat16', 'float16' "):
+        check.check()
+
+
+def test_a_run_with_nonfinite_params_names_the_step_and_the_parameter(run_dir, tmp_path):
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from dflash_jax.io.orbax import load_drafter_from_orbax
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(run_dir / "drafter_config.json", run / "drafter_config.json")
+    params = nnx.state(load_drafter(run_dir), nnx.Param)
+    params["fc"].set_value(params["fc"].get_value().at[0, :3].set(np.nan))
+    manager = ocp.CheckpointManager(run / "checkpoints", item_handlers={"params": ocp.StandardCheckpointHandler()})
+    manager.save(7, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+    manager.close()
+    with pytest.raises(CheckpointError, match=rf"^{run}/checkpoints/7: parameter 'fc' holds 3 NaN/inf values "):
+        load_drafter(run)
+    assert np.isnan(np.asarray(load_drafter_from_orbax(run, check_finite=False).fc.get_value())).sum() == 3
+
+
 # ------------------------------------------------------------------------------------------- config
 
 
