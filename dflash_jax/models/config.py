@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 SUPPORTED_TARGETS = ("qwen3", "llama", "qwen3_moe", "gpt_oss")
+# A drafter config without a block size drafts blocks of 16, as the reference (``dflash.model.DFlashDraftModel``)
+# reads it; said in a warning, since the block size the drafter was trained with is what it should draft.
+DEFAULT_BLOCK_SIZE = 16
+
+log = logging.getLogger("dflash_jax.models")
 
 
 class ModelConfigError(ValueError):
@@ -143,7 +149,7 @@ class TargetConfig(TransformerShape):
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig(TransformerShape):
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     mask_token_id: int = 0
     target_layer_ids: tuple[int, ...] = ()
     num_target_layers: int = 0
@@ -471,9 +477,13 @@ def drafter_config_from_dict(data: dict[str, Any], source: str = "config.json") 
         scales[name] = draft_field(name, float, 1.0)
         if not scales[name] > 0:
             raise ModelConfigError(f"{source}: field {name!r} must be > 0, got {scales[name]}")
+    if "block_size" not in dflash and "block_size" not in data:
+        log.warning("%s: field 'block_size' is missing (neither dflash_config.block_size nor a top-level block_size): "
+                    "drafting blocks of %d, the reference's default; set it to the block size the drafter was "
+                    "trained with", source, DEFAULT_BLOCK_SIZE)
     cfg = DrafterConfig(
         **shape,
-        block_size=draft_field("block_size", int, 16),
+        block_size=draft_field("block_size", int, DEFAULT_BLOCK_SIZE),
         mask_token_id=mask_token_id,
         target_layer_ids=layer_ids,
         num_target_layers=num_target_layers,

@@ -215,6 +215,37 @@ def test_clear_errors(tmp_path):
         load_drafter(drafter_dir)
 
 
+def test_a_drafter_config_without_block_size_drafts_the_reference_default_and_says_so(tmp_path, caplog,
+                                                                                     reference):
+    """No block_size anywhere: blocks of 16, as ``dflash.model.DFlashDraftModel`` reads it, with a warning
+    naming the file and the field; one in ``dflash_config`` or at the top level is read without a word."""
+    import logging
+
+    from dflash_jax.embedded import DEFAULT_DRAFTER, DEFAULT_DRAFTER2
+    from dflash_jax.models.config import load_drafter_config
+
+    _, drafter_dir = write_tiny_pair(tmp_path, drafter_overrides=dict(block_size=4))
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    cfg.pop("block_size")
+    cfg["dflash_config"].pop("block_size", None)
+    (drafter_dir / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level(logging.WARNING, logger="dflash_jax.models"):
+        assert load_drafter(drafter_dir).config.block_size == 16
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(f"{drafter_dir / 'config.json'}: field 'block_size' is "
+                                                         "missing"), warnings
+    assert reference.drafter(drafter_dir).block_size == 16
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dflash_jax.models"):
+        for changes in ({"block_size": 4}, {"dflash_config": {**cfg["dflash_config"], "block_size": 4}}):
+            (drafter_dir / "config.json").write_text(json.dumps({**cfg, **changes}))
+            assert load_drafter_config(drafter_dir).block_size == 4
+        for directory in (DEFAULT_DRAFTER, DEFAULT_DRAFTER2):  # the shipped drafters state theirs
+            if (directory / "config.json").exists():
+                assert load_drafter_config(directory).block_size == 16
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
 @pytest.fixture(scope="module")
 def tp8_pair(tmp_path_factory):
     """8 query heads and 2 KV heads: TP=8 splits heads, MLP and vocab and replicates KV heads."""
