@@ -403,3 +403,41 @@ def save_target(target: Target, path: str | Path, dtype=None) -> None:
         raise TypeError(f"save_target: target must be a Target (dflash_jax.load_target), got {type(target).__name__} "
                         "(save a drafter with save_drafter)")
     _save(target, target_config_to_dict(target.config), path, "model.", dtype)
+
+
+def shard_safetensors(directory: str | Path, max_shard_bytes: int) -> list[Path]:
+    """Splits ``directory/model.safetensors`` into ``model-0000k-of-0000n.safetensors`` files of at most
+    ``max_shard_bytes`` of tensor data each (tensors in name order, never split) plus
+    ``model.safetensors.index.json``, the layout that HF loaders and ``load_target`` read; removes the
+    single file. A checkpoint that fits in one shard stays one file."""
+    directory = Path(directory)
+    single = directory / SINGLE
+    handle = _open(single)
+    try:
+        metadata = handle.metadata() or {"format": "pt"}
+        tensors = {n: handle.get_tensor(n) for n in sorted(handle.keys())}
+    finally:
+        handle.__exit__(None, None, None)
+    names = list(tensors)
+    groups, current, size = [], [], 0
+    for name in names:
+        nbytes = tensors[name].nbytes
+        if current and size + nbytes > max_shard_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    groups.append(current)
+    if len(groups) == 1:
+        return [single]
+    files, weight_map = [], {}
+    for k, group in enumerate(groups, 1):
+        fname = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, str(directory / fname), metadata=metadata)
+        weight_map.update({n: fname for n in group})
+        files.append(directory / fname)
+    total = sum(t.nbytes for t in tensors.values())
+    (directory / INDEX).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    single.unlink()
+    return files

@@ -167,44 +167,6 @@ def unigram_entropy(stream: np.ndarray, vocab: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def shard_safetensors(directory: str | Path, max_shard_bytes: int) -> list[Path]:
-    """Splits ``directory/model.safetensors`` into ``model-0000k-of-0000n.safetensors`` files of at most
-    ``max_shard_bytes`` of tensor data each (tensors in name order, never split) plus
-    ``model.safetensors.index.json``, the layout that HF loaders and ``dflash_jax.io.checkpoint`` read;
-    removes the single file. A checkpoint that fits in one shard stays one file."""
-    from safetensors import safe_open
-    from safetensors.flax import save_file  # the writer of dflash_jax.io.checkpoint (bfloat16 included)
-
-    directory = Path(directory)
-    single = directory / "model.safetensors"
-    with safe_open(str(single), framework="flax") as f:
-        metadata = f.metadata() or {"format": "pt"}
-        tensors = {n: f.get_tensor(n) for n in sorted(f.keys())}
-    names = list(tensors)
-    groups, current, size = [], [], 0
-    for name in names:
-        nbytes = tensors[name].nbytes
-        if current and size + nbytes > max_shard_bytes:
-            groups.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    groups.append(current)
-    if len(groups) == 1:
-        return [single]
-    files, weight_map = [], {}
-    for k, group in enumerate(groups, 1):
-        fname = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: tensors[n] for n in group}, str(directory / fname), metadata=metadata)
-        weight_map.update({n: fname for n in group})
-        files.append(directory / fname)
-    total = sum(t.nbytes for t in tensors.values())
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    single.unlink()
-    return files
-
-
 # ---------------------------------------------------------------------------------------------
 # Model and step
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +228,7 @@ def pretrain(config: PretrainConfig) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from dflash_jax.io.checkpoint import save_target
+    from dflash_jax.io.checkpoint import save_target, shard_safetensors
     from dflash_jax.io.tokenizer import Tokenizer
     from dflash_jax.training.optim import lr_schedule, make_optimizer
 

@@ -1,9 +1,9 @@
 """The embedded default's build pipeline, piece by piece on tiny inputs: the ChatML tokenizer (role
-tokens, template, stop tokens), the instruction-shaped examples, bfloat16 sharded exports that load
-into float32, packing the output for a size-limited transfer, the device-sampled pretraining step, and
-the drafter2 stage: which training it runs (the DFlash recipe with the DFlash2 overrides, started from the
-stage before's drafter), what it exports, and the evaluation of both generations, with the training and
-the measurement stubbed (the real ones are the pair's build)."""
+tokens, template, stop tokens), the instruction-shaped examples, packing the output for a size-limited
+transfer, the device-sampled pretraining step, and the drafter2 stage: which training it runs (the DFlash
+recipe with the DFlash2 overrides, started from the stage before's drafter), what it exports, and the
+evaluation of both generations, with the training and the measurement stubbed (the real ones are the
+pair's build)."""
 
 import json
 import shutil
@@ -58,28 +58,6 @@ def test_prompt_kinds_interleave_two_code_one_chat():
     code = [{"kind": "code", "i": i} for i in range(5)]
     chat = [{"kind": "chat", "i": i} for i in range(1)]
     assert [r["kind"] for r in eb.interleave(code, chat, 6)] == ["code", "code", "chat", "code", "code", "code"]
-
-
-def test_bfloat16_sharded_target_loads_as_float32(tmp_path):
-    import jax
-    from flax import nnx
-
-    from dflash_jax.io.checkpoint import load_target, save_target
-    from dflash_jax.tiny import random_target, tiny_target_config
-    from dflash_jax.training.pretrain import shard_safetensors
-
-    target = random_target(tiny_target_config())
-    save_target(target, tmp_path, dtype="bfloat16")
-    single = (tmp_path / "model.safetensors").stat().st_size
-    files = shard_safetensors(tmp_path, max_shard_bytes=single // 3)
-    assert len(files) >= 3 and not (tmp_path / "model.safetensors").exists()
-    assert all(f.stat().st_size <= single // 3 + 4096 for f in files)  # + the header
-    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
-    loaded = load_target(tmp_path, dtype="float32")
-    for a, b in zip(jax.tree.leaves(nnx.state(target, nnx.Param)), jax.tree.leaves(nnx.state(loaded, nnx.Param))):
-        assert b.dtype == np.float32
-        np.testing.assert_array_equal(np.asarray(a.astype("bfloat16")).astype(np.float32), np.asarray(b))
 
 
 def test_pack_and_unpack_round_trip(tmp_path):
