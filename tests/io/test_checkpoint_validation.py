@@ -201,7 +201,7 @@ def test_nonfinite_drafter_weights_are_refused_in_every_stored_float_dtype(pair,
         load_drafter(case)
     # The largest finite values of a 16-bit format are finite: counted by their exponent bits, not by a cast.
     big = value.astype(stored)
-    big.reshape(-1)[:2] = [np.finfo(stored).max, np.finfo(stored).min]
+    big.reshape(-1)[:2] = [ml_dtypes.finfo(stored).max, ml_dtypes.finfo(stored).min]
     assert load_drafter(_mutated_dir(pair["drafter_dir"], tmp_path / f"{dtype}-max", {name: big})) is not None
 
 
@@ -235,7 +235,7 @@ def test_nonfinite_counts_on_the_host_equal_the_jitted_ones(monkeypatch, on_cpu)
     for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
         value = (rng.standard_normal(1000) * 10).astype(dtype)
         value[rng.choice(1000, 37, replace=False)] = rng.choice([np.nan, np.inf, -np.inf], 37)
-        value[0] = np.finfo(dtype).max
+        value[0] = ml_dtypes.finfo(dtype).max
         assert int((~np.isfinite(value.astype(np.float32))).sum()) == 37
         check.add("f", np.dtype(dtype).name, jnp.asarray(value), host=value)
     check.add("f", "blocks", jnp.full((4, 16), 255, jnp.uint8))
