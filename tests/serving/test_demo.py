@@ -1,11 +1,12 @@
 """``serve.py demo``'s comparison: both drafter generations side by side on one target, and its print."""
 
 import re
+import types
 
 import numpy as np
 import pytest
 
-from dflash_jax.serving.demo import compare, print_demo
+from dflash_jax.serving.demo import compare, print_demo, speculative_report
 from dflash_jax.tiny import random_drafter, random_target, tiny_dflash2_config, tiny_drafter_config, tiny_target_config
 
 
@@ -47,7 +48,8 @@ def test_compare_reports_both_generations_side_by_side(models, capsys):
 
 def _row(tau: float, speedup: float, identical: int) -> dict:
     return dict(tau=tau, speedup=speedup, identical=identical == 4, identical_prompts=identical, output_tokens=400,
-                dflash_s=0.5, target_only_s=0.5 * speedup, histogram={1: 3, 16: 2}, step_cost=1.5)
+                dflash_s=0.5, target_only_s=0.5 * speedup, histogram={1: 3, 16: 2}, step_cost=1.5,
+                decode_speedup=3.0, outside_decode_s=0.3)
 
 
 def _report(**extra) -> dict:
@@ -65,6 +67,25 @@ def test_print_shows_the_generations_side_by_side(capsys):
         "    DFlash    4.50    0.80x    800  yes (4 of 4)",
         "    DFlash2   5.25    0.75x    800  NO (3 of 4)",
     ]
+
+
+def test_the_report_splits_the_speedup_into_decoding_and_the_rest():
+    def rows(tpot, steps):  # two prompts of 11 tokens: the prefill's first token and 10 decoded
+        return [types.SimpleNamespace(acceptance_lengths=[5] * steps, num_output_tokens=11, output_ids=[1] * 11,
+                                      time_per_output_token=tpot, num_steps=steps) for _ in range(2)]
+
+    report = speculative_report(rows(0.01, 2), rows(0.03, 10), t_fast=0.5, t_slow=0.9)
+    assert report["speedup"] == pytest.approx(1.8)
+    assert report["decode_speedup"] == pytest.approx(3.0)       # 0.6 s of target-only decoding against 0.2 s
+    assert report["outside_decode_s"] == pytest.approx(0.3)     # the DFlash run's 0.5 s less its 0.2 s decoding
+    assert report["step_cost"] == pytest.approx((0.2 / 4) / (0.6 / 20))
+
+
+def test_print_explains_a_speedup_below_tau_by_the_step_cost_and_the_prefills(capsys):
+    print_demo(_report())
+    out = capsys.readouterr().out
+    assert ("costs 1.5 target-only steps, so tau 4.50 gives 3.00x while decoding; the prefills, the same work with "
+            "and without the drafter, take 0.30 s of the 0.50 s, so 0.80x in all") in out
 
 
 def test_print_without_a_second_generation_has_no_table(capsys):
