@@ -11,7 +11,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 SUPPORTED_TARGETS = ("qwen3", "llama", "qwen3_moe", "gpt_oss")
 # A drafter config without a block size drafts blocks of 16, as the reference (``dflash.model.DFlashDraftModel``)
@@ -42,6 +42,33 @@ class TransformerShape:
     attention_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = True
+    # Per-layer attention: "full_attention" / "sliding_attention" (() : all full) and the window of the
+    # sliding layers (gpt-oss targets; drafters with sliding layers, as the reference reads them).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    sliding_needs_window: ClassVar[bool] = True  # a sliding layer without a window is a config error
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (keys at most ``window - 1`` positions back), None: full."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def validate_layer_types(self, source: str) -> None:
+        """``layer_types`` of attention layers, full or sliding; a family whose layers are of other kinds
+        checks its own."""
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ModelConfigError(f"{source}: layer_types has {len(self.layer_types)} entries for "
+                                       f"num_hidden_layers={self.num_layers}")
+            bad_types = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            if bad_types:
+                raise ModelConfigError(f"{source}: layer_types {bad_types} are not supported "
+                                       "(full_attention, sliding_attention)")
+            windowless = self.sliding_window is None and not self.sliding_needs_window
+            if "sliding_attention" in self.layer_types and not windowless and not (self.sliding_window or 0) > 0:
+                raise ModelConfigError(f"{source}: sliding_attention layers need a positive sliding_window, "
+                                       f"got {self.sliding_window}")
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -81,22 +108,12 @@ class TargetConfig(TransformerShape):
     decoder_sparse_step: int = 1  # qwen3_moe: layer i is sparse iff (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     experts_quantization: str | None = None  # "mxfp4": experts kept 4-bit (gpt_oss checkpoints)
-    # gpt_oss attention: per-layer "full_attention" / "sliding_attention" (() : all full), the
-    # window of the sliding layers, a learned sink logit per query head.
-    layer_types: tuple[str, ...] = ()
-    sliding_window: int | None = None
-    attention_sinks: bool = False
+    attention_sinks: bool = False  # gpt_oss: a learned sink logit per query head
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` routes to experts (else a dense MLP of ``intermediate_size``)."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
-
-    def layer_window(self, layer: int) -> int | None:
-        """The sliding window of layer ``layer`` (keys at most ``window - 1`` positions back), None: full."""
-        if self.layer_types and self.layer_types[layer] == "sliding_attention":
-            return self.sliding_window
-        return None
 
     def model_types(self) -> tuple[str, ...]:
         """The ``model_type`` values this config class describes (a subclass's family names its own)."""
@@ -131,22 +148,6 @@ class TargetConfig(TransformerShape):
                                    f"{self.moe_intermediate_size}")
         self.validate_layer_types(source)
 
-    def validate_layer_types(self, source: str) -> None:
-        """``layer_types`` of attention layers (gpt-oss: full and sliding); a family whose layers are of
-        other kinds checks its own."""
-        if self.layer_types:
-            if len(self.layer_types) != self.num_layers:
-                raise ModelConfigError(f"{source}: layer_types has {len(self.layer_types)} entries for "
-                                       f"num_hidden_layers={self.num_layers}")
-            bad_types = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
-            if bad_types:
-                raise ModelConfigError(f"{source}: layer_types {bad_types} are not supported "
-                                       "(full_attention, sliding_attention)")
-            if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
-                raise ModelConfigError(f"{source}: sliding_attention layers need a positive sliding_window, "
-                                       f"got {self.sliding_window}")
-
-
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig(TransformerShape):
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -156,11 +157,23 @@ class DrafterConfig(TransformerShape):
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
-    causal: bool = False
+    # The config's is_causal: whether a layer's block is causal. None (the field missing or null): as the
+    # reference reads it, sliding_attention layers are causal and full_attention ones bidirectional.
+    causal: bool | None = False
     max_position_embeddings: int = 40960
+    # A sliding layer may have no window: the reference's config without use_sliding_window (transformers
+    # then nulls sliding_window), a causal block over the whole context.
+    sliding_needs_window: ClassVar[bool] = False
+
+    def layer_causal(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends causally inside its block."""
+        if self.causal is not None:
+            return self.causal
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     def validate(self, source: str = "config") -> None:
         super().validate(source)
+        self.validate_layer_types(source)
         if self.block_size < 2:
             raise ModelConfigError(f"{source}: block_size must be >= 2, got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -337,14 +350,18 @@ def _yarn_fields(scaling: dict, where: str, source: str) -> None:
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
 
-def _shape_fields(data: dict, source: str, *, qk_norm: bool) -> dict[str, Any]:
+# transformers' Qwen3Config default: with use_sliding_window and no layer_types, layers from this index on slide.
+QWEN3_MAX_WINDOW_LAYERS = 28
+
+
+def _shape_fields(data: dict, source: str, *, qk_norm: bool, sliding_window_ok: bool = False) -> dict[str, Any]:
     hidden = _field(data, "hidden_size", source, int)
     heads = _field(data, "num_attention_heads", source, int)
     if heads <= 0 or hidden <= 0:
         raise ModelConfigError(f"{source}: hidden_size and num_attention_heads must be positive, "
                                f"got {hidden} and {heads}")
     theta, scaling = _rope(data, source)
-    if _field(data, "use_sliding_window", source, bool, False, nullable=True):
+    if _field(data, "use_sliding_window", source, bool, False, nullable=True) and not sliding_window_ok:
         raise ModelConfigError(f"{source}: use_sliding_window=true is not supported")
     act = _field(data, "hidden_act", source, str, "silu")
     if act not in SUPPORTED_ACTIVATIONS:
@@ -455,7 +472,7 @@ def drafter_config_from_dict(data: dict[str, Any], source: str = "config.json") 
             return _field(dflash, name, source, kind, default, nullable=nullable, label=f"dflash_config.{name}")
         return _field(data, name, source, kind, default, nullable=nullable)
 
-    shape = _shape_fields(data, source, qk_norm=True)
+    shape = _shape_fields(data, source, qk_norm=True, sliding_window_ok=True)
     num_target_layers = _field(data, "num_target_layers", source, int)
     if num_target_layers <= 0:
         raise ModelConfigError(f"{source}: field 'num_target_layers' must be > 0, got {num_target_layers}")
@@ -465,10 +482,19 @@ def drafter_config_from_dict(data: dict[str, Any], source: str = "config.json") 
     where = "dflash_config.target_layer_ids" if "target_layer_ids" in dflash else "target_layer_ids"
     layer_ids = tuple(_check(i, f"{where}[{n}]", source, int) for n, i in enumerate(layer_ids))
     mask_token_id = draft_field("mask_token_id", int)
-    layer_types = _field(data, "layer_types", source, list, [], nullable=True)
-    if any(t != "full_attention" for t in layer_types):
-        raise ModelConfigError(f"{source}: field 'layer_types': only full_attention drafter layers are supported, "
-                               f"got {_describe(layer_types)}")
+    # Sliding layers as the reference reads a drafter's Qwen3 config: the window only with use_sliding_window
+    # (transformers nulls it otherwise); layer_types as given, else sliding from max_window_layers on.
+    window = (_field(data, "sliding_window", source, int, None, nullable=True)
+              if _field(data, "use_sliding_window", source, bool, False, nullable=True) else None)
+    given = _field(data, "layer_types", source, list, None, nullable=True)
+    if given is not None:
+        layer_types = tuple(_check(t, f"layer_types[{n}]", source, str) for n, t in enumerate(given))
+    elif window is not None:
+        first = _field(data, "max_window_layers", source, int, QWEN3_MAX_WINDOW_LAYERS, nullable=True)
+        layer_types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(shape["num_layers"]))
+    else:
+        layer_types = ()
+    sliding = "sliding_attention" in layer_types
     softcap = draft_field("final_logit_softcapping", float, None, nullable=True)
     if softcap is not None and softcap < 0:
         raise ModelConfigError(f"{source}: field 'final_logit_softcapping' must be > 0 (or 0 or null: none), got {softcap}")
@@ -489,9 +515,11 @@ def drafter_config_from_dict(data: dict[str, Any], source: str = "config.json") 
         num_target_layers=num_target_layers,
         **scales,
         final_logit_softcapping=softcap or None,  # 0: none, as the reference reads it
-        # null: not causal, as the reference reads it for full-attention layers
-        causal=_field(data, "is_causal", source, bool, False, nullable=True),
+        # missing or null: None, read per layer as the reference does (DrafterConfig.layer_causal)
+        causal=_field(data, "is_causal", source, bool, None, nullable=True),
         max_position_embeddings=_max_positions(data, source),
+        layer_types=layer_types if sliding else (),  # all full_attention: the default
+        sliding_window=window if sliding else None,
     )
     cfg.validate(source)
     return cfg
@@ -568,6 +596,8 @@ def drafter_config_to_dict(cfg: DrafterConfig) -> dict[str, Any]:
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "is_causal": cfg.causal,
+        **({"layer_types": list(cfg.layer_types), "sliding_window": cfg.sliding_window,
+            "use_sliding_window": cfg.sliding_window is not None} if cfg.layer_types else {}),
         "dflash_config": {
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids),

@@ -47,9 +47,7 @@ class DFlash2Config(DrafterConfig):
     selector_rank: int = 256
     selector_top_k: int = 16
     sample_from_anchor: bool = False
-    layer_types: tuple[str, ...] = ()  # empty: every layer full attention
-    sliding_window: int | None = None
-    sliding_window_non_causal: bool = True
+    sliding_window_non_causal: bool = True  # sliding layers' blocks bidirectional (else causal)
 
     def validate(self, source: str = "config") -> None:
         super().validate(source)
@@ -68,6 +66,8 @@ class DFlash2Config(DrafterConfig):
         if self.sample_from_anchor:
             raise ModelConfigError(f"{source}: dflash_config.sample_from_anchor=true (slot 0 drafting) is not "
                                    "supported: the anchor is the committed bonus token here")
+
+    def validate_layer_types(self, source: str) -> None:
         if self.layer_types:
             if len(self.layer_types) != self.num_layers:
                 raise ModelConfigError(f"{source}: layer_types has {len(self.layer_types)} entries for "
@@ -83,12 +83,6 @@ class DFlash2Config(DrafterConfig):
     @property
     def sliding(self) -> bool:
         return "sliding_attention" in self.layer_types
-
-    def layer_window(self, index: int) -> int | None:
-        """The context window of layer ``index`` (None: the whole context)."""
-        if self.layer_types and self.layer_types[index] == "sliding_attention":
-            return self.sliding_window
-        return None
 
 
 def grouped_dynamic_conv(x: jax.Array, delta: jax.Array, base: jax.Array, group_size: int) -> jax.Array:
@@ -360,16 +354,13 @@ class DFlash2Drafter(Drafter):
     selects_drafts = True
 
     def __init__(self, config: DFlash2Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self._layer_index = 0
         super().__init__(config, dtype=dtype, rngs=rngs)
-        del self._layer_index
         c = config
         self.candidate_selector = CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k,
                                                     dtype=dtype, rngs=rngs)
 
-    def _make_layer(self, inv_freq, dtype, rngs: nnx.Rngs) -> nnx.Module:
-        c, i = self.config, self._layer_index
-        self._layer_index += 1
+    def _make_layer(self, i: int, inv_freq, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        c = self.config
         window = c.layer_window(i)
         block_causal = c.causal if window is None else not c.sliding_window_non_causal
         return DFlash2Layer(c, inv_freq, window=window, block_causal=block_causal, dtype=dtype, rngs=rngs)
@@ -448,11 +439,14 @@ def dflash2_config_from_dict(data: dict, source: str = "config.json") -> DFlash2
     window = data.get("sliding_window")
     if window is not None:
         window = _check(window, "sliding_window", source, int)
-    if "causal" in dflash and dflash["causal"] != common.causal:
+    causal = bool(common.causal)  # missing or null: the trainer's default, bidirectional blocks
+    if "causal" in dflash and dflash["causal"] != causal:
         raise ModelConfigError(f"{source}: dflash_config.causal={dflash['causal']!r} contradicts "
                                f"is_causal={common.causal!r}")
+    own = ("causal", "layer_types", "sliding_window")
     cfg = DFlash2Config(
-        **{f.name: getattr(common, f.name) for f in dataclasses.fields(DrafterConfig)}, **fields,
+        **{f.name: getattr(common, f.name) for f in dataclasses.fields(DrafterConfig) if f.name not in own},
+        **fields, causal=causal,
         layer_types=tuple(str(t) for t in layer_types) if any(t != "full_attention" for t in layer_types) else (),
         sliding_window=window if "sliding_attention" in layer_types else None,
     )

@@ -32,21 +32,24 @@ class Drafter(nnx.Module):
             _init(rngs, (len(c.target_layer_ids) * c.hidden_size, c.hidden_size), dtype), axes=("taps", "embed")
         )
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        self.layers = nnx.List([self._make_layer(inv_freq, dtype, rngs) for _ in range(c.num_layers)])
+        self.layers = nnx.List([self._make_layer(i, inv_freq, dtype, rngs) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         # The serving layout (``runtime.serving_params``): every layer's context K and V weights side by
         # side, ``[embed, kv_heads, layers, 2, head_dim]``, for one matmul in ``context_kv``.
         self.context_kv_proj = self.context_kv_bias = None
 
-    def _make_layer(self, inv_freq, dtype, rngs: nnx.Rngs) -> nnx.Module:
-        """One decoder layer (a drafter generation with other layers overrides this)."""
+    def _make_layer(self, i: int, inv_freq, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """Decoder layer ``i`` (a drafter generation with other layers overrides this)."""
         c = self.config
+        extras = {}
+        if (factor := rope_attention_factor(c.rope_scaling)) != 1.0:
+            extras["rope_factor"] = factor  # YaRN (a gpt-oss drafter's RoPE)
+        if c.layer_window(i) is not None:
+            extras["window"] = c.layer_window(i)  # a sliding_attention layer
         return DecoderLayer(
             c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
             eps=c.rms_norm_eps, qk_norm=True, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias,
-            inv_freq=inv_freq, dtype=dtype, rngs=rngs,
-            attention_extras=dict(rope_factor=factor) if (factor := rope_attention_factor(c.rope_scaling)) != 1.0
-            else None,  # YaRN (a gpt-oss drafter's RoPE)
+            inv_freq=inv_freq, dtype=dtype, rngs=rngs, attention_extras=extras or None,
         )
 
     def fuse(self, taps: jax.Array) -> jax.Array:
@@ -98,7 +101,7 @@ class Drafter(nnx.Module):
         for i, layer in enumerate(self.layers):
             h, _, _ = layer(
                 h, positions, k_ctx[i], v_ctx[i], ctx_lens, blk_lens,
-                causal=self.config.causal, ops=ops,
+                causal=self.config.layer_causal(i), ops=ops,
             )
         return self.norm(h)
 
@@ -117,7 +120,7 @@ class Drafter(nnx.Module):
         h, delta = self._scale_embeds(block_embeds), None
         for i, layer in enumerate(self.layers):
             h, delta, _, _ = layer.cached(h, delta, starts, cache.k[i], cache.v[i], blk_lens,
-                                          ops=ops, causal=self.config.causal, write=False)
+                                          ops=ops, causal=self.config.layer_causal(i), write=False)
         return self.norm.add_norm(h, delta, ops)[1]
 
     def override_drafts(self, draft: jax.Array, tokens: jax.Array, positions: jax.Array) -> jax.Array:

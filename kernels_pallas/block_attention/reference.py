@@ -32,7 +32,8 @@ def block_attention_reference(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, 
       sinks: ``[q_heads]`` learned sink logits (gpt-oss): each head's softmax denominator also
         holds ``exp(sink)``, a key of no value.
       window: a sliding window: the query at position ``p`` (block slot ``i`` is at ``ctx_len + i``,
-        context slot ``t`` at ``t``) sees keys at positions ``> p - window`` only.
+        context slot ``t`` at ``t``) sees keys at positions ``> p - window`` only, and in a
+        non-causal block also ``< p + window`` (a drafter's sliding layer, as the reference masks it).
 
     Returns:
       ``[batch, blocks, block, q_heads, head_dim]`` in ``q.dtype``. A query that sees no key at
@@ -61,6 +62,8 @@ def block_attention_reference(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, 
         q_pos = ctx_lens[:, :, None] + slot[None, None, :]  # [b, n, query]
         ctx_visible = ctx_visible[:, :, None, :] & (q_pos[..., None] - ctx_pos[None, None, None, :] < window)
         blk_visible = blk_visible & (slot[None, None, :, None] - slot[None, None, None, :] < window)
+        if not causal:
+            blk_visible = blk_visible & (slot[None, None, None, :] - slot[None, None, :, None] < window)
     else:
         ctx_visible = ctx_visible[:, :, None, :]  # [b, n, 1, ctx]
     ctx_visible = ctx_visible[:, :, None, None]  # [b, n, 1, 1, query or 1, ctx]

@@ -110,6 +110,56 @@ def test_drafter_block_logits_match_dflash(block, tmp_path, reference):
         np.testing.assert_allclose(ours, want, atol=ATOL, rtol=0)
 
 
+# Drafters with sliding_attention layers, as the reference reads their config: is_causal missing (None: the
+# sliding layer causal, the full one bidirectional), false or true for every layer; a window shorter than the
+# block (the non-causal block is windowed both ways) and none (use_sliding_window false: a causal layer over
+# the whole context).
+SLIDING = [pytest.param(None, 5, id="causal-default"), pytest.param(False, 3, id="bidirectional", marks=pytest.mark.slow),
+           pytest.param(True, 5, id="causal", marks=pytest.mark.slow), pytest.param(None, None, id="windowless")]
+
+
+@pytest.mark.parametrize("is_causal, window", SLIDING)
+def test_sliding_drafter_block_logits_match_dflash(is_causal, window, tmp_path, reference):
+    block = 8
+    target_dir, drafter_dir = write_tiny_pair(
+        tmp_path, target_overrides=dict(num_layers=6),
+        drafter_overrides=dict(block_size=block, num_layers=2, layer_types=("sliding_attention", "full_attention"),
+                               sliding_window=window, causal=is_causal))
+    config = json.loads((drafter_dir / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["is_causal"] == is_causal
+    target, drafter = load_target(target_dir), load_drafter(drafter_dir)
+    ref_target, ref_drafter = reference.target(target_dir), reference.drafter(drafter_dir)
+    ref_layer = ref_drafter.layers[0].self_attn
+    assert (ref_layer.sliding_window, ref_layer.is_causal) == (window, is_causal is not False)
+    assert (drafter.config.layer_window(0), drafter.config.layer_causal(0)) == (window, is_causal is not False)
+    for n in (1, 7, 30):
+        ctx = _ids(n, 1, n)[0].tolist()
+        anchor = int(_ids(n + 1, 1, 1)[0, 0])
+        ours = np.asarray(draft_logits(drafter, target, ctx, anchor))
+        want = _reference_draft_logits(ref_target, ref_drafter, reference, ctx, anchor, block)
+        np.testing.assert_allclose(ours, want, atol=ATOL, rtol=0)
+
+
+def test_sliding_layers_from_max_window_layers_as_transformers_reads_them(qwen3_pair, tmp_path, reference):
+    """No layer_types: with use_sliding_window the layers from max_window_layers on slide, as transformers'
+    Qwen3Config derives them; without it, sliding_window is ignored."""
+    _, drafter_dir = qwen3_pair
+    config = json.loads((drafter_dir / "config.json").read_text())
+    config.pop("layer_types", None)
+    for use, want in ((True, ("full_attention", "sliding_attention")), (False, ())):
+        path = tmp_path / str(use)
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2, "use_sliding_window": use,
+                                                      "sliding_window": 7, "max_window_layers": 1}))
+        from dflash_jax.models.config import drafter_config_from_dict
+
+        ours = drafter_config_from_dict(json.loads((path / "config.json").read_text()), str(path))
+        assert ours.layer_types == want and ours.sliding_window == (7 if use else None)
+        ref = reference.model.DFlashDraftModel.config_class.from_pretrained(path)
+        assert list(ref.layer_types) == list(want or ("full_attention", "full_attention"))
+        assert ref.sliding_window == (7 if use else None)
+
+
 def test_default_target_layer_ids_rule(reference):
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
     for n, layers in [(36, 5), (28, 3), (40, 1), (12, 2), (64, 8)]:
@@ -421,13 +471,14 @@ def test_folded_norms_decode_step_equals_unfolded(monkeypatch):
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("bias, sliding", [(False, False), (True, False), (False, True)])
 @pytest.mark.slow
-def test_drafter_serving_layout_draft_equals_training_forward(impl, bias):
+def test_drafter_serving_layout_draft_equals_training_forward(impl, bias, sliding):
     """``Drafter.draft`` in the engine's serving layout (fused QKV / gate-up, one context-K/V matmul
     for all layers; Pallas kernels in interpret mode for ``impl="pallas"``) over a context cache equals
     ``Drafter.__call__`` in the checkpoint layout: rows of different context lengths, a short block,
-    stale cache entries past each row's context that must not be read."""
+    stale cache entries past each row's context that must not be read. ``sliding``: the first layer a
+    causal sliding one (window 5, is_causal unset), the second full and bidirectional."""
     from drafter_cases import draft_case
     from flax import nnx
 
@@ -437,7 +488,8 @@ def test_drafter_serving_layout_draft_equals_training_forward(impl, bias):
     from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
 
     tcfg = tiny_target_config(num_layers=6)
-    dcfg = tiny_drafter_config(tcfg, num_layers=2, block_size=8, attention_bias=bias)
+    layers = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=5, causal=None) if sliding else {}
+    dcfg = tiny_drafter_config(tcfg, num_layers=2, block_size=8, attention_bias=bias, **layers)
     drafter = Drafter(dcfg, rngs=nnx.Rngs(5))
     if bias:  # zero-initialised: make them matter
         for path, var in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):

@@ -1,6 +1,7 @@
 """The batched engine against `dflash.model.dflash_generate` and against target-only greedy decoding."""
 
 import dataclasses
+import json
 import logging
 
 import jax
@@ -83,6 +84,31 @@ def test_batch_of_one_equals_dflash_generate(engines, prompts, reference_runs):
             all_lengths += want_acc
     # The pair really exercises partial and full acceptance.
     assert max(all_lengths) == 8 and 1 in all_lengths and len(set(all_lengths)) >= 4
+
+
+def test_sliding_drafter_equals_dflash_generate(tmp_path, reference, prompts):
+    """A drafter whose first layer slides (window 6, causal: is_causal missing, as the reference reads it):
+    batched rows decode as ``dflash_generate`` does each alone, tokens and acceptance lengths. The copycat
+    drafter proposes its anchor whatever it attends to, so this checks the config's reading and the
+    decode loop end to end; the window's and the causal mask's effect on the drafts are checked against
+    the reference in tests/models (``test_sliding_drafter_block_logits_match_dflash``, and the cached
+    draft against the forward in ``test_drafter_serving_layout_draft_equals_training_forward``)."""
+    target_dir, drafter_dir = write_copycat_pair(tmp_path, block_size=8)
+    config = json.loads((drafter_dir / "config.json").read_text())
+    config.pop("is_causal", None)
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=6, use_sliding_window=True)
+    (drafter_dir / "config.json").write_text(json.dumps(config))
+    drafter = load_drafter(drafter_dir)
+    assert drafter.config.layer_window(0) == 6 and drafter.config.layer_causal(0)
+    spec = Engine(load_target(target_dir), drafter, EngineConfig(max_batch_size=4, max_length=80, steps_per_sync=4))
+    chosen = prompts[:3]
+    got = spec.generate(chosen, MAX_NEW)
+    lengths = []
+    for prompt, row in zip(chosen, got):
+        want_ids, want_acc = _reference_generate(reference, (target_dir, drafter_dir), prompt, MAX_NEW, None)
+        assert (row.output_ids, row.acceptance_lengths) == (want_ids, want_acc)
+        lengths += want_acc
+    assert max(lengths) > 1  # drafts are accepted, not only bonus tokens
 
 
 @pytest.mark.slow
