@@ -41,8 +41,8 @@ log = logging.getLogger("dflash_jax.demo")
 COPYCAT_SHAPE = dict(vocab_size=2048, hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8,
                      num_kv_heads=8, head_dim=64)
 PROMPT_BUCKET_STEP = 16
-CALIBRATION_PROMPTS = 8  # held-out prompts (not among the timed ones) each block size is timed on, twice: per-prompt tau
-# spans 2-14 on the embedded pair, so fewer prompts pick the block size by which prompts they are
+CALIBRATION_PROMPTS = 8  # held-out prompts (not among the timed ones) each block size is timed on, once a round:
+# per-prompt tau spans 2-14 on the embedded pair, so fewer prompts pick the block size by which prompts they are
 
 
 def describe_device() -> str:
