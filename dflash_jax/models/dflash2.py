@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,6 @@ from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.linear import dense
 from dflash_jax.ops.topk import top_k
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
 
 @dataclasses.dataclass(frozen=True)
 class DFlash2Config(DrafterConfig):
@@ -48,6 +47,7 @@ class DFlash2Config(DrafterConfig):
     selector_top_k: int = 16
     sample_from_anchor: bool = False
     sliding_window_non_causal: bool = True  # sliding layers' blocks bidirectional (else causal)
+    sliding_needs_window: ClassVar[bool] = True  # speculators' sliding layers always have a window
 
     def validate(self, source: str = "config") -> None:
         super().validate(source)
@@ -66,19 +66,6 @@ class DFlash2Config(DrafterConfig):
         if self.sample_from_anchor:
             raise ModelConfigError(f"{source}: dflash_config.sample_from_anchor=true (slot 0 drafting) is not "
                                    "supported: the anchor is the committed bonus token here")
-
-    def validate_layer_types(self, source: str) -> None:
-        if self.layer_types:
-            if len(self.layer_types) != self.num_layers:
-                raise ModelConfigError(f"{source}: layer_types has {len(self.layer_types)} entries for "
-                                       f"num_hidden_layers={self.num_layers}")
-            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
-            if bad:
-                raise ModelConfigError(f"{source}: layer_types: unknown layer type {bad[0]!r} "
-                                       f"(supported: {', '.join(LAYER_TYPES)})")
-        if self.sliding and (self.sliding_window is None or self.sliding_window < 1):
-            raise ModelConfigError(f"{source}: sliding_attention layers need sliding_window >= 1, "
-                                   f"got {self.sliding_window}")
 
     @property
     def sliding(self) -> bool:
