@@ -3,9 +3,11 @@
 ``jax.lax.top_k`` over a row of 151,936 logits (Qwen3's vocabulary) runs as a sort on XLA:GPU:
 milliseconds for the rows of a batched draft or verify block. The k largest of a row all lie in the
 k slices of the row with the largest maxima, so a pass over the row for the slice maxima, a top-k of
-those and a top-k of the k picked slices give the same result for a fraction of the cost. The two small
-top-ks are ``lax.top_k`` (on XLA:GPU with k = 64, a CUB segmented radix sort of a short row): a radix
-select without any sort measured slower on Hopper (docs/performance.md, rejected designs).
+those and a top-k of the k picked slices give the same result for a fraction of the cost. The picked
+slices (k x 128 elements) are still a long row for a sort, so the same step runs on them again with
+narrower slices before the last, short ``lax.top_k`` (on XLA:GPU with k = 64, a CUB segmented radix
+sort of a short row): a radix select without any sort measured slower on Hopper (docs/performance.md,
+rejected designs).
 
 The result is ``lax.top_k``'s exactly, ties included, but where a slice's maximum is a zero of either
 sign: its maximum by ``jnp.max`` may be -0.0 for a slice holding 0.0, which then ranks that slice below
@@ -17,45 +19,78 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Slice widths of the stages: the maxima of 128-wide slices of the row, then of 16-wide slices of the k
+# picked ones. A stage narrows its slices (to 8 at least) for a large k and runs only while its row is
+# longer than 2k slices.
+STAGE_WIDTHS = (128, 16)
+# On a GPU the second stage pays from this many rows on: k = 64 over 151,936 on an H200, 256 rows (a batch
+# of 16 blocks) take 146 us with one stage and 90 with two, 16 rows 60 and 75 (the stage's kernels cost
+# more than the shorter sort saves). A CPU's sort is slow at any row count: two stages always.
+GPU_SECOND_STAGE_ROWS = 64
 
-def top_k(x: jax.Array, k: int, *, chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+
+def stage_widths(rows: int) -> tuple[int, ...]:
+    """The slice widths ``top_k`` uses by default for ``rows`` rows on this platform."""
+    if jax.default_backend() == "gpu" and rows < GPU_SECOND_STAGE_ROWS:
+        return STAGE_WIDTHS[:1]
+    return STAGE_WIDTHS
+
+
+def top_k(x: jax.Array, k: int, *, chunks: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k(x, k)`` over the last axis of ``x [..., V]``: ``(values [..., k], ids [..., k]
-    int32)``, values descending, equal values in ascending id order (as ``lax.top_k``)."""
-    values, ids, _ = top_k_and_argmax(x, k, chunk=chunk)
+    int32)``, values descending, equal values in ascending id order (as ``lax.top_k``). ``chunks``: the
+    stages' slice widths (None: ``stage_widths``)."""
+    values, ids, _ = top_k_and_argmax(x, k, chunks=chunks)
     return values, ids
 
 
-def top_k_and_argmax(x: jax.Array, k: int, *, chunk: int = 128) -> tuple[jax.Array, jax.Array, jax.Array]:
+def top_k_and_argmax(x: jax.Array, k: int, *, chunks: tuple[int, ...] | None = None,
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``top_k`` plus ``jnp.argmax(x, axis=-1)`` as int32 ``[...]`` (the first maximum; rows without
-    NaN), read from the same slice maxima: no second pass over the row.
+    NaN), read from the first stage's slice maxima: no second pass over the row.
 
-    In two stages when the row is long: the maximum of each ``chunk``-wide slice, the ``k`` slices with
-    the largest maxima (equal maxima: the lower slice), those slices in id order, the top ``k`` of their
-    elements. Exact, ties included (but signed zeros: the module docstring): the slices holding a value
-    above the k-th are all picked (fewer than k of them), and among slices whose maximum equals it, a
-    lower slice holds lower ids."""
+    Each stage of ``chunks`` (slice widths) keeps the ``k`` slices with the largest maxima (equal maxima:
+    the lower slice) in id order; the last ``lax.top_k`` runs over what the stages kept. Exact, ties
+    included (but signed zeros: the module docstring): the slices holding a value above the k-th are all
+    picked (fewer than k of them), among slices whose maximum equals it a lower slice holds lower ids,
+    and the picked slices stay in id order, so a later stage's ties resolve as the row's would."""
     *lead, vocab = x.shape
     if not 1 <= k <= vocab:
         raise ValueError(f"top_k: k={k} must be in [1, {vocab}] for rows of {vocab}")
     rows = x.reshape(-1, vocab)
-    while chunk > 8 and -(-vocab // chunk) <= 2 * k:  # narrower slices for a larger k
-        chunk //= 2
-    slices = -(-vocab // chunk)
-    if slices <= 2 * k:
-        values, ids = jax.lax.top_k(rows, k)
-        argmax = jnp.argmax(rows, axis=-1)
-    else:
-        padded = jnp.pad(rows, ((0, 0), (0, slices * chunk - vocab)), constant_values=-jnp.inf)
-        parts = padded.reshape(rows.shape[0], slices, chunk)
+    chunks = stage_widths(rows.shape[0]) if chunks is None else tuple(chunks)
+    if not chunks or any(c < 1 for c in chunks):
+        raise ValueError(f"top_k: chunks must be positive slice widths, got {chunks!r}")
+    argmax = None
+    # (slice ids [R, k], width) of each stage that ran: an element's id is read back through them
+    stages: list[tuple[jax.Array, int]] = []
+    for chunk in chunks:
+        while chunk > 8 and -(-rows.shape[-1] // chunk) <= 2 * k:  # narrower slices for a larger k
+            chunk //= 2
+        slices = -(-rows.shape[-1] // chunk)
+        if slices <= 2 * k:
+            break
+        parts = jnp.pad(rows, ((0, 0), (0, slices * chunk - rows.shape[-1])),
+                        constant_values=-jnp.inf).reshape(rows.shape[0], slices, chunk)
         maxima = jnp.max(parts, axis=-1)                                      # [R, slices]
-        # The argmax: the first slice holding the maximum, its first maximum.
-        part = jnp.argmax(maxima, axis=-1)
-        inside = jnp.take_along_axis(parts, part[:, None, None], axis=1)[:, 0]
-        argmax = part * chunk + jnp.argmax(inside, axis=-1)
-        _, best = jax.lax.top_k(maxima, k)                                   # [R, k] slice indices
-        best = jnp.sort(best, axis=-1)                                       # id order: ties to the lower id
-        picked = jnp.take_along_axis(parts, best[..., None], axis=1).reshape(rows.shape[0], k * chunk)
-        values, at = jax.lax.top_k(picked, k)
-        ids = jnp.take_along_axis(best, at // chunk, axis=1) * chunk + at % chunk
+        if argmax is None:  # the first slice holding the maximum, its first maximum
+            part = jnp.argmax(maxima, axis=-1)
+            inside = jnp.take_along_axis(parts, part[:, None, None], axis=1)[:, 0]
+            argmax = part * chunk + jnp.argmax(inside, axis=-1)
+        best = _best_slices_in_order(maxima, k)
+        rows = jnp.take_along_axis(parts, best[..., None], axis=1).reshape(rows.shape[0], k * chunk)
+        stages.append((best, chunk))
+    if argmax is None:
+        argmax = jnp.argmax(rows, axis=-1)
+    values, ids = jax.lax.top_k(rows, k)
+    for best, chunk in reversed(stages):
+        ids = jnp.take_along_axis(best, ids // chunk, axis=1) * chunk + ids % chunk
     return (values.reshape(*lead, k), ids.astype(jnp.int32).reshape(*lead, k),
             argmax.astype(jnp.int32).reshape(lead))
+
+
+def _best_slices_in_order(maxima: jax.Array, k: int) -> jax.Array:
+    """The ``k`` slices with the largest ``maxima [R, S]`` (equal maxima: the lower slices), in ascending
+    slice order -> ``[R, k]`` int32. Ordered by a sort of the k ids: a compaction by a cumulative count and
+    a scatter measured slower on Hopper (docs/performance.md, rejected designs)."""
+    return jnp.sort(jax.lax.top_k(maxima, k)[1], axis=-1).astype(jnp.int32)

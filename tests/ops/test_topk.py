@@ -1,4 +1,4 @@
-"""ops.topk.top_k (two stages over slices of the row) against jax.lax.top_k, ties included."""
+"""ops.topk.top_k (stages over slices of the row) against jax.lax.top_k, ties included."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from dflash_jax.ops import topk
 
 # Jitted: one compile per shape, not one dispatch per operation.
-top_k = jax.jit(topk.top_k, static_argnames=("k", "chunk"))
-top_k_and_argmax = jax.jit(topk.top_k_and_argmax, static_argnames=("k", "chunk"))
+top_k = jax.jit(topk.top_k, static_argnames=("k", "chunks"))
+top_k_and_argmax = jax.jit(topk.top_k_and_argmax, static_argnames=("k", "chunks"))
 
 
 @pytest.mark.parametrize("k", [1, 5, 16, 20])
@@ -21,8 +21,8 @@ def test_equals_lax_top_k_ties_included(k):
     x[1, 4000:4010] = 9.0   # ties inside one slice
     x[2] = np.round(x[2])   # many ties, across slices, at the k-th value
     x[3, ::97] = 7.0        # equal maxima in many slices
-    for chunk in (64, 128):
-        values, ids = top_k(jnp.asarray(x), k=k, chunk=chunk)
+    for chunks in ((64,), (128,), (128, 16), (64, 8, 8)):
+        values, ids = top_k(jnp.asarray(x), k=k, chunks=chunks)
         want_values, want_ids = jax.lax.top_k(jnp.asarray(x), k)
         np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))  # equal values: lower ids first
@@ -78,10 +78,12 @@ def test_candidate_counts_equal_lax_top_k_ties_infinities_and_short_rows(dtype, 
     _assert_lax(jnp.asarray(x).astype(dtype), k)
 
 
-def test_rejects_a_bad_k():
+def test_rejects_a_bad_k_and_bad_slice_widths():
     x = jnp.zeros((2, 300), jnp.float32)
     with pytest.raises(ValueError, match="k=301"):
         topk.top_k_and_argmax(x, 301)
+    with pytest.raises(ValueError, match="chunks"):
+        topk.top_k_and_argmax(x, 3, chunks=(128, 0))
 
 
 def test_the_largest_candidate_count_on_a_whole_vocabulary():
@@ -90,3 +92,11 @@ def test_the_largest_candidate_count_on_a_whole_vocabulary():
     rs = np.random.RandomState(4)
     x = np.round(rs.randn(2, 151936) * 3).astype(np.float32)
     _assert_lax(jnp.asarray(x).astype(jnp.bfloat16), 1024)
+
+
+def test_default_stages_by_platform_and_rows(monkeypatch):
+    """Two stages on a CPU at any row count; on a GPU from ``GPU_SECOND_STAGE_ROWS`` rows on."""
+    assert topk.stage_widths(1) == topk.stage_widths(4096) == topk.STAGE_WIDTHS
+    monkeypatch.setattr(topk.jax, "default_backend", lambda: "gpu")
+    assert topk.stage_widths(topk.GPU_SECOND_STAGE_ROWS - 1) == topk.STAGE_WIDTHS[:1]
+    assert topk.stage_widths(topk.GPU_SECOND_STAGE_ROWS) == topk.STAGE_WIDTHS
