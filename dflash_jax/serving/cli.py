@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     # checked here: the demo has no settings file to validate them (--prompts -2 ran all but two prompts)
     demo.add_argument("--prompts", type=positive_int, default=8)
     demo.add_argument("--max-new-tokens", type=positive_int, default=96)
-    demo.add_argument("--block-sizes", default="16,8,4", metavar="N,N,...",
+    demo.add_argument("--block-sizes", default="16,12,8", metavar="N,N,...",
                       help="the block sizes tried during the warm-up; the fastest on this device is used "
                            "(at most the drafter's)")
     demo.add_argument("--temperatures", default="0.7,1.0", metavar="T,T,...",
