@@ -88,6 +88,14 @@ def test_print_explains_a_speedup_below_tau_by_the_step_cost_and_the_prefills(ca
             "and without the drafter, take 0.30 s of the 0.50 s, so 0.80x in all") in out
 
 
+@pytest.mark.parametrize("platform,reason", [("cpu", "at the CPU's arithmetic rate"), ("gpu", "launch-bound")])
+def test_print_gives_the_platforms_reason_for_the_step_cost(capsys, platform, reason):
+    print_demo(_report(platform=platform))
+    line = next(x for x in capsys.readouterr().out.splitlines() if "why not" in x)
+    assert reason in line
+    assert ("launch-bound" in line) == (platform == "gpu")
+
+
 def test_print_without_a_second_generation_has_no_table(capsys):
     print_demo(_report())
     out = capsys.readouterr().out
