@@ -187,7 +187,7 @@ def _populate(module_fn: Callable[[], nnx.Module], directory: Path, prefix: str,
             raise CheckpointError(f"{file}: tensor {full_name!r} cannot be read ({err})") from None
         tensor = jnp.asarray(array)
         if finite is not None:
-            finite.add(file, full_name, tensor, host=array)
+            finite.add(file, full_name, tensor, host=array, as_dtype=dtype)
         return tensor
 
     try:

@@ -3,8 +3,11 @@ an error lists tensor names, and the check that the weights they load are finite
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -25,6 +28,16 @@ def some_names(names: list[str]) -> str:
 @jax.jit
 def _count_nonfinite(x: jax.Array) -> jax.Array:
     return jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _count_nonfinite_as(x: jax.Array, dtype) -> jax.Array:
+    return jnp.sum(~jnp.isfinite(x.astype(dtype)), dtype=jnp.int32)
+
+
+def _narrower_range(stored, loaded) -> bool:
+    """Whether casting ``stored`` floats to ``loaded`` can overflow (float32 or bfloat16 to float16)."""
+    return loaded is not None and float(ml_dtypes.finfo(loaded).max) < float(ml_dtypes.finfo(stored).max)
 
 
 def _count_nonfinite_host(a: np.ndarray) -> int:
@@ -53,27 +66,36 @@ class FiniteCheck:
         self.noun = noun
         self._counts: list[tuple[str, str, int | jax.Array]] = []
 
-    def add(self, where, name: str, tensor: jax.Array, host: np.ndarray | None = None) -> None:
+    def add(self, where, name: str, tensor: jax.Array, host: np.ndarray | None = None, as_dtype=None) -> None:
         """Counts ``tensor``'s NaN/inf values (named ``name`` in file ``where``) if it is floating; ``host``:
         the numpy array it was placed from, counted instead where ``tensor`` is on the CPU (no wait for the
-        copy)."""
+        copy). ``as_dtype``: the dtype the loader casts it to; where that range is narrower (float16), the
+        values are counted as cast, so a weight beyond it (which the cast makes inf) is refused too."""
         if not jnp.issubdtype(tensor.dtype, jnp.floating):
             return
+        cast = jnp.dtype(as_dtype) if _narrower_range(tensor.dtype, as_dtype) else None
         if _on_cpu(tensor):
-            count = _count_nonfinite_host(np.asarray(tensor) if host is None else host)
+            array = np.asarray(tensor) if host is None else host
+            with np.errstate(over="ignore"):  # the overflow is what is counted
+                count = _count_nonfinite_host(array if cast is None else array.astype(cast))
         else:
-            count = _count_nonfinite(tensor)
-        self._counts.append((str(where), name, count))
+            count = _count_nonfinite(tensor) if cast is None else _count_nonfinite_as(tensor, cast)
+        self._counts.append((str(where), name, count, cast))
 
     def check(self) -> None:
-        counts = jax.device_get([count for _, _, count in self._counts])
-        bad = [(where, name, int(n)) for (where, name, _), n in zip(self._counts, counts) if n]
+        counts = jax.device_get([entry[2] for entry in self._counts])
+        bad = [(where, name, int(n), cast) for (where, name, _, cast), n in zip(self._counts, counts) if n]
         self._counts = []
         if not bad:
             return
-        where, name, n = bad[0]
+        where, name, n, cast = bad[0]
         others = (f"; so do {len(bad) - 1} more {self.noun}{'s' if len(bad) > 2 else ''}: "
                   f"{some_names([b[1] for b in bad[1:]])}") if len(bad) > 1 else ""
+        if cast is not None:
+            raise CheckpointError(
+                f"{where}: {self.noun} {name!r} holds {n} value{'s' if n != 1 else ''} that {'are' if n != 1 else 'is'} "
+                f"NaN or inf as {cast.name} (beyond its range of +-{float(ml_dtypes.finfo(cast).max):g}){others} "
+                f"(load it as bfloat16 or float32; check_finite=False loads it anyway)")
         raise CheckpointError(f"{where}: {self.noun} {name!r} holds {n} NaN/inf value{'s' if n != 1 else ''}{others} "
                               "(a damaged or diverged checkpoint; check_finite=False loads it anyway)")
 

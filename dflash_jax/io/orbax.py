@@ -113,7 +113,7 @@ def load_drafter_from_orbax(ckpt_dir: str | Path, step: int | None = None, dtype
     if check_finite:
         finite = FiniteCheck("parameter")
         for name, leaf in _flat_params(restored.params).items():
-            finite.add(run_dir / CHECKPOINTS / str(step), name, leaf)
+            finite.add(run_dir / CHECKPOINTS / str(step), name, leaf, as_dtype=dt)
         finite.check()
     loaded = jax.tree.map(lambda x: jnp.asarray(x, dt), restored.params)
     return nnx.merge(graphdef, loaded, _concrete_rest(config, rest))

@@ -205,6 +205,28 @@ def test_nonfinite_drafter_weights_are_refused_in_every_stored_float_dtype(pair,
     assert load_drafter(_mutated_dir(pair["drafter_dir"], tmp_path / f"{dtype}-max", {name: big})) is not None
 
 
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_weights_beyond_float16_are_refused_when_loaded_as_float16(pair, tmp_path, monkeypatch, on_cpu):
+    """A bfloat16 or float32 weight above float16's largest value is inf once cast: loading as float16 names
+    the tensor (on the host and on an accelerator alike); float32 and bfloat16 load the same file."""
+    import ml_dtypes
+
+    from dflash_jax.io import errors
+
+    monkeypatch.setattr(errors, "_on_cpu", lambda tensor: on_cpu)
+    name = "layers.0.mlp.down_proj.weight"
+    value = load_file(pair["drafter_dir"] / "model.safetensors")[name].astype(ml_dtypes.bfloat16)
+    value.reshape(-1)[[3, 5]] = [7e4, -1e5]
+    case = _mutated_dir(pair["drafter_dir"], tmp_path / f"wide-{on_cpu}", {name: value})
+    with pytest.raises(CheckpointError, match=rf"^{case}/model.safetensors: tensor '{name}' holds 2 values that are "
+                                              r"NaN or inf as float16 \(beyond its range of \+-65504\) \(load it as "):
+        load_drafter(case, dtype="float16")
+    for dtype in ("bfloat16", "float32"):
+        assert load_drafter(case, dtype=dtype) is not None
+    loaded = load_drafter(case, dtype="float16", check_finite=False)  # asked for: the cast's infs kept
+    assert np.isinf(np.asarray(loaded.layers[0].mlp.down_proj.get_value(), np.float32)).sum() == 2
+
+
 def test_nonfinite_expert_weights_name_the_expert_tensor(tmp_path):
     """Qwen3-MoE's per-expert tensors go through the same check, by their own names."""
     from dflash_jax.io.checkpoint import save_target
