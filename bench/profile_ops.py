@@ -224,9 +224,22 @@ def op_sources(hlo: str) -> dict[str, str]:
     ``source_file:source_line``), what to read for a kernel a trace names."""
     frames = _stack_frames(hlo)
     out = {}
+    roots: dict[str, str] = {}  # computation -> its ROOT instruction
+    calls: dict[str, str] = {}  # fusion instruction -> the computation it calls
+    computation = None
     for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            computation = head.group(1)
+            continue
         parts = _split_instruction(line)
-        meta = re.search(r"metadata=\{([^}]*)\}", parts[4]) if parts is not None else None
+        if parts is None:
+            continue
+        if line.lstrip().startswith("ROOT") and computation is not None:
+            roots[computation] = normalize(parts[0])
+        if parts[2] == "fusion" and (called := re.search(r"calls=%?([\w.\-]+)", parts[4])):
+            calls[normalize(parts[0])] = called.group(1)
+        meta = re.search(r"metadata=\{([^}]*)\}", parts[4])
         if meta is None:
             continue
         op = re.search(r'op_name="([^"]+)"', meta.group(1))
@@ -239,6 +252,12 @@ def op_sources(hlo: str) -> dict[str, str]:
             text += f" @ {Path(where.group(1)).name}:{where.group(2)}"
         if text:
             out[normalize(parts[0])] = text
+    # A fusion XLA built without metadata of its own: its root's origin (a kernel named after the fusion
+    # would otherwise match a neighbour by ``lookup``'s suffix rule, or nothing).
+    for fusion, called in calls.items():
+        root = roots.get(called)
+        if fusion not in out and root in out:
+            out[fusion] = out[root]
     return out
 
 

@@ -48,3 +48,21 @@ def test_a_mesh_programs_collectives_and_nccl_kernels_are_their_own_category():
     assert collectives and collectives[0].label.startswith("all-reduce"), kernels
     traced = profile_ops.attribute([dict(name="ncclDevKernel_AllReduce_Sum_bf16_RING_LL", dur=3.0)], kernels)
     assert traced[0]["category"] == "collectives"
+
+
+def test_a_fusion_without_metadata_takes_its_roots_origin():
+    """XLA may build a fusion instruction without metadata: its kernel is named by the fused root's op."""
+    hlo = """HloModule m
+
+%fused_computation.7 (param_0: bf16[4,8]) -> f32[4,8] {
+  %param_0 = bf16[4,8]{1,0} parameter(0)
+  ROOT %convert.3 = f32[4,8]{1,0} convert(%param_0), metadata={op_name="jit(f)/convert_element_type" source_file="/x/sampling.py" source_line=534}
+}
+
+ENTRY %main (p: bf16[4,8]) -> f32[4,8] {
+  %p = bf16[4,8]{1,0} parameter(0)
+  ROOT %loop_convert_fusion.2 = f32[4,8]{1,0} fusion(%p), kind=kLoop, calls=%fused_computation.7
+}
+"""
+    sources = profile_ops.op_sources(hlo)
+    assert profile_ops.lookup(sources, "loop_convert_fusion_2") == "convert_element_type @ sampling.py:534"
