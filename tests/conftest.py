@@ -11,6 +11,10 @@ _TEST_XLA_FLAGS = {"--xla_force_host_platform_device_count": "8", "--xla_backend
 # aborts the process on a flag it does not know: a subprocess asks this jaxlib first (once: the
 # workers of pytest-xdist and the tests' subprocesses inherit the result through the environment).
 _CLASSIC_EMITTERS = ("--xla_cpu_use_fusion_emitters", "false")
+# XLA:CPU splits each program's LLVM module into parts compiled by a thread pool: for these tiny
+# programs the parts cost more (about 15% of the suite's CPU time) than the threads give back on 2 cores
+# shared by two workers. One part each. Probed like the emitters' flag.
+_ONE_CODEGEN_PART = ("--xla_cpu_parallel_codegen_split_count", "1")
 
 
 def _xla_accepts(flag: str) -> bool:
@@ -26,8 +30,12 @@ def _xla_accepts(flag: str) -> bool:
 
 
 _flags = os.environ.get("XLA_FLAGS", "")
-if _CLASSIC_EMITTERS[0] not in _flags and _xla_accepts("=".join(_CLASSIC_EMITTERS)):
-    _TEST_XLA_FLAGS[_CLASSIC_EMITTERS[0]] = _CLASSIC_EMITTERS[1]
+_optional = [f for f in (_CLASSIC_EMITTERS, _ONE_CODEGEN_PART) if f[0] not in _flags]
+# One probe for all of them (a subprocess that imports jax takes seconds); each alone only if that fails.
+if _optional and _xla_accepts(" ".join("=".join(f) for f in _optional)):
+    _TEST_XLA_FLAGS.update(dict(_optional))
+else:
+    _TEST_XLA_FLAGS.update({k: v for k, v in _optional if _xla_accepts(f"{k}={v}")})
 os.environ["XLA_FLAGS"] = " ".join([_flags, *(f"{k}={v}" for k, v in _TEST_XLA_FLAGS.items() if k not in _flags)]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The oracles (torch) run tiny models: one thread each op. With a thread pool, every op of a

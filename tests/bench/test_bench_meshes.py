@@ -17,7 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(args: list[str], tmp_path: Path) -> str:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    # The suite's XLA flags (tests/conftest.py: its faster compiles) with 8 fake devices whatever they say.
+    flags = ["--xla_force_host_platform_device_count=8",
+             *(f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -402,13 +402,14 @@ def test_single_row_partials_engine_equals_xla(models, prompts, engines, monkeyp
 
 
 @pytest.mark.slow
-def test_warmup_compiles_everything_serving_runs(models, caplog):
+def test_warmup_compiles_everything_serving_runs(caplog):
     """After ``warmup``, requests of every prompt bucket, admitted alone, two at once (two choices of
     one prompt too) and into running rows, the running state moving between one row and two, one
     request cancelled and one needing the whole cache, compile nothing: a shape compiled while serving
     stalls every running request for its compile. Target-only: a drafter adds no shapes, only compile time. The warm-up
-    logs what it compiles as it goes (minutes of silence otherwise, for a large model)."""
-    target, _ = models
+    logs what it compiles as it goes (minutes of silence otherwise, for a large model). A random target of two
+    layers: the shapes, not the depth, decide what compiles (every layer more is compile time of every program)."""
+    target = random_target(tiny_target_config(num_layers=2))
     engine = Engine(target, None, EngineConfig(max_batch_size=2, max_length=100, steps_per_sync=4))
     assert engine.windows == (64, 128)  # capacity 100 + 1, rounded up to whole tiles
     assert engine.prompt_buckets() == [(16, 1), (32, 17), (64, 33), (128, 65)]

@@ -58,11 +58,15 @@ def test_forced_acceptance_rolls_back_to_every_offset(model):
     cont = [_greedy(ref, p, BLOCK + 1) for p in prompts]
     plen = int(lens.max())
     ids = np.array([p + [0] * (plen - len(p)) for p in prompts])
-    state = decoding.prefill(target, drafter, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(lens + 20),
-                             jnp.full((4, 1), -1, jnp.int32), capacity=32, max_steps=20,
-                             mask_token_id=drafter.config.mask_token_id)
-    state = decoding.scatter_rows(
-        decoding.empty_state(target, drafter, 4, capacity=32, max_steps=20, n_stop=1), state, jnp.arange(4))
+    # Compiled whole, as the engine runs them (op by op, the hybrid layers' hundreds of small programs
+    # compile for every shape).
+    prefill = jax.jit(lambda ids: decoding.scatter_rows(
+        decoding.empty_state(target, drafter, 4, capacity=32, max_steps=20, n_stop=1),
+        decoding.prefill(target, drafter, ids, jnp.asarray(lens), jnp.asarray(lens + 20),
+                         jnp.full((4, 1), -1, jnp.int32), capacity=32, max_steps=20,
+                         mask_token_id=drafter.config.mask_token_id),
+        jnp.arange(4)))
+    state = prefill(jnp.asarray(ids))
     assert [int(t) for t in state.tokens[jnp.arange(4), lens]] == [c[0] for c in cont]
     offsets = np.arange(4)
     block = np.array([[c[j] if j <= m else (c[j] + 1) % vocab for j in range(BLOCK)] for c, m in zip(cont, offsets)])
@@ -76,8 +80,8 @@ def test_forced_acceptance_rolls_back_to_every_offset(model):
         committed = prompts[r] + cont[r][:offsets[r] + 1]
         n = len(committed)
         np.testing.assert_array_equal(np.asarray(after.tokens[r, :n + 1]), committed + [cont[r][offsets[r] + 1]])
-        _, _, fresh = target.step(jnp.asarray([committed]), jnp.zeros(1, jnp.int32), target.new_cache(1, n),
-                                  prefill=True)
+        fresh = jax.jit(lambda ids: target.step(ids, jnp.zeros(1, jnp.int32), target.new_cache(1, ids.shape[1]),
+                                                prefill=True)[2])(jnp.asarray([committed]))
         for got, want in zip(after.target_cache.conv + after.target_cache.recurrent, fresh.conv + fresh.recurrent):
             np.testing.assert_allclose(np.asarray(got[r]), np.asarray(want[0]), atol=2e-5)
 

@@ -204,14 +204,13 @@ def test_paged_engine_with_the_kernels_equals_contiguous(models, engines, base):
 
 
 @pytest.mark.parametrize("took_the_state", [False, True])
-def test_a_failed_paged_prefill_fails_its_prompt_and_the_rows_only_if_it_took_their_state(models, engines, base,
-                                                                                         took_the_state):
+def test_a_failed_paged_prefill_fails_its_prompt_and_the_rows_only_if_it_took_their_state(engines, base,
+                                                                                         took_the_state, monkeypatch):
     """A prefill over a cached prefix is donated the running state. One that fails before it runs (a trace or
     compile error) fails its own prompt and the running row goes on; one that fails while running has
-    consumed the state, so the running row fails too, its pages go back, and the batcher serves on."""
-    target, drafter = models
-    contiguous, _ = engines
-    engine = Engine(target, drafter, EngineConfig(page_size=PAGE, **CONFIG))
+    consumed the state, so the running row fails too, its pages go back, and the batcher serves on. (The
+    module's paged engine: the pools and the rows' state are the batcher's, so a fresh batcher starts clean.)"""
+    contiguous, engine = engines
     batcher = ContinuousBatcher(engine)
     _run(batcher, [base])  # the prefix now cached
     running = batcher.submit(base[:17], MAX_NEW, [11])
@@ -224,10 +223,10 @@ def test_a_failed_paged_prefill_fails_its_prompt_and_the_rows_only_if_it_took_th
                 x.delete()  # what a donated call that failed on the device leaves
         raise RuntimeError("prefill failed")
 
-    engine._paged_prefill = failing
+    monkeypatch.setattr(engine, "_paged_prefill", failing)
     late = batcher.submit(base + [3, 4, 5], MAX_NEW, [11])
     batcher.step()
-    engine._paged_prefill = real
+    monkeypatch.setattr(engine, "_paged_prefill", real)
     batcher.run()
     assert isinstance(late.error, RuntimeError)
     if took_the_state:

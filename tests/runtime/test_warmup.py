@@ -24,7 +24,9 @@ from dflash_jax.tiny import random_target, tiny_target_config
 
 @pytest.fixture(scope="module")
 def target():
-    return random_target(tiny_target_config())
+    """Two layers: what a warm-up compiles depends on the shapes, not the depth; each layer more is
+    compile time in every program of every warm-up here."""
+    return random_target(tiny_target_config(num_layers=2))
 
 
 def test_plan_lists_every_shape_a_server_meets_a_lone_request_first(target):

@@ -142,7 +142,7 @@ def test_code_prompts_are_windows_of_the_split_they_are_cut_from(tokenizer_dir):
 @pytest.mark.slow
 def test_answers_in_waves_are_the_rows_answers_alone(tmp_path):
     from dflash_jax.io.checkpoint import save_target
-    from dflash_jax.runtime.engine import generate
+    from dflash_jax.runtime.engine import Engine, EngineConfig
     from dflash_jax.tiny import random_target, tiny_target_config
 
     target = random_target(tiny_target_config())
@@ -151,8 +151,9 @@ def test_answers_in_waves_are_the_rows_answers_alone(tmp_path):
     prompts = [rng.integers(4, target.config.vocab_size, int(n)).tolist() for n in (3, 9, 5, 12, 4)]
     rows = eb.generate_answers(tmp_path, prompts, 6, batch_size=2)
     assert [r["prompt_ids"] for r in rows] == prompts  # in the prompts' order, whatever the waves' order
-    alone = [generate(target, None, [p], max_new_tokens=6, stop_token_ids=list(target.config.eos_token_ids))[0]
-             for p in prompts]
+    # each prompt alone in a one-row engine (one engine for all: ``generate`` would compile one per prompt)
+    engine = Engine(target, None, EngineConfig(max_batch_size=1, max_length=max(map(len, prompts)) + 6))
+    alone = [engine.generate([p], 6, stop_token_ids=list(target.config.eos_token_ids))[0] for p in prompts]
     assert [r["output_ids"] for r in rows] == [list(a.output_ids) for a in alone]
 
 
