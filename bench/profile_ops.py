@@ -78,11 +78,15 @@ def _split_instruction(line: str):
     return m.group(1), shape, op.group(1), operands, rest[i + 1:]
 
 
+# A computation's first line in an HLO module's text: ``[ENTRY] %name (params) -> shape {``.
+_COMPUTATION_HEAD = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
 def parse_computations(hlo: str) -> dict[str, dict[str, tuple]]:
     """``{computation: {instruction: (shape, opcode, operands, attrs)}}`` of an HLO module's text."""
     comps, current = {}, None
     for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        head = _COMPUTATION_HEAD.match(line)
         if head and not line.startswith(" "):
             current = comps.setdefault(head.group(1), {})
             continue
@@ -228,7 +232,7 @@ def op_sources(hlo: str) -> dict[str, str]:
     calls: dict[str, str] = {}  # fusion instruction -> the computation it calls
     computation = None
     for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        head = _COMPUTATION_HEAD.match(line)
         if head and not line.startswith(" "):
             computation = head.group(1)
             continue

@@ -25,14 +25,9 @@ def some_names(names: list[str]) -> str:
     return shown + more
 
 
-@jax.jit
-def _count_nonfinite(x: jax.Array) -> jax.Array:
-    return jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
-
-
 @functools.partial(jax.jit, static_argnums=1)
-def _count_nonfinite_as(x: jax.Array, dtype) -> jax.Array:
-    return jnp.sum(~jnp.isfinite(x.astype(dtype)), dtype=jnp.int32)
+def _count_nonfinite(x: jax.Array, as_dtype=None) -> jax.Array:
+    return jnp.sum(~jnp.isfinite(x if as_dtype is None else x.astype(as_dtype)), dtype=jnp.int32)
 
 
 def _narrower_range(stored, loaded) -> bool:
@@ -79,7 +74,7 @@ class FiniteCheck:
             with np.errstate(over="ignore"):  # the overflow is what is counted
                 count = _count_nonfinite_host(array if cast is None else array.astype(cast))
         else:
-            count = _count_nonfinite(tensor) if cast is None else _count_nonfinite_as(tensor, cast)
+            count = _count_nonfinite(tensor, cast)
         self._counts.append((str(where), name, count, cast))
 
     def check(self) -> None:
