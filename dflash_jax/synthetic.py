@@ -2,7 +2,10 @@
 
 ``SyntheticDrafter`` runs a real drafter's forward pass (so a step costs what a DFlash step of its shapes
 costs) and then replaces its proposals: slot ``j`` of a block proposes the target's own next token
-at that position with probability ``accept_rate``, else a token the target will not pick. The
+at that position with probability ``accept_rate``, else the drafter's own proposal (or, where that happens
+to be the target's token, the next id): a token the target will not pick. The wrong proposals read the
+drafter's, so its whole forward pass stays in the compiled step (XLA would drop a pass whose output no
+one reads, and the step would cost a verify alone). The
 target must be predictable from the previous token alone (``transition[token]`` is its next token):
 ``repeat_target`` makes any target of any shapes, random weights and all, repeat its last token
 (``transition`` the identity), robustly in bf16. Whether a position's proposal is right is keyed by
@@ -41,7 +44,8 @@ class SyntheticDrafter(Drafter):
     def override_drafts(self, draft: jax.Array, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """``Drafter.override_drafts``: ``draft [batch, B-1]`` replaced: slot ``j``'s proposal for position ``positions[:, j]`` is
         the target's token there after the anchor (at ``positions[:, 0]`` of ``tokens``) and right
-        proposals, with probability ``accept_rate``, else another token."""
+        proposals, with probability ``accept_rate``, else the drafter's own ``draft`` (the next id where
+        that is right)."""
         transition = self.transition[...]
         token = jnp.take_along_axis(tokens, positions[:, :1], axis=1)[:, 0]
         truth = []
@@ -55,7 +59,7 @@ class SyntheticDrafter(Drafter):
         rows = jax.vmap(lambda t: jax.random.fold_in(key, t))(tokens[:, 0])
         u = jax.vmap(lambda k, ps: jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(k, p)))(ps))(
             rows, positions[:, 1:])
-        wrong = (truth + 1) % self.config.vocab_size
+        wrong = jnp.where(draft == truth, (truth + 1) % self.config.vocab_size, draft)
         return jnp.where(u < self.accept_rate[...], truth, wrong).astype(draft.dtype)
 
 

@@ -7,6 +7,7 @@ acceptance is the one asked for."""
 import dataclasses
 import inspect
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -313,6 +314,22 @@ def test_synthetic_drafter_accepts_at_the_rate_asked_and_keeps_the_targets_token
     with pytest.raises(ValueError, match="accept_rate"):
         synthetic_drafter(base, 1.5)
     assert jnp.all(synthetic_drafter(base, 0.5).fc[...] == base.fc[...])
+
+
+def test_synthetic_drafter_steps_run_the_drafters_whole_pass():
+    """Its cost is a real drafter's: the step computes every product the real drafter's does, though
+    right proposals ignore the drafter's own (a pass no one read would be compiled out)."""
+    tcfg = tiny_target_config(num_layers=2)
+    target = random_target(tcfg, seed=3)
+    base = random_drafter(tiny_drafter_config(tcfg, block_size=8, target_layer_ids=(0, 1)), seed=4)
+    config = EngineConfig(max_batch_size=2, max_length=64, prompt_buckets=(16,))
+
+    def products(drafter) -> int:
+        engine = Engine(target, drafter, config)
+        state, _ = engine.prefill([[5, 9, 11], [7, 3]], [8, 8], [(), ()])
+        return len(re.findall(r" dot\(", engine.decode_hlo(state, 2)))
+
+    assert products(synthetic_drafter(base, 1.0)) == products(base)
 
 
 def test_warmup_plan_compiles_every_block_of_an_adaptive_engine(engines, models):
