@@ -12,13 +12,21 @@ are timed in interleaved rounds of synchronised calls (state donated), and print
 With ``--profile`` (the default on a GPU), the largest batch's greedy call and each other mode's call
 are traced once more: the kernels of a sampled step that the greedy step does not launch, by total time
 a step, each with the JAX op and source line it came from, beside both steps' kernel counts and busy time
-(where a mode's extra time goes).
+(where a mode's extra time goes), unless a trace lost kernels (its busy time under half its step).
+
+``--ablate``: the largest batch's sampled step again with pieces of the sampler replaced, each traced on
+its own engine (the engine's weights shared) and timed in interleaved rounds beside greedy and the real
+sampled step: every ``lax.cond`` of the step taking its common branch (the candidates' draw; the
+whole-row fallbacks compiled out), and also the candidates' top-k replaced by one argmax pass (a stand-in
+that reads each row once, as greedy does). The replaced steps draw wrong tokens: timing only. Where a
+sampled step's time goes, for a step whose kernels run in CUDA graphs, where a trace misses kernels.
 
 Before the timing, a check on the device: draws read from the candidates (noise at their ids only)
 equal the draws over whole rows, bit for bit, on random rows of the vocabulary's width.
 
     python3 bench/bench_sampling.py --json bench/results/sampling.json        # < 90 s on one H200
     python3 bench/bench_sampling.py --modes greedy,temperature,top_k,top_p,min_p,sampled,logprobs,penalties,rejection
+    python3 bench/bench_sampling.py --layers 4 --batches 16 --modes greedy,sampled --ablate --no-profile
     JAX_PLATFORMS=cpu python3 bench/bench_sampling.py --tiny --batches 1 --steps 2 --repeats 1   # smoke test
 """
 
@@ -26,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import statistics
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +46,7 @@ import numpy as np
 
 import profile_ops
 import timing
+from dflash_jax.ops import topk
 from dflash_jax.runtime import decoding
 from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.engine import Engine, EngineConfig
@@ -120,14 +131,77 @@ def time_modes(engine: Engine, batch: int, context: int, modes: list[str], steps
     return out, compile_s, kernels
 
 
-def print_extra_kernels(kernels: dict[str, dict[str, dict]], batch: int, top: int = 12) -> None:
+def _common_branch_cond(pred, true_fun, false_fun, *operands):
+    """``lax.cond`` as the sampler's conditionals run when no row needs its whole-row fallback: the draws
+    from the candidates (the first branch, a lambda returning them), and no whole-row normalizer for top-p
+    (the first branch a named function computing it, the second skipping it)."""
+    take = true_fun if getattr(true_fun, "__name__", "") == "<lambda>" else false_fun
+    return take(*operands)
+
+
+def _argmax_top_k(x, k, *, chunks=None):
+    """A stand-in for ``ops.topk.top_k_and_argmax`` reading each row once: the argmax, and the row's first
+    ``k`` entries as the "candidates" (wrong tokens; timing only)."""
+    rows = x.reshape(-1, x.shape[-1])
+    first = rows[:, :k]
+    ids = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), first.shape)
+    return (first.reshape(*x.shape[:-1], k), ids.reshape(*x.shape[:-1], k),
+            jnp.argmax(rows, axis=-1).astype(jnp.int32).reshape(x.shape[:-1]))
+
+
+ABLATIONS = {
+    "sampled, no conditionals": (mock.patch.object(jax.lax, "cond", _common_branch_cond),),
+    "sampled, no conditionals, argmax for top-k": (mock.patch.object(jax.lax, "cond", _common_branch_cond),
+                                                   mock.patch.object(topk, "top_k_and_argmax", _argmax_top_k)),
+}
+
+
+def ablate(engine: Engine, batch: int, context: int, steps: int, repeats: int) -> dict[str, float]:
+    """Median seconds per step of greedy, sampled and each ``ABLATIONS`` variant of the sampled step (the
+    module's ``--ablate``), each on an engine of its own over ``engine``'s weights, traced under its patches,
+    then timed in ``repeats`` interleaved rounds of one synchronised call of ``steps`` steps."""
+    params = MODES["sampled"][0]
+    variants = {"greedy": (MODES["greedy"][0], ()), "sampled": (params, ()),
+                **{name: (params, patches) for name, patches in ABLATIONS.items()}}
+    runs = {}
+    for name, (p, patches) in variants.items():
+        derived = engine.derive()
+        flags = SamplingFlags.of([p], derived.config.max_logprobs)
+        state = sampled_state(derived, batch, context, p)
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            state, _ = derived.decode(state, n_steps=steps, sampling=flags)  # traced and compiled here
+            jax.block_until_ready(state.starts)
+        state, _ = derived.decode(state, n_steps=steps, sampling=flags)
+        jax.block_until_ready(state.starts)
+        runs[name] = [derived, flags, state, []]
+    for _ in range(repeats):
+        for run in runs.values():
+            derived, flags, state, times = run
+            t = time.perf_counter()
+            run[2], _ = derived.decode(state, n_steps=steps, sampling=flags)
+            jax.block_until_ready(run[2].starts)
+            times.append((time.perf_counter() - t) / steps)
+    return {name: statistics.median(run[3]) for name, run in runs.items()}
+
+
+def print_extra_kernels(kernels: dict[str, dict[str, dict]], batch: int, step_s: dict[str, float],
+                        top: int = 12) -> None:
     """Per mode against greedy (us a step): kernel counts and busy time, and the kernels the greedy step
     does not launch, largest first: XLA's name for each (its fusions and custom calls of that program) and
-    the JAX op and source line its HLO instruction came from (``profile_ops.op_sources``)."""
+    the JAX op and source line its HLO instruction came from (``profile_ops.op_sources``). A trace whose
+    busy time is under half its mode's measured step (``step_s``) has lost kernels (the profiler misses
+    kernels of CUDA graphs at times): the comparison is then refused and ``--ablate`` is the measure."""
     greedy = kernels.get("greedy")
     if not greedy:
         return
     busy = lambda ks: sum(k["us"] for k in ks.values())  # noqa: E731
+    lost = [m for m, ks in kernels.items() if m in step_s and busy(ks) < 0.5 * step_s[m] * 1e6]
+    if lost:
+        print(f"\nbatch {batch}: the traces of {', '.join(lost)} hold under half their steps' time (kernels "
+              f"lost by the profiler): no kernel comparison; --ablate measures where the time goes")
+        return
     for mode, ks in kernels.items():
         if mode == "greedy":
             continue
@@ -191,6 +265,8 @@ def main() -> None:
                     help="trace the largest batch's calls and print the sampled steps' extra kernels "
                          "(default: on a GPU)")
     ap.add_argument("--profile-dir", default="/tmp/bench_sampling_profile")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also time the largest batch's sampled step with pieces of the sampler replaced")
     ap.add_argument("--json", "--out", dest="out", default=None, help="JSON report (e.g. bench/results/sampling.json)")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -233,7 +309,15 @@ def main() -> None:
         greedy = next(s for b, m, s, _ in rows if b == batch and m == "greedy")
         print(f"{batch:5d} {mode:13s} {step * 1e3:9.3f} {step / greedy:9.3f} {tau:5.2f}  {MODES[mode][1]}")
     for batch, kernels in report.get("kernels_us_per_step", {}).items():
-        print_extra_kernels(kernels, batch)
+        print_extra_kernels(kernels, batch, {m: report["results"][f"{m}@{batch}"]["step_s"] for m in kernels})
+    if args.ablate:
+        batch = max(batches)
+        ablated = ablate(engine, batch, args.context, args.steps, args.repeats)
+        report["ablation"] = {"batch": batch, "step_s": ablated}
+        print(f"\nbatch {batch}, the sampled step with pieces replaced (timing only):")
+        for name, step in ablated.items():
+            print(f"  {name:45s} {step * 1e3:9.3f} ms  x{step / ablated['greedy']:.3f} greedy  "
+                  f"{(step - ablated['greedy']) * 1e6:+7.0f} us")
     print(f"target: sampled and logprobs <= 1.03 x greedy; {time.perf_counter() - t_start:.0f} s in all")
     report["total_s"] = time.perf_counter() - t_start
     timing.write_json(args.out, report)

@@ -685,13 +685,21 @@ def draft_tokens(logits: jax.Array, s: SamplingState, positions: jax.Array, *, f
     (``sampling.draft_candidates``), with the target's noise for the same position, so that a
     drafter close to the target proposes the token the target will draw. Rows verifying by rejection
     sampling draw from the whole distribution (``sampled_posterior``'s q). Read from the
-    ``candidates`` largest logits, the whole rows only when some draw could reach past them."""
+    ``candidates`` largest logits. Under rejection sampling (``flags.rejection``) a draft must be a draw
+    from q: the whole rows are read when some draw could reach past the candidates. Under exact
+    verification a draft is only a proposal (the target accepts it only where it equals its own draw), so
+    a row's draw from its candidates stands: where the whole row's could differ, acceptance may lose a
+    token, never exactness, and the step keeps no conditional (its fallback's conditional cost ~90 us a
+    step at batch 16 on an H100, docs/performance.md)."""
     b, n, vocab = logits.shape
     temperature = jnp.repeat(s.temperature, n)
     top_ks = jnp.repeat(jnp.where(s.rejection, 0, s.top_k), n) if flags.top_k else jnp.zeros_like(temperature, jnp.int32)
     seeds, pos = jnp.repeat(s.seeds, n, axis=0), positions.reshape(-1)
     tokens, exact, boundary = smp.draft_candidates(logits.reshape(b * n, vocab), temperature, top_ks, seeds, pos,
                                                    count=smp.candidate_count(flags, candidates))
+
+    if not flags.rejection:
+        return tokens.reshape(b, n)
 
     def whole_row(raw):
         scores = smp.draft_scores(raw.reshape(b * n, vocab), temperature, boundary, seeds, pos)

@@ -381,8 +381,9 @@ def test_target_draws_from_candidates_equal_the_whole_rows_draws(scale, ties):
 
 @pytest.mark.parametrize("scale,ties", [(8.0, False), _SLOW(2.0, True), _SLOW(0.5, False)])
 def test_drafts_from_candidates_equal_the_whole_rows_draws(scale, ties):
-    """``draft_candidates`` where exact, and ``draft_tokens`` everywhere, equal the whole row's draw
-    (``draft_scores``); rows without top-k draw from the whole distribution, those with it from the
+    """``draft_candidates`` where exact, and ``draft_tokens`` of a batch verifying by rejection sampling
+    everywhere, equal the whole row's draw (``draft_scores``); under exact verification ``draft_tokens``
+    are the candidates' draws; rows without top-k draw from the whole distribution, those with it from the
     drafter's k most likely tokens, and rows verifying by rejection sampling ignore their top-k."""
     import jax
 
@@ -413,8 +414,14 @@ def test_drafts_from_candidates_equal_the_whole_rows_draws(scale, ties):
     np.testing.assert_array_equal(want[sampled], plain[sampled])
     if scale == 8.0:  # without a top-k, the noise could reach past 64 candidates here
         assert exact.reshape(b, n)[4].all()
-    got = draft_tokens(logits, s, positions, flags=flags, candidates=64)
+    # Under rejection sampling a draft is a draw from q: the whole rows where a candidate draw is not exact.
+    got = draft_tokens(logits, s, positions, flags=dataclasses.replace(flags, rejection=True), candidates=64)
     np.testing.assert_array_equal(np.asarray(got).reshape(-1), want)
+    # Under exact verification a draft is a proposal: the candidates' draws stand, exact or not.
+    got = draft_tokens(logits, s, positions, flags=flags, candidates=64)
+    np.testing.assert_array_equal(np.asarray(got).reshape(-1), tokens)
+    if scale == 0.5:  # flat rows: some draws could reach past the candidates
+        assert not exact.all() and (tokens != want).any()
 
 
 def test_top_p_normalizer_under_a_cond_gives_the_same_draws(monkeypatch):
