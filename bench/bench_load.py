@@ -201,7 +201,7 @@ def bench_batch(args, spec: Engine, plain: Engine, rates: dict, batch: int, cont
     base = fresh_state(spec, batch, context, seed=batch)
     costs = {(batch, b): step_cost(spec, base, args.steps, args.repeats, b, counter) for b in spec.speculation_blocks}
     target_step = step_cost(plain, base, args.steps, args.repeats, None, counter)
-    entry = dict(context=context, batch=batch, target_step_s=target_step,
+    entry = dict(context=context, window=args.window, batch=batch, target_step_s=target_step,
                  first_tokens=np.asarray(base.tokens[:, 0]).tolist(),  # the synthetic drafter's row keys
                  step_s={str(b): c for (_, b), c in costs.items()},
                  dflash_step_ratio={str(b): c / target_step for (_, b), c in costs.items()}, levels=[])

@@ -29,21 +29,26 @@ def plot(report: dict, png: str) -> bool:
     if not results:
         print("plot skipped: the report has no results")
         return False
-    contexts = sorted({e["context"] for e in results})
+    # A context's rows, apart from its rows with a drafter context window (their own panel row).
+    contexts = sorted({(e["context"], e.get("window") or 0) for e in results})
+    name = lambda c: f"context {c[0]}" + (f", window {c[1]}" if c[1] else "")  # noqa: E731
     taus = sorted({lv["tau16"] for e in results for lv in e["levels"]})
     fig, axes = plt.subplots(len(contexts) + 1, len(taus), figsize=(4.2 * len(taus), 3.4 * (len(contexts) + 1)),
                              squeeze=False)
     for row, context in enumerate(contexts):
-        entries = sorted((e for e in results if e["context"] == context), key=lambda e: e["batch"])
+        entries = sorted((e for e in results if (e["context"], e.get("window") or 0) == context),
+                         key=lambda e: e["batch"])
         for col, tau in enumerate(taus):
             ax = axes[row][col]
+            if not any(lv["tau16"] == tau for e in entries for lv in e["levels"]):
+                ax.axis("off")
+                continue
             for key, label, color in MODES:
                 points = [(e["batch"], lv[key]["tok_s"]) for e in entries for lv in e["levels"] if lv["tau16"] == tau]
-                if points:
-                    ax.plot(*zip(*points), marker="o", label=label, color=color)
+                ax.plot(*zip(*points), marker="o", label=label, color=color)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_title(f"context {context}, tau@16 = {tau:g}", fontsize=10)
+            ax.set_title(f"{name(context)}, tau@16 = {tau:g}", fontsize=10)
             ax.set_xlabel("batch")
             ax.set_ylabel("tokens/s")
             ax.grid(True, which="both", alpha=0.3)
@@ -51,9 +56,9 @@ def plot(report: dict, png: str) -> bool:
     ax = axes[-1][0]
     for context in contexts:
         points = sorted((e["batch"], e["dflash_step_ratio"]["16"]) for e in results
-                        if e["context"] == context and "16" in e["dflash_step_ratio"])
+                        if (e["context"], e.get("window") or 0) == context and "16" in e["dflash_step_ratio"])
         if points:
-            ax.plot(*zip(*points), marker="o", label=f"context {context}")
+            ax.plot(*zip(*points), marker="o", label=name(context))
     ax.set_xscale("log", base=2)
     ax.set_title("block-16 DFlash step / target-only step", fontsize=10)
     ax.set_xlabel("batch")
