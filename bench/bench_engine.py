@@ -294,11 +294,12 @@ def bench_batch(args, base: Engine, batch: int, draft_batches: set[int], tensor:
             for name, engine in (("target-only", plain), ("dflash", spec)):
                 hlo = Path(args.out).with_name(f"decode_hlo_{name}_tp{tensor}.txt") if args.out else None
                 entry.setdefault("collectives", {})[name] = print_collectives(engine, name, hlo)
-        try:
-            entry["host"] = host_overhead(spec, args.context, 128, t_spec)
-            entry["host_target_only"] = host_overhead(plain, args.context, 64, t_plain)
-        except Exception as err:  # noqa: BLE001  (keep the step timings of this batch)
-            print(f"host-overhead run failed: {err!r}", flush=True)
+        if args.host_overhead:
+            try:
+                entry["host"] = host_overhead(spec, args.context, 128, t_spec)
+                entry["host_target_only"] = host_overhead(plain, args.context, 64, t_plain)
+            except Exception as err:  # noqa: BLE001  (keep the step timings of this batch)
+                print(f"host-overhead run failed: {err!r}", flush=True)
         if args.profile:  # last: the step timings are taken before any trace
             for name, engine in (("target-only", plain), ("dflash", spec)):
                 profile_decode(engine, args.context, 8, str(Path(args.profile) / name))
@@ -368,6 +369,8 @@ def main() -> None:
     ap.add_argument("--reference", action="store_true", help="also time the authors' PyTorch code")
     ap.add_argument("--tau", type=float, default=6.5, help="acceptance length for projected tokens/s")
     ap.add_argument("--collectives", action="store_true", help="list the collectives of the batch-1 decode steps")
+    ap.add_argument("--host-overhead", action=argparse.BooleanOptionalAction, default=True,
+                    help="at batch 1, Engine.generate's wall time per step and the time to first token")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="trace batch-1 decode steps into DIR and print the top kernels per step")
     ap.add_argument("--profile-batch", type=int, default=0, metavar="N",
