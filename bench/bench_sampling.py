@@ -80,6 +80,20 @@ def sampled_state(engine: Engine, batch: int, context: int, params: SamplingPara
     return dataclasses.replace(state, sampling=sampling)
 
 
+def interleaved_rounds(runs: dict[str, tuple[Engine, SamplingFlags]], states: dict, steps: int, repeats: int
+                       ) -> dict[str, list[float]]:
+    """Seconds per step of each run's ``repeats`` synchronised decode calls of ``steps`` steps, one call of
+    every run a round; each run's state (``states``, by run) is donated and replaced as it goes."""
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, (engine, flags) in runs.items():
+            t = time.perf_counter()
+            states[name], _ = engine.decode(states[name], n_steps=steps, sampling=flags)
+            jax.block_until_ready(states[name].starts)
+            times[name].append((time.perf_counter() - t) / steps)
+    return times
+
+
 def time_modes(engine: Engine, batch: int, context: int, modes: list[str], steps: int, repeats: int,
                profile_dir: str | None = None):
     """Per mode: median seconds per decode step over ``repeats`` interleaved rounds of one synchronised
@@ -99,13 +113,7 @@ def time_modes(engine: Engine, batch: int, context: int, modes: list[str], steps
             states[m], _ = engine.decode(states[m], n_steps=steps, sampling=flags[m])
         jax.block_until_ready(states[m].starts)
     start = {m: np.asarray(states[m].starts) for m in modes}
-    times = {m: [] for m in modes}
-    for _ in range(repeats):
-        for m in modes:
-            t = time.perf_counter()
-            states[m], _ = engine.decode(states[m], n_steps=steps, sampling=flags[m])
-            jax.block_until_ready(states[m].starts)
-            times[m].append((time.perf_counter() - t) / steps)
+    times = interleaved_rounds({m: (engine, flags[m]) for m in modes}, states, steps, repeats)
     out = {}
     for m in modes:
         advanced = np.asarray(states[m].starts) - start[m]
@@ -163,7 +171,7 @@ def ablate(engine: Engine, batch: int, context: int, steps: int, repeats: int) -
     params = MODES["sampled"][0]
     variants = {"greedy": (MODES["greedy"][0], ()), "sampled": (params, ()),
                 **{name: (params, patches) for name, patches in ABLATIONS.items()}}
-    runs = {}
+    runs, states = {}, {}
     for name, (p, patches) in variants.items():
         derived = engine.derive()
         flags = SamplingFlags.of([p], derived.config.max_logprobs)
@@ -175,15 +183,9 @@ def ablate(engine: Engine, batch: int, context: int, steps: int, repeats: int) -
             jax.block_until_ready(state.starts)
         state, _ = derived.decode(state, n_steps=steps, sampling=flags)
         jax.block_until_ready(state.starts)
-        runs[name] = [derived, flags, state, []]
-    for _ in range(repeats):
-        for run in runs.values():
-            derived, flags, state, times = run
-            t = time.perf_counter()
-            run[2], _ = derived.decode(state, n_steps=steps, sampling=flags)
-            jax.block_until_ready(run[2].starts)
-            times.append((time.perf_counter() - t) / steps)
-    return {name: statistics.median(run[3]) for name, run in runs.items()}
+        runs[name], states[name] = (derived, flags), state
+    times = interleaved_rounds(runs, states, steps, repeats)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def print_extra_kernels(kernels: dict[str, dict[str, dict]], batch: int, step_s: dict[str, float],

@@ -30,14 +30,14 @@ def plot(report: dict, png: str) -> bool:
         print("plot skipped: the report has no results")
         return False
     # A context's rows, apart from its rows with a drafter context window (their own panel row).
-    contexts = sorted({(e["context"], e.get("window") or 0) for e in results})
+    panel_row = lambda e: (e["context"], e.get("window") or 0)  # noqa: E731
+    contexts = sorted({panel_row(e) for e in results})
     name = lambda c: f"context {c[0]}" + (f", window {c[1]}" if c[1] else "")  # noqa: E731
     taus = sorted({lv["tau16"] for e in results for lv in e["levels"]})
     fig, axes = plt.subplots(len(contexts) + 1, len(taus), figsize=(4.2 * len(taus), 3.4 * (len(contexts) + 1)),
                              squeeze=False)
     for row, context in enumerate(contexts):
-        entries = sorted((e for e in results if (e["context"], e.get("window") or 0) == context),
-                         key=lambda e: e["batch"])
+        entries = sorted((e for e in results if panel_row(e) == context), key=lambda e: e["batch"])
         for col, tau in enumerate(taus):
             ax = axes[row][col]
             if not any(lv["tau16"] == tau for e in entries for lv in e["levels"]):
@@ -56,7 +56,7 @@ def plot(report: dict, png: str) -> bool:
     ax = axes[-1][0]
     for context in contexts:
         points = sorted((e["batch"], e["dflash_step_ratio"]["16"]) for e in results
-                        if (e["context"], e.get("window") or 0) == context and "16" in e["dflash_step_ratio"])
+                        if panel_row(e) == context and "16" in e["dflash_step_ratio"])
         if points:
             ax.plot(*zip(*points), marker="o", label=name(context))
     ax.set_xscale("log", base=2)
