@@ -18,7 +18,8 @@ a step, each with the JAX op and source line it came from, beside both steps' ke
 its own engine (the engine's weights shared) and timed in interleaved rounds beside greedy and the real
 sampled step: every ``lax.cond`` of the step taking its common branch (the candidates' draw; the
 whole-row fallbacks compiled out), and also the candidates' top-k replaced by one argmax pass (a stand-in
-that reads each row once, as greedy does). The replaced steps draw wrong tokens: timing only. Where a
+that reads each row once, as greedy does); and the whole step with XLA's own sort kernels for every sort
+(no CUB radix sort, which XLA:GPU cannot record in a CUDA graph). The replaced steps draw wrong tokens: timing only. Where a
 sampled step's time goes, for a step whose kernels run in CUDA graphs, where a trace misses kernels.
 
 Before the timing, a check on the device: draws read from the candidates (noise at their ids only)
@@ -48,6 +49,7 @@ import profile_ops
 import timing
 from dflash_jax.ops import topk
 from dflash_jax.runtime import decoding
+from dflash_jax.runtime import engine as engine_module
 from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.runtime.sampling import SamplingFlags, SamplingParams
@@ -141,10 +143,20 @@ def time_modes(engine: Engine, batch: int, context: int, modes: list[str], steps
 
 def _common_branch_cond(pred, true_fun, false_fun, *operands):
     """``lax.cond`` as the sampler's conditionals run when no row needs its whole-row fallback: the draws
-    from the candidates (the first branch, a lambda returning them), and no whole-row normalizer for top-p
-    (the first branch a named function computing it, the second skipping it)."""
-    take = true_fun if getattr(true_fun, "__name__", "") == "<lambda>" else false_fun
-    return take(*operands)
+    from the candidates (the first branch, a lambda returning them)."""
+    return true_fun(*operands)
+
+
+_DECODE_COMPILER_OPTIONS = engine_module._decode_compiler_options
+
+
+def _no_cub_sorts():
+    """The decode loop's XLA options with every sort on XLA's own sort kernels instead of CUB's radix sort:
+    a CUB sort is a step XLA:GPU cannot put in a CUDA graph, so a conditional holding one runs from the host."""
+    options = dict(_DECODE_COMPILER_OPTIONS() or {})
+    if jax.default_backend() == "gpu":
+        options["xla_gpu_enable_cub_radix_sort"] = False
+    return options or None
 
 
 def _argmax_top_k(x, k, *, chunks=None):
@@ -161,6 +173,7 @@ ABLATIONS = {
     "sampled, no conditionals": (mock.patch.object(jax.lax, "cond", _common_branch_cond),),
     "sampled, no conditionals, argmax for top-k": (mock.patch.object(jax.lax, "cond", _common_branch_cond),
                                                    mock.patch.object(topk, "top_k_and_argmax", _argmax_top_k)),
+    "sampled, no CUB sorts": (mock.patch.object(engine_module, "_decode_compiler_options", _no_cub_sorts),),
 }
 
 
@@ -173,12 +186,12 @@ def ablate(engine: Engine, batch: int, context: int, steps: int, repeats: int) -
                 **{name: (params, patches) for name, patches in ABLATIONS.items()}}
     runs, states = {}, {}
     for name, (p, patches) in variants.items():
-        derived = engine.derive()
-        flags = SamplingFlags.of([p], derived.config.max_logprobs)
-        state = sampled_state(derived, batch, context, p)
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
+            derived = engine.derive()  # under the patches: its jits take their compiler options here
+            flags = SamplingFlags.of([p], derived.config.max_logprobs)
+            state = sampled_state(derived, batch, context, p)
             state, _ = derived.decode(state, n_steps=steps, sampling=flags)  # traced and compiled here
             jax.block_until_ready(state.starts)
         state, _ = derived.decode(state, n_steps=steps, sampling=flags)

@@ -734,7 +734,7 @@ class Engine:
     def _draw_first_fn(self, rows, last_logits):
         """Every processor is compiled in: one program per row count serves every request (neutral
         parameters change nothing, bit for bit: a greedy row's first token is the argmax of its raw logits)."""
-        flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, min_p=True,
+        flags = SamplingFlags(sample=True, edits=True, top_k=True, top_p=True, top_p_whole_row=True, min_p=True,
                               logprobs=self.config.max_logprobs)
         rows, first = decoding.draw_first(rows, last_logits, flags=flags, candidates=self.config.sampling_candidates)
         return self._constrain(rows), first

@@ -178,6 +178,9 @@ class SamplingFlags:
     edits: bool = False        # some row has logit_bias, min_tokens or penalties
     top_k: bool = False
     top_p: bool = False
+    # some sampled row has top-p without top-k: its top-p renormalizes over the whole row, whose
+    # softmax normalizer the step then reads (two passes over every row's logits)
+    top_p_whole_row: bool = False
     min_p: bool = False
     rejection: bool = False    # some sampled row verifies by rejection sampling
     logprobs: int | None = None
@@ -192,6 +195,7 @@ class SamplingFlags:
         return cls(
             sample=bool(sampled), edits=any(p.edits_logits for p in params),
             top_k=any(p.top_k > 0 for p in sampled), top_p=any(p.top_p < 1 for p in sampled),
+            top_p_whole_row=any(p.top_p < 1 and p.top_k == 0 for p in sampled),
             min_p=any(p.min_p > 0 for p in sampled), rejection=any(p.verify == "rejection" for p in sampled),
             logprobs=None if not asks else (max_logprobs if max(asks) > 0 else 0),
             top_k_candidates=min(MAX_TOP_K_CANDIDATES, 1 << max((p.top_k for p in sampled), default=0).bit_length())
@@ -344,7 +348,8 @@ def filter_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min
     if flags.top_k or flags.top_p:
         top_k = top_k if flags.top_k else jnp.zeros_like(top_k)
         top_p = top_p if flags.top_p else jnp.ones_like(top_p)
-        log_norm = jax.nn.logsumexp(scaled, axis=-1)
+        log_norm = (jax.nn.logsumexp(scaled, axis=-1) if flags.top_p_whole_row
+                    else jnp.zeros(scaled.shape[:1], scaled.dtype))
         vocab = scaled.shape[-1]
 
         def whole(_):
@@ -491,11 +496,6 @@ def draw_scores(logits: jax.Array, rows: Rows, positions: jax.Array, *, flags: S
     return jnp.where(greedy[:, None], logits, noisy)
 
 
-# Logits of at least this many elements (~55 rows of a 152k vocabulary) compute the whole rows'
-# normalizer for top-p under a lax.cond, only when some row needs it.
-LOG_NORM_COND_ELEMENTS = 1 << 23
-
-
 def candidate_count(flags: SamplingFlags, candidates: int) -> int:
     """How many candidates a row's draw reads: ``candidates``, or enough for the batch's largest top-k."""
     return max(candidates, flags.top_k_candidates, 1)
@@ -526,18 +526,8 @@ def candidate_tokens(logits: jax.Array, rows: Rows, positions: jax.Array, *, fla
         top_k = rows.top_k if flags.top_k else jnp.zeros_like(rows.top_k)
         top_p = rows.top_p if flags.top_p else jnp.ones_like(rows.top_p)
         log_norm = jnp.zeros(logits.shape[:1], jnp.float32)
-        if flags.top_p:
-            # The whole row's normalizer serves top-p rows without top-k only. Over many rows it is
-            # read only when one is there; a lax.cond costs the GPU a host round trip, more than the
-            # two passes over a few rows.
-            def whole_norm(x):
-                return jax.nn.logsumexp(x.astype(jnp.float32) / temperature[:, None], axis=-1)
-
-            if logits.size < LOG_NORM_COND_ELEMENTS:
-                log_norm = whole_norm(logits)
-            else:
-                log_norm = jax.lax.cond(jnp.any((top_k == 0) & (top_p < 1) & ~greedy), whole_norm,
-                                        lambda x: log_norm, logits)
+        if flags.top_p_whole_row:  # read only when some row's top-p needs it (known on the host)
+            log_norm = jax.nn.logsumexp(logits.astype(jnp.float32) / temperature[:, None], axis=-1)
         theta, exact = candidate_threshold(desc, log_norm, top_k, top_p)
     if flags.min_p:
         theta = jnp.maximum(theta, desc[:, 0] + jnp.log(rows.min_p))  # the row's maximum + log(min_p)

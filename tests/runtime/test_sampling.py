@@ -12,7 +12,7 @@ from dflash_jax import SamplingParams
 from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.sampling import SamplingFlags
 
-ALL_FILTERS = SamplingFlags(sample=True, top_k=True, top_p=True, min_p=True)
+ALL_FILTERS = SamplingFlags(sample=True, top_k=True, top_p=True, top_p_whole_row=True, min_p=True)
 
 
 def _hf_warped(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
@@ -424,21 +424,39 @@ def test_drafts_from_candidates_equal_the_whole_rows_draws(scale, ties):
         assert not exact.all() and (tokens != want).any()
 
 
-def test_top_p_normalizer_under_a_cond_gives_the_same_draws(monkeypatch):
-    """Over many rows the whole rows' normalizer (top-p without top-k) is read under a ``lax.cond``:
-    the same tokens as computed outright, whether a row needs it or not."""
+def test_whole_row_normalizer_is_read_only_for_top_p_without_top_k():
+    """The whole rows' softmax normalizer is compiled in only when some sampled row has top-p without
+    top-k (``SamplingFlags.top_p_whole_row``, known on the host): rows whose top-p follows a top-k draw
+    the same tokens without it, and a top-p row without top-k needs it."""
+    assert SamplingFlags.of([SamplingParams(temperature=0.8, top_p=0.7, top_k=20)], 0).top_p_whole_row is False
+    assert SamplingFlags.of([SamplingParams(top_p=0.7), SamplingParams(temperature=0.8, top_k=20)], 0).top_p_whole_row \
+        is False  # a greedy row's top-p is never applied
+    assert SamplingFlags.of([SamplingParams(temperature=0.8, top_p=0.7, top_k=20),
+                             SamplingParams(temperature=0.8, top_p=0.9)], 0).top_p_whole_row is True
     rows, vocab = 6, 2000
-    logits = jnp.asarray(np.random.RandomState(4).randn(rows, vocab).astype(np.float32) * 6)
-    for params in ([SamplingParams(temperature=0.8, top_p=0.7, seed=i) for i in range(rows)],
-                   [SamplingParams(temperature=0.8, top_p=0.7, top_k=20, seed=i) for i in range(rows)]):
-        flags = SamplingFlags.of(params, 0)
+    # Shifted far below 0 (the softmax is not moved): a top-p over a normalizer taken as 0 would keep every candidate.
+    logits = jnp.asarray(np.random.RandomState(4).randn(rows, vocab).astype(np.float32) * 6 - 40)
+
+    def draws(params, flags):
         arrays = smp.row_arrays(params, rows, vocab, [0] * rows)
         s = smp.new_state({k: jnp.asarray(v) for k, v in arrays.items()}, capacity=4, max_logprobs=0)
         r, pos = smp.Rows.of(s, jnp.full((rows, 1), -1, jnp.int32)), jnp.arange(rows)
-        outright = [np.asarray(x) for x in smp.candidate_tokens(logits, r, pos, flags=flags, candidates=64)]
-        monkeypatch.setattr(smp, "LOG_NORM_COND_ELEMENTS", 0)
-        under_cond = [np.asarray(x) for x in smp.candidate_tokens(logits, r, pos, flags=flags, candidates=64)]
-        monkeypatch.undo()
-        np.testing.assert_array_equal(outright[0], under_cond[0])
-        np.testing.assert_array_equal(outright[1], under_cond[1])
-        assert outright[1].all()
+        return [np.asarray(x) for x in smp.candidate_tokens(logits, r, pos, flags=flags, candidates=64)]
+
+    with_k = [SamplingParams(temperature=0.8, top_p=0.7, top_k=20, seed=i) for i in range(rows)]
+    flags = SamplingFlags.of(with_k, 0)
+    lean, full = draws(with_k, flags), draws(with_k, dataclasses.replace(flags, top_p_whole_row=True))
+    np.testing.assert_array_equal(lean[0], full[0])
+    np.testing.assert_array_equal(lean[1], full[1])
+    assert lean[1].all()
+    alone = [SamplingParams(temperature=0.8, top_p=0.7, seed=i) for i in range(rows)]
+    flags = SamplingFlags.of(alone, 0)
+    tokens, exact = draws(alone, flags)
+    assert exact.all()
+    r = smp.Rows.of(smp.new_state({k: jnp.asarray(v) for k, v in smp.row_arrays(alone, rows, vocab, [0] * rows).items()},
+                                  capacity=4, max_logprobs=0), jnp.full((rows, 1), -1, jnp.int32))
+    whole = np.asarray(jnp.argmax(smp.draw_scores(logits, r, jnp.arange(rows), flags=flags, candidates=vocab), axis=-1))
+    np.testing.assert_array_equal(tokens, whole)
+    # Without the normalizer these rows' top-p would renormalize over a wrong mass: other kept sets.
+    wrong = draws(alone, dataclasses.replace(flags, top_p_whole_row=False))
+    assert (wrong[0] != tokens).any() or not wrong[1].all()
