@@ -211,7 +211,7 @@ def experts_path(args, experts_shape: tuple[int, int], w) -> str:
     """What a step routing ``experts_shape`` (tokens, top_k) pairs runs: "mosaic" (the Mosaic GPU
     kernel), or the XLA implementation ``--experts-impl`` resolves to."""
     attention = resolve_attention_impl("auto")
-    if uses_mosaic_kernel(args.experts_impl, experts_shape, w, jnp.bfloat16,
+    if uses_mosaic_kernel(args.experts_impl, experts_shape, w, jnp.bfloat16, kernels=attention == "pallas",
                           mosaic=attention == "pallas" and args.gpu_lowering == "mosaic"):
         return "mosaic"
     return resolve_implementation(args.experts_impl, experts_shape[0] * experts_shape[1], w)

@@ -107,5 +107,5 @@ class MoeMLP(nnx.Module):
         weights, experts = self.route(flat)
         out = routed_experts(flat, experts, weights, self.experts.weights(),
                              activation="gpt_oss" if self.gpt_oss else "silu", implementation=ops.experts,
-                             mosaic=ops.mosaic)
+                             kernels=ops.kernels, mosaic=ops.mosaic)
         return out.reshape(x.shape)

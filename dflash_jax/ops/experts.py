@@ -21,10 +21,12 @@ the ``T * top_k`` (token, expert) pairs in one of three ways, chosen by the stat
 (measured on the H200, ``gemv_pair_limit``). Shapes are
 static everywhere: a run or slot may be empty.
 
-With ``OpsConfig.gpu_lowering == "mosaic"`` on a GPU, "auto" and "gemv" steps of few pairs run
-``mosaic_routed_experts`` instead: the pairs grouped by expert and two calls of the Mosaic GPU
-expert-products kernel (``kernels_pallas.experts``), which streams only the touched experts' weight
-tiles (MXFP4 decoded inside) with TMA.
+With the kernels on (``OpsConfig.kernels``) on a Hopper or later GPU, "auto" steps of few pairs (up to 4 an
+expert) run ``mosaic_routed_experts`` instead, whichever the lowering of the other kernels: the pairs grouped
+by expert and two calls of the Mosaic GPU expert-products kernel (``kernels_pallas.experts``), which streams
+only the touched experts' weight tiles (MXFP4 decoded inside) with TMA. MXFP4 steps of fewer pairs than
+experts keep "gemv" (decoding one token's 4-bit codes in shared memory costs the kernel more than the bytes
+it saves). Under ``OpsConfig.gpu_lowering == "mosaic"``, "gemv" steps run the kernel too.
 
 ``routed_experts_reference`` is the same function as a dense product over every expert, for tests.
 Under ``sharding.kernel_mesh`` with the experts split over mesh axes (logical axis ``experts``),
@@ -371,32 +373,48 @@ def touched_experts(experts: jax.Array, num_experts: int) -> jax.Array:
 
 
 def uses_mosaic_kernel(implementation: str, experts_shape: tuple[int, int], w: ExpertWeights, dtype, *,
-                       mosaic: bool) -> bool:
-    """Whether ``routed_experts`` runs the Mosaic GPU kernel: ``mosaic`` asked for (``OpsConfig.mosaic``)
-    on a Hopper or later GPU, ``implementation`` "auto" or "gemv" (the few pairs of a decode or verify step:
-    ``gemv_pair_limit``'s four an expert), and ``mosaic_kernel_fits``."""
+                       kernels: bool, mosaic: bool = False) -> bool:
+    """Whether ``routed_experts`` runs the Mosaic GPU kernel: the kernels on (``kernels``,
+    ``OpsConfig.kernels``) on a Hopper or later GPU, at most four (token, expert) pairs an expert (a decode
+    or verify step), ``mosaic_kernel_fits``, and ``implementation`` "auto" -- but for MXFP4 experts with
+    fewer pairs than experts, where "gemv" is faster -- or, under the Mosaic lowering (``mosaic``,
+    ``OpsConfig.mosaic``), "gemv".
+
+    Measured on an H100, engine steps of 8 layers (docs/performance.md): Qwen3-30B-A3B's bf16 experts
+    decode at 0.89 ms a step on the kernel against 1.42 by ``ragged_dot`` (batch 1), 3.69 against 4.82 at
+    batch 16; gpt-oss-20b's MXFP4 experts 1.67 against 1.39 by "gemv" at batch 1 (4 pairs of 32 experts),
+    3.56 against 3.00 at batch 4 (16 pairs), 5.95 against 8.77 at batch 16 (64 pairs), and a verify block of
+    16 (64 pairs) 6.50 against 9.37 ms a DFlash step."""
     from kernels_pallas._mosaic import hopper_or_later
 
     tokens, top_k = experts_shape
-    return (mosaic and jax.default_backend() == "gpu" and hopper_or_later() and implementation in ("auto", "gemv")
-            and tokens * top_k <= 4 * w.num_experts and mosaic_kernel_fits(tokens, w, dtype))
+    pairs = tokens * top_k
+    if not kernels or jax.default_backend() != "gpu" or pairs > 4 * w.num_experts:
+        return False
+    if implementation == "auto":
+        if isinstance(w.gate_up, tuple) and pairs < w.num_experts:
+            return False
+    elif implementation != "gemv" or not mosaic:
+        return False
+    return hopper_or_later() and mosaic_kernel_fits(tokens, w, dtype)
 
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, *,
-                   activation: str, implementation: str = "auto", mosaic: bool = False) -> jax.Array:
+                   activation: str, implementation: str = "auto", kernels: bool = False,
+                   mosaic: bool = False) -> jax.Array:
     """``x [T, hidden]`` routed to ``experts [T, top_k]`` with ``weights [T, top_k]`` -> ``[T,
     hidden]``: ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``. ``implementation``: "gemv"
     (a matrix-vector product per (token, expert) pair reading only the routed experts' bytes),
     "ragged_dot" (grouped matmuls), "capacity" (batched GEMMs of ``T`` row slots an expert), or
-    "auto": "gemv" for MXFP4 experts up to ``gemv_pair_limit`` pairs, else "ragged_dot". ``mosaic``
-    (``OpsConfig.mosaic``): on a GPU, "auto" and "gemv" steps the Mosaic GPU kernel takes run it
-    instead (``uses_mosaic_kernel``).
+    "auto": "gemv" for MXFP4 experts up to ``gemv_pair_limit`` pairs, else "ragged_dot". ``kernels``
+    (``OpsConfig.kernels``) and ``mosaic`` (``OpsConfig.mosaic``): on a Hopper or later GPU the steps
+    ``uses_mosaic_kernel`` names run the Mosaic GPU kernel instead.
 
     Under ``sharding.kernel_mesh`` with the experts' leading axis split (logical axis ``experts``),
     each device runs its own experts and the shares are summed across the devices."""
     axes = ("experts", "embed", "mlp")
     across = sharding.kernel_mesh_axes(axes, (w.num_experts, 1, 1), 0)
-    if uses_mosaic_kernel(implementation, experts.shape, w, x.dtype, mosaic=mosaic):
+    if uses_mosaic_kernel(implementation, experts.shape, w, x.dtype, kernels=kernels, mosaic=mosaic):
         run_experts = mosaic_routed_experts
     else:
         run_experts = {"gemv": _gemv, "ragged_dot": _grouped, "capacity": _capacity}[

@@ -86,7 +86,7 @@ def test_plan_and_fits():
     assert not mosaic_gpu.supports(2048, 1000, 1, bf16) and not mosaic_gpu.supports(2048, 1536, 65, bf16)
     assert mosaic_gpu.mxfp4_supports(2880, 2880, 16, bf16) and not mosaic_gpu.mxfp4_supports(2880 + 32, 2880, 1, bf16)
     w = jax.eval_shape(lambda: expert_weights(jax.random.key(0), 128, 2048, 768, quantized=False, biases=False))
-    assert not uses_mosaic_kernel("auto", (1, 8), w, bf16, mosaic=True)  # not a GPU
+    assert not uses_mosaic_kernel("auto", (1, 8), w, bf16, kernels=True, mosaic=True)  # not a GPU
     with pytest.raises(ValueError, match="block_k"):
         MosaicConfig(block_k=96)
 
@@ -105,23 +105,31 @@ def test_every_mxfp4_byte_decodes_to_its_two_values():
 
 
 def test_dispatch_on_a_gpu(monkeypatch):
-    """On a Hopper GPU with ``OpsConfig.mosaic``: "auto" and "gemv" steps of up to four pairs an expert
-    run the kernel; explicit grouped matmuls, larger steps, the other lowering and older GPUs do not."""
+    """On a Hopper GPU with the kernels on, whichever the lowering: "auto" steps of up to four pairs an
+    expert run the kernel, but MXFP4 steps of fewer pairs than experts ("gemv" is faster there); "gemv"
+    runs it under the Mosaic lowering only; grouped matmuls, larger steps, kernels off and older GPUs never."""
     from kernels_pallas import _mosaic
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(_mosaic, "hopper_or_later", lambda: True)
     w = jax.eval_shape(lambda: expert_weights(jax.random.key(0), 128, 2048, 768, quantized=False, biases=False))
-    assert uses_mosaic_kernel("auto", (1, 8), w, bf16, mosaic=True)
-    assert uses_mosaic_kernel("gemv", (64, 8), w, bf16, mosaic=True)
-    assert not uses_mosaic_kernel("auto", (1, 8), w, bf16, mosaic=False)
-    assert not uses_mosaic_kernel("ragged_dot", (1, 8), w, bf16, mosaic=True)
-    assert not uses_mosaic_kernel("auto", (65, 8), w, bf16, mosaic=True)
+    for mosaic in (False, True):
+        assert uses_mosaic_kernel("auto", (1, 8), w, bf16, kernels=True, mosaic=mosaic)
+        assert uses_mosaic_kernel("auto", (64, 8), w, bf16, kernels=True, mosaic=mosaic)
+        assert not uses_mosaic_kernel("auto", (65, 8), w, bf16, kernels=True, mosaic=mosaic)
+        assert not uses_mosaic_kernel("ragged_dot", (1, 8), w, bf16, kernels=True, mosaic=mosaic)
+    assert uses_mosaic_kernel("gemv", (64, 8), w, bf16, kernels=True, mosaic=True)
+    assert not uses_mosaic_kernel("gemv", (64, 8), w, bf16, kernels=True, mosaic=False)
+    assert not uses_mosaic_kernel("auto", (1, 8), w, bf16, kernels=False)  # the XLA ops
     q = jax.eval_shape(lambda: expert_weights(jax.random.key(0), 32, 2880, 2880, quantized=True, biases=True))
-    assert uses_mosaic_kernel("auto", (32, 4), q, bf16, mosaic=True)
-    assert not uses_mosaic_kernel("auto", (33, 4), q, bf16, mosaic=True)  # more than 4 pairs an expert
+    assert uses_mosaic_kernel("auto", (32, 4), q, bf16, kernels=True)
+    assert uses_mosaic_kernel("auto", (8, 4), q, bf16, kernels=True)  # as many pairs as experts
+    assert not uses_mosaic_kernel("auto", (7, 4), q, bf16, kernels=True)  # fewer: "gemv"
+    assert not uses_mosaic_kernel("auto", (1, 4), q, bf16, kernels=True, mosaic=True)
+    assert uses_mosaic_kernel("gemv", (1, 4), q, bf16, kernels=True, mosaic=True)
+    assert not uses_mosaic_kernel("auto", (33, 4), q, bf16, kernels=True)  # more than 4 pairs an expert
     monkeypatch.setattr(_mosaic, "hopper_or_later", lambda: False)  # an A100: no wgmma
-    assert not uses_mosaic_kernel("auto", (1, 8), w, bf16, mosaic=True)
+    assert not uses_mosaic_kernel("auto", (1, 8), w, bf16, kernels=True)
 
 
 # -- interpret mode (jax >= 0.11) --------------------------------------------------------------------
