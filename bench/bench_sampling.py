@@ -19,8 +19,9 @@ its own engine (the engine's weights shared) and timed in interleaved rounds bes
 sampled step: every ``lax.cond`` of the step taking its common branch (the candidates' draw; the
 whole-row fallbacks compiled out), and also the candidates' top-k replaced by one argmax pass (a stand-in
 that reads each row once, as greedy does); and the whole step with XLA's own sort kernels for every sort
-(no CUB radix sort, which XLA:GPU cannot record in a CUDA graph). The replaced steps draw wrong tokens: timing only. Where a
-sampled step's time goes, for a step whose kernels run in CUDA graphs, where a trace misses kernels.
+(no CUB radix sort, which XLA:GPU cannot record in a CUDA graph). The replaced steps draw wrong tokens:
+timing only. Where a sampled step's time goes, for a step whose kernels run in CUDA graphs, where a trace
+misses kernels.
 
 Before the timing, a check on the device: draws read from the candidates (noise at their ids only)
 equal the draws over whole rows, bit for bit, on random rows of the vocabulary's width.

@@ -381,10 +381,10 @@ def uses_mosaic_kernel(implementation: str, experts_shape: tuple[int, int], w: E
     ``OpsConfig.mosaic``), "gemv".
 
     Measured on an H100, engine steps of 8 layers (docs/performance.md): Qwen3-30B-A3B's bf16 experts
-    decode at 0.89 ms a step on the kernel against 1.42 by ``ragged_dot`` (batch 1), 3.69 against 4.82 at
-    batch 16; gpt-oss-20b's MXFP4 experts 1.67 against 1.39 by "gemv" at batch 1 (4 pairs of 32 experts),
-    3.56 against 3.00 at batch 4 (16 pairs), 5.95 against 8.77 at batch 16 (64 pairs), and a verify block of
-    16 (64 pairs) 6.50 against 9.37 ms a DFlash step."""
+    decode at 0.83 ms a step on the kernel against 1.37 by ``ragged_dot`` at batch 1, 3.61 against 4.81 at
+    batch 16; gpt-oss-20b's MXFP4 experts at 64 pairs of 32 experts (a batch-1 verify block of 16, a batch-16
+    decode step) 6.49 against 9.30 ms a DFlash step and 5.97 against 8.74 a decode step, while at 4 and 16
+    pairs "gemv" won (the whole Mosaic lowering: 1.67 / 3.56 against 1.39 / 3.00 ms)."""
     from kernels_pallas._mosaic import hopper_or_later
 
     tokens, top_k = experts_shape
