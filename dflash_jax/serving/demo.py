@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import tempfile
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -87,6 +88,22 @@ def decode_seconds(results) -> float:
 def decode_seconds_per_step(results) -> float:
     """Mean seconds of a decode step over ``results`` (the prefill's first token excluded)."""
     return decode_seconds(results) / max(1, sum(r.num_steps for r in results))
+
+
+def fastest_runs(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, Any]]:
+    """Each of ``runs`` (name -> a call) ``repeats`` times in alternating rounds -> name -> (seconds, result)
+    of its fastest call. The best of each, so that a shared machine's hiccups hit one call, not a side; and
+    that call's own result, so that what is read from it (per-row decode times) belongs to the same run
+    as its wall time."""
+    best: dict[str, tuple[float, Any]] = {}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            result = run()
+            elapsed = time.perf_counter() - t0
+            if name not in best or elapsed < best[name][0]:
+                best[name] = (elapsed, result)
+    return best
 
 
 def speculative_report(fast, slow, t_fast: float, t_slow: float) -> dict:
@@ -165,24 +182,17 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
         warm(spec2, prompts, max_new_tokens, f"DFlash2 block size {block2}")
     if warmed_up is not None:
         warmed_up()
-    t_spec = t_plain = t_spec2 = float("inf")
-    for _ in range(repeats):  # alternating, the best of each: a shared machine's hiccups hit one run, not both
-        t0 = time.perf_counter()
-        fast = spec.generate(prompts, max_new_tokens, stop_token_ids)
-        t_spec = min(t_spec, time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        slow = plain.generate(prompts, max_new_tokens, stop_token_ids)
-        t_plain = min(t_plain, time.perf_counter() - t0)
-        if spec2 is not None:
-            t0 = time.perf_counter()
-            fast2 = spec2.generate(prompts, max_new_tokens, stop_token_ids)
-            t_spec2 = min(t_spec2, time.perf_counter() - t0)
+    sides = {"spec": spec, "plain": plain, **({"spec2": spec2} if spec2 is not None else {})}
+    best = fastest_runs({side: functools.partial(engine.generate, prompts, max_new_tokens, stop_token_ids)
+                         for side, engine in sides.items()}, repeats)
+    (t_spec, fast), (t_plain, slow) = best["spec"], best["plain"]
     sampled = sampled_tau(spec, plain, prompts, max_new_tokens, temperatures, stop_token_ids) if temperatures else []
     report = dict(sampled=sampled, device=describe_device(), platform=jax.devices()[0].platform,
                   block_size=spec.block_size, block_rates=rates,
                   prompts=len(prompts), max_new_tokens=max_new_tokens,
                   **speculative_report(fast, slow, t_spec, t_plain), results=fast, prompt_ids=prompts)
     if spec2 is not None:
+        t_spec2, fast2 = best["spec2"]
         report["dflash2"] = dict(block_size=spec2.block_size, **speculative_report(fast2, slow, t_spec2, t_plain))
     return report
 

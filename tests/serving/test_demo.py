@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from dflash_jax.serving.demo import compare, print_demo, speculative_report
+from dflash_jax.serving.demo import compare, fastest_runs, print_demo, speculative_report
 from dflash_jax.tiny import random_drafter, random_target, tiny_dflash2_config, tiny_drafter_config, tiny_target_config
 
 
@@ -119,3 +119,24 @@ def test_compare_keeps_within_the_target_positions(caplog):
     assert report["max_new_tokens"] == 20 and report["output_tokens"] <= 20
     assert "max_new_tokens 100: the target has 24 positions and the longest prompt 4 tokens; generating up to 20" \
         in caplog.text
+
+
+def test_fastest_runs_keep_each_sides_fastest_call_and_its_own_result(monkeypatch):
+    """The wall time and the results read for the report (per-row decode times) come from the same call."""
+    from dflash_jax.serving import demo
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(demo.time, "perf_counter", lambda: float(next(clock)))
+    durations = {"spec": [5, 2, 7], "plain": [3, 4, 1]}  # clock ticks each call takes
+    calls = {name: 0 for name in durations}
+
+    def run(name):
+        i = calls[name]
+        calls[name] += 1
+        for _ in range(durations[name][i] - 1):  # one tick is the call's own end reading
+            next(clock)
+        return f"{name} call {i}"
+
+    best = fastest_runs({name: (lambda name=name: run(name)) for name in durations}, repeats=3)
+    assert calls == {"spec": 3, "plain": 3}
+    assert best == {"spec": (2.0, "spec call 1"), "plain": (1.0, "plain call 2")}
