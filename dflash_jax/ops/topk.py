@@ -12,6 +12,12 @@ rejected designs).
 The result is ``lax.top_k``'s exactly, ties included, but where a slice's maximum is a zero of either
 sign: its maximum by ``jnp.max`` may be -0.0 for a slice holding 0.0, which then ranks that slice below
 ``lax.top_k``'s order.
+
+``largest_threshold`` finds a row's largest value with a given count or mass at or above it (the k-th
+largest value; the top-p boundary) without any sort: a search over the float's ordered bits, a few
+fused reductions a pass. It is slower than the two-stage top-k above, but a sort of a whole row is a
+CUB radix sort on XLA:GPU, which cannot be recorded in a CUDA graph; a program holding one (even in a
+branch never taken) keeps its loop out of the graph.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ STAGE_WIDTHS = (128, 16)
 # of 16 blocks) take 146 us with one stage and 90 with two, 16 rows 60 and 75 (the stage's kernels cost
 # more than the shorter sort saves). A CPU's sort is slow at any row count: two stages always.
 GPU_SECOND_STAGE_ROWS = 64
+# Bits of ``largest_threshold``'s key found per pass: 2**4 - 1 probes, summed in one pass over the row;
+# a float32 key takes 8 passes.
+SEARCH_BITS = 4
 
 
 def stage_widths(rows: int) -> tuple[int, ...]:
@@ -94,3 +103,44 @@ def _best_slices_in_order(maxima: jax.Array, k: int) -> jax.Array:
     slice order -> ``[R, k]`` int32. Ordered by a sort of the k ids: a compaction by a cumulative count and
     a scatter measured slower on Hopper (docs/performance.md, rejected designs)."""
     return jnp.sort(jax.lax.top_k(maxima, k)[1], axis=-1).astype(jnp.int32)
+
+
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """float32 ``x`` -> uint32 keys in the same order (-0.0 as +0.0; rows without NaN)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = jnp.where(bits == jnp.uint32(0x80000000), jnp.uint32(0), bits)  # on the bits: XLA may flush subnormals
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _value_of_key(keys: jax.Array) -> jax.Array:
+    """The inverse of ``_ordered_keys``."""
+    top = (keys >> 31) == 1
+    return jax.lax.bitcast_convert_type(jnp.where(top, keys & jnp.uint32(0x7FFFFFFF), ~keys), jnp.float32)
+
+
+def largest_threshold(x: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """Each row's largest value ``t`` of ``x [R, V]`` (float32, no NaN) with
+    ``sum(weights[x >= t]) >= target``: ``weights [R, V]`` non-negative (int32 counts or float32
+    masses), ``target [R]`` -> float32 ``[R]``, one of the row's values (-0.0 read as +0.0); -inf where
+    the whole row weighs less than ``target``.
+
+    With unit weights and ``target = k`` it is the k-th largest value (ties counted); with
+    probabilities and ``target = p``, the least likely value of the smallest set of most likely
+    tokens whose mass reaches p. No sort: the answer's order-preserving key is found ``SEARCH_BITS``
+    bits a pass from the top, each pass one sum per probe over the row (the mass at or above a key
+    does not grow with the key, so the largest qualifying digit is the number of qualifying probes).
+    Masses are summed in the reduction's order, not a sorted prefix's: a boundary within float32
+    rounding of ``target`` may land one value over.
+    """
+    keys = _ordered_keys(x.astype(jnp.float32))
+    target = target.astype(weights.dtype)
+    zero = jnp.zeros((), weights.dtype)
+    prefix = jnp.zeros(x.shape[:1], jnp.uint32)
+    digits = jnp.arange(1, 2 ** SEARCH_BITS, dtype=jnp.uint32)
+    for shift in range(32 - SEARCH_BITS, -1, -SEARCH_BITS):
+        probes = prefix[:, None] | (digits[None, :] << shift)                              # [R, P]
+        above = jnp.stack([jnp.sum(jnp.where(keys >= probes[:, j:j + 1], weights, zero), axis=-1)
+                           for j in range(probes.shape[1])], axis=-1)                     # [R, P]
+        prefix = prefix | (jnp.sum(above >= target[:, None], axis=-1).astype(jnp.uint32) << shift)
+    return jnp.where(jnp.sum(weights, axis=-1) >= target, _value_of_key(prefix), -jnp.inf)

@@ -92,7 +92,7 @@ class EngineConfig:
     # state's logprob buffers.
     max_logprobs: int = 20
     # top-k / top-p are read from this many largest logits of a row when that is exact, else from a
-    # sort of the whole row (``sampling.filter_thresholds``).
+    # search of the whole row (``sampling.filter_thresholds``).
     sampling_candidates: int = 64
     # Paged caches (``dflash_jax.runtime.paged``): 0 keeps a contiguous cache of ``max_length`` positions
     # per row slot; else the positions per page (a power of two <= 128), every row's K/V (target and

@@ -26,8 +26,8 @@ warpers), each on one row of float32 logits:
 
 Filters 4-6 each keep the tokens at or above a threshold of the scaled logits, so a row's kept set
 is one threshold (``filter_thresholds``): computed from the ``candidates`` largest logits
-(``jax.lax.top_k``) when that is provably the same as from the whole sorted row, from the whole
-sorted row otherwise (a rare fallback under ``lax.cond``). The draws themselves are read from the
+(``ops.topk``) when that is provably the same as from the whole sorted row, from a sort-free search
+of the whole row otherwise (a rare fallback under ``lax.cond``). The draws themselves are read from the
 same candidates, the noise made at their ids only, whenever no other token can win
 (``candidate_tokens``; the whole-row draw, ``draw_scores``, otherwise). Logprobs are vLLM's default:
 the log-softmax of the target's raw logits, before any processor.
@@ -51,7 +51,7 @@ from dflash_jax.ops import topk
 
 VERIFY_MODES = ("exact", "rejection")
 MAX_SEED = 2**64  # seeds are unsigned 64-bit: two uint32 words of a threefry key
-MAX_TOP_K_CANDIDATES = 1024  # rows with a larger top-k take the whole-row sort
+MAX_TOP_K_CANDIDATES = 1024  # rows with a larger top-k take the whole-row search
 _INT32_MAX = int(np.iinfo(np.int32).max)  # the rows' integer parameters are int32 on the device
 
 # Streams of keyed randomness per (seed, position): the token draw, rejection sampling's acceptance
@@ -333,6 +333,21 @@ def candidate_threshold(desc: jax.Array, log_norm: jax.Array, top_k: jax.Array, 
     return theta, (theta == -jnp.inf) | ((desc[:, -1] < theta) & survivors_inside)
 
 
+def _searched_threshold(scaled: jax.Array, log_norm: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """``_sorted_threshold`` of the whole sorted row, without sorting it: ``scaled [R, V]``.
+
+    top-k's threshold is the k-th largest value; top-p's the largest value with at least ``top_p`` of
+    the mass at or above it (the token at which the mass before it in sorted order first stays below
+    ``top_p``, every token tied with it kept): both ``topk.largest_threshold``. Sort-free, so that the
+    decode loop holding this fallback stays in the CUDA graph (``ops.topk``)."""
+    use_k = top_k > 0
+    theta_k = jnp.where(use_k, topk.largest_threshold(scaled, jnp.ones(scaled.shape, jnp.int32), top_k), -jnp.inf)
+    kept = jnp.where(scaled >= theta_k[:, None], scaled, -jnp.inf)
+    norm = jnp.where(use_k, jax.nn.logsumexp(kept, axis=-1), log_norm)
+    theta_p = topk.largest_threshold(scaled, jnp.exp(kept - norm[:, None]), top_p)
+    return jnp.maximum(theta_k, jnp.where(top_p < 1, theta_p, -jnp.inf))
+
+
 def filter_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, *,
                       flags: SamplingFlags, candidates: int) -> jax.Array:
     """Processors 4-6 on ``scaled [R, V]`` (logits over temperature): each row keeps the tokens
@@ -340,8 +355,8 @@ def filter_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min
 
     top-k and top-p are read from the ``candidates`` largest logits of a row when that is exact (the
     threshold is above the smallest candidate, so every kept token is a candidate and the mass before
-    each is the same as in the whole sorted row); the rows where it is not fall back to a sort of the
-    whole row, computed only when some row needs it.
+    each is the same as in the whole sorted row); the rows where it is not fall back to the whole row's
+    (``_searched_threshold``, no sort), computed only when some row needs it.
     """
     theta = jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype)
     candidates = max(candidates, flags.top_k_candidates)
@@ -353,7 +368,7 @@ def filter_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min
         vocab = scaled.shape[-1]
 
         def whole(_):
-            return _sorted_threshold(-jnp.sort(-scaled, axis=-1), log_norm, top_k, top_p)
+            return _searched_threshold(scaled, log_norm, top_k, top_p)
 
         if candidates >= vocab:
             theta = whole(None)

@@ -1,4 +1,5 @@
-"""ops.topk.top_k (stages over slices of the row) against jax.lax.top_k, ties included."""
+"""ops.topk.top_k (stages over slices of the row) against jax.lax.top_k, ties included; largest_threshold
+against sorted rows."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dflash_jax.ops import topk
 # Jitted: one compile per shape, not one dispatch per operation.
 top_k = jax.jit(topk.top_k, static_argnames=("k", "chunks"))
 top_k_and_argmax = jax.jit(topk.top_k_and_argmax, static_argnames=("k", "chunks"))
+largest_threshold = jax.jit(topk.largest_threshold)
 
 
 @pytest.mark.parametrize("k", [1, 5, 16, 20])
@@ -100,3 +102,46 @@ def test_default_stages_by_platform_and_rows(monkeypatch):
     monkeypatch.setattr(topk.jax, "default_backend", lambda: "gpu")
     assert topk.stage_widths(topk.GPU_SECOND_STAGE_ROWS - 1) == topk.STAGE_WIDTHS[:1]
     assert topk.stage_widths(topk.GPU_SECOND_STAGE_ROWS) == topk.STAGE_WIDTHS
+
+
+def test_largest_threshold_with_counts_is_the_kth_largest_value():
+    """Unit weights, target k: the k-th value of the sorted row, ties counted, signed zeros, infinities,
+    negative and subnormal values; -inf where the row is shorter than k."""
+    rs = np.random.RandomState(5)
+    x = rs.randn(6, 777).astype(np.float32) * 10
+    x[1] = np.round(x[1] / 5)                         # a few values, many ties
+    x[2, :300], x[2, 300:400] = 0.0, -0.0
+    x[3, :700] = -np.inf
+    x[4, ::3] = np.inf
+    x[5] = rs.choice([1e-42, -1e-42, 3e-39, -2.0, 5.0], 777)  # subnormals beside normal values
+    desc = -np.sort(-x, axis=-1)
+    for k in (1, 2, 77, 300, 401, 776, 777, 778):
+        got = np.asarray(largest_threshold(jnp.asarray(x), jnp.ones(x.shape, jnp.int32), jnp.full((6,), k)))
+        want = desc[:, k - 1] if k <= 777 else np.full(6, -np.inf, np.float32)
+        np.testing.assert_array_equal(got, want + 0.0, err_msg=f"k={k}")  # -0.0 reads as +0.0
+
+
+def test_largest_threshold_with_masses_is_the_top_p_boundary():
+    """Probabilities, target p: the value at which the sorted row's mass (inclusive) first reaches p,
+    per row, against the sorted cumulative sum (targets away from a boundary by more than rounding)."""
+    rs = np.random.RandomState(6)
+    logits = (rs.randn(8, 5000) * rs.choice([0.5, 2.0, 8.0], (8, 1))).astype(np.float32)
+    logits[3] = np.round(logits[3])                   # ties at the boundary
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    order = np.argsort(-logits, axis=-1, kind="stable")
+    for p in (0.05, 0.5, 0.9, 0.99):
+        cum = np.cumsum(np.take_along_axis(probs, order, -1).astype(np.float64), axis=-1)
+        first = np.argmax(cum >= p, axis=-1)
+        want = np.take_along_axis(logits, order, -1)[np.arange(8), first]
+        got = np.asarray(largest_threshold(jnp.asarray(logits), jnp.asarray(probs), jnp.full((8,), p, jnp.float32)))
+        np.testing.assert_array_equal(got, want, err_msg=f"p={p}")
+    too_much = largest_threshold(jnp.asarray(logits), jnp.asarray(probs), jnp.full((8,), 1.5, jnp.float32))
+    assert np.all(np.asarray(too_much) == -np.inf)
+
+
+def test_largest_threshold_sorts_nothing():
+    """No sort in its program: a whole-row sort is a CUB radix sort on XLA:GPU, which keeps a loop holding
+    it out of the CUDA graph."""
+    text = largest_threshold.lower(jnp.zeros((2, 5000)), jnp.zeros((2, 5000)), jnp.zeros((2,))).as_text()
+    assert "sort" not in text

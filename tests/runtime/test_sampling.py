@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -77,6 +78,34 @@ def test_top_k_keeps_ties_with_the_kth_like_transformers():
     want = np.isfinite(_hf_warped(logits[0], 1.0, 2, 1.0, 0.0))
     np.testing.assert_array_equal(got[0], want)
     np.testing.assert_array_equal(got[0], [1, 1, 1, 1, 0, 0])
+
+
+def test_whole_row_threshold_keeps_the_sorted_rows_sets_without_a_sort():
+    """The fallback's threshold (a search, no sort) keeps the same tokens as the threshold read from the
+    whole sorted row: ties, -inf, top-k past the row, top-k and top-p together and apart; and the
+    program of the filters holds no sort of a whole row (it would keep the decode loop out of the CUDA
+    graph on a GPU)."""
+    rs = np.random.RandomState(12)
+    sorted_rows = jax.jit(lambda x, n, k, p: smp._sorted_threshold(-jnp.sort(-x, axis=-1), n, k, p))
+    searched = jax.jit(smp._searched_threshold)
+    for trial in range(24):
+        vocab = (7, 397)[trial % 2]
+        x = (rs.randn(8, vocab) * rs.choice([0.3, 3.0, 10.0], (8, 1))).astype(np.float32)
+        x[trial % 3::3] = np.round(x[trial % 3::3])
+        x[trial % 5::5, : vocab // 3] = -np.inf
+        top_k = jnp.asarray(rs.randint(0, vocab + 3, 8) * (rs.rand(8) < 0.7), jnp.int32)
+        top_p = jnp.asarray(rs.choice([0.1, 0.5, 0.9, 0.999, 1.0], 8), jnp.float32)
+        scaled = jnp.asarray(x)
+        log_norm = jax.nn.logsumexp(scaled, axis=-1)
+        want = sorted_rows(scaled, log_norm, top_k, top_p)
+        got = searched(scaled, log_norm, top_k, top_p)
+        np.testing.assert_array_equal(x >= np.asarray(got)[:, None], x >= np.asarray(want)[:, None],
+                                      err_msg=f"trial {trial}")
+    ones = jnp.ones((2,))
+    program = jax.make_jaxpr(lambda s: smp.filter_thresholds(s, 5 * ones.astype(jnp.int32), 0.9 * ones, 0 * ones,
+                                                             flags=ALL_FILTERS, candidates=8))
+    text = str(program(jnp.zeros((2, 3000))))  # the branches' jaxprs included
+    assert "= sort" in text and "f32[2,3000] = sort" not in text  # the candidates' short sorts only
 
 
 def test_neutral_filters_keep_every_token():
