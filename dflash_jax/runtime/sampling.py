@@ -333,15 +333,22 @@ def candidate_threshold(desc: jax.Array, log_norm: jax.Array, top_k: jax.Array, 
     return theta, (theta == -jnp.inf) | ((desc[:, -1] < theta) & survivors_inside)
 
 
-def _searched_threshold(scaled: jax.Array, log_norm: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def _searched_threshold(scaled: jax.Array, log_norm: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
+                        any_top_k: bool = True, any_top_p: bool = True) -> jax.Array:
     """``_sorted_threshold`` of the whole sorted row, without sorting it: ``scaled [R, V]``.
 
     top-k's threshold is the k-th largest value; top-p's the largest value with at least ``top_p`` of
     the mass at or above it (the token at which the mass before it in sorted order first stays below
     ``top_p``, every token tied with it kept): both ``topk.largest_threshold``. Sort-free, so that the
-    decode loop holding this fallback stays in the CUDA graph (``ops.topk``)."""
+    decode loop holding this fallback stays in the CUDA graph (``ops.topk``). ``any_top_k`` or
+    ``any_top_p`` False (no row has that filter, known on the host) leaves out its search."""
     use_k = top_k > 0
-    theta_k = jnp.where(use_k, topk.largest_threshold(scaled, jnp.ones(scaled.shape, jnp.int32), top_k), -jnp.inf)
+    theta_k = jnp.full(scaled.shape[:1], -jnp.inf, jnp.float32)
+    if any_top_k:
+        count = topk.largest_threshold(scaled, jnp.ones(scaled.shape, jnp.int32), top_k)
+        theta_k = jnp.where(use_k, count, -jnp.inf)
+    if not any_top_p:
+        return theta_k
     kept = jnp.where(scaled >= theta_k[:, None], scaled, -jnp.inf)
     norm = jnp.where(use_k, jax.nn.logsumexp(kept, axis=-1), log_norm)
     theta_p = topk.largest_threshold(scaled, jnp.exp(kept - norm[:, None]), top_p)
@@ -368,7 +375,7 @@ def filter_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min
         vocab = scaled.shape[-1]
 
         def whole(_):
-            return _searched_threshold(scaled, log_norm, top_k, top_p)
+            return _searched_threshold(scaled, log_norm, top_k, top_p, any_top_k=flags.top_k, any_top_p=flags.top_p)
 
         if candidates >= vocab:
             theta = whole(None)

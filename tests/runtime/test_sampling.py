@@ -87,7 +87,7 @@ def test_whole_row_threshold_keeps_the_sorted_rows_sets_without_a_sort():
     graph on a GPU)."""
     rs = np.random.RandomState(12)
     sorted_rows = jax.jit(lambda x, n, k, p: smp._sorted_threshold(-jnp.sort(-x, axis=-1), n, k, p))
-    searched = jax.jit(smp._searched_threshold)
+    searched = jax.jit(smp._searched_threshold, static_argnames=("any_top_k", "any_top_p"))
     for trial in range(24):
         vocab = (7, 397)[trial % 2]
         x = (rs.randn(8, vocab) * rs.choice([0.3, 3.0, 10.0], (8, 1))).astype(np.float32)
@@ -97,10 +97,13 @@ def test_whole_row_threshold_keeps_the_sorted_rows_sets_without_a_sort():
         top_p = jnp.asarray(rs.choice([0.1, 0.5, 0.9, 0.999, 1.0], 8), jnp.float32)
         scaled = jnp.asarray(x)
         log_norm = jax.nn.logsumexp(scaled, axis=-1)
-        want = sorted_rows(scaled, log_norm, top_k, top_p)
-        got = searched(scaled, log_norm, top_k, top_p)
-        np.testing.assert_array_equal(x >= np.asarray(got)[:, None], x >= np.asarray(want)[:, None],
-                                      err_msg=f"trial {trial}")
+        for k_on, p_on in ((True, True), (True, False), (False, True)):  # the filters the batch uses
+            ks = top_k if k_on else jnp.zeros_like(top_k)
+            ps = top_p if p_on else jnp.ones_like(top_p)
+            want = sorted_rows(scaled, log_norm, ks, ps)
+            got = searched(scaled, log_norm, ks, ps, any_top_k=k_on, any_top_p=p_on)
+            np.testing.assert_array_equal(x >= np.asarray(got)[:, None], x >= np.asarray(want)[:, None],
+                                          err_msg=f"trial {trial}, top-k {k_on}, top-p {p_on}")
     ones = jnp.ones((2,))
     program = jax.make_jaxpr(lambda s: smp.filter_thresholds(s, 5 * ones.astype(jnp.int32), 0.9 * ones, 0 * ones,
                                                              flags=ALL_FILTERS, candidates=8))
