@@ -29,7 +29,9 @@ def _greedy_batch(target, seed=0, prompt=6, masked=(2, 3, 25)):
 
 
 def _ours(target, drafter, ids, mask, *, weighting, kind, gamma=4.0, alpha=0.7):
-    logits, taps = target.forward(jnp.asarray(ids), tap_layers=drafter.config.target_layer_ids)
+    # jitted, as the trainer runs it: op by op, the loss, its gradient and the target's forward compile
+    # each primitive on its own, several times the compile time of one program
+    logits, taps = jax.jit(lambda x: target.forward(x, tap_layers=drafter.config.target_layer_ids))(jnp.asarray(ids))
     fwd = _Forward(taps, logits)
     spec = StepSpec(block_size=drafter.config.block_size, mask_token_id=drafter.config.mask_token_id,
                     target_layer_ids=drafter.config.target_layer_ids, num_anchors=len(ANCHORS), kind=kind,
@@ -38,8 +40,8 @@ def _ours(target, drafter, ids, mask, *, weighting, kind, gamma=4.0, alpha=0.7):
     graphdef, params, rest = split_drafter(drafter)
     anchors = jnp.asarray([ANCHORS], jnp.int32)
     batch = {"input_ids": jnp.asarray(ids, jnp.int32), "loss_mask": jnp.asarray(mask)}
-    (loss, metrics), grads = jax.value_and_grad(anchored_loss, has_aux=True)(
-        params, graphdef, rest, target, batch, fwd, anchors, jnp.ones_like(anchors, bool), spec)
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(lambda p: anchored_loss(
+        p, graphdef, rest, target, batch, fwd, anchors, jnp.ones_like(anchors, bool), spec), has_aux=True))(params)
     named = _tensors(nnx.merge(graphdef, grads, rest), "", None)
     return float(loss), {k: np.asarray(v) for k, v in named.items()}, metrics
 
@@ -50,9 +52,9 @@ def _theirs(model, target, drafter, ids, mask, *, weighting, kind, gamma=4.0, al
 
     torch = pytest.importorskip("torch")
     cfg = drafter.config
-    _, taps = target.forward(jnp.asarray(ids), tap_layers=cfg.target_layer_ids)
+    _, taps = jax.jit(lambda x: target.forward(x, tap_layers=cfg.target_layer_ids))(jnp.asarray(ids))
     # The target's final-normed hidden state (our last tap); speculators' norm on it is then the identity.
-    final = target.forward(jnp.asarray(ids), tap_layers=(target.config.num_layers - 1,))[1]
+    final = jax.jit(lambda x: target.forward(x, tap_layers=(target.config.num_layers - 1,))[1])(jnp.asarray(ids))
     model.verifier_norm = torch.nn.Identity()
     loss = {"kl": ("kl_div", eager.kl_div_loss), "ce": ("ce", eager.ce_loss)}[kind]
     kwargs = dict(loss_config={loss[0]: (loss[1], 1.0)}, gamma=gamma, max_anchors=len(ANCHORS),
@@ -150,7 +152,7 @@ def test_chunked_dflash2_loss_equals_unchunked():
     tcfg = tiny_target_config(num_layers=6)
     target, drafter = random_target(tcfg, seed=0), random_drafter(tiny_dflash2_config(tcfg, block_size=8), seed=1)
     ids, mask = _greedy_batch(target)
-    logits, taps = target.forward(jnp.asarray(ids), tap_layers=drafter.config.target_layer_ids)
+    logits, taps = jax.jit(lambda x: target.forward(x, tap_layers=drafter.config.target_layer_ids))(jnp.asarray(ids))
     spec = StepSpec(block_size=8, mask_token_id=drafter.config.mask_token_id,
                     target_layer_ids=drafter.config.target_layer_ids, num_anchors=6, kind="kl", weighting="dpace",
                     compute_dtype=jnp.float32)
@@ -158,8 +160,8 @@ def test_chunked_dflash2_loss_equals_unchunked():
     anchors = jnp.asarray([[2, 5, 9, 12, 19, 30]], jnp.int32)
     batch = {"input_ids": jnp.asarray(ids, jnp.int32), "loss_mask": jnp.asarray(mask)}
     args = (params, graphdef, rest, target, batch, _Forward(taps, logits), anchors, jnp.ones_like(anchors, bool))
-    whole, m1 = anchored_loss(*args, spec)
-    chunked, m2 = anchored_loss(*args, dataclasses.replace(spec, loss_chunk=2))
+    whole, m1 = jax.jit(lambda: anchored_loss(*args, spec))()  # jitted: one program, not op by op
+    chunked, m2 = jax.jit(lambda: anchored_loss(*args, dataclasses.replace(spec, loss_chunk=2)))()
     np.testing.assert_allclose(float(chunked), float(whole), rtol=1e-5)
     for key in ("selector_loss", "selector_acc", "candidate_recall", "unary_loss"):
         np.testing.assert_allclose(float(m2[key]), float(m1[key]), rtol=1e-5, err_msg=key)
