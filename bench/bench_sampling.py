@@ -3,7 +3,7 @@
 A Qwen3-8B-shaped target (vocabulary 151,936) and a 5-layer block-16 drafter, random bf16 weights,
 the LM head scaled by ``--logit-scale`` so that the distributions are peaked like a trained model's
 (random weights give nearly flat ones: top-p 0.9 then keeps ~90% of the vocabulary, and every row
-takes the whole-row sort; ``--logit-scale 1`` measures that worst case). Every row of the batch
+takes the whole-row fallback; ``--logit-scale 1`` measures that worst case). Every row of the batch
 uses the mode's parameters; each mode is the engine's jitted decode loop with that mode's
 ``SamplingFlags``. Per batch size, every mode is compiled before any is timed (greedy first and
 alone, so that its GEMM autotuning runs undisturbed, then the others on threads), then the modes
@@ -19,7 +19,7 @@ its own engine (the engine's weights shared) and timed in interleaved rounds bes
 sampled step: every ``lax.cond`` of the step taking its common branch (the candidates' draw; the
 whole-row fallbacks compiled out), and also the candidates' top-k replaced by one argmax pass (a stand-in
 that reads each row once, as greedy does); and the whole step with XLA's own sort kernels for every sort
-(no CUB radix sort, which XLA:GPU cannot record in a CUDA graph). The replaced steps draw wrong tokens:
+(the top-ks' short sorts off CUB's radix sort). The replaced steps draw wrong tokens:
 timing only. Where a sampled step's time goes, for a step whose kernels run in CUDA graphs, where a trace
 misses kernels.
 
@@ -152,8 +152,8 @@ _DECODE_COMPILER_OPTIONS = engine_module._decode_compiler_options
 
 
 def _no_cub_sorts():
-    """The decode loop's XLA options with every sort on XLA's own sort kernels instead of CUB's radix sort:
-    a CUB sort is a step XLA:GPU cannot put in a CUDA graph, so a conditional holding one runs from the host."""
+    """The decode loop's XLA options with every sort on XLA's own sort kernels instead of CUB's radix sort
+    (whether the top-ks' short sorts cost less either way)."""
     options = dict(_DECODE_COMPILER_OPTIONS() or {})
     if jax.default_backend() == "gpu":
         options["xla_gpu_enable_cub_radix_sort"] = False

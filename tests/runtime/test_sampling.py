@@ -51,7 +51,7 @@ _SLOW = lambda *a: pytest.param(*a, marks=pytest.mark.slow)  # noqa: E731
 @pytest.mark.parametrize("candidates", [8, 64, 1000])
 def test_filters_equal_transformers_warpers(temperature, top_k, top_p, min_p, candidates):
     """Kept sets and values equal transformers' warpers, whether read from the candidates (exact when
-    the kept set fits them) or from the whole sorted row (the fallback, here with 8 candidates)."""
+    the kept set fits them) or from the whole row (the fallback's search, here with 8 candidates)."""
     rs = np.random.RandomState(0)
     logits = (rs.randn(6, 300) * rs.choice([0.5, 3.0, 8.0], (6, 1))).astype(np.float32)
     got = _ours(logits, temperature, top_k, top_p, min_p, candidates)
