@@ -8,7 +8,8 @@ keyed by its first token, recorded as ``first_tokens``), so acceptance is known:
 the tau a block of 16 reaches (``--taus``). Per context (``--sweep``, each with
 its batch sizes), first every decode program of the context is compiled, in parallel
 (``--compile-threads``: XLA compiles outside the GIL; the tracing runs on this thread meanwhile), then
-per batch size, on copies of one random state:
+per batch size, each measurement from the same random rows (made again for each, one state on the
+device at a time; a batch whose state would not fit the device's free memory is skipped, saying so):
 
 - the step costs of the adaptive engine's blocks (16, 8, 4 and its target-only step, whose taps
   feed the drafter's context in one projection per call) and of a plain target-only engine, by synchronised calls (the block-16
@@ -74,16 +75,55 @@ def fresh_state(engine: Engine, batch: int, context: int, seed: int):
     """``timing.synthetic_state`` whose rows each hold one repeated token (what the repeat target
     generates after it): random caches, every row live at ``context``."""
     state = timing.synthetic_state(engine, batch, context, seed=seed)
-    token = 1 + (jnp.arange(batch, dtype=jnp.int32) * 7919) % (engine.vocab_size - 2)
-    return dataclasses.replace(state, tokens=jnp.broadcast_to(token[:, None], state.tokens.shape))
+    return dataclasses.replace(state, tokens=jnp.broadcast_to(row_tokens(engine, batch)[:, None], state.tokens.shape))
 
 
-def state_for(engine: Engine, base):
-    """A copy of ``base`` (a speculative engine's state) for ``engine``: decode donates its state, so
-    every measurement starts from its own copy of the same rows; a target-only engine's has no drafter cache."""
-    if engine.drafter is None:
-        base = dataclasses.replace(base, draft_cache=None)
-    return jax.tree.map(lambda x: x.copy(), base)
+def row_tokens(engine: Engine, batch: int) -> jax.Array:
+    """The token each of ``fresh_state``'s rows repeats: distinct per row (the synthetic drafter's row key)."""
+    return 1 + (jnp.arange(batch, dtype=jnp.int32) * 7919) % (engine.vocab_size - 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """The random rows every measurement of one (context, batch) starts from: ``fresh_state(spec, ...)``,
+    made again for each (the same seed gives the same values), so that one state at a time is on the
+    device. A copy of one kept state held two: at batch 64, 1k context, 8B shapes, ~25 GB each, more than
+    an 80 GB card holds beside the weights."""
+
+    spec: Engine
+    batch: int
+    context: int
+    seed: int
+
+    def state(self):
+        return fresh_state(self.spec, self.batch, self.context, self.seed)
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(self.state)))
+
+
+def state_for(engine: Engine, rows: Rows):
+    """``rows``' state for ``engine`` (decode donates its state: every measurement starts from its own);
+    a target-only engine's has no drafter cache."""
+    state = rows.state()
+    return dataclasses.replace(state, draft_cache=None) if engine.drafter is None else state
+
+
+def free_device_bytes() -> int | None:
+    """Bytes the first device's allocator can still give (None where it does not say)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def too_large(rows: Rows, free: int | None) -> str | None:
+    """Why ``rows`` cannot be measured here (its state and the decode's temporaries, ~10% more, past
+    the device's free memory: XLA's allocator would wait and retry instead of failing), or None."""
+    need = rows.nbytes()
+    if free is None or need * 1.1 <= free:
+        return None
+    return f"its state needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free on the device"
 
 
 def call(engine: Engine, state, steps: int, block: int | None, timed: "CompileCounter | None" = None):
@@ -154,9 +194,9 @@ def compile_context(engines: dict, batches: list[int], context: int, steps: int,
                 wall_s=time.perf_counter() - t0, ready=[b for b in batches if pending[b] == 0], failed=failed)
 
 
-def step_cost(engine: Engine, base, steps: int, repeats: int, block: int | None, counter: CompileCounter) -> float:
+def step_cost(engine: Engine, rows: Rows, steps: int, repeats: int, block: int | None, counter: CompileCounter) -> float:
     """Median seconds per step of ``repeats`` synchronised calls after an untimed one."""
-    state, _, _ = call(engine, state_for(engine, base), steps, block)
+    state, _, _ = call(engine, state_for(engine, rows), steps, block)
     times = []
     for _ in range(repeats):
         state, _, seconds = call(engine, state, steps, block, timed=counter)
@@ -165,12 +205,12 @@ def step_cost(engine: Engine, base, steps: int, repeats: int, block: int | None,
     return statistics.median(times)
 
 
-def run_mode(engine: Engine, base, steps: int, calls: int, mode: str, costs: dict, counter: CompileCounter) -> dict:
-    """``calls`` timed decode calls after an untimed one, from a copy of ``base``: tokens/s, tau and the
-    blocks run (adaptive: chosen per call by the policy, from the acceptance seen in the calls before;
-    the untimed call is its first, at the prior)."""
-    batch = base.starts.shape[0]
-    state = state_for(engine, base)
+def run_mode(engine: Engine, rows: Rows, steps: int, calls: int, mode: str, costs: dict, counter: CompileCounter) -> dict:
+    """``calls`` timed decode calls after an untimed one, from ``rows``: tokens/s, tau and the blocks run
+    (adaptive: chosen per call by the policy, from the acceptance seen in the calls before; the untimed
+    call is its first, at the prior)."""
+    batch = rows.batch
+    state = state_for(engine, rows)
     policy = SpeculationPolicy(engine.speculation_blocks, costs) if mode == "adaptive" else None
     rows = [policy.new_row() for _ in range(batch)] if policy else []
     seen = np.zeros(batch, np.int64)
@@ -198,22 +238,21 @@ def run_mode(engine: Engine, base, steps: int, calls: int, mode: str, costs: dic
 def bench_batch(args, spec: Engine, plain: Engine, rates: dict, batch: int, context: int,
                 counter: CompileCounter) -> dict:
     """One (context, batch): the step costs, then target-only once and fixed / adaptive per level."""
-    base = fresh_state(spec, batch, context, seed=batch)
-    costs = {(batch, b): step_cost(spec, base, args.steps, args.repeats, b, counter) for b in spec.speculation_blocks}
-    target_step = step_cost(plain, base, args.steps, args.repeats, None, counter)
+    rows = Rows(spec, batch, context, seed=batch)
+    costs = {(batch, b): step_cost(spec, rows, args.steps, args.repeats, b, counter) for b in spec.speculation_blocks}
+    target_step = step_cost(plain, rows, args.steps, args.repeats, None, counter)
     entry = dict(context=context, window=args.window, batch=batch, target_step_s=target_step,
-                 first_tokens=np.asarray(base.tokens[:, 0]).tolist(),  # the synthetic drafter's row keys
+                 first_tokens=np.asarray(row_tokens(spec, batch)).tolist(),  # the synthetic drafter's row keys
                  step_s={str(b): c for (_, b), c in costs.items()},
                  dflash_step_ratio={str(b): c / target_step for (_, b), c in costs.items()}, levels=[])
-    target_only = run_mode(plain, base, args.steps, args.calls, "target_only", costs, counter)
+    target_only = run_mode(plain, rows, args.steps, args.calls, "target_only", costs, counter)
     for tau, rate in rates.items():
         set_accept_rate(spec, rate)
         level = dict(tau16=tau, rate=rate, target_only=target_only)
         for mode in ("fixed", "adaptive"):
-            level[mode] = run_mode(spec, base, args.steps, args.calls, mode, costs, counter)
+            level[mode] = run_mode(spec, rows, args.steps, args.calls, mode, costs, counter)
         level["expected_fixed_tok_s"] = batch * expected_tokens(rate, spec.block_size) / costs[(batch, spec.block_size)]
         entry["levels"].append(level)
-    del base
     return entry
 
 
@@ -237,8 +276,10 @@ def bench_context(args, models: Engine, context: int, batches: list[int], t_star
     rates = {tau: rate_for_tau(tau, drafter.config.block_size) for tau in args.taus}
     for batch in batches:
         elapsed = time.perf_counter() - t_start
-        if batch not in compiled["ready"] or elapsed > args.budget_s:
-            why = "not compiled" if batch not in compiled["ready"] else f"{elapsed:.0f} s past the --budget-s"
+        why = ("not compiled" if batch not in compiled["ready"] else
+               f"{elapsed:.0f} s past the --budget-s" if elapsed > args.budget_s else
+               too_large(Rows(spec, batch, context, seed=batch), free_device_bytes()))
+        if why:
             report["skipped"].append(dict(context=context, batch=batch, why=why))
             print(f"context {context}, batch {batch}: skipped, {why}", flush=True)
             continue
