@@ -51,6 +51,22 @@ import pytest  # noqa: E402
 from dflash_jax.tiny import write_tiny_pair  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_freed_after_each_module():
+    """Each module's compiled programs are dropped when it ends (JAX's caches cleared): XLA:CPU maps every
+    program's kernels into the process, and a worker that kept a whole run's programs reached ~52,000 of
+    Linux's default 65,530 mappings (``vm.max_map_count``, past which XLA:CPU crashes while compiling).
+    Cleared, a worker stays near 1,400 after each module; modules share no engines, so nothing compiles
+    twice but a few small library functions."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def qwen3_pair(tmp_path_factory):
     """A tiny Qwen3 target (6 layers, GQA 4/2) and a 2-layer block-8 drafter tapping layers (1, 3)."""
