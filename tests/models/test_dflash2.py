@@ -4,6 +4,7 @@ greedy path against a numpy transcription of the reference's selection."""
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -120,17 +121,24 @@ def compare_block_logits(target, drafter, model, ids, anchors):
     from dflash_jax.training import anchors as anc
 
     cfg, B = drafter.config, drafter.config.block_size
-    _, taps = target.forward(jnp.asarray(ids), tap_layers=cfg.target_layer_ids)
-    final = target.forward(jnp.asarray(ids), tap_layers=(target.config.num_layers - 1,))[1]
+
+    # One program, as training runs it: op by op, each primitive compiles on its own (several times
+    # the compile time of the whole forward).
+    @jax.jit
+    def ours(ids, a):
+        _, taps = target.forward(ids, tap_layers=cfg.target_layer_ids)
+        final = target.forward(ids, tap_layers=(target.config.num_layers - 1,))[1]
+        valid = jnp.ones_like(a, bool)
+        ctx_lens, blk_lens = anc.attention_lengths(a, valid, B)
+        embeds = target.embed(anc.block_token_ids(ids, a, valid, B, cfg.mask_token_id))
+        k, v = drafter.context_kv(taps, jnp.arange(ids.shape[1])[None])
+        hidden = drafter(embeds, anc.block_positions(a, B), k, v, ctx_lens, blk_lens)
+        return taps, final, hidden, drafter.logits(target, hidden)
+
+    taps, final, hidden, logits = ours(jnp.asarray(ids), jnp.asarray(anchors)[None])
     want_hidden, want = speculators_block_logits(model, np.asarray(taps), ids, anchors, np.asarray(final))
-    a = jnp.asarray(anchors)[None]
-    valid = jnp.ones_like(a, bool)
-    ctx_lens, blk_lens = anc.attention_lengths(a, valid, B)
-    embeds = target.embed(anc.block_token_ids(jnp.asarray(ids), a, valid, B, cfg.mask_token_id))
-    k, v = drafter.context_kv(taps, jnp.arange(ids.shape[1])[None])
-    hidden = drafter(embeds, anc.block_positions(a, B), k, v, ctx_lens, blk_lens)
     close(np.asarray(hidden)[0], want_hidden)
-    close(np.asarray(drafter.logits(target, hidden))[0], want)
+    close(np.asarray(logits)[0], want)
 
 
 @pytest.mark.slow

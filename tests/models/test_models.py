@@ -61,12 +61,14 @@ def test_cached_prefill_and_block_extension_equal_full_forward(qwen3_pair):
     target = load_target(qwen3_pair[0])
     cfg = target.config
     ids = _ids(1, 2, 30)
-    full_logits, full_taps = target.forward(jnp.asarray(ids), tap_layers=(1, 3))
+    # jitted, as the engine runs it: op by op, each primitive compiles on its own
+    full_logits, full_taps = jax.jit(lambda x: target.forward(x, tap_layers=(1, 3)))(jnp.asarray(ids))
+    step = jax.jit(lambda ids, start, cache, blk_lens=None: target.step(ids, start, cache, blk_lens=blk_lens,
+                                                                        tap_layers=(1, 3)))
     lens = np.array([19, 12])
     prompt = np.where(np.arange(24)[None] < lens[:, None], ids[:, :24], 0)  # padded prompts
     cache = KVCache.zeros(cfg.num_layers, 2, 64, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
-    hidden, taps, cache = target.step(jnp.asarray(prompt), jnp.zeros(2, jnp.int32), cache,
-                                      blk_lens=jnp.asarray(lens), tap_layers=(1, 3))
+    hidden, taps, cache = step(jnp.asarray(prompt), jnp.zeros(2, jnp.int32), cache, jnp.asarray(lens))
     for b in range(2):
         n = lens[b]
         np.testing.assert_allclose(np.asarray(target.head(hidden[b, :n])), np.asarray(full_logits[b, :n]),
@@ -74,7 +76,7 @@ def test_cached_prefill_and_block_extension_equal_full_forward(qwen3_pair):
         np.testing.assert_allclose(np.asarray(taps[b, :n]), np.asarray(full_taps[b, :n]), atol=ATOL)
     # Every row extends by a block of 6 at its own position.
     block = np.stack([ids[b, lens[b]:lens[b] + 6] for b in range(2)])
-    hidden, taps, cache = target.step(jnp.asarray(block), jnp.asarray(lens, jnp.int32), cache, tap_layers=(1, 3))
+    hidden, taps, cache = step(jnp.asarray(block), jnp.asarray(lens, jnp.int32), cache)
     for b in range(2):
         n = lens[b]
         np.testing.assert_allclose(np.asarray(target.head(hidden[b])), np.asarray(full_logits[b, n:n + 6]),
@@ -310,7 +312,8 @@ def test_sharded_forward_equals_unsharded(mesh_shape, tp8_pair):
     assert len(jax.devices()) == 8
     ids = jnp.asarray(_ids(6, 2, 16))
     target = load_target(tp8_pair[0])
-    want, want_taps = target.forward(ids, tap_layers=(1, 3))
+    forward = jax.jit(lambda t, x: t.forward(x, tap_layers=(1, 3)))  # one program, not op by op
+    want, want_taps = forward(target, ids)
     mesh = make_mesh(MeshConfig(fsdp=1, **mesh_shape))
     shard_module(target, mesh)
     q_proj = target.layers[0].self_attn.q_proj[...]
@@ -319,7 +322,7 @@ def test_sharded_forward_equals_unsharded(mesh_shape, tp8_pair):
     assert k_proj.sharding.spec[1] is None  # 2 KV heads < TP degree: replicated
     assert target.layers[0].mlp.gate_proj[...].sharding.spec[1] == "tensor"
     assert target.lm_head[...].sharding.spec[1] == "tensor"
-    got, got_taps = jax.jit(lambda t, x: t.forward(x, tap_layers=(1, 3)))(target, ids)
+    got, got_taps = forward(target, ids)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got_taps), np.asarray(want_taps), atol=1e-4, rtol=1e-5)
 
