@@ -212,13 +212,13 @@ def run_mode(engine: Engine, rows: Rows, steps: int, calls: int, mode: str, cost
     batch = rows.batch
     state = state_for(engine, rows)
     policy = SpeculationPolicy(engine.speculation_blocks, costs) if mode == "adaptive" else None
-    rows = [policy.new_row() for _ in range(batch)] if policy else []
+    beliefs = [policy.new_row() for _ in range(batch)] if policy else []  # the policy's view of each row
     seen = np.zeros(batch, np.int64)
     seconds, blocks = 0.0, []
     for call_index in range(calls + 1):
         block = {"fixed": engine.block_size, "target_only": None}.get(mode)
         if policy is not None:
-            block = policy.choose(rows, batch).block
+            block = policy.choose(beliefs, batch).block
         state, snap, t = call(engine, state, steps, block, timed=counter if call_index else None)
         if call_index == 0:
             start = np.asarray(snap.starts).copy()
@@ -226,9 +226,9 @@ def run_mode(engine: Engine, rows: Rows, steps: int, calls: int, mode: str, cost
             seconds += t
             blocks.append(block or 1)
         if policy is not None:
-            for r, row in enumerate(rows):
+            for r, belief in enumerate(beliefs):
                 n = int(snap.num_steps[r])
-                policy.observe(row, snap.accepted[r, seen[r]:n].tolist(), block)
+                policy.observe(belief, snap.accepted[r, seen[r]:n].tolist(), block)
                 seen[r] = n
     tokens = int((np.asarray(snap.starts) - start).sum())
     del state
