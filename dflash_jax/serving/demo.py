@@ -25,7 +25,7 @@ import logging
 import os
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import numpy as np
@@ -90,12 +90,12 @@ def decode_seconds_per_step(results) -> float:
     return decode_seconds(results) / max(1, sum(r.num_steps for r in results))
 
 
-def fastest_runs(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, Any]]:
+def fastest_runs(runs: dict[Hashable, Callable[[], Any]], repeats: int) -> dict[Hashable, tuple[float, Any]]:
     """Each of ``runs`` (name -> a call) ``repeats`` times in alternating rounds -> name -> (seconds, result)
     of its fastest call. The best of each, so that a shared machine's hiccups hit one call, not a side; and
     that call's own result, so that what is read from it (per-row decode times) belongs to the same run
     as its wall time."""
-    best: dict[str, tuple[float, Any]] = {}
+    best: dict[Hashable, tuple[float, Any]] = {}
     for _ in range(repeats):
         for name, run in runs.items():
             t0 = time.perf_counter()
@@ -166,12 +166,9 @@ def compare(target, drafter, prompts: list[list[int]], max_new_tokens: int,
     if len(sizes) > 1:
         # Rounds over every block size in turn, the best of each: a hiccup of a shared machine (or the first
         # runs after a compile) then slows one round of one size, not every run of the size timed first.
-        for _ in range(repeats):
-            for block in sizes:
-                t0 = time.perf_counter()
-                done = engines[block].generate(calibration, max_new_tokens, stop_token_ids)
-                rate = sum(r.num_output_tokens for r in done) / (time.perf_counter() - t0)
-                rates[block] = max(rates.get(block, 0.0), rate)
+        best = fastest_runs({block: functools.partial(engines[block].generate, calibration, max_new_tokens,
+                                                      stop_token_ids) for block in sizes}, repeats)
+        rates = {block: sum(r.num_output_tokens for r in done) / seconds for block, (seconds, done) in best.items()}
         for block in sizes:
             log.info("demo warm-up: block size %d: %.1f tokens/s", block, rates[block])
     spec = engines[max(sizes, key=lambda b: rates.get(b, 0.0))]
