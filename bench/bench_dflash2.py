@@ -9,8 +9,8 @@ the two generations are timed in interleaved rounds. The convolutions and the se
 at most 5% to the draft pass.
 
 Then one traced call of each draft loop (one profile; ``--no-profile``: none): the GPU kernels of
-a draft pass, their count and busy time per pass, and DFlash2's largest kernels, which say where its
-extra time goes (kernels, or the gaps between them). ``--baseline`` prints another run's report beside this
+a draft pass, their count and busy time per pass, and DFlash2's largest kernels, each with the JAX op and
+source line it was traced from, which say where its extra time goes (kernels, or the gaps between them). ``--baseline`` prints another run's report beside this
 one's (by default the committed ``bench/results/dflash2.json``, read before anything is written).
 
     python3 bench/bench_dflash2.py --json bench/results/dflash2.json        # < 90 s on one H200
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import jax
 
+import profile_ops
 import timing
 from bench_engine import draft_loop
 from dflash_jax.models.dflash2 import DFlash2Config
@@ -59,7 +60,9 @@ def time_batch(engines: dict, batch: int, context: int, steps: int, repeats: int
     jobs = [lambda n=n: engines[n].decode_compiled(states[n], steps) for n in rest]
     jobs += [lambda n=n: drafts[n][0].lower(*drafts[n][1]).compile() for n in engines]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:  # XLA compiles outside the GIL
-        list(pool.map(lambda job: job(), jobs))
+        compiled = list(pool.map(lambda job: job(), jobs))[-len(engines):]
+    # Each draft loop's instructions' JAX origins: what the trace's kernels were traced from.
+    sources = {name: profile_ops.op_sources(c.as_text()) for name, c in zip(engines, compiled)}
     compile_s = time.perf_counter() - t0
     for name, e in engines.items():  # untimed: the calls' own tracing, warm clocks
         for _ in range(2):
@@ -83,17 +86,16 @@ def time_batch(engines: dict, batch: int, context: int, steps: int, repeats: int
         entry[f"{name}_step_s"] = statistics.median(step_times[name])
     if profile:
         layers = next(iter(engines.values())).drafter.config.num_layers
-        for name, kernels in draft_kernels(drafts, steps, layers).items():
+        for name, kernels in draft_kernels(drafts, steps, layers, sources).items():
             entry[f"{name}_kernels"] = kernels
     return entry, compile_s
 
 
-def draft_kernels(drafts: dict, steps: int, drafter_layers: int, top: int = 12) -> dict:
+def draft_kernels(drafts: dict, steps: int, drafter_layers: int, sources: dict[str, dict[str, str]],
+                  top: int = 12) -> dict:
     """The GPU kernels of one call of each draft loop in ``drafts`` (name -> (jitted fn, args); ``steps``
-    passes a call), all traced in one profile, each call inside its own annotation: per name and per
-    pass the number of kernels, their busy time and the ``top`` largest ({}: no GPU trace). Under a
-    CUDA graph the trace may show fewer loop iterations than ran: passes are counted by the drafter's
-    attention kernels when their names say so (one per layer), else taken as ``steps``."""
+    passes a call), all traced in one profile, each call inside its own annotation: ``kernel_table`` of
+    each ({}: no GPU trace). ``sources``: per name, its program's ``profile_ops.op_sources``."""
     with tempfile.TemporaryDirectory() as out_dir:
         with jax.profiler.trace(out_dir, create_perfetto_trace=True):
             for name, (fn, args) in drafts.items():
@@ -101,6 +103,17 @@ def draft_kernels(drafts: dict, steps: int, drafter_layers: int, top: int = 12) 
                     jax.block_until_ready(fn(*args))
         paths = sorted(Path(out_dir).rglob("perfetto_trace.json.gz"))
         events = json.loads(gzip.open(paths[-1]).read())["traceEvents"] if paths else []
+    return kernel_table(events, steps, drafter_layers, sources, top)
+
+
+def kernel_table(events: list[dict], steps: int, drafter_layers: int, sources: dict[str, dict[str, str]],
+                 top: int = 12) -> dict:
+    """Per draft loop annotated ``draft_loop_<name>`` in a Perfetto trace's ``events``: per pass the
+    number of GPU kernels, their busy time and the ``top`` largest, each with the JAX op and source line
+    its HLO instruction came from (the profiler's ``hlo_op`` where it names one: XLA launches identical
+    fusions under one kernel name). Under a CUDA graph the trace may show fewer loop iterations than
+    ran: passes are counted by the drafter's attention kernels when their names say so (one per layer),
+    else taken as ``steps``."""
     gpu = {e["pid"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e["args"].get("name"))}
     windows = {e["name"][len("draft_loop_"):]: (e["ts"], e["ts"] + e["dur"]) for e in events
@@ -108,9 +121,14 @@ def draft_kernels(drafts: dict, steps: int, drafter_layers: int, top: int = 12) 
     out = {}
     for name, (start, end) in windows.items():
         durations: dict[str, list[float]] = {}
+        origins: dict[str, set[str]] = {}
         for e in events:
             if e.get("ph") == "X" and e.get("pid") in gpu and start <= e["ts"] <= end:
                 durations.setdefault(e["name"], []).append(e["dur"])
+                key = str((e.get("args") or {}).get("hlo_op") or e["name"])
+                origin = profile_ops.lookup(sources.get(name, {}), key)
+                if origin:
+                    origins.setdefault(e["name"], set()).add(origin)
         if not durations:
             continue
         attention = sum(len(d) for k, d in durations.items() if "attention" in k)
@@ -118,7 +136,8 @@ def draft_kernels(drafts: dict, steps: int, drafter_layers: int, top: int = 12) 
         largest = sorted(durations.items(), key=lambda kv: -sum(kv[1]))[:top]
         out[name] = dict(passes_traced=passes, per_pass=sum(map(len, durations.values())) / passes,
                          busy_us_per_pass=sum(map(sum, durations.values())) / passes,
-                         largest=[dict(name=k[:120], us_per_pass=sum(d) / passes, launches_per_pass=len(d) / passes)
+                         largest=[dict(name=k[:120], us_per_pass=sum(d) / passes, launches_per_pass=len(d) / passes,
+                                       sources=sorted(origins.get(k, ()))[:3])
                                   for k, d in largest])
     return out
 
@@ -214,6 +233,8 @@ def print_kernels(rows: list[tuple[int, dict]]) -> None:
               f"{e['dflash_draft_s'] * 1e6:.0f} -> {e['dflash2_draft_s'] * 1e6:.0f} us; DFlash2's largest kernels:")
         for k in two["largest"]:
             print(f"  {k['us_per_pass']:8.1f} us  {k['launches_per_pass']:5.1f}x  {k['name']}")
+            for origin in k.get("sources", []):
+                print(f"{'':26s}<- {origin[:150]}")
 
 
 if __name__ == "__main__":
