@@ -10,8 +10,9 @@ at most 5% to the draft pass.
 
 Then one traced call of each draft loop (one profile; ``--no-profile``: none): the GPU kernels of
 a draft pass, their count and busy time per pass, and DFlash2's largest kernels, each with the JAX op and
-source line it was traced from, which say where its extra time goes (kernels, or the gaps between them). ``--baseline`` prints another run's report beside this
-one's (by default the committed ``bench/results/dflash2.json``, read before anything is written).
+source line it was traced from, which say where its extra time goes (kernels, or the gaps between them).
+``--baseline`` prints another run's report beside this one's (by default the committed
+``bench/results/dflash2.json``, read before anything is written).
 
     python3 bench/bench_dflash2.py --json bench/results/dflash2.json        # < 90 s on one H200
     JAX_PLATFORMS=cpu python3 bench/bench_dflash2.py --tiny --steps 2 --repeats 1   # smoke test
@@ -60,7 +61,7 @@ def time_batch(engines: dict, batch: int, context: int, steps: int, repeats: int
     jobs = [lambda n=n: engines[n].decode_compiled(states[n], steps) for n in rest]
     jobs += [lambda n=n: drafts[n][0].lower(*drafts[n][1]).compile() for n in engines]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:  # XLA compiles outside the GIL
-        compiled = list(pool.map(lambda job: job(), jobs))[-len(engines):]
+        compiled = list(pool.map(lambda job: job(), jobs))[-len(engines):]  # the draft loops, last
     # Each draft loop's instructions' JAX origins: what the trace's kernels were traced from.
     sources = {name: profile_ops.op_sources(c.as_text()) for name, c in zip(engines, compiled)}
     compile_s = time.perf_counter() - t0
