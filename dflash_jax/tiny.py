@@ -128,7 +128,7 @@ def write_tiny_pair(
 
 def write_copycat_pair(directory: str | Path, *, noise: float = 0.35, block_size: int = 8,
                        model_type: str = "qwen3", seed: int = 0, shape: dict | None = None,
-                       drafter_layers: int = 2) -> tuple[Path, Path]:
+                       drafter_layers: int = 2, target_layer_ids: tuple[int, ...] | None = None) -> tuple[Path, Path]:
     """A tiny pair with real, varied acceptance lengths and no training.
 
     The target's layers are small noise around the identity and its LM head is its embedding table,
@@ -136,6 +136,10 @@ def write_copycat_pair(directory: str | Path, *, noise: float = 0.35, block_size
     and the drafter's fc is zero, so every mask slot attends uniformly and, through identity V/O
     projections, carries only the anchor: the drafter proposes "repeat the anchor" for the whole
     block. Acceptance then measures how long the target keeps repeating.
+
+    ``shape``: the target's dimensions over the defaults; ``target_layer_ids``: the drafter's taps
+    (None: the default rule, which needs a target of more layers than the drafter has). The taps change
+    no token: the drafter's fc is zero.
     """
     directory = Path(directory)
     dims = dict(num_heads=4, num_kv_heads=4, head_dim=16, num_layers=4)
@@ -144,7 +148,7 @@ def write_copycat_pair(directory: str | Path, *, noise: float = 0.35, block_size
     if tcfg.num_kv_heads * tcfg.head_dim != tcfg.hidden_size or tcfg.num_heads != tcfg.num_kv_heads:
         raise ValueError("the copycat drafter needs num_heads == num_kv_heads and heads * head_dim == hidden")
     dcfg = tiny_drafter_config(tcfg, num_layers=drafter_layers, block_size=block_size,
-                               mask_token_id=tcfg.vocab_size - 1)
+                               mask_token_id=tcfg.vocab_size - 1, target_layer_ids=target_layer_ids)
     target = random_target(tcfg, seed=seed, std=noise * (64 / tcfg.hidden_size) ** 0.5)
     key = jax.random.key(seed + 100)
     table = jax.random.normal(key, (tcfg.vocab_size, tcfg.hidden_size)).at[dcfg.mask_token_id].set(0.0)

@@ -67,16 +67,29 @@ def test_files_fit_the_transfer_limits():
     assert total <= MAX_TOTAL_BYTES, f"models/embedded holds {total} bytes"
 
 
-def exact_on_heldout(target, drafter, tok, min_tau: float, new_tokens: int = 64):
-    """Four held-out prompts in one batch with and without ``drafter``: the same greedy output, tau of at
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def heldout(pair):
+    """Four held-out prompts, the engine configuration that runs them in one batch, and the target's greedy
+    output alone (one run for both drafters)."""
+    import dflash_jax as dj
+
+    target, _, tok = pair
+    prompts = [tok.encode(p, add_special_tokens=False) for p in heldout_prompts(4)]
+    config = dj.EngineConfig(max_batch_size=len(prompts), max_length=max(map(len, prompts)) + NEW_TOKENS)
+    plain = dj.Engine(target, None, config).generate(prompts, NEW_TOKENS, list(target.config.eos_token_ids))
+    return prompts, config, plain
+
+
+def exact_on_heldout(target, drafter, heldout, min_tau: float):
+    """The held-out prompts in one batch with ``drafter``: the target's greedy output alone, tau of at
     least ``min_tau``; returns (prompts, the speculative results)."""
     import dflash_jax as dj
 
-    prompts = [tok.encode(p, add_special_tokens=False) for p in heldout_prompts(4)]
-    stop = list(target.config.eos_token_ids)
-    config = dj.EngineConfig(max_batch_size=len(prompts), max_length=max(map(len, prompts)) + new_tokens)
-    spec = dj.Engine(target, drafter, config).generate(prompts, new_tokens, stop)
-    plain = dj.Engine(target, None, config).generate(prompts, new_tokens, stop)
+    prompts, config, plain = heldout
+    spec = dj.Engine(target, drafter, config).generate(prompts, NEW_TOKENS, list(target.config.eos_token_ids))
     for a, b in zip(spec, plain):
         assert a.output_ids == b.output_ids
         assert len(a.output_ids) > 0
@@ -87,11 +100,11 @@ def exact_on_heldout(target, drafter, tok, min_tau: float, new_tokens: int = 64)
 
 
 @pytest.mark.slow
-def test_speculative_decoding_is_exact_and_fast(pair):
+def test_speculative_decoding_is_exact_and_fast(pair, heldout):
     import dflash_jax as dj
 
-    target, drafter, tok = pair
-    prompts, spec = exact_on_heldout(target, drafter, tok, MIN_TAU)
+    target, drafter, _ = pair
+    prompts, spec = exact_on_heldout(target, drafter, heldout, MIN_TAU)
     stop = list(target.config.eos_token_ids)
     alone = dj.generate(target, drafter, prompts[1:2], max_new_tokens=64, stop_token_ids=stop)[0]  # the one-call API
     assert (alone.output_ids, alone.acceptance_lengths) == (spec[1].output_ids, spec[1].acceptance_lengths)
@@ -189,8 +202,8 @@ def test_eval_report_has_both_generations():
 
 @pytest.mark.slow
 @needs_drafter2
-def test_dflash2_speculative_decoding_is_exact(pair):
+def test_dflash2_speculative_decoding_is_exact(pair, heldout):
     import dflash_jax as dj
 
-    target, _, tok = pair
-    exact_on_heldout(target, dj.load_drafter(DEFAULT_DRAFTER2), tok, MIN_TAU_DFLASH2)
+    target, _, _ = pair
+    exact_on_heldout(target, dj.load_drafter(DEFAULT_DRAFTER2), heldout, MIN_TAU_DFLASH2)

@@ -5,6 +5,7 @@ last W context positions equals an independent masked computation (a DFlash2 dra
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,14 +37,17 @@ def setup():
     ids = np.zeros((3, 48), np.int32)
     for i, n in enumerate(lens):
         ids[i, :n] = rs.randint(0, 90, n)
-    state = decoding.prefill(target, full, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(lens + 20),
-                             jnp.full((3, 2), -1, jnp.int32), capacity=128, max_steps=32,
-                             mask_token_id=full.config.mask_token_id)
+    # Compiled whole, as the engine runs it (op by op, every layer's small programs compile for every shape).
+    state = jax.jit(lambda ids, lens: decoding.prefill(
+        target, full, ids, lens, lens + 20, jnp.full((3, 2), -1, jnp.int32), capacity=128, max_steps=32,
+        mask_token_id=full.config.mask_token_id))(jnp.asarray(ids), jnp.asarray(lens))
     return target, sliding, full, state
 
 
 def _draft(target, drafter, state, **kwargs):
-    block_ids, _, _, logits = decoding.draft_block(target, drafter, state, block_size=BLOCK, flags=LOGITS, **kwargs)
+    """``draft_block`` compiled whole, as the engine's decode step runs it."""
+    block_ids, _, _, logits = jax.jit(lambda s: decoding.draft_block(target, drafter, s, block_size=BLOCK, flags=LOGITS,
+                                                                     **kwargs))(state)
     return np.asarray(block_ids), np.asarray(logits)
 
 

@@ -12,14 +12,15 @@ from dflash_jax import Engine, EngineConfig, load_drafter, load_target
 from dflash_jax.models.dflash2 import DFlash2Drafter
 from dflash_jax.runtime import decoding
 from dflash_jax.runtime.serving_params import serving_drafter
-from dflash_jax.tiny import random_drafter, tiny_dflash2_config, write_copycat_pair
+from copycat_fixtures import shallow_copycat_pair
+from dflash_jax.tiny import random_drafter, tiny_dflash2_config
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """The copycat pair (varied acceptance without training) with its drafter turned DFlash2:
-    random convolutions around its layers and a random selector."""
-    target_dir, drafter_dir = write_copycat_pair(tmp_path_factory.mktemp("copycat"), block_size=8)
+    """The copycat pair (varied acceptance without training; over a 2-layer target: copycat_fixtures)
+    with its drafter turned DFlash2: random convolutions around its layers and a random selector."""
+    target_dir, drafter_dir = shallow_copycat_pair(tmp_path_factory.mktemp("copycat"), block_size=8)
     target, base = load_target(target_dir), load_drafter(drafter_dir)
     cfg = tiny_dflash2_config(target.config, **{f: getattr(base.config, f) for f in (
         "num_layers", "block_size", "mask_token_id", "target_layer_ids", "num_heads", "num_kv_heads", "head_dim")})
@@ -48,17 +49,24 @@ def test_draft_block_takes_the_selectors_path(models, prompts):
     plen = max(map(len, prompts))
     ids = jnp.asarray([p + [0] * (plen - len(p)) for p in prompts], jnp.int32)
     lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    state = decoding.prefill(target, served, ids, lens, lens + 20, jnp.full((len(prompts), 1), -1, jnp.int32),
-                             capacity=64, max_steps=20, mask_token_id=drafter.config.mask_token_id)
+    # Each computation compiled whole (op by op, every layer's small programs compile for every shape).
+    state = jax.jit(lambda ids, lens: decoding.prefill(
+        target, served, ids, lens, lens + 20, jnp.full((len(prompts), 1), -1, jnp.int32), capacity=64, max_steps=20,
+        mask_token_id=drafter.config.mask_token_id))(ids, lens)
     B = drafter.config.block_size
     block_ids, _, _ = jax.jit(lambda s: decoding.draft_block(target, served, s, block_size=B))(state)
 
     anchor = np.asarray(state.tokens)[np.arange(len(prompts)), np.asarray(state.starts)]
     first = jnp.concatenate([jnp.asarray(anchor)[:, None], jnp.full((len(prompts), B - 1),
                                                                      drafter.config.mask_token_id)], axis=1)
-    hidden = served.draft(target.embed(first)[:, None], state.starts, state.draft_cache,
-                          jnp.full((len(prompts),), B, jnp.int32))[:, 0, 1:]
-    logits = drafter.logits(target, hidden)
+
+    @jax.jit
+    def drafted(first, state):
+        hidden = served.draft(target.embed(first)[:, None], state.starts, state.draft_cache,
+                              jnp.full((len(prompts),), B, jnp.int32))[:, 0, 1:]
+        return hidden, drafter.logits(target, hidden)
+
+    hidden, logits = drafted(first, state)
     sel = drafter.candidate_selector
     want = numpy_select(np.asarray(logits), np.asarray(hidden), anchor, np.asarray(sel.predecessor_codebook[...]),
                         np.asarray(sel.successor_codebook[...]), np.asarray(sel.hidden_projection[...]),

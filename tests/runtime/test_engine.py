@@ -15,16 +15,18 @@ from dflash_jax.ops.cache import CACHE_AXES
 from dflash_jax.runtime.decoding import DecodeState, commit, greedy_accept, greedy_argmax
 from dflash_jax.runtime.engine import window_buckets
 from dflash_jax.sharding import MeshConfig, make_mesh, named_sharding
-from dflash_jax.tiny import (random_drafter, random_target, tiny_drafter_config, tiny_target_config,
-                              write_copycat_pair)
+from copycat_fixtures import shallow_copycat_pair
+from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, tiny_target_config
 
 MAX_NEW = 40
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """A pair with varied acceptance lengths (1..B) without training; see write_copycat_pair."""
-    return write_copycat_pair(tmp_path_factory.mktemp("copycat"), block_size=8)
+    """A pair with varied acceptance lengths (1..B) without training; see write_copycat_pair (over a 2-layer
+    target: copycat_fixtures). Seed 2: its rows stop at varied points in the scenarios below (stop ids, rows
+    finishing apart), as they must for those tests to exercise what they check."""
+    return shallow_copycat_pair(tmp_path_factory.mktemp("copycat"), block_size=8, seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +95,7 @@ def test_sliding_drafter_equals_dflash_generate(tmp_path, reference, prompts):
     decode loop end to end; the window's and the causal mask's effect on the drafts are checked against
     the reference in tests/models (``test_sliding_drafter_block_logits_match_dflash``, and the cached
     draft against the forward in ``test_drafter_serving_layout_draft_equals_training_forward``)."""
-    target_dir, drafter_dir = write_copycat_pair(tmp_path, block_size=8)
+    target_dir, drafter_dir = shallow_copycat_pair(tmp_path, block_size=8)
     config = json.loads((drafter_dir / "config.json").read_text())
     config.pop("is_causal", None)
     config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=6, use_sliding_window=True)
@@ -327,8 +329,8 @@ def test_pallas_engine_with_more_tensor_devices_than_kv_heads():
     every device while the query heads could split eight ways; the cached-attention kernel's output
     must keep its [kv_heads, groups] layout through ``shard_kernel`` (it was regrouped by query head,
     so its replicated KV axis came back eight times over). Same tokens as one device with XLA."""
-    tcfg = tiny_target_config(num_heads=8, num_kv_heads=2, head_dim=8)
-    dcfg = tiny_drafter_config(tcfg, num_layers=2, block_size=8)
+    tcfg = tiny_target_config(num_heads=8, num_kv_heads=2, head_dim=8, num_layers=2)
+    dcfg = tiny_drafter_config(tcfg, num_layers=2, block_size=8, target_layer_ids=(0, 1))
     target, drafter = random_target(tcfg, std=0.5), random_drafter(dcfg, std=0.5)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
     config = EngineConfig(max_batch_size=2, max_length=48, steps_per_sync=4, attention_impl="xla")

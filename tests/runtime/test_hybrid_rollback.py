@@ -123,11 +123,12 @@ def test_multi_step_decoding_with_varied_acceptance_equals_transformers(model):
     plen = int(lens.max())
     ids = np.array([p + [0] * (plen - len(p)) for p in prompts])
     max_lens = lens + new
-    state = decoding.prefill(target, drafter, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(max_lens),
-                             jnp.full((4, 1), -1, jnp.int32), capacity=48, max_steps=new,
-                             mask_token_id=drafter.config.mask_token_id)
-    state = decoding.scatter_rows(
-        decoding.empty_state(target, drafter, 4, capacity=48, max_steps=new, n_stop=1), state, jnp.arange(4))
+    state = jax.jit(lambda ids: decoding.scatter_rows(  # compiled whole, as in the test above
+        decoding.empty_state(target, drafter, 4, capacity=48, max_steps=new, n_stop=1),
+        decoding.prefill(target, drafter, ids, jnp.asarray(lens), jnp.asarray(max_lens),
+                         jnp.full((4, 1), -1, jnp.int32), capacity=48, max_steps=new,
+                         mask_token_id=drafter.config.mask_token_id),
+        jnp.arange(4)))(jnp.asarray(ids))
     verify = jax.jit(lambda s, b, valid, pos: decoding.verify_block(target, drafter, s, b, valid, pos))
     offsets_seen = set()
     for step in range(new):

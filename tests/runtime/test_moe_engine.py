@@ -7,17 +7,17 @@ torch = pytest.importorskip("torch")  # the oracles; without torch (e.g. a jax-o
 
 from dflash_jax import Engine, EngineConfig, load_drafter, load_target
 from dflash_jax.sharding import MeshConfig
-from dflash_jax.tiny import write_copycat_pair
+from copycat_fixtures import shallow_copycat_pair
 
 MAX_NEW = 16
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
 def moe_pair(request, tmp_path_factory):
-    """A copycat pair (varied acceptance) on an MoE target of 8 experts, top-2 (Qwen3-MoE: layer 1
-    dense; gpt-oss: window 6, sinks, YaRN)."""
-    return write_copycat_pair(tmp_path_factory.mktemp(request.param), model_type=request.param, noise=0.2,
-                              shape=dict(num_experts=8))
+    """A copycat pair (varied acceptance) on a 2-layer MoE target of 8 experts, top-2 (Qwen3-MoE: layer 1
+    dense; gpt-oss: a sliding layer of window 6 and a full one, sinks, YaRN; copycat_fixtures)."""
+    return shallow_copycat_pair(tmp_path_factory.mktemp(request.param), model_type=request.param, noise=0.2,
+                                shape=dict(num_experts=8))
 
 
 @pytest.fixture(scope="module")

@@ -334,22 +334,6 @@ def test_a_prefill_over_a_cached_prefix_copies_neither_the_pools_nor_a_view_of_e
     assert temp["160,64"] - temp["160,16"] < 2 * view, (temp, view)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_moe"])
-def test_paged_moe_engines_equal_contiguous(model_type, base):
-    """Mixture-of-experts targets, gpt-oss's attention sinks and sliding windows among them (the
-    attention's reference path, over each layer's pages gathered): the paged engine's tokens are the
-    contiguous engine's."""
-    from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, tiny_target_config
-
-    tcfg = tiny_target_config(model_type)
-    target, drafter = random_target(tcfg, seed=0), random_drafter(tiny_drafter_config(tcfg, block_size=8), seed=1)
-    prompts = [base, base[:13]]
-    want = Engine(target, drafter, EngineConfig(**CONFIG)).generate(prompts, MAX_NEW, [11])
-    got = Engine(target, drafter, EngineConfig(page_size=PAGE, **CONFIG)).generate(prompts, MAX_NEW, [11])
-    assert [r.output_ids for r in got] == [r.output_ids for r in want]
-
-
 def test_adaptive_speculation_on_pages_generates_the_contiguous_tokens(engines, base):
     """``engine.speculation: adaptive`` on a paged engine: its step costs are timed on rows admitted into
     pages (``calibrate_speculation`` on the contiguous path failed on a paged state), and the blocks it
@@ -368,17 +352,21 @@ def test_adaptive_speculation_on_pages_generates_the_contiguous_tokens(engines, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["dflash2", "drafter_window", "qwen3_moe", "gpt_oss", "llama"])
-def test_other_families_and_drafters_on_pages_equal_target_only(case):
+def test_other_families_and_drafters_on_pages_equal_target_only(case, base):
     """Pages, and prefix hits on them, under the other model families (mixtures of experts; gpt-oss's sinks
-    and sliding windows), a DFlash2 drafter and a windowed drafter context: the target-only greedy tokens."""
+    and sliding windows), a DFlash2 drafter and a windowed drafter context: the target-only greedy tokens.
+    The mixtures of experts (the attention's reference path, over each layer's pages gathered) also give
+    the contiguous speculative engine's tokens, prompts batched without a prefix cache. Targets of two
+    layers (gpt-oss: a sliding one and a full one; Qwen3-MoE: a sparse one and a dense one), each tapped
+    by the drafter."""
     from dflash_jax.tiny import (random_drafter, random_target, tiny_dflash2_config, tiny_drafter_config,
                                  tiny_target_config)
 
     family = case if case in ("qwen3_moe", "gpt_oss", "llama") else "qwen3"
-    tc = tiny_target_config(family)
+    tc = tiny_target_config(family, num_layers=2)
     target = random_target(tc)
     make = tiny_dflash2_config if case == "dflash2" else tiny_drafter_config
-    drafter = random_drafter(make(tc, block_size=8, mask_token_id=1))
+    drafter = random_drafter(make(tc, block_size=8, mask_token_id=1, target_layer_ids=(0, 1)))
     config = EngineConfig(max_batch_size=4, max_length=96, steps_per_sync=4, prompt_buckets=(64,),
                           drafter_context_window=16 if case == "drafter_window" else 0)
     rs = np.random.RandomState(3)
@@ -390,6 +378,10 @@ def test_other_families_and_drafters_on_pages_equal_target_only(case):
     generations = _run(batcher, prompts[:1]) + _run(batcher, prompts[1:])  # the second on the first's pages
     assert [g.result.output_ids for g in generations] == [r.output_ids for r in plain.generate(prompts, MAX_NEW, [11])]
     assert generations[1].cached_tokens == 24 and batcher.pages.all_free()
+    if case in ("qwen3_moe", "gpt_oss"):
+        batched = [base, base[:13]]
+        want = plain.derive(config, drafter=drafter).generate(batched, MAX_NEW, [11])
+        assert [r.output_ids for r in paged.generate(batched, MAX_NEW, [11])] == [r.output_ids for r in want]
 
 
 def test_paged_caches_refuse_a_mesh_that_splits_the_rows(models):

@@ -1,6 +1,7 @@
 """The logits processors against transformers' and vLLM's definitions, the keyed draws, and SamplingParams."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +33,19 @@ def _hf_warped(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
 
 
 def _ours(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float, candidates: int):
-    rows = len(logits)
+    return np.asarray(_processed(jnp.asarray(logits), temperature, top_k, top_p, min_p, candidates=candidates))
+
+
+@functools.partial(jax.jit, static_argnames=("candidates",))
+def _processed(logits, temperature, top_k, top_p, min_p, *, candidates: int):
+    """The filters as the decode step compiles them: one program per shape and candidate count, the
+    settings its arguments."""
+    rows = logits.shape[0]
     t = jnp.full((rows,), temperature, jnp.float32)
-    scaled = jnp.asarray(logits) / t[:, None]
+    scaled = logits / t[:, None]
     theta = smp.filter_thresholds(scaled, jnp.full((rows,), top_k, jnp.int32), jnp.full((rows,), top_p, jnp.float32),
                                   jnp.full((rows,), min_p, jnp.float32), flags=ALL_FILTERS, candidates=candidates)
-    return np.asarray(smp.processed_logits(jnp.asarray(logits), t, theta))
+    return smp.processed_logits(logits, t, theta)
 
 
 _FAST = pytest.param

@@ -198,9 +198,11 @@ def test_target_only_calls_extend_the_drafters_context_as_a_prefill_of_their_tok
     """A target-only call keeps its steps' taps and projects them into the drafter's context after its
     last step: then every committed position's context K/V is what a prefill of the same tokens writes
     (float32, to rounding), through the page tables too; a call of more steps than the buffer holds
-    runs as several. The rows stop at different steps (max lengths), one is done before the call."""
-    tcfg = tiny_target_config()
-    target, drafter = random_target(tcfg, seed=5), random_drafter(tiny_drafter_config(tcfg, block_size=8), seed=6)
+    runs as several. The rows stop at different steps (max lengths), one is done before the call. A target of
+    two layers, each tapped by the drafter."""
+    tcfg = tiny_target_config(num_layers=2)
+    target = random_target(tcfg, seed=5)
+    drafter = random_drafter(tiny_drafter_config(tcfg, block_size=8, target_layer_ids=(0, 1)), seed=6)
     page_size = 8 if layout == "paged" else 0
     mesh = dict(mesh=MeshConfig(data=2, fsdp=1, tensor=4), decode_loop="fixed") if layout == "mesh" else {}
     engine = Engine(target, drafter, EngineConfig(max_batch_size=4, max_length=64, steps_per_sync=3,

@@ -9,14 +9,14 @@ import pytest
 
 from dflash_jax import Engine, EngineConfig, load_drafter, load_target
 from dflash_jax.serving.scheduler import Scheduler
-from dflash_jax.tiny import write_copycat_pair
+from copycat_fixtures import shallow_copycat_pair
 
 CONFIG = dict(max_batch_size=4, max_length=96, steps_per_sync=4, prompt_buckets=(64,))
 
 
 @pytest.mark.slow
 def test_clients_sharing_system_prompts_get_their_solo_tokens_and_leak_no_pages(tmp_path):
-    target_dir, drafter_dir = write_copycat_pair(tmp_path, block_size=8)
+    target_dir, drafter_dir = shallow_copycat_pair(tmp_path, block_size=8)
     target, drafter = load_target(target_dir), load_drafter(drafter_dir)
     paged = Engine(target, drafter, EngineConfig(page_size=8, num_pages=40, **CONFIG))
     rs = np.random.RandomState(3)

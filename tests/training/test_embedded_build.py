@@ -145,7 +145,7 @@ def test_answers_in_waves_are_the_rows_answers_alone(tmp_path):
     from dflash_jax.runtime.engine import Engine, EngineConfig
     from dflash_jax.tiny import random_target, tiny_target_config
 
-    target = random_target(tiny_target_config())
+    target = random_target(tiny_target_config(num_layers=2))  # two layers: each one more compiles in every program
     save_target(target, tmp_path)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, target.config.vocab_size, int(n)).tolist() for n in (3, 9, 5, 12, 4)]
@@ -286,10 +286,10 @@ def test_evaluation_of_both_generations_on_a_tiny_pair(tmp_path):
     from dflash_jax.io.checkpoint import save_drafter, save_target
     from dflash_jax.tiny import random_drafter, random_target, tiny_dflash2_config, tiny_drafter_config, tiny_target_config
 
-    tcfg = tiny_target_config()
+    tcfg = tiny_target_config(num_layers=2)  # two layers, each tapped: each one more compiles in every program
     save_target(random_target(tcfg), tmp_path / "target")
-    save_drafter(random_drafter(tiny_drafter_config(tcfg)), tmp_path / "drafter")
-    save_drafter(random_drafter(tiny_dflash2_config(tcfg)), tmp_path / "drafter2")
+    save_drafter(random_drafter(tiny_drafter_config(tcfg, target_layer_ids=(0, 1))), tmp_path / "drafter")
+    save_drafter(random_drafter(tiny_dflash2_config(tcfg, target_layer_ids=(0, 1))), tmp_path / "drafter2")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, tcfg.vocab_size, int(n)).tolist() for n in (5, 9)]
     for name, want in (("drafter", "dflash"), ("drafter2", "dflash2")):
