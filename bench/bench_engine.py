@@ -396,7 +396,7 @@ def main() -> None:
         t0 = time.perf_counter()
         mesh = MeshConfig(data=1, fsdp=1, tensor=tensor) if tensor > 1 else None
         devices = make_mesh(mesh, jax.devices()[:tensor]) if mesh is not None else None
-        target, drafter = timing.random_pair(tcfg, mesh=devices, drafter_layers=2 if args.tiny else 5)
+        target, drafter = timing.random_pair(tcfg, mesh=devices, drafter_layers=timing.drafter_layers(args.tiny))
         # Every engine below is derived from this one: the weights are held once, in the serving layout.
         base = Engine(target, drafter, EngineConfig(max_batch_size=1, max_length=64, attention_impl="xla", mesh=mesh),
                       mesh=devices)

@@ -381,7 +381,7 @@ def main(argv=None) -> None:
     counter = CompileCounter()
     print(timing.device_line(), flush=True)
     tcfg = tiny_target_config(num_layers=4) if args.tiny else timing.qwen3_8b(args.layers)
-    target, random_drafter = timing.random_pair(tcfg, drafter_layers=2 if args.tiny else 5)
+    target, random_drafter = timing.random_pair(tcfg, drafter_layers=timing.drafter_layers(args.tiny))
     # Every engine is derived from this one: the weights are held once, in the serving layout.
     models = Engine(repeat_target(target), synthetic_drafter(random_drafter, 0.0),
                     EngineConfig(max_batch_size=1, max_length=64, prompt_buckets=(16,)))

@@ -170,10 +170,9 @@ def build(family: str, layers: int, tiny_shapes: bool, mesh: Mesh | None = None)
     """A random target and drafter, built on the device (no host copy of the weights); on ``mesh``, each
     parameter in its shards (the experts split over ``tensor``: expert parallelism)."""
     cfg = tiny(family) if tiny_shapes else (gpt_oss_20b if family == "gpt_oss" else qwen3_30b_a3b)(layers)
-    # a 2-layer drafter on tiny shapes (a smoke test: less to compile), the published 5 otherwise
-    dcfg = tiny_drafter_config(cfg, num_layers=2 if tiny_shapes else 5, block_size=BLOCK,
-                               mask_token_id=cfg.vocab_size - 1,
-                               rope_scaling=None, intermediate_size=cfg.intermediate_size)
+    dcfg = tiny_drafter_config(cfg, num_layers=timing.drafter_layers(tiny_shapes), block_size=BLOCK,
+                               mask_token_id=cfg.vocab_size - 1, rope_scaling=None,
+                               intermediate_size=cfg.intermediate_size)
     dtype = jnp.bfloat16
     return (timing.on_mesh(lambda: Target(cfg, dtype=dtype, rngs=nnx.Rngs(0)), mesh),
             timing.on_mesh(lambda: Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1)), mesh))

@@ -297,7 +297,7 @@ def main() -> None:
     rows_checked = 16 if args.tiny else 256
     report["candidate_check"] = check_candidate_draws(tcfg.vocab_size, rows_checked, args.logit_scale, args.candidates)
     print(f"candidate draws == whole-row draws on {rows_checked} random rows: {report['candidate_check']}", flush=True)
-    target, drafter = timing.random_pair(tcfg, drafter_layers=2 if args.tiny else 5)
+    target, drafter = timing.random_pair(tcfg, drafter_layers=timing.drafter_layers(args.tiny))
     target.lm_head.value = target.lm_head.value * args.logit_scale
     block = drafter.config.block_size
     max_length = args.max_length or args.context + (args.repeats + 3) * args.steps * block + 2 * block

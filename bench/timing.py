@@ -103,11 +103,17 @@ def qwen3_32b(layers: int = 64) -> TargetConfig:
 SHAPES = {"8b": qwen3_8b, "32b": qwen3_32b}
 
 
+def drafter_layers(tiny: bool) -> int:
+    """The benchmarks' drafter depth: the published 5 layers, or 2 on the tiny shapes of the CPU smoke tests
+    (the same programs with less to compile)."""
+    return 2 if tiny else 5
+
+
 def random_pair(tcfg: TargetConfig, dtype=jnp.bfloat16, mesh: Mesh | None = None,
                 drafter_layers: int = 5) -> tuple[Target, Drafter]:
     """A random target of ``tcfg`` and a block-16 drafter of ``drafter_layers`` layers for it (5: the published
-    shape; the CPU smoke tests' tiny shapes take 2, which compile in less time). On ``mesh`` each parameter is
-    created in its shards (its logical axes, the default rules): a 32B target never sits whole on one device."""
+    shape). On ``mesh`` each parameter is created in its shards (its logical axes, the default rules): a 32B
+    target never sits whole on one device."""
     dcfg = tiny_drafter_config(tcfg, num_layers=drafter_layers, block_size=16, mask_token_id=tcfg.vocab_size - 1)
     return (on_mesh(lambda: Target(tcfg, dtype=dtype, rngs=nnx.Rngs(0)), mesh),
             on_mesh(lambda: Drafter(dcfg, dtype=dtype, rngs=nnx.Rngs(1)), mesh))
