@@ -13,6 +13,5 @@ TARGET_LAYERS = 2
 
 def shallow_copycat_pair(directory: str | Path, *, shape: dict | None = None, **kwargs) -> tuple[Path, Path]:
     """``write_copycat_pair(directory, **kwargs)`` with a target of ``TARGET_LAYERS`` layers, each tapped by
-    the 2-layer drafter."""
-    return write_copycat_pair(directory, shape={"num_layers": TARGET_LAYERS, **(shape or {})},
-                              target_layer_ids=tuple(range(TARGET_LAYERS)), **kwargs)
+    the 2-layer drafter (``dflash_jax.tiny.tiny_taps``)."""
+    return write_copycat_pair(directory, shape={"num_layers": TARGET_LAYERS, **(shape or {})}, **kwargs)

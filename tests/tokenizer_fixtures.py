@@ -374,16 +374,12 @@ def write_tiny_models_with_tokenizer(directory, *, model_vocab_size: int = 520, 
     """``dflash_jax.tiny.write_tiny_pair`` with a model vocabulary that fits a Qwen-style tokenizer, which is
     written into the target directory (the model's table is larger than the tokenizer, as in Qwen checkpoints).
     The target has 2 layers unless ``target_overrides`` says otherwise (the serving tests compile every
-    program the engine runs, each of which holds every layer, and every layer runs alike), under the
-    drafter's 2 layers, which then tap both. Returns ``(target_dir, drafter_dir)``."""
+    program the engine runs, each of which holds every layer, and every layer runs alike), each tapped by
+    the drafter (``dflash_jax.tiny.tiny_taps``). Returns ``(target_dir, drafter_dir)``."""
     from dflash_jax.tiny import write_tiny_pair
 
     overrides = {"vocab_size": model_vocab_size, "num_layers": 2, **tiny_kwargs.pop("target_overrides", {})}
-    drafter = dict(tiny_kwargs.pop("drafter_overrides", {}))
-    if overrides["num_layers"] == 2 and drafter.get("num_layers", 2) == 2:
-        drafter.setdefault("target_layer_ids", (0, 1))  # the default rule has no two distinct layers of two
-    target_dir, drafter_dir = write_tiny_pair(directory, target_overrides=overrides, drafter_overrides=drafter,
-                                              **tiny_kwargs)
+    target_dir, drafter_dir = write_tiny_pair(directory, target_overrides=overrides, **tiny_kwargs)
     write_qwen_tokenizer(target_dir, vocab_size=tokenizer_vocab_size)
     return Path(target_dir), Path(drafter_dir)
 

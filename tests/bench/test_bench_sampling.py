@@ -22,7 +22,7 @@ from dflash_jax.tiny import random_drafter, random_target, tiny_drafter_config, 
 def test_ablations_compile_the_sampled_step_without_what_they_replace():
     tcfg = tiny_target_config(num_layers=2)
     engine = Engine(random_target(tcfg, seed=0),
-                    random_drafter(tiny_drafter_config(tcfg, block_size=4, target_layer_ids=(0, 1)), seed=1),
+                    random_drafter(tiny_drafter_config(tcfg, block_size=4), seed=1),
                     EngineConfig(max_batch_size=2, max_length=48, prompt_buckets=(16,)))
     params = bench_sampling.MODES["sampled"][0]
     flags = SamplingFlags.of([params], engine.config.max_logprobs)

@@ -71,7 +71,7 @@ def test_the_replayed_draws_are_the_synthetic_drafters():
 
     tcfg = tiny_target_config(num_layers=2)
     target = repeat_target(random_target(tcfg, seed=3))
-    drafter = synthetic_drafter(random_drafter(tiny_drafter_config(tcfg, block_size=8, target_layer_ids=(0, 1)),
+    drafter = synthetic_drafter(random_drafter(tiny_drafter_config(tcfg, block_size=8),
                                                seed=4), 0.6, seed=2)
     prompts = [[5, 9, 11], [7, 3, 3, 3, 3]]
     engine = Engine(target, drafter, EngineConfig(max_batch_size=2, max_length=120, prompt_buckets=(16,)))

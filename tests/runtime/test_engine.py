@@ -330,7 +330,7 @@ def test_pallas_engine_with_more_tensor_devices_than_kv_heads():
     must keep its [kv_heads, groups] layout through ``shard_kernel`` (it was regrouped by query head,
     so its replicated KV axis came back eight times over). Same tokens as one device with XLA."""
     tcfg = tiny_target_config(num_heads=8, num_kv_heads=2, head_dim=8, num_layers=2)
-    dcfg = tiny_drafter_config(tcfg, num_layers=2, block_size=8, target_layer_ids=(0, 1))
+    dcfg = tiny_drafter_config(tcfg, num_layers=2, block_size=8)
     target, drafter = random_target(tcfg, std=0.5), random_drafter(dcfg, std=0.5)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
     config = EngineConfig(max_batch_size=2, max_length=48, steps_per_sync=4, attention_impl="xla")

@@ -366,7 +366,7 @@ def test_other_families_and_drafters_on_pages_equal_target_only(case, base):
     tc = tiny_target_config(family, num_layers=2)
     target = random_target(tc)
     make = tiny_dflash2_config if case == "dflash2" else tiny_drafter_config
-    drafter = random_drafter(make(tc, block_size=8, mask_token_id=1, target_layer_ids=(0, 1)))
+    drafter = random_drafter(make(tc, block_size=8, mask_token_id=1))
     config = EngineConfig(max_batch_size=4, max_length=96, steps_per_sync=4, prompt_buckets=(64,),
                           drafter_context_window=16 if case == "drafter_window" else 0)
     rs = np.random.RandomState(3)

@@ -202,7 +202,7 @@ def test_target_only_calls_extend_the_drafters_context_as_a_prefill_of_their_tok
     two layers, each tapped by the drafter."""
     tcfg = tiny_target_config(num_layers=2)
     target = random_target(tcfg, seed=5)
-    drafter = random_drafter(tiny_drafter_config(tcfg, block_size=8, target_layer_ids=(0, 1)), seed=6)
+    drafter = random_drafter(tiny_drafter_config(tcfg, block_size=8), seed=6)
     page_size = 8 if layout == "paged" else 0
     mesh = dict(mesh=MeshConfig(data=2, fsdp=1, tensor=4), decode_loop="fixed") if layout == "mesh" else {}
     engine = Engine(target, drafter, EngineConfig(max_batch_size=4, max_length=64, steps_per_sync=3,
@@ -301,7 +301,7 @@ def test_draft_block_proposes_a_drafters_own_drafts_unless_it_overrides_them(mod
 def test_synthetic_drafter_accepts_at_the_rate_asked_and_keeps_the_targets_tokens():
     tcfg = tiny_target_config(num_layers=2)
     target = repeat_target(random_target(tcfg, seed=3))
-    base = random_drafter(tiny_drafter_config(tcfg, block_size=8, target_layer_ids=(0, 1)), seed=4)
+    base = random_drafter(tiny_drafter_config(tcfg, block_size=8), seed=4)
     prompts = [[5, 9, 11], [7, 3]]
     config = EngineConfig(max_batch_size=2, max_length=100, prompt_buckets=(16,))
     want = Engine(target, None, config).generate(prompts, 90)
@@ -323,7 +323,7 @@ def test_synthetic_drafter_steps_run_the_drafters_whole_pass():
     right proposals ignore the drafter's own (a pass no one read would be compiled out)."""
     tcfg = tiny_target_config(num_layers=2)
     target = random_target(tcfg, seed=3)
-    base = random_drafter(tiny_drafter_config(tcfg, block_size=8, target_layer_ids=(0, 1)), seed=4)
+    base = random_drafter(tiny_drafter_config(tcfg, block_size=8), seed=4)
     config = EngineConfig(max_batch_size=2, max_length=64, prompt_buckets=(16,))
 
     def products(drafter) -> int:

@@ -15,8 +15,8 @@ def models():
     """A target of two layers (every program ``compare`` compiles holds each layer), each tapped by both drafters."""
     tcfg = tiny_target_config(num_layers=2)
     target = random_target(tcfg)
-    drafter = random_drafter(tiny_drafter_config(tcfg, block_size=8, target_layer_ids=(0, 1)))
-    drafter2 = random_drafter(tiny_dflash2_config(tcfg, block_size=4, target_layer_ids=(0, 1)), seed=2, std=0.05)
+    drafter = random_drafter(tiny_drafter_config(tcfg, block_size=8))
+    drafter2 = random_drafter(tiny_dflash2_config(tcfg, block_size=4), seed=2, std=0.05)
     return target, drafter, drafter2
 
 
@@ -115,7 +115,7 @@ def test_compare_without_a_second_generation_reports_one(models):
 def test_compare_keeps_within_the_target_positions(caplog):
     tcfg = tiny_target_config(max_position_embeddings=24, num_layers=2)
     target = random_target(tcfg)
-    drafter = random_drafter(tiny_drafter_config(tcfg, block_size=4, target_layer_ids=(0, 1)))
+    drafter = random_drafter(tiny_drafter_config(tcfg, block_size=4))
     with caplog.at_level("WARNING", logger="dflash_jax.demo"):
         report = compare(target, drafter, [[3, 4, 5, 6]], 100, block_sizes=(4,), repeats=1)
     assert report["max_new_tokens"] == 20 and report["output_tokens"] <= 20

@@ -288,8 +288,8 @@ def test_evaluation_of_both_generations_on_a_tiny_pair(tmp_path):
 
     tcfg = tiny_target_config(num_layers=2)  # two layers, each tapped: each one more compiles in every program
     save_target(random_target(tcfg), tmp_path / "target")
-    save_drafter(random_drafter(tiny_drafter_config(tcfg, target_layer_ids=(0, 1))), tmp_path / "drafter")
-    save_drafter(random_drafter(tiny_dflash2_config(tcfg, target_layer_ids=(0, 1))), tmp_path / "drafter2")
+    save_drafter(random_drafter(tiny_drafter_config(tcfg)), tmp_path / "drafter")
+    save_drafter(random_drafter(tiny_dflash2_config(tcfg)), tmp_path / "drafter2")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, tcfg.vocab_size, int(n)).tolist() for n in (5, 9)]
     for name, want in (("drafter", "dflash"), ("drafter2", "dflash2")):
