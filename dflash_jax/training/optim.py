@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from dflash_jax.training.config import OptimConfig
@@ -22,6 +23,12 @@ def lr_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
         decay_steps=decay,
         end_value=config.lr * config.min_lr_ratio,
     )
+
+
+def global_norm(tree) -> jax.Array:
+    """The gradients' global L2 norm (the training logs' ``grad_norm``), summed in float32 whatever the
+    leaves' dtype: bf16 sums of squares over millions of elements lose the norm's digits."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
 def _decay_mask(params):

@@ -199,6 +199,8 @@ def make_steps(graphdef, optimizer, batch_size: int, window: int, compute_dtype:
     import optax
     from flax import nnx
 
+    from dflash_jax.training.optim import global_norm
+
     dt = jnp.dtype(compute_dtype)
 
     def loss_fn(params, rest, batch):
@@ -217,7 +219,7 @@ def make_steps(graphdef, optimizer, batch_size: int, window: int, compute_dtype:
         loss, grads = jax.value_and_grad(loss_fn)(params, rest, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return params, opt_state, {"loss": loss, "grad_norm": global_norm(grads)}
 
     eval_step = jax.jit(loss_fn)
     return train_step, eval_step

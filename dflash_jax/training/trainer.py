@@ -38,6 +38,7 @@ from dflash_jax.training import anchors as anc
 from dflash_jax.models.dflash2 import DFlash2Drafter
 from dflash_jax.training.dflash2_loss import predecessor_ids, selector_metrics, selector_sums
 from dflash_jax.training.losses import finalize, loss_sums
+from dflash_jax.training.optim import global_norm
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -226,10 +227,6 @@ def anchored_loss(
     return loss, metrics
 
 
-def _global_norm(tree) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
-
-
 def make_train_step(drafter_graphdef, drafter_rest, target_graph: TargetGraph, tx: optax.GradientTransformation,
                     spec: StepSpec):
     """``step(state, target_params, batch) -> (state, metrics)``, not yet jitted; ``target_graph``
@@ -245,7 +242,7 @@ def make_train_step(drafter_graphdef, drafter_rest, target_graph: TargetGraph, t
         )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics["grad_norm"] = _global_norm(grads)
+        metrics["grad_norm"] = global_norm(grads)
         return TrainState(params, opt_state, state.step + 1), metrics
 
     return step
