@@ -26,7 +26,6 @@ target-only sampling's.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import time
 
@@ -38,7 +37,7 @@ from dflash_jax import embedded
 from dflash_jax.io.checkpoint import load_drafter
 from dflash_jax.runtime.acceptance import sampled_tau
 from dflash_jax.runtime.engine import Engine, EngineConfig
-from dflash_jax.serving.demo import decode_seconds, decode_seconds_per_step
+from dflash_jax.serving.demo import decode_seconds, speculative_report
 
 
 def generate_all(engine: Engine, prompts: list[list[int]], max_new: int, eos: list[int], repeats: int):
@@ -67,19 +66,16 @@ def measure(target, drafter, prompts, block: int, args) -> dict:
         engine.warmup([1])
     fast, t_spec = generate_all(spec, prompts, args.max_new_tokens, eos, args.repeats)
     slow, t_plain = generate_all(plain, prompts, args.max_new_tokens, eos, args.repeats)
-    lengths = [int(n) for r in fast for n in r.acceptance_lengths]
-    tok_fast, tok_slow = sum(r.num_output_tokens for r in fast), sum(r.num_output_tokens for r in slow)
+    # tau, the histogram, identical output and where the speedup goes (the decoding alone, a DFlash step's
+    # cost in target-only steps), as the demo reports them
+    report = speculative_report(fast, slow, t_spec, t_plain)
+    tok_fast, tok_slow = report["output_tokens"], sum(r.num_output_tokens for r in slow)
+    report.pop("outside_decode_s")  # the DFlash side's only: both sides' per prompt below
     return {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "block_size": spec.block_size,
-            "identical": all(a.output_ids == b.output_ids for a, b in zip(fast, slow)),
-            "tau": float(np.mean(lengths)),
-            "histogram": {int(k): v for k, v in sorted(collections.Counter(lengths).items())},
-            "output_tokens": tok_fast, "dflash_s": t_spec, "target_only_s": t_plain,
+            **report, "histogram": {int(k): v for k, v in report["histogram"].items()},
             "dflash_tok_per_s": tok_fast / t_spec, "target_only_tok_per_s": tok_slow / t_plain,
             "speedup": (t_plain / tok_slow) / (t_spec / tok_fast),
-            # where the speedup goes: the decoding alone, what a DFlash step costs in target-only steps,
-            # and each side's time per prompt outside its decode steps (prefill, admission, host syncs)
-            "decode_speedup": decode_seconds(slow) / max(decode_seconds(fast), 1e-12),
-            "step_cost": decode_seconds_per_step(fast) / max(decode_seconds_per_step(slow), 1e-12),
+            # each side's time a prompt outside its decode steps (prefill, admission, host syncs)
             "outside_ms_per_prompt": {"dflash": 1e3 * (t_spec - decode_seconds(fast)) / len(prompts),
                                       "target_only": 1e3 * (t_plain - decode_seconds(slow)) / len(prompts)}}
 
