@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import sharding
+from dflash_jax.ops.topk import short_top_k
 from kernels_pallas.experts.reference import FP4_VALUES, MXFP4_BLOCK, mxfp4_dequantize
 
 ACTIVATIONS = ("silu", "gpt_oss")
@@ -114,18 +115,22 @@ def _activate(gate_up: jax.Array, activation: str, interleaved: bool) -> jax.Arr
 def route(logits: jax.Array, top_k: int, *, softmax_first: bool, normalize: bool) -> tuple[jax.Array, jax.Array]:
     """Router ``logits [T, E]`` -> ``(weights [T, top_k], experts [T, top_k] int32)``.
 
-    ``softmax_first`` (Qwen3-MoE): softmax over all experts in float32, the top ``top_k``
-    probabilities, renormalised to sum to 1 with ``normalize``; else (gpt-oss): the top ``top_k``
-    logits, softmax over them. Weights in ``logits.dtype``, as transformers rounds them.
+    ``softmax_first`` (Qwen3-MoE): the ``top_k`` experts of the largest softmax probabilities (float32),
+    renormalised to sum to 1 with ``normalize``; else (gpt-oss): the top ``top_k`` logits, softmax over
+    them. Weights in ``logits.dtype``, as transformers rounds them.
+
+    The experts are the top ``top_k`` of the float32 logits either way (``ops.topk.short_top_k``: a
+    decode or verify step's routing in two fused reductions, no sort): the softmax keeps their order,
+    so they are the most probable ones. With ``normalize`` the kept probabilities over their sum are the
+    softmax of the kept logits, computed so; without it each is ``exp(logit - logsumexp(logits))``.
     """
-    if softmax_first:
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        weights, experts = jax.lax.top_k(probs, top_k)
-        if normalize:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        return weights.astype(logits.dtype), experts.astype(jnp.int32)
-    top, experts = jax.lax.top_k(logits, top_k)
-    return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+    scores = logits.astype(jnp.float32)
+    top, experts = short_top_k(scores, top_k)
+    if softmax_first and not normalize:
+        weights = jnp.exp(top - jax.nn.logsumexp(scores, axis=-1, keepdims=True))
+    else:
+        weights = jax.nn.softmax(top, axis=-1)
+    return weights.astype(logits.dtype), experts
 
 
 # "auto": "gemv" for MXFP4 experts and as few (token, expert) pairs as a decode or verify step has
@@ -313,6 +318,10 @@ def _expert_groups(experts: jax.Array, n: int, expert_offset) -> tuple[jax.Array
     sum over a one-hot ``[P, n]``) and each touched expert among the touched ones."""
     pairs = experts.size
     groups = min(pairs, n)
+    if experts.shape[0] == 1 and pairs <= n and isinstance(expert_offset, int) and expert_offset == 0:
+        # One token on one device: its experts, all in range (``route``), are its groups as they are.
+        ones = jnp.ones((pairs,), jnp.int32)
+        return experts.reshape(-1), ones, jnp.arange(pairs, dtype=jnp.int32), jnp.zeros((pairs,), jnp.int32)
     local = experts.reshape(-1) - expert_offset
     inside = (local >= 0) & (local < n)
     expert = jnp.clip(local, 0, n - 1)
@@ -342,24 +351,42 @@ def mosaic_routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     tokens, top_k = experts.shape
     ids, counts, group, slot = _expert_groups(experts, w.num_experts, expert_offset)
     slots = mosaic_gpu.slots_for(tokens)
-    if tokens == 1 and ids.shape[0] == top_k:  # the token's groups: its row in every group's first slot
-        rows = jnp.pad(jnp.broadcast_to(x[None], (top_k, 1, x.shape[-1])), ((0, 0), (0, slots - 1), (0, 0)))
+    decode_token = tokens == 1 and ids.shape[0] == top_k
+    if decode_token:  # the token's groups: its row in every slot of each (only slot 0's products are read)
+        rows = jnp.broadcast_to(x[None], (top_k, slots, x.shape[-1]))
     else:
         token = jnp.arange(experts.size) // top_k
         rows = jnp.zeros((ids.shape[0], slots, x.shape[-1]), x.dtype).at[group, slot].set(x[token], mode="drop")
 
-    def products(rows, weight):
+    def partials(rows, weight):  # float32 [splits, G, N, S]
         if isinstance(weight, tuple):
-            return mosaic_gpu.mxfp4_expert_products(rows, *weight, ids, counts, interpret=interpret)
-        return mosaic_gpu.expert_products(rows, weight, ids, counts, interpret=interpret)
+            return mosaic_gpu.mxfp4_expert_partials(rows, *weight, ids, counts, interpret=interpret)
+        return mosaic_gpu.expert_partials(rows, weight, ids, counts, interpret=interpret)
 
-    h = products(rows, w.gate_up).astype(x.dtype)
-    if w.gate_up_bias is not None:
-        h = h + jnp.take(w.gate_up_bias, ids, axis=0)[:, None]
+    def biased(products, bias):  # products [G, ..., N] in x's dtype
+        if bias is None:
+            return products
+        b = jnp.take(bias, ids, axis=0)
+        return products + b.reshape(b.shape[:1] + (1,) * (products.ndim - 2) + b.shape[1:])
+
+    if decode_token:
+        # A decode token fills slot 0 of each group: the products are read there straight from the
+        # partials (one fusion each for the activation and the combination, no transpose), and the
+        # down rows are the activation broadcast over the slots, whose other products are never read.
+        h = biased(jnp.sum(partials(rows, w.gate_up)[..., 0], axis=0).astype(x.dtype), w.gate_up_bias)  # [G, 2I]
+        h = _activate(h, activation, w.interleaved)
+        y = biased(jnp.sum(partials(jnp.broadcast_to(h[:, None], (top_k, slots, h.shape[-1])), w.down)[..., 0],
+                           axis=0).astype(x.dtype), w.down_bias)  # [G, hidden]
+        combine = jnp.where(counts > 0, weights.reshape(-1), 0)
+        y = jnp.where((combine != 0)[:, None], y * combine[:, None], 0)
+        return jnp.sum(y, axis=0, keepdims=True).astype(x.dtype)
+
+    def products(rows, weight):  # [G, S, N] in x's dtype
+        return jnp.swapaxes(jnp.sum(partials(rows, weight), axis=0), 1, 2).astype(x.dtype)
+
+    h = biased(products(rows, w.gate_up), w.gate_up_bias)
     h = _activate(h, activation, w.interleaved)
-    y = products(h, w.down).astype(x.dtype)
-    if w.down_bias is not None:
-        y = y + jnp.take(w.down_bias, ids, axis=0)[:, None]
+    y = biased(products(h, w.down), w.down_bias)
     outside = group == ids.shape[0]
     y = y.at[jnp.where(outside, 0, group), slot].get(mode="promise_in_bounds")  # [P, hidden]: each pair's row
     combine = jnp.where(outside, 0, weights.reshape(-1))
@@ -381,7 +408,7 @@ def uses_mosaic_kernel(implementation: str, experts_shape: tuple[int, int], w: E
     ``OpsConfig.mosaic``), "gemv".
 
     Measured on an H100, engine steps of 8 layers (docs/performance.md): Qwen3-30B-A3B's bf16 experts
-    decode at 0.83 ms a step on the kernel against 1.37 by ``ragged_dot`` at batch 1, 3.61 against 4.81 at
+    decode at 0.78 ms a step on the kernel against 1.37 by ``ragged_dot`` at batch 1, 3.48 against 4.81 at
     batch 16; gpt-oss-20b's MXFP4 experts at 64 pairs of 32 experts (a batch-1 verify block of 16, a batch-16
     decode step) 6.49 against 9.30 ms a DFlash step and 5.97 against 8.74 a decode step, while at 4 and 16
     pairs "gemv" won (the whole Mosaic lowering: 1.67 / 3.56 against 1.39 / 3.00 ms)."""

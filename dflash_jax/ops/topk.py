@@ -13,6 +13,11 @@ The result is ``lax.top_k``'s exactly, ties included, but where a slice's maximu
 sign: its maximum by ``jnp.max`` may be -0.0 for a slice holding 0.0, which then ranks that slice below
 ``lax.top_k``'s order.
 
+``short_top_k`` is the same contract for short rows (a router's logits over its experts): each element's
+rank by comparisons against the whole row, then the k ranked first picked by rank, two fused reductions
+instead of a sort and its copies (a decode token's router on XLA:GPU: a sort kernel, a copy and two small
+fusions around it).
+
 ``largest_threshold`` finds a row's largest value with a given count or mass at or above it (the k-th
 largest value; the top-p boundary) without any sort: a search over the float's ordered bits, a few
 fused reductions a pass. It is slower than the two-stage top-k above, but a sort of a whole row is a
@@ -36,6 +41,37 @@ GPU_SECOND_STAGE_ROWS = 64
 # Bits of ``largest_threshold``'s key found per pass: 2**4 - 1 probes, summed in one pass over the row;
 # a float32 key takes 8 passes.
 SEARCH_BITS = 4
+
+
+# ``short_top_k`` ranks by comparisons while a call compares at most this many pairs (rows x row length
+# squared: a verify block of 256 tokens over 128 experts is 4.2M); longer calls (prefill, training) run
+# ``lax.top_k``, which gives the same result.
+SHORT_TOP_K_PAIRS = 1 << 23
+
+
+def short_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(x, k)`` over the last axis of a short ``x [..., E]`` (rows without NaN):
+    ``(values [..., k], ids [..., k] int32)``, values descending, equal values in ascending id order.
+
+    An element's rank is the count of elements above it plus the equal ones before it, so the ranks of
+    a row are a permutation and rank ``j`` is the ``j``-th of ``lax.top_k``'s order (but zeros of either
+    sign, which tie here); the output ``j`` is the element of rank ``j``. Above ``SHORT_TOP_K_PAIRS``
+    compared pairs it is ``lax.top_k``."""
+    *lead, n = x.shape
+    if not 1 <= k <= n:
+        raise ValueError(f"short_top_k: k={k} must be in [1, {n}] for rows of {n}")
+    rows = x.reshape(-1, n)
+    if rows.shape[0] * n * n > SHORT_TOP_K_PAIRS:
+        values, ids = jax.lax.top_k(rows, k)
+        return values.reshape(*lead, k), ids.astype(jnp.int32).reshape(*lead, k)
+    ids_n = jnp.arange(n, dtype=jnp.int32)
+    other, this = rows[:, None, :], rows[:, :, None]  # [R, n (this), n (other)]
+    before = (other > this) | ((other == this) & (ids_n[None, None, :] < ids_n[None, :, None]))
+    rank = jnp.sum(before, axis=-1, dtype=jnp.int32)  # [R, n]
+    picked = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [R, k, n]
+    ids = jnp.sum(jnp.where(picked, ids_n, 0), axis=-1, dtype=jnp.int32)
+    values = jnp.max(jnp.where(picked, rows[:, None, :], -jnp.inf), axis=-1).astype(x.dtype)
+    return values.reshape(*lead, k), ids.reshape(*lead, k)
 
 
 def stage_widths(rows: int) -> tuple[int, ...]:

@@ -185,6 +185,35 @@ def test_gemv_experts_read_only_the_routed_experts(mxfp4):
     assert not names & {"sort", "ragged_dot_general", "dot_general"}, names
 
 
+@pytest.mark.parametrize("softmax_first,normalize", [(True, True), (True, False), (False, True)])
+def test_routing_equals_transformers_formula(softmax_first, normalize):
+    """``route`` against transformers' routing written out (Qwen3-MoE: float32 softmax over all experts,
+    top-k of the probabilities, optionally renormalised; gpt-oss: top-k logits, softmax over them):
+    the same experts in the same order, ties to the lower id, and the same weights to float32 rounding."""
+    rs = np.random.RandomState(4)
+    logits = rs.randn(9, 16).astype(np.float32)
+    logits[3] = np.round(logits[3])  # ties at the k-th logit
+    logits[4] = 0.25                 # every expert equal
+    weights, experts = jax.jit(lambda l: route(l, 4, softmax_first=softmax_first, normalize=normalize))(logits)
+    if softmax_first:
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        want_experts = np.argsort(-probs, axis=-1, kind="stable")[:, :4]
+        want = np.take_along_axis(probs, want_experts, axis=-1)
+        if normalize:
+            want = want / want.sum(-1, keepdims=True)
+    else:
+        want_experts = np.argsort(-logits, axis=-1, kind="stable")[:, :4]
+        top = np.take_along_axis(logits, want_experts, axis=-1)
+        want = np.exp(top - top.max(-1, keepdims=True))
+        want /= want.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(experts), want_experts)
+    np.testing.assert_allclose(np.asarray(weights), want, rtol=2e-6, atol=1e-7)
+    bf16_weights, bf16_experts = route(jnp.asarray(logits, jnp.bfloat16), 4, softmax_first=softmax_first,
+                                       normalize=normalize)
+    assert bf16_weights.dtype == jnp.bfloat16 and bf16_experts.dtype == jnp.int32
+
+
 def test_unknown_expert_implementation_is_named():
     from dflash_jax import EngineConfig
     from dflash_jax.ops.config import OpsConfig

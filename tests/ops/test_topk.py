@@ -42,6 +42,39 @@ def test_leading_axes_and_short_rows():
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_short_top_k_equals_lax_top_k_ties_included(dtype, monkeypatch):
+    """Routers' rows (7, 32 and 128 experts): random, many ties at and around the k-th value, a row of
+    equal values, infinities; by ranks, and by ``lax.top_k`` above the compared-pairs bound."""
+    rs = np.random.RandomState(3)
+    for n in (7, 32, 128):
+        x = rs.randn(6, n).astype(np.float32)
+        x[1] = np.round(x[1])
+        x[2] = 0.5
+        x[3, ::3] = -np.inf
+        x[4, n // 2:] = np.inf
+        x[5] = np.round(4 * x[5]) / 4
+        x = jnp.asarray(x, dtype)
+        for k in sorted({1, 3, 8, n} & set(range(1, n + 1))):
+            want_values, want_ids = jax.lax.top_k(x, k)
+            for bound in (topk.SHORT_TOP_K_PAIRS, 1):
+                monkeypatch.setattr(topk, "SHORT_TOP_K_PAIRS", bound)
+                values, ids = jax.jit(topk.short_top_k, static_argnums=1)(x, k)
+                assert values.dtype == dtype and ids.dtype == jnp.int32
+                np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids), err_msg=f"{n} {k} {bound}")
+                np.testing.assert_array_equal(np.asarray(values, np.float32), np.asarray(want_values, np.float32))
+    values, ids = topk.short_top_k(jnp.asarray(rs.randn(2, 3, 16), jnp.float32), 4)
+    assert values.shape == ids.shape == (2, 3, 4)
+    with pytest.raises(ValueError, match="k=17"):
+        topk.short_top_k(jnp.zeros((2, 16)), 17)
+
+
+def test_short_top_k_sorts_nothing():
+    """A decode or verify step's routing (256 tokens over 128 experts) compiles without a sort."""
+    jaxpr = jax.make_jaxpr(lambda x: topk.short_top_k(x, 8))(jnp.zeros((256, 128)))
+    assert not {e.primitive.name for e in jaxpr.jaxpr.eqns} & {"sort", "top_k"}
+
+
 @pytest.mark.parametrize("vocab", [151, 5000, 5003])
 def test_argmax_from_the_slice_maxima_equals_jnp_argmax(vocab):
     """The argmax beside the top-k is ``jnp.argmax``'s: the first maximum, ties across slices included."""
