@@ -318,14 +318,13 @@ def _expert_groups(experts: jax.Array, n: int, expert_offset) -> tuple[jax.Array
     sum over a one-hot ``[P, n]``) and each touched expert among the touched ones."""
     pairs = experts.size
     groups = min(pairs, n)
-    if experts.shape[0] == 1 and pairs <= n and isinstance(expert_offset, int) and expert_offset == 0:
-        # One token on one device: its experts, all in range (``route``), are its groups as they are.
-        ones = jnp.ones((pairs,), jnp.int32)
-        return experts.reshape(-1), ones, jnp.arange(pairs, dtype=jnp.int32), jnp.zeros((pairs,), jnp.int32)
     local = experts.reshape(-1) - expert_offset
     inside = (local >= 0) & (local < n)
     expert = jnp.clip(local, 0, n - 1)
     if experts.shape[0] == 1 and pairs <= n:  # one token: top_k distinct experts, a group each
+        if isinstance(expert_offset, int) and expert_offset == 0:
+            # On one device ``route``'s ids are all in range: constants, no clip kernel before the products.
+            inside, expert = jnp.ones_like(inside), local
         return expert, inside.astype(jnp.int32), jnp.where(inside, jnp.arange(pairs), groups), jnp.zeros_like(expert)
     onehot = (expert[:, None] == jnp.arange(n)[None]) & inside[:, None]  # [P, n]
     slot = jnp.take_along_axis(jnp.cumsum(onehot, axis=0, dtype=jnp.int32), expert[:, None], axis=1)[:, 0] - 1
