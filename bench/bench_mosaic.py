@@ -22,13 +22,12 @@ anchor blocks of 16 and batch 2 x 2,048 x 256, bidirectional, the Qwen3-8B draft
 forward, the backward kernels alone and a training step's attention (forward + backward) on each
 lowering (Triton: gpu.py + gpu_bwd.py; Mosaic GPU: mosaic_gpu.py + mosaic_gpu_bwd.py); the Mosaic
 GPU attention's tile / split configs on the batch-1 token at the longest context (``MosaicConfig``:
-stages, splits, 128-key tiles); and the add + RMSNorm at the 8B width (4096), 1 / 16 / 64 rows:
-``triton``, ``mosaic``, ``xla`` (the reference). Every variant runs on its own: one that fails to
-compile or run prints its error and the others are still timed.
+stages, splits, 128-key tiles). Every variant runs on its own: one that fails to compile or run
+prints its error and the others are still timed.
 
     python3 bench/bench_mosaic.py --json bench/results/mosaic.json     # attention cases start until --budget-s
     JAX_PLATFORMS=cpu python3 bench/bench_mosaic.py --tiny       # smoke test (interpret modes)
-    python3 bench/bench_mosaic.py --skip attention,sweep,norm --json bench/results/mosaic_train.json  # training
+    python3 bench/bench_mosaic.py --skip attention,sweep --json bench/results/mosaic_train.json  # training
 """
 
 from __future__ import annotations
@@ -49,9 +48,6 @@ from kernels_pallas.block_attention import block_attention, block_attention_fwd,
 from kernels_pallas.block_attention.mosaic_gpu_bwd import MosaicBwdConfig
 from kernels_pallas.block_attention.gpu_bwd import block_attention_bwd_pallas
 from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, attention_partials, pack_inputs, plan
-from kernels_pallas.rms_norm import add_rms_norm as triton_add_rms_norm
-from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
-from kernels_pallas.rms_norm.reference import add_rms_norm_reference
 
 CHAIN = 8
 
@@ -283,54 +279,28 @@ def training_cases(args, shapes) -> list[dict]:
     return rows
 
 
-def norm_cases(args) -> list[dict]:
-    hidden = args.hidden
-    rows_out = []
-    variants = {
-        "triton": lambda h, d, w: triton_add_rms_norm(h, d, w, eps=1e-6),
-        "mosaic": lambda h, d, w: norm_mgpu.add_rms_norm(h, d, w, eps=1e-6),
-        "xla": lambda h, d, w: add_rms_norm_reference(h, d, w, 1e-6),
-    }
-    fns = {name: chained(lambda h, d, w, fn=fn: fn(h, d, w)[::-1], args.chain) for name, fn in variants.items()}
-    for rows in args.norm_rows:
-        ks = jax.random.split(jax.random.key(rows), 3)
-        h, delta = (timing.normal(k, (rows, hidden), jnp.bfloat16) for k in ks[:2])
-        weight = (1 + 0.1 * timing.normal(ks[2], (hidden,), jnp.float32)).astype(jnp.bfloat16)
-        row = dict(kind="norm", rows=rows, hidden=hidden)
-        for name, fn in fns.items():
-            timed(name, fn, (h, delta, weight), row, chain=args.chain, repeats=args.repeats, nbytes=None)
-        rows_out.append(row)
-        cells = " | ".join(f"{n} " + ("failed" if row.get(n + "_us") is None else f"{row[n + '_us']:6.2f} us")
-                           for n in fns)
-        log(f"add+RMSNorm rows={rows:>3} hidden={hidden} | {cells}")
-    return rows_out
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="32768,16384,4096,1024")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--blocks", default="16", help="query slots per row (1: a decode token; 16: a verify block)")
-    ap.add_argument("--norm-rows", default="1,16,64")
-    ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chain", type=int, default=CHAIN)
     ap.add_argument("--train", default="1x4096x512,2x2048x256",
                     help="training pattern shapes, batch x tokens x anchor blocks per row, comma separated")
     ap.add_argument("--budget-s", type=float, default=50.0,
                     help="stop starting attention cases, and training shapes, after this many seconds of each")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: attention,train,sweep,norm")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: attention,train,sweep")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, interpret modes")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    args.contexts, args.batches, args.blocks, args.norm_rows = map(
-        ints, (args.contexts, args.batches, args.blocks, args.norm_rows))
+    args.contexts, args.batches, args.blocks = map(ints, (args.contexts, args.batches, args.blocks))
     args.train = [tuple(int(x) for x in shape.split("x")) for shape in args.train.split(",") if shape]
     shapes = (32, 8, 128)
     if args.tiny:
-        args.contexts, args.batches, args.blocks, args.norm_rows = [128], [1], [1, 4], [2]
-        args.hidden, args.repeats, args.chain = 256, 1, 1
+        args.contexts, args.batches, args.blocks = [128], [1], [1, 4]
+        args.repeats, args.chain = 1, 1
         shapes = (4, 2, 64)
     skip = set(filter(None, args.skip.split(",")))
     log(timing.device_line())
@@ -346,9 +316,6 @@ def main(argv=None) -> None:
     if "sweep" not in skip:
         log("== Mosaic GPU attention configs, batch-1 decode token at the longest context ==")
         result["sweep"] = sweep_cases(args, shapes)
-    if "norm" not in skip:
-        log("== add + RMSNorm, bf16: us per call ==")
-        result["norm"] = norm_cases(args)
     result["wall_s"] = time.time() - t0
     log(f"total {result['wall_s']:.0f} s")
     timing.write_json(args.json, result)

@@ -24,9 +24,9 @@ prints one line saying so; the others still run.
    MXFP4 experts re-encoded exactly as int8 codes (twice the E2M1 value) with a bfloat16 scale per 32
    inputs, as a ``qwix.QArray`` (tokamax's Hopper kernel takes int4/int8 codes, not E2M1).
    Bandwidth: the touched experts' weight bytes read once (bf16; MXFP4 rows count 4-bit bytes).
-3. Add + RMSNorm at the 8B width (4096), ``--norm-rows`` rows: ours (``xla`` reference, ``triton``,
-   ``mosaic``: one kernel for the residual add and the norm); tokamax's ``layer_norm`` with
-   ``subtract_mean=False`` after an XLA add (tokamax has no fused add).
+3. Add + RMSNorm at the 8B width (4096), ``--norm-rows`` rows: ours (``ops.norms.add_rms_norm``, XLA's
+   fusions); tokamax's ``layer_norm`` with ``subtract_mean=False`` after an XLA add (tokamax has no
+   fused add).
 
 Tokamax implementations (``--tokamax``): "auto" is ``mosaic,triton`` on a GPU and ``xla`` elsewhere
 (the CPU smoke test, which runs our kernels in interpret mode).
@@ -52,11 +52,9 @@ import numpy as np
 import timing
 from bench_mosaic import chained, log, timed
 from dflash_jax.ops.experts import FP4_VALUES, MXFP4_BLOCK, _pair_product, mxfp4_dequantize, route
+from dflash_jax.ops.norms import add_rms_norm
 from kernels_pallas.experts.reference import MXFP4_SCALE_BIAS
 from kernels_pallas.block_attention import block_attention
-from kernels_pallas.rms_norm import add_rms_norm as triton_add_rms_norm
-from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
-from kernels_pallas.rms_norm.reference import add_rms_norm_reference
 
 TOLERANCE = 2e-2  # bf16 rounding of a result, relative to its largest entry
 EPS = 1e-6
@@ -333,12 +331,8 @@ def _tokamax_ragged_dot(tokamax, impl: str):
 def norm_cases(args, tokamax) -> list[dict]:
     hidden = args.hidden
     variants = {  # each -> (y, s)
-        "ours_xla": lambda h, d, w: add_rms_norm_reference(h, d, w, EPS)[::-1],
-        "ours_triton": lambda h, d, w: triton_add_rms_norm(h, d, w, eps=EPS)[::-1],
-        "ours_mosaic": lambda h, d, w: norm_mgpu.add_rms_norm(h, d, w, eps=EPS)[::-1],
+        "ours_xla": lambda h, d, w: add_rms_norm(h, d, w, EPS)[::-1],
     }
-    if not norm_mgpu.add_rms_norm_supported(hidden, jnp.bfloat16):
-        variants["ours_mosaic"] = _unavailable("Mosaic GPU (or its interpret mode) does not run here")
     for impl in args.tokamax:
         def tk_norm(h, d, w, impl=impl):
             s = h + d
@@ -349,7 +343,7 @@ def norm_cases(args, tokamax) -> list[dict]:
         ks = jax.random.split(jax.random.key(rows), 3)
         h, delta = (timing.normal(k, (rows, hidden), jnp.bfloat16) for k in ks[:2])
         weight = (1 + 0.1 * timing.normal(ks[2], (hidden,), jnp.float32)).astype(jnp.bfloat16)
-        reference = add_rms_norm_reference(h, delta, weight, EPS)[1]
+        reference = add_rms_norm(h, delta, weight, EPS)[1]
         row = dict(kind="norm", rows=rows, hidden=hidden)
         run_case(row, variants, {name: (h, delta, weight) for name in variants}, reference, chain=args.chain,
                  repeats=args.repeats, nbytes=None)

@@ -11,8 +11,7 @@ signal's kernel ends, instead of paying the launch then.
 The signal goes where XLA's own kernels put it: after the program's last read and before its first
 dependent write (a kernel launched early must not find this one still reading a buffer that it may
 write). The first thread of a program to issue it signals for the whole program, so the value it
-is attached to should depend on what every thread loaded: the norm's sum over the row, the
-attention's dot products.
+is attached to should depend on what every thread loaded: the attention's dot products.
 """
 
 from __future__ import annotations

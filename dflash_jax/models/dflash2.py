@@ -144,11 +144,11 @@ class DFlash2Layer(nnx.Module):
         """The residual stream entering the layer is ``h + delta`` (``delta`` None: ``h``),
         ``[batch, blocks, block, hidden]``; ``attend(x)`` -> the attention's ``[..., heads, head_dim]``.
         Returns ``(h, delta)`` whose sum is the layer's output: each residual add is left to the norm
-        that reads it, one kernel with the kernels on (``DecoderLayer.cached``)."""
-        h, x = self.input_layernorm.add_norm(h, delta, ops)
+        that reads it (``DecoderLayer.cached``)."""
+        h, x = self.input_layernorm.add_norm(h, delta)
         x, out_delta = self.attention_conv.prepare(x)
         h, x = self.post_attention_layernorm.add_norm(
-            h, self.attention_conv.finish(self.self_attn.output(attend(x), ops), out_delta), ops)
+            h, self.attention_conv.finish(self.self_attn.output(attend(x), ops), out_delta))
         x, out_delta = self.mlp_conv.prepare(x)
         return h, self.mlp_conv.finish(self.mlp(x), out_delta)
 
@@ -364,7 +364,7 @@ class DFlash2Drafter(Drafter):
         h, delta = self._scale_embeds(block_embeds), None
         for i, layer in enumerate(self.layers):
             h, delta = layer.cached(h, delta, starts, cache.k[i], cache.v[i], blk_lens, ops=ops)
-        return self.norm.add_norm(h, delta, ops)[1]
+        return self.norm.add_norm(h, delta)[1]
 
     def select(self, logits: jax.Array, hidden: jax.Array, anchor_ids: jax.Array,
                candidates: tuple[jax.Array, jax.Array] | None = None,

@@ -121,7 +121,7 @@ class Drafter(nnx.Module):
         for i, layer in enumerate(self.layers):
             h, delta, _, _ = layer.cached(h, delta, starts, cache.k[i], cache.v[i], blk_lens,
                                           ops=ops, causal=self.config.layer_causal(i), write=False)
-        return self.norm.add_norm(h, delta, ops)[1]
+        return self.norm.add_norm(h, delta)[1]
 
     def override_drafts(self, draft: jax.Array, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """The proposals a decode step verifies, given the drafter's own: a drafter proposes its own

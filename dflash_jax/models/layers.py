@@ -41,9 +41,9 @@ class RMSNorm(nnx.Module):
         into the matmul after it."""
         return row_scale(x, self.eps)
 
-    def add_norm(self, h: jax.Array, delta: jax.Array | None, ops: OpsConfig) -> tuple[jax.Array, jax.Array]:
-        """``(h + delta, self(h + delta))`` (``delta`` None: ``h``), as one kernel where ``ops`` allows."""
-        return add_rms_norm(h, delta, self.weight[...], self.eps, ops=ops)
+    def add_norm(self, h: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """``(h + delta, self(h + delta))`` (``delta`` None: ``h``)."""
+        return add_rms_norm(h, delta, self.weight[...], self.eps)
 
 
 class Attention(nnx.Module):
@@ -315,7 +315,7 @@ class DecoderLayer(nnx.Module):
                 row_scale=self.input_layernorm.row_scale(s))
             s = s + self.self_attn.output(attn, ops)
             return s, self.mlp(s, row_scale=self.post_attention_layernorm.row_scale(s)), k_cache, v_cache
-        h, x = self.input_layernorm.add_norm(h, delta, ops)
+        h, x = self.input_layernorm.add_norm(h, delta)
         attn, k_cache, v_cache = self.self_attn.attend_cached(x, starts, k_cache, v_cache, blk_lens, ops=ops,
                                                               causal=causal, write=write)
         h, mlp_out = self._residual_mlp(h, attn, ops)
@@ -324,5 +324,5 @@ class DecoderLayer(nnx.Module):
     def _residual_mlp(self, h: jax.Array, attn: jax.Array, ops: OpsConfig) -> tuple[jax.Array, jax.Array]:
         """``(h + output(attn), mlp(post_attention_layernorm(h + output(attn))))``: the MLP's residual
         add is the caller's."""
-        h, x = self.post_attention_layernorm.add_norm(h, self.self_attn.output(attn, ops), ops)
+        h, x = self.post_attention_layernorm.add_norm(h, self.self_attn.output(attn, ops))
         return h, (self.mlp(x) if isinstance(self.mlp, MLP) else self.mlp(x, ops=ops))

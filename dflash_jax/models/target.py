@@ -126,7 +126,7 @@ class Target(nnx.Module):
                     ks[i], vs[i] = write_rows(ks[i], k_blk[:, 0], starts), write_rows(vs[i], v_blk[:, 0], starts)
             if i in tap_layers and i != n - 1:
                 taps[i] = h if delta is None else h + delta
-        _, h = self.norm.add_norm(h, delta, ops if decoding else XLA)
+        _, h = self.norm.add_norm(h, delta)
         return h, taps, (KVCache(tuple(ks), tuple(vs)) if cache is not None else None)
 
     def step(

@@ -21,7 +21,7 @@ GpuLowering = Literal["triton", "mosaic"]
 class OpsConfig:
     """``attention``: "xla" runs every op's pure-jnp reference; "pallas" the kernels of
     ``kernels_pallas`` where the platform and shapes take them (the block and cached attention, the
-    add + RMSNorm), a library flash attention for prompts, and XLA elsewhere.
+    routed experts), a library flash attention for prompts, and XLA elsewhere.
 
     ``cached_attention_tiles``: overrides of the cached-attention kernel's tile fields
     (``kernels_pallas.cached_attention.gpu.GpuConfig``) as ``(field, value)`` pairs; empty: its
@@ -34,7 +34,7 @@ class OpsConfig:
 
     ``gpu_lowering``: which Pallas GPU lowering the kernels use. "triton" (the default): the Triton
     kernels (``kernels_pallas/<op>/gpu.py``). "mosaic": the ops with a Mosaic GPU kernel
-    (``kernels_pallas/<op>/mosaic_gpu.py``: the add + RMSNorm, and the block attention's forward:
+    (``kernels_pallas/<op>/mosaic_gpu.py``: the block attention's forward:
     training blocks and the decode / verify / draft blocks over the KV cache, whose q/k norms, RoPE
     and cache write then run in XLA around it; and its backward, ``mosaic_gpu_bwd.py``; the routed
     experts of MoE decode and verify steps, ``kernels_pallas/experts``) run it; the others keep their

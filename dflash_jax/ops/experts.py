@@ -26,7 +26,11 @@ expert) run ``mosaic_routed_experts`` instead, whichever the lowering of the oth
 by expert and two calls of the Mosaic GPU expert-products kernel (``kernels_pallas.experts``), which streams
 only the touched experts' weight tiles (MXFP4 decoded inside) with TMA. MXFP4 steps of fewer pairs than
 experts keep "gemv" (decoding one token's 4-bit codes in shared memory costs the kernel more than the bytes
-it saves). Under ``OpsConfig.gpu_lowering == "mosaic"``, "gemv" steps run the kernel too.
+it saves). Under ``OpsConfig.gpu_lowering == "mosaic"``, "gemv" steps run the kernel too. Where
+"ragged_dot" runs with the kernels on, on a Hopper or later GPU with 16-bit activations, its grouped
+matmuls are tokamax's Mosaic GPU ragged dot when tokamax (PyPI ``tokamax`` >= 0.0.17, the ``tokamax``
+extra) is installed (``library_ragged_dot``): XLA:GPU's ``ragged_dot`` at a batch-16 verify block's
+2,048 pairs cost a Qwen3-30B-A3B DFlash step 5x tokamax's (docs/performance.md).
 
 ``routed_experts_reference`` is the same function as a dense product over every expert, for tests.
 Under ``sharding.kernel_mesh`` with the experts split over mesh axes (logical axis ``experts``),
@@ -37,6 +41,9 @@ parallelism; the token activations are small beside the weights in decode and ve
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -266,8 +273,51 @@ def _capacity(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWei
     return jnp.zeros_like(x).at[token.reshape(-1)].add(y.reshape(-1, x.shape[-1]))
 
 
+@functools.cache
+def _tokamax_ragged_dot() -> Callable | None:
+    """``tokamax.ragged_dot``, or None where tokamax is not installed or does not import here (a
+    tokamax built for another JAX: said once in the log, since the grouped matmuls then run slower)."""
+    try:
+        import tokamax
+    except ImportError:
+        return None
+    except Exception as e:  # noqa: BLE001  (an incompatible tokamax fails in its own imports)
+        logging.getLogger(__name__).warning(
+            "tokamax is installed but does not import (%s: %s); mixture-of-experts grouped matmuls use "
+            "jax.lax.ragged_dot", type(e).__name__, e)
+        return None
+    return tokamax.ragged_dot
+
+
+def library_ragged_dot(dtype, *, kernels: bool) -> bool:
+    """Whether the "ragged_dot" implementation's grouped matmuls run tokamax's Mosaic GPU ragged dot:
+    the kernels on (``OpsConfig.kernels``), 16-bit activations, a Hopper or later GPU, tokamax
+    importable. Elsewhere, and with the kernels off (the references), ``jax.lax.ragged_dot``."""
+    from kernels_pallas._mosaic import hopper_or_later
+
+    if not kernels or jax.default_backend() != "gpu":
+        return False
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return False
+    return hopper_or_later() and _tokamax_ragged_dot() is not None
+
+
+def grouped_products(rows: jax.Array, weight: jax.Array, counts: jax.Array, *, library: bool = False) -> jax.Array:
+    """``rows [M, K]``, consecutive runs of ``counts [G]`` rows (their sum at most ``M``; the rows
+    after the runs are unspecified, the caller masks them), each times its group's ``weight [G, K, N]``
+    -> float32 ``[M, N]``.
+    ``library``: tokamax's Mosaic GPU kernel (``library_ragged_dot``), falling back to its XLA
+    version for shapes the kernel does not take; else ``jax.lax.ragged_dot``."""
+    if library:
+        # The GPU was checked by ``library_ragged_dot``; tokamax's own device check would run only
+        # because two implementations are named.
+        return _tokamax_ragged_dot()(rows, weight, counts, preferred_element_type=jnp.float32,
+                                     implementation=("mosaic", "xla"), bypass_device_check=True)
+    return jax.lax.ragged_dot(rows, weight, counts, preferred_element_type=jnp.float32)
+
+
 def _grouped(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, activation: str,
-             expert_offset: int | jax.Array = 0) -> jax.Array:
+             expert_offset: int | jax.Array = 0, *, library: bool = False) -> jax.Array:
     """The routed experts' weighted sum over the experts ``w`` holds, numbers ``[expert_offset,
     expert_offset + w.num_experts)`` of the router's; pairs routed to other experts add nothing."""
     top_k = experts.shape[1]
@@ -277,11 +327,11 @@ def _grouped(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeig
     ids, counts, w = _touched(counts, order.size, w)
     group = jnp.repeat(jnp.arange(counts.shape[0]), counts, total_repeat_length=rows.shape[0])
     gate_up, down = w.dense(x.dtype)
-    h = jax.lax.ragged_dot(rows, gate_up, counts, preferred_element_type=jnp.float32).astype(x.dtype)
+    h = grouped_products(rows, gate_up, counts, library=library).astype(x.dtype)
     if w.gate_up_bias is not None:
         h = h + w.gate_up_bias[group]
     h = _activate(h, activation, w.interleaved)
-    y = jax.lax.ragged_dot(h, down, counts, preferred_element_type=jnp.float32).astype(x.dtype)
+    y = grouped_products(h, down, counts, library=library).astype(x.dtype)
     if w.down_bias is not None:
         y = y + w.down_bias[group]
     mine = jnp.arange(rows.shape[0]) < jnp.sum(counts)
@@ -445,6 +495,8 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: Expe
     else:
         run_experts = {"gemv": _gemv, "ragged_dot": _grouped, "capacity": _capacity}[
             resolve_implementation(implementation, experts.size, w)]
+        if run_experts is _grouped and library_ragged_dot(x.dtype, kernels=kernels):
+            run_experts = functools.partial(_grouped, library=True)
     if not across:
         return run_experts(x, experts, weights, w, activation)
 

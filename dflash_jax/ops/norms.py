@@ -1,47 +1,39 @@
-"""RMSNorm with transformers' numerics, the residual add fused with it, and a norm folded into a weight."""
+"""RMSNorm with transformers' numerics, the residual add that precedes it, and a norm folded into a weight.
+
+No kernel: XLA fuses the residual add, the sum of squares and the scale with the split-K sums and
+elementwise ops around them, which measured as fast as a one-program-per-row Pallas kernel of the
+add and the norm, on Triton and on Mosaic GPU, in whole decode steps (docs/performance.md, designs
+tried and rejected).
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.ops.config import OpsConfig
-from dflash_jax.sharding import shard_kernel
-from kernels_pallas.rms_norm.reference import add_rms_norm_reference, rms_norm, row_scale
-
 __all__ = ["add_rms_norm", "fold_norm", "rms_norm", "row_scale"]
 
 
-def add_rms_norm(h: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float, *,
-                 ops: OpsConfig) -> tuple[jax.Array, jax.Array]:
-    """A residual add and the norm that reads it: ``s = h + delta`` (``delta`` None: ``s = h``) and
-    ``rms_norm(s)``, both ``[..., hidden]``.
-
-    With the kernels on: one Pallas kernel (``kernels_pallas.rms_norm``, forward only:
-    inference; its Mosaic GPU version with ``ops.gpu_lowering == "mosaic"``) where the platform and
-    width allow, instead of the three XLA kernels this is otherwise at batch 1.
-    """
-    if ops.kernels and weight.dtype == h.dtype:
-        if ops.mosaic:
-            from kernels_pallas.rms_norm import mosaic_gpu
-
-            if mosaic_gpu.add_rms_norm_supported(h.shape[-1], h.dtype):
-                return _sharded_add_rms_norm(mosaic_gpu.add_rms_norm, h, delta, weight, eps)
-        from kernels_pallas.rms_norm import add_rms_norm as kernel_add_rms_norm, add_rms_norm_supported
-
-        if add_rms_norm_supported(h.shape[-1]):
-            return _sharded_add_rms_norm(kernel_add_rms_norm, h, delta, weight, eps)
-    return add_rms_norm_reference(h, delta, weight, eps)
+def row_scale(x: jax.Array, eps: float) -> jax.Array:
+    """``x [..., dim]`` -> ``rsqrt(mean(x^2) + eps)`` float32 ``[..., 1]``: the factor ``rms_norm``
+    normalises a row by."""
+    xf = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 
-def _sharded_add_rms_norm(kernel_add_rms_norm, h, delta, weight, eps):
-    """``kernel_add_rms_norm(h, delta, weight, eps=eps)`` per device under a kernel mesh."""
-    rows = ("batch",) + (None,) * (h.ndim - 1)  # per device: its rows, the whole width
-    if delta is None:
-        kernel = lambda h, w: kernel_add_rms_norm(h, None, w, eps=eps)  # noqa: E731
-        return shard_kernel(kernel, (rows, (None,)), (rows, rows))(h, weight)
-    kernel = lambda h, d, w: kernel_add_rms_norm(h, d, w, eps=eps)  # noqa: E731
-    return shard_kernel(kernel, (rows, rows, (None,)), (rows, rows))(h, delta, weight)
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """transformers' RMSNorm numerics: normalise in float32, cast back, then scale by the weight."""
+    return weight * (x.astype(jnp.float32) * row_scale(x, eps)).astype(x.dtype)
+
+
+def add_rms_norm(h: jax.Array, delta: jax.Array | None, weight: jax.Array,
+                 eps: float) -> tuple[jax.Array, jax.Array]:
+    """A residual add and the norm that reads it: ``(s, rms_norm(s))`` with ``s = h + delta``
+    (``delta`` None: ``s = h``), ``[..., hidden]`` each. The decoder layers defer each residual add
+    to the norm that reads it (a layer returns ``(h, delta)``), so that XLA fuses the add with the
+    norm and with the sum of the matmul partials before it."""
+    s = h if delta is None else h + delta
+    return s, rms_norm(s, weight, eps)
 
 
 def fold_norm(norm_weight: jax.Array, w: jax.Array) -> jax.Array:

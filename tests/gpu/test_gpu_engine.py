@@ -62,8 +62,8 @@ def xla_runs(models, prompts):
                                             ("min_chunk=64,num_warps=8", "triton"), ("", "mosaic")])
 def test_kernel_engine_equals_xla_engine(models, prompts, xla_runs, tiles, lowering):
     """With the Pallas kernels (and a tile config of the cached attention; or on the Mosaic GPU
-    lowering, whose add + RMSNorm takes these float32 rows): the XLA engine's tokens and acceptance
-    lengths, DFlash and target-only; and DFlash's tokens are target-only greedy's."""
+    lowering): the XLA engine's tokens and acceptance lengths, DFlash and target-only; and DFlash's
+    tokens are target-only greedy's."""
     config = dataclasses.replace(CONFIG, attention_impl="pallas", cached_attention_tiles=tiles,
                                  gpu_lowering=lowering)
     dflash = generations(Engine(models[0], models[1], config), prompts)

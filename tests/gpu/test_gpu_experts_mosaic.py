@@ -1,7 +1,7 @@
 """The Mosaic GPU expert products (``kernels_pallas.experts``) compiled for the GPU (Hopper or later)
 against their references, at Qwen3-30B-A3B (bf16) and gpt-oss-20b (MXFP4) expert shapes, alone and as
 ``ops.experts.routed_experts`` with ``mosaic=True`` (``OpsConfig.gpu_lowering = "mosaic"``) against its
-XLA grouped matmuls.
+XLA grouped matmuls; and tokamax's ragged dot in those grouped matmuls where it is installed.
 
     JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/gpu/test_gpu_experts_mosaic.py
 """
@@ -15,7 +15,7 @@ from flax import nnx
 
 from dflash_jax.models.moe import MoeMLP
 from dflash_jax.ops import OpsConfig
-from dflash_jax.ops.experts import ExpertWeights, route, routed_experts, uses_mosaic_kernel
+from dflash_jax.ops.experts import ExpertWeights, library_ragged_dot, route, routed_experts, uses_mosaic_kernel
 from dflash_jax.tiny import tiny_target_config
 from kernels_pallas.experts import mosaic_gpu
 from kernels_pallas.experts.mosaic_gpu import MosaicConfig
@@ -80,11 +80,9 @@ def test_expert_products_mxfp4_equal_reference(tokens):
         assert relative(got, want) < 1e-5, outputs
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-@pytest.mark.parametrize("tokens", [1, 4, 16])
-def test_routed_experts_on_the_mosaic_kernel_equal_grouped_matmuls(family, tokens):
-    """``routed_experts`` under the Mosaic lowering ("gemv") runs the kernel and equals the XLA grouped matmuls to bf16
-    rounding, twice the same (deterministic: no atomics)."""
+def routed_case(family: str, tokens: int):
+    """A layer's experts at the family's published shapes (gpt-oss: MXFP4 with biases), ``tokens``
+    random rows and their routing: ``(x, ids, weights, w, activation)``."""
     quantized = family == "gpt_oss"
     e, k, hidden, inter = (32, 4, 2880, 2880) if quantized else (128, 8, 2048, 768)
     ks = jax.random.split(jax.random.key(tokens), 6)
@@ -97,8 +95,15 @@ def test_routed_experts_on_the_mosaic_kernel_equal_grouped_matmuls(family, token
                           (jax.random.normal(ks[1], (e, inter, hidden)) * inter**-0.5).astype(bf16))
     x = jax.random.normal(ks[4], (tokens, hidden)).astype(bf16)
     weights, ids = route(jax.random.normal(ks[5], (tokens, e)), k, softmax_first=not quantized, normalize=True)
-    weights = weights.astype(bf16)
-    activation = "gpt_oss" if quantized else "silu"
+    return x, ids, weights.astype(bf16), w, "gpt_oss" if quantized else "silu"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_routed_experts_on_the_mosaic_kernel_equal_grouped_matmuls(family, tokens):
+    """``routed_experts`` under the Mosaic lowering ("gemv") runs the kernel and equals the XLA grouped matmuls to bf16
+    rounding, twice the same (deterministic: no atomics)."""
+    x, ids, weights, w, activation = routed_case(family, tokens)
     assert uses_mosaic_kernel("gemv", ids.shape, w, bf16, kernels=True, mosaic=True)
     run = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, activation=activation,
                                                             implementation="gemv", kernels=True, mosaic=True))
@@ -106,6 +111,21 @@ def test_routed_experts_on_the_mosaic_kernel_equal_grouped_matmuls(family, token
     want = routed_experts(x, ids, weights, w, activation=activation, implementation="ragged_dot")
     assert relative(got, want) < 1e-2
     np.testing.assert_array_equal(np.asarray(run(x, ids, weights, w)), np.asarray(got))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("tokens", [64, 256])
+def test_grouped_matmuls_on_tokamax_equal_xla(family, tokens):
+    """With tokamax installed, "ragged_dot" with the kernels on runs tokamax's Mosaic GPU ragged dot
+    (a batch-4 and a batch-16 verify block's tokens) and equals XLA's ``ragged_dot`` to bf16 rounding."""
+    if not library_ragged_dot(bf16, kernels=True):
+        pytest.skip("tokamax is not installed here (the `tokamax` extra)")
+    x, ids, weights, w, activation = routed_case(family, tokens)
+    run = jax.jit(lambda x, ids, weights, w, kernels: routed_experts(
+        x, ids, weights, w, activation=activation, implementation="ragged_dot", kernels=kernels),
+        static_argnames="kernels")
+    assert "mosaic_gpu" in run.lower(x, ids, weights, w, kernels=True).as_text()
+    assert relative(run(x, ids, weights, w, kernels=True), run(x, ids, weights, w, kernels=False)) < 1e-2
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

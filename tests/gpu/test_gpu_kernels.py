@@ -272,7 +272,7 @@ def test_block_attention_through_page_tables_equals_the_contiguous_kernel(page_s
     assert errors(got[1], want[1])[0] < 1e-3, "log-sum-exp"
 
 
-# -- the prompt attention (cuDNN) and the add + RMSNorm -------------------------------------------------
+# -- the prompt attention (cuDNN) ------------------------------------------------------------------------
 
 
 def prompt_args(rows: int, length: int, seed: int):
@@ -317,22 +317,3 @@ def test_prompt_attention_on_a_mesh_is_bit_equal_to_one_device(axis):
     with sharding.kernel_mesh(mesh):  # a fresh function: traced under the mesh, not taken from jit's cache
         got = np.asarray(jax.jit(lambda *a: attention_ops.prompt_attention(*a))(q, k, v, lens))
     np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.parametrize("with_delta", [True, False])
-@pytest.mark.parametrize("rows", [1, 16])
-def test_add_rms_norm_kernel_equals_reference(rows, with_delta):
-    """The residual add + RMSNorm kernel at the 8B width: the sum bit for bit, the norm within bf16
-    rounding."""
-    from kernels_pallas.rms_norm import add_rms_norm
-    from kernels_pallas.rms_norm.reference import add_rms_norm_reference
-
-    ks = jax.random.split(jax.random.key(rows), 3)
-    h, delta = normal(ks[0], (rows, 4096), jnp.bfloat16), normal(ks[1], (rows, 4096), jnp.bfloat16)
-    delta = delta if with_delta else None
-    weight = (1 + 0.2 * normal(ks[2], (4096,), jnp.float32)).astype(jnp.bfloat16)
-    got = jax.jit(lambda h, d, w: add_rms_norm(h, d, w, eps=1e-6))(h, delta, weight)
-    want = jax.jit(lambda h, d, w: add_rms_norm_reference(h, d, w, 1e-6))(h, delta, weight)
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-    largest = float(jnp.max(jnp.abs(want[1].astype(jnp.float32))))
-    assert errors(got[1], want[1])[0] <= largest * 2**-7  # within a bf16 rounding of the largest output

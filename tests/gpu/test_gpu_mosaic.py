@@ -3,7 +3,7 @@ head shapes: the block attention (one block per row over a KV cache: decode toke
 blocks, split-K over long contexts, the tile configs; several blocks per row: the training pattern,
 its gradients through the Mosaic GPU backward kernels; through ``ops.attention.cached_attention`` with
 ``gpu_lowering="mosaic"`` in test_gpu_kernels.py beside the Triton kernel; over paged contexts, the
-pages of a pool named by page tables, and a paged engine on it) and the add + RMSNorm.
+pages of a pool named by page tables, and a paged engine on it).
 Tolerances are those of tests/gpu/test_gpu_kernels.py for the Triton kernels.
 
     JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/gpu/test_gpu_mosaic.py
@@ -23,8 +23,6 @@ from kernels_pallas.block_attention import mosaic_gpu_bwd as attention_mgpu_bwd
 from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, plan
 from kernels_pallas.block_attention.reference import block_attention_reference
 from kernels_pallas.block_attention.reference_bwd import block_attention_bwd
-from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
-from kernels_pallas.rms_norm.reference import add_rms_norm_reference
 from test_gpu_kernels import (BLOCK, D, HKV, HQ, assert_cached_matches, assert_training_pattern_gradients, block_args,
                               cached, cached_args, errors, normal)
 
@@ -256,33 +254,6 @@ def test_cached_attention_on_the_mosaic_lowering_takes_the_attention_kernel(batc
     assert errors(got[0], want[0])[1] < 1e-2
     if mode == "verify":
         assert_cached_matches(got, want, k_cache, v_cache)
-
-
-@pytest.mark.parametrize("hidden", [4096, 5120])
-@pytest.mark.parametrize("with_delta", [True, False])
-@pytest.mark.parametrize("rows", [1, 16])
-def test_add_rms_norm_mosaic_equals_reference(rows, with_delta, hidden):
-    """The Mosaic GPU add + RMSNorm at the 8B and 14B widths: the sum bit for bit, the norm within a
-    bf16 rounding of the largest output."""
-    ks = jax.random.split(jax.random.key(rows), 3)
-    h, delta = normal(ks[0], (rows, hidden), jnp.bfloat16), normal(ks[1], (rows, hidden), jnp.bfloat16)
-    delta = delta if with_delta else None
-    weight = (1 + 0.2 * normal(ks[2], (hidden,), jnp.float32)).astype(jnp.bfloat16)
-    got = jax.jit(lambda h, d, w: norm_mgpu.add_rms_norm(h, d, w, eps=1e-6))(h, delta, weight)
-    want = jax.jit(lambda h, d, w: add_rms_norm_reference(h, d, w, 1e-6))(h, delta, weight)
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-    largest = float(jnp.max(jnp.abs(want[1].astype(jnp.float32))))
-    assert errors(got[1], want[1])[0] <= largest * 2**-7
-
-
-def test_add_rms_norm_mosaic_float32():
-    ks = jax.random.split(jax.random.key(5), 3)
-    h, delta = normal(ks[0], (4, 4096), jnp.float32), normal(ks[1], (4, 4096), jnp.float32)
-    weight = 1 + 0.2 * normal(ks[2], (4096,), jnp.float32)
-    got = jax.jit(lambda h, d, w: norm_mgpu.add_rms_norm(h, d, w, eps=1e-6))(h, delta, weight)
-    want = jax.jit(lambda h, d, w: add_rms_norm_reference(h, d, w, 1e-6))(h, delta, weight)
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-    assert errors(got[1], want[1])[0] < 1e-5
 
 
 def test_paged_engine_on_the_mosaic_lowering_generates_the_contiguous_tokens():

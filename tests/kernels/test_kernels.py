@@ -697,99 +697,45 @@ def test_cached_attention_kernel_lowers_for_gpus():
             assert "dflash_cached_attention" in text and "triton" in text
 
 
-# -- the fused residual add + RMSNorm ---------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("with_delta", [True, False], ids=["add", "norm-only"])
-def test_add_rms_norm_kernel_equals_layer_reference(dtype, with_delta):
-    """``kernels_pallas.add_rms_norm`` (interpret mode) against ``ops.norms.add_rms_norm`` with the kernels off:
-    the sum bit for bit, the norm to rounding; rows of very different scales (the norm is per row)."""
-    from dflash_jax.models.layers import RMSNorm
-    from dflash_jax.ops.config import XLA, OpsConfig
-    from dflash_jax.ops.norms import add_rms_norm
-    from kernels_pallas.rms_norm import add_rms_norm as kernel
-
-    hidden = 256
-    norm = RMSNorm(hidden, 1e-6, dtype=dtype)
-    keys = jax.random.split(jax.random.PRNGKey(7), 3)
-    norm.weight[...] = (1 + 0.5 * jax.random.normal(keys[0], (hidden,))).astype(dtype)
-    scales = jnp.array([1e-3, 1.0, 30.0, 1.0, 0.1, 5.0]).reshape(2, 1, 3, 1)
-    h = (scales * jax.random.normal(keys[1], (2, 1, 3, hidden))).astype(dtype)
-    delta = jax.random.normal(keys[2], h.shape).astype(dtype) if with_delta else None
-    want_s, want_y = jax.jit(lambda h, d: add_rms_norm(h, d, norm.weight[...], 1e-6, ops=XLA))(h, delta)
-    got_s, got_y = jax.jit(lambda h, d: kernel(h, d, norm.weight[...], eps=1e-6))(h, delta)
-    np.testing.assert_array_equal(np.asarray(got_s, np.float32), np.asarray(want_s, np.float32))
-    assert got_y.dtype == want_y.dtype and got_y.shape == want_y.shape
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == jnp.float32 else dict(rtol=8e-3, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(got_y, np.float32), np.asarray(want_y, np.float32), **tol)
-    # and with the kernels on the op takes the kernel on this CPU (interpret mode)
-    pallas = OpsConfig(attention="pallas")
-    assert "dflash_add_rms_norm" in str(jax.make_jaxpr(lambda h, d: norm.add_norm(h, d, pallas))(h, delta))
-
-
-def test_add_rms_norm_kernel_lowers_for_gpus():
-    """Triton IR for cuda, built on this CPU: Qwen3-8B's width, a verify block's rows."""
-    from kernels_pallas.rms_norm import add_rms_norm as kernel
-
-    sd = jax.ShapeDtypeStruct
-    for delta in (sd((1, 16, 4096), jnp.bfloat16), None):
-        fn = jax.jit(lambda h, d, w: kernel(h, d, w, eps=1e-6, interpret=False))
-        text = lower_for(fn, (sd((1, 16, 4096), jnp.bfloat16), delta, sd((4096,), jnp.bfloat16)), "cuda").as_text()
-        assert "dflash_add_rms_norm" in text and "triton" in text
-
-
 def test_identical_kernel_calls_share_one_lowering():
     """A model's layers call each kernel with the same shapes and settings: each kernel is traced and
     lowered (Triton IR for cuda, on this CPU) once, in a function every layer calls (XLA inlines the
     calls: the same kernels run), not once per layer. A call of other static settings (another eps)
     gets its own lowering."""
-    from kernels_pallas.rms_norm import add_rms_norm as norm_kernel
-
-    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     qkv, k_cache, v_cache, *rest = _qwen3_8b_attention_args(1, 16)
-    h = sd((1, 16, 4096), bf)
 
-    def layers(h, delta, weight, qkv, k_cache, v_cache, *rest, last_eps=1e-6):
+    def layers(qkv, k_cache, v_cache, *rest, last_eps=1e-6):
         # inputs computed in the program, as a model's layers get them (a call on the program's own
         # arguments is lowered apart by JAX)
-        h, delta = h + delta, delta * 2
+        outputs = []
         for layer in range(4):
             eps = last_eps if layer == 3 else 1e-6
-            h, y = norm_kernel(h, delta, weight, eps=eps, interpret=False)
-            attn, k_cache, v_cache = cached_block_attention(qkv, k_cache, v_cache, *rest, eps=eps, qk_norm=True,
-                                                            interpret=False)
-            delta = y + attn.reshape(h.shape)
-        return h, delta, k_cache, v_cache
+            attn, k_cache, v_cache = cached_block_attention(qkv * (layer + 2), k_cache, v_cache, *rest, eps=eps,
+                                                            qk_norm=True, interpret=False)
+            outputs.append(attn)
+        return outputs, k_cache, v_cache
 
     def triton_calls(**kw):
-        text = lower_for(jax.jit(functools.partial(layers, **kw)), (h, h, sd((4096,), bf), qkv, k_cache, v_cache, *rest),
-                         "cuda").as_text()
-        return text.count("custom_call @__gpu$xla.gpu.triton"), len(re.findall(r"\bcall @_(?:add_rms_norm|cached_block_attention)", text))
+        text = lower_for(jax.jit(functools.partial(layers, **kw)), (qkv, k_cache, v_cache, *rest), "cuda").as_text()
+        return text.count("custom_call @__gpu$xla.gpu.triton"), len(re.findall(r"\bcall @_cached_block_attention", text))
 
-    assert triton_calls() == (2, 8)  # one lowering of each kernel, called by the 4 layers
-    assert triton_calls(last_eps=1e-5) == (4, 8)
+    assert triton_calls() == (1, 4)  # one lowering of the kernel, called by the 4 layers
+    assert triton_calls(last_eps=1e-5) == (2, 4)
 
 
 @pytest.mark.parametrize("hopper", [False, True])
 def test_gpu_kernels_signal_dependents_on_hopper(monkeypatch, hopper):
-    """On Hopper and later GPUs the add_rms_norm and cached-attention kernels issue
-    ``griddepcontrol.launch_dependents`` (once per program, after their last read; Triton IR for
-    cuda built on this CPU, the device check patched); elsewhere, and in interpret mode, they do
-    not, and their results are unchanged (the other tests here run them in interpret mode)."""
+    """On Hopper and later GPUs the cached-attention kernel issues
+    ``griddepcontrol.launch_dependents`` (once per program, after its last read; Triton IR for
+    cuda built on this CPU, the device check patched); elsewhere, and in interpret mode, it does
+    not, and its results are unchanged (the other tests here run it in interpret mode)."""
     from kernels_pallas import _pdl
-    from kernels_pallas.rms_norm import add_rms_norm as norm_kernel
 
     monkeypatch.setattr(_pdl, "hopper_or_later", lambda: hopper)
-    sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    norm = (jax.jit(lambda h, d, w: norm_kernel(h, d, w, eps=1e-6, interpret=False)),
-            (sd((1, 1, 4096), bf), sd((1, 1, 4096), bf), sd((4096,), bf)))
-    attention = (jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False)),
-                 _qwen3_8b_attention_args(1, 1))
-    for fn, args in (norm, attention):
-        text = lower_for(fn, args, "cuda").as_text()
-        assert text.count("griddepcontrol.launch_dependents") == (1 if hopper else 0)
+    attention = jax.jit(lambda *a: cached_block_attention(*a, eps=1e-6, qk_norm=True, interpret=False))
+    text = lower_for(attention, _qwen3_8b_attention_args(1, 1), "cuda").as_text()
+    assert text.count("griddepcontrol.launch_dependents") == (1 if hopper else 0)
     h = jax.random.normal(jax.random.key(0), (1, 4096), bf)
     assert not _pdl.signals(interpret=True) and _pdl.signals(interpret=False) == hopper
     assert _pdl.signal_after(h, signal=False) is h  # no signal: the value itself

@@ -21,8 +21,6 @@ from kernels_pallas.block_attention import mosaic_gpu as attention_mgpu
 from kernels_pallas.block_attention import mosaic_gpu_bwd as attention_mgpu_bwd
 from kernels_pallas.block_attention.gpu import forward as triton_forward
 from kernels_pallas.block_attention.mosaic_gpu import MosaicConfig, plan
-from kernels_pallas.rms_norm import mosaic_gpu as norm_mgpu
-from kernels_pallas.rms_norm.reference import add_rms_norm_reference
 from lowering import lower_for
 
 interpreted = pytest.mark.skipif(not mosaic_interpret_available(),
@@ -164,14 +162,6 @@ def test_block_attention_backward_lowers_for_cuda(blocks, block, ctx):
     assert text.count("custom_call @mosaic_gpu") == 2 and "dot_general" not in text
 
 
-@pytest.mark.parametrize("with_delta", [True, False])
-def test_add_rms_norm_lowers_for_cuda(with_delta):
-    fn = jax.jit(lambda h, d, w: norm_mgpu.add_rms_norm(h, d, w, eps=1e-6, interpret=False))
-    delta = sd((16, 4096), jnp.bfloat16) if with_delta else None
-    assert "mosaic_gpu" in lower_for(fn, (sd((16, 4096), jnp.bfloat16), delta, sd((4096,), jnp.bfloat16)),
-                                     "cuda").as_text()
-
-
 def test_plan_fills_the_sms_once():
     """Batch 1 at Qwen3-8B's 8 KV heads: 16 splits (128 programs of one per SM, 4 stages); batch 32:
     no split and 2 stages, so that two programs share an SM; a short cache caps the splits."""
@@ -213,24 +203,6 @@ def test_gpu_lowering_is_validated():
 
 
 # -- interpret mode (jax >= 0.11) --------------------------------------------------------------------
-
-
-@interpreted
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_add_rms_norm_interpreted_equals_reference(dtype):
-    """Three rows with a delta, two without: the sum bit for bit, the norm within a rounding of the
-    dtype (the kernel sums the squares in its own order)."""
-    ks = jax.random.split(jax.random.key(0), 3)
-    weight = (1 + 0.2 * normal(ks[2], (384,), jnp.float32)).astype(dtype)
-    for h, delta in ((normal(ks[0], (3, 384), dtype), normal(ks[1], (3, 384), dtype)),
-                     (normal(ks[0], (2, 384), dtype), None)):
-        s, y = norm_mgpu.add_rms_norm(h, delta, weight, eps=1e-6, interpret=True)
-        s_want, y_want = add_rms_norm_reference(h, delta, weight, 1e-6)
-        np.testing.assert_array_equal(np.asarray(s), np.asarray(s_want))
-        ulp = 2**-7 if dtype == jnp.bfloat16 else 2**-21
-        largest = float(jnp.max(jnp.abs(y_want.astype(jnp.float32))))
-        assert float(jnp.max(jnp.abs(y.astype(jnp.float32) - y_want.astype(jnp.float32)))) <= largest * ulp
 
 
 @interpreted

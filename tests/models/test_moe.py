@@ -225,6 +225,74 @@ def test_unknown_expert_implementation_is_named():
             make()
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss_mxfp4"])
+def test_grouped_matmuls_go_through_tokamax_where_it_runs(monkeypatch, kind):
+    """With the kernels on, 16-bit activations and a Hopper GPU (patched here), "ragged_dot"'s two grouped
+    matmuls are tokamax's ragged dot (a stand-in recording its calls, computing ``jax.lax.ragged_dot``),
+    asked for its Mosaic GPU kernel with its XLA version as the fallback; the result is the reference's.
+    Float32 activations, the kernels off, or no tokamax: ``jax.lax.ragged_dot`` alone."""
+    import kernels_pallas._mosaic
+    from dflash_jax.ops import experts as experts_ops
+
+    calls = []
+
+    def tokamax_ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type, implementation, bypass_device_check):
+        calls.append((implementation, bypass_device_check))
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+    monkeypatch.setattr(experts_ops, "_tokamax_ragged_dot", lambda: tokamax_ragged_dot)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(kernels_pallas._mosaic, "hopper_or_later", lambda: True)
+    assert experts_ops.library_ragged_dot(jnp.bfloat16, kernels=True)
+    assert not experts_ops.library_ragged_dot(jnp.float32, kernels=True)
+    assert not experts_ops.library_ragged_dot(jnp.bfloat16, kernels=False)
+    monkeypatch.setattr(kernels_pallas._mosaic, "hopper_or_later", lambda: False)
+    assert not experts_ops.library_ragged_dot(jnp.bfloat16, kernels=True)
+    monkeypatch.setattr(kernels_pallas._mosaic, "hopper_or_later", lambda: True)
+
+    gpt_oss = kind.startswith("gpt_oss")
+    tokens, e, hidden, inter = 12, 7, 64, 64
+    w = _random_experts(jax.random.key(3), e, hidden, inter, gpt_oss=gpt_oss, mxfp4=kind.endswith("mxfp4"))
+    w = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, w)  # a bf16 model's
+    x = jax.random.normal(jax.random.key(1), (tokens, hidden)).astype(jnp.bfloat16)
+    weights, experts = route(jax.random.normal(jax.random.key(2), (tokens, e)), 3, softmax_first=not gpt_oss,
+                             normalize=True)
+    act = "gpt_oss" if gpt_oss else "silu"
+    run = lambda x, kernels: routed_experts(x, experts, weights.astype(x.dtype), w, activation=act,  # noqa: E731
+                                            implementation="ragged_dot", kernels=kernels)
+    got = jax.jit(lambda x: run(x, True))(x)
+    assert calls == [(("mosaic", "xla"), True)] * 2  # gate-up and down
+    want = jax.jit(lambda x: run(x, False))(x)
+    assert len(calls) == 2  # the kernels off: no tokamax
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    jax.jit(lambda x: run(x, True))(x.astype(jnp.float32))
+    assert len(calls) == 2  # float32: no tokamax
+
+
+def test_a_broken_tokamax_is_reported_and_left_out(monkeypatch, tmp_path, caplog):
+    """A tokamax that fails in its own imports (one built for another JAX) leaves the grouped matmuls on
+    ``jax.lax.ragged_dot`` and says so once in the log; an absent one says nothing."""
+    import sys
+
+    from dflash_jax.ops import experts as experts_ops
+
+    (tmp_path / "tokamax").mkdir()
+    (tmp_path / "tokamax" / "__init__.py").write_text("raise AttributeError('pl.dot was removed')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tokamax", raising=False)
+    experts_ops._tokamax_ragged_dot.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="dflash_jax.ops.experts"):
+            assert experts_ops._tokamax_ragged_dot() is None
+        assert "tokamax is installed but does not import (AttributeError: pl.dot was removed)" in caplog.text
+        experts_ops._tokamax_ragged_dot.cache_clear()
+        caplog.clear()
+        monkeypatch.setitem(sys.modules, "tokamax", None)  # not installed
+        assert experts_ops._tokamax_ragged_dot() is None and not caplog.text
+    finally:
+        experts_ops._tokamax_ragged_dot.cache_clear()
+
+
 def test_mxfp4_dequantization_equals_transformers_bit_for_bit():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
