@@ -10,7 +10,8 @@ Expert implementations: ``--experts-impl`` (``EngineConfig.experts_impl``; defau
 a step of few (token, expert) pairs -- decode, small verify blocks -- as per-pair matrix-vector
 products reading only the routed experts, and more pairs as ``jax.lax.ragged_dot``); ``--gpu-lowering
 mosaic`` runs such steps through the Mosaic GPU expert-products kernel (``kernels_pallas/experts``),
-rows naming it "mosaic".
+rows naming it "mosaic"; with tokamax installed, "ragged_dot" steps run its Mosaic GPU ragged dot,
+rows naming it "ragged_dot (tokamax)".
 
 1. Per batch (1, 4, 16): the engine's target-only step and DFlash step (draft + verify + commit),
    back to back in its jitted loop, each against its own roofline at ``timing.HBM_BYTES_PER_S``:
@@ -53,8 +54,8 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.ops.cache import KVCache
 from dflash_jax.ops.config import OpsConfig, resolve_attention_impl
-from dflash_jax.ops.experts import (IMPLEMENTATIONS, resolve_implementation, route, routed_experts, touched_experts,
-                                    uses_mosaic_kernel)
+from dflash_jax.ops.experts import (IMPLEMENTATIONS, library_ragged_dot, resolve_implementation, route, routed_experts,
+                                    touched_experts, uses_mosaic_kernel)
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.sharding import MeshConfig, make_mesh
 from dflash_jax.tiny import tiny_drafter_config, tiny_target_config
@@ -210,12 +211,14 @@ def bench_expert_op(target: Target, tokens_list, repeats: int) -> dict:
 
 def experts_path(args, experts_shape: tuple[int, int], w) -> str:
     """What a step routing ``experts_shape`` (tokens, top_k) pairs runs: "mosaic" (the Mosaic GPU
-    kernel), or the XLA implementation ``--experts-impl`` resolves to."""
-    attention = resolve_attention_impl("auto")
-    if uses_mosaic_kernel(args.experts_impl, experts_shape, w, jnp.bfloat16, kernels=attention == "pallas",
-                          mosaic=attention == "pallas" and args.gpu_lowering == "mosaic"):
+    kernel), or the implementation ``--experts-impl`` resolves to ("ragged_dot (tokamax)" where its
+    grouped matmuls are tokamax's, ``library_ragged_dot``)."""
+    kernels = resolve_attention_impl("auto") == "pallas"
+    if uses_mosaic_kernel(args.experts_impl, experts_shape, w, jnp.bfloat16, kernels=kernels,
+                          mosaic=kernels and args.gpu_lowering == "mosaic"):
         return "mosaic"
-    return resolve_implementation(args.experts_impl, experts_shape[0] * experts_shape[1], w)
+    impl = resolve_implementation(args.experts_impl, experts_shape[0] * experts_shape[1], w)
+    return f"{impl} (tokamax)" if impl == "ragged_dot" and library_ragged_dot(jnp.bfloat16, kernels=kernels) else impl
 
 
 def bench_family(args, family: str) -> dict:

@@ -778,9 +778,9 @@ def test_hlo_collectives_reads_synchronous_and_asynchronous_forms():
 @pytest.mark.slow
 def test_sharded_decode_steps_gather_no_weights_and_no_logits(pair):
     """On a tensor-parallel mesh the compiled decode steps (target-only and DFlash) reduce across
-    devices (all-reduces) but gather nothing as large as one row of logits: no weight (the
-    drafter's context-K/V weight used to be gathered whole on every step) and no vocab-sharded
-    logits (the argmax gathered every row's logits, 600 KB per row for Qwen3-8B)."""
+    devices (all-reduces) but gather nothing as large as one row of logits: no weight (e.g. the
+    drafter's context-K/V weight gathered whole on every step) and no vocab-sharded logits (an argmax
+    over gathered rows of logits, 600 KB per row for Qwen3-8B)."""
     target, drafter = load_target(pair[0]), load_drafter(pair[1])
     vocab = target.config.vocab_size
     for draft in (None, drafter):
