@@ -148,6 +148,11 @@ def kernel_mesh(mesh: Mesh | None, rules: dict[str, tuple[str, ...]] | None = No
         _KERNEL_MESH.reset(token)
 
 
+def under_kernel_mesh() -> bool:
+    """Whether tracing runs inside ``kernel_mesh`` of more than one device."""
+    return _KERNEL_MESH.get() is not None
+
+
 def with_kernel_mesh(fn: Callable, mesh: Mesh | None, rules: dict[str, tuple[str, ...]] | None = None) -> Callable:
     """``fn`` run (so traced, under ``jax.jit``) inside ``kernel_mesh(mesh, rules)``: its kernels per device."""
 

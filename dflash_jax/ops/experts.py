@@ -27,7 +27,7 @@ by expert and two calls of the Mosaic GPU expert-products kernel (``kernels_pall
 only the touched experts' weight tiles (MXFP4 decoded inside) with TMA. MXFP4 steps of fewer pairs than
 experts keep "gemv" (decoding one token's 4-bit codes in shared memory costs the kernel more than the bytes
 it saves). Under ``OpsConfig.gpu_lowering == "mosaic"``, "gemv" steps run the kernel too. Where
-"ragged_dot" runs with the kernels on, on a Hopper or later GPU with 16-bit activations, its grouped
+"ragged_dot" runs with the kernels on, on one Hopper or later GPU with 16-bit activations, its grouped
 matmuls are tokamax's Mosaic GPU ragged dot when tokamax (PyPI ``tokamax`` >= 0.0.17, the ``tokamax``
 extra) is installed (``library_ragged_dot``): XLA:GPU's ``ragged_dot`` at a batch-16 verify block's
 2,048 pairs cost a Qwen3-30B-A3B DFlash step 5x tokamax's (docs/performance.md).
@@ -292,10 +292,12 @@ def _tokamax_ragged_dot() -> Callable | None:
 def library_ragged_dot(dtype, *, kernels: bool) -> bool:
     """Whether the "ragged_dot" implementation's grouped matmuls run tokamax's Mosaic GPU ragged dot:
     the kernels on (``OpsConfig.kernels``), 16-bit activations, a Hopper or later GPU, tokamax
-    importable. Elsewhere, and with the kernels off (the references), ``jax.lax.ragged_dot``."""
+    importable, one device. Elsewhere, and with the kernels off (the references), ``jax.lax.ragged_dot``;
+    under a kernel mesh too, which XLA's SPMD partitioner splits without gathering a sharded expert
+    weight (tokamax's kernel on a mesh has not been run here)."""
     from kernels_pallas._mosaic import hopper_or_later
 
-    if not kernels or jax.default_backend() != "gpu":
+    if not kernels or jax.default_backend() != "gpu" or sharding.under_kernel_mesh():
         return False
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return False

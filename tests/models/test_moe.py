@@ -230,8 +230,9 @@ def test_grouped_matmuls_go_through_tokamax_where_it_runs(monkeypatch, kind):
     """With the kernels on, 16-bit activations and a Hopper GPU (patched here), "ragged_dot"'s two grouped
     matmuls are tokamax's ragged dot (a stand-in recording its calls, computing ``jax.lax.ragged_dot``),
     asked for its Mosaic GPU kernel with its XLA version as the fallback; the result is the reference's.
-    Float32 activations, the kernels off, or no tokamax: ``jax.lax.ragged_dot`` alone."""
+    Float32 activations, the kernels off, an older GPU, a kernel mesh, or no tokamax: ``jax.lax.ragged_dot``."""
     import kernels_pallas._mosaic
+    from dflash_jax import sharding
     from dflash_jax.ops import experts as experts_ops
 
     calls = []
@@ -249,6 +250,8 @@ def test_grouped_matmuls_go_through_tokamax_where_it_runs(monkeypatch, kind):
     monkeypatch.setattr(kernels_pallas._mosaic, "hopper_or_later", lambda: False)
     assert not experts_ops.library_ragged_dot(jnp.bfloat16, kernels=True)
     monkeypatch.setattr(kernels_pallas._mosaic, "hopper_or_later", lambda: True)
+    with sharding.kernel_mesh(sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=2), jax.devices()[:2])):
+        assert not experts_ops.library_ragged_dot(jnp.bfloat16, kernels=True)  # a mesh: XLA's
 
     gpt_oss = kind.startswith("gpt_oss")
     tokens, e, hidden, inter = 12, 7, 64, 64
