@@ -305,11 +305,10 @@ def library_ragged_dot(dtype, *, kernels: bool) -> bool:
 
 
 def grouped_products(rows: jax.Array, weight: jax.Array, counts: jax.Array, *, library: bool = False) -> jax.Array:
-    """``rows [M, K]``, consecutive runs of ``counts [G]`` rows (their sum at most ``M``; the rows
-    after the runs are unspecified, the caller masks them), each times its group's ``weight [G, K, N]``
-    -> float32 ``[M, N]``.
-    ``library``: tokamax's Mosaic GPU kernel (``library_ragged_dot``), falling back to its XLA
-    version for shapes the kernel does not take; else ``jax.lax.ragged_dot``."""
+    """``rows [M, K]``, consecutive runs of ``counts [G]`` rows, each times its group's ``weight [G, K,
+    N]`` -> float32 ``[M, N]`` (the runs' sum at most ``M``; the rows after them are unspecified, the
+    caller masks them). ``library``: tokamax's Mosaic GPU kernel (``library_ragged_dot``), falling back
+    to its XLA version for shapes the kernel does not take; else ``jax.lax.ragged_dot``."""
     if library:
         # The GPU was checked by ``library_ragged_dot``; tokamax's own device check would run only
         # because two implementations are named.
