@@ -194,6 +194,13 @@ def _pair_product(rows: jax.Array, weight, ids: jax.Array) -> jax.Array:
     return jnp.sum(rows.astype(jnp.float32)[:, :, None] * gathered.astype(jnp.float32), axis=1)
 
 
+def _weighted(y: jax.Array, combine: jax.Array) -> jax.Array:
+    """Each pair's product ``y [P, N]`` times its routing weight ``combine [P]``; a pair of weight 0 (routed
+    to another device's experts, or a slot no pair fills) gives exact zeros even where its product was
+    never computed and holds no finite number."""
+    return jnp.where((combine != 0)[:, None], y * combine[:, None], 0)
+
+
 def _gemv(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, activation: str,
           expert_offset: int | jax.Array = 0) -> jax.Array:
     """``_grouped`` as one matrix-vector product per (token, expert) pair: no grouping, no gathered
@@ -216,7 +223,7 @@ def _gemv(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights
     y = _pair_product(h, w.down, ids).astype(x.dtype)
     if w.down_bias is not None:
         y = y + jnp.take(w.down_bias, ids, axis=0)
-    y = jnp.where((combine != 0)[:, None], y * combine[:, None], 0)
+    y = _weighted(y, combine)
     if tokens > 1:
         y = y[jnp.zeros_like(pair).at[pair].set(jnp.arange(pair.size))]  # back to pair order t * top_k + j
     return jnp.sum(y.reshape(tokens, top_k, -1), axis=1).astype(x.dtype)
@@ -423,12 +430,12 @@ def mosaic_routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, 
         # A decode token fills slot 0 of each group: the products are read there straight from the
         # partials (one fusion each for the activation and the combination, no transpose), and the
         # down rows are the activation broadcast over the slots, whose other products are never read.
-        h = biased(jnp.sum(partials(rows, w.gate_up)[..., 0], axis=0).astype(x.dtype), w.gate_up_bias)  # [G, 2I]
-        h = _activate(h, activation, w.interleaved)
-        y = biased(jnp.sum(partials(jnp.broadcast_to(h[:, None], (top_k, slots, h.shape[-1])), w.down)[..., 0],
-                           axis=0).astype(x.dtype), w.down_bias)  # [G, hidden]
-        combine = jnp.where(counts > 0, weights.reshape(-1), 0)
-        y = jnp.where((combine != 0)[:, None], y * combine[:, None], 0)
+        def first_slot(rows, weight):  # [G, N] in x's dtype
+            return jnp.sum(partials(rows, weight)[..., 0], axis=0).astype(x.dtype)
+
+        h = _activate(biased(first_slot(rows, w.gate_up), w.gate_up_bias), activation, w.interleaved)  # [G, I]
+        y = biased(first_slot(jnp.broadcast_to(h[:, None], (top_k, slots, h.shape[-1])), w.down), w.down_bias)
+        y = _weighted(y, jnp.where(counts > 0, weights.reshape(-1), 0))  # [G, hidden]
         return jnp.sum(y, axis=0, keepdims=True).astype(x.dtype)
 
     def products(rows, weight):  # [G, S, N] in x's dtype
@@ -439,8 +446,7 @@ def mosaic_routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     y = biased(products(h, w.down), w.down_bias)
     outside = group == ids.shape[0]
     y = y.at[jnp.where(outside, 0, group), slot].get(mode="promise_in_bounds")  # [P, hidden]: each pair's row
-    combine = jnp.where(outside, 0, weights.reshape(-1))
-    y = jnp.where((combine != 0)[:, None], y * combine[:, None], 0)
+    y = _weighted(y, jnp.where(outside, 0, weights.reshape(-1)))
     return jnp.sum(y.reshape(tokens, top_k, -1), axis=1).astype(x.dtype)
 
 
