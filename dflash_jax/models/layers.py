@@ -217,7 +217,7 @@ class MLP(nnx.Module):
             gu = affine(x, self.gate_up_proj, self.gate_up_bias)
             gate, up = gu[..., 0], gu[..., 1]
             if row_scale is not None:
-                # On the halves, in the SwiGLU's kernel: on the product itself, XLA fuses the scale
+                # On the halves, in the SwiGLU's fusion: on the product itself, XLA fuses the scale
                 # into gate-up's GEMM, which then waits for the scale's reduction and streams 10% slower.
                 gate, up = ((v.astype(jnp.float32) * row_scale).astype(v.dtype) for v in (gate, up))
             h = jax.nn.silu(gate) * up
@@ -299,14 +299,14 @@ class DecoderLayer(nnx.Module):
         attend bidirectionally to their context caches without writing.
 
         Returns ``(h, delta)`` whose sum is the layer's output (the add is left to the next norm, so
-        that with the kernels on each add and its norm are one kernel) and the caches.
+        that each add and its norm are one fusion) and the caches.
 
         With the norms folded, a decode token on one GPU runs no norm before a matmul: the QKV and
         gate-up matmuls take the residual stream itself and their products are scaled per row after
-        the dot (in the attention kernel, and in the SwiGLU's kernel), so the row scale's reduction
-        runs beside the matmul instead of before it. Blocks of several rows keep the norm kernels
-        (their weights ones): beside a matmul of 16 rows the reductions slowed it by more than the
-        norm kernel costs.
+        the dot (in the attention kernel, and in the SwiGLU's fusion), so the row scale's reduction
+        runs beside the matmul instead of before it. Blocks of several rows keep their norms before
+        the matmuls (the weights ones): beside a matmul of 16 rows the reductions slowed it by more
+        than the norm costs.
         """
         if self.norms_folded and one_gpu_row(h, self.self_attn.qkv_proj):
             s = h if delta is None else h + delta

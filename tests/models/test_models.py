@@ -429,7 +429,7 @@ def test_folded_norms_decode_step_equals_unfolded(monkeypatch):
     """The norms folded into the matmuls (``runtime.serving_params``), a random Qwen3 target whose norm weights are
     not ones: a decode token on "one GPU" (the rule switched on here; its row scales applied after the
     QKV and gate-up dots, by the cached-attention kernel in interpret mode and the SwiGLU) and a block
-    of 4 (the norm kernels, unit weights) give the unfolded layout's hidden state and caches to float32
+    of 4 (its norms before the matmuls, unit weights) give the unfolded layout's hidden state and caches to float32
     rounding. The module folded from keeps its norm weights; dropping the row scale moves the result
     far off."""
     from flax import nnx
