@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.ops.cache import KVCache, read_rows, write_rows
+from dflash_jax.ops.cache import read_rows, write_rows
 from dflash_jax.ops.paged_cache import (NULL_PAGE, PagedKV, copy_positions, gather_pages, gather_positions, page_pools,
                                         scatter_positions)
 from dflash_jax.runtime.pages import PageAllocator
