@@ -26,7 +26,9 @@ expert) run ``mosaic_routed_experts`` instead, whichever the lowering of the oth
 by expert and two calls of the Mosaic GPU expert-products kernel (``kernels_pallas.experts``), which streams
 only the touched experts' weight tiles (MXFP4 decoded inside) with TMA. MXFP4 steps of fewer pairs than
 experts keep "gemv" (decoding one token's 4-bit codes in shared memory costs the kernel more than the bytes
-it saves). Under ``OpsConfig.gpu_lowering == "mosaic"``, "gemv" steps run the kernel too. Where
+it saves), and 16-bit steps of at least as many pairs as experts run tokamax's grouped matmul where it is
+installed (below; on Qwen3-MoE faster from a batch-16 decode step and in every verify block,
+``uses_mosaic_kernel``). Under ``OpsConfig.gpu_lowering == "mosaic"``, "gemv" steps run the kernel too. Where
 "ragged_dot" runs with the kernels on, on one Hopper or later GPU with 16-bit activations, its grouped
 matmuls are tokamax's Mosaic GPU ragged dot when tokamax (PyPI ``tokamax`` >= 0.0.17, the ``tokamax``
 extra) is installed (``library_ragged_dot``): XLA:GPU's ``ragged_dot`` at a batch-16 verify block's
@@ -460,14 +462,19 @@ def uses_mosaic_kernel(implementation: str, experts_shape: tuple[int, int], w: E
     """Whether ``routed_experts`` runs the Mosaic GPU kernel: the kernels on (``kernels``,
     ``OpsConfig.kernels``) on a Hopper or later GPU, at most four (token, expert) pairs an expert (a decode
     or verify step), ``mosaic_kernel_fits``, and ``implementation`` "auto" -- but for MXFP4 experts with
-    fewer pairs than experts, where "gemv" is faster -- or, under the Mosaic lowering (``mosaic``,
-    ``OpsConfig.mosaic``), "gemv".
+    fewer pairs than experts, where "gemv" is faster, and for 16-bit experts with at least as many pairs as
+    experts where tokamax's grouped matmul runs (``library_ragged_dot``) -- or, under the Mosaic lowering
+    (``mosaic``, ``OpsConfig.mosaic``), "gemv".
 
     Measured on an H100, engine steps of 8 layers (docs/performance.md): Qwen3-30B-A3B's bf16 experts
     decode at 0.78 ms a step on the kernel against 1.37 by ``ragged_dot`` at batch 1, 3.48 against 4.81 at
     batch 16; gpt-oss-20b's MXFP4 experts at 64 pairs of 32 experts (a batch-1 verify block of 16, a batch-16
     decode step) 6.49 against 9.30 ms a DFlash step and 5.97 against 8.74 a decode step, while at 4 and 16
-    pairs "gemv" won (the whole Mosaic lowering: 1.67 / 3.56 against 1.39 / 3.00 ms)."""
+    pairs "gemv" won (the whole Mosaic lowering: 1.67 / 3.56 against 1.39 / 3.00 ms). Against tokamax's
+    grouped matmul, Qwen3-30B-A3B: the kernel won the decode steps of 8, 32 and 64 pairs (batch 1 / 4 / 8:
+    0.83 / 1.54 / 2.24 ms against 1.46 / 3.32 / 5.51), tokamax every step of 128 pairs or more (a batch-16
+    decode step 2.94 against 3.51 ms; the verify blocks of batch 1 / 2 / 4, 128 / 256 / 512 pairs, 2.87 /
+    3.77 / 4.65 against 3.32 / 4.91 / 8.59 ms a DFlash step)."""
     from kernels_pallas._mosaic import hopper_or_later
 
     tokens, top_k = experts_shape
@@ -475,7 +482,10 @@ def uses_mosaic_kernel(implementation: str, experts_shape: tuple[int, int], w: E
     if not kernels or jax.default_backend() != "gpu" or pairs > 4 * w.num_experts:
         return False
     if implementation == "auto":
-        if isinstance(w.gate_up, tuple) and pairs < w.num_experts:
+        mxfp4 = isinstance(w.gate_up, tuple)
+        if mxfp4 and pairs < w.num_experts:
+            return False
+        if not mxfp4 and pairs >= w.num_experts and library_ragged_dot(dtype, kernels=kernels):
             return False
     elif implementation != "gemv" or not mosaic:
         return False

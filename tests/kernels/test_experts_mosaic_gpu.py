@@ -106,12 +106,16 @@ def test_every_mxfp4_byte_decodes_to_its_two_values():
 
 def test_dispatch_on_a_gpu(monkeypatch):
     """On a Hopper GPU with the kernels on, whichever the lowering: "auto" steps of up to four pairs an
-    expert run the kernel, but MXFP4 steps of fewer pairs than experts ("gemv" is faster there); "gemv"
-    runs it under the Mosaic lowering only; grouped matmuls, larger steps, kernels off and older GPUs never."""
+    expert run the kernel, but MXFP4 steps of fewer pairs than experts ("gemv" is faster there) and, with
+    tokamax installed, 16-bit steps of at least as many pairs as experts (its grouped matmul is faster
+    there; on a mesh, where it does not run, the kernel stays); "gemv" runs it under the Mosaic lowering
+    only; grouped matmuls, larger steps, kernels off and older GPUs never."""
+    from dflash_jax import sharding
     from kernels_pallas import _mosaic
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(_mosaic, "hopper_or_later", lambda: True)
+    monkeypatch.setattr(experts_ops, "_tokamax_ragged_dot", lambda: None)  # not installed
     w = jax.eval_shape(lambda: expert_weights(jax.random.key(0), 128, 2048, 768, quantized=False, biases=False))
     for mosaic in (False, True):
         assert uses_mosaic_kernel("auto", (1, 8), w, bf16, kernels=True, mosaic=mosaic)
@@ -128,6 +132,14 @@ def test_dispatch_on_a_gpu(monkeypatch):
     assert not uses_mosaic_kernel("auto", (1, 4), q, bf16, kernels=True, mosaic=True)
     assert uses_mosaic_kernel("gemv", (1, 4), q, bf16, kernels=True, mosaic=True)
     assert not uses_mosaic_kernel("auto", (33, 4), q, bf16, kernels=True)  # more than 4 pairs an expert
+    monkeypatch.setattr(experts_ops, "_tokamax_ragged_dot", lambda: jax.lax.ragged_dot)  # installed
+    for mosaic in (False, True):
+        assert uses_mosaic_kernel("auto", (8, 8), w, bf16, kernels=True, mosaic=mosaic)  # 64 pairs of 128 experts
+        assert not uses_mosaic_kernel("auto", (16, 8), w, bf16, kernels=True, mosaic=mosaic)  # 128: tokamax
+        assert not uses_mosaic_kernel("auto", (64, 8), w, bf16, kernels=True, mosaic=mosaic)
+    assert uses_mosaic_kernel("auto", (32, 4), q, bf16, kernels=True)  # MXFP4: the kernel, as without tokamax
+    with sharding.kernel_mesh(sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=2), jax.devices()[:2])):
+        assert uses_mosaic_kernel("auto", (16, 8), w, bf16, kernels=True)
     monkeypatch.setattr(_mosaic, "hopper_or_later", lambda: False)  # an A100: no wgmma
     assert not uses_mosaic_kernel("auto", (1, 8), w, bf16, kernels=True)
 
