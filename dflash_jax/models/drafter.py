@@ -54,7 +54,7 @@ class Drafter(nnx.Module):
 
     def fuse(self, taps: jax.Array) -> jax.Array:
         """``taps [..., n_taps * hidden]`` -> context features ``hidden_norm(fc(taps))`` ``[..., hidden]``."""
-        return self.hidden_norm(taps.astype(self.fc.dtype) @ self.fc[...])
+        return self.hidden_norm(dense(taps.astype(self.fc.dtype), self.fc))
 
     def context_kv(self, taps: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Projects committed tokens' taps into every draft layer's context K/V at once.

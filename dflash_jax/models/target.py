@@ -14,6 +14,7 @@ from flax import nnx
 from dflash_jax import sharding
 from dflash_jax.ops.config import XLA, OpsConfig
 from dflash_jax.ops.cache import KVCache, write_rows
+from dflash_jax.ops.linear import dense, dot_input_last
 from dflash_jax.models.layers import DecoderLayer, RMSNorm, _init
 from dflash_jax.models.moe import MoeMLP
 from dflash_jax.ops.rope import rope_attention_factor, rope_inv_freq
@@ -87,9 +88,9 @@ class Target(nnx.Module):
 
     def head(self, hidden: jax.Array) -> jax.Array:
         """The LM head on already-normed ``hidden [..., hidden]`` -> ``[..., vocab]``."""
-        if self.lm_head is None:
-            return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens[...])
-        return hidden @ self.lm_head[...]
+        if self.lm_head is None:  # the table ``[vocab, hidden]`` is the head's weight stored input-last
+            return dot_input_last(hidden, self.embed_tokens[...])
+        return dense(hidden, self.lm_head)
 
     # -- forward passes ------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Every projection of the decode path goes through ``dense``, except a decode token's QKV and output
 projections on one GPU, which go through ``single_row_partials``: the two places that decide how a
-single row is multiplied (docs/design.md, "Ops").
+single row is multiplied (docs/design.md, "Ops"). The LM head over a tied embedding table goes through
+``dot_input_last``, as does ``dense`` for a weight stored input-last (``INPUT_LAST``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from dflash_jax.sharding import local_shape
 # ~3x slower than its GEMM. A fact of XLA, not a setting.
 GPU_STRENGTH_REDUCTION_LIMIT = 10_000_000
 
+# ``nnx.Param`` metadata: the weight is stored input-last, ``[*out, *in]`` (torch's order), as the serving
+# layout stores it where ``weight_major_gemms`` (``runtime.serving_params.store_input_last``).
+INPUT_LAST = "input_last"
+
 
 def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
     """``x [..., *in]`` times the weight ``w [*in, *out]`` (``in``: its first ``in_dims``
@@ -35,12 +40,41 @@ def dense(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> jax.Array:
     XLA cannot fuse into is a pad kernel of its own. Rows are independent: the real row gets the
     same product, up to the summation order of the GEMM XLA picks."""
     value = w[...]
+    if w.get_metadata().get(INPUT_LAST):
+        return dot_input_last(x, value, in_dims)
     rows = x.shape[:x.ndim - in_dims]
     if math.prod(rows) == 1 and _strength_reduces_single_rows() and _shard_size(w) < GPU_STRENGTH_REDUCTION_LIMIT:
         row = x.reshape((1,) + x.shape[x.ndim - in_dims:])
         y = _dot(_two_rows(row), value, in_dims)[:1]
         return y.reshape(rows + value.shape[in_dims:])
     return _dot(x, value, in_dims)
+
+
+def dot_input_last(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
+    """``x [..., *in]`` times a weight stored input-last, ``w [*out, *in]`` (its last ``in_dims``
+    dimensions) -> ``[..., *out]``.
+
+    Where ``weight_major_gemms``, several rows multiply as ``w @ x^T``, transposed back: the weight is
+    the GEMM's left operand, whose row panels the GEMM streams once while it keeps the few rows of
+    ``x`` in cache. With ``x`` on the left, XLA:CPU's GEMM (XNNPACK) streams the whole weight once per
+    panel of a few rows of ``x``: a 16-row verify block read each weight of a target too large for the
+    last-level cache ~3 times (docs/performance.md, "The embedded pair"). One row, and every other
+    backend: ``x`` on the left, the dot of ``einsum("...k,nk->...n")``."""
+    n_out = w.ndim - in_dims
+    rows = x.shape[:x.ndim - in_dims]
+    contract = tuple(range(x.ndim - in_dims, x.ndim)), tuple(range(n_out, w.ndim))
+    if not weight_major_gemms():
+        return jax.lax.dot_general(x, w, (contract, ((), ())))
+    k = math.prod(w.shape[n_out:])
+    y = jax.lax.dot_general(w.reshape(-1, k), x.reshape(-1, k), (((1,), (1,)), ((), ())))
+    # The barrier keeps XLA's simplifier from folding the transpose back into the dot, as ``x @ w^T``.
+    return jax.lax.optimization_barrier(y).T.reshape(rows + w.shape[:n_out])
+
+
+def weight_major_gemms() -> bool:
+    """Whether this backend's GEMMs of a few rows run faster with the weight as the left operand
+    (``dot_input_last``): XLA:CPU's."""
+    return jax.default_backend() == "cpu"
 
 
 def _two_rows(row: jax.Array) -> jax.Array:
@@ -90,7 +124,7 @@ def one_gpu_row(x: jax.Array, w: nnx.Param, in_dims: int = 1) -> bool:
     a decode token on one GPU, where a matmul is weight streaming and every kernel before it is on
     the step's critical path."""
     return (math.prod(x.shape[:x.ndim - in_dims]) == 1 and _strength_reduces_single_rows()
-            and _shard_size(w) == w.size)
+            and _shard_size(w) == w.size and not w.get_metadata().get(INPUT_LAST))
 
 
 def _strength_reduces_single_rows() -> bool:

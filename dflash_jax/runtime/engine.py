@@ -31,7 +31,8 @@ from dflash_jax.runtime import decoding, paged
 from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.sampling import SamplingFlags, SamplingParams
 from dflash_jax.ops.config import EXPERT_IMPLEMENTATIONS, OpsConfig, parse_tiles, resolve_attention_impl
-from dflash_jax.runtime.serving_params import in_serving_layout, serving_drafter, serving_target
+from dflash_jax.ops.linear import weight_major_gemms
+from dflash_jax.runtime.serving_params import in_serving_layout, serving_drafter, serving_target, stores_input_last
 from dflash_jax.runtime.batcher import (ContinuousBatcher, Generation, GenerationResult, RowSnapshot, StopCheck,
                                         stop_checks_per_prompt)
 from dflash_jax.ops.cache import CACHE_ALIGNMENT, CACHE_AXES
@@ -388,8 +389,11 @@ class Engine:
         if mesh is not None and isinstance(target, HybridTarget):
             raise ValueError("a hybrid linear-attention target (models.hybrid) runs on one device: no mesh")
         rules = config.mesh.resolved_rules() if config.mesh is not None else None
-        target = serving_target(target)
-        drafter = serving_drafter(drafter) if drafter is not None else None
+        # Weights stored input-last where the GEMMs of a verify block or a prompt prefer them (XLA:CPU); a
+        # mesh keeps the layout its sharding rules and tests were written for.
+        input_last = weight_major_gemms() and (mesh is None or mesh.size == 1)
+        target = serving_target(target, input_last=input_last)
+        drafter = serving_drafter(drafter, input_last=input_last) if drafter is not None else None
         if mesh is not None:
             shard_module(target, mesh, rules)
             if drafter is not None:
@@ -418,7 +422,7 @@ class Engine:
             served = drafter
         _check_pair(self.target, served, config)
         if served is not None and served is not self.drafter:
-            served = serving_drafter(served)
+            served = serving_drafter(served, input_last=stores_input_last(self.target))
             if self.mesh is not None:
                 shard_module(served, self.mesh, self._rules)
         engine = object.__new__(Engine)

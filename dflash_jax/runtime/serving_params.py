@@ -16,6 +16,9 @@ from the layout it was loaded in.
   The decode path then scales the products per row instead of the inputs (``DecoderLayer.cached``),
   so at batch 1 no norm kernel sits on the step's critical path before a matmul. Folding moves bf16
   products by a rounding, as a change of GEMM does; float32 models stay within float32 rounding.
+- Weights stored input-last (``input_last=True``, where ``ops.linear.weight_major_gemms``: XLA:CPU): every
+  weight ``ops.linear.dense`` multiplies transposed to ``[*out, *in]`` (torch's order), so that a block of
+  rows multiplies as ``w @ x^T`` with the weight the GEMM's streamed operand (``ops.linear.dot_input_last``).
 - The drafter's context K/V projection: every layer's K and V weights side by side, ``[embed,
   kv_heads, layers, 2, head_dim]``, one matmul per committed token for all layers (left to XLA,
   the per-layer matmuls were merged by copying their weights into one at every step). KV heads come
@@ -27,17 +30,28 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.models.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.hybrid import HybridTarget
 from dflash_jax.models.layers import MLP, Attention, DecoderLayer
 from dflash_jax.models.target import Target
+from dflash_jax.ops.linear import INPUT_LAST
 from dflash_jax.ops.norms import fold_norm
 
+# (module class, weight, the weight's input dimensions): the serving layout's weights that only
+# ``ops.linear.dense`` multiplies, which ``store_input_last`` transposes.
+DENSE_WEIGHTS = (
+    (Attention, "qkv_proj", 1), (Attention, "o_proj", 2), (MLP, "gate_up_proj", 1), (MLP, "down_proj", 1),
+    (Target, "lm_head", 1), (Drafter, "fc", 1), (Drafter, "context_kv_proj", 1),
+    (GroupedDynamicCausalConv, "kernel_projection", 1), (CandidateSelector, "hidden_projection", 1),
+)
 
-def serving_target(target: Target, *, fold_norms: bool = True) -> Target:
-    """A copy of ``target`` in the serving layout: projections fused, and with ``fold_norms`` the
-    norms folded into the matmuls after them. ``target`` is not changed. A hybrid target
-    (``models.hybrid``) has no serving layout: it is served as a plain copy."""
+
+def serving_target(target: Target, *, fold_norms: bool = True, input_last: bool = False) -> Target:
+    """A copy of ``target`` in the serving layout: projections fused, with ``fold_norms`` the norms
+    folded into the matmuls after them, with ``input_last`` the weights stored input-last
+    (``store_input_last``). ``target`` is not changed. A hybrid target (``models.hybrid``) has no
+    serving layout: it is served as a plain copy."""
     served = nnx.clone(target)
     if isinstance(served, HybridTarget):
         return served
@@ -47,12 +61,15 @@ def serving_target(target: Target, *, fold_norms: bool = True) -> Target:
             fuse_mlp(layer.mlp)
             if fold_norms:
                 _fold_layer_norms(layer)
+    if input_last:
+        store_input_last(served)
     return served
 
 
-def serving_drafter(drafter: Drafter) -> Drafter:
+def serving_drafter(drafter: Drafter, *, input_last: bool = False) -> Drafter:
     """A copy of ``drafter`` in the serving layout: every layer's projections fused for the block,
-    plus ``context_kv_proj`` for the context K/V of all layers at once. ``drafter`` is not changed."""
+    plus ``context_kv_proj`` for the context K/V of all layers at once, with ``input_last`` the
+    weights stored input-last (``store_input_last``). ``drafter`` is not changed."""
     served = nnx.clone(drafter)
     attns = [layer.self_attn for layer in served.layers]
     w = jnp.stack([jnp.stack([a.k_proj[...], a.v_proj[...]], axis=2) for a in attns], axis=2)
@@ -63,7 +80,30 @@ def serving_drafter(drafter: Drafter) -> Drafter:
     for layer in served.layers:
         fuse_attention(layer.self_attn)
         fuse_mlp(layer.mlp)
+    if input_last:
+        store_input_last(served)
     return served
+
+
+def stores_input_last(module: nnx.Module) -> bool:
+    """Whether ``module`` (a serving copy) has its weights stored input-last (``store_input_last``)."""
+    return any(isinstance(w, nnx.Param) and w.get_metadata().get(INPUT_LAST) for _, w in nnx.iter_graph(module))
+
+
+def store_input_last(module: nnx.Module) -> None:
+    """On a serving copy: each of ``DENSE_WEIGHTS`` replaced by its transpose ``[*out, *in]`` (its
+    logical axes permuted alike), marked ``ops.linear.INPUT_LAST`` for ``dense``. New arrays: the
+    checkpoint-layout module keeps its own."""
+    found = [(node, name, in_dims) for _, node in nnx.iter_graph(module) for cls, name, in_dims in DENSE_WEIGHTS
+             if isinstance(node, cls) and isinstance(getattr(node, name, None), nnx.Param)]
+    for node, name, in_dims in found:
+        w = getattr(node, name)
+        if w.get_metadata().get(INPUT_LAST):
+            continue
+        perm = tuple(range(in_dims, w.ndim)) + tuple(range(in_dims))
+        axes = w.get_metadata().get("axes")
+        metadata = {INPUT_LAST: True} if axes is None else {"axes": tuple(axes[i] for i in perm), INPUT_LAST: True}
+        setattr(node, name, nnx.Param(jnp.transpose(w[...], perm), **metadata))
 
 
 def in_serving_layout(module: nnx.Module) -> bool:

@@ -401,6 +401,7 @@ def test_fused_serving_layout_matches_transformers(bias, tmp_path, reference):
 
     from dflash_jax.io.checkpoint import save_target
     from dflash_jax.models.target import Target
+    from dflash_jax.ops.linear import INPUT_LAST
     from dflash_jax.runtime.serving_params import serving_target
     from dflash_jax.tiny import tiny_target_config
 
@@ -422,6 +423,15 @@ def test_fused_serving_layout_matches_transformers(bias, tmp_path, reference):
     _assert_matches_transformers(fused, ref, _ids(4, 2, 17), (0, cfg.num_layers - 1))
     with pytest.raises(ValueError, match="serving layout"):
         save_target(fused, tmp_path / "again")
+    # the weights stored input-last (the engine's layout on a CPU): transposed, axes with them; the same model
+    stored = serving_target(loaded, input_last=True)
+    attn, mlp = stored.layers[0].self_attn, stored.layers[0].mlp
+    assert attn.qkv_proj.shape == (2, 6, 8, 64) and attn.o_proj.shape == (64, 8, 8)
+    assert attn.qkv_proj.get_metadata()["axes"] == ("kv_heads", None, "head_dim", "embed")
+    assert mlp.gate_up_proj.shape == (128, 2, 64) and stored.lm_head.shape == (cfg.vocab_size, 64)
+    assert all(w.get_metadata()[INPUT_LAST] for w in (attn.qkv_proj, attn.o_proj, mlp.down_proj, stored.lm_head))
+    assert fused.layers[0].self_attn.qkv_proj.shape == (64, 2, 6, 8)  # each copy its own arrays
+    _assert_matches_transformers(stored, ref, _ids(4, 2, 17), (0, cfg.num_layers - 1))
 
 
 @pytest.mark.slow

@@ -377,7 +377,10 @@ def test_single_row_partials_engine_equals_xla(models, prompts, engines, monkeyp
     from dflash_jax.ops import linear
     from dflash_jax.ops.config import OpsConfig
 
+    from dflash_jax.runtime import engine as engine_module
+
     monkeypatch.setattr(linear, "_strength_reduces_single_rows", lambda: True)
+    monkeypatch.setattr(engine_module, "weight_major_gemms", lambda: False)  # a GPU's layout: weights [in, out]
     taken = []
     partials = linear.single_row_partials
 
@@ -401,6 +404,28 @@ def test_single_row_partials_engine_equals_xla(models, prompts, engines, monkeyp
     taken.clear()  # two rows (and a verify block's, a prefill's) take the plain dots
     Engine(target, None, config).generate(prompts[:2], 4)
     assert taken and all(t is None for t in taken)
+
+
+def test_input_last_weights_give_the_same_generations(models, prompts, engines, monkeypatch):
+    """On a CPU the engine stores its copies' weights input-last (``serving_params.store_input_last``, for
+    ``ops.linear.dot_input_last``): the same tokens and acceptance lengths as the layout a GPU serves
+    (weights ``[in, out]``), speculative and target-only; ``derive`` with another drafter stores it alike;
+    the user's modules keep their checkpoint layout."""
+    from dflash_jax.ops.linear import INPUT_LAST
+    from dflash_jax.runtime import engine as engine_module
+    from dflash_jax.runtime.serving_params import stores_input_last
+
+    target, drafter = models
+    spec, plain = engines
+    assert stores_input_last(spec.target) and stores_input_last(spec.drafter)
+    assert stores_input_last(plain.derive(drafter=drafter).drafter)
+    assert not stores_input_last(target) and not stores_input_last(drafter)
+    assert spec.target.lm_head.get_metadata()[INPUT_LAST] and target.lm_head.shape == spec.target.lm_head.shape[::-1]
+    monkeypatch.setattr(engine_module, "weight_major_gemms", lambda: False)
+    config = EngineConfig(max_batch_size=8, max_length=80, steps_per_sync=4)
+    for mine, theirs in zip(engines, (Engine(target, drafter, config), Engine(target, None, config))):
+        assert not stores_input_last(theirs.target)
+        _assert_same_generations(mine.generate(prompts, 12), theirs.generate(prompts, 12))
 
 
 @pytest.mark.slow
