@@ -18,6 +18,12 @@ all prompts in one batch, at the first block size.
 
     python3 bench/bench_embedded.py --blocks 16 --temperatures "" --repeats 1 --windows 0,32,64,128 --max-new-tokens 256
 
+With ``--profile DIR``: first, the batch-1 decode step of target-only and of each block size on synthetic rows of
+128 tokens (``timing.time_decode``, 8 steps a call), and the top kernels of the target-only and first-block steps
+(``bench_engine.profile_decode``, traces under DIR; GPUs).
+
+    python3 bench/bench_embedded.py --profile /tmp/embedded_profile --blocks 16,8 --drafters dflash --temperatures ""
+
 Then tau with sampling (``--temperatures``, default 0.7 and 1.0; seeds 0..prompts-1) for exact and rejection
 verification at the first block size, all prompts in one batch, and whether exact verification's tokens are
 target-only sampling's.
@@ -96,6 +102,25 @@ def window_tau(target, drafter, prompts, block: int, windows: list[int], args) -
     return rows
 
 
+def profile_steps(target, drafter, blocks: list[int], out_dir: str, context: int = 128, steps: int = 8) -> None:
+    """``--profile``: each engine's batch-1 decode step on synthetic rows of ``context`` tokens, then the top
+    kernels of the target-only and the first block's steps."""
+    import bench_engine
+
+    config = EngineConfig(max_batch_size=1, max_length=4 * context, steps_per_sync=steps, prompt_buckets=(context,))
+    plain = Engine(target, None, config)
+    engines = {"target-only": plain}
+    engines.update({f"block {b}": plain.derive(dataclasses.replace(config, block_size=b), drafter=drafter)
+                    for b in blocks})
+    base = None
+    for name, engine in engines.items():
+        step_s, _ = timing.time_decode(engine, 1, context, steps, 7)
+        base = base or step_s
+        print(f"decode step, {name}: {step_s * 1e3:.3f} ms ({step_s / base:.2f} target-only steps)", flush=True)
+    for name in ("target-only", f"block {blocks[0]}"):
+        bench_engine.profile_decode(engines[name], context, steps, f"{out_dir}/{name.replace(' ', '_')}", top=12)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", default="16,8,4")
@@ -108,6 +133,7 @@ def main() -> None:
                     help="EngineConfig.cached_attention_tiles (GPUs), e.g. stacked_members=1,members_per_program=2")
     ap.add_argument("--temperatures", default="0.7,1.0", help="sampled tau at these temperatures ('' : none)")
     ap.add_argument("--windows", default="", help="greedy tau at these drafter context windows (0: none)")
+    ap.add_argument("--profile", default="", metavar="DIR", help="decode step times and top kernels first")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     target, drafter, tok = embedded.load_default()
@@ -123,6 +149,8 @@ def main() -> None:
             print(f"{embedded.DEFAULT_DRAFTER2}: not shipped, DFlash2 skipped", flush=True)
     prompts = [tok.encode(t, add_special_tokens=False) for t in embedded.heldout_prompts(args.prompts)]
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
+    if args.profile:
+        profile_steps(target, drafter, [int(b) for b in args.blocks.split(",")], args.profile)
     print(f"device: {device}; {len(prompts)} prompts, {args.max_new_tokens} new tokens", flush=True)
     print(f"{'drafter':>8} {'block':>5} {'tau':>6} {'draft tok/s':>11} {'target tok/s':>12} {'speedup':>8} "
           f"{'identical':>9} {'decoding':>8} {'step cost':>9} {'outside ms/prompt':>17}", flush=True)

@@ -378,6 +378,23 @@ def cached_attention(
                             causal=causal, write=write, ops=ops, sinks=sinks, window=window)
 
 
+def fused_query_groups(groups: int, attention_impl: str) -> int:
+    """The query heads per KV head the serving layout gives an attention of ``groups`` so that the fused
+    cached-attention kernel takes it (``runtime.serving_params.pad_query_groups``): Triton's tiles hold a
+    power of two of them (``kernels_pallas.cached_attention.gpu.tiles_supported``), so on a GPU with
+    the kernels on, ``groups`` rounded up to one (zero queries, whose outputs the output projection
+    drops); ``groups`` itself elsewhere. Off that kernel a decode token and a verify block each take
+    the unfused path, its block attention a program per KV head: the embedded pair's float32 verify
+    attention ran 55 us a layer there (docs/performance.md, "The embedded pair")."""
+    from kernels_pallas._common import next_pow2
+    from kernels_pallas._flash import MMA_MIN
+
+    padded = next_pow2(groups)
+    if attention_impl != "pallas" or jax.default_backend() != "gpu" or padded > MMA_MIN:
+        return groups
+    return padded
+
+
 def cached_attention_config(ops: OpsConfig):
     """The fused cached-attention kernel's tiles with ``ops.cached_attention_tiles`` applied (None: its
     defaults)."""

@@ -392,8 +392,11 @@ class Engine:
         # Weights stored input-last where the GEMMs of a verify block or a prompt prefer them (XLA:CPU); a
         # mesh keeps the layout its sharding rules and tests were written for.
         input_last = weight_major_gemms() and (mesh is None or mesh.size == 1)
-        target = serving_target(target, input_last=input_last)
-        drafter = serving_drafter(drafter, input_last=input_last) if drafter is not None else None
+        # Query heads padded for the fused attention kernel where it runs (one GPU, kernels on).
+        kernel = resolve_attention_impl(config.attention_impl) if mesh is None else "xla"
+        target = serving_target(target, input_last=input_last, attention_impl=kernel)
+        drafter = (serving_drafter(drafter, input_last=input_last, attention_impl=kernel)
+                   if drafter is not None else None)
         if mesh is not None:
             shard_module(target, mesh, rules)
             if drafter is not None:
@@ -422,7 +425,8 @@ class Engine:
             served = drafter
         _check_pair(self.target, served, config)
         if served is not None and served is not self.drafter:
-            served = serving_drafter(served, input_last=stores_input_last(self.target))
+            served = serving_drafter(served, input_last=stores_input_last(self.target), attention_impl=(
+                resolve_attention_impl(config.attention_impl) if self.mesh is None else "xla"))
             if self.mesh is not None:
                 shard_module(served, self.mesh, self._rules)
         engine = object.__new__(Engine)

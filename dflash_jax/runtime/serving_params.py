@@ -35,6 +35,7 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.hybrid import HybridTarget
 from dflash_jax.models.layers import MLP, Attention, DecoderLayer
 from dflash_jax.models.target import Target
+from dflash_jax.ops.attention import fused_query_groups
 from dflash_jax.ops.linear import INPUT_LAST
 from dflash_jax.ops.norms import fold_norm
 
@@ -47,11 +48,13 @@ DENSE_WEIGHTS = (
 )
 
 
-def serving_target(target: Target, *, fold_norms: bool = True, input_last: bool = False) -> Target:
+def serving_target(target: Target, *, fold_norms: bool = True, input_last: bool = False,
+                   attention_impl: str = "xla") -> Target:
     """A copy of ``target`` in the serving layout: projections fused, with ``fold_norms`` the norms
-    folded into the matmuls after them, with ``input_last`` the weights stored input-last
-    (``store_input_last``). ``target`` is not changed. A hybrid target (``models.hybrid``) has no
-    serving layout: it is served as a plain copy."""
+    folded into the matmuls after them, query heads padded for ``attention_impl``'s kernel
+    (``pad_query_groups``), with ``input_last`` the weights stored input-last (``store_input_last``).
+    ``target`` is not changed. A hybrid target (``models.hybrid``) has no serving layout: it is served
+    as a plain copy."""
     served = nnx.clone(target)
     if isinstance(served, HybridTarget):
         return served
@@ -61,15 +64,17 @@ def serving_target(target: Target, *, fold_norms: bool = True, input_last: bool 
             fuse_mlp(layer.mlp)
             if fold_norms:
                 _fold_layer_norms(layer)
+        pad_query_groups(layer.self_attn, attention_impl)
     if input_last:
         store_input_last(served)
     return served
 
 
-def serving_drafter(drafter: Drafter, *, input_last: bool = False) -> Drafter:
+def serving_drafter(drafter: Drafter, *, input_last: bool = False, attention_impl: str = "xla") -> Drafter:
     """A copy of ``drafter`` in the serving layout: every layer's projections fused for the block,
-    plus ``context_kv_proj`` for the context K/V of all layers at once, with ``input_last`` the
-    weights stored input-last (``store_input_last``). ``drafter`` is not changed."""
+    plus ``context_kv_proj`` for the context K/V of all layers at once, query heads padded for
+    ``attention_impl``'s kernel (``pad_query_groups``), with ``input_last`` the weights stored
+    input-last (``store_input_last``). ``drafter`` is not changed."""
     served = nnx.clone(drafter)
     attns = [layer.self_attn for layer in served.layers]
     w = jnp.stack([jnp.stack([a.k_proj[...], a.v_proj[...]], axis=2) for a in attns], axis=2)
@@ -80,6 +85,7 @@ def serving_drafter(drafter: Drafter, *, input_last: bool = False) -> Drafter:
     for layer in served.layers:
         fuse_attention(layer.self_attn)
         fuse_mlp(layer.mlp)
+        pad_query_groups(layer.self_attn, attention_impl)
     if input_last:
         store_input_last(served)
     return served
@@ -125,6 +131,30 @@ def fuse_attention(attn: Attention) -> None:
         attn.qkv_bias = nnx.data(nnx.Param(b, axes=("kv_heads", None, "head_dim")))
     attn.q_proj = attn.k_proj = attn.v_proj = None
     attn.q_bias = attn.k_bias = attn.v_bias = None
+
+
+def pad_query_groups(attn: Attention, attention_impl: str) -> None:
+    """On a fused attention of the copy: each KV head's query heads padded with zero queries to
+    ``ops.attention.fused_query_groups`` (a power of two, for the fused cached-attention kernel on a GPU),
+    the output projection with zero rows for them, so the padded heads add exact zeros; the layer's
+    function is unchanged. An attention with sinks or a sliding window is left alone: no kernel takes it."""
+    kv, groups = attn.num_kv_heads, attn.num_heads // attn.num_kv_heads
+    padded = fused_query_groups(groups, attention_impl)
+    if padded == groups or attn.sinks is not None or attn.window is not None:
+        return
+    w = attn.qkv_proj[...]  # [embed, kv_heads, groups + 2, head_dim]: queries, key, value
+    zeros = jnp.zeros(w.shape[:2] + (padded - groups,) + w.shape[3:], w.dtype)
+    attn.qkv_proj = nnx.data(nnx.Param(jnp.concatenate([w[:, :, :groups], zeros, w[:, :, groups:]], axis=2),
+                                       axes=attn.qkv_proj.get_metadata()["axes"]))
+    if attn.qkv_bias is not None:
+        b = attn.qkv_bias[...]  # [kv_heads, groups + 2, head_dim]
+        attn.qkv_bias = nnx.data(nnx.Param(jnp.concatenate([b[:, :groups], zeros[0], b[:, groups:]], axis=1),
+                                           axes=attn.qkv_bias.get_metadata()["axes"]))
+    o = attn.o_proj[...]  # [heads, head_dim, hidden], heads grouped by KV head
+    o = o.reshape((kv, groups) + o.shape[1:])
+    o = jnp.concatenate([o, jnp.zeros((kv, padded - groups) + o.shape[2:], o.dtype)], axis=1)
+    attn.o_proj = nnx.Param(o.reshape((kv * padded,) + o.shape[2:]), axes=attn.o_proj.get_metadata()["axes"])
+    attn.num_heads = kv * padded
 
 
 def fuse_mlp(mlp: MLP) -> None:

@@ -35,3 +35,17 @@ def test_speedup_and_its_parts(report):
     # each side's time outside its decode steps is part of its whole time
     assert outside["dflash"] * report["prompts"] < 1e3 * report["dflash_s"]
     assert outside["target_only"] * report["prompts"] < 1e3 * report["target_only_s"]
+
+
+def test_profile_steps_times_each_engine(tmp_path, capsys):
+    """``--profile``: the decode step of target-only and of each block size, in target-only steps (the first
+    1.00); off a GPU there is no kernel trace to list, and it says so."""
+    target_dir, drafter_dir = shallow_copycat_pair(tmp_path / "pair", block_size=4, seed=2)
+    bench_embedded.profile_steps(load_target(target_dir), load_drafter(drafter_dir), [4, 2], str(tmp_path / "p"),
+                                 context=16, steps=2)
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if line.startswith("decode step, ")]
+    assert [line.split(":")[0] for line in steps] == ["decode step, target-only", "decode step, block 4",
+                                                      "decode step, block 2"]
+    assert "(1.00 target-only steps)" in steps[0] and all(" ms (" in line for line in steps)
+    assert sum("profile: no GPU trace" in line for line in lines) == 2
