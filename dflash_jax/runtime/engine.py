@@ -32,7 +32,7 @@ from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.sampling import SamplingFlags, SamplingParams
 from dflash_jax.ops.config import EXPERT_IMPLEMENTATIONS, OpsConfig, parse_tiles, resolve_attention_impl
 from dflash_jax.ops.linear import weight_major_gemms
-from dflash_jax.runtime.serving_params import in_serving_layout, serving_drafter, serving_target, stores_input_last
+from dflash_jax.runtime.serving_params import in_serving_layout, serving_drafter, serving_target
 from dflash_jax.runtime.batcher import (ContinuousBatcher, Generation, GenerationResult, RowSnapshot, StopCheck,
                                         stop_checks_per_prompt)
 from dflash_jax.ops.cache import CACHE_ALIGNMENT, CACHE_AXES
@@ -223,6 +223,16 @@ class PagedAdmission:
     cache_from: jax.Array
 
 
+def _serving_layout(config: EngineConfig, mesh: Mesh | None) -> dict:
+    """``serving_params``' choices for an engine of ``config`` on ``mesh``: weights stored input-last where a
+    verify block's and a prompt's GEMMs prefer them (XLA:CPU), query heads padded for the attention kernel
+    where it runs (``ops.attention.fused_query_groups``). A mesh keeps the layout its sharding rules were
+    written for."""
+    if mesh is not None and mesh.size > 1:
+        return dict(input_last=False, attention_impl="xla")
+    return dict(input_last=weight_major_gemms(), attention_impl=resolve_attention_impl(config.attention_impl))
+
+
 def _check_checkpoint_layout(module, name: str, where: str, other: str = "") -> None:
     """A module in the serving layout (an engine's copy) passed where one in its checkpoint layout is taken
     is an error naming it; ``other``: what else ``where`` takes."""
@@ -389,14 +399,9 @@ class Engine:
         if mesh is not None and isinstance(target, HybridTarget):
             raise ValueError("a hybrid linear-attention target (models.hybrid) runs on one device: no mesh")
         rules = config.mesh.resolved_rules() if config.mesh is not None else None
-        # Weights stored input-last where the GEMMs of a verify block or a prompt prefer them (XLA:CPU); a
-        # mesh keeps the layout its sharding rules and tests were written for.
-        input_last = weight_major_gemms() and (mesh is None or mesh.size == 1)
-        # Query heads padded for the fused attention kernel where it runs (one GPU, kernels on).
-        kernel = resolve_attention_impl(config.attention_impl) if mesh is None else "xla"
-        target = serving_target(target, input_last=input_last, attention_impl=kernel)
-        drafter = (serving_drafter(drafter, input_last=input_last, attention_impl=kernel)
-                   if drafter is not None else None)
+        layout = _serving_layout(config, mesh)
+        target = serving_target(target, **layout)
+        drafter = serving_drafter(drafter, **layout) if drafter is not None else None
         if mesh is not None:
             shard_module(target, mesh, rules)
             if drafter is not None:
@@ -425,8 +430,7 @@ class Engine:
             served = drafter
         _check_pair(self.target, served, config)
         if served is not None and served is not self.drafter:
-            served = serving_drafter(served, input_last=stores_input_last(self.target), attention_impl=(
-                resolve_attention_impl(config.attention_impl) if self.mesh is None else "xla"))
+            served = serving_drafter(served, **_serving_layout(config, self.mesh))
             if self.mesh is not None:
                 shard_module(served, self.mesh, self._rules)
         engine = object.__new__(Engine)

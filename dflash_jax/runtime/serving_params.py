@@ -91,11 +91,6 @@ def serving_drafter(drafter: Drafter, *, input_last: bool = False, attention_imp
     return served
 
 
-def stores_input_last(module: nnx.Module) -> bool:
-    """Whether ``module`` (a serving copy) has its weights stored input-last (``store_input_last``)."""
-    return any(isinstance(w, nnx.Param) and w.get_metadata().get(INPUT_LAST) for _, w in nnx.iter_graph(module))
-
-
 def store_input_last(module: nnx.Module) -> None:
     """On a serving copy: each of ``DENSE_WEIGHTS`` replaced by its transpose ``[*out, *in]`` (its
     logical axes permuted alike), marked ``ops.linear.INPUT_LAST`` for ``dense``. New arrays: the

@@ -411,9 +411,13 @@ def test_input_last_weights_give_the_same_generations(models, prompts, engines, 
     ``ops.linear.dot_input_last``): the same tokens and acceptance lengths as the layout a GPU serves
     (weights ``[in, out]``), speculative and target-only; ``derive`` with another drafter stores it alike;
     the user's modules keep their checkpoint layout."""
+    from flax import nnx
+
     from dflash_jax.ops.linear import INPUT_LAST
     from dflash_jax.runtime import engine as engine_module
-    from dflash_jax.runtime.serving_params import stores_input_last
+
+    def stores_input_last(module) -> bool:
+        return any(isinstance(w, nnx.Param) and w.get_metadata().get(INPUT_LAST) for _, w in nnx.iter_graph(module))
 
     target, drafter = models
     spec, plain = engines
