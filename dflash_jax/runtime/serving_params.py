@@ -99,8 +99,6 @@ def store_input_last(module: nnx.Module) -> None:
              if isinstance(node, cls) and isinstance(getattr(node, name, None), nnx.Param)]
     for node, name, in_dims in found:
         w = getattr(node, name)
-        if w.get_metadata().get(INPUT_LAST):
-            continue
         perm = tuple(range(in_dims, w.ndim)) + tuple(range(in_dims))
         axes = w.get_metadata().get("axes")
         metadata = {INPUT_LAST: True} if axes is None else {"axes": tuple(axes[i] for i in perm), INPUT_LAST: True}
@@ -143,7 +141,8 @@ def pad_query_groups(attn: Attention, attention_impl: str) -> None:
                                        axes=attn.qkv_proj.get_metadata()["axes"]))
     if attn.qkv_bias is not None:
         b = attn.qkv_bias[...]  # [kv_heads, groups + 2, head_dim]
-        attn.qkv_bias = nnx.data(nnx.Param(jnp.concatenate([b[:, :groups], zeros[0], b[:, groups:]], axis=1),
+        pad = jnp.zeros((kv, padded - groups) + b.shape[2:], b.dtype)
+        attn.qkv_bias = nnx.data(nnx.Param(jnp.concatenate([b[:, :groups], pad, b[:, groups:]], axis=1),
                                            axes=attn.qkv_bias.get_metadata()["axes"]))
     o = attn.o_proj[...]  # [heads, head_dim, hidden], heads grouped by KV head
     o = o.reshape((kv, groups) + o.shape[1:])

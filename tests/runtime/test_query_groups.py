@@ -60,3 +60,27 @@ def test_padded_heads_on_the_fused_kernel_generate_as_the_reference(pair, monkey
         got = engine.generate(prompts, 10)
         assert [g.output_ids for g in got] == [w.output_ids for w in theirs]
         assert [g.acceptance_lengths for g in got] == [w.acceptance_lengths for w in theirs]
+
+
+def test_padded_heads_with_attention_biases(monkeypatch):
+    """A layer with q/k/v biases: the padded queries get zero biases, the model's logits are unchanged."""
+    import jax
+    from flax import nnx
+
+    from dflash_jax.models.target import Target
+    from dflash_jax.tiny import tiny_target_config
+
+    target = Target(tiny_target_config("llama", num_heads=6, num_kv_heads=2, head_dim=16, num_layers=2,
+                                       attention_bias=True), rngs=nnx.Rngs(4))
+    for path, var in nnx.to_flat_state(nnx.state(target, nnx.Param)):
+        if "bias" in str(path[-1]):  # zero-initialised: make them matter
+            var.set_value(0.1 * jax.random.normal(jax.random.key(len(path)), var.get_value().shape))
+    plain = serving_params.serving_target(target)
+    _pad_to_four(monkeypatch)
+    padded = serving_params.serving_target(target, attention_impl="pallas")
+    bias = np.asarray(padded.layers[0].self_attn.qkv_bias[...])  # [kv_heads, 4 + 2, head_dim]
+    assert bias.shape == (2, 6, 16) and not bias[:, 3].any() and bias[:, :3].any()
+    np.testing.assert_array_equal(bias[:, 4:], np.asarray(plain.layers[0].self_attn.qkv_bias[...])[:, 3:])
+    ids = np.random.RandomState(1).randint(0, target.config.vocab_size, (2, 13))
+    np.testing.assert_allclose(np.asarray(target_forward(padded, ids)[0]), np.asarray(target_forward(plain, ids)[0]),
+                               rtol=1e-5, atol=1e-5)
