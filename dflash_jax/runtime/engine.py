@@ -124,6 +124,12 @@ class EngineConfig:
     # bounds the draft pass at long contexts (``decoding.context_window_view``); multiples of 128 keep
     # the attention kernels' whole key tiles.
     drafter_context_window: int = 0
+    # GPUs: run the one-shot programs (prefill, first-token draw, admission, resize, release, empty state)
+    # as CUDA graphs. A graph is recorded again whenever a call's buffers sit elsewhere than the last
+    # call's, so it pays where launching the program's kernels one by one outlasts running them (a small
+    # model) and loses where the kernels hide their launches (a large one). None: on for a target of fewer
+    # than ``ONE_SHOT_GRAPH_MAX_PARAMS`` parameters (docs/performance.md, "The embedded pair").
+    one_shot_graphs: bool | None = None
 
     def validate(self) -> None:
         check_field_types(self)  # a config built in Python skips the YAML loader's checks
@@ -342,23 +348,31 @@ def _decode_compiler_options() -> dict | None:
     return None
 
 
-def _one_shot_compiler_options() -> dict | None:
+# A target below this many parameters runs its one-shot programs as CUDA graphs by default
+# (``EngineConfig.one_shot_graphs``).
+ONE_SHOT_GRAPH_MAX_PARAMS = 1_000_000_000
+
+
+def _one_shot_compiler_options(graphs: bool) -> dict | None:
     """XLA options for the phases that run once per admission (prefill, admit, resize, release,
-    empty state).
+    empty state); ``graphs``: as CUDA graphs on a GPU (``EngineConfig.one_shot_graphs``).
 
     On GPUs XLA runs a jitted function's kernels as CUDA graphs (command buffers), recorded and
     instantiated again whenever the function's buffers move. The decode loop keeps its buffers
-    (donated state) and reuses its graphs; a prefill gets fresh buffers every call, and on the H200
-    re-recording its graph took ~25 ms per call, longer than the 512-token prefill itself (the
-    engine's time to first token, docs/performance.md). Without graphs its kernels are launched one
-    by one, which a prefill of large matmuls hides.
+    (donated state) and reuses its graphs. A prefill gets fresh buffers every call, which land where
+    the last call's did when requests come one at a time (the allocator reuses the freed blocks) and
+    elsewhere when other requests' buffers come and go between them. For an 8B target re-recording
+    took ~25 ms per prefill on the H200, longer than the 512-token prefill itself, whose large matmuls
+    hide the launches of kernels sent one by one. For the 13.5M-parameter embedded pair the launches
+    are the prefill: on an H100 its 48-token prefill took 4.9 ms one by one (3.5 ms of it the host's
+    dispatch) and 1.8 ms as a graph, and the admission 1.35 and 0.47 ms (docs/performance.md).
 
     On the CPU, as for the decode loop: a paged prefill over a cached prefix reads the pools and then
     updates them in place, and without its region analysis XLA:CPU's copy insertion copies every pool.
     """
     if jax.default_backend() == "cpu":
         return {"xla_cpu_copy_insertion_use_region_analysis": True}
-    if jax.default_backend() == "gpu":
+    if jax.default_backend() == "gpu" and not graphs:
         return {"xla_gpu_enable_command_buffer": ""}
     return None
 
@@ -468,7 +482,10 @@ class Engine:
         if drafter is not None:
             self._drafter_def, drafter_state = nnx.split(drafter)
             self._drafter_state, self._drafter_tree = jax.tree.flatten(drafter_state)
-        once = _one_shot_compiler_options()
+        self.one_shot_graphs = config.one_shot_graphs
+        if self.one_shot_graphs is None:
+            self.one_shot_graphs = sum(x.size for x in self._target_state) < ONE_SHOT_GRAPH_MAX_PARAMS
+        once = _one_shot_compiler_options(self.one_shot_graphs)
         self._prefill = jax.jit(self._traced(self._prefill_fn), compiler_options=once)
         self._draw_first = jax.jit(self._traced(self._draw_first_fn), donate_argnums=(0,), compiler_options=once)
         self._decode = jax.jit(self._traced(self._decode_fn), donate_argnums=(2,),
@@ -525,7 +542,7 @@ class Engine:
         self._num_pages: int | None = None  # ``num_pages``: sized when first asked
         # The view a paged step copies follows the live rows, as the XLA attention's window does.
         self.windows = window_buckets(self.capacity) if not self.fixed_loop else (self.capacity,)
-        once = _one_shot_compiler_options()
+        once = _one_shot_compiler_options(self.one_shot_graphs)
         # The state is donated: a prefill over a cached prefix writes its suffix into the pools in place.
         self._paged_prefill = jax.jit(self._traced(self._paged_prefill_fn), static_argnames=("suffix", "context_pages"),
                                       donate_argnums=(2,), compiler_options=once)

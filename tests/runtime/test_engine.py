@@ -625,6 +625,24 @@ def test_decode_loop_does_not_copy_the_caches(long_engines):
             assert copies == [], copies[:3]
 
 
+def test_one_shot_graphs_follow_the_target_size_unless_configured(models, monkeypatch):
+    """The one-shot programs (prefill, admission, ...) run as CUDA graphs for a target below
+    ONE_SHOT_GRAPH_MAX_PARAMS and are launched kernel by kernel above it; an explicit setting wins."""
+    from dflash_jax.runtime import engine as engine_module
+
+    target, _ = models
+    config = EngineConfig(max_batch_size=1, max_length=32)
+    assert Engine(target, None, config).one_shot_graphs is True
+    monkeypatch.setattr(engine_module, "ONE_SHOT_GRAPH_MAX_PARAMS", 10)
+    assert Engine(target, None, config).one_shot_graphs is False
+    assert Engine(target, None, dataclasses.replace(config, one_shot_graphs=True)).one_shot_graphs is True
+    monkeypatch.undo()
+    assert Engine(target, None, dataclasses.replace(config, one_shot_graphs=False)).one_shot_graphs is False
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert engine_module._one_shot_compiler_options(True) is None  # XLA's default command buffers
+    assert engine_module._one_shot_compiler_options(False) == {"xla_gpu_enable_command_buffer": ""}
+
+
 @pytest.mark.slow
 def test_engine_serves_fused_target_at_the_configured_precision(qwen3_pair):
     """The engine runs copies of the target and the drafter in their serving layouts, leaving the
