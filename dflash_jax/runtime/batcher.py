@@ -401,7 +401,12 @@ class ContinuousBatcher:
         rows = self.engine.state_rows(live) if live else 0
         if rows == 0 and self.pages is not None and self._state is not None:
             rows = len(self._rows)  # a paged state stays: its pools hold the prefix cache
-        if rows != len(self._rows):
+        # A lone request without pages is prefilled straight into a running state of its own (one program);
+        # a state of free rows there may be is dropped.
+        alone = self.pages is None and not keep and admitting == 1 and rows == 1
+        if alone:
+            self._state, self._rows = None, [None]
+        elif rows != len(self._rows):
             if rows == 0:
                 self._state = None
             elif self._state is None:
@@ -419,7 +424,7 @@ class ContinuousBatcher:
             contexts = [g.context_ids for g in group]  # a resumed request's output so far too
             args = (contexts, [g.max_len - len(c) for g, c in zip(group, contexts)], [g.stop_token_ids for g in group])
             if self.pages is None:
-                fresh, first = self.engine.prefill(*args, **extra)
+                fresh, first = self.engine.prefill(*args, **extra, alone=alone)
             else:
                 self._state, fresh, first, admission = self.engine.prefill_paged(
                     self._state, *args, [g.pages for g in group], [g.cached_tokens for g in group], **extra)
@@ -446,7 +451,9 @@ class ContinuousBatcher:
             # A resumed request's output so far was emitted: only the tokens after it are new.
             g.emitted, g.start, g.seen_steps = len(context) + bool(g.output_ids), len(context), self._steps_dispatched
             g.row_steps = g.read_steps = 0
-        if self.pages is None:
+        if alone:
+            self._state = fresh
+        elif self.pages is None:
             self._state = self.engine.admit(self._state, fresh, slots)
         else:
             self._state = self.engine.admit_paged(self._state, fresh, slots, admission)
@@ -681,7 +688,10 @@ class ContinuousBatcher:
             self._deliver(g, [int(token)], None, 0, now, entries)
 
     def _read(self, call: _Call) -> None:
-        """Streams the tokens ``call`` committed and retires the rows it finished."""
+        """Streams the tokens ``call`` committed and retires the rows it finished. A call whose rows had all
+        finished before it ran (dispatched before the previous call's read ended them) is not waited for."""
+        if all(g is None or g.finished for g in call.rows):
+            return
         t0 = time.perf_counter()
         snap = jax.device_get(call.snapshot)
         now = time.perf_counter()

@@ -487,6 +487,7 @@ class Engine:
             self.one_shot_graphs = sum(x.size for x in self._target_state) < ONE_SHOT_GRAPH_MAX_PARAMS
         once = _one_shot_compiler_options(self.one_shot_graphs)
         self._prefill = jax.jit(self._traced(self._prefill_fn), compiler_options=once)
+        self._prefill_alone = jax.jit(self._traced(self._prefill_alone_fn), compiler_options=once)
         self._draw_first = jax.jit(self._traced(self._draw_first_fn), donate_argnums=(0,), compiler_options=once)
         self._decode = jax.jit(self._traced(self._decode_fn), donate_argnums=(2,),
                                static_argnames=("window", "fixed_steps", "flags", "block"),
@@ -760,6 +761,16 @@ class Engine:
         first = jnp.take_along_axis(state.tokens, state.starts[:, None], axis=1)[:, 0]
         return self._constrain(state), first, last_logits
 
+    def _prefill_alone_fn(self, target_state, drafter_state, ids, lens, max_lens, stop_ids, sampling):
+        """``_prefill_fn`` of one prompt admitted into a fresh running state of one row in the same program:
+        a lone request's admission is one program, not three (empty state, prefill, admission), each a
+        dispatch and, on a GPU, a CUDA graph to launch. The state's arrays other than the caches have the
+        prefill rows' shapes, so ``draw_first`` takes either."""
+        rows, first, last_logits = self._prefill_fn(target_state, drafter_state, ids, lens, max_lens, stop_ids,
+                                                    sampling)
+        state = self._admit_fn(self._empty_fn(rows=1), rows, jnp.zeros((1,), jnp.int32))
+        return state, first, last_logits
+
     def _draw_first_fn(self, rows, last_logits):
         """Every processor is compiled in: one program per row count serves every request (neutral
         parameters change nothing, bit for bit: a greedy row's first token is the argmax of its raw logits)."""
@@ -1016,11 +1027,17 @@ class Engine:
                                   window=self._window(window), fixed_steps=fixed, flags=sampling,
                                   **self._block_argument(block))
 
-    def prefill_compiled(self, rows: int, prompt_length: int, *, distinct: int | None = None) -> jax.stages.Compiled:
+    def prefill_compiled(self, rows: int, prompt_length: int, *, distinct: int | None = None,
+                         alone: bool = False) -> jax.stages.Compiled:
         """The prefill of ``rows`` prompts of ``prompt_length`` tokens (its prompt bucket), as compiled;
         compiles only. Its ``out_info`` is the prefilled rows' shapes and placement. ``distinct``: rows
-        sharing prompts (``prefill`` of ``n`` > 1 choices), whose prompts run on that many rows."""
+        sharing prompts (``prefill`` of ``n`` > 1 choices), whose prompts run on that many rows. ``alone``:
+        the prefill of one prompt into a running state of its own (``prefill(alone=True)``)."""
         args = self._prefill_inputs([[0] * prompt_length] * rows, [2] * rows, [()] * rows)
+        if alone:
+            if rows != 1:
+                raise ValueError(f"a prefill alone has one row, not {rows}")
+            return self._prefill_alone.lower(self._target_state, self._drafter_state, *args).compile()
         if distinct is not None:  # as ``_distinct_inputs`` places them
             put = self._batch_arguments
             args = (put(np.zeros((distinct, args[0].shape[1]), np.int32)), put(np.ones((distinct,), np.int32)),
@@ -1075,7 +1092,7 @@ class Engine:
 
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                 stop_token_ids: Sequence[Sequence[int]], sampling: Sequence[SamplingParams] | None = None,
-                ) -> tuple[decoding.DecodeState, jax.Array]:
+                *, alone: bool = False) -> tuple[decoding.DecodeState, jax.Array]:
         """Runs ``prompts`` (token-id lists that ``ContinuousBatcher.submit`` checked) in a batch of
         their own: ``prefill_rows`` rows (padding rows done), the prompt bucket of the longest.
 
@@ -1083,8 +1100,20 @@ class Engine:
         ``admit`` (their caches hold just the prompt bucket), and ``first [rows]``, each row's first
         generated token, a copy that stays readable after the rows are admitted. ``sampling``: each
         prompt's ``SamplingParams`` (seeded: ``SamplingParams.with_seed``; None: all greedy).
+
+        ``alone``: one prompt, returned as a running state of one row (``state_rows(1)``) that holds it,
+        in place of the rows: what ``admit`` of its rows into ``empty_state(1)`` gives, in one program.
         """
         params = smp.resolve(sampling, len(prompts))
+        if alone:
+            if len(prompts) != 1 or self.paged:
+                raise ValueError(f"a prefill alone takes one prompt on an engine without pages; got "
+                                 f"{len(prompts)} prompts{' on a paged engine' if self.paged else ''}")
+            self._count_prefill(prompts)
+            state, first, last_logits = self._prefill_alone(
+                self._target_state, self._drafter_state,
+                *self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params))
+            return self.draw_first(state, first, last_logits, params)
         leaders = shared_prompts(prompts)
         inputs = self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params)
         if leaders is None:
@@ -1210,29 +1239,31 @@ class Engine:
         the flags of the sampled batches to compile decode for too (``SamplingFlags.of`` of their rows'
         parameters; each is one more decode program per row count and window).
         """
-        from dflash_jax.runtime.warmup import run_warmup, warmup_plan
+        from dflash_jax.runtime.warmup import compiles_prefill, run_warmup, warmup_plan
 
         t0 = time.perf_counter()
         plan = warmup_plan(self, batch_sizes, sampling=sampling)
         decodes = [s for s in plan if s.phase == "decode"]
-        prefills = [s for s in plan if s.phase == "prefill"]
+        prefills = [s for s in plan if compiles_prefill(self, s)]
         # Minutes for a large model (or on a CPU) with nothing else to show for them: say what is compiling.
         log.info("warm-up: compiling decode for running states of %s rows at %d attention windows",
                  sorted({s.rows for s in decodes}), len(self.windows))
         workers = max(1, min(threads or min(8, os.cpu_count() or 1), len(prefills)))
 
         def progress(index: int, shape) -> None:
-            if shape.phase == "prefill" and index == len(decodes):
-                log.info("warm-up: decode compiled after %.1f s; compiling %d prefill shapes (%d prompt counts x %d "
-                         "prompt buckets, and %d of one prompt's n choices) on %d threads", time.perf_counter() - t0,
-                         len(prefills), len({s.rows for s in prefills}), len({s.size for s in prefills}),
-                         sum(1 for s in prefills if s.distinct), workers)
+            if compiles_prefill(self, shape) and index == len(decodes):
+                rows = [s for s in prefills if s.phase == "prefill"]
+                log.info("warm-up: decode compiled after %.1f s; compiling %d prefill shapes (a lone request's in %d "
+                         "prompt buckets; %d prompt counts x %d prompt buckets, and %d of one prompt's n choices, for "
+                         "the batch) on %d threads", time.perf_counter() - t0, len(prefills),
+                         len(prefills) - len(rows), len({s.rows for s in rows}), len({s.size for s in rows}),
+                         sum(1 for s in rows if s.distinct), workers)
             elif index == len(decodes) + len(prefills):
                 log.info("warm-up: prefills compiled after %.1f s; compiling the admissions, resizes and releases",
                          time.perf_counter() - t0)
 
         # decode first, alone: its autotuning undisturbed; then the prefills, on several threads
-        plan = decodes + prefills + [s for s in plan if s.phase not in ("decode", "prefill")]
+        plan = decodes + prefills + [s for s in plan if s.phase != "decode" and not compiles_prefill(self, s)]
         run_warmup(self, plan, threads=workers, on_shape=progress)
         return time.perf_counter() - t0
 

@@ -3,8 +3,9 @@
 A shape compiled while serving stalls every running request for its compile (seconds for an 8B model
 on an accelerator; ~10 s per decode shape for a 25M-parameter model on two CPU cores). A server meets
 many: decode per running state's row count (``Engine.state_rows``) and attention window
-(``Engine.windows``), a prefill per row count (``Engine.prefill_rows``) and prompt bucket, an
-admission of each prefill into each running state it can join, the prefills of one prompt's ``n`` > 1
+(``Engine.windows``), a lone request's prefill into a state of its own per prompt bucket (one program:
+``Engine.prefill(alone=True)``), a prefill per row count (``Engine.prefill_rows``) and prompt bucket and an
+admission of each into the batch's running state, the prefills of one prompt's ``n`` > 1
 choices (a shared prefill: the prompt runs once on one row, copied to each choice's row), the states
 resized into each other, a row of each released (a cancelled request's).
 
@@ -161,6 +162,8 @@ class Shape:
         if self.phase == "admit" and self.cached:
             return (f"admission of a {rows} prefill{shared} over cached prefixes (the rest's bucket {self.size}) "
                     f"into {self.into} rows")
+        if self.phase == "admit" and self.rows == self.into == 1:
+            return f"a lone request's prefill into its own row, prompt bucket {self.size}"
         if self.phase == "admit":
             return f"admission of a {rows} prefill{shared} (bucket {self.size}) into {self.into} rows"
         if self.phase == "write":
@@ -175,9 +178,10 @@ class Shape:
 def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: Sequence[Any] = ()) -> list[Shape]:
     """Every shape that requests of up to ``batch_sizes`` prompts at a time run (default: 1 and
     ``max_batch_size``), in the order a server meets them: a lone request's (decode on one row from
-    the smallest window, its prefill by prompt bucket), then a batch's (decode on the batch's rows,
-    the lone prefills admitted into it, the resizes between the states, the larger prefills, then the
-    prefills of one prompt's ``n`` choices for each of those row counts above one), then the releases.
+    the smallest window, its prefill into its own state by prompt bucket: an ``admit`` shape into one
+    row), then a batch's (decode on the batch's rows, the one-row prefills admitted into it, the resizes
+    between the states, the larger prefills, then the prefills of one prompt's ``n`` choices for each of
+    those row counts above one), then the releases.
     A shared prefill's rows are admitted by the program of a plain prefill of as many rows; prefills
     mixing several prompts with choices (more distinct rows than one) compile when first met: ``n`` is
     unbounded, and their row combinations would double the prefills. ``sampling``: ``SamplingFlags``
@@ -198,13 +202,12 @@ def warmup_plan(engine, batch_sizes: Sequence[int] | None = None, *, sampling: S
         blocks = [None] + [b for b in getattr(engine, "speculation_blocks", ()) if b != engine.block_size]
         plan += [Shape("decode", state, window, sampling=flags, block=block) for window in engine.windows
                  for flags in (None, *sampling) for block in blocks]
-        if state != largest:  # one row: a lone request, prefilled alone
-            for bucket in buckets:
-                plan += [Shape("prefill", 1, bucket), Shape("admit", 1, bucket, state)]
+        if state != largest:  # one row: a lone request, prefilled into a state of its own (one program)
+            plan += [Shape("admit", 1, bucket, state) for bucket in buckets]
             continue
-        for rows in prefills:  # the batch: every prefill joins it (a lone one into either state)
+        for rows in prefills:  # the batch: every prefill joins it
             for bucket in buckets:
-                if Shape("prefill", rows, bucket) not in plan:
+                if largest > 1 and Shape("prefill", rows, bucket) not in plan:  # into one row: the admission is it
                     plan.append(Shape("prefill", rows, bucket))
                 plan.append(Shape("admit", rows, bucket, largest))
             if rows == 1:
@@ -247,8 +250,8 @@ def first_request_shapes(engine, plan: Sequence[Shape], prompt_tokens: int, max_
 
     smallest = window(min(1 + steps * block, min(1 + max_new_tokens, engine.config.max_length) - 2 + block))
     largest = window(end - 2 + block)
-    return [s for s in plan if (s.phase in ("prefill", "admit") and s.rows == 1 and s.size in buckets
-                                and s.into in (0, 1) and not s.cached)
+    return [s for s in plan if (s.phase == "admit" and s.rows == 1 and s.size in buckets and s.into == 1
+                                and not s.cached)
             or (s.phase == "decode" and s.rows == 1 and smallest <= s.size <= largest and s.sampling == sampling)
             or (s.phase == "pages" and s.rows == 1)]
 
@@ -267,7 +270,7 @@ def staged_plan(engine, plan: Sequence[Shape], prompt_tokens: int, max_new_token
     longest = max((s.size for s in first if s.phase == "decode"), default=0)
 
     def order(shape: Shape) -> tuple[int, int]:
-        if shape.rows == 1 and shape.phase in ("prefill", "admit") and shape.into < 2:
+        if shape.phase == "admit" and shape.rows == 1 and shape.into == 1:  # a lone request's, longer prompts
             return 0, 0
         if shape in sampled:  # each flags' windows together: a request meets all of them
             return 1, flags.index(shape.sampling)
@@ -276,16 +279,27 @@ def staged_plan(engine, plan: Sequence[Shape], prompt_tokens: int, max_new_token
     return first, sorted((s for s in plan if s not in first), key=order)  # a stable sort: plan order within
 
 
-def _rows_stand_in(compiled: jax.stages.Compiled, on_mesh: bool, output: int = 0) -> Any:
+def compiles_prefill(engine, shape: Shape) -> bool:
+    """Whether ``shape`` is a prefill program of its own, which ``run_warmup`` may compile beside others: a
+    prefill, or a lone request's prefill into its own state (an engine without pages; a paged admission
+    compiles beside the state whose pools it reads)."""
+    return shape.phase == "prefill" or (shape.phase == "admit" and shape.rows == shape.into == 1
+                                        and not getattr(engine, "paged", False))
+
+
+def _rows_stand_in(compiled: jax.stages.Compiled, on_mesh: bool, output: int = 0, *, caches: bool = True) -> Any:
     """Zeros shaped and placed as the rows a compiled prefill returns first (``output``: another of its
     outputs, e.g. its last logits, -1): what an admission of its result compiles for. Only those: a paged
     prefill's other output is the state, whose pools may take most of the device's memory. Off a mesh
     they stay uncommitted to a device, as the outputs of a prefill of uncommitted inputs (``Engine._put``):
-    a committed argument is another program for jit."""
+    a committed argument is another program for jit. ``caches`` False: the rows without their caches."""
     def zeros(info):
         return jax.device_put(np.zeros(info.shape, info.dtype), info.sharding if on_mesh else None)
 
-    return jax.tree.map(zeros, compiled.out_info[output])
+    info = compiled.out_info[output]
+    if not caches:
+        info = dataclasses.replace(info, target_cache=None, draft_cache=None)
+    return jax.tree.map(zeros, info)
 
 
 class _Runner:
@@ -302,10 +316,12 @@ class _Runner:
         """The first-token draw of a compiled prefill's rows (one program per row count, run once on
         stand-ins): what a prefill with a sampled row, or one asking for logprobs, runs after it."""
         on_mesh = self.engine.mesh is not None
-        rows = _rows_stand_in(compiled, on_mesh)
-        if rows.starts.shape[0] not in self.drawn:
-            self.drawn.add(rows.starts.shape[0])
-            _, first = self.engine.draw_first(rows, None, _rows_stand_in(compiled, on_mesh, -1))
+        rows = compiled.out_info[0].starts.shape[0]
+        if rows not in self.drawn:
+            self.drawn.add(rows)
+            # the draw leaves the caches out (a lone request's state holds them whole): no stand-ins for them
+            _, first = self.engine.draw_first(_rows_stand_in(compiled, on_mesh, caches=False), None,
+                                              _rows_stand_in(compiled, on_mesh, -1))
             jax.block_until_ready(first)
 
     def state(self, rows: int):
@@ -327,6 +343,13 @@ class _Runner:
             self.draw(compiled)
         return self.prefilled[rows, bucket, distinct]
 
+    def compile_prefill(self, shape: Shape) -> None:
+        """A shape of ``compiles_prefill``, compiled (and its first-token draw)."""
+        if shape.phase == "prefill":
+            self.prefill(shape.rows, shape.size, shape.distinct)
+        else:
+            self.draw(self.engine.prefill_compiled(1, self.shortest[shape.size], alone=True))
+
     def run(self, shape: Shape) -> None:
         engine = self.engine
         paged = getattr(engine, "paged", False)
@@ -339,8 +362,8 @@ class _Runner:
                 flags["block"] = shape.block
             self.states[shape.rows], _ = engine.decode(self.state(shape.rows), steps, window=shape.size, **flags)
             jax.block_until_ready(self.states[shape.rows].starts)
-        elif shape.phase == "prefill":
-            self.prefill(shape.rows, shape.size, shape.distinct)
+        elif compiles_prefill(engine, shape):
+            self.compile_prefill(shape)
         elif shape.phase == "admit" and paged:  # its prefill reads the state's pools: compiled beside it
             state = self.state(shape.into)
             compiled, admission = engine.prefill_paged_compiled(
@@ -394,15 +417,15 @@ def run_warmup(engine, shapes: Sequence[Shape], *, threads: int = 1,
                         "when a request meets them. Raising the cap (sysctl -w vm.max_map_count=262144) lets "
                         "them all compile", shape, *mappings, len(shapes) - i)
             return i
-        if shape.phase == "prefill" and pooled:
+        prefill = compiles_prefill(engine, shape)
+        if prefill and pooled:
             continue  # compiled in the pool
         if on_shape is not None:
             on_shape(i, shape)
-        prefills = [s for s in shapes[i:] if s.phase == "prefill"] if shape.phase == "prefill" else []
+        prefills = [s for s in shapes[i:] if compiles_prefill(engine, s)] if prefill else []
         if threads > 1 and len(prefills) > 1:
             with concurrent.futures.ThreadPoolExecutor(min(threads, len(prefills))) as pool:
-                # re-raises a failed compile
-                list(pool.map(lambda s: runner.prefill(s.rows, s.size, s.distinct), prefills))
+                list(pool.map(runner.compile_prefill, prefills))  # re-raises a failed compile
             pooled = True
         else:
             runner.run(shape)
@@ -460,5 +483,5 @@ class BackgroundWarmup:
                           time.perf_counter() - t0)
 
 
-__all__ = ["BackgroundWarmup", "SAMPLING_FEATURES", "Shape", "describe_flags", "first_request_shapes", "run_warmup",
+__all__ = ["BackgroundWarmup", "SAMPLING_FEATURES", "Shape", "compiles_prefill", "describe_flags", "first_request_shapes", "run_warmup",
            "sampling_flags", "sampling_kind", "staged_plan", "warmup_plan"]

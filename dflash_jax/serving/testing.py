@@ -95,7 +95,11 @@ class FakeEngine:
         return FakeState.empty(rows, self.config.max_length, self.max_stop_ids)
 
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                stop_token_ids: Sequence[Sequence[int]], sampling=None) -> tuple[FakeState, np.ndarray]:
+                stop_token_ids: Sequence[Sequence[int]], sampling=None, *, alone: bool = False
+                ) -> tuple[FakeState, np.ndarray]:
+        # ``alone``: one prompt as a running state of one row, which is what its prefilled rows are here
+        if alone and len(prompts) != 1:
+            raise ValueError(f"a prefill alone takes one prompt; got {len(prompts)}")
         if sampling is not None:  # the batcher passes it only for sampled rows or logprobs
             raise ValueError("FakeEngine decodes greedily: it takes no sampling state (no temperature, no logprobs)")
         self.prefills.append([list(p) for p in prompts])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 torch = pytest.importorskip("torch")  # the oracles; without torch (e.g. a jax-only venv) the module skips
 
-from dflash_jax import ContinuousBatcher, Engine, EngineConfig, load_drafter, load_target, sharding
+from dflash_jax import ContinuousBatcher, Engine, EngineConfig, SamplingParams, load_drafter, load_target, sharding
 from dflash_jax.ops.cache import CACHE_AXES
 from dflash_jax.runtime.decoding import DecodeState, commit, greedy_accept, greedy_argmax
 from dflash_jax.runtime.engine import window_buckets
@@ -449,7 +449,8 @@ def test_warmup_compiles_everything_serving_runs(caplog):
     progress = [r.getMessage() for r in caplog.records if r.name == "dflash_jax.runtime.engine"]
     assert len(progress) == 3
     assert "decode for running states of [1, 2] rows at 2 attention windows" in progress[0]
-    assert "12 prefill shapes (2 prompt counts x 4 prompt buckets, and 4 of one prompt's n choices)" in progress[1]
+    assert ("16 prefill shapes (a lone request's in 4 prompt buckets; 2 prompt counts x 4 prompt buckets, and 4 of "
+            "one prompt's n choices, for the batch)") in progress[1]
     compiles: list[str] = []  # XLA compilations while the requests below run: none
 
     def listen(event: str, duration: float, **_) -> None:
@@ -623,6 +624,24 @@ def test_decode_loop_does_not_copy_the_caches(long_engines):
             cache_shape = f"f32[1,{engine.capacity},{tc.num_kv_heads},{tc.head_dim}]"
             copies = [line for line in hlo.splitlines() if f"= {cache_shape}" in line and " copy(" in line]
             assert copies == [], copies[:3]
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, top_p=0.9, seed=5, logprobs=2)])
+def test_a_lone_prefill_is_the_admission_of_its_rows_into_an_empty_state(engines, prompts, sampling):
+    """``prefill(alone=True)``, one program, gives the running state that ``admit`` of the prefilled rows
+    into ``empty_state(1)`` gives, every array bit for bit (a greedy row's and a sampled row's first draw)."""
+    engine, _ = engines
+    args = ([prompts[1]], [12], [[3, 7]], None if sampling is None else [sampling])
+    rows, first = engine.prefill(*args)
+    want = engine.admit(engine.empty_state(1), rows, [0])
+    got, got_first = engine.prefill(*args, alone=True)
+    np.testing.assert_array_equal(np.asarray(got_first), np.asarray(first))
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(want), jax.tree.leaves(got)):
+        assert a.shape == b.shape and a.dtype == b.dtype, path[0]
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(path[0]))
+    with pytest.raises(ValueError, match="one prompt"):
+        engine.prefill([prompts[0], prompts[1]], [4, 4], [[], []], alone=True)
 
 
 def test_one_shot_graphs_follow_the_target_size_unless_configured(models, monkeypatch):

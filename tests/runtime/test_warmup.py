@@ -17,7 +17,7 @@ import pytest
 from dflash_jax import ContinuousBatcher, SamplingParams
 from dflash_jax.runtime.engine import Engine, EngineConfig
 from dflash_jax.runtime.sampling import SamplingFlags
-from dflash_jax.runtime.warmup import (Shape, first_request_shapes, run_warmup, sampling_flags, staged_plan,
+from dflash_jax.runtime.warmup import (Shape, compiles_prefill, first_request_shapes, run_warmup, sampling_flags, staged_plan,
                                        warmup_plan)
 from dflash_jax.tiny import random_target, tiny_target_config
 
@@ -35,14 +35,15 @@ def test_plan_lists_every_shape_a_server_meets_a_lone_request_first(target):
     assert len(plan) == len(set(plan))
     counts = Counter(s.phase for s in plan)
     windows, buckets = len(engine.windows), len(engine.prompt_buckets())
-    # decode per running state (1 and 2 rows) and window; prefills of 1 and 2 rows per bucket, and of
-    # one prompt's 2 choices; a lone prefill joins either state, a pair the 2-row one; resizes both ways;
-    # a release per state
+    # decode per running state (1 and 2 rows) and window; a lone request's prefill into its own row per
+    # bucket (an admission into 1 row, one program); prefills of 1 and 2 rows per bucket, and of one
+    # prompt's 2 choices, each admitted into the 2-row state; resizes both ways; a release per state
     assert counts == {"decode": 2 * windows, "prefill": 3 * buckets, "admit": 3 * buckets, "resize": 2, "release": 2}
     shared = [s for s in plan if s.distinct]
     assert shared == [Shape("prefill", 2, b, distinct=1) for b, _ in engine.prompt_buckets()]
     assert plan.index(shared[0]) > max(i for i, s in enumerate(plan) if s.phase == "admit")  # after the batch's own
-    lone = [s for s in plan if s.rows == 1 and s.phase in ("decode", "prefill") or s.into == 1 and s.phase == "admit"]
+    lone = [s for s in plan if s.rows == 1 and s.phase == "decode" or s.into == 1 and s.phase == "admit"]
+    assert all(compiles_prefill(engine, s) for s in lone if s.phase == "admit")
     assert plan[:len(lone)] == lone  # what a lone request runs comes first
     assert plan[0] == Shape("decode", 1, engine.windows[0])
     assert warmup_plan(engine, [1]) == [s for s in lone] + [Shape("release", 1)]
@@ -54,8 +55,9 @@ def test_first_request_shapes_cover_the_windows_the_host_picks(target):
     first = first_request_shapes(engine, plan, 64, 256)
     # a 1..64-token prompt in buckets 16, 32, 64; its calls' windows cover start + 8 steps of one token
     # (>= 9: 64) up to the last token it can write (64 + 256 - 2 + 1: 512)
-    assert [s for s in first if s.phase == "prefill"] == [Shape("prefill", 1, b) for b in (16, 32, 64)]
-    assert [s for s in first if s.phase == "admit"] == [Shape("admit", 1, b, 1) for b in (16, 32, 64)]
+    # its prefill into a state of its own (one program a bucket): no prefill of rows to admit
+    assert [s for s in first if s.phase != "decode"] == [Shape("admit", 1, b, 1) for b in (16, 32, 64)]
+    assert str(first[-1]) == "a lone request's prefill into its own row, prompt bucket 64"
     assert [s.size for s in first if s.phase == "decode"] == [64, 128, 256, 512]
     assert all(s in plan for s in first) and len(first) < len(plan) / 4
     assert str(first[0]) == "decode, 1 row, attention window 64"
@@ -95,7 +97,7 @@ def test_sampled_decoding_is_planned_after_binding(target):
     assert sorted(first + rest, key=plan.index) == plan
     lone = [s for f in flags for s in first_request_shapes(engine, plan, 32, 64, sampling=f) if s.phase == "decode"]
     assert [dataclasses.replace(s, sampling=None) for s in lone] == [s for s in first if s.phase == "decode"] * 2
-    prefills = [s for s in rest if s.phase in ("prefill", "admit") and s.rows == 1 and s.into < 2]
+    prefills = [s for s in rest if s.phase == "admit" and s.rows == s.into == 1]
     assert rest[:len(prefills) + len(lone)] == prefills + lone
     assert str(lone[-1]) == f"decode, sample+top_logprobs, 1 row, attention window {lone[-1].size}"
 
