@@ -277,6 +277,7 @@ def time_decode(engine, batch: int, context: int, steps: int, repeats: int,
         state, _ = engine.decode(state, n_steps=steps, window=window)
         jax.block_until_ready(state.starts)
         times.append((time.perf_counter() - t0) / steps)
+        _check_advanced(np.asarray(state.starts) - before, steps, context, "time_decode")
     tau = float((np.asarray(state.starts) - before).mean() / steps)
     return statistics.median(times), tau
 
@@ -292,13 +293,19 @@ def time_decode_pipelined(engine, batch: int, context: int, steps: int, calls: i
         state, _ = engine.decode(state, n_steps=steps)
     jax.block_until_ready(state.starts)
     elapsed = time.perf_counter() - t0
-    # Every step commits at least one token per row; fewer means rows reached max_length and stopped,
-    # and the steps after that would be counted without having run.
-    advanced = int((np.asarray(state.starts) - before).min())
-    if advanced < calls * steps:
-        raise ValueError(f"{calls} calls of {steps} steps from context {context} run past the engine's "
-                         f"max_length (rows advanced {advanced} tokens); ask for fewer calls")
+    _check_advanced(np.asarray(state.starts) - before, calls * steps, context, "time_decode_pipelined")
     return elapsed / (calls * steps)
+
+
+def _check_advanced(advanced: np.ndarray, steps: int, context: int, what: str) -> None:
+    """Every step commits at least one token per row: rows that advanced fewer than ``steps`` tokens
+    stopped (at max_length, or their window's edge), and the steps after that were timed without having
+    run. Raises ValueError saying so."""
+    least = int(advanced.min())
+    if least < steps:
+        raise ValueError(f"{what}: {steps} steps from context {context} ran past the engine's max_length or the "
+                         f"attention window (rows advanced {least} tokens); ask for fewer steps or calls, or a "
+                         f"larger max_length")
 
 
 # -- profiles and output ----------------------------------------------------------------------------
