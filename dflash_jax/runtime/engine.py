@@ -1104,21 +1104,16 @@ class Engine:
         ``alone``: one prompt, returned as a running state of one row (``state_rows(1)``) that holds it,
         in place of the rows: what ``admit`` of its rows into ``empty_state(1)`` gives, in one program.
         """
+        if alone and (len(prompts) != 1 or self.paged):
+            raise ValueError(f"a prefill alone takes one prompt on an engine without pages; got "
+                             f"{len(prompts)} prompts{' on a paged engine' if self.paged else ''}")
         params = smp.resolve(sampling, len(prompts))
-        if alone:
-            if len(prompts) != 1 or self.paged:
-                raise ValueError(f"a prefill alone takes one prompt on an engine without pages; got "
-                                 f"{len(prompts)} prompts{' on a paged engine' if self.paged else ''}")
-            self._count_prefill(prompts)
-            state, first, last_logits = self._prefill_alone(
-                self._target_state, self._drafter_state,
-                *self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params))
-            return self.draw_first(state, first, last_logits, params)
-        leaders = shared_prompts(prompts)
+        leaders = shared_prompts(prompts)  # None for one prompt
         inputs = self._prefill_inputs(prompts, max_new_tokens, stop_token_ids, params)
         if leaders is None:
             self._count_prefill(prompts)
-            rows, first, last_logits = self._prefill(self._target_state, self._drafter_state, *inputs)
+            program = self._prefill_alone if alone else self._prefill
+            rows, first, last_logits = program(self._target_state, self._drafter_state, *inputs)
         else:
             ids, lens, source = self._distinct_inputs(prompts, leaders)
             self._count_prefill([prompts[i] for i in sorted(set(leaders))])

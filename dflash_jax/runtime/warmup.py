@@ -150,6 +150,11 @@ class Shape:
     distinct: int = 0
     cached: bool = False
 
+    @property
+    def lone(self) -> bool:
+        """A lone request's admission: its prefill into a running state of its own (one row into one)."""
+        return self.phase == "admit" and self.rows == self.into == 1
+
     def __str__(self) -> str:
         rows = f"{self.rows} row{'s' if self.rows > 1 else ''}"
         if self.phase == "decode":
@@ -162,7 +167,7 @@ class Shape:
         if self.phase == "admit" and self.cached:
             return (f"admission of a {rows} prefill{shared} over cached prefixes (the rest's bucket {self.size}) "
                     f"into {self.into} rows")
-        if self.phase == "admit" and self.rows == self.into == 1:
+        if self.lone:
             return f"a lone request's prefill into its own row, prompt bucket {self.size}"
         if self.phase == "admit":
             return f"admission of a {rows} prefill{shared} (bucket {self.size}) into {self.into} rows"
@@ -250,8 +255,7 @@ def first_request_shapes(engine, plan: Sequence[Shape], prompt_tokens: int, max_
 
     smallest = window(min(1 + steps * block, min(1 + max_new_tokens, engine.config.max_length) - 2 + block))
     largest = window(end - 2 + block)
-    return [s for s in plan if (s.phase == "admit" and s.rows == 1 and s.size in buckets and s.into == 1
-                                and not s.cached)
+    return [s for s in plan if (s.lone and s.size in buckets and not s.cached)
             or (s.phase == "decode" and s.rows == 1 and smallest <= s.size <= largest and s.sampling == sampling)
             or (s.phase == "pages" and s.rows == 1)]
 
@@ -270,7 +274,7 @@ def staged_plan(engine, plan: Sequence[Shape], prompt_tokens: int, max_new_token
     longest = max((s.size for s in first if s.phase == "decode"), default=0)
 
     def order(shape: Shape) -> tuple[int, int]:
-        if shape.phase == "admit" and shape.rows == 1 and shape.into == 1:  # a lone request's, longer prompts
+        if shape.lone:  # a lone request's, longer prompts
             return 0, 0
         if shape in sampled:  # each flags' windows together: a request meets all of them
             return 1, flags.index(shape.sampling)
@@ -283,8 +287,7 @@ def compiles_prefill(engine, shape: Shape) -> bool:
     """Whether ``shape`` is a prefill program of its own, which ``run_warmup`` may compile beside others: a
     prefill, or a lone request's prefill into its own state (an engine without pages; a paged admission
     compiles beside the state whose pools it reads)."""
-    return shape.phase == "prefill" or (shape.phase == "admit" and shape.rows == shape.into == 1
-                                        and not getattr(engine, "paged", False))
+    return shape.phase == "prefill" or (shape.lone and not getattr(engine, "paged", False))
 
 
 def _rows_stand_in(compiled: jax.stages.Compiled, on_mesh: bool, output: int = 0, *, caches: bool = True) -> Any:
