@@ -46,7 +46,7 @@ def dflash2_twin(drafter, *, rank: int, top_k: int, taps: int, group: int):
     cfg = DFlash2Config(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}, conv_kernel_size=taps,
                         conv_group_size=group, selector_rank=rank, selector_top_k=top_k)
     cfg.validate("bench")
-    return random_drafter(cfg, seed=2, std=0.02, dtype=drafter.fc.dtype)
+    return random_drafter(cfg, seed=2, std=0.02, dtype=drafter.dtype)
 
 
 def time_batch(engines: dict, batch: int, context: int, steps: int, repeats: int,

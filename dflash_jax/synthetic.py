@@ -67,7 +67,7 @@ def synthetic_drafter(drafter: Drafter, accept_rate: float, *, transition: jax.A
                       seed: int = 0) -> SyntheticDrafter:
     """A ``SyntheticDrafter`` with ``drafter``'s config and weights (its cost), proposing as the module says."""
     out = SyntheticDrafter(drafter.config, accept_rate=accept_rate, transition=transition, seed=seed,
-                           dtype=drafter.fc.dtype, rngs=nnx.Rngs(0))
+                           dtype=drafter.dtype, rngs=nnx.Rngs(0))
     nnx.update(out, nnx.state(drafter, nnx.Param))
     return out
 

@@ -38,6 +38,12 @@ class Drafter(nnx.Module):
         # side, ``[embed, kv_heads, layers, 2, head_dim]``, for one matmul in ``context_kv``.
         self.context_kv_proj = self.context_kv_bias = None
 
+    @property
+    def dtype(self):
+        """The drafter's compute dtype (its context cache's, its activations'): its norms' weights', which every
+        layout keeps as loaded (the serving layout may store a matmul weight in bfloat16 on a CPU)."""
+        return self.hidden_norm.weight.dtype
+
     def _make_layer(self, i: int, inv_freq, dtype, rngs: nnx.Rngs) -> nnx.Module:
         """Decoder layer ``i`` (a drafter generation with other layers overrides this)."""
         c = self.config
@@ -54,7 +60,7 @@ class Drafter(nnx.Module):
 
     def fuse(self, taps: jax.Array) -> jax.Array:
         """``taps [..., n_taps * hidden]`` -> context features ``hidden_norm(fc(taps))`` ``[..., hidden]``."""
-        return self.hidden_norm(dense(taps.astype(self.fc.dtype), self.fc))
+        return self.hidden_norm(dense(taps.astype(self.dtype), self.fc))
 
     def context_kv(self, taps: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Projects committed tokens' taps into every draft layer's context K/V at once.
@@ -138,7 +144,7 @@ class Drafter(nnx.Module):
         return draft
 
     def _scale_embeds(self, block_embeds: jax.Array) -> jax.Array:
-        h = block_embeds.astype(self.fc.dtype)
+        h = block_embeds.astype(self.dtype)
         if self.config.input_embedding_scale != 1.0:
             h = h * jnp.asarray(self.config.input_embedding_scale, h.dtype)
         return h

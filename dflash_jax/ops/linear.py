@@ -8,6 +8,7 @@ single row is multiplied (docs/design.md, "Ops"). The LM head over a tied embedd
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -69,6 +70,47 @@ def dot_input_last(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
     y = jax.lax.dot_general(w.reshape(-1, k), x.reshape(-1, k), (((1,), (1,)), ((), ())))
     # The barrier keeps XLA's simplifier from folding the transpose back into the dot, as ``x @ w^T``.
     return jax.lax.optimization_barrier(y).T.reshape(rows + w.shape[:n_out])
+
+
+def bfloat16_terms(x: jax.Array) -> jax.Array:
+    """float32 ``x [...]`` -> bfloat16 ``[3, ...]``: the leading 8 significant bits of each value, the next 8 and
+    the last 8, whose float32 sum is ``x`` exactly down to magnitudes of 2^-103 (below, a term can be
+    subnormal, which XLA:CPU flushes to zero as its float32 GEMMs do). Each term is its float32 remainder cut
+    to its top 16 bits (a bfloat16 value; the remainder after it exact in float32): bits, not XLA:CPU's
+    rounding conversion to bfloat16, which ran ~2x slower."""
+    top = jnp.uint32(0xFFFF0000)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    rest = x - jax.lax.bitcast_convert_type(bits & top, jnp.float32)
+    rest_bits = jax.lax.bitcast_convert_type(rest, jnp.uint32)
+    last = rest - jax.lax.bitcast_convert_type(rest_bits & top, jnp.float32)
+    terms = jnp.stack([bits, rest_bits, jax.lax.bitcast_convert_type(last, jnp.uint32)]) >> 16
+    return jax.lax.bitcast_convert_type(terms.astype(jnp.uint16), jnp.bfloat16)
+
+
+def exactly_bfloat16(w: jax.Array) -> bool:
+    """Whether every value of the float32 array ``w`` is a bfloat16 value (a bfloat16 checkpoint loaded in float32)."""
+    return w.dtype == jnp.float32 and bool(jnp.array_equal(w, w.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+def bfloat16_matrix_units() -> bool:
+    """Whether this host's CPU multiplies bfloat16 matrices in hardware (AMX-BF16, Intel Xeon since Sapphire
+    Rapids), where XLA:CPU's bfloat16 GEMMs of a few rows ran ~2-3x the float32 GEMMs' rate (docs/performance.md,
+    "The embedded pair"). AVX512-BF16 alone (AMD Zen 4) ran them slower than float32. Linux's /proc/cpuinfo;
+    elsewhere False."""
+    return "amx_bf16" in cpu_flags()
+
+
+@functools.cache
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The feature flags of the first CPU in ``cpuinfo`` (Linux's format); none where it cannot be read."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def weight_major_gemms() -> bool:
@@ -139,6 +181,23 @@ def _shard_size(w: nnx.Param) -> int:
 
 def _dot(x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
     out = w.shape[in_dims:]
+    rows = x.shape[:x.ndim - in_dims]
+    k = math.prod(w.shape[:in_dims])
+    if w.dtype == jnp.bfloat16 and x.dtype == jnp.float32:
+        return _float32_times_bfloat16(x.reshape(-1, k), w.reshape(k, -1)).reshape(rows + out)
     contract = (tuple(range(x.ndim - in_dims, x.ndim)), tuple(range(in_dims)))
     y = jax.lax.dot_general(x, w.reshape(w.shape[:in_dims] + (math.prod(out),)), (contract, ((), ())))
-    return y.reshape(x.shape[:x.ndim - in_dims] + out)
+    return y.reshape(rows + out)
+
+
+def _float32_times_bfloat16(x: jax.Array, w: jax.Array) -> jax.Array:
+    """float32 ``x [rows, k]`` times a bfloat16 ``w [k, n]`` (``serving_params``' bfloat16 weights) -> float32
+    ``[rows, n]``: the three bfloat16 terms of each row (``bfloat16_terms``) in one GEMM of ``3 * rows`` rows
+    accumulating in float32, their products summed smallest first. A bfloat16 term times a bfloat16 weight is
+    exact in float32, so this is the float32 product up to the summation order, as another GEMM's would be.
+    The rows on the left: the products come out row-major, the layout of what reads them (XLA:CPU fuses
+    the terms' split into its producer, and a producer read across its layout there ran ~4x slower)."""
+    rows = x.shape[0]
+    terms = bfloat16_terms(x).reshape(3 * rows, x.shape[1])
+    y = jax.lax.dot_general(terms, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y[2 * rows:] + y[rows:2 * rows]) + y[:rows]

@@ -192,7 +192,7 @@ def new_caches(target: Target, drafter: Drafter | None, batch: int, length: int)
     if drafter is None:
         return target_cache, None
     dc = drafter.config
-    return target_cache, KVCache.zeros(dc.num_layers, batch, length, dc.num_kv_heads, dc.head_dim, drafter.fc.dtype)
+    return target_cache, KVCache.zeros(dc.num_layers, batch, length, dc.num_kv_heads, dc.head_dim, drafter.dtype)
 
 
 def empty_state(target: Target, drafter: Drafter | None, batch: int, *, capacity: int, max_steps: int,

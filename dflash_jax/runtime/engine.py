@@ -31,7 +31,7 @@ from dflash_jax.runtime import decoding, paged
 from dflash_jax.runtime import sampling as smp
 from dflash_jax.runtime.sampling import SamplingFlags, SamplingParams
 from dflash_jax.ops.config import EXPERT_IMPLEMENTATIONS, OpsConfig, parse_tiles, resolve_attention_impl
-from dflash_jax.ops.linear import weight_major_gemms
+from dflash_jax.ops.linear import bfloat16_matrix_units, weight_major_gemms
 from dflash_jax.runtime.serving_params import in_serving_layout, serving_drafter, serving_target
 from dflash_jax.runtime.batcher import (ContinuousBatcher, Generation, GenerationResult, RowSnapshot, StopCheck,
                                         stop_checks_per_prompt)
@@ -130,6 +130,12 @@ class EngineConfig:
     # model) and loses where the kernels hide their launches (a large one). None: on for a target of fewer
     # than ``ONE_SHOT_GRAPH_MAX_PARAMS`` parameters (docs/performance.md, "The embedded pair").
     one_shot_graphs: bool | None = None
+    # CPUs: the weights whose float32 values are all bfloat16 values (a bfloat16 checkpoint served in float32)
+    # kept in bfloat16, each float32 row multiplied by them as three exact bfloat16 products: float32 results
+    # (up to the summation order, as another GEMM's), half the bytes, and the CPU's bfloat16 GEMMs
+    # (``runtime.serving_params``). None: on where the CPU has bfloat16 matrix units (AMX-BF16), where the
+    # embedded pair's verify block ran ~2x faster and its decode token ~1.2x (docs/performance.md).
+    cpu_bfloat16_weights: bool | None = None
 
     def validate(self) -> None:
         check_field_types(self)  # a config built in Python skips the YAML loader's checks
@@ -231,12 +237,17 @@ class PagedAdmission:
 
 def _serving_layout(config: EngineConfig, mesh: Mesh | None) -> dict:
     """``serving_params``' choices for an engine of ``config`` on ``mesh``: weights stored input-last where a
-    verify block's and a prompt's GEMMs prefer them (XLA:CPU), query heads padded for the attention kernel
-    where it runs (``ops.attention.fused_query_groups``). A mesh keeps the layout its sharding rules were
-    written for."""
+    verify block's and a prompt's GEMMs prefer them (XLA:CPU), and there those of bfloat16 values in bfloat16
+    (``EngineConfig.cpu_bfloat16_weights``), query heads padded for the attention kernel where it runs
+    (``ops.attention.fused_query_groups``). A mesh keeps the layout its sharding rules were written for."""
     if mesh is not None and mesh.size > 1:
         return dict(input_last=False, attention_impl="xla")
-    return dict(input_last=weight_major_gemms(), attention_impl=resolve_attention_impl(config.attention_impl))
+    input_last = weight_major_gemms()
+    bfloat16_weights = config.cpu_bfloat16_weights
+    if bfloat16_weights is None:
+        bfloat16_weights = bfloat16_matrix_units()
+    return dict(input_last=input_last, bfloat16_weights=input_last and bfloat16_weights,
+                attention_impl=resolve_attention_impl(config.attention_impl))
 
 
 def _check_checkpoint_layout(module, name: str, where: str, other: str = "") -> None:
@@ -433,6 +444,9 @@ class Engine:
         if config.mesh != self.config.mesh:
             raise ValueError("Engine.derive: config.mesh differs from this engine's; build a new Engine for "
                              "another mesh")
+        if config.cpu_bfloat16_weights != self.config.cpu_bfloat16_weights:
+            raise ValueError("Engine.derive: config.cpu_bfloat16_weights differs from this engine's (the target's "
+                             "weights are stored as this engine's says); build a new Engine for another setting")
         if isinstance(drafter, str):
             if drafter != "same":
                 raise ValueError(f"Engine.derive: drafter must be 'same', None or a Drafter, got {drafter!r}")
@@ -567,7 +581,7 @@ class Engine:
 
         total = layer_bytes(self.target.config, self.target.embed_tokens.dtype)
         if self.drafter is not None:
-            total += layer_bytes(self.drafter.config, self.drafter.fc.dtype)
+            total += layer_bytes(self.drafter.config, self.drafter.dtype)
         return total * self.page_size
 
     @property

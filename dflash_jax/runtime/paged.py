@@ -49,7 +49,7 @@ def new_pools(target: Target, drafter: Drafter | None, pages: int, page_size: in
     if drafter is None:
         return target_pools, None
     dc = drafter.config
-    return target_pools, page_pools(dc.num_layers, pages, page_size, dc.num_kv_heads, dc.head_dim, drafter.fc.dtype)
+    return target_pools, page_pools(dc.num_layers, pages, page_size, dc.num_kv_heads, dc.head_dim, drafter.dtype)
 
 
 def _without_caches(state: DecodeState) -> DecodeState:

@@ -19,6 +19,11 @@ from the layout it was loaded in.
 - Weights stored input-last (``input_last=True``, where ``ops.linear.weight_major_gemms``: XLA:CPU): every
   weight ``ops.linear.dense`` multiplies transposed to ``[*out, *in]`` (torch's order), so that a block of
   rows multiplies as ``w @ x^T`` with the weight the GEMM's streamed operand (``ops.linear.dot_input_last``).
+- With ``bfloat16_weights`` as well (CPUs with bfloat16 matrix units, ``ops.linear.bfloat16_matrix_units``):
+  those of them whose float32 values are all bfloat16 values (a bfloat16 checkpoint served in float32) stored
+  in bfloat16, and a tied LM head gets such a copy of the embedding table, which the lookup keeps reading in
+  float32. ``dot_input_last`` multiplies float32 rows by them exactly, as three bfloat16 products: half the
+  bytes, and the CPU's bfloat16 GEMMs. Weights with other values stay float32.
 - The drafter's context K/V projection: every layer's K and V weights side by side, ``[embed,
   kv_heads, layers, 2, head_dim]``, one matmul per committed token for all layers (left to XLA,
   the per-layer matmuls were merged by copying their weights into one at every step). KV heads come
@@ -36,7 +41,7 @@ from dflash_jax.models.hybrid import HybridTarget
 from dflash_jax.models.layers import MLP, Attention, DecoderLayer
 from dflash_jax.models.target import Target
 from dflash_jax.ops.attention import fused_query_groups
-from dflash_jax.ops.linear import INPUT_LAST
+from dflash_jax.ops.linear import INPUT_LAST, exactly_bfloat16
 from dflash_jax.ops.norms import fold_norm
 
 # (module class, weight, the weight's input dimensions): the serving layout's weights that only
@@ -49,12 +54,13 @@ DENSE_WEIGHTS = (
 
 
 def serving_target(target: Target, *, fold_norms: bool = True, input_last: bool = False,
-                   attention_impl: str = "xla") -> Target:
+                   bfloat16_weights: bool = False, attention_impl: str = "xla") -> Target:
     """A copy of ``target`` in the serving layout: projections fused, with ``fold_norms`` the norms
     folded into the matmuls after them, query heads padded for ``attention_impl``'s kernel
-    (``pad_query_groups``), with ``input_last`` the weights stored input-last (``store_input_last``).
-    ``target`` is not changed. A hybrid target (``models.hybrid``) has no serving layout: it is served
-    as a plain copy."""
+    (``pad_query_groups``), with ``input_last`` the weights stored input-last (``store_input_last``; with
+    ``bfloat16_weights`` too, those of bfloat16 values in bfloat16, and a layer whose matmuls hold bfloat16
+    values keeps its norms: folded, they would not). ``target`` is not changed. A hybrid target
+    (``models.hybrid``) has no serving layout: it is served as a plain copy."""
     served = nnx.clone(target)
     if isinstance(served, HybridTarget):
         return served
@@ -62,19 +68,24 @@ def serving_target(target: Target, *, fold_norms: bool = True, input_last: bool 
         fuse_attention(layer.self_attn)
         if isinstance(layer.mlp, MLP):  # a mixture of experts keeps its layout
             fuse_mlp(layer.mlp)
-            if fold_norms:
+            keeps_bfloat16 = bfloat16_weights and input_last and exactly_bfloat16(layer.mlp.gate_up_proj[...])
+            if fold_norms and not keeps_bfloat16:
                 _fold_layer_norms(layer)
         pad_query_groups(layer.self_attn, attention_impl)
     if input_last:
-        store_input_last(served)
+        store_input_last(served, bfloat16_weights=bfloat16_weights)
+        if bfloat16_weights and served.lm_head is None and exactly_bfloat16(served.embed_tokens[...]):
+            served.lm_head = nnx.data(nnx.Param(served.embed_tokens[...].T.astype(jnp.bfloat16),
+                                                axes=("embed", "vocab")))
     return served
 
 
-def serving_drafter(drafter: Drafter, *, input_last: bool = False, attention_impl: str = "xla") -> Drafter:
+def serving_drafter(drafter: Drafter, *, input_last: bool = False, bfloat16_weights: bool = False,
+                    attention_impl: str = "xla") -> Drafter:
     """A copy of ``drafter`` in the serving layout: every layer's projections fused for the block,
     plus ``context_kv_proj`` for the context K/V of all layers at once, query heads padded for
     ``attention_impl``'s kernel (``pad_query_groups``), with ``input_last`` the weights stored
-    input-last (``store_input_last``). ``drafter`` is not changed."""
+    input-last (``store_input_last``, ``bfloat16_weights`` as there). ``drafter`` is not changed."""
     served = nnx.clone(drafter)
     attns = [layer.self_attn for layer in served.layers]
     w = jnp.stack([jnp.stack([a.k_proj[...], a.v_proj[...]], axis=2) for a in attns], axis=2)
@@ -87,14 +98,15 @@ def serving_drafter(drafter: Drafter, *, input_last: bool = False, attention_imp
         fuse_mlp(layer.mlp)
         pad_query_groups(layer.self_attn, attention_impl)
     if input_last:
-        store_input_last(served)
+        store_input_last(served, bfloat16_weights=bfloat16_weights)
     return served
 
 
-def store_input_last(module: nnx.Module) -> None:
+def store_input_last(module: nnx.Module, *, bfloat16_weights: bool = False) -> None:
     """On a serving copy: each of ``DENSE_WEIGHTS`` replaced by its transpose ``[*out, *in]`` (its
-    logical axes permuted alike), marked ``ops.linear.INPUT_LAST`` for ``dense``. New arrays: the
-    checkpoint-layout module keeps its own."""
+    logical axes permuted alike), marked ``ops.linear.INPUT_LAST`` for ``dense``; with ``bfloat16_weights``,
+    in bfloat16 where its float32 values all are bfloat16 values (``ops.linear.exactly_bfloat16``). New
+    arrays: the checkpoint-layout module keeps its own."""
     found = [(node, name, in_dims) for _, node in nnx.iter_graph(module) for cls, name, in_dims in DENSE_WEIGHTS
              if isinstance(node, cls) and isinstance(getattr(node, name, None), nnx.Param)]
     for node, name, in_dims in found:
@@ -102,6 +114,9 @@ def store_input_last(module: nnx.Module) -> None:
         perm = tuple(range(in_dims, w.ndim)) + tuple(range(in_dims))
         axes = w.get_metadata().get("axes")
         metadata = {INPUT_LAST: True} if axes is None else {"axes": tuple(axes[i] for i in perm), INPUT_LAST: True}
+        if bfloat16_weights and exactly_bfloat16(w[...]):  # ``ops.linear`` multiplies it rows on the left
+            setattr(node, name, nnx.Param(w[...].astype(jnp.bfloat16), **w.get_metadata()))
+            continue
         setattr(node, name, nnx.Param(jnp.transpose(w[...], perm), **metadata))
 
 

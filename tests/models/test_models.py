@@ -434,6 +434,45 @@ def test_fused_serving_layout_matches_transformers(bias, tmp_path, reference):
     _assert_matches_transformers(stored, ref, _ids(4, 2, 17), (0, cfg.num_layers - 1))
 
 
+def test_bfloat16_weights_serve_the_same_model(tmp_path, reference):
+    """A checkpoint of bfloat16 values served in float32 with bfloat16 weights (``serving_params``, a CPU with
+    bfloat16 matrix units): the weights in bfloat16 in their ``[in, out]`` layout (not input-last), the norms
+    left unfolded (folded, a weight would no longer hold bfloat16 values), a tied head a bfloat16 copy of the
+    table beside the float32 table the lookup reads; the logits and taps equal transformers' within float32
+    rounding. Weights of other values stay float32, input-last, the norms folded."""
+    from flax import nnx
+
+    from dflash_jax.io.checkpoint import save_target
+    from dflash_jax.models.target import Target
+    from dflash_jax.ops.linear import INPUT_LAST
+    from dflash_jax.runtime.serving_params import serving_target
+    from dflash_jax.tiny import tiny_target_config
+
+    cfg = tiny_target_config("qwen3", num_heads=8, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+    target = Target(cfg, rngs=nnx.Rngs(6))
+    for path, var in nnx.to_flat_state(nnx.state(target, nnx.Param)):
+        value = var.get_value()
+        if "norm" in str(path):  # norm weights of ones would fold into the same values
+            value = 1 + 0.2 * jax.random.normal(jax.random.key(len(str(path))), value.shape)
+        var.set_value(value.astype(jnp.bfloat16).astype(jnp.float32))
+    save_target(target, tmp_path / "t")
+    loaded = load_target(tmp_path / "t")
+    stored = serving_target(loaded, input_last=True, bfloat16_weights=True)
+    attn, mlp = stored.layers[0].self_attn, stored.layers[0].mlp
+    weights = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, stored.lm_head)
+    assert all(w.dtype == jnp.bfloat16 and not w.get_metadata().get(INPUT_LAST) for w in weights)
+    assert stored.embed_tokens.dtype == jnp.float32 and loaded.lm_head is None
+    assert stored.lm_head.shape == (cfg.hidden_size, cfg.vocab_size)
+    assert mlp.down_proj.shape == loaded.layers[0].mlp.down_proj.shape
+    assert not any(layer.norms_folded for layer in stored.layers)
+    _assert_matches_transformers(stored, reference.target(tmp_path / "t"), _ids(4, 2, 17), (0, cfg.num_layers - 1))
+    # weights of other values (a float32 model): float32, the norms folded as without bfloat16 weights
+    plain = serving_target(Target(cfg, rngs=nnx.Rngs(7)), input_last=True, bfloat16_weights=True)
+    down = plain.layers[0].mlp.down_proj
+    assert down.dtype == jnp.float32 and down.get_metadata()[INPUT_LAST] and plain.lm_head is None
+    assert all(layer.norms_folded for layer in plain.layers)
+
+
 @pytest.mark.slow
 def test_folded_norms_decode_step_equals_unfolded(monkeypatch):
     """The norms folded into the matmuls (``runtime.serving_params``), a random Qwen3 target whose norm weights are

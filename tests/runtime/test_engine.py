@@ -432,6 +432,43 @@ def test_input_last_weights_give_the_same_generations(models, prompts, engines, 
         _assert_same_generations(mine.generate(prompts, 12), theirs.generate(prompts, 12))
 
 
+def _bfloat16_valued(module):
+    """A copy of ``module`` whose float32 parameters hold bfloat16 values (a bfloat16 checkpoint loaded in float32)."""
+    from flax import nnx
+
+    copy = nnx.clone(module)
+    for _, var in nnx.to_flat_state(nnx.state(copy, nnx.Param)):
+        value = var.get_value()
+        if value.dtype == jnp.float32:
+            var.set_value(value.astype(jnp.bfloat16).astype(jnp.float32))
+    return copy
+
+
+def test_bfloat16_weights_give_the_same_generations(models, prompts, monkeypatch):
+    """On a CPU, a pair of bfloat16 values served with bfloat16 weights (``EngineConfig.cpu_bfloat16_weights``:
+    float32 rows times them as three exact bfloat16 products) generates the same tokens and acceptance lengths
+    as served in float32, speculative and target-only; a derived engine keeps the setting, and one asking for
+    the other is refused. ``None`` follows the CPU's bfloat16 matrix units."""
+    from dflash_jax.runtime import engine as engine_module
+
+    target, drafter = (_bfloat16_valued(m) for m in models)
+    on = EngineConfig(max_batch_size=8, max_length=80, steps_per_sync=4, cpu_bfloat16_weights=True)
+    off = dataclasses.replace(on, cpu_bfloat16_weights=False)
+    spec_on, spec_off = Engine(target, drafter, on), Engine(target, drafter, off)
+    assert spec_on.target.layers[0].mlp.down_proj.dtype == jnp.bfloat16 and spec_on.drafter.fc.dtype == jnp.bfloat16
+    assert spec_off.target.layers[0].mlp.down_proj.dtype == jnp.float32 and spec_on.drafter.dtype == jnp.float32
+    assert target.layers[0].mlp.down_proj.dtype == jnp.float32  # the user's modules as they were
+    for mine, theirs in ((spec_on, spec_off), (spec_on.derive(drafter=None), spec_off.derive(drafter=None))):
+        _assert_same_generations(mine.generate(prompts, 12), theirs.generate(prompts, 12))
+    with pytest.raises(ValueError, match="cpu_bfloat16_weights"):
+        spec_on.derive(off)
+    for units in (True, False):
+        monkeypatch.setattr(engine_module, "bfloat16_matrix_units", lambda v=units: v)
+        assert engine_module._serving_layout(EngineConfig(), None)["bfloat16_weights"] is units
+        assert engine_module._serving_layout(on, None)["bfloat16_weights"] is True
+        assert engine_module._serving_layout(off, None)["bfloat16_weights"] is False
+
+
 @pytest.mark.slow
 def test_warmup_compiles_everything_serving_runs(caplog):
     """After ``warmup``, requests of every prompt bucket, admitted alone, two at once (two choices of
