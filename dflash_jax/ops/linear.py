@@ -3,7 +3,8 @@
 Every projection of the decode path goes through ``dense``, except a decode token's QKV and output
 projections on one GPU, which go through ``single_row_partials``: the two places that decide how a
 single row is multiplied (docs/design.md, "Ops"). The LM head over a tied embedding table goes through
-``dot_input_last``, as does ``dense`` for a weight stored input-last (``INPUT_LAST``).
+``dot_input_last``, as does ``dense`` for a weight stored input-last (``INPUT_LAST``); ``dense`` multiplies
+float32 rows by a bfloat16 weight (a CPU's bfloat16 weights) exactly, in three bfloat16 terms.
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ def exactly_bfloat16(w: jax.Array) -> bool:
 
 def bfloat16_matrix_units() -> bool:
     """Whether this host's CPU multiplies bfloat16 matrices in hardware (AMX-BF16, Intel Xeon since Sapphire
-    Rapids), where XLA:CPU's bfloat16 GEMMs of a few rows ran ~2-3x the float32 GEMMs' rate (docs/performance.md,
-    "The embedded pair"). AVX512-BF16 alone (AMD Zen 4) ran them slower than float32. Linux's /proc/cpuinfo;
-    elsewhere False."""
+    Rapids), where XLA:CPU's bfloat16 GEMMs ran at 4-6x its float32 GEMMs' rate (2 cores, 48-288 rows against
+    384 x 2304: docs/design.md, "How a block meets XLA:CPU's GEMMs"). With AVX512-BF16 alone (an AMD EPYC) a
+    bfloat16 model's steps ran slower than in float32. Linux's /proc/cpuinfo; elsewhere False."""
     return "amx_bf16" in cpu_flags()
 
 

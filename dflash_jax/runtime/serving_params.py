@@ -20,10 +20,11 @@ from the layout it was loaded in.
   weight ``ops.linear.dense`` multiplies transposed to ``[*out, *in]`` (torch's order), so that a block of
   rows multiplies as ``w @ x^T`` with the weight the GEMM's streamed operand (``ops.linear.dot_input_last``).
 - With ``bfloat16_weights`` as well (CPUs with bfloat16 matrix units, ``ops.linear.bfloat16_matrix_units``):
-  those of them whose float32 values are all bfloat16 values (a bfloat16 checkpoint served in float32) stored
-  in bfloat16, and a tied LM head gets such a copy of the embedding table, which the lookup keeps reading in
-  float32. ``dot_input_last`` multiplies float32 rows by them exactly, as three bfloat16 products: half the
-  bytes, and the CPU's bfloat16 GEMMs. Weights with other values stay float32.
+  those of them whose float32 values are all bfloat16 values (a bfloat16 checkpoint served in float32) kept in
+  their ``[*in, *out]`` order in bfloat16 instead, the norms before them unfolded, and a tied LM head gets a
+  bfloat16 ``[hidden, vocab]`` copy of the embedding table (the lookup keeps reading the float32 table).
+  ``ops.linear.dense`` multiplies float32 rows by them exactly, as three bfloat16 terms on the left of the
+  weight: half the bytes, and the CPU's bfloat16 GEMMs. Weights with other values stay float32, input-last.
 - The drafter's context K/V projection: every layer's K and V weights side by side, ``[embed,
   kv_heads, layers, 2, head_dim]``, one matmul per committed token for all layers (left to XLA,
   the per-layer matmuls were merged by copying their weights into one at every step). KV heads come
@@ -104,9 +105,9 @@ def serving_drafter(drafter: Drafter, *, input_last: bool = False, bfloat16_weig
 
 def store_input_last(module: nnx.Module, *, bfloat16_weights: bool = False) -> None:
     """On a serving copy: each of ``DENSE_WEIGHTS`` replaced by its transpose ``[*out, *in]`` (its
-    logical axes permuted alike), marked ``ops.linear.INPUT_LAST`` for ``dense``; with ``bfloat16_weights``,
-    in bfloat16 where its float32 values all are bfloat16 values (``ops.linear.exactly_bfloat16``). New
-    arrays: the checkpoint-layout module keeps its own."""
+    logical axes permuted alike), marked ``ops.linear.INPUT_LAST`` for ``dense``; with ``bfloat16_weights``, one
+    whose float32 values all are bfloat16 values (``ops.linear.exactly_bfloat16``) is kept in its order in bfloat16
+    instead. New arrays: the checkpoint-layout module keeps its own."""
     found = [(node, name, in_dims) for _, node in nnx.iter_graph(module) for cls, name, in_dims in DENSE_WEIGHTS
              if isinstance(node, cls) and isinstance(getattr(node, name, None), nnx.Param)]
     for node, name, in_dims in found:
