@@ -134,7 +134,8 @@ class EngineConfig:
     # kept in bfloat16, each float32 row multiplied by them as three exact bfloat16 products: float32 results
     # (up to the summation order, as another GEMM's), half the bytes, and the CPU's bfloat16 GEMMs
     # (``runtime.serving_params``). None: on where the CPU has bfloat16 matrix units (AMX-BF16), where the
-    # embedded pair's verify block ran ~2x faster and its decode token ~1.2x (docs/performance.md).
+    # embedded pair's block-16 DFlash step ran 1.4x faster, its target-only step 1.07x and a 96-token prefill
+    # 1.3x (docs/performance.md, "The embedded pair").
     cpu_bfloat16_weights: bool | None = None
 
     def validate(self) -> None:
@@ -243,10 +244,9 @@ def _serving_layout(config: EngineConfig, mesh: Mesh | None) -> dict:
     if mesh is not None and mesh.size > 1:
         return dict(input_last=False, attention_impl="xla")
     input_last = weight_major_gemms()
-    bfloat16_weights = config.cpu_bfloat16_weights
-    if bfloat16_weights is None:
-        bfloat16_weights = bfloat16_matrix_units()
-    return dict(input_last=input_last, bfloat16_weights=input_last and bfloat16_weights,
+    wanted = config.cpu_bfloat16_weights
+    bfloat16_weights = input_last and (bfloat16_matrix_units() if wanted is None else wanted)
+    return dict(input_last=input_last, bfloat16_weights=bfloat16_weights,
                 attention_impl=resolve_attention_impl(config.attention_impl))
 
 

@@ -112,12 +112,12 @@ def store_input_last(module: nnx.Module, *, bfloat16_weights: bool = False) -> N
              if isinstance(node, cls) and isinstance(getattr(node, name, None), nnx.Param)]
     for node, name, in_dims in found:
         w = getattr(node, name)
-        perm = tuple(range(in_dims, w.ndim)) + tuple(range(in_dims))
-        axes = w.get_metadata().get("axes")
-        metadata = {INPUT_LAST: True} if axes is None else {"axes": tuple(axes[i] for i in perm), INPUT_LAST: True}
         if bfloat16_weights and exactly_bfloat16(w[...]):  # ``ops.linear`` multiplies it rows on the left
             setattr(node, name, nnx.Param(w[...].astype(jnp.bfloat16), **w.get_metadata()))
             continue
+        perm = tuple(range(in_dims, w.ndim)) + tuple(range(in_dims))
+        axes = w.get_metadata().get("axes")
+        metadata = {INPUT_LAST: True} if axes is None else {"axes": tuple(axes[i] for i in perm), INPUT_LAST: True}
         setattr(node, name, nnx.Param(jnp.transpose(w[...], perm), **metadata))
 
 
